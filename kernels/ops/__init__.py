@@ -1,0 +1,1 @@
+"""Op families: norm, rope, activation, attention. Import the submodules directly."""

@@ -1,0 +1,101 @@
+"""Configuration: the model's (read from a Hugging Face config.json) and the engine's."""
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    torch_dtype: str = "bfloat16"
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{model_dir} has no config.json: pass a Hugging Face checkpoint directory")
+        raw = json.loads(path.read_text())
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"{path}: architectures {archs} not supported; tsdev serves {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if raw.get("rope_scaling"):
+            raise ValueError(f"{path}: rope_scaling {raw['rope_scaling']} is not supported yet")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads", "rms_norm_eps") if k not in raw]
+        if missing:
+            raise ValueError(f"{path} lacks {', '.join(missing)}")
+        eos = _read_eos(Path(model_dir), raw)
+        return cls(
+            architecture=arch,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=raw["num_attention_heads"],
+            num_key_value_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
+            rms_norm_eps=raw["rms_norm_eps"],
+            rope_theta=raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta", 1e6)),
+            max_position_embeddings=raw.get("max_position_embeddings", 32768),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype") or "bfloat16",
+            eos_token_ids=eos,
+        )
+
+
+def _read_eos(model_dir: Path, raw: dict) -> tuple[int, ...]:
+    gen = model_dir / "generation_config.json"
+    value = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
+    if value is None:
+        value = raw.get("eos_token_id")
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (value,)
+
+
+@dataclass
+class EngineConfig:
+    """What `tsdev serve` flags set. Rank and world size are here from the start for tensor parallelism."""
+
+    model: str
+    device: str = "cpu"
+    dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA, float32 on CPU
+    max_running: int = 64
+    max_batched_tokens: int = 2048  # per-step token budget; longer prompts are prefilled in chunks
+    max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings, capped at 8192
+    page_size: int = 16
+    kv_pages: int | None = None  # default: sized from free memory (CUDA) or max_running full contexts (CPU)
+    gpu_memory_utilization: float = 0.9
+    seed: int = 0
+    enable_prefix_caching: bool = True
+    rank: int = 0
+    world_size: int = 1
+    served_model_name: str | None = None
+
+    def torch_dtype(self, model_config: ModelConfig) -> torch.dtype:
+        name = self.dtype
+        if name == "auto":
+            name = model_config.torch_dtype if self.device.startswith("cuda") else "float32"
+        try:
+            return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+        except KeyError:
+            raise ValueError(f"dtype {name!r} not supported: use auto, bfloat16, float16 or float32") from None

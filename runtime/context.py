@@ -1,0 +1,36 @@
+"""Per-step batch metadata, set once by the model runner and read by the attention and logits layers.
+
+One object instead of threading these tensors through every forward (as nano-vllm does).
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Context:
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32: sequence i owns query rows cu[i]:cu[i+1]
+    seq_lens: torch.Tensor  # [B] int32: KV length of each sequence after this step
+    page_table: torch.Tensor  # [B, max_pages] int32
+    slot_mapping: torch.Tensor  # [T] int64, -1 for padding rows
+    logits_indices: torch.Tensor  # [S] int64: rows whose next token is sampled
+    max_q_len: int
+    max_seq_len: int
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_q_len == 1
+
+
+_context: Context | None = None
+
+
+def set_context(context: Context | None) -> None:
+    global _context
+    _context = context
+
+
+def get_context() -> Context:
+    if _context is None:
+        raise RuntimeError("no step context is set: layers that read it run only inside ModelRunner")
+    return _context

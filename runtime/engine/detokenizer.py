@@ -1,0 +1,40 @@
+"""Incremental detokenization and stop strings.
+
+Decoding only a short window of recent tokens keeps each step O(1), and waiting while the window
+ends in U+FFFD keeps multi-byte characters whole. Text that could still become a stop string is
+held back from the stream until it is clear.
+"""
+from tokenizers import Tokenizer
+
+
+class Detokenizer:
+    def __init__(self, tokenizer: Tokenizer, stop: list[str]):
+        self.tokenizer, self.stop = tokenizer, stop
+        self.ids: list[int] = []
+        self.prefix_offset = self.read_offset = 0
+        self.text = ""
+        self.sent = 0  # characters of text already handed out
+
+    def add(self, token_id: int) -> bool:
+        """Append a token; True if the text now contains a stop string (text is cut before it)."""
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.prefix_offset : self.read_offset])
+        now = decode(self.ids[self.prefix_offset :])
+        if len(now) <= len(before) or now.endswith("\ufffd"):
+            return False
+        checked_from = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
+        self.text += now[len(before) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        hits = [i for i in (self.text.find(s, checked_from) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            return True
+        return False
+
+    def delta(self, finished: bool) -> str:
+        """New text since the last call, minus a tail that may still turn into a stop string."""
+        hold = 0 if finished else max((len(s) - 1 for s in self.stop), default=0)
+        end = max(self.sent, len(self.text) - hold)
+        out, self.sent = self.text[self.sent : end], end
+        return out

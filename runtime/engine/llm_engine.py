@@ -1,0 +1,128 @@
+"""The engine: requests in, one scheduled step at a time, token and text deltas out."""
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from runtime.config import EngineConfig, ModelConfig
+from runtime.engine.block_manager import BlockManager
+from runtime.engine.detokenizer import Detokenizer
+from runtime.engine.model_runner import ModelRunner
+from runtime.engine.scheduler import Scheduler
+from runtime.engine.sequence import SamplingParams, Sequence, Status
+from runtime.weights.default_model import default_model_dir
+
+MAX_DEFAULT_MODEL_LEN = 8192
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_dir = Path(config.model) if config.model else default_model_dir(config.device)
+        if not self.model_dir.is_dir():
+            raise FileNotFoundError(f"model directory {self.model_dir} does not exist: pass a Hugging Face "
+                                    "checkpoint directory, or no model for the embedded default")
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        tokenizer_file = self.model_dir / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(f"{self.model_dir} has no tokenizer.json (a fast tokenizer is required)")
+        self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        self.max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
+        if self.max_model_len > self.model_config.max_position_embeddings:
+            raise ValueError(f"--max-model-len {self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {self.model_config.max_position_embeddings}")
+        self.runner = ModelRunner(config, self.model_config, self.model_dir, self.max_model_len)
+        self.block_manager = BlockManager(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_running, config.max_batched_tokens)
+        self.detokenizers: dict[Sequence, Detokenizer] = {}
+        self.eos = set(self.model_config.eos_token_ids)
+        self.num_generated_tokens = self.num_prompt_tokens = 0
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty: send at least one token")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; this server's context length "
+                             f"(--max-model-len) is {self.max_model_len}, which must leave room for one new token")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.model_config.vocab_size - 1})")
+        seq = Sequence(request_id, prompt_token_ids, params)
+        self.detokenizers[seq] = Detokenizer(self.tokenizer, params.stop)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.scheduler.find(request_id)
+        if seq is None:
+            return False
+        self._finish(seq, "abort")
+        del self.detokenizers[seq]
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        sampled = iter(self.runner.run(batch))
+        self.num_prompt_tokens += sum(n for s, n in zip(batch.seqs, batch.num_tokens) if s.num_computed_tokens < s.num_prompt_tokens)
+        outputs = []
+        sampling = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
+        self.scheduler.advance(batch)
+        for seq in sampling:
+            token = next(sampled)
+            seq.token_ids.append(token)
+            self.num_generated_tokens += 1
+            stopped = self.detokenizers[seq].add(token)
+            reason = self._finish_reason(seq, token, stopped)
+            if reason:
+                self._finish(seq, reason)
+            outputs.append(self._output(seq, [token]))
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token: int, stopped: bool) -> str | None:
+        if stopped or (token in self.eos and not seq.params.ignore_eos):
+            return "stop"
+        if seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        self.runner.release(seq)
+
+    def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+        detok = self.detokenizers[seq]
+        if seq.is_finished:
+            del self.detokenizers[seq]
+        return RequestOutput(seq.request_id, new_tokens, detok.delta(seq.is_finished), seq.is_finished,
+                             seq.finish_reason, seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[dict]:
+        """Offline: run prompts (token ids) to completion; returns token ids and text per prompt, in order."""
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        base = f"offline-{time.monotonic_ns()}-"
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            self.add_request(base + str(i), p, sp)
+        results = {base + str(i): {"token_ids": [], "text": ""} for i in range(len(prompts))}
+        while self.has_unfinished():
+            for out in self.step():
+                results[out.request_id]["token_ids"] += out.new_token_ids
+                results[out.request_id]["text"] += out.new_text
+                results[out.request_id]["finish_reason"] = out.finish_reason
+        return list(results.values())

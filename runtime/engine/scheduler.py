@@ -1,0 +1,98 @@
+"""Continuous batching with chunked prefill under a per-step token budget.
+
+Each step: running sequences first (decodes before unfinished prefills, oldest first), then waiting
+ones while budget, slots and pages last. Prefill chunks and decodes share one step. When pages run
+out, the newest running sequence is preempted: its pages are freed and it is recomputed later
+(its full pages usually come straight back from the prefix cache).
+"""
+from collections import deque
+from dataclasses import dataclass
+
+from runtime.engine.block_manager import BlockManager
+from runtime.engine.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_tokens: list[int]  # tokens computed for each sequence in this step
+
+    def samples(self, i: int) -> bool:
+        """Whether sequence i reaches its last token in this step, so its next token is sampled."""
+        seq = self.seqs[i]
+        return seq.num_computed_tokens + self.num_tokens[i] == len(seq)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_running: int, max_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_running, self.max_batched_tokens = max_running, max_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_batched_tokens
+        scheduled: dict[Sequence, int] = {}
+        for seq in sorted(self.running, key=lambda s: s.num_uncomputed > 1):
+            if seq.status is not Status.RUNNING or budget == 0:
+                continue
+            n = min(seq.num_uncomputed, budget)
+            while not self.block_manager.allocate(seq, n):
+                victim = self.running[-1]
+                budget += scheduled.pop(victim, 0)
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                scheduled[seq] = n
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            if not seq.pages:
+                self.block_manager.match_prefix(seq)
+            n = min(seq.num_uncomputed, budget)
+            if not self.block_manager.allocate(seq, n):
+                self.block_manager.free_pages(seq)
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            scheduled[seq] = n
+            budget -= n
+        return ScheduledBatch(list(scheduled), list(scheduled.values()))
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """Record that the batch's tokens are now in the KV cache."""
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.commit_full_pages(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        self.block_manager.free_pages(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+
+    def find(self, request_id: str) -> Sequence | None:
+        return next((s for s in (*self.running, *self.waiting) if s.request_id == request_id), None)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free_pages(seq)
+        self.running.remove(seq)
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)

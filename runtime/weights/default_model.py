@@ -1,0 +1,110 @@
+"""The embedded default model: a Qwen3-architecture checkpoint with random weights, made on first use.
+
+It lives in the user cache directory in the ordinary Hugging Face layout, so the same loader serves it
+and a real downloaded checkpoint. Small on CPU; the Qwen3-0.6B shape on CUDA so kernel timings are real.
+Nothing is fetched: the byte-level BPE tokenizer is trained on a text shipped with the package.
+"""
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+VERSION = 1
+
+SHAPES = {
+    "tiny": dict(vocab_size=1024, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                 torch_dtype="float32"),
+    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       max_position_embeddings=40960, torch_dtype="bfloat16"),
+}
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("TSDEV_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tsdev"
+    return Path(root)
+
+
+def default_model_dir(device: str) -> Path:
+    """The default checkpoint for this device, created (once, atomically) if it is not there yet."""
+    shape = "qwen3-0.6b" if device.startswith("cuda") else "tiny"
+    final = cache_dir() / f"default-{shape}-v{VERSION}"
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    try:
+        write_checkpoint(tmp, SHAPES[shape])
+        os.rename(tmp, final)
+    except OSError:
+        if not (final / "config.json").is_file():  # not a lost race with another process: a real failure
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def write_checkpoint(out: Path, shape: dict, seed: int = 0, std: float = 0.02) -> None:
+    """Write config, tokenizer and random weights for a Qwen3 model of `shape` into `out`."""
+    tokenizer = train_tokenizer(shape["vocab_size"])
+    tokenizer.save(str(out / "tokenizer.json"))
+    eos = [tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")]
+    config = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", attention_bias=False,
+                  hidden_act="silu", rms_norm_eps=1e-6, rope_theta=1_000_000.0, rope_scaling=None,
+                  tie_word_embeddings=True, bos_token_id=None, eos_token_id=eos[1], **shape)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}, indent=2))
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+         "model_max_length": shape["max_position_embeddings"], "tokenizer_class": "PreTrainedTokenizerFast"},
+        indent=2))
+    dtype = getattr(torch, shape["torch_dtype"])
+    save_file(random_weights(shape, seed, std, dtype), str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def random_weights(shape: dict, seed: int, std: float, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    h, i, d = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
+    q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
+
+    def normal(*size: int) -> torch.Tensor:
+        return (torch.randn(*size, generator=g) * std).to(dtype)
+
+    weights = {"model.embed_tokens.weight": normal(shape["vocab_size"], h), "model.norm.weight": torch.ones(h, dtype=dtype)}
+    for n in range(shape["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        weights |= {
+            p + "self_attn.q_proj.weight": normal(q, h), p + "self_attn.k_proj.weight": normal(kv, h),
+            p + "self_attn.v_proj.weight": normal(kv, h), p + "self_attn.o_proj.weight": normal(h, q),
+            p + "self_attn.q_norm.weight": torch.ones(d, dtype=dtype), p + "self_attn.k_norm.weight": torch.ones(d, dtype=dtype),
+            p + "mlp.gate_proj.weight": normal(i, h), p + "mlp.up_proj.weight": normal(i, h),
+            p + "mlp.down_proj.weight": normal(h, i),
+            p + "input_layernorm.weight": torch.ones(h, dtype=dtype),
+            p + "post_attention_layernorm.weight": torch.ones(h, dtype=dtype),
+        }
+    return weights
+
+
+def train_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=min(vocab_size, 4096), special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    corpus = (Path(__file__).parent / "corpus.txt").read_text()
+    tokenizer.train_from_iterator(corpus.splitlines(keepends=True), trainer)
+    return tokenizer
