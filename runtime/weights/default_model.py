@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
+CHATML = (  # also the chat template of checkpoints that have none
     "{%- for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{%- endfor %}"
@@ -67,7 +67,7 @@ def write_checkpoint(out: Path, shape: dict, seed: int = 0, std: float = 0.02) -
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}, indent=2))
     (out / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        {"chat_template": CHATML, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
          "model_max_length": shape["max_position_embeddings"], "tokenizer_class": "PreTrainedTokenizerFast"},
         indent=2))
     dtype = getattr(torch, shape["torch_dtype"])

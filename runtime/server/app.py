@@ -1,0 +1,241 @@
+"""The HTTP front: OpenAI-compatible routes over an AsyncEngine."""
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from runtime.engine.llm_engine import LLMEngine, RequestOutput
+from runtime.server.async_engine import AsyncEngine, EngineError
+from runtime.server.chat import ChatTemplate
+from runtime.server.metrics import EngineMetrics
+from runtime.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type = status, message, param, type_
+
+
+def error_response(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error"):
+    body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def build_app(engine: LLMEngine, served_model_name: str) -> FastAPI:
+    metrics = EngineMetrics(engine)
+    async_engine = AsyncEngine(engine, on_step=metrics.on_step)
+    chat_template = ChatTemplate(engine.model_dir)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await async_engine.start()
+        yield
+        await async_engine.stop()
+
+    app = FastAPI(title="tsdev runtime", lifespan=lifespan)
+    app.state.engine, app.state.async_engine = engine, async_engine
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return error_response(exc.status, exc.message, exc.param, exc.type)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, exc: RequestValidationError):
+        first = exc.errors()[0]
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        field = ".".join(p for p in loc if not p.isdigit() and p[:1].islower()) or None
+        message = first.get("msg", "invalid request").removeprefix("Value error, ")
+        if first.get("type") == "json_invalid":
+            message = f"the request body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})"
+        elif field:
+            message = f"{field}: {message}"
+        return error_response(400, message, field)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": created,
+                                            "owned_by": "tsdev", "max_model_len": engine.max_model_len}]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def check_model(body: SamplingRequest) -> None:
+        if body.model is not None and body.model != served_model_name:
+            raise APIError(404, f"model {body.model!r} does not exist: this server serves {served_model_name!r} "
+                                "(GET /v1/models)", "model", "NotFoundError")
+
+    def check_length(prompt_ids: list[int], max_tokens: int | None) -> int:
+        if not prompt_ids:
+            raise APIError(400, "the prompt is empty: send at least one token", "prompt")
+        limit = engine.max_model_len
+        if max_tokens is None:
+            max_tokens = limit - len(prompt_ids)
+        if len(prompt_ids) + max_tokens > limit:
+            raise APIError(400, f"this model's maximum context length is {limit} tokens, but {len(prompt_ids)} "
+                                f"prompt tokens + {max_tokens} max_tokens were requested: shorten the prompt or "
+                                "lower max_tokens", "max_tokens" if len(prompt_ids) < limit else "prompt")
+        bad = next((t for t in prompt_ids if not 0 <= t < engine.model_config.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary (0..{engine.model_config.vocab_size - 1})", "prompt")
+        return max_tokens
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body)
+        prompts = body.prompt
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise APIError(400, "the prompt is empty: send at least one token", "prompt")
+        token_lists = [engine.tokenizer.encode(p).ids if isinstance(p, str) else list(p) for p in prompts]
+        max_tokens = body.max_tokens or 16
+        params = [body.sampling_params(check_length(ids, max_tokens)) for ids in token_lists]
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = [async_engine.generate(f"{request_id}-{i}", ids, p) for i, (ids, p) in enumerate(zip(token_lists, params))]
+
+        def chunk(index: int, out: RequestOutput) -> dict:
+            return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": served_model_name,
+                    "choices": [{"index": index, "text": out.new_text, "logprobs": None, "finish_reason": out.finish_reason}]}
+
+        if body.stream:
+            return sse(streams, chunk, body.include_usage, request_id, "text_completion")
+        results = await collect(streams, request)
+        return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": served_model_name,
+                "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+                            for i, (text, reason, _) in enumerate(results)],
+                "usage": usage([r[2] for r in results])}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body)
+        try:
+            text = chat_template.render([{"role": m.role, "content": m.text()} for m in body.messages])
+        except Exception as exc:
+            raise APIError(400, f"the chat template failed on these messages: {exc}", "messages") from exc
+        ids = engine.tokenizer.encode(text, add_special_tokens=False).ids
+        params = body.sampling_params(check_length(ids, body.max_completion_tokens or body.max_tokens))
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = [async_engine.generate(request_id, ids, params)]
+        first = True
+
+        def chunk(index: int, out: RequestOutput) -> dict:
+            nonlocal first
+            delta = {"role": "assistant", "content": out.new_text} if first else {"content": out.new_text}
+            first = False
+            return {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
+                    "model": served_model_name,
+                    "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": out.finish_reason}]}
+
+        if body.stream:
+            return sse(streams, chunk, body.include_usage, request_id, "chat.completion.chunk")
+        (content, reason, last), = await collect(streams, request)
+        return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": served_model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
+                             "finish_reason": reason}],
+                "usage": usage([last])}
+
+    def sse(streams, chunk, include_usage: bool, request_id: str, object_name: str) -> StreamingResponse:
+        async def events() -> AsyncIterator[str]:
+            finals = []
+            try:
+                async for index, out in merge(streams):
+                    body = chunk(index, out)
+                    if include_usage:
+                        body["usage"] = None
+                    yield f"data: {json.dumps(body)}\n\n"
+                    if out.finished:
+                        finals.append(out)
+                if include_usage:
+                    final = {"id": request_id, "object": object_name, "created": int(time.time()),
+                             "model": served_model_name, "choices": [], "usage": usage(finals)}
+                    yield f"data: {json.dumps(final)}\n\n"
+            except (EngineError, ValueError) as exc:
+                yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'server_error', 'code': 500}})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def collect(streams, request: Request) -> list[tuple[str, str, RequestOutput]]:
+        """Run streams to the end; abort them if the client goes away first."""
+        async def run():
+            texts = [""] * len(streams)
+            finals: list = [None] * len(streams)
+            async for index, out in merge(streams):
+                texts[index] += out.new_text
+                if out.finished:
+                    finals[index] = out
+            return [(t, f.finish_reason, f) for t, f in zip(texts, finals)]
+
+        task = asyncio.create_task(run())
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.5)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                return Response(status_code=499)
+        try:
+            return task.result()
+        except EngineError as exc:
+            raise APIError(500, str(exc), type_="server_error") from exc
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+
+    return app
+
+
+def usage(finals: list[RequestOutput]) -> dict:
+    prompt = sum(f.num_prompt_tokens for f in finals)
+    completion = sum(f.num_output_tokens for f in finals)
+    cached = sum(f.num_cached_tokens for f in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+async def merge(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several output streams as items arrive, tagging each with its stream's index."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as stream:
+            async for out in stream:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream) -> None:
+        try:
+            async with aclosing(stream):
+                async for out in stream:
+                    await queue.put((index, out))
+        except Exception as exc:
+            await queue.put((index, exc))
+        finally:
+            await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

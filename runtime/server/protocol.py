@@ -1,0 +1,66 @@
+"""OpenAI request bodies, validated by pydantic. Unknown fields are ignored, as OpenAI servers do."""
+from typing import Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+from runtime.engine.sequence import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
+    logprobs: bool | int | None = None
+
+    @model_validator(mode="after")
+    def _supported(self):
+        if self.logprobs not in (None, False):
+            raise ValueError("logprobs are not supported by this server")
+        return self
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_k=self.top_k,
+                              top_p=self.top_p, seed=self.seed, stop=[s for s in stop if s],
+                              ignore_eos=self.ignore_eos)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: Literal[False] = False
+
+
+class ContentPart(BaseModel):
+    type: str = "text"
+    text: str = ""
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content if part.type == "text")
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)

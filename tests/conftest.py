@@ -1,0 +1,34 @@
+import os
+from pathlib import Path
+
+import pytest
+
+# Tests never write into the user's real cache directory.
+os.environ.setdefault("TSDEV_CACHE_DIR", str(Path(__file__).parent.parent / ".pytest_cache" / "tsdev-cache"))
+
+TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, torch_dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen3 checkpoint whose random weights give varied (not repetitive) greedy output."""
+    from runtime.weights.default_model import write_checkpoint
+
+    out = tmp_path_factory.mktemp("tiny-qwen3")
+    write_checkpoint(out, TINY, seed=1, std=0.2)
+    return out
+
+
+@pytest.fixture
+def make_engine(tiny_model_dir):
+    """Engine on the tiny checkpoint with small pages (4 tokens) so sequences span many pages."""
+    from runtime.config import EngineConfig
+    from runtime.engine.llm_engine import LLMEngine
+
+    def make(**overrides):
+        kwargs = dict(model=str(tiny_model_dir), device="cpu", page_size=4, max_batched_tokens=256,
+                      max_running=16, kv_pages=512)
+        return LLMEngine(EngineConfig(**{**kwargs, **overrides}))
+
+    return make

@@ -1,0 +1,84 @@
+"""The `tsdev` command line."""
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer(
+    help="Edit a Triton kernel or a layer, save, and see the effect on a running LLM server in about a second.",
+    no_args_is_help=True,
+    rich_markup_mode="rich",
+    pretty_exceptions_enable=False,
+)
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@app.command()
+def serve(
+    model: Annotated[Optional[str], typer.Argument(help="Hugging Face checkpoint directory (Qwen3). "
+                                                        "Omit it to serve the embedded default model.")] = None,
+    model_opt: Annotated[Optional[str], typer.Option("--model", help="Same as the MODEL argument.")] = None,
+    device: Annotated[Optional[str], typer.Option(help="cuda or cpu; default: cuda when a GPU is visible.")] = None,
+    host: Annotated[str, typer.Option(help="Address to bind. The default keeps the server private to this machine.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port for the HTTP API.")] = 8000,
+    max_running: Annotated[int, typer.Option(help="Most requests computed at once (the batch size).")] = 64,
+    max_batched_tokens: Annotated[int, typer.Option(help="Token budget per engine step; longer prompts are prefilled in chunks of this size.")] = 2048,
+    kv_pages: Annotated[Optional[int], typer.Option(help="Pages in the KV pool; default: fit the free GPU memory "
+                                                         "(or max-running full contexts on CPU).")] = None,
+    page_size: Annotated[int, typer.Option(help="Tokens per KV page.")] = 16,
+    max_model_len: Annotated[Optional[int], typer.Option(help="Longest prompt + completion, in tokens; default: "
+                                                              "the model's, capped at 8192.")] = None,
+    dtype: Annotated[str, typer.Option(help="auto (checkpoint dtype on CUDA, float32 on CPU), bfloat16, float16, float32.")] = "auto",
+    gpu_memory_utilization: Annotated[float, typer.Option(help="Fraction of GPU memory the server may use in all.")] = 0.9,
+    no_prefix_caching: Annotated[bool, typer.Option("--no-prefix-caching", help="Do not share KV pages between requests with a common prefix.")] = False,
+    served_model_name: Annotated[Optional[str], typer.Option(help="Model name in the API; default: the checkpoint directory's name.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed for the weights of nothing but sampling of unseeded requests.")] = 0,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level (warning shows errors only).")] = "warning",
+):
+    """Serve a Qwen3 model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
+    import time
+
+    import uvicorn
+    from rich.console import Console
+
+    from runtime.config import EngineConfig
+    from runtime.engine.llm_engine import LLMEngine
+    from runtime.server.app import build_app
+
+    console = Console(stderr=True)
+    if model and model_opt and model != model_opt:
+        raise typer.BadParameter(f"MODEL {model!r} and --model {model_opt!r} disagree: give one")
+    config = EngineConfig(
+        model=model or model_opt, device=device or _default_device(), dtype=dtype, max_running=max_running,
+        max_batched_tokens=max_batched_tokens, max_model_len=max_model_len, page_size=page_size, kv_pages=kv_pages,
+        gpu_memory_utilization=gpu_memory_utilization, seed=seed, enable_prefix_caching=not no_prefix_caching,
+    )
+    start = time.perf_counter()
+    with console.status("loading the model (the first run creates the default checkpoint)..."):
+        try:
+            engine = LLMEngine(config)
+        except (FileNotFoundError, ValueError) as exc:
+            console.print(f"[red]error:[/red] {exc}")
+            raise typer.Exit(2) from None
+    name = served_model_name or ("tsdev-default" if config.model is None else Path(config.model).name)
+    mc, bm = engine.model_config, engine.block_manager
+    params = sum(p.numel() for p in engine.runner.model.parameters())
+    console.print(
+        f"loaded [bold]{name}[/bold] ({mc.architecture}, {params / 1e6:.1f} M parameters, "
+        f"{str(engine.runner.dtype).removeprefix('torch.')}) from {engine.model_dir} on {config.device} "
+        f"in {time.perf_counter() - start:.1f} s\n"
+        f"KV pool: {bm.num_pages} pages x {bm.page_size} tokens; context length {engine.max_model_len}; "
+        f"up to {config.max_running} requests at once\n"
+        f"listening on [bold]http://{host}:{port}[/bold] (OpenAI API under /v1)"
+    )
+    uvicorn.run(build_app(engine, name), host=host, port=port, log_level=log_level)
+
+
+@app.callback()
+def main() -> None:
+    """tsdev: serve, and (soon) hot-reload the forward pass of, an LLM while you edit its kernels."""
