@@ -50,7 +50,7 @@ def serve(
     from runtime.engine.llm_engine import LLMEngine
     from runtime.server.app import build_app
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)
     if model and model_opt and model != model_opt:
         raise typer.BadParameter(f"MODEL {model!r} and --model {model_opt!r} disagree: give one")
     config = EngineConfig(

@@ -20,6 +20,10 @@ class EngineMetrics:
                                        "Generated tokens per second over the last few seconds", registry=r)
         self.step_seconds = Histogram("tsdev_step_seconds", "Engine step time", registry=r,
                                       buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
+        # Read at scrape time, so they are right even while the engine is idle.
+        self.running.set_function(lambda: len(engine.scheduler.running))
+        self.waiting.set_function(lambda: len(engine.scheduler.waiting))
+        self.kv_pages_used.set_function(lambda: engine.block_manager.num_used_pages)
         self.kv_pages_total.set(engine.block_manager.num_pages)
         self._window_start, self._window_tokens = time.monotonic(), 0
         self._seen_prompt = self._seen_generated = 0
@@ -27,9 +31,6 @@ class EngineMetrics:
     def on_step(self, seconds: float, outputs) -> None:
         e = self.engine
         self.step_seconds.observe(seconds)
-        self.running.set(len(e.scheduler.running))
-        self.waiting.set(len(e.scheduler.waiting))
-        self.kv_pages_used.set(e.block_manager.num_used_pages)
         self.prompt_tokens.inc(e.num_prompt_tokens - self._seen_prompt)
         generated = e.num_generated_tokens - self._seen_generated
         self.generation_tokens.inc(generated)

@@ -1,0 +1,98 @@
+"""Checkpoint loading: the default model, sharded checkpoints, and errors that say what is wrong."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from runtime.config import EngineConfig
+from runtime.engine.llm_engine import LLMEngine
+from runtime.engine.sequence import SamplingParams
+from runtime.weights import default_model
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def test_default_checkpoint_is_created_once_and_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("TSDEV_CACHE_DIR", str(tmp_path))
+    first = default_model.default_model_dir("cpu")
+    assert {p.name for p in first.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json",
+                                                  "generation_config.json", "tokenizer_config.json"}
+    stamp = os.stat(first / "model.safetensors").st_mtime_ns
+    writes = []
+    monkeypatch.setattr(default_model, "write_checkpoint", lambda *a, **k: writes.append(a))
+    assert default_model.default_model_dir("cpu") == first
+    assert writes == [] and os.stat(first / "model.safetensors").st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temp dirs left behind
+    engine = LLMEngine(EngineConfig(model=None, device="cpu", kv_pages=256))
+    assert engine.model_dir == first
+    assert engine.model_config.hidden_size == default_model.SHAPES["tiny"]["hidden_size"]
+
+
+def test_cuda_default_has_the_qwen3_0_6b_shape():
+    shape = default_model.SHAPES["qwen3-0.6b"]
+    assert (shape["num_hidden_layers"], shape["hidden_size"], shape["num_attention_heads"],
+            shape["num_key_value_heads"], shape["head_dim"], shape["vocab_size"]) == (28, 1024, 16, 8, 128, 151936)
+
+
+def test_sharded_checkpoint_gives_the_same_tokens(tiny_model_dir, tmp_path):
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    expected = LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_pages=64)).generate([prompt], GREEDY)
+    for name in os.listdir(tiny_model_dir):
+        if name != "model.safetensors":
+            shutil.copy(tiny_model_dir / name, tmp_path / name)
+    tensors = load_file(tiny_model_dir / "model.safetensors")
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, tmp_path / file)
+    weight_map = {k: file for file, keys in shards.items() for k in keys}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    got = LLMEngine(EngineConfig(model=str(tmp_path), kv_pages=64)).generate([prompt], GREEDY)
+    assert got[0]["token_ids"] == expected[0]["token_ids"]
+
+
+def copy_checkpoint(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize("breakage, message", [
+    ("no-config", "has no config.json"),
+    ("no-weights", "neither model.safetensors"),
+    ("arch", "not supported"),
+    ("missing-tensor", "lacks 1 tensor"),
+    ("extra-tensor", "does not use"),
+    ("bad-shape", "has shape"),
+    ("no-tokenizer", "no tokenizer.json"),
+])
+def test_broken_checkpoints_fail_with_a_clear_message(tiny_model_dir, tmp_path, breakage, message):
+    ckpt = copy_checkpoint(tiny_model_dir, tmp_path / "ckpt")
+    weights = ckpt / "model.safetensors"
+    if breakage == "no-config":
+        (ckpt / "config.json").unlink()
+    elif breakage == "no-weights":
+        weights.unlink()
+    elif breakage == "no-tokenizer":
+        (ckpt / "tokenizer.json").unlink()
+    elif breakage == "arch":
+        config = json.loads((ckpt / "config.json").read_text())
+        (ckpt / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"]}))
+    else:
+        tensors = load_file(weights)
+        if breakage == "missing-tensor":
+            del tensors["model.layers.1.mlp.up_proj.weight"]
+        elif breakage == "extra-tensor":
+            tensors["model.layers.9.mlp.up_proj.weight"] = torch.zeros(2)
+        else:
+            tensors["model.norm.weight"] = torch.ones(3)
+        save_file(tensors, weights)
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        LLMEngine(EngineConfig(model=str(ckpt), kv_pages=64))
+
+
+def test_missing_model_directory_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LLMEngine(EngineConfig(model=str(tmp_path / "nope")))

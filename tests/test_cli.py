@@ -1,0 +1,17 @@
+from typer.testing import CliRunner
+
+from tsdev.cli import app
+
+
+def test_serve_help_explains_the_flags():
+    result = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    for flag in ("--device", "--host", "--port", "--max-running", "--kv-pages", "--max-model-len", "--page-size"):
+        assert flag in result.output
+    assert "127.0.0.1" in result.output
+
+
+def test_serve_reports_a_bad_model_dir_and_exits_2(tmp_path):
+    result = CliRunner().invoke(app, ["serve", str(tmp_path), "--device", "cpu"])
+    assert result.exit_code == 2
+    assert "no config.json" in result.output

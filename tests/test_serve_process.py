@@ -1,0 +1,107 @@
+"""`tsdev serve` as a user runs it: a subprocess, driven by the official openai client and raw httpx."""
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    log = log_path.open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tsdev", "serve", str(tiny_model_dir), "--port", str(port), "--device", "cpu",
+         "--max-model-len", "1024", "--served-model-name", "tiny"],
+        stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"tsdev serve exited early:\n{log_path.read_text()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail("tsdev serve did not become healthy within 60 s")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=20)
+    print(log_path.read_text())
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused")
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    return next(float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def test_openai_completions(client):
+    r = client.completions.create(model="tiny", prompt="Hello", max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 6
+    chunks = list(client.completions.create(model="tiny", prompt="Hello", max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 6
+
+
+def test_openai_chat(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story"}]
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens == 5
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == r.choices[0].message.content
+
+
+def test_openai_client_sees_errors(client):
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model="tiny", prompt="hi", max_tokens=0)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi")
+
+
+def wait_until_idle(url: str) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if metric(url, "tsdev_requests_running") == 0 and metric(url, "tsdev_kv_pages_used") == 0:
+            return
+        time.sleep(0.1)
+    pytest.fail("the disconnected request still holds pages")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts_and_frees_pages(server, stream):
+    body = {"prompt": [1, 2, 3], "max_tokens": 1000, "ignore_eos": True, "stream": stream}
+    generated_before = metric(server, "tsdev_generation_tokens_total")
+    if stream:
+        with httpx.stream("POST", server + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()  # keep it referenced: dropping it would close the connection now
+            next(lines)
+            assert metric(server, "tsdev_kv_pages_used") > 0
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server + "/v1/completions", json=body, timeout=0.5)
+    wait_until_idle(server)
+    assert metric(server, "tsdev_generation_tokens_total") - generated_before < 900  # stopped early, not finished

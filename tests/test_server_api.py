@@ -1,0 +1,105 @@
+"""HTTP API in-process: response shapes, streaming, and errors for bad input."""
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from runtime.server.app import build_app
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model_dir):
+    from runtime.config import EngineConfig
+    from runtime.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", max_model_len=128, kv_pages=256))
+    with TestClient(build_app(engine, "tiny")) as c:
+        yield c
+
+
+def sse_events(response) -> list:
+    lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+
+
+def test_completion_reports_text_and_usage(client):
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "Hello, world", "max_tokens": 5,
+                                             "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 5 and body["usage"]["prompt_tokens"] > 0
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 5
+
+
+def test_token_id_prompts_and_several_prompts(client):
+    r = client.post("/v1/completions", json={"prompt": [[1, 2, 3], [4, 5]], "max_tokens": 3, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert body["usage"]["prompt_tokens"] == 5 and body["usage"]["completion_tokens"] == 6
+
+
+def test_streamed_text_equals_unstreamed_and_ends_with_usage(client):
+    req = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    whole = client.post("/v1/completions", json=req).json()["choices"][0]["text"]
+    with client.stream("POST", "/v1/completions", json={**req, "stream": True,
+                                                         "stream_options": {"include_usage": True}}) as r:
+        events = sse_events(r)
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == whole
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 12
+
+
+def test_chat_streaming_starts_with_the_role(client):
+    with client.stream("POST", "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True, "ignore_eos": True}) as r:
+        events = sse_events(r)
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert r.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": "many"}, 400, "valid integer"),
+    ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ({"max_tokens": 3}, 400, "prompt"),
+    ({"prompt": ""}, 400, "empty"),
+    ({"prompt": []}, 400, "empty"),
+    ({"prompt": "hi", "model": "gpt-9"}, 404, "does not exist"),
+    ({"prompt": "word " * 200}, 400, "maximum context length is 128"),
+    ({"prompt": "hi", "max_tokens": 500}, 400, "maximum context length"),
+    ({"prompt": [5, 99999]}, 400, "outside the vocabulary"),
+    ({"prompt": "hi", "n": 2}, 400, "n:"),
+    ({"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+])
+def test_bad_completion_requests_are_refused_with_a_reason(client, body, status, needle):
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert needle in error["message"] and error["code"] == status
+
+
+def test_malformed_json_is_refused(client):
+    r = client.post("/v1/completions", content=b'{"prompt": "hi",', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+
+
+def test_chat_without_messages_is_refused(client):
+    r = client.post("/v1/chat/completions", json={"messages": []})
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+
+
+def test_models_health_and_metrics(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
+    client.post("/v1/completions", json={"prompt": "metrics", "max_tokens": 2})
+    text = client.get("/metrics").text
+    for name in ("tsdev_requests_running", "tsdev_requests_waiting", "tsdev_kv_pages_used",
+                 "tsdev_generation_tokens_per_second", "tsdev_step_seconds_bucket"):
+        assert name in text
+    generated = next(float(line.split()[1]) for line in text.splitlines() if line.startswith("tsdev_generation_tokens_total"))
+    assert generated >= 2

@@ -1,0 +1,3 @@
+from tsdev.cli import app
+
+app(prog_name="tsdev")
