@@ -1,0 +1,25 @@
+# Developer recipes. `just --list` shows them; each is one plain command you can also type yourself.
+
+# install tsdev with the test tools (CPU torch on machines without a GPU)
+setup:
+    python3 -m pip install torch==2.13.0 -e ".[dev]"
+
+# the CPU test suite (what CI runs)
+test *ARGS:
+    python3 -m pytest -q {{ARGS}}
+
+# serve the embedded default model (or MODEL) on 127.0.0.1:8000
+serve *ARGS:
+    tsdev serve {{ARGS}}
+
+# offline throughput of the engine on the default model
+bench *ARGS:
+    python3 benchmarks/offline_throughput.py {{ARGS}}
+
+# fetch the wheels and .deb files the H200 machine lacks into .whl/ and .debs/ (git-ignored; carry them)
+device-prep:
+    bash scripts/device-prep.sh
+
+# on the H200 machine (after `source scripts/device-setup.sh`): the GPU tests
+device-test *ARGS:
+    python3 -m pytest -q -m gpu {{ARGS}}
