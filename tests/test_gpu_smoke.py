@@ -1,0 +1,28 @@
+"""The runtime on CUDA (run on the H200: `pytest -m gpu`)."""
+import pytest
+import torch
+
+from runtime.config import EngineConfig
+from runtime.engine.llm_engine import LLMEngine
+from runtime.engine.sequence import SamplingParams
+
+pytestmark = pytest.mark.gpu
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+PROMPTS = [[5, 17, 300, 42, 9, 77, 123, 4, 8, 15, 16, 23, 42, 99, 512, 7, 3], [200, 201, 202], list(range(100, 141))]
+
+
+def test_cuda_float32_gives_the_cpu_tokens(tiny_model_dir):
+    cpu = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", kv_pages=256)).generate(PROMPTS, GREEDY)
+    cuda = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cuda", dtype="float32", kv_pages=256))
+    assert [r["token_ids"] for r in cuda.generate(PROMPTS, GREEDY)] == [r["token_ids"] for r in cpu]
+
+
+def test_default_model_on_cuda_has_the_qwen3_0_6b_shape_and_generates():
+    engine = LLMEngine(EngineConfig(model=None, device="cuda", max_running=8, max_model_len=2048))
+    c = engine.model_config
+    assert (c.num_hidden_layers, c.hidden_size, c.vocab_size) == (28, 1024, 151936)
+    assert engine.runner.dtype == torch.bfloat16
+    out = engine.generate(PROMPTS, [GREEDY, SamplingParams(max_tokens=16, temperature=0.7, seed=3, ignore_eos=True), GREEDY])
+    assert [len(r["token_ids"]) for r in out] == [16, 16, 16]
+    again = engine.generate(PROMPTS[:1], GREEDY)
+    assert again[0]["token_ids"] == out[0]["token_ids"]
