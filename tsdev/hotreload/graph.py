@@ -41,11 +41,16 @@ def static_providers(tree: ast.Module, code: types.CodeType, name: str, is_packa
 
 
 def runtime_providers(module: types.ModuleType, known: set[str]) -> set[str]:
-    """Tracked modules whose modules, functions or classes this namespace holds."""
+    """Tracked modules whose modules, functions or classes this namespace holds.
+
+    A package's submodule attributes are skipped: the import system sets them,
+    the package's code does not use them (its imports are seen statically).
+    """
     found = set()
-    for value in list(vars(module).values()):
+    for key, value in list(vars(module).items()):
         if isinstance(value, types.ModuleType):
-            found.add(value.__name__)
+            if value.__name__ != f"{module.__name__}.{key}":
+                found.add(value.__name__)
         elif isinstance(value, (type, types.FunctionType)):
             found.add(getattr(value, "__module__", None))
     found.discard(module.__name__)

@@ -274,7 +274,7 @@ class Patcher:
         for entry, obj in zip(self.stale, self._stale_objects):
             refs = []
             for ref in gc.get_referrers(obj):
-                if id(ref) in ignore_ids or isinstance(ref, types.FrameType):
+                if id(ref) in ignore_ids or isinstance(ref, types.FrameType) or ref == (obj,):  # (obj,): our call's args
                     continue
                 refs.append(_describe_referrer(ref, obj, names))
             entry["referrers"] = sorted(set(refs))[:10]

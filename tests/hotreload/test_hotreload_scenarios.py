@@ -1,0 +1,608 @@
+"""The edit scenarios of issue 3: each edits a throwaway package and checks, through
+references taken *before* the reload, that the new code runs (or that the report says why not)."""
+import inspect
+import json
+
+
+def test_function_body(pkg):
+    pkg.write("a", "def f():\n    return 1\n")
+    f = pkg.mod("a").f
+    r = pkg.reloader()
+    pkg.edit("a", "def f():\n    return 2\n")
+    report = pkg.reload(r)
+    assert f() == 2 and pkg.mod("a").f is f
+    assert report.reloaded == pkg.full("a") and report.patched >= 1
+
+
+def test_method_body_with_live_instances(pkg):
+    pkg.write("a", """
+        class Counter:
+            def __init__(self):
+                self.n = 5
+            def bump(self):
+                self.n += 1
+                return self.n
+    """)
+    Counter = pkg.mod("a").Counter
+    c = Counter()
+    r = pkg.reloader()
+    pkg.edit("a", """
+        class Counter:
+            def __init__(self):
+                self.n = 5
+            def bump(self):
+                self.n += 10
+                return self.n
+    """)
+    pkg.reload(r)
+    assert c.bump() == 15  # state kept, new code
+    assert isinstance(c, pkg.mod("a").Counter) and pkg.mod("a").Counter is Counter
+
+
+def test_from_import_copies_and_registry(pkg):
+    pkg.write("a", "def f():\n    return 'old'\n")
+    pkg.write("b", "from .a import f\nREGISTRY = {'f': f}\n")
+    f_copy = pkg.mod("b").f
+    registry = pkg.mod("b").REGISTRY
+    r = pkg.reloader()
+    pkg.edit("a", "def f():\n    return 'new'\n")
+    report = pkg.reload(r)
+    assert report.dependents == pkg.full("b")
+    assert f_copy() == "new" and registry["f"]() == "new"
+    assert pkg.mod("b").REGISTRY["f"] is f_copy  # the rebuilt registry holds the live object
+
+
+def test_bound_method_stored_before_reload(pkg):
+    pkg.write("a", """
+        class Layer:
+            def forward(self, x):
+                return x + 1
+        layer = Layer()
+        HOOK = layer.forward
+    """)
+    hook = pkg.mod("a").HOOK
+    r = pkg.reloader()
+    pkg.edit("a", """
+        class Layer:
+            def forward(self, x):
+                return x * 100
+        layer = Layer()
+        HOOK = layer.forward
+    """)
+    pkg.reload(r)
+    assert hook(2) == 200
+
+
+def test_closure_value_changed(pkg):
+    pkg.write("a", """
+        def make(k):
+            def scale(x):
+                return x * k
+            return scale
+        scale = make(2)
+    """)
+    scale = pkg.mod("a").scale
+    r = pkg.reloader()
+    pkg.edit("a", """
+        def make(k):
+            def scale(x):
+                return x * k
+            return scale
+        scale = make(3)
+    """)
+    pkg.reload(r)
+    assert scale(2) == 6
+
+
+def test_closure_shape_changed_is_redirected(pkg):
+    pkg.write("a", """
+        def make(k):
+            def scale(x):
+                return x * k
+            return scale
+        scale = make(2)
+    """)
+    scale = pkg.mod("a").scale
+    r = pkg.reloader()
+    pkg.edit("a", """
+        def make(k, bias=1):
+            def scale(x):
+                return x * k + bias
+            return scale
+        scale = make(2)
+    """)
+    report = pkg.reload(r)
+    assert scale(2) == 5 and not report.stale
+    assert list(inspect.signature(scale).parameters) == ["x"]  # redirect keeps a useful signature
+
+
+def test_super_added(pkg):
+    pkg.write("a", """
+        class Base:
+            def f(self):
+                return 1
+        class Child(Base):
+            def f(self):
+                return 10
+    """)
+    child = pkg.mod("a").Child()
+    f = child.f
+    r = pkg.reloader()
+    pkg.edit("a", """
+        class Base:
+            def f(self):
+                return 1
+        class Child(Base):
+            def f(self):
+                return super().f() + 100
+    """)
+    pkg.reload(r)
+    assert child.f() == 101 and f() == 101
+
+
+def test_decorator_added(pkg):
+    pkg.write("deco", """
+        import functools
+        def twice(fn):
+            @functools.wraps(fn)
+            def wrapper(*a):
+                return 2 * fn(*a)
+            return wrapper
+    """)
+    pkg.write("a", "from .deco import twice\ndef f(x):\n    return x\n")
+    f = pkg.mod("a").f
+    r = pkg.reloader()
+    pkg.edit("a", "from .deco import twice\n@twice\ndef f(x):\n    return x + 1\n")
+    pkg.reload(r)
+    assert f(1) == 4
+
+
+def test_decorator_removed(pkg):
+    pkg.write("deco", """
+        import functools
+        def twice(fn):
+            @functools.wraps(fn)
+            def wrapper(*a):
+                return 2 * fn(*a)
+            return wrapper
+    """)
+    pkg.write("a", "from .deco import twice\n@twice\ndef f(x):\n    return x\n")
+    f = pkg.mod("a").f
+    assert f(3) == 6
+    r = pkg.reloader()
+    pkg.edit("a", "def f(x):\n    return x - 1\n")
+    pkg.reload(r)
+    assert f(3) == 2
+
+
+def test_decorator_changed(pkg):
+    pkg.write("deco", """
+        import functools
+        def times(k):
+            def deco(fn):
+                @functools.wraps(fn)
+                def wrapper(*a):
+                    return k * fn(*a)
+                return wrapper
+            return deco
+        def plus(k):
+            def deco(fn):
+                def wrapper(*a):
+                    return k + fn(*a)
+                return wrapper
+            return deco
+    """)
+    pkg.write("a", "from .deco import times, plus\n@times(2)\ndef f(x):\n    return x\n@times(2)\ndef g(x):\n    return x\n")
+    f, g = pkg.mod("a").f, pkg.mod("a").g
+    r = pkg.reloader()
+    pkg.edit("a", "from .deco import times, plus\n@times(5)\ndef f(x):\n    return x\n@plus(5)\ndef g(x):\n    return x\n")
+    pkg.reload(r)
+    assert f(1) == 5  # same decorator, new argument: patched in place
+    assert g(1) == 6  # another decorator: redirected
+
+
+def test_method_added(pkg):
+    pkg.write("a", "class A:\n    def f(self):\n        return 1\n")
+    a = pkg.mod("a").A()
+    r = pkg.reloader()
+    pkg.edit("a", "class A:\n    def f(self):\n        return self.g()\n    def g(self):\n        return 7\n")
+    pkg.reload(r)
+    assert a.g() == 7 and a.f() == 7
+
+
+def test_method_deleted_falls_back_to_base(pkg):
+    pkg.write("a", """
+        class Base:
+            def f(self):
+                return "base"
+        class Child(Base):
+            def f(self):
+                return "child"
+            def extra(self):
+                return 1
+    """)
+    c = pkg.mod("a").Child()
+    r = pkg.reloader()
+    pkg.edit("a", """
+        class Base:
+            def f(self):
+                return "base"
+        class Child(Base):
+            pass
+    """)
+    pkg.reload(r)
+    assert c.f() == "base" and not hasattr(c, "extra")
+
+
+def test_property_body(pkg):
+    pkg.write("a", "class A:\n    @property\n    def v(self):\n        return 1\n")
+    a = pkg.mod("a").A()
+    r = pkg.reloader()
+    pkg.edit("a", "class A:\n    @property\n    def v(self):\n        return 2\n    @v.setter\n    def v(self, x):\n        self.x = x\n")
+    pkg.reload(r)
+    assert a.v == 2
+    a.v = 9
+    assert a.x == 9
+
+
+def test_classmethod_and_staticmethod(pkg):
+    pkg.write("a", """
+        class A:
+            @classmethod
+            def make(cls):
+                return (cls.__name__, 1)
+            @staticmethod
+            def size():
+                return 1
+    """)
+    A = pkg.mod("a").A
+    make, size = A.make, A.size
+    r = pkg.reloader()
+    pkg.edit("a", """
+        class A:
+            @classmethod
+            def make(cls):
+                return (cls.__name__, 2)
+            @staticmethod
+            def size():
+                return 2
+    """)
+    pkg.reload(r)
+    assert make() == ("A", 2) and size() == 2 and A.make() == ("A", 2) and A.size() == 2
+
+
+def test_base_class_changed(pkg):
+    pkg.write("a", """
+        class Relu:
+            def act(self, x):
+                return max(x, 0)
+        class Identity:
+            def act(self, x):
+                return x
+        class Layer(Relu):
+            pass
+    """)
+    m = pkg.mod("a")
+    layer = m.Layer()
+    assert layer.act(-1) == 0
+    r = pkg.reloader()
+    pkg.edit("a", """
+        class Relu:
+            def act(self, x):
+                return max(x, 0)
+        class Identity:
+            def act(self, x):
+                return x
+        class Layer(Identity):
+            pass
+    """)
+    pkg.reload(r)
+    assert layer.act(-1) == -1 and isinstance(layer, m.Identity) and not isinstance(layer, m.Relu)
+
+
+def test_constant_used_by_dependent_via_from_import(pkg):
+    pkg.write("a", "SIZE = 4\n")
+    pkg.write("b", "from .a import SIZE\ndef size():\n    return SIZE\n")
+    size = pkg.mod("b").size
+    r = pkg.reloader()
+    pkg.edit("a", "SIZE = 8\n")
+    report = pkg.reload(r)
+    assert size() == 8 and report.dependents == pkg.full("b")
+
+
+def test_new_name_imported_by_another_module(pkg):
+    pkg.write("a", "def f():\n    return 1\n")
+    pkg.write("b", "from .a import f\ndef g():\n    return f()\n")
+    g = pkg.mod("b").g
+    r = pkg.reloader()
+    pkg.edit("a", "def f():\n    return 1\ndef h():\n    return 41\n")
+    pkg.edit("b", "from .a import f, h\ndef g():\n    return f() + h()\n")
+    report = pkg.reload(r)
+    assert g() == 42 and report.reloaded == pkg.full("a", "b")
+
+
+def test_dependents_run_in_provider_order(pkg):
+    pkg.write("log", "ORDER = []\n")
+    pkg.write("c", "from . import log\nfrom .b import B\nlog.ORDER.append('c')\n")
+    pkg.write("b", "from . import log\nfrom .a import A\nB = A + 1\nlog.ORDER.append('b')\n")
+    pkg.write("a", "from . import log\nA = 1\nlog.ORDER.append('a')\n")
+    pkg.write("d", "from . import log\nfrom .c import *\nlog.ORDER.append('d')\n")
+    pkg.mod("d")
+    log = pkg.mod("log")
+    r = pkg.reloader()
+    plan = r.plan()
+    assert plan.order == [] and plan.needs_restart == []
+    pkg.edit("a", "from . import log\nA = 10\nlog.ORDER.append('a')\n")
+    plan = r.plan()
+    assert plan.reloaded == pkg.full("a") and plan.dependents == pkg.full("b", "c", "d")
+    log.ORDER.clear()
+    report = pkg.reload(r)
+    assert log.ORDER == ["a", "b", "c", "d"] and pkg.mod("b").B == 11
+    assert report.dependents == pkg.full("b", "c", "d")
+
+
+def test_import_cycle(pkg):
+    pkg.write("a", "from . import b\ndef fa():\n    return 'a1' + b.fb()\n")
+    pkg.write("b", "from . import a\ndef fb():\n    return 'b1'\ndef call_a():\n    return a.fa()\n")
+    fa, call_a = pkg.mod("a").fa, pkg.mod("b").call_a
+    r = pkg.reloader()
+    pkg.edit("a", "from . import b\ndef fa():\n    return 'a2' + b.fb()\n")
+    pkg.edit("b", "from . import a\ndef fb():\n    return 'b2'\ndef call_a():\n    return a.fa()\n")
+    report = pkg.reload(r)
+    assert sorted(report.reloaded) == pkg.full("a", "b")
+    assert fa() == "a2b2" and call_a() == "a2b2"
+
+
+def test_syntax_error_changes_nothing(pkg):
+    pkg.write("a", "X = 1\ndef f():\n    return 1\n")
+    pkg.write("b", "def g():\n    return 1\n")
+    m = pkg.mod("a")
+    f, g = m.f, pkg.mod("b").g
+    r = pkg.reloader()
+    pkg.edit("b", "def g():\n    return 2\n")
+    pkg.edit("a", "X = 2\ndef f():\n    return 2\ndef broken(:\n    pass\n")
+    tx = r.reload()
+    assert not tx.report.ok and tx.state == "rolled back"
+    assert tx.report.error.startswith(f"{pkg.path('a')}:4: SyntaxError")
+    assert f() == 1 and g() == 1 and m.X == 1
+    pkg.edit("a", "X = 2\ndef f():\n    return 2\n")  # fixed: the next reload applies both edits
+    pkg.reload(r)
+    assert f() == 2 and g() == 2
+
+
+def test_exception_in_second_of_three_modules_reverts_all(pkg):
+    pkg.write("a", "def fa():\n    return 'a1'\n")
+    pkg.write("b", "from .a import fa\ndef fb():\n    return 'b1'\n")
+    pkg.write("c", "from .b import fb\nclass C:\n    def f(self):\n        return 'c1'\n")
+    fa, fb, c = pkg.mod("a").fa, pkg.mod("b").fb, pkg.mod("c").C()
+    C = type(c)
+    r = pkg.reloader()
+    pkg.edit("a", "def fa():\n    return 'a2'\n")
+    pkg.edit("b", "from .a import fa\ndef fb():\n    return 'b2'\nraise RuntimeError('boom')\n")
+    pkg.edit("c", "from .b import fb\nclass C:\n    def f(self):\n        return 'c2'\n")
+    tx = r.reload()
+    assert not tx.report.ok
+    assert tx.report.error == f"{pkg.path('b')}:4: RuntimeError: boom"
+    assert (fa(), fb(), c.f()) == ("a1", "b1", "c1")
+    assert pkg.mod("a").fa is fa and pkg.mod("c").C is C
+    assert "fb" in vars(pkg.mod("b")) and pkg.mod("b").fb is fb
+
+
+def test_failure_after_patching_rolls_back(pkg):
+    pkg.write("a", """
+        LIMIT = 1
+        class Layer:
+            def forward(self):
+                return 'old'
+            def gone(self):
+                return 'still here'
+        def helper():
+            return 'old'
+    """)
+    m = pkg.mod("a")
+    layer, helper, Layer = m.Layer(), m.helper, m.Layer
+    r = pkg.reloader()
+    pkg.edit("a", """
+        LIMIT = 2
+        class Layer:
+            def forward(self):
+                return 'new'
+            def added(self):
+                return 1
+        def helper(x=1):
+            return 'new'
+    """)
+    tx = r.reload()
+    assert tx.report.ok and layer.forward() == "new" and helper() == "new" and m.LIMIT == 2
+    tx.rollback("warm-up failed: CUDA error")  # what the server does when warm-up/capture fails
+    assert not tx.report.ok and tx.report.error == "warm-up failed: CUDA error"
+    assert layer.forward() == "old" and layer.gone() == "still here" and not hasattr(layer, "added")
+    assert helper() == "old" and m.LIMIT == 1 and m.Layer is Layer and m.helper is helper
+    assert r.plan().reloaded == pkg.full("a")  # still pending: the edit is not the baseline
+
+
+def test_lru_cache_function(pkg):
+    pkg.write("a", "import functools\n@functools.lru_cache\ndef table(n):\n    return n * 1\n")
+    table = pkg.mod("a").table
+    assert table(3) == 3
+    r = pkg.reloader()
+    pkg.edit("a", "import functools\n@functools.lru_cache\ndef table(n):\n    return n * 2\n")
+    pkg.reload(r)
+    assert table(3) == 6 and pkg.mod("a").table is table
+
+
+def test_dataclass_field_added_is_stale(pkg):
+    pkg.write("a", "import dataclasses\n@dataclasses.dataclass\nclass Cfg:\n    a: int = 1\n")
+    pkg.write("b", "from .a import Cfg\nDEFAULTS = {'cfg': Cfg}\n")
+    Cfg = pkg.mod("a").Cfg
+    cfg = Cfg()
+    r = pkg.reloader()
+    pkg.edit("a", "import dataclasses\n@dataclasses.dataclass\nclass Cfg:\n    a: int = 1\n    b: int = 2\n")
+    report = pkg.reload(r)
+    [stale] = report.stale
+    assert stale["name"] == f"{pkg.name}.a.Cfg" and "dataclass fields changed" in stale["reason"]
+    assert stale["where"] == pkg.path("a")
+    assert not hasattr(cfg, "b") and "b" not in {f for f in Cfg.__dataclass_fields__}  # old class untouched
+    assert pkg.mod("a").Cfg().b == 2  # new code gets the new class
+
+
+def test_enum_member_added(pkg):
+    pkg.write("a", "import enum\nclass Mode(enum.Enum):\n    PREFILL = 1\n    DECODE = 2\n")
+    Mode = pkg.mod("a").Mode
+    decode = Mode.DECODE
+    r = pkg.reloader()
+    pkg.edit("a", "import enum\nclass Mode(enum.Enum):\n    PREFILL = 1\n    DECODE = 2\n    MIXED = 3\n"
+                  "    def short(self):\n        return self.name[0]\n")
+    report = pkg.reload(r)
+    assert not report.stale and pkg.mod("a").Mode is Mode
+    assert Mode.MIXED.value == 3 and Mode(3) is Mode.MIXED and list(Mode)[-1] is Mode.MIXED
+    assert Mode.DECODE is decode and Mode["MIXED"].short() == "M" and isinstance(Mode.MIXED, Mode)
+
+
+def test_module_outside_packages_needs_restart(pkg):
+    pkg.write("layers", "def f():\n    return 1\n")
+    pkg.write("engine", "def run():\n    return 1\n")
+    run = pkg.mod("engine").run
+    pkg.mod("layers")
+    r = pkg.reloader("layers")
+    pkg.edit("engine", "def run():\n    return 2\n")
+    pkg.edit("layers", "def f():\n    return 2\n")
+    plan = r.plan()
+    assert plan.needs_restart == pkg.full("engine") and plan.reloaded == pkg.full("layers")
+    report = pkg.reload(r)
+    assert report.needs_restart == pkg.full("engine") and report.reloaded == pkg.full("layers")
+    assert run() == 1 and pkg.mod("layers").f() == 2
+    assert r.plan().needs_restart == pkg.full("engine")  # until the process restarts
+
+
+def test_forced_module_list(pkg):
+    pkg.write("a", "CACHE = {}\ndef get(k):\n    return CACHE.setdefault(k, object())\n")
+    pkg.write("b", "from .a import get\n")
+    m = pkg.mod("a")
+    pkg.mod("b")
+    m.get("x")
+    r = pkg.reloader()
+    assert r.reload().report.reloaded == []  # nothing changed: nothing runs
+    r._pending.commit()
+    report = pkg.reload(r, modules=pkg.full("a"))
+    assert report.reloaded == pkg.full("a") and report.dependents == pkg.full("b")
+    assert m.CACHE == {}  # module-level caches start empty
+    tx = r.reload(modules=[f"{pkg.name}.nope"])
+    assert not tx.report.ok and tx.report.error.startswith(f"cannot reload {pkg.name}.nope")
+
+
+def test_function_became_class_is_stale(pkg):
+    pkg.write("a", "def Norm(x):\n    return x\n")
+    pkg.write("reg", "from .a import Norm\nOPS = [Norm]\n")
+    Norm = pkg.mod("a").Norm
+    ops = pkg.mod("reg").OPS
+    r = pkg.reloader("a")
+    pkg.edit("a", "class Norm:\n    def __init__(self, x):\n        self.x = x\n")
+    report = pkg.reload(r)
+    [stale] = report.stale
+    assert stale["reason"] == "function became class"
+    assert stale["where"] == f"{pkg.path('a')}:1"
+    assert f"{pkg.name}.reg.Norm" in stale["referrers"] and "a list" in stale["referrers"]
+    assert Norm(3) == 3 and ops[0] is Norm and isinstance(pkg.mod("a").Norm, type)
+
+
+def test_module_level_instances_keep_isinstance(pkg):
+    pkg.write("a", """
+        class Config:
+            def size(self):
+                return 1
+        DEFAULT = Config()
+        BY_NAME = {'config': Config}
+    """)
+    Config = pkg.mod("a").Config
+    r = pkg.reloader()
+    pkg.edit("a", """
+        class Config:
+            def size(self):
+                return 2
+        DEFAULT = Config()
+        BY_NAME = {'config': Config}
+    """)
+    pkg.reload(r)
+    m = pkg.mod("a")
+    assert isinstance(m.DEFAULT, Config) and m.BY_NAME["config"] is Config and m.DEFAULT.size() == 2
+
+
+def test_defaults_and_annotations(pkg):
+    pkg.write("a", "def f(x, k=1, *, scale=1) -> int:\n    return x * k * scale\n")
+    f = pkg.mod("a").f
+    r = pkg.reloader()
+    pkg.edit("a", "def f(x, k=2, *, scale=10) -> float:\n    return x * k * scale\n")
+    pkg.reload(r)
+    assert f(1) == 20 and f.__annotations__["return"] is float
+
+
+def test_error_in_dependent_names_its_line(pkg):
+    pkg.write("a", "def f():\n    return 1\n")
+    pkg.write("b", "from .a import f\n")
+    f = pkg.mod("a").f
+    pkg.mod("b")
+    r = pkg.reloader()
+    pkg.edit("a", "def renamed():\n    return 2\n")
+    tx = r.reload()
+    assert not tx.report.ok and tx.report.error.startswith(f"{pkg.path('b')}:1: ImportError")
+    assert f() == 1 and pkg.mod("a").f is f
+
+
+def test_sources_snapshot_is_what_runs(pkg):
+    """Multi-rank: rank 0 reads once, every rank runs those bytes (not its own disk)."""
+    pkg.write("a", "def f():\n    return 1\n")
+    f = pkg.mod("a").f
+    r = pkg.reloader()
+    sources = r.read_sources()
+    assert sources == {pkg.name: b"", f"{pkg.name}.a": b"def f():\n    return 1\n"}
+    sources[f"{pkg.name}.a"] = b"def f():\n    return 3\n"
+    report = pkg.reload(r, sources=sources)
+    assert f() == 3 and report.reloaded == pkg.full("a")
+    assert inspect.getsource(f) == "def f():\n    return 3\n"  # tracebacks and Triton see the running code
+    assert r.plan().reloaded == pkg.full("a")  # the disk still differs from what runs
+
+
+def test_report_is_json_and_timed(pkg):
+    pkg.write("a", "def f():\n    return 1\n")
+    pkg.mod("a")
+    r = pkg.reloader()
+    pkg.edit("a", "def f():\n    return 2\n")
+    tx = r.reload()
+    data = json.loads(json.dumps(tx.report.to_dict()))
+    assert set(data) == {"ok", "reloaded", "dependents", "patched", "stale", "needs_restart", "jit_kernels",
+                         "timings", "error"}
+    assert {"read", "plan", "compile", "execute", "patch", "kernels", "total"} <= set(data["timings"])
+    assert 0 < data["timings"]["total"] < 5 and data["ok"] and data["patched"] == 1
+    assert "reloaded" in tx.report.summary()
+    try:
+        r.reload()
+        raise AssertionError("a second reload while one is pending must be refused")
+    except RuntimeError as e:
+        assert "pending" in str(e)
+    tx.commit()
+    assert r.reload().report.reloaded == []  # committed source is the new baseline
+
+
+def test_new_submodule_imported_by_edit(pkg):
+    pkg.write("a", "def f():\n    return 1\n")
+    f = pkg.mod("a").f
+    r = pkg.reloader()
+    pkg.write("extra", "VALUE = 5\n")
+    pkg.edit("a", "from .extra import VALUE\ndef f():\n    return VALUE\n")
+    tx = r.reload()
+    assert tx.report.ok and f() == 5
+    tx.rollback()
+    import sys
+    assert f"{pkg.name}.extra" not in sys.modules and f() == 1
+    pkg.reload(r)
+    assert f() == 5 and f"{pkg.name}.extra" in r.read_sources()  # tracked once committed
+
+
+def test_default_packages_from_pyproject(tmp_path):
+    from tsdev.hotreload import DEFAULT_PACKAGES, default_packages
+    (tmp_path / "pyproject.toml").write_text('[tool.tsdev]\nreload-packages = ["mylib.ops"]\n')
+    (tmp_path / "sub").mkdir()
+    assert default_packages(tmp_path / "sub") == ["mylib.ops"]
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n')
+    assert default_packages(tmp_path) == list(DEFAULT_PACKAGES)

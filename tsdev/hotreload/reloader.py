@@ -1,0 +1,178 @@
+"""The Reloader: what changed, what depends on it, and the reload transaction."""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import sys
+import time
+import types
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+from . import graph
+from .snapshot import default_packages, loaded_modules, pin_lines, read, under
+from .transaction import ReloadError, Transaction
+
+
+@dataclass
+class Plan:
+    """What a reload would do, in the order it would do it."""
+    reloaded: list[str]  # changed or forced modules, provider order
+    dependents: list[str]  # reloadable modules using them, provider order
+    needs_restart: list[str]  # changed modules outside the reloadable packages
+    order: list[str]  # reloaded + dependents as they will be executed
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class _Source:
+    """One version of a module's source, compiled once and reused (dependents re-run it)."""
+    source: bytes
+    code: types.CodeType | None = None
+    providers: set[str] | None = None  # from its imports; None until compiled
+
+
+class Reloader:
+    """Re-executes edited modules of `packages` in place, with their dependents.
+
+    Construct it once the packages are imported: it records each loaded
+    module's current source as the code that ran. Not thread-safe: call it from
+    one thread while the program is quiescent (the engine drains first).
+    """
+
+    def __init__(self, packages: Sequence[str] | None = None) -> None:
+        self.packages = tuple(packages) if packages else tuple(default_packages())
+        self.roots = tuple(sorted({p.split(".")[0] for p in self.packages}))
+        self._ran: dict[str, tuple[str, _Source]] = {}  # module -> (path, source it last ran)
+        self._latest: dict[str, _Source] = {}  # module -> newest source seen, compiled
+        self._pending: Transaction | None = None
+        self._track()
+
+    def reloadable(self, module: str) -> bool:
+        return under(module, self.packages)
+
+    def read_sources(self, modules: Iterable[str] | None = None) -> dict[str, bytes]:
+        """Current file contents of the tracked modules (all of them by default).
+
+        A multi-rank server calls this on rank 0 and passes the result to every
+        rank's `reload(sources=...)`, so all ranks run the same bytes.
+        """
+        self._track()
+        names = self._ran if modules is None else modules
+        found = {}
+        for name in names:
+            if name in self._ran and (data := read(self._ran[name][0])) is not None:
+                found[name] = data
+        return found
+
+    def plan(self, sources: Mapping[str, bytes] | None = None, modules: Iterable[str] | None = None) -> Plan:
+        """Changed modules (plus the forced `modules`), their dependents and what needs a restart."""
+        sources = self.read_sources() if sources is None else sources
+        changed = [m for m, data in sources.items() if m in self._ran and data != self._ran[m][1].source]
+        forced = list(modules or [])
+        for m in forced:
+            if m not in self._ran or not self.reloadable(m):
+                raise ReloadError(f"cannot reload {m}: it is not a loaded module under {', '.join(self.packages)}")
+        roots = {m for m in changed if self.reloadable(m)} | set(forced)
+        providers = {m: self._providers(m, sources.get(m)) for m in self._ran if self.reloadable(m)}
+        deps = graph.dependents(roots, providers, self.reloadable)
+        rank = {name: i for i, name in enumerate(sys.modules)}
+        order = graph.provider_order(roots | set(deps), providers, rank)
+        return Plan(reloaded=[m for m in order if m in roots], dependents=[m for m in order if m not in roots],
+                    needs_restart=sorted(m for m in changed if not self.reloadable(m)), order=order)
+
+    def graph(self) -> dict[str, list[str]]:
+        """{module: modules it uses}, for every tracked reloadable module."""
+        return {m: sorted(self._providers(m, None)) for m in self._ran if self.reloadable(m)}
+
+    def reload(self, modules: Iterable[str] | None = None, sources: Mapping[str, bytes] | None = None) -> Transaction:
+        """Re-execute changed (and forced) modules and their dependents, patching live objects.
+
+        Never raises for a broken edit: the returned transaction's report says
+        what failed (file:line) and everything is already rolled back.
+        """
+        if self._pending is not None:
+            raise RuntimeError("the previous reload is still pending: commit() or rollback() it first")
+        start = time.perf_counter()
+        tx = Transaction(self, self.roots)
+        timings = tx.report.timings
+        files = set()
+        try:
+            if sources is None:
+                sources = self.read_sources()
+            timings["read"] = time.perf_counter() - start
+            plan = self.plan(sources, modules)
+            timings["plan"] = time.perf_counter() - start - timings["read"]
+            tx.report.reloaded, tx.report.dependents = plan.reloaded, plan.dependents
+            tx.report.needs_restart = plan.needs_restart
+            files = {self._ran[m][0] for m in plan.order}
+            t = time.perf_counter()
+            running = {m: sources.get(m, self._ran[m][1].source) for m in plan.order}
+            code = {m: self._compile(m, running[m]).code for m in plan.order}
+            timings["compile"] = time.perf_counter() - t
+            previous = {m: self._ran[m][1].source for m in plan.order}
+            tx._apply(plan.order, code, running, previous, self._modules())
+        except BaseException as e:
+            tx._fail(e, files)
+            if not isinstance(e, Exception):
+                raise
+        finally:
+            timings["total"] = time.perf_counter() - start
+        if tx.state == "pending":
+            self._pending = tx
+        return tx
+
+    # -- bookkeeping -----------------------------------------------------------
+    def _committed(self, tx: Transaction) -> None:
+        for name, source in tx.executed.items():
+            self._ran[name] = (self._ran[name][0], self._compile(name, source))
+        self._pending = None
+        self._track()
+
+    def _finished(self, tx: Transaction) -> None:
+        if self._pending is tx:
+            self._pending = None
+
+    def _track(self) -> None:
+        """Start tracking modules imported since last time; their current source is what ran."""
+        for name, path in loaded_modules(self.roots).items():
+            if name not in self._ran and (data := read(path)) is not None:
+                self._ran[name] = (path, _Source(data))
+                pin_lines(path, data)
+
+    def _modules(self) -> list[types.ModuleType]:
+        return [sys.modules[m] for m in self._ran if m in sys.modules]
+
+    def _compile(self, name: str, source: bytes) -> _Source:
+        """Compile (once per version) and find the imports; SyntaxError names file:line."""
+        path, ran = self._ran[name]
+        for cached in (ran, self._latest.get(name)):
+            if cached is not None and cached.source == source and cached.code is not None:
+                return cached
+        tree = ast.parse(source, filename=path)
+        code = compile(tree, path, "exec", dont_inherit=True)
+        is_package = hasattr(sys.modules.get(name), "__path__")
+        entry = _Source(source, code, graph.static_providers(tree, code, name, is_package, self._ran))
+        if ran.source == source:
+            self._ran[name] = (path, entry)
+        else:
+            self._latest[name] = entry
+        return entry
+
+    def _providers(self, name: str, source: bytes | None) -> set[str]:
+        """Static imports of the source that would run (falling back to the one that ran), plus live references."""
+        ran = self._ran[name][1]
+        static = set()
+        for candidate in (source, ran.source):
+            if candidate is None:
+                continue
+            try:
+                static = self._compile(name, candidate).providers
+                break
+            except SyntaxError:
+                continue
+        module = sys.modules.get(name)
+        live = graph.runtime_providers(module, set(self._ran)) if module is not None else set()
+        return static | live
