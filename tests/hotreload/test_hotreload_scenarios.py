@@ -606,3 +606,46 @@ def test_default_packages_from_pyproject(tmp_path):
     assert default_packages(tmp_path / "sub") == ["mylib.ops"]
     (tmp_path / "pyproject.toml").write_text('[project]\nname = "x"\n')
     assert default_packages(tmp_path) == list(DEFAULT_PACKAGES)
+
+
+def test_nn_module_forward_edit_keeps_weights(pkg):
+    torch = __import__("pytest").importorskip("torch")
+    pkg.write("layers", """
+        import torch
+        class Scale(torch.nn.Module):
+            def __init__(self, n):
+                super().__init__()
+                self.weight = torch.nn.Parameter(torch.full((n,), 2.0))
+            def forward(self, x):
+                return x * self.weight
+    """)
+    pkg.write("model", """
+        import torch
+        from .layers import Scale
+        class Model(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.blocks = torch.nn.ModuleList([Scale(3), Scale(3)])
+            def forward(self, x):
+                for block in self.blocks:
+                    x = block(x)
+                return x
+    """)
+    model = pkg.mod("model").Model()
+    weight = model.blocks[0].weight
+    x = torch.ones(3)
+    assert model(x).tolist() == [4.0, 4.0, 4.0]
+    r = pkg.reloader()
+    pkg.edit("layers", """
+        import torch
+        class Scale(torch.nn.Module):
+            def __init__(self, n):
+                super().__init__()
+                self.weight = torch.nn.Parameter(torch.full((n,), 2.0))
+            def forward(self, x):
+                return x * self.weight + 1
+    """)
+    report = pkg.reload(r)
+    assert report.dependents == pkg.full("model")
+    assert model(x).tolist() == [7.0, 7.0, 7.0] and model.blocks[0].weight is weight
+    assert isinstance(model.blocks[1], pkg.mod("model").Scale)

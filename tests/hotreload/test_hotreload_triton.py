@@ -1,0 +1,228 @@
+"""Triton scenarios. On CPU the interpreter runs the kernels (TRITON_INTERPRET=1, set in conftest);
+on a GPU machine the same tests compile them. The compiled-kernel bookkeeping (binaries dropped,
+kept, callers invalidated) is also checked on CPU, on `JITFunction` objects with stand-in binaries
+(test_hotreload_gpu.py does it with real ones)."""
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+triton = pytest.importorskip("triton")
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+HEADER = f"import torch\nimport triton\nimport triton.language as tl\nDEVICE = {DEVICE!r}\n"
+
+KERNEL = HEADER + """
+@triton.jit
+def _helper(x):
+    return x + 1
+
+@triton.jit
+def add_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(out_ptr + offs, _helper(tl.load(x_ptr + offs, mask=mask)), mask=mask)
+
+def run(x):
+    out = torch.empty_like(x)
+    add_kernel[(1,)](x, out, x.numel(), BLOCK=8)
+    return out
+"""
+
+X = torch.arange(4, dtype=torch.float32, device=DEVICE)
+
+
+def test_kernel_body_edit(pkg):
+    pkg.write("ops", KERNEL)
+    m = pkg.mod("ops")
+    run, kernel = m.run, m.add_kernel
+    assert run(X).tolist() == [1, 2, 3, 4]
+    r = pkg.reloader()
+    pkg.edit("ops", KERNEL.replace("_helper(tl.load(x_ptr + offs, mask=mask))", "tl.load(x_ptr + offs, mask=mask) * 10"))
+    report = pkg.reload(r)
+    assert run(X).tolist() == [0, 10, 20, 30]
+    # the interpreter also caches each helper it ran; a GPU compiles helpers into their callers
+    assert m.add_kernel is kernel and report.jit_kernels == (2 if INTERPRET else 1)
+
+
+def test_helper_edit_seen_by_caller_in_dependent(pkg):
+    pkg.write("common", HEADER + "@triton.jit\ndef bump(x):\n    return x + 1\n")
+    pkg.write("ops", HEADER + """
+from .common import bump
+
+@triton.jit
+def kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, bump(tl.load(x_ptr + offs)))
+
+def run(x):
+    out = torch.empty_like(x)
+    kernel[(1,)](x, out, BLOCK=4)
+    return out
+""")
+    run = pkg.mod("ops").run
+    assert run(X).tolist() == [1, 2, 3, 4]
+    r = pkg.reloader()
+    pkg.edit("common", HEADER + "@triton.jit\ndef bump(x):\n    return x + 100\n")
+    report = pkg.reload(r)
+    assert report.dependents == pkg.full("ops")
+    assert run(X).tolist() == [100, 101, 102, 103]
+
+
+def test_constexpr_global_changed(pkg):
+    src = HEADER + """
+SCALE = tl.constexpr(2)
+
+@triton.jit
+def kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs) * SCALE)
+
+def run(x):
+    out = torch.empty_like(x)
+    kernel[(1,)](x, out, BLOCK=4)
+    return out
+"""
+    pkg.write("ops", src)
+    run = pkg.mod("ops").run
+    assert run(X).tolist() == [0, 2, 4, 6]
+    r = pkg.reloader()
+    pkg.edit("ops", src.replace("tl.constexpr(2)", "tl.constexpr(3)"))
+    pkg.reload(r)
+    assert run(X).tolist() == [0, 3, 6, 9]
+
+
+AUTOTUNED = HEADER + """
+def fake_bench(kernel_call, quantiles):
+    kernel_call()
+    return [1.0, 1.0, 1.0]
+
+@triton.autotune(configs=[CONFIGS], key=["n"], do_bench=fake_bench)
+@triton.jit
+def kernel(out_ptr, n, BLOCK: tl.constexpr):
+    tl.store(out_ptr + tl.arange(0, 1), tl.full((1,), BLOCK * MUL, tl.float32))
+
+def run():
+    out = torch.zeros(1, device=DEVICE)
+    kernel[(1,)](out, 4)
+    return out.item()
+"""
+
+
+def autotuned(configs: str, mul: int = 1) -> str:
+    return AUTOTUNED.replace("CONFIGS", configs).replace("MUL", str(mul))
+
+
+def test_autotune_config_change(pkg):
+    pkg.write("ops", autotuned("triton.Config({'BLOCK': 16}), triton.Config({'BLOCK': 64})"))
+    m = pkg.mod("ops")
+    run, kernel = m.run, m.kernel
+    assert run() == 16 and len(kernel.cache) == 1  # tuned: first config wins the fake benchmark
+    r = pkg.reloader()
+    pkg.edit("ops", autotuned("triton.Config({'BLOCK': 32}), triton.Config({'BLOCK': 64})"))
+    pkg.reload(r)
+    assert kernel.cache == {}  # new configs: the old choice is meaningless
+    assert run() == 32 and m.kernel is kernel
+
+
+def test_autotune_body_edit_keeps_tuning(pkg):
+    pkg.write("ops", autotuned("triton.Config({'BLOCK': 16}), triton.Config({'BLOCK': 64})"))
+    m = pkg.mod("ops")
+    run, kernel = m.run, m.kernel
+    assert run() == 16
+    tuned = dict(kernel.cache)
+    r = pkg.reloader()
+    pkg.edit("ops", autotuned("triton.Config({'BLOCK': 16}), triton.Config({'BLOCK': 64})", mul=2))
+    pkg.reload(r)
+    assert kernel.cache == tuned  # same configs and key: no re-tuning
+    assert run() == 32
+
+
+def test_heuristics_edit(pkg):
+    src = HEADER + """
+@triton.heuristics(values={"BLOCK": lambda args: 4 * FACTOR})
+@triton.jit
+def kernel(out_ptr, BLOCK: tl.constexpr):
+    tl.store(out_ptr + tl.arange(0, 1), tl.full((1,), BLOCK, tl.float32))
+
+def run():
+    out = torch.zeros(1, device=DEVICE)
+    kernel[(1,)](out)
+    return out.item()
+"""
+    pkg.write("ops", src.replace("FACTOR", "1"))
+    run = pkg.mod("ops").run
+    assert run() == 4
+    r = pkg.reloader()
+    pkg.edit("ops", src.replace("FACTOR", "2"))
+    pkg.reload(r)
+    assert run() == 8
+
+
+def test_kernel_edit_rollback_runs_old_kernel(pkg):
+    pkg.write("ops", KERNEL)
+    run = pkg.mod("ops").run
+    assert run(X).tolist() == [1, 2, 3, 4]
+    r = pkg.reloader()
+    pkg.edit("ops", KERNEL.replace("return x + 1", "return x + 2"))
+    tx = r.reload()
+    assert run(X).tolist() == [2, 3, 4, 5]
+    tx.rollback("capture failed")
+    assert run(X).tolist() == [1, 2, 3, 4]  # the interpreter re-reads the *old* source
+
+
+# -- compiled kernels (JITFunction), bookkeeping only --------------------------------------------
+COMPILED = HEADER + """
+@triton.jit
+def helper(x):
+    return x + 1
+
+@triton.jit
+def uses_helper(x_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, helper(tl.load(x_ptr + offs)))
+
+@triton.jit
+def independent(x_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs) * 2)
+"""
+CALLER = HEADER + """
+from .kern import helper
+
+@triton.jit
+def outside_caller(x_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, helper(tl.load(x_ptr + offs)))
+"""
+
+
+def fake_compile(kernel):
+    """What a launch leaves behind: a hash and a binary in device_caches."""
+    kernel.cache_key
+    kernel.device_caches[0] = ({"spec": "binary"}, {}, None, None, None)
+
+
+def test_compiled_kernels_drop_exactly_the_stale_binaries(pkg, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    pkg.write("kern", COMPILED)
+    pkg.write("engine", CALLER)  # outside the reloadable package: never re-executed
+    kern, engine = pkg.mod("kern"), pkg.mod("engine")
+    assert type(kern.helper).__name__ == "JITFunction"
+    kernels = [kern.uses_helper, kern.independent, engine.outside_caller]
+    for k in kernels:
+        fake_compile(k)
+    hashes = [k.hash for k in kernels]
+    r = pkg.reloader("kern")
+    pkg.edit("kern", COMPILED.replace("return x + 1", "return x + 3"))
+    tx = r.reload()
+    assert tx.report.ok and tx.report.jit_kernels == 2
+    uses_helper, independent, outside = kernels
+    assert "x + 3" in kern.helper.src and kern.helper is pkg.mod("engine").helper
+    assert dict(uses_helper.device_caches) == {} and uses_helper.cache_key != hashes[0]
+    assert dict(outside.device_caches) == {} and outside.cache_key != hashes[2]  # caller elsewhere
+    assert independent.device_caches[0][0] == {"spec": "binary"} and independent.hash == hashes[1]
+    tx.rollback()
+    assert [k.hash for k in kernels] == hashes and "x + 1" in kern.helper.src
+    assert all(k.device_caches[0][0] == {"spec": "binary"} for k in kernels)
