@@ -1,10 +1,11 @@
 """Configuration: the model's (read from a Hugging Face config.json) and the engine's."""
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+DEFAULT_CAPTURE_SIZES = [1, 2, 4, 8] + list(range(16, 257, 8))
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 
 
@@ -89,7 +90,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     rank: int = 0
     world_size: int = 1
-    served_model_name: str | None = None
+    cudagraph_capture_sizes: list[int] = field(default_factory=lambda: list(DEFAULT_CAPTURE_SIZES))
+    enforce_eager: bool = False  # no CUDA graphs
 
     def torch_dtype(self, model_config: ModelConfig) -> torch.dtype:
         name = self.dtype

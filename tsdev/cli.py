@@ -1,10 +1,38 @@
 """The `tsdev` command line."""
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-app = typer.Typer(
+LIST_FLAGS = ("--cudagraph-capture-sizes",)
+
+
+def join_list_flags(argv: list[str]) -> list[str]:
+    """Let list flags take space-separated values, as vLLM's do: `--cudagraph-capture-sizes 1 16 64`."""
+    out, i = [], 0
+    while i < len(argv):
+        out.append(argv[i])
+        if argv[i] in LIST_FLAGS:
+            values = []
+            while i + 1 < len(argv) and argv[i + 1].replace(",", "").isdigit():
+                i += 1
+                values.append(argv[i])
+            out.append(",".join(values))
+        i += 1
+    return out
+
+
+class _Typer(typer.Typer):
+    def __call__(self, *args, **kwargs):
+        if kwargs.get("args") is None and not args:
+            sys.argv[1:] = join_list_flags(sys.argv[1:])
+        elif kwargs.get("args") is not None:
+            kwargs["args"] = join_list_flags(list(kwargs["args"]))
+        return super().__call__(*args, **kwargs)
+
+
+app = _Typer(
     help="Edit a Triton kernel or a layer, save, and see the effect on a running LLM server in about a second.",
     no_args_is_help=True,
     rich_markup_mode="rich",
@@ -38,6 +66,11 @@ def serve(
     no_prefix_caching: Annotated[bool, typer.Option("--no-prefix-caching", help="Do not share KV pages between requests with a common prefix.")] = False,
     served_model_name: Annotated[Optional[str], typer.Option(help="Model name in the API; default: the checkpoint directory's name.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for the weights of nothing but sampling of unseeded requests.")] = 0,
+    cudagraph_capture_sizes: Annotated[Optional[str], typer.Option(
+        help="Decode batch sizes to capture as CUDA graphs, e.g. `--cudagraph-capture-sizes 1 16 64`; larger "
+             "batches run eagerly. Default: 1 2 4 8 16 24 ... 256 (up to --max-running). Fewer sizes capture "
+             "faster (and reload faster).")] = None,
+    enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="No CUDA graphs: every step runs eagerly.")] = False,
     log_level: Annotated[str, typer.Option(help="uvicorn log level (warning shows errors only).")] = "warning",
 ):
     """Serve a Qwen3 model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
@@ -57,7 +90,13 @@ def serve(
         model=model or model_opt, device=device or _default_device(), dtype=dtype, max_running=max_running,
         max_batched_tokens=max_batched_tokens, max_model_len=max_model_len, page_size=page_size, kv_pages=kv_pages,
         gpu_memory_utilization=gpu_memory_utilization, seed=seed, enable_prefix_caching=not no_prefix_caching,
+        enforce_eager=enforce_eager,
     )
+    if cudagraph_capture_sizes:
+        try:
+            config.cudagraph_capture_sizes = sorted({int(v) for v in cudagraph_capture_sizes.split(",") if v})
+        except ValueError:
+            raise typer.BadParameter("give positive integers, e.g. --cudagraph-capture-sizes 1 16 64") from None
     start = time.perf_counter()
     with console.status("loading the model (the first run creates the default checkpoint)..."):
         try:
@@ -68,12 +107,16 @@ def serve(
     name = served_model_name or ("tsdev-default" if config.model is None else Path(config.model).name)
     mc, bm = engine.model_config, engine.block_manager
     params = sum(p.numel() for p in engine.runner.model.parameters())
+    sizes = engine.runner.graphs.sizes if engine.runner.graphs else []
+    graphs = (f"{len(sizes)} decode graph(s) {'captured' if config.device.startswith('cuda') else 'prepared (CPU: no capture)'}"
+              if sizes else "CUDA graphs off")
     console.print(
         f"loaded [bold]{name}[/bold] ({mc.architecture}, {params / 1e6:.1f} M parameters, "
         f"{str(engine.runner.dtype).removeprefix('torch.')}) from {engine.model_dir} on {config.device} "
         f"in {time.perf_counter() - start:.1f} s\n"
         f"KV pool: {bm.num_pages} pages x {bm.page_size} tokens; context length {engine.max_model_len}; "
         f"up to {config.max_running} requests at once\n"
+        f"warmed in {engine.startup_timings['warm']:.2f} s; {graphs} in {engine.startup_timings['capture']:.2f} s\n"
         f"listening on [bold]http://{host}:{port}[/bold] (OpenAI API under /v1)"
     )
     uvicorn.run(build_app(engine, name), host=host, port=port, log_level=log_level)

@@ -3,12 +3,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import nvtx
 from tokenizers import Tokenizer
 
 from runtime.config import EngineConfig, ModelConfig
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.detokenizer import Detokenizer
-from runtime.engine.model_runner import ModelRunner
+from runtime.engine.model_runner import NVTX_DOMAIN, ModelRunner
 from runtime.engine.scheduler import Scheduler
 from runtime.engine.sequence import SamplingParams, Sequence, Status
 from runtime.weights.default_model import default_model_dir
@@ -45,6 +46,9 @@ class LLMEngine:
             raise ValueError(f"--max-model-len {self.max_model_len} exceeds the model's "
                              f"max_position_embeddings {self.model_config.max_position_embeddings}")
         self.runner = ModelRunner(config, self.model_config, self.model_dir, self.max_model_len)
+        self.startup_timings = {"warm": self.runner.warmup()}
+        graph_timings = self.runner.capture_graphs()
+        self.startup_timings["capture"] = sum(graph_timings.values())
         self.block_manager = BlockManager(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_running, config.max_batched_tokens)
         self.detokenizers: dict[Sequence, Detokenizer] = {}
@@ -76,7 +80,8 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
+        with nvtx.annotate("schedule", domain=NVTX_DOMAIN):
+            batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
         sampled = iter(self.runner.run(batch))

@@ -1,16 +1,21 @@
 """Owns the model, the KV pool and the sampler; turns a scheduled batch into sampled tokens."""
+import time
+
+import nvtx
 import torch
 
 from runtime.config import EngineConfig, ModelConfig
 from runtime.context import Context, set_context
+from runtime.engine.cuda_graphs import DecodeGraphs
 from runtime.engine.scheduler import ScheduledBatch
-from runtime.engine.sequence import Sequence
+from runtime.engine.sequence import SamplingParams, Sequence
 from runtime.layers.attention import Attention
 from runtime.models import MODELS
 from runtime.sampling.sampler import Sampler
 from runtime.weights.loader import load_weights
 
 CPU_KV_BYTES = 512 << 20
+NVTX_DOMAIN = "tsdev"
 
 
 class ModelRunner:
@@ -29,12 +34,19 @@ class ModelRunner:
         load_weights(self.model, model_dir)
         self.model.eval()
         self.sampler = Sampler()
+        self.max_model_len = max_model_len
         self.kv_cache = self._allocate_kv_cache(max_model_len)
         self.generators: dict[int, torch.Generator] = {}
+        self.graphs = None
+        sizes = [s for s in config.cudagraph_capture_sizes if s <= config.max_running]
+        if sizes and not config.enforce_eager:
+            self.graphs = DecodeGraphs(self.model, sizes, -(-max_model_len // config.page_size), max_model_len,
+                                       model_config.vocab_size, self.scratch_pages[0], self.device)
 
     @property
     def num_pages(self) -> int:
-        return self.kv_cache.shape[2]
+        """Pages the block manager may hand out (the scratch pages after them are for warm-up and padding)."""
+        return self.kv_cache.shape[2] - len(self.scratch_pages)
 
     def _allocate_kv_cache(self, max_model_len: int) -> torch.Tensor:
         c, page = self.model_config, self.config.page_size
@@ -53,15 +65,17 @@ class ModelRunner:
                 f"the KV pool ({num_pages} pages of {page} tokens) cannot hold one sequence of max_model_len "
                 f"{max_model_len}: raise --kv-pages or lower --max-model-len"
             )
-        kv = torch.zeros(c.num_hidden_layers, 2, num_pages, page, c.num_key_value_heads, c.head_dim,
+        scratch = -(-min(self.config.max_batched_tokens, max_model_len) // page) + 1
+        self.scratch_pages = list(range(num_pages, num_pages + scratch))
+        kv = torch.zeros(c.num_hidden_layers, 2, num_pages + scratch, page, c.num_key_value_heads, c.head_dim,
                          dtype=self.dtype, device=self.device)
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer, layer_kv in zip(layers, kv):
             layer.k_cache, layer.v_cache = layer_kv[0], layer_kv[1]
         return kv
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flatten the batch into input ids and positions and set the step context."""
+    def host_inputs(self, batch: ScheduledBatch) -> dict[str, list]:
+        """The batch flattened into plain lists: one row per token this step computes."""
         page = self.config.page_size
         input_ids, positions, slots, cu, seq_lens, logits_indices = [], [], [], [0], [], []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
@@ -73,25 +87,40 @@ class ModelRunner:
             seq_lens.append(end)
             if batch.samples(i):
                 logits_indices.append(cu[-1] - 1)
-        max_pages = max(len(s.pages) for s in batch.seqs)
-        table = [s.pages + [0] * (max_pages - len(s.pages)) for s in batch.seqs]
+        return dict(input_ids=input_ids, positions=positions, slots=slots, cu_seqlens_q=cu, seq_lens=seq_lens,
+                    logits_indices=logits_indices, page_table=[s.pages for s in batch.seqs])
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tensors for an eager forward; sets the step context."""
+        inputs = self.host_inputs(batch)
+        max_pages = max(map(len, inputs["page_table"]))
+        table = [pages + [0] * (max_pages - len(pages)) for pages in inputs["page_table"]]
 
         def tensor(values, dtype=torch.int32):
             return torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
 
         set_context(Context(
-            cu_seqlens_q=tensor(cu), seq_lens=tensor(seq_lens), page_table=tensor(table),
-            slot_mapping=tensor(slots, torch.int64), logits_indices=tensor(logits_indices, torch.int64),
-            max_q_len=max(batch.num_tokens), max_seq_len=max(seq_lens),
+            cu_seqlens_q=tensor(inputs["cu_seqlens_q"]), seq_lens=tensor(inputs["seq_lens"]), page_table=tensor(table),
+            slot_mapping=tensor(inputs["slots"], torch.int64), logits_indices=tensor(inputs["logits_indices"], torch.int64),
+            max_q_len=max(batch.num_tokens), max_seq_len=max(inputs["seq_lens"]),
         ))
-        return tensor(input_ids, torch.int64), tensor(positions, torch.int64)
+        return tensor(inputs["input_ids"], torch.int64), tensor(inputs["positions"], torch.int64)
 
     @torch.inference_mode()
-    def compute_logits(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits [S, V] (float32) of the rows this batch samples from."""
-        input_ids, positions = self.prepare(batch)
+    def compute_logits(self, batch: ScheduledBatch, use_graphs: bool = True) -> torch.Tensor:
+        """Logits [S, V] (float32) of the rows this batch samples from; valid until the next step (graph
+        replays return a view of their static output buffer)."""
+        if use_graphs and self.graphs and max(batch.num_tokens) == 1 and len(batch.seqs) <= self.graphs.max_size:
+            with nvtx.annotate("prepare", domain=NVTX_DOMAIN):
+                inputs = self.host_inputs(batch)
+            with nvtx.annotate("forward", domain=NVTX_DOMAIN):
+                return self.graphs.run(inputs["input_ids"], inputs["positions"], inputs["slots"],
+                                       inputs["seq_lens"], inputs["page_table"])
+        with nvtx.annotate("prepare", domain=NVTX_DOMAIN):
+            input_ids, positions = self.prepare(batch)
         try:
-            return self.model.compute_logits(self.model(input_ids, positions))
+            with nvtx.annotate("forward", domain=NVTX_DOMAIN):
+                return self.model.compute_logits(self.model(input_ids, positions))
         finally:
             set_context(None)
 
@@ -102,7 +131,46 @@ class ModelRunner:
         sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
         if not sampling:
             return []
-        return self.sample(logits, sampling).tolist()
+        with nvtx.annotate("sample", domain=NVTX_DOMAIN):
+            return self.sample(logits, sampling).tolist()
+
+    @torch.inference_mode()
+    def warmup(self) -> float:
+        """Run dummy prefill and decode batches (on scratch pages) so every kernel is compiled and tuned.
+
+        Startup and the reload's warm step run exactly this.
+        """
+        start = time.perf_counter()
+        page = self.config.page_size
+        longest = min(self.config.max_batched_tokens, self.max_model_len - 1, len(self.scratch_pages) * page)
+        greedy = SamplingParams(max_tokens=1, temperature=0)
+        sampled = SamplingParams(max_tokens=1, temperature=0.8, top_k=20, top_p=0.9, seed=0)
+
+        def dummy(length: int, computed: int, params: SamplingParams) -> Sequence:
+            seq = Sequence("warmup", [(7 * i) % self.model_config.vocab_size for i in range(length)], params)
+            seq.pages = self.scratch_pages[: -(-length // page)]
+            seq.num_computed_tokens = computed
+            return seq
+
+        # prefill: a long prompt, a short one, and one with a cached prefix
+        lengths = [longest, min(17, longest), min(40, longest)]
+        computed = [0, 0, lengths[2] // 2]
+        seqs = [dummy(n, c, p) for n, c, p in zip(lengths, computed, (greedy, sampled, greedy))]
+        self.run(ScheduledBatch(seqs, [n - c for n, c in zip(lengths, computed)]))
+        # decode, eagerly, at the smallest and largest batch the graphs will serve
+        for size in sorted({1, self.graphs.max_size if self.graphs else self.config.max_running}):
+            seqs = [dummy(min(100 + i, longest), min(100 + i, longest) - 1, sampled if i % 2 else greedy) for i in range(size)]
+            batch = ScheduledBatch(seqs, [1] * size)
+            self.sample(self.compute_logits(batch, use_graphs=False), seqs)
+        for seq in seqs:
+            self.release(seq)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
+
+    def capture_graphs(self) -> dict[int, float]:
+        """(Re)capture the decode graphs; seconds per batch size. A no-op per size on CPU."""
+        return self.graphs.capture() if self.graphs else {}
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]

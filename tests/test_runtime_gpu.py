@@ -26,3 +26,18 @@ def test_default_model_on_cuda_has_the_qwen3_0_6b_shape_and_generates():
     assert [len(r["token_ids"]) for r in out] == [16, 16, 16]
     assert all(0 <= t < c.vocab_size for r in out for t in r["token_ids"])
     assert engine.block_manager.num_used_pages == 0
+
+
+def test_graph_replay_equals_eager_on_cuda(tiny_model_dir):
+    from test_decode_graphs import decode_batch
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cuda", dtype="float32", kv_pages=256,
+                                    page_size=4, cudagraph_capture_sizes=[1, 4, 8]))
+    assert set(engine.runner.graphs.graphs) == {1, 4, 8}
+    for lengths in ([7], [5, 9, 14], [3, 30, 17, 8, 2, 11]):
+        batch = decode_batch(engine, lengths)
+        eager = engine.runner.compute_logits(batch, use_graphs=False).clone()
+        graphed = engine.runner.compute_logits(batch).clone()
+        torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
+        for seq in batch.seqs:
+            engine.block_manager.free_pages(seq)

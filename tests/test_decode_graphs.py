@@ -1,0 +1,53 @@
+"""The decode-graph path (on CPU the same padded static batch runs eagerly instead of replaying)."""
+import torch
+
+from runtime.engine.scheduler import ScheduledBatch
+from runtime.engine.sequence import SamplingParams, Sequence
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+
+def decode_batch(engine, lengths):
+    """Sequences with their prompt (but the last token) already in the cache, ready to decode one token."""
+    seqs = []
+    for i, n in enumerate(lengths):
+        seq = Sequence(f"s{i}", [(13 * i + 7 * j) % 1000 + 1 for j in range(n)], GREEDY)
+        assert engine.block_manager.allocate(seq, n)
+        seqs.append(seq)
+    prefill = ScheduledBatch(seqs, [n - 1 for n in lengths])
+    engine.runner.compute_logits(prefill)
+    for seq, n in zip(seqs, lengths):
+        seq.num_computed_tokens = n - 1
+    return ScheduledBatch(seqs, [1] * len(seqs))
+
+
+def test_graph_path_equals_eager_and_pads_to_the_next_size(make_engine):
+    engine = make_engine(cudagraph_capture_sizes=[2, 4, 8])
+    timings = engine.runner.capture_graphs()
+    assert sorted(timings) == [2, 4, 8]
+    batch = decode_batch(engine, [5, 9, 14])  # 3 sequences -> the size-4 graph with one padding row
+    eager = engine.runner.compute_logits(batch, use_graphs=False).clone()
+    graphed = engine.runner.compute_logits(batch).clone()
+    torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_padding_rows_write_no_kv(make_engine):
+    engine = make_engine(cudagraph_capture_sizes=[8])
+    batch = decode_batch(engine, [6, 11, 3])
+    before = engine.runner.kv_cache.clone()
+    engine.runner.compute_logits(batch)
+    changed = (engine.runner.kv_cache != before).flatten(4).any(-1)  # [layer, k/v, page, offset]
+    page = engine.config.page_size
+    expected = torch.zeros_like(changed)
+    for seq in batch.seqs:
+        pos = seq.num_computed_tokens
+        expected[:, :, seq.pages[pos // page], pos % page] = True
+    assert torch.equal(changed, expected)
+
+
+def test_batches_larger_than_the_largest_graph_run_eagerly(make_engine):
+    engine = make_engine(cudagraph_capture_sizes=[1, 2], max_running=16)
+    prompts = [[i + 1, i + 2, i + 3] for i in range(5)]
+    with_graphs = engine.generate(prompts, GREEDY)
+    eager = make_engine(enforce_eager=True).generate(prompts, GREEDY)
+    assert [r["token_ids"] for r in with_graphs] == [r["token_ids"] for r in eager]
