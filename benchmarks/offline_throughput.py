@@ -2,6 +2,10 @@
 
     python3 benchmarks/offline_throughput.py --device cuda            # 256 requests, lengths 100..1024
     python3 benchmarks/offline_throughput.py --num-requests 16 --max-len 128   # a quick CPU run
+    python3 benchmarks/offline_throughput.py --device cuda --compare-transformers
+
+--compare-transformers also times Hugging Face `generate` on the same checkpoint, at batch 1 and batched
+(fixed prompt and output lengths, so padding does not flatter or penalise it), and prints the ratios.
 """
 import argparse
 import random
@@ -23,6 +27,9 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--max-running", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compare-transformers", action="store_true")
+    parser.add_argument("--hf-batch", type=int, default=64, help="batch size of the batched transformers run")
+    parser.add_argument("--hf-len", type=int, default=128, help="prompt and output length of the transformers runs")
     args = parser.parse_args()
 
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, max_running=args.max_running,
@@ -32,6 +39,7 @@ def main() -> None:
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(args.min_len, args.max_len))] for _ in range(args.num_requests)]
     params = [SamplingParams(max_tokens=rng.randint(args.min_len, args.max_len), temperature=0.6, ignore_eos=True)
               for _ in range(args.num_requests)]
+    engine_dir = engine.model_dir
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))  # warm-up
     start = time.perf_counter()
     results = engine.generate(prompts, params)
@@ -40,9 +48,34 @@ def main() -> None:
     seconds = time.perf_counter() - start
     out_tokens = sum(len(r["token_ids"]) for r in results)
     in_tokens = sum(map(len, prompts))
-    print(f"{args.num_requests} requests, {in_tokens} prompt + {out_tokens} output tokens in {seconds:.2f} s: "
-          f"{out_tokens / seconds:,.0f} output tok/s, {(in_tokens + out_tokens) / seconds:,.0f} total tok/s "
+    ours = out_tokens / seconds
+    print(f"tsdev: {args.num_requests} requests, {in_tokens} prompt + {out_tokens} output tokens in {seconds:.2f} s: "
+          f"{ours:,.0f} output tok/s, {(in_tokens + out_tokens) / seconds:,.0f} total tok/s "
           f"({args.device}, {engine.model_dir.name})")
+    if args.compare_transformers:
+        del engine
+        for batch in (1, args.hf_batch):
+            theirs = transformers_throughput(engine_dir, args.device, batch, args.hf_len)
+            print(f"transformers generate, batch {batch}, {args.hf_len} in + {args.hf_len} out: {theirs:,.0f} output "
+                  f"tok/s; tsdev / transformers = {ours / theirs:.1f}x")
+
+
+def transformers_throughput(model_dir, device: str, batch: int, length: int) -> float:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").to(device).eval()
+    model.generation_config.eos_token_id = None
+    prompts = torch.randint(0, 1000, (batch, length), device=device)
+    kwargs = dict(max_new_tokens=length, min_new_tokens=length, do_sample=False, pad_token_id=0)
+    model.generate(prompts[:, :8], **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(prompts, **kwargs)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return batch * (out.shape[1] - length) / (time.perf_counter() - start)
 
 
 if __name__ == "__main__":

@@ -174,10 +174,8 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]
-        temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device)
-        top_ks = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=self.device)
-        top_ps = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device)
-        return self.sampler(logits, temperatures, top_ks, top_ps, [self._generator(s) for s in seqs])
+        return self.sampler(logits, [p.temperature for p in params], [p.top_k for p in params],
+                            [p.top_p for p in params], [self._generator(s) for s in seqs])
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         if seq.params.seed is None or seq.params.temperature == 0:

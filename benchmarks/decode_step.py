@@ -1,0 +1,87 @@
+"""Decode step time at several batch sizes against the memory-bandwidth floor (gpt-fast style).
+
+    python3 benchmarks/decode_step.py                       # Qwen3-0.6B shape, bf16, context 512
+    python3 benchmarks/decode_step.py --batch-sizes 1 8 --context 2048
+
+The floor is the time to read every weight once plus each sequence's KV cache, at the copy bandwidth
+measured in the same run. "step" is what the engine pays per decode step (host prep, graph replay,
+sampling, copy back); "graph" is the replay alone.
+"""
+import argparse
+import time
+
+import torch
+
+from runtime.config import EngineConfig
+from runtime.engine.llm_engine import LLMEngine
+from runtime.engine.scheduler import ScheduledBatch
+from runtime.engine.sequence import SamplingParams, Sequence
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes per second of a large device-to-device copy (read + write)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, n = time.perf_counter(), 20
+    for _ in range(n):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * src.numel() * n / (time.perf_counter() - start)
+
+
+def time_cuda(fn, iters: int) -> float:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters / 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    args = parser.parse_args()
+
+    engine = LLMEngine(EngineConfig(model=args.model, device="cuda", max_running=max(args.batch_sizes),
+                                    max_model_len=max(2 * args.context, 1024)))
+    runner, bm, c = engine.runner, engine.block_manager, engine.model_config
+    bandwidth = copy_bandwidth(runner.device)
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    kv_bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * runner.dtype.itemsize
+    print(f"{engine.model_dir.name}: {weight_bytes / 1e9:.2f} GB of weights, copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
+          f"context {args.context}, graphs {runner.graphs.sizes if runner.graphs else 'off'}")
+    print(f"{'batch':>5} {'step ms':>8} {'graph ms':>8} {'floor ms':>8} {'step/floor':>10} {'tok/s':>9} {'GB/s':>7}")
+    params = SamplingParams(max_tokens=1, temperature=args.temperature, ignore_eos=True)
+    for bs in args.batch_sizes:
+        seqs = []
+        for i in range(bs):
+            seq = Sequence(f"b{i}", [(i * 31 + j) % 1000 for j in range(args.context)], params)
+            assert bm.allocate(seq, args.context), "KV pool too small for this batch"
+            seq.num_computed_tokens = args.context - 1
+            seqs.append(seq)
+        batch = ScheduledBatch(seqs, [1] * bs)
+        step = time_cuda(lambda: runner.run(batch), args.iters)
+        size = next(s for s in runner.graphs.sizes if s >= bs) if runner.graphs and bs <= runner.graphs.max_size else None
+        graph = time_cuda(runner.graphs.graphs[size].replay, args.iters) if size in (runner.graphs.graphs if runner.graphs else {}) else float("nan")
+        floor = (weight_bytes + bs * args.context * kv_bytes_per_token) / bandwidth
+        print(f"{bs:>5} {step * 1e3:>8.3f} {graph * 1e3:>8.3f} {floor * 1e3:>8.3f} {step / floor:>10.2f} "
+              f"{bs / step:>9,.0f} {(weight_bytes + bs * args.context * kv_bytes_per_token) / step / 1e9:>7.0f}")
+        for seq in seqs:
+            bm.free_pages(seq)
+
+
+if __name__ == "__main__":
+    main()
