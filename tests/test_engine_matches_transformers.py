@@ -35,7 +35,7 @@ def test_prefill_and_decode_logits_match(make_engine, hf_model):
         tokens.append(int(ours[-1].argmax()))
         seq.token_ids.append(tokens[-1])
         engine.block_manager.allocate(seq, 1)
-        ours.append(engine.runner.compute_logits(ScheduledBatch([seq], [1]))[0])
+        ours.append(engine.runner.compute_logits(ScheduledBatch([seq], [1]))[0].clone())
         seq.num_computed_tokens += 1
     with torch.no_grad():
         theirs = hf_model(torch.tensor([tokens])).logits[0, len(prompt) - 1 :]
