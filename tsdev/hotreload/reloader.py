@@ -49,6 +49,7 @@ class Reloader:
         self._latest: dict[str, _Source] = {}  # module -> newest source seen, compiled
         self._pending: Transaction | None = None
         self._track()
+        self.graph()  # compile every reloadable module now, so the first reload is as fast as the rest
 
     def reloadable(self, module: str) -> bool:
         return under(module, self.packages)
