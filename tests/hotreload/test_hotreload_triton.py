@@ -226,3 +226,41 @@ def test_compiled_kernels_drop_exactly_the_stale_binaries(pkg, monkeypatch):
     tx.rollback()
     assert [k.hash for k in kernels] == hashes and "x + 1" in kern.helper.src
     assert all(k.device_caches[0][0] == {"spec": "binary"} for k in kernels)
+
+
+def test_jit_options_change_drops_binary(pkg, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    pkg.write("kern", COMPILED)
+    kern = pkg.mod("kern")
+    independent = kern.independent
+    fake_compile(independent)
+    r = pkg.reloader()
+    pkg.edit("kern", COMPILED.replace("@triton.jit\ndef independent", "@triton.jit(do_not_specialize=['x_ptr'])\ndef independent"))
+    report = pkg.reload(r)
+    assert report.jit_kernels == 1 and dict(independent.device_caches) == {}
+    assert independent.do_not_specialize == ["x_ptr"]
+
+
+def test_decorator_stack_changed_is_stale_but_module_runs_new(pkg):
+    src = HEADER + """
+@triton.jit
+def kernel(out_ptr, BLOCK: tl.constexpr):
+    tl.store(out_ptr + tl.arange(0, 1), tl.full((1,), BLOCK, tl.float32))
+
+def run():
+    out = torch.zeros(1, device=DEVICE)
+    kernel[(1,)](out, BLOCKARG)
+    return out.item()
+"""
+    pkg.write("ops", src.replace("BLOCKARG", "BLOCK=4"))
+    m = pkg.mod("ops")
+    old_kernel, run = m.kernel, m.run
+    assert run() == 4
+    r = pkg.reloader()
+    pkg.edit("ops", src.replace("@triton.jit", "@triton.heuristics(values={'BLOCK': lambda args: 8})\n@triton.jit")
+             .replace("BLOCKARG", ""))
+    report = pkg.reload(r)
+    [stale] = report.stale
+    assert stale["name"] == f"{pkg.name}.ops.kernel" and "became Heuristics" in stale["reason"]
+    assert stale["where"] == f"{pkg.path('ops')}:6"
+    assert run() == 8 and m.kernel is not old_kernel

@@ -104,10 +104,16 @@ def refresh_callers(patcher, modules: Iterable[types.ModuleType]) -> None:
             patcher.kernels_reset.append(k)
 
 
+# `@jit(...)` arguments that shape the binary but are not part of Triton's hash.
+_OPTIONS = ("version", "do_not_specialize", "do_not_specialize_on_alignment", "debug", "noinline")
+
+
 def _unchanged(old, new) -> bool:
-    """A `@jit` function whose dependency hash (source, helpers, constexpr globals) is the same."""
+    """A `@jit` function whose dependency hash (source, helpers, constexpr globals) and options are the same."""
     old_hash = vars(old).get("hash")
     if not old_hash or "device_caches" not in vars(old):
+        return False
+    if any(vars(old).get(k) != vars(new).get(k) for k in _OPTIONS):
         return False
     try:
         return new.cache_key == old_hash

@@ -14,6 +14,7 @@ import dataclasses
 import enum
 import functools
 import gc
+import inspect
 import sys
 import types
 from typing import Any, Callable
@@ -260,9 +261,7 @@ class Patcher:
 
     # -- stale -----------------------------------------------------------------
     def add_stale(self, obj: Any, name: str, reason: str) -> None:
-        code = getattr(obj, "__code__", None)
-        where = f"{code.co_filename}:{code.co_firstlineno}" if code else _class_file(obj)
-        self.stale.append({"name": name, "reason": reason, "where": where, "referrers": []})
+        self.stale.append({"name": name, "reason": reason, "where": _where(obj), "referrers": []})
         self._stale_objects.append(obj)
 
     def describe_stale(self, ignore: list) -> None:
@@ -376,9 +375,18 @@ def _trampoline(n_freevars: int) -> types.CodeType:
     return namespace["_outer"]().__code__
 
 
-def _class_file(cls) -> str:
-    module = sys.modules.get(getattr(cls, "__module__", ""), None)
-    return getattr(module, "__file__", None) or "?"
+def _where(obj) -> str:
+    """file:line of a definition (through kernel, cache and descriptor wrappers)."""
+    fn = jit.base_function(obj) if jit.is_kernel(obj) else obj
+    for attr in ("__wrapped__", "__func__", "fget", "func"):
+        fn = getattr(fn, attr, None) if not isinstance(fn, (types.FunctionType, type)) else fn
+    code = getattr(fn, "__code__", None)
+    if code is not None:
+        return f"{code.co_filename}:{code.co_firstlineno}"
+    try:
+        return f"{inspect.getsourcefile(obj)}:{inspect.getsourcelines(obj)[1]}"
+    except (OSError, TypeError):
+        return getattr(sys.modules.get(getattr(obj, "__module__", "")), "__file__", None) or "?"
 
 
 def _describe_referrer(ref, obj, module_names: dict) -> str:

@@ -48,6 +48,7 @@ class Reloader:
         self._ran: dict[str, tuple[str, _Source]] = {}  # module -> (path, source it last ran)
         self._latest: dict[str, _Source] = {}  # module -> newest source seen, compiled
         self._pending: Transaction | None = None
+        self._compile_s = 0.0  # time spent compiling, for the report's timings
         self._track()
         self.graph()  # compile every reloadable module now, so the first reload is as fast as the rest
 
@@ -104,15 +105,15 @@ class Reloader:
             if sources is None:
                 sources = self.read_sources()
             timings["read"] = time.perf_counter() - start
-            plan = self.plan(sources, modules)
-            timings["plan"] = time.perf_counter() - start - timings["read"]
+            self._compile_s = 0.0
+            plan = self.plan(sources, modules)  # compiles the changed sources to find their imports
             tx.report.reloaded, tx.report.dependents = plan.reloaded, plan.dependents
             tx.report.needs_restart = plan.needs_restart
             files = {self._ran[m][0] for m in plan.order}
-            t = time.perf_counter()
             running = {m: sources.get(m, self._ran[m][1].source) for m in plan.order}
             code = {m: self._compile(m, running[m]).code for m in plan.order}
-            timings["compile"] = time.perf_counter() - t
+            timings["compile"] = self._compile_s
+            timings["plan"] = time.perf_counter() - start - timings["read"] - self._compile_s
             previous = {m: self._ran[m][1].source for m in plan.order}
             tx._apply(plan.order, code, running, previous, self._modules())
         except BaseException as e:
@@ -152,8 +153,12 @@ class Reloader:
         for cached in (ran, self._latest.get(name)):
             if cached is not None and cached.source == source and cached.code is not None:
                 return cached
-        tree = ast.parse(source, filename=path)
-        code = compile(tree, path, "exec", dont_inherit=True)
+        start = time.perf_counter()
+        try:
+            tree = ast.parse(source, filename=path)
+            code = compile(tree, path, "exec", dont_inherit=True)
+        finally:
+            self._compile_s += time.perf_counter() - start
         is_package = hasattr(sys.modules.get(name), "__path__")
         entry = _Source(source, code, graph.static_providers(tree, code, name, is_package, self._ran))
         if ran.source == source:
