@@ -26,6 +26,7 @@ _LRU = type(functools.lru_cache(maxsize=None)(lambda: None))
 _SLOTS = (types.MemberDescriptorType, types.GetSetDescriptorType)  # bound to one class's layout
 _KEEP_IN_CLASS = {"__dict__", "__weakref__", "_abc_impl"}
 _DESCRIPTORS = (staticmethod, classmethod, property, functools.cached_property)
+_REHOME_MAX = 1000  # module-level containers larger than this are tables: not scanned on every reload
 TARGET = "__tsdev_target__"  # kw-only default through which a redirected function finds its replacement
 
 
@@ -234,8 +235,10 @@ class Patcher:
 
         `DEFAULT = Config()` or `LAYERS = {"norm": RMSNorm}` hold the *new*
         class; `isinstance(x, Config)` against live instances would fail.
-        Containers are translated one level deep.
+        Small containers (registries, not tables) are translated one level deep.
         """
+        if not self._new_to_old or (isinstance(value, (dict, list, tuple)) and len(value) > _REHOME_MAX):
+            return value
         if isinstance(value, dict):
             for k, v in list(value.items()):
                 value[k] = self._rehome_one(v)
@@ -273,7 +276,7 @@ class Patcher:
         for entry, obj in zip(self.stale, self._stale_objects):
             refs = []
             for ref in gc.get_referrers(obj):
-                if id(ref) in ignore_ids or isinstance(ref, types.FrameType) or ref == (obj,):  # (obj,): our call's args
+                if id(ref) in ignore_ids or isinstance(ref, types.FrameType) or _is_args_of_call(ref, obj):
                     continue
                 refs.append(_describe_referrer(ref, obj, names))
             entry["referrers"] = sorted(set(refs))[:10]
@@ -282,16 +285,21 @@ class Patcher:
 # -- helpers ------------------------------------------------------------------
 def defined_in(obj: Any, module: types.ModuleType) -> bool:
     """Whether `obj` is a definition made by `module`'s code (so it is ours to update)."""
+    obj = _underlying(obj)
     if isinstance(obj, types.FunctionType):
         return obj.__globals__ is vars(module) or obj.__module__ == module.__name__
-    if isinstance(obj, _LRU):
-        return defined_in(obj.__wrapped__, module)
-    if isinstance(obj, type) or isinstance(obj, _DESCRIPTORS):
-        return getattr(obj, "__module__", None) == module.__name__
+    return isinstance(obj, type) and obj.__module__ == module.__name__
+
+
+def _underlying(obj: Any) -> Any:
+    """The function (or class) under kernel, cache and descriptor wrappers."""
     if jit.is_kernel(obj):
-        fn = jit.base_function(obj)
-        return fn is not None and defined_in(fn, module)
-    return False
+        return jit.base_function(obj)
+    if isinstance(obj, _LRU):
+        return obj.__wrapped__
+    if isinstance(obj, _DESCRIPTORS):
+        return next((f for a in ("__func__", "fget", "fset", "func") if (f := getattr(obj, a, None))), None)
+    return obj
 
 
 def is_definition(obj: Any) -> bool:
@@ -376,17 +384,19 @@ def _trampoline(n_freevars: int) -> types.CodeType:
 
 
 def _where(obj) -> str:
-    """file:line of a definition (through kernel, cache and descriptor wrappers)."""
-    fn = jit.base_function(obj) if jit.is_kernel(obj) else obj
-    for attr in ("__wrapped__", "__func__", "fget", "func"):
-        fn = getattr(fn, attr, None) if not isinstance(fn, (types.FunctionType, type)) else fn
-    code = getattr(fn, "__code__", None)
+    """file:line where a definition starts (its first decorator)."""
+    code = getattr(_underlying(obj), "__code__", None)
     if code is not None:
         return f"{code.co_filename}:{code.co_firstlineno}"
     try:
         return f"{inspect.getsourcefile(obj)}:{inspect.getsourcelines(obj)[1]}"
     except (OSError, TypeError):
         return getattr(sys.modules.get(getattr(obj, "__module__", "")), "__file__", None) or "?"
+
+
+def _is_args_of_call(ref, obj) -> bool:
+    """gc.get_referrers(obj) sees its own argument tuple."""
+    return type(ref) is tuple and len(ref) == 1 and ref[0] is obj
 
 
 def _describe_referrer(ref, obj, module_names: dict) -> str:
