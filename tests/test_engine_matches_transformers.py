@@ -5,7 +5,7 @@ import torch
 from runtime.engine.scheduler import ScheduledBatch
 from runtime.engine.sequence import SamplingParams, Sequence
 
-transformers = pytest.importorskip("transformers")
+import transformers
 
 PROMPTS = [[5, 17, 300, 42, 9, 77, 123, 4, 8, 15, 16, 23, 42, 99, 512, 7, 3], [200, 201, 202], list(range(100, 141))]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -1,48 +1,19 @@
 """`tsdev serve` as a user runs it: a subprocess, driven by the official openai client and raw httpx."""
-import os
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
-openai = pytest.importorskip("openai")
+from serve_process import serve
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+import openai
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-    log = log_path.open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tsdev", "serve", str(tiny_model_dir), "--port", str(port), "--device", "cpu",
-         "--max-model-len", "1024", "--served-model-name", "tiny"],
-        stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"tsdev serve exited early:\n{log_path.read_text()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.2)
-    else:
-        proc.kill()
-        pytest.fail("tsdev serve did not become healthy within 60 s")
-    yield url
-    proc.terminate()
-    proc.wait(timeout=20)
-    print(log_path.read_text())
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with serve([str(tiny_model_dir), "--device", "cpu", "--max-model-len", "1024", "--served-model-name", "tiny"], log) as url:
+        yield url
 
 
 @pytest.fixture

@@ -71,6 +71,10 @@ def serve(
              "batches run eagerly. Default: 1 2 4 8 16 24 ... 256 (up to --max-running). Fewer sizes capture "
              "faster (and reload faster).")] = None,
     enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="No CUDA graphs: every step runs eagerly.")] = False,
+    allow_reload_forward: Annotated[bool, typer.Option(
+        "--allow-reload-forward",
+        help="Enable POST /v1/rl/engine/reload_forward, which re-executes edited model/kernel code from disk "
+             "in this process. For development only (`tsdev watch` turns it on); without it the route answers 403.")] = False,
     log_level: Annotated[str, typer.Option(help="uvicorn log level (warning shows errors only).")] = "warning",
 ):
     """Serve a Qwen3 model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
@@ -119,7 +123,47 @@ def serve(
         f"warmed in {engine.startup_timings['warm']:.2f} s; {graphs} in {engine.startup_timings['capture']:.2f} s\n"
         f"listening on [bold]http://{host}:{port}[/bold] (OpenAI API under /v1)"
     )
-    uvicorn.run(build_app(engine, name), host=host, port=port, log_level=log_level)
+    reloader = None
+    if allow_reload_forward:
+        from tsdev.hotreload import Reloader, default_packages
+
+        reloader = Reloader(default_packages())  # snapshots the sources the server is running now
+        console.print(f"reload_forward enabled for {', '.join(reloader.packages)}")
+    uvicorn.run(build_app(engine, name, reloader), host=host, port=port, log_level=log_level)
+
+
+@app.command()
+def reload(
+    url: Annotated[str, typer.Option(help="The server (started with --allow-reload-forward, or by `tsdev watch`).")] = "http://127.0.0.1:8000",
+    modules: Annotated[Optional[list[str]], typer.Option("--modules", "-m", help="Force these modules (and their dependents) to re-execute, changed or not. Repeat the flag for several.")] = None,
+    mode: Annotated[str, typer.Option(help="wait: running requests finish first; abort: they are aborted.")] = "wait",
+    timeout_s: Annotated[Optional[float], typer.Option(help="Give up (changing nothing) if drain + reload take longer.")] = None,
+):
+    """Reload the server's forward pass now: edited modules and their dependents re-execute in place.
+
+    Prints one line per worker; exits 0 only when every worker reloaded (for editor save hooks and scripts).
+    """
+    from rich.console import Console
+
+    from tsdev.client import format_worker, reload_forward
+
+    console = Console(soft_wrap=True, highlight=False)
+    if mode not in ("wait", "abort"):
+        raise typer.BadParameter("--mode is wait or abort")
+    import httpx
+
+    try:
+        reply = reload_forward(url, modules, mode, timeout_s)
+    except httpx.TransportError as exc:
+        console.print(f"[red]error:[/red] cannot reach {url} ({exc}): is a server running there? Start one with "
+                      "`tsdev watch` or `tsdev serve --allow-reload-forward`, or pass --url")
+        raise typer.Exit(2) from None
+    except RuntimeError as exc:  # 403 and other refusals
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    for worker in reply["workers"]:
+        console.print(format_worker(worker))
+    raise typer.Exit(0 if reply["ok"] else 1)
 
 
 @app.callback()

@@ -1,6 +1,10 @@
 """Runs the engine beside the HTTP front: one step at a time in a worker thread, so requests keep
 arriving while the model computes. Changes to the engine's request set (add, abort) are queued and
 applied between steps, so the engine itself is only ever touched by one thread at a time.
+
+Control calls (pause, continue, reload) take turns through one FIFO lock. Two gates stop steps:
+`paused` (the user's pause: nothing is computed) and `holding` (a reload's drain: running requests
+finish, new ones wait in the queue without being admitted).
 """
 import asyncio
 import logging
@@ -22,14 +26,20 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_step: Callable[[float, list[RequestOutput]], None] | None = None):
         self.engine = engine
         self.on_step = on_step
+        self.paused = False
+        self.control_lock = asyncio.Lock()
         self._streams: dict[str, asyncio.Queue] = {}
+        self._subscribers: set[asyncio.Queue] = set()
         self._commands: list[Callable[[], None]] = []
         self._wake: asyncio.Event | None = None
+        self._stepped: asyncio.Event | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._task: asyncio.Task | None = None
 
+    # --- lifecycle -------------------------------------------------------------------------------
+
     async def start(self) -> None:
-        self._wake = asyncio.Event()
+        self._wake, self._stepped = asyncio.Event(), asyncio.Event()
         self._task = asyncio.create_task(self._loop(), name="engine-loop")
 
     async def stop(self) -> None:
@@ -37,6 +47,12 @@ class AsyncEngine:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         self._executor.shutdown(wait=True)
+
+    async def run_on_engine_thread(self, fn: Callable, *args):
+        """Run `fn` on the thread that steps the engine (CUDA work and engine state stay on one thread)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    # --- requests --------------------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as they come; closing the iterator early aborts the request."""
@@ -66,35 +82,103 @@ class AsyncEngine:
             if not finished:
                 self._submit(lambda: self.engine.abort(request_id))
 
+    async def between_steps(self, fn: Callable):
+        """Run `fn` on the event loop between two engine steps (where engine state may change) and return its result."""
+        future = asyncio.get_running_loop().create_future()
+
+        def command() -> None:
+            try:
+                future.set_result(fn())
+            except Exception as exc:
+                future.set_exception(exc)
+
+        self._submit(command)
+        return await future
+
+    def abort_all(self, running_only: bool) -> int:
+        """Abort requests (the running ones, or all) and tell their streams; run it via between_steps."""
+        sched = self.engine.scheduler
+        seqs = list(sched.running) if running_only else [*sched.running, *sched.waiting]
+        for seq in seqs:
+            self._deliver(self.engine.abort(seq.request_id))
+        return len(seqs)
+
+    # --- gates -----------------------------------------------------------------------------------
+
+    @property
+    def holding(self) -> bool:
+        return not self.engine.scheduler.admit
+
+    def hold(self, on: bool) -> None:
+        """While holding, waiting requests are not admitted (they stay queued, not rejected)."""
+        self.engine.scheduler.admit = not on
+        self._wake.set()
+
+    def set_paused(self, paused: bool) -> None:
+        self.paused = paused
+        self._wake.set()
+
+    async def wait_until_drained(self) -> None:
+        """Return once no admitted request is left running (waiting ones stay queued)."""
+        while self.engine.scheduler.running and not self.paused:
+            self._stepped.clear()
+            await self._stepped.wait()
+
+    # --- events ----------------------------------------------------------------------------------
+
+    def publish(self, event: dict) -> None:
+        event = {"time": time.time(), **event}
+        for queue in self._subscribers:
+            queue.put_nowait(event)
+
+    async def events(self) -> AsyncIterator[dict]:
+        queue: asyncio.Queue = asyncio.Queue()
+        self._subscribers.add(queue)
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            self._subscribers.discard(queue)
+
+    # --- the loop --------------------------------------------------------------------------------
+
     def _submit(self, command: Callable[[], None]) -> None:
         self._commands.append(command)
         if self._wake:
             self._wake.set()
 
+    def _can_step(self) -> bool:
+        sched = self.engine.scheduler
+        return not self.paused and bool(sched.running or (sched.admit and sched.waiting))
+
     async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             commands, self._commands = self._commands, []
             for command in commands:
                 command()
-            if not self.engine.has_unfinished():
+            if not self._can_step():
+                self._stepped.set()
                 self._wake.clear()
                 if not self._commands:
                     await self._wake.wait()
                 continue
             start = time.perf_counter()
             try:
-                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+                outputs = await self.run_on_engine_thread(self.engine.step)
             except Exception as exc:  # keep serving: fail the requests in flight, not the server
                 log.exception("engine step failed; aborting the requests in flight")
                 self._fail_all(exc)
                 continue
             for out in outputs:
-                queue = self._streams.get(out.request_id)
-                if queue is not None:
-                    queue.put_nowait(out)
+                self._deliver(out)
+            self._stepped.set()
             if self.on_step:
                 self.on_step(time.perf_counter() - start, outputs)
+
+    def _deliver(self, out: RequestOutput | None) -> None:
+        queue = self._streams.get(out.request_id) if out else None
+        if queue is not None:
+            queue.put_nowait(out)
 
     def _fail_all(self, exc: Exception) -> None:
         for request_id, queue in list(self._streams.items()):

@@ -35,9 +35,12 @@ class DecodeGraphs:
         return self.sizes[-1]
 
     def capture(self) -> dict[int, float]:
-        """Capture every size, largest first (later ones reuse its pool). Returns seconds per size."""
-        self.graphs.clear()
-        timings = {}
+        """Capture every size, largest first (later ones reuse its pool). Returns seconds per size.
+
+        The new graphs replace the old ones only when every size captured; on failure the old graphs
+        (and the code they were captured from) keep serving.
+        """
+        graphs, timings = {}, {}
         for size in reversed(self.sizes):
             start = time.perf_counter()
             if self.device.type == "cuda":
@@ -45,10 +48,11 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=self.pool):
                     self._forward(size)
                 self.pool = graph.pool()
-                self.graphs[size] = graph
+                graphs[size] = graph
             timings[size] = time.perf_counter() - start
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self.graphs = graphs
         return timings
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],

@@ -68,13 +68,13 @@ class LLMEngine:
         self.detokenizers[seq] = Detokenizer(self.tokenizer, params.stop)
         self.scheduler.add(seq)
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its pages; returns its final output (finish_reason "abort"), or None."""
         seq = self.scheduler.find(request_id)
         if seq is None:
-            return False
+            return None
         self._finish(seq, "abort")
-        del self.detokenizers[seq]
-        return True
+        return self._output(seq, [])
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

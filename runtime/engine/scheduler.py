@@ -34,6 +34,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.admit = True  # False while a reload drains: waiting sequences stay queued
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -57,7 +58,7 @@ class Scheduler:
             else:
                 scheduled[seq] = n
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+        while self.admit and self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
             if not seq.pages:
                 self.block_manager.match_prefix(seq)

@@ -12,8 +12,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from runtime.engine.llm_engine import LLMEngine, RequestOutput
-from runtime.server.async_engine import AsyncEngine, EngineError
+from runtime.engine.async_engine import AsyncEngine, EngineError
+from runtime.engine.reload_forward import ReloadForward
 from runtime.server.chat import ChatTemplate
+from runtime.server.control import add_control_routes
 from runtime.server.metrics import EngineMetrics
 from runtime.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
@@ -29,7 +31,8 @@ def error_response(status: int, message: str, param: str | None = None, type_: s
     return JSONResponse(body, status_code=status)
 
 
-def build_app(engine: LLMEngine, served_model_name: str) -> FastAPI:
+def build_app(engine: LLMEngine, served_model_name: str, reloader=None) -> FastAPI:
+    """The app; `reloader` (a tsdev.hotreload.Reloader or alike) enables reload_forward, None refuses it (403)."""
     metrics = EngineMetrics(engine)
     async_engine = AsyncEngine(engine, on_step=metrics.on_step)
     chat_template = ChatTemplate(engine.model_dir)
@@ -43,6 +46,8 @@ def build_app(engine: LLMEngine, served_model_name: str) -> FastAPI:
 
     app = FastAPI(title="tsdev runtime", lifespan=lifespan)
     app.state.engine, app.state.async_engine = engine, async_engine
+    reload_forward = ReloadForward(async_engine, reloader, engine.config.rank) if reloader is not None else None
+    add_control_routes(app, async_engine, reload_forward, APIError)
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):

@@ -1,0 +1,225 @@
+"""reload_forward against a `tsdev serve --allow-reload-forward` subprocess running a temporary copy of the project."""
+import json
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import pytest
+
+from serve_process import copy_project, serve
+
+PROMPT = {"prompt": [5, 17, 300, 42, 9, 77, 123], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+ACTIVATION = "kernels/ops/activation.py"
+SILU_LINE = "    return F.silu(gate) * up\n"
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    return copy_project(tmp_path_factory.mktemp("project"))
+
+
+@pytest.fixture(scope="module")
+def server(project, tiny_model_dir):
+    args = [str(tiny_model_dir), "--device", "cpu", "--max-model-len", "1024", "--allow-reload-forward",
+            "--cudagraph-capture-sizes", "1", "4"]
+    with serve(args, project / "serve.log", cwd=project) as url:
+        yield url
+
+
+@contextmanager
+def edited(project, path, old, new):
+    file = project / path
+    original = file.read_text()
+    assert old in original
+    file.write_text(original.replace(old, new))
+    try:
+        yield
+    finally:
+        file.write_text(original)
+
+
+def complete(url, **overrides):
+    r = httpx.post(url + "/v1/completions", json={**PROMPT, **overrides}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def reload(url, id_, **body):
+    r = httpx.post(url + "/v1/rl/engine/reload_forward", json={"id": id_, **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+_ids = iter(range(10**6))
+
+
+def new_id() -> str:
+    return f"t{next(_ids)}-{time.monotonic_ns()}"
+
+
+def test_edit_changes_output_and_revert_restores_it(server, project):
+    before = complete(server)["text"]
+    with edited(project, ACTIVATION, SILU_LINE, "    return -F.silu(gate) * up\n"):
+        reply = reload(server, new_id())
+        assert reply["ok"], reply
+        worker = reply["workers"][0]
+        assert worker["reloaded"] == ["kernels.ops.activation"]
+        assert "runtime.layers.activation" in worker["dependents"] and worker["patched"] > 0
+        assert set(worker["timings"]) >= {"drain", "flush", "reload", "warm", "recapture", "jit", "total", "pause"}
+        changed = complete(server)["text"]
+        assert changed != before
+    assert reload(server, new_id())["ok"]
+    assert complete(server)["text"] == before
+
+
+def test_syntax_error_is_reported_and_old_code_keeps_serving(server, project):
+    before = complete(server)["text"]
+    with edited(project, ACTIVATION, SILU_LINE, "    return F.silu(gate) * up)\n"):
+        reply = reload(server, new_id())
+        assert reply["ok"] is False
+        error = reply["workers"][0]["error"]
+        assert "activation.py:" in error and "SyntaxError" in error
+        assert complete(server)["text"] == before
+    assert reload(server, new_id())["ok"]  # the reverted file still differs from nothing: a no-op reload
+
+
+def test_error_in_warm_up_rolls_back(server, project):
+    before = complete(server)["text"]
+    with edited(project, ACTIVATION, SILU_LINE, "    raise RuntimeError('kernel exploded')\n"):
+        reply = reload(server, new_id())
+        assert reply["ok"] is False
+        assert "kernel exploded" in reply["workers"][0]["error"] and "activation.py:" in reply["workers"][0]["error"]
+        assert complete(server)["text"] == before
+
+
+def test_edit_outside_reloadable_packages_needs_restart(server, project):
+    with edited(project, "runtime/engine/scheduler.py", '"""Continuous batching', '"""Edited. Continuous batching'):
+        worker = reload(server, new_id())["workers"][0]
+        assert worker["needs_restart"] == ["runtime.engine.scheduler"]
+        assert worker["reloaded"] == []
+
+
+def test_forced_module_reloads_without_a_change(server):
+    worker = reload(server, new_id(), modules=["kernels.ops.norm"])["workers"][0]
+    assert worker["ok"] and worker["reloaded"] == ["kernels.ops.norm"] and worker["dependents"]
+    bad = reload(server, new_id(), modules=["no.such.module"])
+    assert bad["ok"] is False and "no.such.module" in bad["workers"][0]["error"]
+
+
+def test_same_id_returns_the_first_outcome_without_reloading_again(server):
+    rid = new_id()
+    first = reload(server, rid, modules=["kernels.ops.norm"])
+    second = reload(server, rid, modules=["kernels.ops.norm"])
+    assert first == second  # timings included: it did not run twice
+
+
+def stream_completion(url, results, index, **overrides):
+    text, reasons = "", []
+    with httpx.stream("POST", url + "/v1/completions", json={**PROMPT, "stream": True, **overrides}, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                if "error" in event:
+                    reasons.append("error")
+                    continue
+                text += event["choices"][0]["text"]
+                if event["choices"][0]["finish_reason"]:
+                    reasons.append(event["choices"][0]["finish_reason"])
+    results[index] = (text, reasons)
+
+
+def start_streams(url, n, **overrides):
+    results = [None] * n
+    threads = [threading.Thread(target=stream_completion, args=(url, results, i), kwargs=overrides) for i in range(n)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    return threads, results
+
+
+def test_streams_in_flight_complete_across_a_reload(server):
+    threads, results = start_streams(server, 4, max_tokens=300)
+    reply = reload(server, new_id(), modules=["kernels.ops.activation"])
+    late = complete(server, max_tokens=5)  # arrives after the reload: served by the new code
+    for t in threads:
+        t.join(60)
+    assert reply["ok"]
+    assert all(r == (r[0], ["length"]) for r in results), results
+    assert late["finish_reason"] == "length"
+
+
+def test_abort_mode_aborts_running_requests_with_a_reason(server):
+    threads, results = start_streams(server, 3, max_tokens=900)
+    reply = reload(server, new_id(), modules=["kernels.ops.activation"], mode="abort")
+    for t in threads:
+        t.join(60)
+    assert reply["ok"]
+    assert all(reasons == ["abort"] for _, reasons in results), results
+
+
+def test_drain_timeout_gives_up_cleanly_and_names_the_step(server):
+    threads, results = start_streams(server, 1, max_tokens=900)
+    reply = reload(server, new_id(), modules=["kernels.ops.activation"], timeout_s=0.2)
+    for t in threads:
+        t.join(60)
+    assert reply["ok"] is False and "drain" in reply["workers"][0]["error"]
+    assert results[0][1] == ["length"]  # the running request was not disturbed
+
+
+def test_concurrent_reloads_run_one_after_the_other(server):
+    events = []
+    stop = threading.Event()
+
+    def listen():
+        with httpx.stream("GET", server + "/v1/rl/engine/events", timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+                if stop.is_set():
+                    return
+
+    listener = threading.Thread(target=listen)
+    listener.start()
+    time.sleep(0.3)
+    ids = [new_id(), new_id()]
+    replies = [None, None]
+    workers = [threading.Thread(target=lambda i=i: replies.__setitem__(i, reload(server, ids[i], modules=["kernels.ops.norm"])))
+               for i in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    stop.set()
+    reload(server, new_id(), modules=["kernels.ops.norm"])  # one more event lets the listener see `stop`
+    listener.join(30)
+    assert all(r["ok"] for r in replies)
+    mine = [e for e in events if e.get("id") in ids]
+    starts = [i for i, e in enumerate(mine) if e["type"] == "reload_started"]
+    ends = [i for i, e in enumerate(mine) if e["type"] == "reload_finished"]
+    assert len(starts) == 2 and len(ends) == 2 and ends[0] < starts[1]  # serialized
+    steps = [e["step"] for e in mine[: ends[0]] if e["type"] == "reload_step" and e["state"] == "done"]
+    assert steps == ["drain", "flush", "reload", "warm", "recapture"]
+    assert all(e.get("seconds", 0) >= 0 for e in mine if e["type"] == "reload_step")
+
+
+def test_pause_is_kept_across_a_reload_and_continue_resumes(server):
+    assert httpx.post(server + "/v1/rl/engine/pause_generation", json={"mode": "keep"}).json()["paused"]
+    results = [None]
+    t = threading.Thread(target=stream_completion, args=(server, results, 0), kwargs={"max_tokens": 3})
+    t.start()
+    assert reload(server, new_id(), modules=["kernels.ops.norm"])["ok"]
+    time.sleep(0.5)
+    assert results[0] is None  # still paused: the request is held
+    httpx.post(server + "/v1/rl/engine/continue_generation", json={})
+    t.join(30)
+    assert results[0][1] == ["length"]
+
+
+def test_reload_is_refused_without_the_flag(tiny_model_dir, tmp_path):
+    with serve([str(tiny_model_dir), "--device", "cpu", "--max-model-len", "1024"], tmp_path / "log") as url:
+        threads, results = start_streams(url, 1, max_tokens=200)
+        r = httpx.post(url + "/v1/rl/engine/reload_forward", json={"id": "x"})
+        assert r.status_code == 403 and "--allow-reload-forward" in r.json()["error"]["message"]
+        threads[0].join(60)
+        assert results[0][1] == ["length"]

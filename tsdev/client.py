@@ -1,0 +1,45 @@
+"""Talking to a tsdev (or any seed-style) server over HTTP, and printing what it says."""
+import uuid
+
+import httpx
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def reload_forward(url: str, modules: list[str] | None = None, mode: str = "wait",
+                   timeout_s: float | None = None, request_id: str | None = None) -> dict:
+    """POST reload_forward and return the reply; raises httpx errors and RuntimeError for refusals."""
+    body = {"id": request_id or f"reload-{uuid.uuid4().hex[:12]}", "mode": mode}
+    if modules:
+        body["modules"] = modules
+    if timeout_s:
+        body["timeout_s"] = timeout_s
+    response = httpx.post(f"{url.rstrip('/')}/v1/rl/engine/reload_forward", json=body,
+                          timeout=None if timeout_s is None else timeout_s + 30)
+    if response.status_code != 200:
+        try:
+            message = response.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = response.text
+        raise RuntimeError(f"{response.status_code}: {message}")
+    return response.json()
+
+
+def format_worker(worker: dict) -> str:
+    """One line per worker, as DESIGN.md shows it, with rich markup (stripped when not a terminal)."""
+    t = worker.get("timings", {})
+    rank = f"[dim]rank {worker['rank']}:[/dim] " if worker.get("rank") else ""
+    if not worker.get("ok"):
+        return f"{rank}[red]reload failed[/red]: {worker.get('error')}"
+    reloaded = ", ".join(worker.get("reloaded") or []) or "nothing (no source changed)"
+    line = (f"{rank}reloaded [bold]{reloaded}[/bold] and {len(worker.get('dependents') or [])} dependent module(s), "
+            f"{worker.get('patched', 0)} object(s) patched in {t.get('reload', 0):.2f} s;\n"
+            f"warmed in {t.get('warm', 0):.2f} s; recaptured in {t.get('recapture', 0):.2f} s; "
+            f"JIT-compiled {worker.get('jit_kernels', 0)} kernel(s) in {t.get('jit', 0):.2f} s; "
+            f"serving paused {t.get('pause', 0):.2f} s")
+    if worker.get("stale"):
+        names = ", ".join(s.get("name", "?") if isinstance(s, dict) else str(s) for s in worker["stale"])
+        line += f"\n[yellow]stale (could not be patched): {names}[/yellow]"
+    if worker.get("needs_restart"):
+        line += f"\n[yellow]needs restart: {', '.join(worker['needs_restart'])} changed outside the reloadable packages[/yellow]"
+    return line
