@@ -145,7 +145,7 @@ def measure(reloader: Reloader, edit, iterations: int) -> dict:
         "reloaded": runs[-1].reloaded, "dependents": runs[-1].dependents, "patched": runs[-1].patched,
         "first_ms": runs[0].timings["total"] * 1e3,
         "median_ms": statistics.median(r.timings["total"] for r in steady) * 1e3,
-        "p90_ms": statistics.quantiles([r.timings["total"] for r in steady], n=10)[-1] * 1e3,
+        "p90_ms": statistics.quantiles([r.timings["total"] for r in steady], n=10, method="inclusive")[-1] * 1e3,
         "max_ms": max(r.timings["total"] for r in steady) * 1e3,
         "phases_ms": phases,
     }
