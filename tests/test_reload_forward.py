@@ -223,3 +223,19 @@ def test_reload_is_refused_without_the_flag(tiny_model_dir, tmp_path):
         assert r.status_code == 403 and "--allow-reload-forward" in r.json()["error"]["message"]
         threads[0].join(60)
         assert results[0][1] == ["length"]
+
+
+def test_continue_generation_cancels_a_reload_that_has_not_started(server):
+    threads, results = start_streams(server, 1, max_tokens=600)  # keeps the first reload draining a while
+    replies = {}
+    first = threading.Thread(target=lambda: replies.__setitem__("first", reload(server, new_id(), modules=["kernels.ops.norm"])))
+    first.start()
+    time.sleep(0.3)
+    second = threading.Thread(target=lambda: replies.__setitem__("second", reload(server, new_id(), modules=["kernels.ops.norm"])))
+    second.start()
+    time.sleep(0.3)
+    assert httpx.post(server + "/v1/rl/engine/continue_generation", json={}, timeout=60).status_code == 200
+    for t in (first, second, *threads):
+        t.join(60)
+    assert replies["first"]["ok"]
+    assert replies["second"]["ok"] is False and "cancelled" in replies["second"]["workers"][0]["error"]
