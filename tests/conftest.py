@@ -32,3 +32,14 @@ def make_engine(tiny_model_dir):
         return LLMEngine(EngineConfig(**{**kwargs, **overrides}))
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model_dir, tmp_path_factory):
+    """URL of a `tsdev serve` subprocess on the tiny checkpoint, shared by the tests that only send requests."""
+    from serve_process import serve
+
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    args = [str(tiny_model_dir), "--device", "cpu", "--max-model-len", "1024", "--served-model-name", "tiny"]
+    with serve(args, log) as url:
+        yield url

@@ -4,16 +4,12 @@ import time
 import httpx
 import pytest
 
-from serve_process import serve
-
 import openai
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with serve([str(tiny_model_dir), "--device", "cpu", "--max-model-len", "1024", "--served-model-name", "tiny"], log) as url:
-        yield url
+@pytest.fixture
+def server(tiny_server):
+    return tiny_server
 
 
 @pytest.fixture

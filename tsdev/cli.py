@@ -166,6 +166,61 @@ def reload(
     raise typer.Exit(0 if reply["ok"] else 1)
 
 
+@app.command()
+def bench(
+    url: Annotated[str, typer.Option(help="Any OpenAI-compatible server.")] = "http://127.0.0.1:8000",
+    endpoint: Annotated[str, typer.Option(help="completions (token-id prompts) or chat (text prompts).")] = "completions",
+    model: Annotated[Optional[str], typer.Option(help="Model name to send; default: the server's first model.")] = None,
+    num_prompts: Annotated[int, typer.Option(help="Requests to measure.")] = 100,
+    input_len: Annotated[int, typer.Option(help="Prompt tokens per request (random workload).")] = 256,
+    output_len: Annotated[int, typer.Option(help="Output tokens per request (max_tokens).")] = 128,
+    range_ratio: Annotated[float, typer.Option(help="Lengths uniform in [len*(1-r), len*(1+r)], as in `vllm bench serve`.")] = 0.0,
+    prompts: Annotated[Optional[Path], typer.Option("--prompts", help="JSONL workload instead of random prompts: "
+                                                    '{"prompt": ..., "max_tokens": ...} or {"messages": [...]} per line.')] = None,
+    request_rate: Annotated[float, typer.Option(help="Requests per second (Poisson arrivals); inf sends all at once.")] = float("inf"),
+    max_concurrency: Annotated[Optional[int], typer.Option(help="Most requests in flight at once.")] = None,
+    ignore_eos: Annotated[bool, typer.Option(help="Generate exactly max_tokens (the server must support ignore_eos).")] = True,
+    seed: Annotated[int, typer.Option(help="Seed of the workload (lengths, token ids, arrivals).")] = 0,
+    warmup: Annotated[int, typer.Option(help="Requests sent (one at a time) before measuring.")] = 0,
+    save_result: Annotated[Optional[Path], typer.Option(help="Write metrics, config and per-request records as JSON.")] = None,
+    baseline: Annotated[Optional[Path], typer.Option(help="A JSON from --save-result: print the change per metric.")] = None,
+):
+    """Load-test a server and report throughput, TTFT, TPOT, ITL and latency (mean, median, p90, p99)."""
+    import asyncio
+    import json
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    from tsdev.bench import BenchConfig, run_bench
+    from tsdev.bench_report import render
+
+    console = Console(soft_wrap=True)
+    config = BenchConfig(url=url, endpoint=endpoint, model=model, num_prompts=num_prompts, input_len=input_len,
+                         output_len=output_len, range_ratio=range_ratio, prompts_file=str(prompts) if prompts else None,
+                         request_rate=request_rate, max_concurrency=max_concurrency, ignore_eos=ignore_eos, seed=seed,
+                         warmup=warmup)
+    try:
+        config.check()
+        before = json.loads(baseline.read_text()) if baseline else None
+    except (ValueError, OSError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as bar:
+        task = bar.add_task("requests", total=num_prompts)
+        try:
+            result = asyncio.run(run_bench(config, lambda done, total: bar.update(task, completed=done)))
+        except (ConnectionError, ValueError) as exc:
+            console.print(f"[red]error:[/red] {exc}")
+            raise typer.Exit(2) from None
+    console.print(render(result, before))
+    if save_result:
+        save_result.write_text(json.dumps(result, indent=1))
+        console.print(f"saved to {save_result}")
+    raise typer.Exit(1 if result["metrics"]["failed_requests"] else 0)
+
+
 @app.callback()
 def main() -> None:
     """tsdev: serve, and (soon) hot-reload the forward pass of, an LLM while you edit its kernels."""

@@ -72,7 +72,8 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader=None) -> FastA
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": created,
-                                            "owned_by": "tsdev", "max_model_len": engine.max_model_len}]}
+                                            "owned_by": "tsdev", "max_model_len": engine.max_model_len,
+                                            "vocab_size": engine.model_config.vocab_size}]}
 
     @app.get("/metrics")
     async def prometheus():

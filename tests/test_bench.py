@@ -1,0 +1,72 @@
+"""tsdev bench against a real server: metrics present, consistent, and recomputable from the raw timestamps."""
+import asyncio
+import json
+import statistics
+
+from typer.testing import CliRunner
+
+from tsdev.bench import BenchConfig, run_bench
+from tsdev.cli import app
+
+
+def run(url, **kwargs):
+    return asyncio.run(run_bench(BenchConfig(url=url, **kwargs)))
+
+
+def test_bench_counts_every_requested_token(tiny_server):
+    result = run(tiny_server, num_prompts=12, input_len=40, output_len=9, max_concurrency=4, warmup=1)
+    m = result["metrics"]
+    assert m["successful_requests"] == 12 and m["failed_requests"] == 0
+    assert m["output_tokens"] == 12 * 9 and m["input_tokens"] == 12 * 40
+    assert all(len(r["chunk_times"]) >= 1 for r in result["records"])
+    assert m["mean_ttft_ms"] <= m["mean_e2el_ms"] and m["median_ttft_ms"] <= m["p90_ttft_ms"] <= m["p99_ttft_ms"]
+    assert abs(m["output_throughput"] - m["output_tokens"] / m["duration_s"]) < 1e-6
+
+
+def test_metrics_match_an_independent_computation(tiny_server):
+    result = run(tiny_server, num_prompts=10, input_len=20, output_len=12, range_ratio=0.5, request_rate=50, seed=3)
+    m, records = result["metrics"], result["records"]
+    ttft = [r["ttft"] * 1000 for r in records]
+    e2e = [r["latency"] * 1000 for r in records]
+    itl = [(b - a) * 1000 for r in records for a, b in zip(r["chunk_times"], r["chunk_times"][1:])]
+    tpot = [(r["latency"] - r["ttft"]) * 1000 / (r["output_tokens"] - 1) for r in records if r["output_tokens"] > 1]
+    assert abs(m["mean_ttft_ms"] - statistics.fmean(ttft)) < 1e-6
+    assert abs(m["median_e2el_ms"] - statistics.median(e2e)) < 1e-6
+    assert abs(m["p99_itl_ms"] - statistics.quantiles(itl, n=100, method="inclusive")[98]) < 1e-6
+    assert abs(m["p90_tpot_ms"] - statistics.quantiles(tpot, n=10, method="inclusive")[8]) < 1e-6
+    lengths = {r["output_tokens"] for r in records}
+    assert len(lengths) > 1 and all(6 <= n <= 18 for n in lengths)  # range ratio 0.5 around 12
+
+
+def test_failed_requests_are_counted_and_shown(tiny_server, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [{"prompt": "hello", "max_tokens": 4}, {"prompt": "too long", "max_tokens": 5000}] * 3
+    prompts.write_text("\n".join(json.dumps(line) for line in lines))
+    result = run(tiny_server, num_prompts=6, prompts_file=str(prompts))
+    m = result["metrics"]
+    assert m["successful_requests"] == 3 and m["failed_requests"] == 3
+    assert m["output_tokens"] == 12
+    assert "maximum context length" in result["errors"][0]
+
+
+def test_cli_prints_a_table_saves_and_compares(tiny_server, tmp_path):
+    runner = CliRunner()
+    out = tmp_path / "run.json"
+    first = runner.invoke(app, ["bench", "--url", tiny_server, "--num-prompts", "4", "--input-len", "8",
+                                "--output-len", "4", "--save-result", str(out)])
+    assert first.exit_code == 0, first.output
+    assert "Output token throughput" in first.output and json.loads(out.read_text())["metrics"]["output_tokens"] == 16
+    second = runner.invoke(app, ["bench", "--url", tiny_server, "--num-prompts", "4", "--input-len", "8",
+                                 "--output-len", "4", "--endpoint", "chat", "--baseline", str(out)])
+    assert second.exit_code == 0, second.output
+    assert "baseline" in second.output and "%" in second.output
+
+
+def test_cli_refuses_bad_arguments_clearly(tmp_path):
+    runner = CliRunner()
+    bad = runner.invoke(app, ["bench", "--range-ratio", "1.5"])
+    assert bad.exit_code == 2 and "--range-ratio must be in [0, 1)" in bad.output
+    missing = runner.invoke(app, ["bench", "--prompts", str(tmp_path / "nope.jsonl")])
+    assert missing.exit_code == 2 and "no such file" in missing.output
+    down = runner.invoke(app, ["bench", "--url", "http://127.0.0.1:9", "--num-prompts", "1"])
+    assert down.exit_code == 2 and "cannot reach" in down.output

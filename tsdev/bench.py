@@ -1,0 +1,218 @@
+"""`tsdev bench`: an async load generator for OpenAI-compatible servers, with serving metrics.
+
+Metrics follow `vllm bench serve`: TTFT (request sent -> first token), TPOT ((latency - TTFT) /
+(output tokens - 1)), ITL (gaps between streamed chunks), end-to-end latency; throughput over the
+whole run's wall time. Output token counts come from the server's final `usage`.
+"""
+import asyncio
+import json
+import math
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+WORDS = ("the quick brown fox jumps over a lazy dog while kernels run fast on every GPU in the rack").split()
+
+
+@dataclass
+class BenchConfig:
+    url: str = "http://127.0.0.1:8000"
+    endpoint: str = "completions"  # completions | chat
+    model: str | None = None  # default: the server's first model
+    num_prompts: int = 100
+    input_len: int = 256
+    output_len: int = 128
+    range_ratio: float = 0.0  # lengths uniform in [len * (1 - r), len * (1 + r)], as vllm bench serve
+    prompts_file: str | None = None  # JSONL: {"prompt": str | [ids], "max_tokens"?} or {"messages": [...]}
+    request_rate: float = math.inf  # requests/s, Poisson arrivals; inf sends all at once
+    max_concurrency: int | None = None
+    ignore_eos: bool = True
+    seed: int = 0
+    warmup: int = 0
+    timeout_s: float = 600.0
+
+    def check(self) -> None:
+        """Raise ValueError with what to change for a bad combination of arguments."""
+        if self.endpoint not in ("completions", "chat"):
+            raise ValueError(f"--endpoint is completions or chat, not {self.endpoint!r}")
+        if self.num_prompts < 1:
+            raise ValueError("--num-prompts must be at least 1")
+        if self.input_len < 1 or self.output_len < 1:
+            raise ValueError("--input-len and --output-len must be at least 1")
+        if not 0 <= self.range_ratio < 1:
+            raise ValueError("--range-ratio must be in [0, 1)")
+        if self.request_rate <= 0:
+            raise ValueError("--request-rate must be positive (or inf)")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError("--max-concurrency must be at least 1")
+        if self.prompts_file and not Path(self.prompts_file).is_file():
+            raise ValueError(f"--prompts {self.prompts_file}: no such file")
+
+
+@dataclass
+class RequestRecord:
+    ok: bool
+    start: float = 0.0
+    ttft: float | None = None
+    latency: float | None = None
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each content chunk, from start
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    error: str | None = None
+
+
+def build_requests(config: BenchConfig, vocab: int, count: int, rng: random.Random) -> list[dict]:
+    """Request bodies (without model/stream fields) for the chosen workload."""
+    if config.prompts_file:
+        lines = [json.loads(line) for line in Path(config.prompts_file).read_text().splitlines() if line.strip()]
+        if not lines:
+            raise ValueError(f"--prompts {config.prompts_file} has no requests")
+        return [dict(lines[i % len(lines)]) for i in range(count)]
+
+    def length(n: int) -> int:
+        return max(1, rng.randint(int(n * (1 - config.range_ratio)), int(n * (1 + config.range_ratio))))
+
+    bodies = []
+    for _ in range(count):
+        n_in, n_out = length(config.input_len), length(config.output_len)
+        if config.endpoint == "chat":
+            body = {"messages": [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(n_in))}]}
+        else:
+            body = {"prompt": [rng.randrange(vocab) for _ in range(n_in)]}
+        bodies.append({**body, "max_tokens": n_out})
+    return bodies
+
+
+async def send(client: httpx.AsyncClient, config: BenchConfig, model: str, body: dict) -> RequestRecord:
+    path = "/v1/chat/completions" if config.endpoint == "chat" else "/v1/completions"
+    payload = {"model": model, **body, "stream": True, "stream_options": {"include_usage": True},
+               "ignore_eos": config.ignore_eos, "temperature": body.get("temperature", 0.0)}
+    record = RequestRecord(ok=False, start=time.perf_counter())
+    try:
+        async with client.stream("POST", config.url.rstrip("/") + path, json=payload) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                record.error = f"HTTP {response.status_code}: {text[:300]}"
+                return record
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    record.error = f"server error: {event['error'].get('message')}"
+                    return record
+                now = time.perf_counter() - record.start
+                for choice in event.get("choices") or []:
+                    text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+                    if text is not None and (text or choice.get("finish_reason") is None):
+                        if record.ttft is None:
+                            record.ttft = now
+                        record.chunk_times.append(now)
+                if event.get("usage"):
+                    record.prompt_tokens = event["usage"]["prompt_tokens"]
+                    record.output_tokens = event["usage"]["completion_tokens"]
+        record.latency = time.perf_counter() - record.start
+        if record.ttft is None:
+            record.ttft = record.latency
+        record.ok = record.output_tokens > 0
+        if not record.ok:
+            record.error = "the stream ended without usage or output tokens"
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        record.error = f"{type(exc).__name__}: {exc}"
+    return record
+
+
+def summarize(records: list[RequestRecord], duration: float) -> dict:
+    """The run's metrics (milliseconds for latencies, per second for throughputs)."""
+    ok = [r for r in records if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    ttft = [r.ttft * 1e3 for r in ok]
+    e2e = [r.latency * 1e3 for r in ok]
+    tpot = [(r.latency - r.ttft) * 1e3 / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    itl = [(b - a) * 1e3 for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    metrics = {
+        "successful_requests": len(ok), "failed_requests": len(records) - len(ok), "duration_s": duration,
+        "request_throughput": len(ok) / duration, "input_tokens": in_tokens, "output_tokens": out_tokens,
+        "input_throughput": in_tokens / duration, "output_throughput": out_tokens / duration,
+        "total_throughput": (in_tokens + out_tokens) / duration,
+    }
+    for name, values in (("ttft_ms", ttft), ("tpot_ms", tpot), ("itl_ms", itl), ("e2el_ms", e2e)):
+        metrics.update(distribution(name, values))
+    return metrics
+
+
+def distribution(name: str, values: list[float]) -> dict:
+    if not values:
+        return {f"{stat}_{name}": None for stat in ("mean", "median", "p90", "p99")}
+    ordered = sorted(values)
+    return {f"mean_{name}": statistics.fmean(values), f"median_{name}": statistics.median(values),
+            f"p90_{name}": percentile(ordered, 90), f"p99_{name}": percentile(ordered, 99)}
+
+
+def percentile(ordered: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    pos = (len(ordered) - 1) * q / 100
+    low = math.floor(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+async def server_model(client: httpx.AsyncClient, url: str) -> tuple[str, int]:
+    """(first model id, a safe token-id range for random prompts)."""
+    response = await client.get(url.rstrip("/") + "/v1/models")
+    response.raise_for_status()
+    first = response.json()["data"][0]
+    return first["id"], min(first.get("vocab_size") or 1000, 10_000)
+
+
+async def run_bench(config: BenchConfig, progress=None) -> dict:
+    """Run the benchmark; `progress(done, total)` is called as requests finish. Returns metrics, config and records."""
+    config.check()
+    rng = random.Random(config.seed)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=config.timeout_s, limits=limits) as client:
+        try:
+            default_model, vocab = await server_model(client, config.url)
+        except httpx.HTTPError as exc:
+            raise ConnectionError(f"cannot reach an OpenAI-compatible server at {config.url} ({exc}): "
+                                  "start one (tsdev serve) or pass --url") from None
+        model = config.model or default_model
+        bodies = build_requests(config, vocab, config.warmup + config.num_prompts, rng)
+        for body in bodies[: config.warmup]:
+            await send(client, config, model, body)
+        semaphore = asyncio.Semaphore(config.max_concurrency or len(bodies))
+        done = 0
+
+        async def one(body: dict, delay: float) -> RequestRecord:
+            nonlocal done
+            await asyncio.sleep(delay)
+            async with semaphore:
+                record = await send(client, config, model, body)
+            done += 1
+            if progress:
+                progress(done, config.num_prompts)
+            return record
+
+        delays, t = [], 0.0
+        for _ in range(config.num_prompts):
+            delays.append(t)
+            if math.isfinite(config.request_rate):
+                t += rng.expovariate(config.request_rate)
+        start = time.perf_counter()
+        records = await asyncio.gather(*(one(b, d) for b, d in zip(bodies[config.warmup :], delays)))
+        duration = time.perf_counter() - start
+    errors = [r.error for r in records if not r.ok]
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": model, "config": asdict(config),
+            "metrics": summarize(records, duration), "errors": errors[:10],
+            "records": [asdict(r) for r in records]}
+
+
+def quick(url: str) -> dict:
+    """A few seconds of load for the TUI's `b` key: 16 requests, 64 in / 32 out, 8 at a time."""
+    config = BenchConfig(url=url, num_prompts=16, input_len=64, output_len=32, max_concurrency=8)
+    return asyncio.run(run_bench(config))
