@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from runtime.engine.llm_engine import LLMEngine, RequestOutput
+from runtime.engine.profiler import StepProfiler
 from runtime.engine.sequence import SamplingParams
 
 log = logging.getLogger("runtime.server")
@@ -35,6 +36,7 @@ class AsyncEngine:
         self._stepped: asyncio.Event | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._task: asyncio.Task | None = None
+        self.profiler = StepProfiler(engine.runner.device)
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -164,16 +166,22 @@ class AsyncEngine:
                 continue
             start = time.perf_counter()
             try:
-                outputs = await self.run_on_engine_thread(self.engine.step)
+                outputs, closed_range = await self.run_on_engine_thread(self._step)
             except Exception as exc:  # keep serving: fail the requests in flight, not the server
                 log.exception("engine step failed; aborting the requests in flight")
                 self._fail_all(exc)
                 continue
             for out in outputs:
                 self._deliver(out)
+            if closed_range:
+                self.publish({"type": "profile_finished", **closed_range})
             self._stepped.set()
             if self.on_step:
                 self.on_step(time.perf_counter() - start, outputs)
+
+    def _step(self) -> tuple[list[RequestOutput], dict | None]:
+        outputs = self.engine.step()
+        return outputs, self.profiler.after_step()
 
     def _deliver(self, out: RequestOutput | None) -> None:
         queue = self._streams.get(out.request_id) if out else None

@@ -20,6 +20,13 @@ class ReloadBody(BaseModel):
     timeout_s: float | None = Field(None, gt=0)
 
 
+class ProfileBody(BaseModel):
+    activities: list[str] = ["CUDA_PROFILER"]
+    num_steps: int = Field(20, ge=1)
+    output_dir: str | None = None
+    name: str | None = None  # the range's name (the trace file's, for TORCH)
+
+
 class PauseBody(BaseModel):
     mode: Literal["abort", "wait", "keep"] = "abort"
 
@@ -64,6 +71,26 @@ def add_control_routes(app: FastAPI, async_engine: AsyncEngine, reload_forward: 
     async def flush_cache():
         await ae.between_steps(ae.engine.block_manager.flush)
         return {"flushed": True}
+
+    @app.post("/start_profile")
+    async def start_profile(body: ProfileBody | None = None):
+        body = body or ProfileBody()
+        try:
+            info = await ae.run_on_engine_thread(ae.profiler.start, body.activities, body.num_steps, body.output_dir, body.name)
+        except ValueError as exc:
+            status = 409 if "still open" in str(exc) else 400
+            raise api_error(status, str(exc), None, "invalid_request_error") from None
+        ae.publish({"type": "profile_started", **info})
+        return info
+
+    @app.post("/stop_profile")
+    async def stop_profile():
+        try:
+            info = await ae.run_on_engine_thread(ae.profiler.stop)
+        except ValueError as exc:
+            raise api_error(400, str(exc), None, "invalid_request_error") from None
+        ae.publish({"type": "profile_finished", **info})
+        return info
 
     @app.get("/v1/rl/engine/events")
     async def events():
