@@ -1,4 +1,12 @@
 import os
+
+import torch
+
+# Without a GPU, Triton kernels run in its interpreter. Triton reads this when a kernel is decorated,
+# so it must be set before anything imports kernels.ops (or tsdev.hotreload's Triton scenarios).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from pathlib import Path
 
 import pytest

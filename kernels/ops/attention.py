@@ -6,8 +6,28 @@ A token's slot is page * page_size + offset; slot -1 marks a padding row that wr
 One call serves a whole mixed batch: sequence i owns query rows cu_seqlens_q[i]:cu_seqlens_q[i+1]
 (a prefill chunk or a single decode token), which are the last q_len of its seq_lens[i] tokens;
 it attends causally to all of them, read through its page table (cached prefix included).
+
+Triton paths (CUDA), picked from host ints so no step waits on the GPU:
+* decode (max_q_len == 1): one program per (sequence, KV head, split). The query heads that share a
+  KV head are packed into one tile, so each K/V row is read once for the whole group (GQA). Each
+  sequence's KV length is cut into `num_splits` chunks (flash-decoding) so that batch 1 at a long
+  context still fills the GPU; a second small kernel merges the chunks by their log-sum-exp. The
+  grid depends only on the batch size and head counts, so a CUDA graph captured once replays
+  correctly for any seq_lens and page tables.
+* prefill (max_q_len > 1): one program per (block of query rows, sequence, query head), streaming
+  the sequence's pages in KV blocks with an online softmax and the causal mask offset by the cached
+  prefix (query row j of a sequence sits at position seq_len - q_len + j).
+K/V rows are gathered token by token through the page table, so any page size works.
 """
+import functools
+
 import torch
+import triton
+import triton.language as tl
+
+from kernels.ops import use_triton
+
+LOG2E = 1.4426950408889634
 
 
 def store_kvcache_ref(
@@ -48,9 +68,288 @@ def paged_attention_ref(
     return out
 
 
-def store_kvcache(k, v, k_cache, v_cache, slot_mapping) -> None:
-    store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
+# ---------------------------------------------------------------------------------------------------
+# KV-cache store
 
 
-def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale) -> torch.Tensor:
-    return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale)
+@triton.jit
+def _store_kvcache_kernel(
+    K, V, K_CACHE, V_CACHE, SLOTS,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cp, stride_cs, stride_ch,
+    Hk, D, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    if slot >= 0:  # -1: a padding row, writes nothing
+        heads = tl.arange(0, BLOCK_H)[:, None]
+        cols = tl.arange(0, BLOCK_D)[None, :]
+        mask = (heads < Hk) & (cols < D)
+        dst = (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_cs + heads * stride_ch + cols
+        k = tl.load(K + t * stride_kt + heads * stride_kh + cols, mask=mask)
+        v = tl.load(V + t * stride_vt + heads * stride_vh + cols, mask=mask)
+        tl.store(K_CACHE + dst, k, mask=mask)
+        tl.store(V_CACHE + dst, v, mask=mask)
+
+
+def store_kvcache_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    T, Hk, D = k.shape
+    if T == 0:
+        return
+    _store_kvcache_kernel[(T,)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), Hk, D,
+        PAGE_SIZE=k_cache.shape[1], BLOCK_H=triton.next_power_of_2(Hk), BLOCK_D=triton.next_power_of_2(D),
+        num_warps=4,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Decode: one query row per sequence, KV split across programs, then merged
+
+
+@triton.jit
+def _decode_kernel(
+    Q, K_CACHE, V_CACHE, O, PART_O, PART_LSE, CU, SEQ_LENS, PAGE_TABLE,
+    scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_cp, stride_cs, stride_ch, stride_pt,
+    Hq, num_splits,
+    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    row = tl.load(CU + b)
+    q_len = tl.load(CU + b + 1) - row  # 1, or 0 for a sequence with no row this step
+    seq_len = tl.load(SEQ_LENS + b)
+    # this split's share of the sequence, in whole KV blocks (seq_len is read here, not baked into the grid)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + h  # the query heads that read this KV head, one tile
+    hd_mask = (h < GROUP * q_len)[:, None] & (d < HEAD_DIM)[None, :]
+    q = tl.load(Q + row * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=hd_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < end
+        page = tl.load(PAGE_TABLE + b * stride_pt + n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        kv_off = page * stride_cp + (n % PAGE_SIZE) * stride_cs + kv_head * stride_ch
+        kv_mask = n_mask[:, None] & (d < HEAD_DIM)[None, :]
+        k = tl.load(K_CACHE + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(V_CACHE + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    if SPLIT:  # partial result + its log2-sum-exp; an empty split has l_i == 0 and writes -inf
+        part = (b * Hq + heads) * num_splits + split
+        tl.store(PART_O + part[:, None] * HEAD_DIM + d[None, :], acc / tl.maximum(l_i, 1e-30)[:, None], mask=hd_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+        tl.store(PART_LSE + part, lse, mask=h < GROUP * q_len)
+    else:
+        out = acc / l_i[:, None]
+        tl.store(O + row * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty),
+                 mask=hd_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    O, PART_O, PART_LSE, CU, stride_ot, stride_oh, Hq, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    row = tl.load(CU + b)
+    if tl.load(CU + b + 1) > row:
+        s = tl.arange(0, BLOCK_S)
+        d = tl.arange(0, BLOCK_D)
+        part = (b * Hq + head) * num_splits + s
+        lse = tl.load(PART_LSE + part, mask=s < num_splits, other=float("-inf"))
+        w = tl.exp2(lse - tl.max(lse, axis=0))  # empty splits: exp2(-inf) = 0
+        o = tl.load(PART_O + part[:, None] * HEAD_DIM + d[None, :], mask=(s < num_splits)[:, None] & (d < HEAD_DIM)[None, :],
+                    other=0.0)
+        out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
+        tl.store(O + row * stride_ot + head * stride_oh + d, out.to(O.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@functools.lru_cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
+    """KV splits per sequence: enough programs for ~4 per SM. Depends on shapes only (graph-safe), never on
+    seq_lens, so a captured graph and an eager step on the same batch run the same arithmetic."""
+    if device.type != "cuda":
+        return 2
+    return max(1, min(64, triton.cdiv(4 * _sm_count(device.index or 0), batch * num_kv_heads)))
+
+
+def paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale,
+                        num_splits: int | None = None, block_n: int | None = None) -> torch.Tensor:
+    B = seq_lens.shape[0]
+    T, Hq, D = q.shape
+    Hk = k_cache.shape[2]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if B == 0:
+        return out
+    if num_splits is None:
+        num_splits = decode_num_splits(B, Hk, q.device)
+    if block_n is None:
+        block_n = 32 if q.is_cuda else 16
+    split = num_splits > 1
+    part_o = torch.empty((B, Hq, num_splits, D) if split else (1,), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((B, Hq, num_splits) if split else (1,), dtype=torch.float32, device=q.device)
+    group = Hq // Hk
+    _decode_kernel[(B, Hk, num_splits)](
+        q, k_cache, v_cache, out, part_o, part_lse, cu_seqlens_q, seq_lens, page_table,
+        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0), Hq, num_splits,
+        GROUP=group, PAGE_SIZE=k_cache.shape[1], HEAD_DIM=D,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=triton.next_power_of_2(D), BLOCK_N=block_n,
+        SPLIT=split, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
+    )
+    if split:
+        _decode_merge_kernel[(B, Hq)](
+            out, part_o, part_lse, cu_seqlens_q, out.stride(0), out.stride(1), Hq, num_splits,
+            HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=triton.next_power_of_2(D), num_warps=4,
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Prefill: ragged query blocks over each sequence's pages, causal, cached prefix included
+
+
+@triton.jit
+def _prefill_kernel(
+    Q, K_CACHE, V_CACHE, O, CU, SEQ_LENS, PAGE_TABLE,
+    scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_cp, stride_cs, stride_ch, stride_pt,
+    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):
+    m_block = tl.program_id(0)
+    b = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(CU + b)
+    q_len = tl.load(CU + b + 1) - q_start
+    if m_block * BLOCK_M < q_len:  # the grid covers the longest query; shorter ones leave programs idle
+        seq_len = tl.load(SEQ_LENS + b)
+        kv_head = head // GROUP
+        m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        d = tl.arange(0, BLOCK_D)
+        q_mask = (m < q_len)[:, None] & (d < HEAD_DIM)[None, :]
+        q = tl.load(Q + (q_start + m)[:, None] * stride_qt + head * stride_qh + d[None, :], mask=q_mask, other=0.0)
+        pos = seq_len - q_len + m  # absolute position of each query row: the cached prefix comes first
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        end = tl.minimum(seq_len, seq_len - q_len + (m_block + 1) * BLOCK_M)  # causal: nothing past the last row
+        for n0 in range(0, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = n < end
+            page = tl.load(PAGE_TABLE + b * stride_pt + n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+            kv_off = page * stride_cp + (n % PAGE_SIZE) * stride_cs + kv_head * stride_ch
+            kv_mask = n_mask[:, None] & (d < HEAD_DIM)[None, :]
+            k = tl.load(K_CACHE + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+            s = tl.where(n_mask[None, :] & (n[None, :] <= pos[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(V_CACHE + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(O + (q_start + m)[:, None] * stride_ot + head * stride_oh + d[None, :], out.to(O.dtype.element_ty),
+                 mask=q_mask)
+
+
+def paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, max_q_len: int,
+                         block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
+    B = seq_lens.shape[0]
+    T, Hq, D = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if B == 0 or max_q_len == 0:
+        return out
+    block_m = block_m or (64 if q.is_cuda else 16)
+    block_n = block_n or (64 if q.is_cuda else 16)
+    _prefill_kernel[(triton.cdiv(max_q_len, block_m), B, Hq)](
+        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, page_table,
+        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
+        GROUP=Hq // k_cache.shape[2], PAGE_SIZE=k_cache.shape[1], HEAD_DIM=D,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(D),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Public ops
+
+
+def store_kvcache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write k, v [T, Hk, D] (last dim contiguous; v may be a strided view of the qkv projection) into
+    k_cache, v_cache [num_pages, page_size, Hk, D] at slot_mapping [T] (int64, page * page_size + offset).
+    Rows whose slot is -1 (graph padding) write nothing. In place; no sync."""
+    if use_triton(k):
+        store_kvcache_triton(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    scale: float,
+    *,
+    max_q_len: int | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of a mixed batch over the paged KV cache (this step's K/V already stored).
+
+    q [T, Hq, D] (last dim contiguous); k_cache, v_cache [num_pages, page_size, Hk, D] with Hq % Hk == 0;
+    cu_seqlens_q [B + 1] int32; seq_lens [B] int32 (KV length after this step, >= q_len);
+    page_table [B, max_pages] int32 (padding entries must be valid page indices, e.g. 0).
+    Returns [T, Hq, D] in q's dtype, softmax in float32. Rows owned by no sequence are left unspecified
+    (the reference zeros them).
+
+    max_q_len / max_seq_len are host ints (the runner's Context has them), so choosing the kernel never
+    waits on the GPU: max_q_len == 1 takes the decode kernel, whose grid depends only on the batch size
+    and head counts (safe to capture once and replay with other seq_lens / page tables); otherwise the
+    prefill kernel, whose grid covers max_q_len. max_seq_len is an upper bound, accepted for callers that
+    have it and currently unused. Leaving max_q_len out costs one device->host sync to find it.
+    """
+    if not use_triton(q):
+        return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale)
+    if max_q_len is None:
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if seq_lens.numel() else 0
+    if max_q_len == 1:
+        return paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale)
+    return paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, max_q_len)

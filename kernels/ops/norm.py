@@ -1,5 +1,14 @@
-"""RMSNorm, with and without the residual add fused in front of it."""
+"""RMSNorm, with and without the residual add fused in front of it.
+
+One Triton program normalises one row. The kernel follows the reference's rounding order (normalise in
+float32, round to the input dtype, multiply by the weight, round again) so bf16 outputs agree with
+Hugging Face's Qwen3RMSNorm to the last bit in almost every element.
+"""
 import torch
+import triton
+import triton.language as tl
+
+from kernels.ops import use_triton
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -18,11 +27,81 @@ def fused_add_rms_norm_ref(
     return rms_norm_ref(residual, weight, eps), residual
 
 
+@triton.jit
+def _rms_norm_kernel(
+    X, R, W, OUT, R_OUT,
+    inner, stride_x0, stride_x1, stride_r0, stride_r1,
+    N, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # rows are addressed as [outer, inner] so a strided 3-D view (q heads inside a fused qkv row) needs no copy
+    row = tl.program_id(0)
+    i, j = row // inner, row % inner
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(X + i * stride_x0 + j * stride_x1 + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        # x + residual is rounded to the input dtype first, exactly as the reference adds in that dtype
+        r = tl.load(R + i * stride_r0 + j * stride_r1 + cols, mask=mask, other=0.0).to(tl.float32)
+        x = (x + r).to(R_OUT.dtype.element_ty)
+        tl.store(R_OUT + row * N + cols, x, mask=mask)
+        x = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    normed = (x * rstd).to(R_OUT.dtype.element_ty).to(tl.float32)  # R_OUT: the dtype x was in
+    tl.store(OUT + row * N + cols, (w * normed).to(OUT.dtype.element_ty), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int]:
+    """x as rows of its last dim: (x, outer, inner, stride_outer, stride_inner), copying only when unavoidable."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.dim() == 3:
+        return x, x.shape[0], x.shape[1], x.stride(0), x.stride(1)
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2, x2.shape[0], 1, x2.stride(0), 0
+
+
+def rms_norm_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    N = x.shape[-1]
+    xr, outer, inner, sx0, sx1 = _rows(x)
+    if residual is None:
+        out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+        rr, sr0, sr1, r_out = xr, 0, 0, xr  # not written: the kernel reads only R_OUT's dtype
+    else:
+        rr, _, _, sr0, sr1 = _rows(residual)
+        r_out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+        out = torch.empty(x.shape, dtype=torch.promote_types(r_out.dtype, weight.dtype), device=x.device)
+    BLOCK = triton.next_power_of_2(N)
+    _rms_norm_kernel[(outer * inner,)](
+        xr, rr, weight, out, r_out, inner, sx0, sx1, sr0, sr1, N, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=BLOCK, num_warps=min(max(BLOCK // 256, 1), 8),
+    )
+    return out if residual is None else (out, r_out)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim: weight * round(x * rsqrt(mean(x^2) + eps)). Returns a new tensor.
+
+    x: [..., N], any dtype, last dim contiguous (a strided 3-D view such as q heads cut out of a fused qkv
+    projection is read in place). weight: [N]. Float32 statistics; the result is rounded to x's dtype
+    before the weight multiply, as Hugging Face does. Triton on CUDA, the reference elsewhere.
+    """
+    if use_triton(x):
+        return rms_norm_triton(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
 
 
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) in one pass; inputs are not modified.
+
+    x, residual: same shape [..., N]. The sum is rounded to the input dtype before it is normalised
+    (as the reference, which adds in that dtype), and returned as the next layer's residual.
+    """
+    if use_triton(x):
+        return rms_norm_triton(x, weight, eps, residual)
     return fused_add_rms_norm_ref(x, residual, weight, eps)

@@ -1,0 +1,260 @@
+"""Sampling's hot path: greedy, temperature, top-k, top-p for a batch of rows, without a host sync.
+
+Semantics are the runtime sampler's: a row with temperature 0 takes argmax(logits); any other row
+divides its logits by the temperature, keeps its top-k (0 = all) and then its top-p nucleus (1 = all;
+the best token always stays), and draws with the exponential race argmax(probs / E), E ~ Exp(1).
+
+The noise is generator-free: E at (row, column) is a hash of the row's 64-bit seed and the column
+(`exponential_noise`). So a row's draw depends only on its logits and its seed, never on the rest of
+the batch; the seeds live in a tensor a CUDA graph can read; and the top-k path draws noise only for
+its candidates. Callers derive a fresh seed per row per step (e.g. from the request's seed and the
+number of tokens it has generated).
+
+CUDA paths, picked by the host-side promise `max_top_k` (the caller knows every row's parameters):
+* max_top_k == 0 (no row filters): one Triton pass over the vocabulary computes
+  argmax(logits / T - log E) (the race in log space; T == 0 rows use the logits), split across
+  programs per row and merged by a torch argmax over the few per-program winners.
+* max_top_k == K > 0 (every sampled row has 1 <= top_k <= K): torch.topk(K) candidates, then one
+  Triton program per row does top-k, top-p (a cumsum over K) and the race on those K only, drawing
+  noise for the candidates' columns. No full-vocabulary sort.
+* None: anything goes: the reference's full sort for the filters, then the Triton race.
+"""
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.ops import use_triton
+
+_M1, _M2 = 0x21F0AAAD, 0xD35A2D97  # "lowbias32"-style 32-bit integer hash (C. Wellons' hash-prospector)
+_SEED_SALT = 0x9E3779B9
+
+
+# ---------------------------------------------------------------------------------------------------
+# Counter-based noise: the same bits in torch (reference, CPU) and in the Triton kernel
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for x in [0, 2**32) held in int64, without overflowing int64."""
+    return ((x & 0xFFFF) * c + (((x >> 16) * c) & 0xFFFF) * 65536) & 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, _M1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, _M2)
+    return x ^ (x >> 15)
+
+
+def exponential_noise(seeds: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """Exp(1) noise [S, N] float32 for rows with seeds [S] (int64) at columns cols ([N] or [S, N], int64).
+
+    Column j of a row gets the same value whichever columns are asked for, which is what lets the
+    top-k path draw noise for its candidates only. Uniforms have 24 bits, in (0, 1).
+    """
+    seeds = seeds.to(torch.int64)
+    key = _mix32((seeds & 0xFFFFFFFF) ^ _mix32(((seeds >> 32) & 0xFFFFFFFF) ^ _SEED_SALT))
+    cols = cols.to(torch.int64)
+    h = _mix32(_mix32(cols) ^ key.unsqueeze(1))
+    u = ((h >> 8).float() + 0.5) * (1.0 / 16777216.0)
+    return -torch.log(u)
+
+
+@triton.jit
+def _mix32_tl(x):
+    x = x ^ (x >> 16)
+    x = x * 0x21F0AAAD
+    x = x ^ (x >> 15)
+    x = x * 0xD35A2D97
+    return x ^ (x >> 15)
+
+
+# ---------------------------------------------------------------------------------------------------
+# References
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """Set logits outside each row's top-k, then outside its top-p nucleus, to -inf (the best token stays).
+
+    The runtime sampler's filter, except that a row with top_p >= 1 drops nothing (the sampler could drop
+    tail tokens whose mass-before rounds to 1.0).
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
+    k = torch.where(top_ks > 0, top_ks, logits.shape[-1]).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop = (mass_before >= top_ps.unsqueeze(1)) & (top_ps.unsqueeze(1) < 1)
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def sample_ref(
+    logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, noise: torch.Tensor
+) -> torch.Tensor:
+    """The runtime sampler on tensors, with the Exp(1) noise [S, V] given. Returns token ids [S] int64."""
+    greedy = logits.argmax(dim=-1)
+    scaled = logits / temperatures.clamp(min=1e-5).unsqueeze(1)
+    probs = apply_top_k_top_p(scaled, top_ks, top_ps).softmax(dim=-1)
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(temperatures > 0, sampled, greedy)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Triton: the race over the full vocabulary, each row split across programs
+
+
+@triton.jit
+def _race_kernel(
+    LOGITS, TEMPS, SEEDS, BEST_VAL, BEST_IDX, V, stride_l, num_splits,
+    SALT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    temp = tl.load(TEMPS + row).to(tl.float32)
+    seed = tl.load(SEEDS + row).to(tl.int64)
+    # the row's key, as in exponential_noise
+    hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    key = _mix32_tl(lo ^ _mix32_tl(hi ^ SALT))
+    inv_temp = 1.0 / tl.maximum(temp, 1e-5)
+
+    chunk = tl.cdiv(tl.cdiv(V, num_splits), BLOCK) * BLOCK
+    best_val = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_idx = tl.zeros([BLOCK], tl.int32)
+    for start in range(split * chunk, tl.minimum(split * chunk + chunk, V), BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < V
+        logit = tl.load(LOGITS + row.to(tl.int64) * stride_l + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        h = _mix32_tl(_mix32_tl(cols.to(tl.uint32)) ^ key)
+        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        # argmax(probs / E) == argmax(logit / T - log E): no softmax needed
+        score = tl.where(temp > 0, logit * inv_temp - tl.log(-tl.log(u)), logit)
+        better = score > best_val  # strict: the earliest column wins a tie, as torch.argmax
+        best_val = tl.where(better, score, best_val)
+        best_idx = tl.where(better, cols, best_idx)
+    top = tl.max(best_val, axis=0)
+    idx = tl.min(tl.where(best_val == top, best_idx, V), axis=0)
+    tl.store(BEST_VAL + row * num_splits + split, top)
+    tl.store(BEST_IDX + row * num_splits + split, idx)
+
+
+@functools.lru_cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def race_triton(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
+                num_splits: int | None = None, block: int | None = None) -> torch.Tensor:
+    """argmax per row of logits / T - log E(seed, column) (T > 0) or of the logits (T == 0): [S] int64."""
+    S, V = logits.shape
+    block = block or (2048 if logits.is_cuda else 128)
+    if num_splits is None:
+        sms = _sm_count(logits.device.index or 0) if logits.is_cuda else 2
+        num_splits = max(1, min(triton.cdiv(V, 4 * block), triton.cdiv(4 * sms, max(S, 1))))
+    best_val = torch.empty(S, num_splits, dtype=torch.float32, device=logits.device)
+    best_idx = torch.empty(S, num_splits, dtype=torch.int32, device=logits.device)
+    if S:
+        _race_kernel[(S, num_splits)](
+            logits, temperatures, seeds, best_val, best_idx, V, logits.stride(0), num_splits,
+            SALT=_SEED_SALT, BLOCK=block, num_warps=8 if block >= 2048 else 4,
+        )
+    if num_splits == 1:
+        return best_idx[:, 0].long()
+    return best_idx.gather(1, best_val.argmax(dim=1, keepdim=True)).squeeze(1).long()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Triton: top-k / top-p / the race on torch.topk's candidates, one program per row
+
+
+@triton.jit
+def _candidates_kernel(
+    VALUES, COLS, TEMPS, TOP_KS, TOP_PS, SEEDS, OUT, K, stride_v, stride_c,
+    SALT: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0)
+    r = tl.arange(0, BLOCK_K)
+    temp = tl.load(TEMPS + row).to(tl.float32)
+    top_k = tl.load(TOP_KS + row).to(tl.int32)
+    top_p = tl.load(TOP_PS + row).to(tl.float32)
+    seed = tl.load(SEEDS + row).to(tl.int64)
+    values = tl.load(VALUES + row * stride_v + r, mask=r < K, other=float("-inf")).to(tl.float32)
+    cols = tl.load(COLS + row * stride_c + r, mask=r < K, other=0).to(tl.int32)
+    # greedy: the best logit, the lowest column among ties (torch.argmax's choice)
+    greedy = tl.min(tl.where((values == tl.max(values, axis=0)) & (r < K), cols, 2147483647), axis=0)
+    # top-k, then the top-p nucleus over the renormalised survivors (candidates come sorted, best first)
+    k = tl.where(top_k > 0, tl.minimum(top_k, K), K)
+    scaled = tl.where(r < k, values / tl.maximum(temp, 1e-5), float("-inf"))
+    probs = tl.exp(scaled - tl.max(scaled, axis=0))
+    probs = probs / tl.sum(probs, axis=0)
+    mass_before = tl.cumsum(probs, axis=0) - probs
+    p_limit = tl.where(top_p < 1, top_p, float("inf"))  # top_p >= 1 drops nothing
+    keep = (r < k) & ((mass_before < p_limit) | (r == 0))
+    # the race, in log space, with the same noise exponential_noise gives these columns
+    hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    key = _mix32_tl(lo ^ _mix32_tl(hi ^ SALT))
+    h = _mix32_tl(_mix32_tl(cols.to(tl.uint32)) ^ key)
+    u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    score = tl.where(keep, scaled - tl.log(-tl.log(u)), float("-inf"))
+    best = tl.min(tl.where(score == tl.max(score, axis=0), r, BLOCK_K), axis=0)
+    sampled = tl.sum(tl.where(r == best, cols, 0), axis=0)
+    tl.store(OUT + row, tl.where(temp > 0, sampled, greedy).to(tl.int64))
+
+
+def sample_top_k_triton(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
+                        seeds: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Rows whose top_k is in 1..max_top_k (greedy rows: anything): the filters and the race on the
+    max_top_k best candidates only, which hold every token such a row can draw."""
+    S, V = logits.shape
+    k = min(max_top_k, V)
+    values, cols = logits.topk(k, dim=-1)  # sorted, best first
+    out = torch.empty(S, dtype=torch.int64, device=logits.device)
+    if S:
+        _candidates_kernel[(S,)](
+            values, cols, temperatures, top_ks, top_ps, seeds, out, k, values.stride(0), cols.stride(0),
+            SALT=_SEED_SALT, BLOCK_K=max(16, triton.next_power_of_2(k)), num_warps=4 if k <= 1024 else 8,
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Public op
+
+
+def sample(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    seeds: torch.Tensor,
+    *,
+    max_top_k: int | None = None,
+) -> torch.Tensor:
+    """Token ids [S] int64 for logits [S, V] float32 (rows may be strided; the vocab dim contiguous).
+
+    temperatures [S] float32 (0 = greedy), top_ks [S] int (0 = off), top_ps [S] float32 (1 = off),
+    seeds [S] int64: the row's noise for this step (see `exponential_noise`); same seed, same logits,
+    same token, whatever the batch. All on the logits' device; nothing is read back to the host, so
+    the call can sit inside a CUDA graph (the seeds in a static buffer, refreshed each step).
+
+    max_top_k is a host-side promise about the sampled (temperature > 0) rows that picks the CUDA path:
+    0 = no row filters (every top_k == 0 and top_p >= 1): one pass; K > 0 = every sampled row has
+    1 <= top_k <= K: topk(K) candidates; None (default) = no promise: a full sort, the slowest path.
+    A wrong promise gives wrong draws, not an error. On CPU the reference runs (promise ignored).
+    """
+    if not use_triton(logits):
+        cols = torch.arange(logits.shape[1], device=logits.device)
+        return sample_ref(logits, temperatures, top_ks, top_ps, exponential_noise(seeds, cols))
+    if max_top_k == 0:
+        return race_triton(logits, temperatures, seeds)
+    if max_top_k is not None:
+        return sample_top_k_triton(logits, temperatures, top_ks, top_ps, seeds, max_top_k)
+    scaled = apply_top_k_top_p(logits / temperatures.clamp(min=1e-5).unsqueeze(1), top_ks, top_ps)
+    sampled = race_triton(scaled, torch.ones_like(temperatures), seeds)
+    return torch.where(temperatures > 0, sampled, logits.argmax(dim=-1))

@@ -1,0 +1,253 @@
+"""Every Triton kernel in kernels/ops against its torch reference, on CPU through TRITON_INTERPRET=1.
+
+float32, small shapes (the interpreter runs one program at a time), fresh random inputs, and the awkward
+cases: sizes that are not multiples of the block sizes, strided inputs, padding slots (-1), cached
+prefixes, GQA, sequences of different lengths, empty KV splits. tests/conftest.py sets the interpreter
+before Triton decorates anything. The same kernels on CUDA: tests/test_kernels_gpu.py.
+"""
+import itertools
+
+import pytest
+import torch
+
+from kernels.ops import activation, attention, norm, rope, sampling
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests are for CPU machines")
+
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    torch.manual_seed(hash(request.node.name) % (1 << 31))
+
+
+def fused_qkv(T, Hq, Hk, D):
+    """q, k, v as strided views of one fused projection, as the model produces them."""
+    qkv = torch.randn(T, (Hq + 2 * Hk) * D)
+    q, k, v = qkv.split([Hq * D, Hk * D, Hk * D], dim=-1)
+    return q.view(T, Hq, D), k.view(T, Hk, D), v.view(T, Hk, D)
+
+
+# --- norm -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(7, 40), (3, 5, 24), (2, 2, 3, 8)])
+def test_rms_norm(shape):
+    x, w = torch.randn(shape), torch.randn(shape[-1])
+    torch.testing.assert_close(norm.rms_norm_triton(x, w, 1e-6), norm.rms_norm_ref(x, w, 1e-6), **TOL)
+
+
+def test_rms_norm_reads_strided_heads():
+    q, _, _ = fused_qkv(5, 4, 2, 16)
+    w = torch.randn(16)
+    torch.testing.assert_close(norm.rms_norm_triton(q, w, 1e-6), norm.rms_norm_ref(q, w, 1e-6), **TOL)
+
+
+def test_fused_add_rms_norm():
+    x, r, w = torch.randn(9, 72), torch.randn(9, 72), torch.randn(72)
+    x0, r0 = x.clone(), r.clone()
+    out, res = norm.rms_norm_triton(x, w, 1e-5, r)
+    ref_out, ref_res = norm.fused_add_rms_norm_ref(x, r, w, 1e-5)
+    torch.testing.assert_close(out, ref_out, **TOL)
+    torch.testing.assert_close(res, ref_res, **TOL)
+    assert torch.equal(x, x0) and torch.equal(r, r0)  # inputs untouched
+
+
+# --- rope -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("Hq,Hk,D", [(4, 2, 16), (3, 3, 24)])
+def test_apply_rope(Hq, Hk, D):
+    T = 6
+    q, k, _ = fused_qkv(T, Hq, Hk, D)
+    cache = rope.rope_cos_sin_cache(D, 64, 10000.0)
+    positions = torch.randint(0, 64, (T,))
+    for got, want in zip(rope.rope_triton(q, k, positions, cache), rope.apply_rope_ref(q, k, positions, cache)):
+        torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("Hq,Hk,D", [(4, 2, 16), (6, 2, 24)])
+def test_qk_norm_rope(Hq, Hk, D):
+    T = 5
+    q, k, _ = fused_qkv(T, Hq, Hk, D)
+    qw, kw = torch.randn(D), torch.randn(D)
+    cache = rope.rope_cos_sin_cache(D, 100, 1e6)
+    positions = torch.randint(0, 100, (T,))
+    got = rope.rope_triton(q, k, positions, cache, qw, kw, 1e-6)
+    want = rope.qk_norm_rope_ref(q, k, qw, kw, 1e-6, positions, cache)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **TOL)
+
+
+def test_qk_norm_rope_ref_is_norm_then_rope():
+    q, k, _ = fused_qkv(3, 2, 1, 8)
+    qw, kw = torch.randn(8), torch.randn(8)
+    cache, positions = rope.rope_cos_sin_cache(8, 16, 100.0), torch.tensor([0, 5, 15])
+    want = rope.apply_rope_ref(norm.rms_norm_ref(q, qw, 1e-6), norm.rms_norm_ref(k, kw, 1e-6), positions, cache)
+    for g, w in zip(rope.qk_norm_rope(q, k, qw, kw, 1e-6, positions, cache), want):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
+
+
+# --- activation -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape,block", [((5, 2 * 300), 128), ((2, 3, 2 * 64), 64)])
+def test_silu_and_mul(shape, block):
+    x = torch.randn(shape) * 3
+    torch.testing.assert_close(activation.silu_and_mul_triton(x, block=block), activation.silu_and_mul_ref(x), **TOL)
+
+
+# --- attention --------------------------------------------------------------------------------------
+
+
+def paged_batch(seq_lens, q_lens, Hq, Hk, D, page_size, spare_pages=3):
+    """A KV pool with random contents, each sequence on shuffled pages, and queries for its last q_len tokens."""
+    pages_per_seq = [-(-s // page_size) for s in seq_lens]
+    num_pages = sum(pages_per_seq) + spare_pages
+    k_cache = torch.randn(num_pages, page_size, Hk, D)
+    v_cache = torch.randn(num_pages, page_size, Hk, D)
+    order = torch.randperm(num_pages).tolist()
+    page_table = torch.zeros(len(seq_lens), max(pages_per_seq) + 1, dtype=torch.int32)  # +1: a padded column
+    for i, n in enumerate(pages_per_seq):
+        page_table[i, :n] = torch.tensor(order[:n], dtype=torch.int32)
+        order = order[n:]
+    cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), Hq, D)
+    return q, k_cache, v_cache, cu, torch.tensor(seq_lens, dtype=torch.int32), page_table
+
+
+@pytest.mark.parametrize("page_size", [4, 5])
+def test_store_kvcache(page_size):
+    T, Hk, D = 7, 3, 8
+    _, k, v = fused_qkv(T, 2 * Hk, Hk, D)  # v strided, as in the model
+    k_cache, v_cache = torch.randn(6, page_size, Hk, D), torch.randn(6, page_size, Hk, D)
+    slots = torch.randperm(6 * page_size)[:T]
+    slots[[1, 4]] = -1
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    attention.store_kvcache_triton(k, v, k_cache, v_cache, slots)
+    attention.store_kvcache_ref(k, v, k_ref, v_ref, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.parametrize("Hq,Hk,page_size", [(4, 2, 4), (3, 1, 5), (2, 2, 16)])
+def test_prefill_attention(Hq, Hk, page_size):
+    # a fresh prompt longer than one block, a chunk after a cached prefix, a decode row, a short prompt
+    seq_lens, q_lens = [37, 29, 12, 3], [37, 11, 1, 3]
+    q, kc, vc, cu, sl, pt = paged_batch(seq_lens, q_lens, Hq, Hk, 16, page_size)
+    got = attention.paged_prefill_triton(q, kc, vc, cu, sl, pt, 0.25, max(q_lens))
+    torch.testing.assert_close(got, attention.paged_attention_ref(q, kc, vc, cu, sl, pt, 0.25), **TOL)
+
+
+def test_prefill_attention_odd_head_dim_and_blocks():
+    seq_lens, q_lens = [20, 9], [13, 9]
+    q, kc, vc, cu, sl, pt = paged_batch(seq_lens, q_lens, 4, 2, 24, 3)
+    got = attention.paged_prefill_triton(q, kc, vc, cu, sl, pt, 0.2, 13, block_m=16, block_n=32)
+    torch.testing.assert_close(got, attention.paged_attention_ref(q, kc, vc, cu, sl, pt, 0.2), **TOL)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.parametrize("Hq,Hk,page_size", [(4, 2, 4), (8, 2, 5), (2, 2, 16)])
+def test_decode_attention(num_splits, Hq, Hk, page_size):
+    # lengths from one token to a few blocks: with 8 splits most chunks of the short ones are empty
+    seq_lens = [1, 17, 40, 6]
+    q, kc, vc, cu, sl, pt = paged_batch(seq_lens, [1] * 4, Hq, Hk, 16, page_size)
+    got = attention.paged_decode_triton(q, kc, vc, cu, sl, pt, 0.3, num_splits=num_splits)
+    torch.testing.assert_close(got, attention.paged_attention_ref(q, kc, vc, cu, sl, pt, 0.3), **TOL)
+
+
+def test_decode_attention_skips_sequences_without_a_row():
+    q, kc, vc, _, sl, pt = paged_batch([9, 14, 3], [1, 1, 1], 4, 2, 16, 4)
+    cu = torch.tensor([0, 1, 1, 2], dtype=torch.int32)  # the middle sequence has no query row this step
+    q = q[:2]
+    for splits in (1, 2):
+        got = attention.paged_decode_triton(q, kc, vc, cu, sl, pt, 0.3, num_splits=splits)
+        torch.testing.assert_close(got, attention.paged_attention_ref(q, kc, vc, cu, sl, pt, 0.3), **TOL)
+
+
+def test_decode_and_prefill_kernels_agree_on_a_decode_batch():
+    q, kc, vc, cu, sl, pt = paged_batch([5, 33], [1, 1], 4, 2, 16, 4)
+    torch.testing.assert_close(attention.paged_decode_triton(q, kc, vc, cu, sl, pt, 0.3),
+                               attention.paged_prefill_triton(q, kc, vc, cu, sl, pt, 0.3, 1), **TOL)
+
+
+# --- sampling ---------------------------------------------------------------------------------------
+
+
+def sampling_batch(S=8, V=1000):
+    logits = torch.randn(S, V) * 2
+    temps = torch.tensor([0.0, 1.0, 0.7, 1.3, 0.0, 2.0, 0.5, 1.0])[:S]
+    seeds = torch.randint(-(2**62), 2**62, (S,))
+    return logits, temps, seeds
+
+
+def test_exponential_noise_is_exp1_and_per_column():
+    seeds = torch.tensor([0, 1, -7, 2**40 + 5])
+    noise = sampling.exponential_noise(seeds, torch.arange(20000))
+    assert noise.min() > 0 and abs(noise.mean() - 1) < 0.03 and abs(noise.std() - 1) < 0.05
+    assert (noise[:, None] - noise[None]).abs().sum(-1).triu(1).count_nonzero() == 6  # rows differ
+    cols = torch.tensor([[5, 19999, 0], [3, 2, 1], [7, 7, 7], [100, 200, 300]])
+    assert torch.equal(sampling.exponential_noise(seeds, cols), noise.gather(1, cols))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+def test_race_matches_reference_without_filters(num_splits):
+    logits, temps, seeds = sampling_batch()
+    S, V = logits.shape
+    want = sampling.sample_ref(logits, temps, torch.zeros(S, dtype=torch.int64), torch.ones(S),
+                               sampling.exponential_noise(seeds, torch.arange(V)))
+    assert torch.equal(sampling.race_triton(logits, temps, seeds, num_splits=num_splits), want)
+
+
+def test_race_breaks_greedy_ties_like_argmax():
+    logits = torch.randn(2, 700)
+    logits[:, [600, 301, 650]] = 10.0
+    got = sampling.race_triton(logits, torch.zeros(2), torch.zeros(2, dtype=torch.int64), num_splits=3)
+    assert got.tolist() == [301, 301]
+
+
+def test_top_k_candidates_match_reference():
+    logits, temps, seeds = sampling_batch()
+    S, V = logits.shape
+    top_ks = torch.tensor([0, 5, 20, 1, 3, 20, 7, 13])  # a greedy row may have top_k = 0
+    top_ps = torch.tensor([1.0, 0.9, 1.0, 0.8, 0.5, 0.95, 1.0, 0.6])
+    want = sampling.sample_ref(logits, temps, top_ks, top_ps, sampling.exponential_noise(seeds, torch.arange(V)))
+    assert torch.equal(sampling.sample_top_k_triton(logits, temps, top_ks, top_ps, seeds, 20), want)
+
+
+def test_seeded_noise_draws_from_the_distribution():
+    """Many seeds on one row: frequencies follow softmax(logits / T) restricted to the nucleus.
+    (The kernels draw the same noise, checked above; the GPU tests repeat this through them.)"""
+    n = 20000
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0] + [-30.0] * 11]).expand(n, -1)
+    temps, seeds = torch.full((n,), 0.8), torch.arange(n) * 7919
+    top_ks, top_ps = torch.full((n,), 4), torch.full((n,), 0.9)
+    tokens = sampling.sample(logits, temps, top_ks, top_ps, seeds)  # CPU: the reference
+    probs = (logits[0, :4] / 0.8).softmax(-1)
+    keep = (probs.cumsum(0) - probs) < 0.9
+    expected = torch.where(keep, probs, 0) / torch.where(keep, probs, 0).sum()
+    freq = torch.bincount(tokens, minlength=16)[:4].float() / n
+    assert (freq - expected).abs().max() < 0.015 and tokens.max() < 4
+
+
+def test_sample_ref_is_the_runtime_sampler():
+    from runtime.sampling.sampler import Sampler
+
+    logits, temps, _ = sampling_batch(V=300)
+    top_ks = torch.tensor([0, 5, 0, 30, 3, 0, 7, 1])
+    top_ps = torch.tensor([1.0, 0.9, 0.7, 0.8, 0.5, 0.95, 0.999, 0.6])
+    torch.manual_seed(1)
+    want = Sampler()(logits, temps.tolist(), top_ks.tolist(), top_ps.tolist(), [None] * 8)
+    torch.manual_seed(1)
+    noise = torch.empty_like(logits).exponential_()
+    assert torch.equal(sampling.sample_ref(logits, temps, top_ks, top_ps, noise), want)
+
+
+def test_public_ops_use_the_references_on_cpu():
+    logits, temps, seeds = sampling_batch(V=50)
+    top_ks, top_ps = torch.zeros(8, dtype=torch.int64), torch.ones(8)
+    want = sampling.sample_ref(logits, temps, top_ks, top_ps, sampling.exponential_noise(seeds, torch.arange(50)))
+    assert torch.equal(sampling.sample(logits, temps, top_ks, top_ps, seeds, max_top_k=0), want)
+    q, kc, vc, cu, sl, pt = paged_batch([6, 3], [2, 1], 2, 1, 8, 4)
+    assert torch.equal(attention.paged_attention(q, kc, vc, cu, sl, pt, 0.5, max_q_len=2, max_seq_len=6),
+                       attention.paged_attention_ref(q, kc, vc, cu, sl, pt, 0.5))
