@@ -129,7 +129,9 @@ def serve(
 
         reloader = Reloader(default_packages())  # snapshots the sources the server is running now
         console.print(f"reload_forward enabled for {', '.join(reloader.packages)}")
-    uvicorn.run(build_app(engine, name, reloader), host=host, port=port, log_level=log_level)
+    # Event streams never end by themselves: give open connections 3 s on shutdown, then close them.
+    uvicorn.run(build_app(engine, name, reloader), host=host, port=port, log_level=log_level,
+                timeout_graceful_shutdown=3)
 
 
 @app.command()
@@ -219,6 +221,31 @@ def bench(
         save_result.write_text(json.dumps(result, indent=1))
         console.print(f"saved to {save_result}")
     raise typer.Exit(1 if result["metrics"]["failed_requests"] else 0)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def profile(
+    ctx: typer.Context,
+    out: Annotated[Optional[Path], typer.Option(help="Report folder; default profiles/<date-time>.")] = None,
+    num_steps: Annotated[int, typer.Option(help="Engine steps per capture range.")] = 20,
+    ranges: Annotated[Optional[int], typer.Option(help="Stop after this many ranges (default: until Ctrl-C).")] = None,
+    port: Annotated[int, typer.Option(help="Port of the profiled server.")] = 8000,
+):
+    """Serve under Nsight Systems and take one report per reload: `tsdev profile [MODEL] [server flags]`.
+
+    A range is taken at start (reload-0) and after every successful reload (`tsdev reload`, an editor hook,
+    `tsdev watch --attach`), each while a small fixed workload runs; every report is summarised (top
+    kernels by GPU time, NVTX step ranges, change against the previous range). Without nsys it takes
+    torch profiler traces instead.
+    """
+    import time as _time
+
+    from rich.console import Console
+
+    from tsdev.profile import run_profile
+
+    folder = out or Path("profiles") / _time.strftime("%Y%m%d-%H%M%S")
+    raise typer.Exit(run_profile(list(ctx.args), folder, num_steps, ranges, port, Console(soft_wrap=True)))
 
 
 @app.callback()

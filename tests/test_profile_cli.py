@@ -1,0 +1,48 @@
+"""tsdev profile without nsys (CPU): a torch trace and a summary per range."""
+import os
+import subprocess
+import sys
+
+from serve_process import free_port
+from tsdev.profile import KernelRow, find_nsys, parse_kernel_csv, write_summary
+
+
+def test_profile_without_nsys_takes_a_torch_range_and_summarises_it(tiny_model_dir, tmp_path):
+    env = {**os.environ, "PATH": "/usr/bin:/bin", "NSYS": str(tmp_path / "missing-nsys")}
+    out = tmp_path / "prof"
+    result = subprocess.run([sys.executable, "-m", "tsdev", "profile", str(tiny_model_dir), "--device", "cpu",
+                             "--max-model-len", "512", "--out", str(out), "--ranges", "1", "--num-steps", "4",
+                             "--port", str(free_port())], env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "nsys not found" in result.stdout and "missing-nsys" in result.stdout
+    assert (out / "reload-0.trace.json").exists()
+    summary = (out / "reload-0.summary.md").read_text()
+    assert "aten::" in summary and "| kernel |" in summary
+    assert (out / "reload-0.summary.csv").read_text().startswith("kind,name,total_ms")
+
+
+def test_find_nsys_honours_the_env_variable(tmp_path, monkeypatch):
+    fake = tmp_path / "nsys"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setenv("NSYS", str(fake))
+    assert find_nsys()[0] == str(fake)
+
+
+def test_summary_compares_against_the_previous_range(tmp_path):
+    before = [KernelRow("rms_norm_kernel", 2e6, 100, 2e4), KernelRow("gone", 1e6, 10, 1e5)]
+    after = [KernelRow("rms_norm_kernel", 1e6, 100, 1e4), KernelRow("silu_and_mul_kernel", 3e6, 100, 3e4)]
+    md = write_summary(tmp_path / "reload-2", after, [], before)
+    assert "-50.0%" in md and "new" in md
+    rows = (tmp_path / "reload-2.summary.csv").read_text().splitlines()
+    assert rows[1].startswith("kernel,rms_norm_kernel,1.0000,100,10.000,2.0000,-50.0%")
+
+
+def test_kernel_csv_parser_skips_notices_before_the_header():
+    text = ('Processing [x.sqlite] with [cuda_gpu_kern_sum.py]...\n'
+            '"Time (%)","Total Time (ns)","Instances","Avg (ns)","Med (ns)","Min (ns)","Max (ns)","StdDev (ns)","Name"\n'
+            '60.0,600,3,200.0,200.0,100,300,100.0,"small_kernel"\n'
+            '40.0,900,1,900.0,900.0,900,900,0.0,"big_kernel"\n')
+    rows = parse_kernel_csv(text)
+    assert [r.name for r in rows] == ["big_kernel", "small_kernel"] and rows[1].instances == 3

@@ -1,0 +1,285 @@
+"""`tsdev profile`: run the server under Nsight Systems and take one report per reload.
+
+Each capture range is opened with POST /start_profile (cudaProfilerStart under nsys, which writes one
+report per range with --capture-range-end=repeat) while a small fixed workload runs, and closes itself
+after N engine steps. The report is renamed after the reload (reload-3.nsys-rep) and summarised with
+`nsys stats` (top kernels by GPU time, NVTX step ranges) into reload-3.summary.csv / .md, with the
+change per kernel against the previous range. Without nsys, the torch profiler writes a trace per range.
+"""
+import csv
+import glob
+import io
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+NSYS_FLAGS = ["profile", "--trace=cuda,nvtx", "--sample=none", "--cpuctxsw=none", "--cuda-graph-trace=node",
+              "--capture-range=cudaProfilerApi", "--capture-range-end=repeat", "--force-overwrite=true"]
+NSYS_GLOBS = ["/opt/nvidia/nsight-compute/*/host/target-linux-x64/nsys", "/opt/nvidia/nsight-systems/*/bin/nsys",
+              "/usr/local/cuda/bin/nsys", "/usr/local/cuda-*/bin/nsys"]
+
+
+def find_nsys() -> tuple[str | None, list[str]]:
+    """The nsys binary (PATH, $NSYS, or the copy inside an Nsight Compute install) and where we looked."""
+    looked = ["PATH"]
+    if found := shutil.which("nsys"):
+        return found, looked
+    if env := os.environ.get("NSYS"):
+        looked.append(f"$NSYS={env}")
+        if os.access(env, os.X_OK):
+            return env, looked
+    for pattern in NSYS_GLOBS:
+        looked.append(pattern)
+        for candidate in sorted(glob.glob(pattern), reverse=True):
+            if os.access(candidate, os.X_OK):
+                return candidate, looked
+    return None, looked
+
+
+@dataclass
+class KernelRow:
+    name: str
+    total_ns: float
+    instances: int
+    avg_ns: float
+
+
+def parse_kernel_csv(text: str) -> list[KernelRow]:
+    """Rows of `nsys stats --report cuda_gpu_kern_sum --format csv`, largest total first."""
+    rows = []
+    for row in csv.DictReader(io.StringIO(_csv_body(text))):
+        rows.append(KernelRow(row["Name"], float(row["Total Time (ns)"]), int(row["Instances"]), float(row["Avg (ns)"])))
+    return sorted(rows, key=lambda r: -r.total_ns)
+
+
+def parse_nvtx_csv(text: str) -> list[KernelRow]:
+    """Rows of `nsys stats --report nvtx_sum --format csv` (NVTX ranges: schedule/prepare/forward/sample)."""
+    rows = []
+    for row in csv.DictReader(io.StringIO(_csv_body(text))):
+        rows.append(KernelRow(row["Range"], float(row["Total Time (ns)"]), int(row["Instances"]), float(row["Avg (ns)"])))
+    return sorted(rows, key=lambda r: -r.total_ns)
+
+
+def _csv_body(text: str) -> str:
+    """nsys may print notices before the CSV header; keep from the header on."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"Time') or line.startswith("Time")), 0)
+    return "\n".join(lines[start:])
+
+
+def torch_trace_kernels(path: Path) -> list[KernelRow]:
+    """GPU kernels (or, on CPU, operators) of a torch.profiler Chrome trace, largest total first."""
+    import json
+
+    events = json.loads(Path(path).read_text()).get("traceEvents", [])
+    kernels = [e for e in events if e.get("cat") == "kernel"] or [e for e in events if e.get("cat") == "cpu_op"]
+    totals: dict[str, list[float]] = {}
+    for e in kernels:
+        totals.setdefault(e["name"], []).append(float(e.get("dur", 0)) * 1e3)
+    return sorted((KernelRow(n, sum(d), len(d), sum(d) / len(d)) for n, d in totals.items()), key=lambda r: -r.total_ns)
+
+
+def write_summary(prefix: Path, kernels: list[KernelRow], nvtx: list[KernelRow],
+                  previous: list[KernelRow] | None, top: int = 15) -> str:
+    """Write PREFIX.summary.csv and PREFIX.summary.md; return the markdown."""
+    before = {k.name: k for k in previous or []}
+    with open(f"{prefix}.summary.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["kind", "name", "total_ms", "instances", "mean_us", "previous_total_ms", "change_pct"])
+        for kind, rows in (("kernel", kernels), ("nvtx", nvtx)):
+            for r in rows:
+                old = before.get(r.name) if kind == "kernel" else None
+                w.writerow([kind, r.name, f"{r.total_ns / 1e6:.4f}", r.instances, f"{r.avg_ns / 1e3:.3f}",
+                            f"{old.total_ns / 1e6:.4f}" if old else "", _pct(r, old)])
+    total = sum(k.total_ns for k in kernels) or 1
+    lines = [f"## {prefix.name}", "", "| kernel | GPU time (ms) | share | instances | mean (us) | vs previous |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in kernels[:top]:
+        lines.append(f"| `{r.name[:80]}` | {r.total_ns / 1e6:.3f} | {r.total_ns / total:.0%} | {r.instances} | "
+                     f"{r.avg_ns / 1e3:.2f} | {_pct(r, before.get(r.name)) or 'new' if previous else ''} |")
+    if nvtx:
+        lines += ["", "| NVTX range | total (ms) | instances | mean (us) |", "|---|---:|---:|---:|"]
+        lines += [f"| {r.name} | {r.total_ns / 1e6:.3f} | {r.instances} | {r.avg_ns / 1e3:.2f} |" for r in nvtx[:top]]
+    markdown = "\n".join(lines) + "\n"
+    Path(f"{prefix}.summary.md").write_text(markdown)
+    return markdown
+
+
+def _pct(new: KernelRow, old: KernelRow | None) -> str:
+    return f"{(new.total_ns - old.total_ns) / old.total_ns * 100:+.1f}%" if old and old.total_ns else ""
+
+
+def nsys_stats(nsys: str, report: Path) -> tuple[list[KernelRow], list[KernelRow]]:
+    """Kernel and NVTX summaries of one report (runs `nsys stats`)."""
+    prefix = report.with_suffix("")
+    subprocess.run([nsys, "stats", "--force-export=true", "--report", "cuda_gpu_kern_sum", "--report", "nvtx_sum",
+                    "--format", "csv", "--output", str(prefix), str(report)], check=True, capture_output=True, timeout=300)
+    kern = Path(f"{prefix}_cuda_gpu_kern_sum.csv")
+    nvtx = Path(f"{prefix}_nvtx_sum.csv")
+    return (parse_kernel_csv(kern.read_text()) if kern.exists() else [],
+            parse_nvtx_csv(nvtx.read_text()) if nvtx.exists() else [])
+
+
+def wait_for_report(out_dir: Path, seen: set[Path], timeout: float = 120) -> Path:
+    """The next nsys range report to appear (written when the range closes), once its size is stable."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        fresh = sorted(set(out_dir.glob("range-*.nsys-rep")) - seen, key=lambda p: p.stat().st_mtime)
+        if fresh:
+            size = -1
+            while fresh[0].stat().st_size != size:
+                size = fresh[0].stat().st_size
+                time.sleep(0.5)
+            return fresh[0]
+        time.sleep(0.2)
+    raise TimeoutError(f"nsys wrote no report in {out_dir} within {timeout:.0f} s")
+
+
+def run_profile(server_args: list[str], out_dir: Path, num_steps: int, max_ranges: int | None, port: int, console) -> int:
+    """Serve under nsys (or plain, with torch traces) and take a range at start and after every reload."""
+    import queue
+    import sys
+    import threading
+
+    import httpx
+
+    nsys, looked = find_nsys()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    url = f"http://127.0.0.1:{port}"
+    serve = [sys.executable, "-m", "tsdev", "serve", *server_args, "--allow-reload-forward", "--port", str(port)]
+    if nsys:
+        command, activities = [nsys, *NSYS_FLAGS, "-o", str(out_dir / "range-%n"), *serve], ["CUDA_PROFILER"]
+        console.print(f"profiling with {nsys}; reports go to {out_dir}/")
+    else:
+        command, activities = serve, ["TORCH"]
+        console.print(f"[yellow]nsys not found[/yellow] (looked in {', '.join(looked)}): taking torch profiler "
+                      f"traces instead (Chrome/Perfetto JSON in {out_dir}/)")
+    proc = subprocess.Popen(command)
+    events: queue.Queue = queue.Queue()
+    stop = threading.Event()
+    try:
+        _wait_healthy(url, proc)
+        threading.Thread(target=_listen, args=(url, events, stop), daemon=True).start()
+        console.print(f"server at {url}: edit, then `tsdev reload --url {url}`; each reload gets a report")
+        previous, seen, taken, name = None, set(), 0, "reload-0"
+        while max_ranges is None or taken < max_ranges:
+            _clear(events)
+            r = httpx.post(url + "/start_profile", json={"activities": activities, "num_steps": num_steps,
+                                                         "output_dir": str(out_dir.resolve()), "name": name}, timeout=30)
+            r.raise_for_status()
+            _run_workload_until_closed(url, events, name)
+            if nsys:
+                report = wait_for_report(out_dir, seen)
+                seen.add(report)
+                target = out_dir / f"{name}.nsys-rep"
+                report.rename(target)
+                seen.add(target)
+                kernels, nvtx = nsys_stats(nsys, target)
+            else:
+                kernels, nvtx = torch_trace_kernels(out_dir / f"{name}.trace.json"), []
+            from rich.markdown import Markdown
+
+            console.print(Markdown(write_summary(out_dir / name, kernels, nvtx, previous)))
+            previous, taken = kernels, taken + 1
+            if max_ranges is not None and taken >= max_ranges:
+                break
+            event = _next_event(events, proc, {"reload_finished"})
+            name = f"reload-{event['n']}"
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stop.set()
+        proc.terminate()
+        try:
+            proc.wait(timeout=120)  # nsys finalizes its reports on the way out
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with status {proc.returncode} before it was healthy")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"the server at {url} was not healthy within {timeout:.0f} s")
+
+
+def _listen(url: str, events, stop) -> None:
+    import json
+
+    import httpx
+
+    while not stop.is_set():
+        try:
+            with httpx.stream("GET", url + "/v1/rl/engine/events", timeout=None) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.put(json.loads(line[6:]))
+        except httpx.HTTPError:
+            time.sleep(0.5)
+
+
+def _clear(events) -> None:
+    while not events.empty():
+        events.get_nowait()
+
+
+def _next_event(events, proc, types: set[str], timeout: float | None = None) -> dict:
+    import queue
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while deadline is None or time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with status {proc.returncode}")
+        try:
+            event = events.get(timeout=0.5)
+        except queue.Empty:
+            continue
+        if event.get("type") in types and (event.get("type") != "reload_finished" or event["worker"]["ok"]):
+            return event
+    raise TimeoutError(f"no {'/'.join(sorted(types))} event within {timeout} s")
+
+
+def _run_workload_until_closed(url: str, events, name: str, timeout: float = 300) -> None:
+    """A small fixed workload (8 requests of 64 tokens at a time) until the range `name` closes."""
+    import threading
+
+    import httpx
+
+    closed = threading.Event()
+
+    def client() -> None:
+        with httpx.Client(timeout=120) as c:
+            while not closed.is_set():
+                c.post(url + "/v1/completions", json={"prompt": list(range(1, 65)), "max_tokens": 64,
+                                                     "ignore_eos": True, "temperature": 0})
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(8)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            try:
+                event = events.get(timeout=0.5)
+            except Exception:
+                continue
+            if event.get("type") == "profile_finished" and event.get("name") == name:
+                return
+        raise TimeoutError(f"capture range {name} did not close within {timeout:.0f} s")
+    finally:
+        closed.set()
+        for t in threads:
+            t.join(130)
