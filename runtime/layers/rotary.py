@@ -11,8 +11,12 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.register_buffer("cos_sin_cache", rope_ops.rope_cos_sin_cache(head_dim, max_positions, theta), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_ops.apply_rope(q, k, positions, self.cos_sin_cache)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                q_norm: nn.Module | None = None, k_norm: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q [T, Hq, D] and k [T, Hk, D]; given per-head RMSNorms (Qwen3), normalise first, in one fused op."""
+        if q_norm is None:
+            return rope_ops.apply_rope(q, k, positions, self.cos_sin_cache)
+        return rope_ops.qk_norm_rope(q, k, q_norm.weight, k_norm.weight, q_norm.eps, positions, self.cos_sin_cache)
 
 
 @functools.lru_cache
