@@ -1,0 +1,100 @@
+"""Reload of an edited Triton kernel vs a full restart, on a running server (tsdev serve subprocess).
+
+    python3 benchmarks/reload_vs_restart.py                 # default model and decode capture sizes
+    python3 benchmarks/reload_vs_restart.py --cycles 5 -- --cudagraph-capture-sizes 1 16 64
+
+Runs a copy of the project in a temporary folder: starts the server (restart time = process start to
+the first token of a completion), then edits the SiLU-and-mul Triton kernel (negates its output) and
+reverts it, `--cycles` times, reloading after each save. Prints every step's time, the serving pause,
+the ratio to the restart, and checks that outputs change with the edit and come back after the revert.
+"""
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+FILE = "kernels/ops/activation.py"
+OLD = "tl.store(OUT + row * I + cols, (act * up)"
+NEW = "tl.store(OUT + row * I + cols, (-act * up)"
+PROMPT = {"prompt": [5, 17, 300, 42, 9, 77, 123, 4], "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cycles", type=int, default=3)
+    parser.add_argument("--port", type=int, default=8321)
+    parser.add_argument("server_args", nargs="*", help="extra `tsdev serve` flags (after --)")
+    args = parser.parse_args()
+
+    project = Path(tempfile.mkdtemp(prefix="tsdev-reload-"))
+    for name in ("runtime", "kernels", "tsdev"):
+        shutil.copytree(ROOT / name, project / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", project)
+    env = {**os.environ, "PYTHONPATH": f"{project}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    url = f"http://127.0.0.1:{args.port}"
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "tsdev", "serve", "--allow-reload-forward", "--port", str(args.port),
+                             *args.server_args], cwd=project, env=env)
+    try:
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+            if proc.poll() is not None:
+                sys.exit("the server failed to start")
+        baseline = httpx.post(url + "/v1/completions", json=PROMPT, timeout=120).json()["choices"][0]["text"]
+        restart = time.perf_counter() - start
+        steady = timed_request(url)[1]
+        source = project / FILE
+        original = source.read_text()
+        assert OLD in original, f"{FILE} no longer contains {OLD!r}: update the benchmark's edit"
+        rows = []
+        for cycle in range(args.cycles):
+            for label, text in (("edit", original.replace(OLD, NEW)), ("revert", original)):
+                source.write_text(text)
+                t = time.perf_counter()
+                reply = httpx.post(url + "/v1/rl/engine/reload_forward", json={"id": uuid.uuid4().hex}, timeout=300).json()
+                wall = time.perf_counter() - t
+                worker = reply["workers"][0]
+                if not reply["ok"]:
+                    sys.exit(f"reload failed: {worker['error']}")
+                out, first_request = timed_request(url)
+                changed = out != baseline
+                assert changed == (label == "edit"), f"cycle {cycle} {label}: output changed={changed}"
+                rows.append({**worker["timings"], "wall": wall, "first_request": first_request,
+                             "jit_kernels": worker["jit_kernels"], "label": label})
+        print(f"restart (process start -> first completion): {restart:.2f} s; steady request {steady * 1e3:.1f} ms")
+        print(f"{'':8}" + "".join(f"{k:>11}" for k in ("drain", "flush", "reload", "warm", "recapture", "pause", "total", "wall", "1st req")))
+        for row in rows:
+            print(f"{row['label']:8}" + "".join(f"{row.get(k, 0):>11.3f}" for k in
+                                                ("drain", "flush", "reload", "warm", "recapture", "pause", "total", "wall", "first_request")))
+        med = {k: statistics.median(r[k] for r in rows) for k in ("reload", "warm", "recapture", "pause", "total", "first_request")}
+        print(f"median: reload+warm+recapture {med['reload'] + med['warm'] + med['recapture']:.3f} s (target <= 1.0), "
+              f"pause {med['pause']:.3f} s (target <= 0.5), restart / total = {restart / med['total']:.1f}x (target >= 20), "
+              f"first request after reload {med['first_request'] * 1e3:.1f} ms vs steady {steady * 1e3:.1f} ms; "
+              "outputs changed with each edit and came back with each revert")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        shutil.rmtree(project, ignore_errors=True)
+
+
+def timed_request(url: str) -> tuple[str, float]:
+    t = time.perf_counter()
+    text = httpx.post(url + "/v1/completions", json=PROMPT, timeout=120).json()["choices"][0]["text"]
+    return text, time.perf_counter() - t
+
+
+if __name__ == "__main__":
+    main()
