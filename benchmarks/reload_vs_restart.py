@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 FILE = "kernels/ops/activation.py"
 OLD = "tl.store(OUT + row * I + cols, (act * up)"
 NEW = "tl.store(OUT + row * I + cols, (-act * up)"
-PROMPT = {"prompt": [5, 17, 300, 42, 9, 77, 123, 4], "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+PROMPT = {"prompt": [5, 17, 300, 42, 9, 77, 123, 4], "max_tokens": 32, "temperature": 0, "ignore_eos": True,
+          "return_token_ids": True}
 
 
 def main() -> None:
@@ -53,7 +54,7 @@ def main() -> None:
                 time.sleep(0.1)
             if proc.poll() is not None:
                 sys.exit("the server failed to start")
-        baseline = httpx.post(url + "/v1/completions", json=PROMPT, timeout=120).json()["choices"][0]["text"]
+        baseline = httpx.post(url + "/v1/completions", json=PROMPT, timeout=120).json()["choices"][0]["token_ids"]
         restart = time.perf_counter() - start
         steady = timed_request(url)[1]
         source = project / FILE
@@ -90,10 +91,10 @@ def main() -> None:
         shutil.rmtree(project, ignore_errors=True)
 
 
-def timed_request(url: str) -> tuple[str, float]:
+def timed_request(url: str) -> tuple[list[int], float]:
     t = time.perf_counter()
-    text = httpx.post(url + "/v1/completions", json=PROMPT, timeout=120).json()["choices"][0]["text"]
-    return text, time.perf_counter() - t
+    ids = httpx.post(url + "/v1/completions", json=PROMPT, timeout=120).json()["choices"][0]["token_ids"]
+    return ids, time.perf_counter() - t
 
 
 if __name__ == "__main__":

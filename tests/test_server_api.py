@@ -103,3 +103,15 @@ def test_models_health_and_metrics(client):
         assert name in text
     generated = next(float(line.split()[1]) for line in text.splitlines() if line.startswith("tsdev_generation_tokens_total"))
     assert generated >= 2
+
+
+def test_return_token_ids_gives_the_generated_ids(client):
+    req = {"prompt": [3, 4, 5], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    whole = client.post("/v1/completions", json=req).json()["choices"][0]["token_ids"]
+    assert len(whole) == 6 and all(isinstance(t, int) for t in whole)
+    with client.stream("POST", "/v1/completions", json={**req, "stream": True}) as r:
+        streamed = [t for e in sse_events(r) for t in e["choices"][0]["token_ids"]]
+    assert streamed == whole
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                                                     "ignore_eos": True, "return_token_ids": True}).json()
+    assert len(chat["choices"][0]["token_ids"]) == 3

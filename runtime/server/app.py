@@ -114,15 +114,16 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader=None) -> FastA
         streams = [async_engine.generate(f"{request_id}-{i}", ids, p) for i, (ids, p) in enumerate(zip(token_lists, params))]
 
         def chunk(index: int, out: RequestOutput) -> dict:
+            choice = {"index": index, "text": out.new_text, "logprobs": None, "finish_reason": out.finish_reason}
             return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": served_model_name,
-                    "choices": [{"index": index, "text": out.new_text, "logprobs": None, "finish_reason": out.finish_reason}]}
+                    "choices": [with_token_ids(body, choice, out.new_token_ids)]}
 
         if body.stream:
             return sse(streams, chunk, body.include_usage, request_id, "text_completion")
         results = await collect(streams, request)
         return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": served_model_name,
-                "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": reason}
-                            for i, (text, reason, _) in enumerate(results)],
+                "choices": [with_token_ids(body, {"index": i, "text": text, "logprobs": None, "finish_reason": reason}, ids)
+                            for i, (text, reason, _, ids) in enumerate(results)],
                 "usage": usage([r[2] for r in results])}
 
     @app.post("/v1/chat/completions")
@@ -142,16 +143,16 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader=None) -> FastA
             nonlocal first
             delta = {"role": "assistant", "content": out.new_text} if first else {"content": out.new_text}
             first = False
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": out.finish_reason}
             return {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
-                    "model": served_model_name,
-                    "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": out.finish_reason}]}
+                    "model": served_model_name, "choices": [with_token_ids(body, choice, out.new_token_ids)]}
 
         if body.stream:
             return sse(streams, chunk, body.include_usage, request_id, "chat.completion.chunk")
-        (content, reason, last), = await collect(streams, request)
+        (content, reason, last, ids), = await collect(streams, request)
+        choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None, "finish_reason": reason}
         return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": served_model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
-                             "finish_reason": reason}],
+                "choices": [with_token_ids(body, choice, ids)],
                 "usage": usage([last])}
 
     def sse(streams, chunk, include_usage: bool, request_id: str, object_name: str) -> StreamingResponse:
@@ -175,16 +176,18 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader=None) -> FastA
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    async def collect(streams, request: Request) -> list[tuple[str, str, RequestOutput]]:
-        """Run streams to the end; abort them if the client goes away first."""
+    async def collect(streams, request: Request) -> list[tuple[str, str, RequestOutput, list[int]]]:
+        """Run streams to the end (text, finish reason, final output, token ids); abort them if the client goes away."""
         async def run():
             texts = [""] * len(streams)
+            ids: list[list[int]] = [[] for _ in streams]
             finals: list = [None] * len(streams)
             async for index, out in merge(streams):
                 texts[index] += out.new_text
+                ids[index] += out.new_token_ids
                 if out.finished:
                     finals[index] = out
-            return [(t, f.finish_reason, f) for t, f in zip(texts, finals)]
+            return [(t, f.finish_reason, f, i) for t, f, i in zip(texts, finals, ids)]
 
         task = asyncio.create_task(run())
         while not task.done():
@@ -201,6 +204,11 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader=None) -> FastA
             raise APIError(400, str(exc)) from exc
 
     return app
+
+
+def with_token_ids(body: SamplingRequest, choice: dict, token_ids: list[int]) -> dict:
+    """vLLM's `return_token_ids` extension: the generated token ids beside the text."""
+    return {**choice, "token_ids": token_ids} if body.return_token_ids else choice
 
 
 def usage(finals: list[RequestOutput]) -> dict:

@@ -23,6 +23,7 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=1, description="only n=1 is supported")
     logprobs: bool | int | None = None
+    return_token_ids: bool = False  # vLLM extension: each choice also carries the generated token ids
 
     @model_validator(mode="after")
     def _supported(self):
