@@ -140,6 +140,8 @@ def reload(
     modules: Annotated[Optional[list[str]], typer.Option("--modules", "-m", help="Force these modules (and their dependents) to re-execute, changed or not. Repeat the flag for several.")] = None,
     mode: Annotated[str, typer.Option(help="wait: running requests finish first; abort: they are aborted.")] = "wait",
     timeout_s: Annotated[Optional[float], typer.Option(help="Give up (changing nothing) if drain + reload take longer.")] = None,
+    files: Annotated[Optional[list[str]], typer.Option("--file", "-f", help="Force the modules these files hold (for editor save hooks); "
+                                                       "files outside the reloadable packages' projects are ignored. Repeatable.")] = None,
 ):
     """Reload the server's forward pass now: edited modules and their dependents re-execute in place.
 
@@ -153,6 +155,15 @@ def reload(
     if mode not in ("wait", "abort"):
         raise typer.BadParameter("--mode is wait or abort")
     import httpx
+
+    if files:
+        from tsdev.watch.watcher import classify_files
+
+        forced, others, ignored = classify_files(files)
+        if not forced and not others:
+            console.print(f"nothing to reload: {', '.join(ignored)} not in a reloadable package's project")
+            raise typer.Exit(0)
+        modules = [*(modules or []), *forced] or None  # others: the server reports them as needing a restart
 
     try:
         reply = reload_forward(url, modules, mode, timeout_s)
@@ -246,6 +257,69 @@ def profile(
 
     folder = out or Path("profiles") / _time.strftime("%Y%m%d-%H%M%S")
     raise typer.Exit(run_profile(list(ctx.args), folder, num_steps, ranges, port, Console(soft_wrap=True)))
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             options_metavar="[MODEL] [SERVER FLAGS] [OPTIONS]")
+def watch(
+    ctx: typer.Context,
+    attach: Annotated[Optional[str], typer.Option(help="Watch for a server that is already running at this URL instead of starting one "
+                                                       "(it cannot be restarted for you then).")] = None,
+    no_tui: Annotated[bool, typer.Option("--no-tui", help="One plain line per event instead of the screen (CI, editors, logs).")] = False,
+    settle_ms: Annotated[int, typer.Option(help="Quiet time after the last file event before reloading (editors write in bursts).")] = 200,
+    probe_batch: Annotated[int, typer.Option(help="Batch size of the decode probe run after every reload.")] = 8,
+    probe_steps: Annotated[int, typer.Option(help="Tokens per request of the decode probe.")] = 32,
+    server_log: Annotated[Optional[Path], typer.Option(help="Where the child server's output goes; default $TMPDIR/tsdev-watch-PORT.log.")] = None,
+):
+    """Serve MODEL and reload it on every save: `tsdev watch \\[MODEL] \\[server flags...]`.
+
+    Starts `tsdev serve --allow-reload-forward` with the server flags given (`tsdev serve --help` lists them).
+    Reloads what changed on every save; restarts the server when an edit cannot be reloaded or when it dies.
+    After every reload: a golden completion (did the output change?) and a decode probe (ms/step).
+
+    Keys: r reload all, R restart, b quick bench, p profile next reload, g new golden, c clear, q quit.
+    See docs/watch.md.
+    """
+    from tsdev.watch import WatchConfig, run, serve_flags, split_server_args
+    from tsdev.watch.daemon import flag_value
+
+    try:
+        model, server_args = split_server_args(list(ctx.args), serve_flags(typer.main.get_command(app).get_command(ctx, "serve")))
+        if attach and (model or server_args):
+            raise ValueError("--attach watches a running server: MODEL and server flags are for the server tsdev watch starts")
+        config = WatchConfig(model=model, server_args=server_args, attach=attach, settle=settle_ms / 1000,
+                             probe_batch=probe_batch, probe_steps=probe_steps, server_log=server_log,
+                             host=flag_value(server_args, "--host") or "127.0.0.1",
+                             port=int(flag_value(server_args, "--port") or 8000))
+        code = run(config, tui=not no_tui)
+    except (ValueError, FileNotFoundError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    raise typer.Exit(code)
+
+
+@app.command()
+def hook(
+    editor: Annotated[str, typer.Argument(help="vscode, neovim, emacs or jetbrains.")],
+    install: Annotated[bool, typer.Option("--install", help="Write it where the editor reads it (and say where) instead of printing it.")] = False,
+    url: Annotated[Optional[str], typer.Option(help="The server to reload, if not http://127.0.0.1:8000.")] = None,
+):
+    """Print (or --install) an editor hook that runs `tsdev reload --file PATH` on every save. See docs/editor-hooks.md."""
+    from tsdev.hooks import EDITORS, install as install_hook, snippet
+
+    if editor not in EDITORS:
+        raise typer.BadParameter(f"one of {', '.join(EDITORS)}", param_hint="EDITOR")
+    if not install:
+        hook_ = snippet(editor, url)
+        typer.echo(hook_.text.rstrip("\n"))
+        typer.echo(f"\n# goes in: {hook_.where}" + (f"\n# {hook_.note}" if hook_.note else ""), err=True)
+        return
+    try:
+        for line in install_hook(editor, Path.cwd(), url):
+            typer.echo(line)
+    except (ValueError, FileExistsError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
 
 
 @app.callback()

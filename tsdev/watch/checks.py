@@ -1,0 +1,108 @@
+"""What the daemon measures after every reload: a golden greedy completion and a decode-speed probe.
+
+Both go through the public completions route, so they work against any seed-style server. The golden
+prompt is token ids (no tokenizer in the way) and runs alone, greedy, with `ignore_eos`, so the same code
+gives the same tokens (compared by id where the server returns them, vLLM's `return_token_ids`, else by
+each streamed chunk's text: one chunk per engine step). The probe sends a fixed batch of streams and
+takes the median gap between chunks, which is the decode step time.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import dataclass
+
+import httpx
+
+GOLDEN_TOKENS = 24
+PROMPT_LEN = 16
+
+
+def prompt_ids(seed: int, vocab: int) -> list[int]:
+    """A fixed, non-repeating prompt of token ids below `vocab` (ids under 256 exist in any byte-level BPE)."""
+    span = max(2, min(vocab, 256))
+    return [(11 + 37 * seed + 13 * i) % span for i in range(PROMPT_LEN)]
+
+
+async def _stream(client: httpx.AsyncClient, url: str, body: dict) -> tuple[list, list[float]]:
+    """The generated tokens (ids where the server returns them, else each chunk's text) and when each
+    chunk arrived."""
+    tokens, times = [], []
+    body = {**body, "stream": True, "return_token_ids": True}
+    async with client.stream("POST", url + "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            raise httpx.HTTPStatusError(f"{response.status_code}: {response.text[:200]}", request=response.request,
+                                        response=response)
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                if "error" in event:
+                    raise RuntimeError(event["error"].get("message", "the server failed the request"))
+                if event.get("choices"):
+                    choice = event["choices"][0]
+                    tokens += choice["token_ids"] if "token_ids" in choice else [choice.get("text") or ""]
+                    times.append(time.perf_counter())
+    return tokens, times
+
+
+async def greedy(client: httpx.AsyncClient, url: str, vocab: int, tokens: int = GOLDEN_TOKENS) -> list:
+    body = {"prompt": prompt_ids(0, vocab), "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+    return (await _stream(client, url, body))[0]
+
+
+async def decode_ms(client: httpx.AsyncClient, url: str, vocab: int, batch: int, steps: int) -> float:
+    """Median decode step time (ms) with `batch` streams of `steps` tokens running together."""
+    async def one(i: int) -> list[float]:
+        body = {"prompt": prompt_ids(i + 1, vocab), "max_tokens": steps, "temperature": 0, "ignore_eos": True}
+        _, times = await _stream(client, url, body)
+        return [b - a for a, b in zip(times, times[1:])]
+
+    gaps = [g for gs in await asyncio.gather(*(one(i) for i in range(batch))) for g in gs]
+    if not gaps:
+        raise RuntimeError("the probe got no tokens back")
+    return statistics.median(gaps) * 1e3
+
+
+@dataclass
+class Verdict:
+    """The golden completion compared with the one taken at startup (or with `g`)."""
+    total: int
+    position: int | None  # first differing token, None when identical
+
+    @property
+    def same(self) -> bool:
+        return self.position is None
+
+    def text(self) -> str:
+        if self.same:
+            return f"golden: same {self.total} tokens"
+        return f"golden: output changed at token {self.position} of {self.total}"
+
+
+def compare(expected: list, got: list) -> Verdict:
+    for i, (a, b) in enumerate(zip(expected, got)):
+        if a != b:
+            return Verdict(len(expected), i)
+    if len(expected) != len(got):
+        return Verdict(len(expected), min(len(expected), len(got)))
+    return Verdict(len(expected), None)
+
+
+@dataclass
+class Probe:
+    ms: float
+    batch: int
+    previous: float | None = None  # the probe of the code before this one
+
+    @property
+    def delta(self) -> float | None:
+        return None if self.previous is None else self.ms - self.previous
+
+    def text(self) -> str:
+        line = f"decode {self.ms:.2f} ms/step at batch {self.batch}"
+        if self.delta is not None:
+            line += f" ({self.delta:+.2f} ms, {100 * self.delta / self.previous:+.1f}%)"
+        return line

@@ -1,0 +1,118 @@
+"""`tsdev watch --no-tui`: one plain line per event, for CI logs, editors' terminals and `grep`.
+
+The line formats live here and the TUI reuses them, so both say the same thing in the same words.
+"""
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+from rich.console import Console
+from rich.markup import escape
+
+from tsdev.watch.daemon import STEPS, Daemon, Event, ReloadRecord, RestartRecord, WatchConfig
+
+
+def steps_text(steps: dict[str, float], record: ReloadRecord | None = None) -> str:
+    parts = [f"{name} {steps[name]:.2f}" for name in (*STEPS, "total") if name in steps]
+    kernels = (record.worker or {}).get("jit_kernels") if record else None
+    text = " ".join(parts) + " s" if parts else ""
+    return text + (f" ({kernels} kernel(s) compiled)" if kernels else "")
+
+
+def trigger_text(record: ReloadRecord) -> str:
+    if record.files:
+        return f"{record.trigger} {', '.join(record.files)}"
+    if record.trigger == "another client" and record.modules:
+        return f"{record.trigger}: {', '.join(record.modules)}"
+    return record.trigger
+
+
+def checks_text(record: ReloadRecord | RestartRecord) -> list[str]:
+    parts = []
+    if record.verdict is not None:
+        color = "green" if record.verdict.same else "yellow"
+        parts.append(f"[{color}]{record.verdict.text()}[/{color}]")
+    if record.probe is not None:
+        parts.append(record.probe.text())
+    if record.note:
+        parts.append(f"[dim]{escape(record.note)}[/dim]")
+    return parts
+
+
+def reload_line(record: ReloadRecord) -> str:
+    head = f"reload #{record.n}"
+    why = escape(trigger_text(record))
+    if record.error:
+        return f"{head} [red]FAILED[/red] ({why}): {escape(record.error)} [dim]— the old code keeps serving[/dim]"
+    if not record.reloaded:
+        return f"{head}: {' | '.join(checks_text(record)) or 'nothing reloaded'} ({why})"
+    w = record.worker or {}
+    what = (f"{', '.join(record.reloaded)} + {len(record.dependents)} dependent(s), {w.get('patched', 0)} object(s) "
+            "patched")
+    return " | ".join([f"{head} [green]ok[/green] ({why}): {escape(what)}", steps_text(record.steps, record),
+                       *checks_text(record)])
+
+
+def restart_line(record: RestartRecord, daemon: Daemon) -> str:
+    if record.error:
+        verb = "the server did not start" if record.n == 0 else "restart FAILED"
+        return f"[red]{verb}[/red] after {record.seconds:.1f} s: {escape(record.error)}"
+    info = daemon.info
+    where = ", ".join(str(x) for x in (info.get("model"), info.get("device") and f"on {info['device']}",
+                                         record.pid and f"pid {record.pid}") if x)
+    if record.n == 0:
+        head = f"server up in {record.seconds:.1f} s ({where}) at {info['url']}"
+        if info.get("log"):
+            head += f", log {info['log']}"
+        if daemon.golden:
+            head += f"; golden completion: {len(daemon.golden)} tokens"
+    else:
+        head = f"restart #{record.n}: {escape(record.reason)} → restarted in {record.seconds:.1f} s ({where})"
+    return " | ".join([head, *checks_text(record)])
+
+
+def started_line(event: Event, daemon: Daemon) -> str | None:
+    record = event.record
+    if isinstance(record, ReloadRecord):
+        modules = ", ".join(record.modules) if record.trigger == "save" else ""
+        return f"reload #{record.n}: {escape(trigger_text(record))}" + (f" → {escape(modules)}" if modules else "")
+    if record.n == 0:
+        return (f"starting the server: tsdev {' '.join(daemon.server.argv[3:])}" if daemon.server
+                else f"attaching to {daemon.config.url}")
+    return f"restarting the server: {escape(record.reason)}"
+
+
+class PlainPrinter:
+    def __init__(self, console: Console | None = None):
+        self.console = console or Console(soft_wrap=True, highlight=False)
+        self.daemon: Daemon | None = None
+
+    def __call__(self, event: Event) -> None:
+        line = None
+        if event.kind == "message":
+            color = {"warning": "yellow", "error": "red"}.get(event.level)
+            line = f"[{color}]{escape(event.text)}[/{color}]" if color else escape(event.text)
+        elif event.kind in ("reload_started", "restart_started"):
+            line = started_line(event, self.daemon)
+        elif event.kind == "reload_finished":
+            line = reload_line(event.record)
+        elif event.kind == "restart_finished":
+            line = restart_line(event.record, self.daemon)
+        if line:
+            self.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {line}")
+            self.console.file.flush()
+
+
+def run_plain(config: WatchConfig) -> int:
+    printer = PlainPrinter()
+    daemon = printer.daemon = Daemon(config, printer)
+
+    async def main() -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, daemon.stop)
+        return await daemon.run()
+
+    return asyncio.run(main())

@@ -1,0 +1,254 @@
+"""The `tsdev watch` screen (Textual): server state, the reload in flight step by step, the history,
+errors with the code around them, and one key per action. It only draws the daemon's events; the
+daemon runs on Textual's own asyncio loop.
+"""
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+from rich.console import Group
+from rich.markup import escape
+from rich.syntax import Syntax
+from rich.text import Text
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.widgets import DataTable, Footer, RichLog, Static
+
+from tsdev.watch.daemon import STEPS, Daemon, Event, ReloadRecord, RestartRecord, WatchConfig
+from tsdev.watch.plain import checks_text, restart_line, started_line, trigger_text
+
+WHERE = re.compile(r"(?P<path>[^\s:'\"]+\.py):(?P<line>\d+)")
+STATE_COLORS = {"serving": "green", "paused": "yellow", "draining": "yellow", "reloading": "cyan",
+                "checking": "cyan", "starting": "cyan", "restarting": "magenta", "down": "red"}
+COLUMNS = ("#", "time", "trigger", "reloaded", "deps", *STEPS, "total", "golden", "decode ms/step", "outcome")
+
+
+def excerpt(error: str, context: int = 3) -> Syntax | None:
+    """The code around the error's file:line, with that line highlighted."""
+    match = WHERE.search(error)
+    if not match:
+        return None
+    path, line = Path(match["path"]), int(match["line"])
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None
+    first = max(1, line - context)
+    code = "\n".join(lines[first - 1: line + context])
+    return Syntax(code, "python", line_numbers=True, start_line=first, highlight_lines={line}, theme="ansi_dark")
+
+
+class WatchApp(App):
+    TITLE = "tsdev watch"
+    CSS = """
+    #header { height: 1; background: $boost; padding: 0 1; }
+    #current { height: auto; min-height: 3; border: round $primary; padding: 0 1; }
+    #history { height: 1fr; border: round $panel; }
+    #errors { height: auto; max-height: 20; border: round $error; padding: 0 1; display: none; }
+    #log { height: 7; border: round $panel; }
+    """
+    BINDINGS = [
+        Binding("r", "reload_all", "reload all"),
+        Binding("R", "restart", "restart"),
+        Binding("b", "bench", "quick bench"),
+        Binding("p", "profile", "profile next reload"),
+        Binding("g", "golden", "new golden"),
+        Binding("c", "clear", "clear"),
+        Binding("q", "quit", "quit"),
+    ]
+
+    def __init__(self, config: WatchConfig):
+        super().__init__()
+        self.daemon = Daemon(config, self.on_daemon_event)
+        self.errors: list[str] = []
+        self.failure: str | None = None  # why the first start failed, printed after the screen closes
+        self.live: ReloadRecord | RestartRecord | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="header")
+        yield Static("waiting for the first save...", id="current")
+        yield DataTable(id="history", zebra_stripes=True, cursor_type="row")
+        yield Static(id="errors")
+        yield RichLog(id="log", wrap=True, markup=True)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        table = self.query_one("#history", DataTable)
+        for name in COLUMNS:
+            table.add_column(name, key=name)
+        self.query_one("#current").border_title = "current"
+        table.border_title = "history"
+        self.query_one("#errors").border_title = "errors (first first; kept until the next success)"
+        self.query_one("#log").border_title = "log"
+        self.draw_header()
+        self.set_interval(0.2, self.draw_current)
+        self.run_worker(self.run_daemon(), exclusive=True)
+
+    async def run_daemon(self) -> None:
+        code = await self.daemon.run()
+        self.exit(code)
+
+    # --- keys --------------------------------------------------------------------------------------
+
+    def action_reload_all(self) -> None:
+        self.daemon.reload_all()
+
+    def action_restart(self) -> None:
+        self.daemon.restart()
+
+    def action_bench(self) -> None:
+        self.daemon.bench()
+
+    def action_profile(self) -> None:
+        self.daemon.arm_profile()
+
+    def action_golden(self) -> None:
+        self.daemon.retake_golden()
+
+    def action_clear(self) -> None:
+        self.query_one("#history", DataTable).clear()
+        self.query_one("#log", RichLog).clear()
+        self.errors.clear()
+        self.draw_errors()
+
+    async def action_quit(self) -> None:
+        self.log_line("stopping the server..." if self.daemon.server else "detaching...")
+        self.daemon.stop()
+
+    # --- drawing -----------------------------------------------------------------------------------
+
+    def on_daemon_event(self, event: Event) -> None:
+        record = event.record
+        if event.kind == "state":
+            self.draw_header()
+        elif event.kind == "message":
+            color = {"warning": "yellow", "error": "red"}.get(event.level)
+            self.log_line(f"[{color}]{escape(event.text)}[/{color}]" if color else escape(event.text))
+        elif event.kind in ("reload_started", "restart_started"):
+            self.live = record
+            self.log_line(started_line(event, self.daemon))
+            self.draw_row(record)
+        elif event.kind == "reload_step":
+            self.draw_row(record)
+        elif event.kind in ("reload_finished", "restart_finished"):
+            self.draw_row(record)
+            if isinstance(record, RestartRecord):
+                self.log_line(restart_line(record, self.daemon))
+                if record.error and record.n == 0:
+                    self.failure = record.error
+            if record.error:
+                if record.error not in self.errors:
+                    self.errors.append(record.error)
+            elif isinstance(record, RestartRecord) or record.ok:
+                self.errors.clear()
+            self.draw_errors()
+        self.draw_current()
+
+    def log_line(self, markup: str) -> None:
+        self.query_one("#log", RichLog).write(Text.from_markup(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {markup}"))
+
+    def draw_header(self) -> None:
+        info = self.daemon.info
+        color = STATE_COLORS.get(info["state"], "white")
+        parts = [f"[b]tsdev watch[/b]", f"[{color}]● {info['state']}[/{color}]"]
+        if info.get("model"):
+            parts.append(escape(info["model"]) + (f" on {info['device']}" if info.get("device") else ""))
+        parts.append(info["url"] + (" (attached)" if info.get("attach") else ""))
+        if info.get("pid"):
+            parts.append(f"pid {info['pid']}")
+        if info.get("log"):
+            parts.append(f"[dim]log {escape(info['log'])}[/dim]")
+        self.query_one("#header", Static).update(Text.from_markup("  │  ".join(parts)))
+
+    def draw_current(self) -> None:
+        record = self.live
+        widget = self.query_one("#current", Static)
+        if record is None:
+            return
+        if isinstance(record, RestartRecord):
+            verb = "starting the server" if record.n == 0 else f"restart #{record.n}: {escape(record.reason)}"
+            if record.done:
+                state = "[red]failed[/red]" if record.error else f"[green]up in {record.seconds:.1f} s[/green]"
+            else:
+                state = f"[yellow]{time.time() - record.started:.1f} s...[/yellow]"
+            widget.update(Text.from_markup(f"{verb}  {state}"))
+            return
+        head = f"[b]reload #{record.n}[/b]  {escape(trigger_text(record))}"
+        if record.reloaded:
+            head += f"  →  {escape(', '.join(record.reloaded))} + {len(record.dependents)} dependent(s)"
+        elif record.modules and not record.done:
+            head += f"  →  {escape(', '.join(record.modules[:6]))}{' ...' if len(record.modules) > 6 else ''}"
+        chips = []
+        for name in (*STEPS, "check"):
+            if name in record.steps:
+                chips.append(f"[green]✓ {name} {record.steps[name]:.2f} s[/green]")
+            elif record.current == name and not record.done:
+                chips.append(f"[yellow]▶ {name} {time.perf_counter() - record.step_started:.1f} s[/yellow]")
+            else:
+                chips.append(f"[dim]· {name}[/dim]")
+        lines = [head, "   ".join(chips)]
+        if record.done:
+            outcome = "[red]FAILED: the old code keeps serving[/red]" if record.error else " | ".join(checks_text(record))
+            lines.append(outcome or "[green]ok[/green]")
+        widget.update(Text.from_markup("\n".join(lines)))
+
+    def draw_row(self, record: ReloadRecord | RestartRecord) -> None:
+        table = self.query_one("#history", DataTable)
+        cells = self.cells(record)
+        key = f"{type(record).__name__}-{record.n}"
+        if key not in table.rows:
+            table.add_row(*cells.values(), key=key)
+            table.move_cursor(row=table.row_count - 1)
+        else:
+            for column, value in cells.items():
+                table.update_cell(key, column, value, update_width=True)
+
+    @staticmethod
+    def cells(record: ReloadRecord | RestartRecord) -> dict:
+        cells = dict.fromkeys(COLUMNS, "")
+        cells["time"] = time.strftime("%H:%M:%S", time.localtime(record.started))
+        if isinstance(record, RestartRecord):
+            cells.update({"#": f"R{record.n}" if record.n else "start", "trigger": "restart" if record.n else "start",
+                          "reloaded": record.reason if record.n else "", "total": f"{record.seconds:.2f}" if record.done else "…"})
+        else:
+            cells.update({"#": str(record.n), "trigger": trigger_text(record),
+                          "reloaded": ", ".join(record.reloaded or record.modules[:3]),
+                          "deps": str(len(record.dependents)) if record.worker else ""})
+            for name in (*STEPS, "total"):
+                if name in record.steps:
+                    cells[name] = f"{record.steps[name]:.2f}"
+        if record.verdict is not None:
+            cells["golden"] = Text("same", "green") if record.verdict.same else Text(f"changed @{record.verdict.position}", "yellow")
+        if record.probe is not None:
+            delta = record.probe.delta
+            cells["decode ms/step"] = f"{record.probe.ms:.2f}" + (f" ({delta:+.2f})" if delta is not None else "")
+        if record.done:
+            if record.error:
+                cells["outcome"] = Text("failed", "red")
+            elif isinstance(record, ReloadRecord) and not record.reloaded:
+                cells["outcome"] = Text("no change", "dim")
+            else:
+                cells["outcome"] = Text("restarted" if record.n and isinstance(record, RestartRecord) else "ok", "green")
+        else:
+            cells["outcome"] = Text("running", "yellow")
+        return cells
+
+    def draw_errors(self) -> None:
+        widget = self.query_one("#errors", Static)
+        widget.display = bool(self.errors)
+        parts = []
+        for error in self.errors:
+            parts.append(Text(error, style="bold red"))
+            if (code := excerpt(error)) is not None:
+                parts.append(code)
+        widget.update(Group(*parts))
+
+
+def run_tui(config: WatchConfig) -> int:
+    app = WatchApp(config)
+    code = app.run()
+    if app.failure:
+        print(f"tsdev watch: the server did not start: {app.failure}")
+    return code if isinstance(code, int) else 0

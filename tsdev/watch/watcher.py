@@ -1,0 +1,185 @@
+"""Editor saves -> settled batches of changed modules.
+
+What an editor does on save is not one clean event (DESIGN.md, "Known traps"): vim deletes and re-adds
+the file after creating a `4913` probe file, atomic savers write a temp file and rename it over the
+original, and a formatter writes again ~100 ms later. So the watcher keeps only `.py` files of packages,
+waits until the directories have been quiet for `settle` seconds, then looks at what is on disk: a path
+counts when the file exists and its content differs from the last content seen. Directories are
+watched, never single files (a rename would lose the watch).
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib.util
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from watchfiles import awatch
+
+from tsdev.hotreload.snapshot import under
+
+
+def module_name(path: str | Path) -> str | None:
+    """The dotted name of a `.py` file inside regular packages (`__init__.py` up the tree), else None."""
+    path = Path(path).resolve()
+    if path.suffix != ".py":
+        return None
+    parts = [] if path.name == "__init__.py" else [path.stem]
+    folder = path.parent
+    while (folder / "__init__.py").is_file():
+        parts.insert(0, folder.name)
+        folder = folder.parent
+    return ".".join(parts) if parts and (path.parent / "__init__.py").is_file() else None
+
+
+def classify_files(paths: Iterable[str | Path]) -> tuple[list[str], list[str], list[str]]:
+    """For `tsdev reload --file`: (reloadable modules, other modules of the same top-level packages,
+    ignored files). Which packages are reloadable comes from the pyproject.toml above each file's
+    top-level package, so the answer does not depend on the current directory."""
+    from tsdev.hotreload import default_packages
+
+    reload, other, ignored = [], [], []
+    for path in paths:
+        name = module_name(path)
+        if name is None:
+            ignored.append(str(path))
+            continue
+        depth = name.count(".") + (Path(path).name == "__init__.py")
+        packages = default_packages(Path(path).resolve().parents[depth])  # the folder holding the top package
+        if under(name, packages):
+            reload.append(name)
+        elif name.split(".")[0] in {p.split(".")[0] for p in packages}:
+            other.append(name)
+        else:
+            ignored.append(str(path))
+    return sorted(set(reload)), sorted(set(other)), ignored
+
+
+@dataclass
+class Packages:
+    """Where the watched top-level packages live and which of their modules can be reloaded in place."""
+    reloadable: tuple[str, ...]  # e.g. runtime.layers, kernels.ops
+    dirs: dict[str, Path]  # top-level package -> its directory, e.g. runtime -> /proj/runtime
+
+    @classmethod
+    def locate(cls, reloadable: Iterable[str], project: Path) -> Packages:
+        """Find each top-level package under `project` first, then where Python would import it from."""
+        reloadable = tuple(reloadable)
+        dirs = {}
+        for root in sorted({p.split(".")[0] for p in reloadable}):
+            folder = project / root
+            if not (folder / "__init__.py").is_file():
+                spec = importlib.util.find_spec(root)
+                if spec is None or not spec.submodule_search_locations:
+                    raise FileNotFoundError(f"cannot find package {root!r} (from [tool.tsdev] reload-packages) "
+                                            f"under {project} or on the Python path: run from the project root")
+                folder = Path(list(spec.submodule_search_locations)[0])
+            dirs[root] = folder.resolve()
+        return cls(reloadable, dirs)
+
+    def module(self, path: str | Path) -> str | None:
+        """The module a file holds, if it lies in one of the watched packages."""
+        name = module_name(path)
+        if name is None or name.split(".")[0] not in self.dirs:
+            return None
+        return name if Path(path).resolve().is_relative_to(self.dirs[name.split(".")[0]]) else None
+
+    def is_reloadable(self, module: str) -> bool:
+        return under(module, self.reloadable)
+
+    def files(self) -> list[Path]:
+        return sorted(p for d in self.dirs.values() for p in d.rglob("*.py") if "__pycache__" not in p.parts)
+
+    def reloadable_modules(self) -> list[str]:
+        return sorted({m for p in self.files() if (m := self.module(p)) and self.is_reloadable(m)})
+
+    def display(self, path: str | Path) -> str:
+        """A short path for the screen: relative to the folder that holds the packages."""
+        path = Path(path).resolve()
+        for folder in self.dirs.values():
+            if path.is_relative_to(folder.parent):
+                return str(path.relative_to(folder.parent))
+        return str(path)
+
+
+@dataclass
+class Changes:
+    """One settled burst of saves."""
+    files: list[str] = field(default_factory=list)  # display paths
+    reload: list[str] = field(default_factory=list)  # changed modules inside the reloadable packages
+    restart: list[str] = field(default_factory=list)  # changed modules outside them: the server restarts
+
+    def __bool__(self) -> bool:
+        return bool(self.files)
+
+    def merge(self, other: Changes) -> Changes:
+        def union(a, b):
+            return sorted(set(a) | set(b))
+        return Changes(union(self.files, other.files), union(self.reload, other.reload),
+                       union(self.restart, other.restart))
+
+
+def _digest(path: Path) -> str | None:
+    try:
+        return hashlib.blake2b(path.read_bytes(), digest_size=16).hexdigest()
+    except OSError:  # gone again, or mid-rename
+        return None
+
+
+class Watcher:
+    def __init__(self, packages: Packages, settle: float = 0.2):
+        self.packages, self.settle = packages, settle
+        self.seen: dict[str, str] = {}
+        self.ready = asyncio.Event()  # set once the OS watches exist (saves before that are missed)
+        self.rescan()
+
+    def rescan(self) -> None:
+        """Take the current contents as the baseline (after a server start, which imports them)."""
+        self.seen = {str(p): d for p in self.packages.files() if (d := _digest(p))}
+
+    @staticmethod
+    def keep(change, path: str) -> bool:
+        """watchfiles filter: package sources only (no probe files, temp names without .py, caches, dotfiles)."""
+        p = Path(path)
+        return p.suffix == ".py" and "__pycache__" not in p.parts and not p.name.startswith(".")
+
+    def compare(self, paths: Iterable[str]) -> Changes:
+        """What really changed among `paths`: existing files with new content, as modules."""
+        out = Changes()
+        for p in sorted({Path(path).resolve() for path in paths}):
+            path = str(p)
+            module = self.packages.module(p) if p.is_file() else None
+            digest = _digest(p) if module else None
+            if digest is None or self.seen.get(path) == digest:
+                continue
+            self.seen[path] = digest
+            out.files.append(self.packages.display(p))
+            (out.reload if self.packages.is_reloadable(module) else out.restart).append(module)
+        return out
+
+    async def batches(self, stop: asyncio.Event) -> AsyncIterator[Changes]:
+        """Yield each settled burst of real changes until `stop` is set."""
+        raw: asyncio.Queue[set[str]] = asyncio.Queue()
+
+        async def pump() -> None:
+            async for changes in awatch(*self.packages.dirs.values(), watch_filter=self.keep, stop_event=stop):
+                raw.put_nowait({path for _, path in changes})
+
+        task = asyncio.create_task(pump(), name="watchfiles")
+        await asyncio.sleep(0)  # the task runs until awatch's first wait: its OS watches exist by then
+        self.ready.set()
+        try:
+            while not stop.is_set():
+                paths = await raw.get()
+                while True:  # settle: each new raw batch restarts the quiet period
+                    try:
+                        paths |= await asyncio.wait_for(raw.get(), self.settle)
+                    except TimeoutError:
+                        break
+                if changes := self.compare(paths):
+                    yield changes
+        finally:
+            stop.set()
+            await asyncio.gather(task, return_exceptions=True)
