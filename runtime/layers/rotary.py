@@ -19,7 +19,11 @@ class RotaryEmbedding(nn.Module):
         return rope_ops.qk_norm_rope(q, k, q_norm.weight, k_norm.weight, q_norm.eps, positions, self.cos_sin_cache)
 
 
-@functools.lru_cache
 def get_rope(head_dim: int, max_positions: int, theta: float) -> RotaryEmbedding:
-    """One rotary table shared by every layer (it is large: max_positions x head_dim floats)."""
+    """One rotary table per device shared by every layer (it is large: max_positions x head_dim floats)."""
+    return _rope(head_dim, max_positions, theta, torch.get_default_device())
+
+
+@functools.lru_cache
+def _rope(head_dim: int, max_positions: int, theta: float, device: torch.device) -> RotaryEmbedding:
     return RotaryEmbedding(head_dim, max_positions, theta)
