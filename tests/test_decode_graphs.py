@@ -51,3 +51,11 @@ def test_batches_larger_than_the_largest_graph_run_eagerly(make_engine):
     with_graphs = engine.generate(prompts, GREEDY)
     eager = make_engine(enforce_eager=True).generate(prompts, GREEDY)
     assert [r["token_ids"] for r in with_graphs] == [r["token_ids"] for r in eager]
+
+
+def test_generation_through_graphs_equals_eager_as_the_batch_changes(make_engine):
+    prompts = [[(5 * i + j) % 900 + 1 for j in range(3 + 4 * i)] for i in range(5)]
+    params = [SamplingParams(max_tokens=6 + 5 * i, temperature=0, ignore_eos=True) for i in range(5)]
+    graphed = make_engine(cudagraph_capture_sizes=[2, 8]).generate(prompts, params)  # rows change owner as seqs finish
+    eager = make_engine(enforce_eager=True).generate(prompts, params)
+    assert [r["token_ids"] for r in graphed] == [r["token_ids"] for r in eager]

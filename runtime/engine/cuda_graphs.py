@@ -19,16 +19,18 @@ class DecodeGraphs:
         self.max_seq_len, self.pad_page = max_seq_len, pad_page
         n = self.sizes[-1]
         with device:
-            self.input_ids = torch.zeros(n, dtype=torch.int64)
-            self.positions = torch.zeros(n, dtype=torch.int64)
-            self.slot_mapping = torch.full((n,), -1, dtype=torch.int64)
-            self.seq_lens = torch.ones(n, dtype=torch.int32)
+            # rows: input ids, positions, KV slots, sequence lengths (one copy from the host per step)
+            self.inputs = torch.zeros(4, n, dtype=torch.int64)
             self.page_table = torch.full((n, max_pages_per_seq), pad_page, dtype=torch.int32)
             self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32)
             self.rows = torch.arange(n, dtype=torch.int64)
             self.logits = torch.zeros(n, vocab_size, dtype=torch.float32)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
+        # The page table is updated incrementally: a host mirror, and which page list each row holds.
+        self.host_table = torch.full((n, max_pages_per_seq), pad_page, dtype=torch.int32)
+        self.row_pages: list[list[int] | None] = [None] * n
+        self.row_filled = [0] * n
 
     @property
     def max_size(self) -> int:
@@ -60,33 +62,42 @@ class DecodeGraphs:
         """Logits [n, V] for a decode batch of n <= max_size sequences."""
         n = len(input_ids)
         size = next(s for s in self.sizes if s >= n)
-        self._fill(self.input_ids, input_ids, size, 0)
-        self._fill(self.positions, positions, size, 0)
-        self._fill(self.slot_mapping, slots, size, -1)
-        self._fill(self.seq_lens, seq_lens, size, 1)
-        width = self.page_table.shape[1]
-        rows = [pages + [self.pad_page] * (width - len(pages)) for pages in page_table]
-        self.page_table[:n].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
-        self.page_table[n:size].fill_(self.pad_page)
+        pad = size - n
+        staged = torch.tensor([input_ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad, seq_lens + [1] * pad])
+        self.inputs[:, :size].copy_(staged, non_blocking=True)
+        width = max(map(len, page_table))
+        for row, pages in enumerate(page_table):
+            self._update_row(row, pages)
+        for row in range(n, size):  # padding rows (length 1) read column 0 alone
+            self._update_row(row, None)
+        self.page_table[:size, :width].copy_(self.host_table[:size, :width], non_blocking=True)
         if size in self.graphs:
             self.graphs[size].replay()
         else:
             self._forward(size)
         return self.logits[:n]
 
-    def _fill(self, buffer: torch.Tensor, values: list[int], size: int, pad: int) -> None:
-        n = len(values)
-        buffer[:n].copy_(torch.tensor(values, dtype=buffer.dtype), non_blocking=True)
-        buffer[n:size].fill_(pad)
+    def _update_row(self, row: int, pages: list[int] | None) -> None:
+        """Write only what changed: a row that keeps its sequence gets its new pages appended."""
+        if pages is None:
+            if self.row_pages[row] is not None:
+                self.row_pages[row], self.row_filled[row] = None, 0
+                self.host_table[row, 0] = self.pad_page
+            return
+        start = self.row_filled[row] if self.row_pages[row] is pages else 0
+        if start < len(pages):
+            self.host_table[row, start : len(pages)] = torch.tensor(pages[start:], dtype=torch.int32)
+        self.row_pages[row], self.row_filled[row] = pages, len(pages)
 
     def _forward(self, size: int) -> None:
+        input_ids, positions, slots, seq_lens = self.inputs[:, :size]
         set_context(Context(
-            cu_seqlens_q=self.cu_seqlens_q[: size + 1], seq_lens=self.seq_lens[:size],
-            page_table=self.page_table[:size], slot_mapping=self.slot_mapping[:size],
+            cu_seqlens_q=self.cu_seqlens_q[: size + 1], seq_lens=seq_lens.to(torch.int32),
+            page_table=self.page_table[:size], slot_mapping=slots,
             logits_indices=self.rows[:size], max_q_len=1, max_seq_len=self.max_seq_len,
         ))
         try:
-            hidden = self.model(self.input_ids[:size], self.positions[:size])
+            hidden = self.model(input_ids, positions)
             self.logits[:size] = self.model.compute_logits(hidden)
         finally:
             set_context(None)
