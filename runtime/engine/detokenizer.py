@@ -1,26 +1,28 @@
 """Incremental detokenization and stop strings.
 
+The engine appends each step's tokens to every sequence and decodes all their windows in one
+`decode_batch` call (the tokenizer's Rust side runs them in parallel).
+
 Decoding only a short window of recent tokens keeps each step O(1), and waiting while the window
 ends in U+FFFD keeps multi-byte characters whole. Text that could still become a stop string is
 held back from the stream until it is clear.
 """
-from tokenizers import Tokenizer
 
 
 class Detokenizer:
-    def __init__(self, tokenizer: Tokenizer, stop: list[str]):
-        self.tokenizer, self.stop = tokenizer, stop
+    def __init__(self, stop: list[str]):
+        self.stop = stop
         self.ids: list[int] = []
         self.prefix_offset = self.read_offset = 0
         self.text = ""
         self.sent = 0  # characters of text already handed out
 
-    def add(self, token_id: int) -> bool:
-        """Append a token; True if the text now contains a stop string (text is cut before it)."""
-        self.ids.append(token_id)
-        decode = self.tokenizer.decode
-        before = decode(self.ids[self.prefix_offset : self.read_offset])
-        now = decode(self.ids[self.prefix_offset :])
+    def windows(self) -> list[list[int]]:
+        """The two id windows whose decoded difference is the new text (decode many at once with decode_batch)."""
+        return [self.ids[self.prefix_offset : self.read_offset], self.ids[self.prefix_offset :]]
+
+    def consume(self, before: str, now: str) -> bool:
+        """Take the decoded windows after an append; True if the text now contains a stop string."""
         if len(now) <= len(before) or now.endswith("\ufffd"):
             return False
         checked_from = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)

@@ -65,7 +65,7 @@ class LLMEngine:
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.model_config.vocab_size - 1})")
         seq = Sequence(request_id, prompt_token_ids, params)
-        self.detokenizers[seq] = Detokenizer(self.tokenizer, params.stop)
+        self.detokenizers[seq] = Detokenizer(params.stop)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -84,16 +84,21 @@ class LLMEngine:
             batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        sampled = iter(self.runner.run(batch))
+        tokens = self.runner.run(batch)  # one per sequence that samples, in batch order
         self.num_prompt_tokens += sum(n for s, n in zip(batch.seqs, batch.num_tokens) if s.num_computed_tokens < s.num_prompt_tokens)
         outputs = []
         sampling = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
         self.scheduler.advance(batch)
-        for seq in sampling:
-            token = next(sampled)
+        windows = []
+        for seq, token in zip(sampling, tokens):
             seq.token_ids.append(token)
-            self.num_generated_tokens += 1
-            stopped = self.detokenizers[seq].add(token)
+            detok = self.detokenizers[seq]
+            detok.ids.append(token)
+            windows += detok.windows()
+        texts = self.tokenizer.decode_batch(windows) if windows else []
+        self.num_generated_tokens += len(tokens)
+        for i, (seq, token) in enumerate(zip(sampling, tokens)):
+            stopped = self.detokenizers[seq].consume(texts[2 * i], texts[2 * i + 1])
             reason = self._finish_reason(seq, token, stopped)
             if reason:
                 self._finish(seq, reason)
