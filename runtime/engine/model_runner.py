@@ -112,10 +112,13 @@ class ModelRunner:
         replays return a view of their static output buffer)."""
         if use_graphs and self.graphs and max(batch.num_tokens) == 1 and len(batch.seqs) <= self.graphs.max_size:
             with nvtx.annotate("prepare", domain=NVTX_DOMAIN):
-                inputs = self.host_inputs(batch)
+                page = self.config.page_size
+                positions = [seq.num_computed_tokens for seq in batch.seqs]
+                input_ids = [seq.token_ids[p] for seq, p in zip(batch.seqs, positions)]
+                slots = [seq.pages[p // page] * page + p % page for seq, p in zip(batch.seqs, positions)]
+                seq_lens = [p + 1 for p in positions]
             with nvtx.annotate("forward", domain=NVTX_DOMAIN):
-                return self.graphs.run(inputs["input_ids"], inputs["positions"], inputs["slots"],
-                                       inputs["seq_lens"], inputs["page_table"])
+                return self.graphs.run(input_ids, positions, slots, seq_lens, [seq.pages for seq in batch.seqs])
         with nvtx.annotate("prepare", domain=NVTX_DOMAIN):
             input_ids, positions = self.prepare(batch)
         try:
