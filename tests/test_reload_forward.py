@@ -169,15 +169,15 @@ def test_drain_timeout_gives_up_cleanly_and_names_the_step(server):
 
 def test_concurrent_reloads_run_one_after_the_other(server):
     events = []
-    stop = threading.Event()
+    marker = new_id()
 
     def listen():
         with httpx.stream("GET", server + "/v1/rl/engine/events", timeout=60) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     events.append(json.loads(line[6:]))
-                if stop.is_set():
-                    return
+                    if events[-1].get("id") == marker:
+                        return
 
     listener = threading.Thread(target=listen)
     listener.start()
@@ -190,8 +190,7 @@ def test_concurrent_reloads_run_one_after_the_other(server):
         w.start()
     for w in workers:
         w.join(60)
-    stop.set()
-    reload(server, new_id(), modules=["kernels.ops.norm"])  # one more event lets the listener see `stop`
+    reload(server, marker, modules=["kernels.ops.norm"])  # its first event ends the listener
     listener.join(30)
     assert all(r["ok"] for r in replies)
     mine = [e for e in events if e.get("id") in ids]
@@ -199,7 +198,7 @@ def test_concurrent_reloads_run_one_after_the_other(server):
     ends = [i for i, e in enumerate(mine) if e["type"] == "reload_finished"]
     assert len(starts) == 2 and len(ends) == 2 and ends[0] < starts[1]  # serialized
     steps = [e["step"] for e in mine[: ends[0]] if e["type"] == "reload_step" and e["state"] == "done"]
-    assert steps == ["drain", "flush", "reload", "warm", "recapture"]
+    assert steps == ["jit", "drain", "flush", "reload", "warm", "recapture"]
     assert all(e.get("seconds", 0) >= 0 for e in mine if e["type"] == "reload_step")
 
 

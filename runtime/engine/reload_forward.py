@@ -1,6 +1,7 @@
 """reload_forward: run new forward-pass code in a live server, keeping weights, KV pools and graphs' pool.
 
-Steps, each timed: drain (new requests held, running ones finish or are aborted), flush (the prefix
+Steps, each timed: jit (edited Triton kernels compiled ahead into Triton's disk cache while the old
+code still serves, when the reloader can), drain (new requests held, running ones finish or are aborted), flush (the prefix
 cache: KV computed by old code is not reused), reload (the reloader re-executes the edited modules and
 patches live objects), warm (the startup warm-up, while the old graphs still exist), recapture (the
 decode graphs), resume. Any failure rolls every change back and the old code keeps serving.
@@ -102,6 +103,11 @@ class ReloadForward:
             worker = {**self._worker_failure(None), "ok": True, "needs_restart": plan.needs_restart,
                       "timings": {"total": time.perf_counter() - start, "pause": 0.0}}
             return self._finish(request, worker)
+        compile_ahead = getattr(self.reloader, "compile_ahead", None)
+        jit_kernels = 0
+        if compile_ahead is not None:  # old code keeps serving meanwhile
+            async with self._step(attempt, "jit"):
+                jit_kernels, _ = await asyncio.to_thread(compile_ahead, sources, request.modules)
         ae.hold(True)
         pause_start = time.perf_counter()
         try:
@@ -138,12 +144,13 @@ class ReloadForward:
             attempt.timings["pause"] = time.perf_counter() - pause_start
             attempt.timings["total"] = time.perf_counter() - start
         report = tx.report.to_dict() if tx is not None else {}
-        attempt.timings["jit"] = report.get("timings", {}).get("jit", 0.0)
+        attempt.timings.setdefault("jit", 0.0)
         worker = {
             "rank": self.rank, "ok": error is None, "error": error,
             "reloaded": report.get("reloaded", []), "dependents": report.get("dependents", []),
             "patched": report.get("patched", 0), "stale": report.get("stale", []),
-            "needs_restart": report.get("needs_restart", []), "jit_kernels": report.get("jit_kernels", 0),
+            "needs_restart": report.get("needs_restart", []),
+            "jit_kernels": jit_kernels or report.get("jit_kernels", 0),
             "timings": {k: round(v, 6) for k, v in attempt.timings.items()},
         }
         return self._finish(request, worker)
