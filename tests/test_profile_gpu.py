@@ -1,0 +1,51 @@
+"""`tsdev profile` on the H200: two reloads' worth of ranges give two nsys reports and two kernel summaries."""
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from serve_process import copy_project, free_port
+from tsdev.profile import find_nsys
+
+pytestmark = pytest.mark.gpu
+STORE = "tl.store(OUT + row * I + cols, (act * up)"
+
+
+def wait_for(path, proc, timeout=400):
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"tsdev profile exited with {proc.returncode}"
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(1)
+
+
+def test_profile_takes_one_report_per_reload(tmp_path):
+    assert find_nsys()[0], "nsys not found: source scripts/device-setup.sh (sets $NSYS)"
+    project = copy_project(tmp_path / "project")
+    out, port = tmp_path / "prof", free_port()
+    env = {**os.environ, "PYTHONPATH": f"{project}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen([sys.executable, "-m", "tsdev", "profile", "--out", str(out), "--ranges", "2",
+                             "--num-steps", "10", "--port", str(port), "--max-running", "16",
+                             "--cudagraph-capture-sizes", "1", "8", "16"], cwd=project, env=env)
+    try:
+        wait_for(out / "reload-0.summary.md", proc)
+        source = project / "kernels/ops/activation.py"
+        source.write_text(source.read_text().replace(STORE, "tl.store(OUT + row * I + cols, (-act * up)"))
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/rl/engine/reload_forward", json={"id": "p1"}, timeout=300).json()
+        assert reply["ok"], reply
+        assert proc.wait(timeout=400) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    for name in ("reload-0", "reload-1"):
+        assert (out / f"{name}.nsys-rep").stat().st_size > 0
+        summary = (out / f"{name}.summary.md").read_text()
+        assert "_silu_and_mul_kernel" in summary and "_decode" in summary, summary
+    assert "vs previous" in (out / "reload-1.summary.md").read_text()
+    if keep := os.environ.get("TSDEV_KEEP_PROFILE"):  # to refresh the parser's fixture from a real report
+        for csv in out.glob("reload-1_*.csv"):
+            shutil.copy(csv, keep)
