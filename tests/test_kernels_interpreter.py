@@ -190,6 +190,11 @@ def test_exponential_noise_is_exp1_and_per_column():
     assert torch.equal(sampling.exponential_noise(seeds, cols), noise.gather(1, cols))
 
 
+def test_noise_stays_positive_and_finite_at_the_hash_extremes():
+    noise = sampling._exp1_from_hash(torch.tensor([0, 1, 2**31, 2**32 - 2, 2**32 - 1]))
+    assert torch.isfinite(noise).all() and (noise > 0).all()
+
+
 @pytest.mark.parametrize("num_splits", [1, 3, None])
 def test_race_matches_reference_without_filters(num_splits):
     logits, temps, seeds = sampling_batch()

@@ -52,13 +52,18 @@ def exponential_noise(seeds: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """Exp(1) noise [S, N] float32 for rows with seeds [S] (int64) at columns cols ([N] or [S, N], int64).
 
     Column j of a row gets the same value whichever columns are asked for, which is what lets the
-    top-k path draw noise for its candidates only. Uniforms have 24 bits, in (0, 1).
+    top-k path draw noise for its candidates only. Uniforms have 23 bits, strictly inside (0, 1).
     """
     seeds = seeds.to(torch.int64)
     key = _mix32((seeds & 0xFFFFFFFF) ^ _mix32(((seeds >> 32) & 0xFFFFFFFF) ^ _SEED_SALT))
     cols = cols.to(torch.int64)
-    h = _mix32(_mix32(cols) ^ key.unsqueeze(1))
-    u = ((h >> 8).float() + 0.5) * (1.0 / 16777216.0)
+    return _exp1_from_hash(_mix32(_mix32(cols) ^ key.unsqueeze(1)))
+
+
+def _exp1_from_hash(h: torch.Tensor) -> torch.Tensor:
+    # 23 bits, so that u < 1 holds in float32 (with 24, (2**24 - 0.5) / 2**24 rounds to 1.0, E to 0, and
+    # that token would win the race whatever its probability)
+    u = ((h >> 9).float() + 0.5) * (1.0 / 8388608.0)
     return -torch.log(u)
 
 
@@ -131,7 +136,7 @@ def _race_kernel(
         mask = cols < V
         logit = tl.load(LOGITS + row.to(tl.int64) * stride_l + cols, mask=mask, other=float("-inf")).to(tl.float32)
         h = _mix32_tl(_mix32_tl(cols.to(tl.uint32)) ^ key)
-        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # as _exp1_from_hash
         # argmax(probs / E) == argmax(logit / T - log E): no softmax needed
         score = tl.where(temp > 0, logit * inv_temp - tl.log(-tl.log(u)), logit)
         better = score > best_val  # strict: the earliest column wins a tie, as torch.argmax
@@ -200,7 +205,7 @@ def _candidates_kernel(
     lo = (seed & 0xFFFFFFFF).to(tl.uint32)
     key = _mix32_tl(lo ^ _mix32_tl(hi ^ SALT))
     h = _mix32_tl(_mix32_tl(cols.to(tl.uint32)) ^ key)
-    u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # as _exp1_from_hash
     score = tl.where(keep, scaled - tl.log(-tl.log(u)), float("-inf"))
     best = tl.min(tl.where(score == tl.max(score, axis=0), r, BLOCK_K), axis=0)
     sampled = tl.sum(tl.where(r == best, cols, 0), axis=0)

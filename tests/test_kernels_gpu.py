@@ -1,0 +1,246 @@
+"""Every Triton kernel against its torch reference on CUDA: bf16 and fp32, Qwen3-0.6B shapes (hidden 1024,
+16 q / 8 kv heads, head_dim 128, intermediate 3072, vocab 151936), batch 1..256, context up to 4096,
+page sizes 16 and 24, through the public ops (which pick Triton on CUDA) and through CUDA graphs.
+
+Run on the H200: python3 -m pytest -q -m gpu tests/test_kernels_gpu.py
+"""
+import itertools
+
+import pytest
+import torch
+
+from kernels.ops import activation, attention, norm, rope, sampling
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+DTYPES = [torch.bfloat16, torch.float32]
+HQ, HK, D, HIDDEN, INTER, VOCAB = 16, 8, 128, 1024, 3072, 151936
+
+
+def tol(dtype, loose=False):
+    if dtype == torch.float32:
+        return dict(atol=1e-4, rtol=1e-4) if loose else dict(atol=1e-5, rtol=1e-5)
+    return dict(atol=2e-2, rtol=2e-2) if loose else dict(atol=1e-2, rtol=1.6e-2)
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    torch.manual_seed(hash(request.node.name) % (1 << 31))
+
+
+def rand(*shape, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, device="cuda") * scale).to(dtype)
+
+
+def fused_qkv(T, dtype):
+    qkv = rand(T, (HQ + 2 * HK) * D, dtype=dtype)
+    q, k, v = qkv.split([HQ * D, HK * D, HK * D], dim=-1)
+    return q.view(T, HQ, D), k.view(T, HK, D), v.view(T, HK, D)
+
+
+# --- elementwise / row ops --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 37, 256, 4096])
+def test_rms_norm_and_fused_add(dtype, T):
+    x, r, w = rand(T, HIDDEN, dtype=dtype), rand(T, HIDDEN, dtype=dtype), rand(HIDDEN, dtype=dtype)
+    torch.testing.assert_close(norm.rms_norm(x, w, 1e-6), norm.rms_norm_ref(x, w, 1e-6), **tol(dtype))
+    out, res = norm.fused_add_rms_norm(x, r, w, 1e-6)
+    ref_out, ref_res = norm.fused_add_rms_norm_ref(x, r, w, 1e-6)
+    torch.testing.assert_close(res, ref_res, atol=0, rtol=0)
+    torch.testing.assert_close(out, ref_out, **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_strided_heads(dtype):
+    q, _, _ = fused_qkv(77, dtype)
+    w = rand(D, dtype=dtype)
+    torch.testing.assert_close(norm.rms_norm(q, w, 1e-6), norm.rms_norm_ref(q, w, 1e-6), **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 37, 2048])
+def test_rope_and_qk_norm_rope(dtype, T):
+    q, k, _ = fused_qkv(T, dtype)
+    cache = rope.rope_cos_sin_cache(D, 40960, 1e6).cuda()
+    positions = torch.randint(0, 40960, (T,), device="cuda")
+    for got, want in zip(rope.apply_rope(q, k, positions, cache), rope.apply_rope_ref(q, k, positions, cache)):
+        torch.testing.assert_close(got, want, **tol(dtype))
+    qw, kw = rand(D, dtype=dtype), rand(D, dtype=dtype)
+    got = rope.qk_norm_rope(q, k, qw, kw, 1e-6, positions, cache)
+    want = rope.qk_norm_rope_ref(q, k, qw, kw, 1e-6, positions, cache)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **tol(dtype, loose=True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 37, 4096])
+def test_silu_and_mul(dtype, T):
+    x = rand(T, 2 * INTER, dtype=dtype, scale=3)
+    torch.testing.assert_close(activation.silu_and_mul(x), activation.silu_and_mul_ref(x), **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [16, 24])
+def test_store_kvcache(dtype, page_size):
+    T, pages = 300, 64
+    _, k, v = fused_qkv(T, dtype)
+    k_cache, v_cache = rand(pages, page_size, HK, D, dtype=dtype), rand(pages, page_size, HK, D, dtype=dtype)
+    slots = torch.randperm(pages * page_size, device="cuda")[:T]
+    slots[::7] = -1
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    attention.store_kvcache(k, v, k_cache, v_cache, slots)
+    attention.store_kvcache_ref(k, v, k_ref, v_ref, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+# --- attention --------------------------------------------------------------------------------------
+
+
+def paged_batch(seq_lens, q_lens, page_size, dtype, spare_pages=4):
+    pages_per_seq = [-(-s // page_size) for s in seq_lens]
+    num_pages = sum(pages_per_seq) + spare_pages
+    k_cache = rand(num_pages, page_size, HK, D, dtype=dtype)
+    v_cache = rand(num_pages, page_size, HK, D, dtype=dtype)
+    order = torch.randperm(num_pages).tolist()
+    table = torch.zeros(len(seq_lens), max(pages_per_seq) + 2, dtype=torch.int32)
+    for i, n in enumerate(pages_per_seq):
+        table[i, :n] = torch.tensor(order[:n], dtype=torch.int32)
+        order = order[n:]
+    cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device="cuda")
+    q = rand(int(cu[-1]), HQ, D, dtype=dtype)
+    return q, k_cache, v_cache, cu, torch.tensor(seq_lens, dtype=torch.int32, device="cuda"), table.cuda()
+
+
+DECODE_CASES = {
+    "b1-ctx512": [512], "b1-ctx4096": [4096], "b1-ctx1": [1], "b8-mixed": [1, 17, 100, 511, 512, 513, 2000, 4096],
+    "b64-ctx512": [512] * 64, "b256-random": None,
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [16, 24])
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_decode_attention(case, page_size, dtype):
+    seq_lens = DECODE_CASES[case] or torch.randint(1, 1500, (256,)).tolist()
+    q, kc, vc, cu, sl, pt = paged_batch(seq_lens, [1] * len(seq_lens), page_size, dtype)
+    got = attention.paged_attention(q, kc, vc, cu, sl, pt, D**-0.5, max_q_len=1, max_seq_len=max(seq_lens))
+    torch.testing.assert_close(got, attention.paged_attention_ref(q, kc, vc, cu, sl, pt, D**-0.5), **tol(dtype, loose=True))
+
+
+PREFILL_CASES = {
+    "one-2048": ([2048], [2048]),
+    "cached-prefixes": ([1024 + 300, 4096, 77, 700], [300, 1000, 77, 1]),
+    "mixed-with-decodes": ([5, 900, 901, 64, 3000, 129], [5, 1, 1, 64, 31, 1]),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [16, 24])
+@pytest.mark.parametrize("case", list(PREFILL_CASES))
+def test_prefill_attention(case, page_size, dtype):
+    seq_lens, q_lens = PREFILL_CASES[case]
+    q, kc, vc, cu, sl, pt = paged_batch(seq_lens, q_lens, page_size, dtype)
+    got = attention.paged_attention(q, kc, vc, cu, sl, pt, D**-0.5, max_q_len=max(q_lens), max_seq_len=max(seq_lens))
+    torch.testing.assert_close(got, attention.paged_attention_ref(q, kc, vc, cu, sl, pt, D**-0.5), **tol(dtype, loose=True))
+    # without the host hints the op finds max_q_len itself (one sync) and agrees
+    torch.testing.assert_close(attention.paged_attention(q, kc, vc, cu, sl, pt, D**-0.5), got, atol=0, rtol=0)
+
+
+def test_decode_graph_replays_with_new_lengths_and_pages():
+    """Capture once at max_seq_len = a large bound, replay with other seq_lens / page tables in place."""
+    B, page_size, max_len = 8, 16, 4096
+    q, kc, vc, cu, sl, pt = paged_batch([4096] * B, [1] * B, page_size, torch.bfloat16)
+    run = lambda: attention.paged_attention(q, kc, vc, cu, sl, pt, D**-0.5, max_q_len=1, max_seq_len=max_len)
+    run()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for _ in range(3):
+        sl.copy_(torch.randint(1, max_len + 1, (B,), device="cuda", dtype=torch.int32))
+        pt.copy_(pt[torch.randperm(B, device="cuda")])
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        torch.testing.assert_close(out, attention.paged_attention_ref(q, kc, vc, cu, sl, pt, D**-0.5), **tol(q.dtype))
+
+
+# --- sampling ---------------------------------------------------------------------------------------
+
+
+def sampling_batch(S, greedy_every=4):
+    logits = rand(S, VOCAB, scale=3)
+    temps = torch.rand(S, device="cuda") * 1.5 + 0.1
+    temps[::greedy_every] = 0
+    seeds = torch.randint(-(2**62), 2**62, (S,), device="cuda")
+    return logits, temps, seeds
+
+
+def reference(logits, temps, top_ks, top_ps, seeds):
+    noise = sampling.exponential_noise(seeds, torch.arange(logits.shape[1], device=logits.device))
+    return sampling.sample_ref(logits, temps, top_ks, top_ps, noise)
+
+
+@pytest.mark.parametrize("S", [1, 7, 64, 256])
+def test_sample_paths_match_reference(S):
+    logits, temps, seeds = sampling_batch(S)
+    off_k, off_p = torch.zeros(S, dtype=torch.int64, device="cuda"), torch.ones(S, device="cuda")
+    want = reference(logits, temps, off_k, off_p, seeds)
+    assert torch.equal(sampling.sample(logits, temps, off_k, off_p, seeds, max_top_k=0), want)
+    assert torch.equal(sampling.sample(logits, temps, off_k, off_p, seeds), want)
+    top_ks = torch.randint(1, 51, (S,), device="cuda")
+    top_ps = torch.where(torch.rand(S, device="cuda") < 0.5, torch.rand(S, device="cuda") * 0.9 + 0.05, 1.0)
+    want = reference(logits, temps, top_ks, top_ps, seeds)
+    assert torch.equal(sampling.sample(logits, temps, top_ks, top_ps, seeds, max_top_k=50), want)
+    assert torch.equal(sampling.sample(logits, temps, top_ks, top_ps, seeds), want)
+    # top-p alone (top_k off) needs the full path
+    want = reference(logits, temps, off_k, top_ps, seeds)
+    assert torch.equal(sampling.sample(logits, temps, off_k, top_ps, seeds), want)
+
+
+def test_greedy_ties_pick_the_lowest_column():
+    logits = rand(3, VOCAB).to(torch.bfloat16).float()
+    logits[:, [150000, 70000, 90000]] = 100.0
+    zeros = torch.zeros(3, device="cuda")
+    for max_top_k in (0, 20, None):
+        got = sampling.sample(logits, zeros, torch.zeros(3, dtype=torch.int64, device="cuda"), zeros + 1,
+                              torch.zeros(3, dtype=torch.int64, device="cuda"), max_top_k=max_top_k)
+        assert got.tolist() == [70000] * 3
+
+
+def test_sample_draws_from_the_distribution():
+    n = 20000
+    logits = torch.full((n, VOCAB), -30.0, device="cuda")
+    logits[:, :5] = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0], device="cuda")
+    temps, seeds = torch.full((n,), 0.8, device="cuda"), torch.arange(n, device="cuda") * 7919
+    probs = (logits[0, :5] / 0.8).softmax(-1)
+    for max_top_k, top_k, top_p in [(0, 0, 1.0), (8, 4, 0.9)]:
+        tokens = sampling.sample(logits, temps, torch.full((n,), top_k, device="cuda"), torch.full((n,), top_p, device="cuda"),
+                                 seeds, max_top_k=max_top_k)
+        p = probs.clone()
+        if top_k:
+            p[top_k:] = 0
+        keep = (p / p.sum()).cumsum(0) - p / p.sum() < top_p
+        expected = torch.where(keep, p, 0) / torch.where(keep, p, 0).sum()
+        freq = torch.bincount(tokens, minlength=VOCAB)[:5].float() / n
+        assert (freq - expected).abs().max() < 0.015 and tokens.max() < 5
+
+
+@pytest.mark.parametrize("max_top_k", [0, 50])
+def test_sample_in_a_cuda_graph(max_top_k):
+    S = 16
+    logits, temps, seeds = sampling_batch(S)
+    top_ks = torch.full((S,), 50 if max_top_k else 0, device="cuda")
+    top_ps = torch.full((S,), 0.9 if max_top_k else 1.0, device="cuda")
+    run = lambda: sampling.sample(logits, temps, top_ks, top_ps, seeds, max_top_k=max_top_k)
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for step in range(3):
+        seeds.copy_(seeds + 1)
+        logits.copy_(torch.randn_like(logits) * 3)
+        graph.replay()
+        assert torch.equal(out, reference(logits, temps, top_ks, top_ps, seeds))
