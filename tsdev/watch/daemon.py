@@ -33,7 +33,7 @@ import httpx
 from tsdev.watch import checks
 from tsdev.watch.watcher import Changes, Packages, Watcher
 
-STEPS = ("drain", "flush", "reload", "warm", "recapture", "jit", "pause")
+STEPS = ("drain", "flush", "reload", "warm", "recapture", "jit", "pause")  # the reply's timings
 NOT_LOADED = re.compile(r"cannot reload (\S+): it is not a loaded module")
 EXIT_RESTARTS = 3  # restarts in a row after the server exited by itself, before waiting for the user
 
@@ -69,6 +69,7 @@ class ReloadRecord:
     steps: dict[str, float] = field(default_factory=dict)  # step -> seconds, filled in live
     current: str | None = None  # the step running now
     step_started: float = 0.0  # perf_counter() when it started
+    failed: str | None = None  # the step that failed
     worker: dict | None = None  # the reply's worker entry (the first failing one, else rank 0)
     error: str | None = None
     verdict: checks.Verdict | None = None
@@ -79,6 +80,11 @@ class ReloadRecord:
     @property
     def ok(self) -> bool:
         return self.done and self.error is None
+
+    def step_order(self) -> list[str]:
+        """The steps seen so far in the order they ran, then the ones still to come."""
+        seen = [s for s in self.steps if s in STEPS]
+        return seen + [s for s in STEPS if s not in seen]
 
     @property
     def reloaded(self) -> list[str]:
@@ -244,10 +250,11 @@ class ServerProcess:
 
 
 class Daemon:
-    def __init__(self, config: WatchConfig, on_event: Callable[[Event], None]):
+    def __init__(self, config: WatchConfig, on_event: Callable[[Event], None],
+                 transport: httpx.AsyncBaseTransport | None = None):
         from tsdev.hotreload import default_packages
 
-        self.config, self.on_event = config, on_event
+        self.config, self.on_event, self.transport = config, on_event, transport
         self.packages = Packages.locate(config.packages or default_packages(config.project), config.project)
         self.watcher = Watcher(self.packages, config.settle)
         self.server = None if config.attach else ServerProcess(config)
@@ -308,7 +315,7 @@ class Daemon:
 
     async def run(self) -> int:
         """Run until stop(); 2 when the first start fails, else 0."""
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(60, read=None))
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(60, read=None), transport=self.transport)
         tasks = [asyncio.create_task(self._watch(), name="watch")]  # saves during startup are not lost
         try:
             first = await self._start_first()
@@ -423,6 +430,8 @@ class Daemon:
         record.error = None if worker.get("ok") else (worker.get("error") or "the reload failed")
         for step, seconds in (worker.get("timings") or {}).items():
             record.steps[step] = seconds
+        if record.error and record.failed is None:  # the step that was running: the last one timed
+            record.failed = next((s for s in reversed(record.steps) if s in STEPS[:5]), None)
         if record.error is None and record.reloaded:
             self.exit_restarts = 0
             await self._check(record)
@@ -539,6 +548,8 @@ class Daemon:
                 self.set_state("draining" if event["step"] == "drain" else "reloading")
             else:
                 record.steps[event["step"]] = event.get("seconds", 0.0)
+                if event.get("state") == "failed":
+                    record.failed = event["step"]
             self.emit("reload_step", record)
         elif kind in ("reload_finished", "reload_failed") and not rid.startswith(self.session):
             record = self.foreign.pop(rid, None) or ReloadRecord(next(self.numbers), "another client", ids=[rid])

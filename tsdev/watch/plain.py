@@ -11,12 +11,13 @@ import time
 from rich.console import Console
 from rich.markup import escape
 
-from tsdev.watch.daemon import STEPS, Daemon, Event, ReloadRecord, RestartRecord, WatchConfig
+from tsdev.watch.daemon import Daemon, Event, ReloadRecord, RestartRecord, WatchConfig
 
 
-def steps_text(steps: dict[str, float], record: ReloadRecord | None = None) -> str:
-    parts = [f"{name} {steps[name]:.2f}" for name in (*STEPS, "total") if name in steps]
-    kernels = (record.worker or {}).get("jit_kernels") if record else None
+def steps_text(record: ReloadRecord) -> str:
+    steps = record.steps
+    parts = [f"{name} {steps[name]:.2f}" for name in (*record.step_order(), "total") if name in steps]
+    kernels = (record.worker or {}).get("jit_kernels")
     text = " ".join(parts) + " s" if parts else ""
     return text + (f" ({kernels} kernel(s) compiled)" if kernels else "")
 
@@ -51,7 +52,7 @@ def reload_line(record: ReloadRecord) -> str:
     w = record.worker or {}
     what = (f"{', '.join(record.reloaded)} + {len(record.dependents)} dependent(s), {w.get('patched', 0)} object(s) "
             "patched")
-    return " | ".join([f"{head} [green]ok[/green] ({why}): {escape(what)}", steps_text(record.steps, record),
+    return " | ".join([f"{head} [green]ok[/green] ({why}): {escape(what)}", steps_text(record),
                        *checks_text(record)])
 
 

@@ -59,9 +59,9 @@ class WatchApp(App):
         Binding("q", "quit", "quit"),
     ]
 
-    def __init__(self, config: WatchConfig):
+    def __init__(self, config: WatchConfig, transport=None):
         super().__init__()
-        self.daemon = Daemon(config, self.on_daemon_event)
+        self.daemon = Daemon(config, self.on_daemon_event, transport)
         self.errors: list[str] = []
         self.failure: str | None = None  # why the first start failed, printed after the screen closes
         self.live: ReloadRecord | RestartRecord | None = None
@@ -147,7 +147,9 @@ class WatchApp(App):
         self.draw_current()
 
     def log_line(self, markup: str) -> None:
-        self.query_one("#log", RichLog).write(Text.from_markup(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {markup}"))
+        log = self.query_one("#log", RichLog)
+        width = log.scrollable_content_region.width or None  # wrap at the widget, not at min_width
+        log.write(Text.from_markup(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {markup}"), width=width)
 
     def draw_header(self) -> None:
         info = self.daemon.info
@@ -181,8 +183,10 @@ class WatchApp(App):
         elif record.modules and not record.done:
             head += f"  →  {escape(', '.join(record.modules[:6]))}{' ...' if len(record.modules) > 6 else ''}"
         chips = []
-        for name in (*STEPS, "check"):
-            if name in record.steps:
+        for name in (*record.step_order(), "check"):
+            if name == record.failed:
+                chips.append(f"[red]✗ {name} {record.steps.get(name, 0):.2f} s[/red]")
+            elif name in record.steps:
                 chips.append(f"[green]✓ {name} {record.steps[name]:.2f} s[/green]")
             elif record.current == name and not record.done:
                 chips.append(f"[yellow]▶ {name} {time.perf_counter() - record.step_started:.1f} s[/yellow]")

@@ -150,8 +150,8 @@ class Watcher:
         out = Changes()
         for p in sorted({Path(path).resolve() for path in paths}):
             path = str(p)
-            module = self.packages.module(p) if p.is_file() else None
-            digest = _digest(p) if module else None
+            module = self.packages.module(p)
+            digest = _digest(p) if module else None  # None: gone (deleted, or a temp name renamed away)
             if digest is None or self.seen.get(path) == digest:
                 continue
             self.seen[path] = digest
@@ -161,23 +161,30 @@ class Watcher:
 
     async def batches(self, stop: asyncio.Event) -> AsyncIterator[Changes]:
         """Yield each settled burst of real changes until `stop` is set."""
-        raw: asyncio.Queue[set[str]] = asyncio.Queue()
+        raw: asyncio.Queue[set[str] | None] = asyncio.Queue()
 
         async def pump() -> None:
-            async for changes in awatch(*self.packages.dirs.values(), watch_filter=self.keep, stop_event=stop):
-                raw.put_nowait({path for _, path in changes})
+            try:
+                async for changes in awatch(*self.packages.dirs.values(), watch_filter=self.keep, stop_event=stop):
+                    raw.put_nowait({path for _, path in changes})
+            finally:
+                raw.put_nowait(None)  # watching ended
 
         task = asyncio.create_task(pump(), name="watchfiles")
         await asyncio.sleep(0)  # the task runs until awatch's first wait: its OS watches exist by then
         self.ready.set()
         try:
-            while not stop.is_set():
-                paths = await raw.get()
+            ended = False
+            while not ended and (paths := await raw.get()) is not None:
                 while True:  # settle: each new raw batch restarts the quiet period
                     try:
-                        paths |= await asyncio.wait_for(raw.get(), self.settle)
+                        more = await asyncio.wait_for(raw.get(), self.settle)
                     except TimeoutError:
                         break
+                    if more is None:
+                        ended = True
+                        break
+                    paths |= more
                 if changes := self.compare(paths):
                     yield changes
         finally:

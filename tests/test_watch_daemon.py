@@ -1,0 +1,170 @@
+"""The watch daemon against an in-process fake server: what it asks the server for, and when."""
+import asyncio
+
+import pytest
+
+from fake_server import URL, FakeServer, failed_worker, make_project, ok_worker, until
+from tsdev.watch.daemon import Daemon, ReloadRecord, WatchConfig, split_server_args
+
+SERVE_FLAGS = {"--device": True, "--port": True, "--cudagraph-capture-sizes": True, "--enforce-eager": False,
+               "--model": True}
+
+
+async def running(project, server: FakeServer, events: list):
+    daemon = Daemon(WatchConfig(attach=URL, project=project, probe_batch=2, probe_steps=4), events.append,
+                    server.transport())
+    task = asyncio.create_task(daemon.run())
+    await until(lambda: any(e.kind == "message" and e.text.startswith("watching") for e in events))
+    await asyncio.sleep(0.2)
+    return daemon, task
+
+
+def finished(events) -> list[ReloadRecord]:
+    return [e.record for e in events if e.kind == "reload_finished"]
+
+
+async def stop(daemon, task) -> None:
+    daemon.stop()
+    assert await asyncio.wait_for(task, 10) == 0
+
+
+def test_saves_during_a_reload_are_coalesced_into_one_next_reload(tmp_path):
+    project, server, events = make_project(tmp_path), FakeServer(), []
+    server.reload_delay = 0.8
+
+    async def main():
+        daemon, task = await running(project, server, events)
+        (project / "kernels/ops/act.py").write_text("def act(x):\n    return 2 * x\n")
+        await until(lambda: len(server.reloads) == 1)
+        (project / "runtime/layers/norm.py").write_text("X = 2\n")  # both while the first reload runs
+        await asyncio.sleep(0.3)
+        (project / "kernels/ops/act.py").write_text("def act(x):\n    return 3 * x\n")
+        await until(lambda: len(finished(events)) == 2)
+        await asyncio.sleep(1.0)  # nothing else may follow
+        await stop(daemon, task)
+
+    asyncio.run(main())
+    assert len(server.reloads) == 2
+    assert all("modules" not in body for body in server.reloads)  # the server decides by content
+    first, second = finished(events)
+    assert (first.files, first.modules) == (["kernels/ops/act.py"], ["kernels.ops.act"])
+    assert second.files == ["kernels/ops/act.py", "runtime/layers/norm.py"]
+    assert second.modules == ["kernels.ops.act", "runtime.layers.norm"]
+
+
+def test_each_reload_is_checked_against_the_golden_completion_and_probed(tmp_path):
+    project, server, events = make_project(tmp_path), FakeServer(), []
+    server.output_changed_at = 5
+
+    async def main():
+        daemon, task = await running(project, server, events)
+        (project / "kernels/ops/act.py").write_text("def act(x):\n    return -x\n")
+        await until(lambda: finished(events))
+        await stop(daemon, task)
+
+    asyncio.run(main())
+    record = finished(events)[0]
+    assert record.ok and record.reloaded == ["kernels.ops.act"] and record.dependents == ["runtime.layers.norm"]
+    assert record.steps["warm"] == pytest.approx(0.123) and record.steps["recapture"] == pytest.approx(0.456)
+    assert record.verdict.position == 5 and "output changed at token 5 of 24" in record.verdict.text()
+    assert record.probe is not None and record.probe.previous is not None  # compared with the startup probe
+
+
+def test_a_failed_reload_keeps_its_error_and_skips_the_checks(tmp_path):
+    project, server, events = make_project(tmp_path), FakeServer(), []
+    error = f"{project}/kernels/ops/act.py:2: SyntaxError: invalid syntax"
+    server.answer = lambda body: failed_worker(error)
+
+    async def main():
+        daemon, task = await running(project, server, events)
+        (project / "kernels/ops/act.py").write_text("def act(x):\n    return x)\n")
+        await until(lambda: finished(events))
+        await stop(daemon, task)
+
+    asyncio.run(main())
+    record = finished(events)[0]
+    assert record.error == error and record.verdict is None and record.probe is None
+
+
+def test_reload_all_forces_every_module_and_drops_those_the_server_never_imported(tmp_path):
+    project, server, events = make_project(tmp_path), FakeServer(), []
+    (project / "kernels/ops/unused.py").write_text("Z = 0\n")
+
+    def answer(body):
+        if "kernels.ops.unused" in body.get("modules", []):
+            return failed_worker("cannot reload kernels.ops.unused: it is not a loaded module under kernels.ops")
+        return ok_worker(reloaded=body["modules"])
+
+    server.answer = answer
+
+    async def main():
+        daemon, task = await running(project, server, events)
+        daemon.reload_all()
+        await until(lambda: finished(events))
+        await stop(daemon, task)
+
+    asyncio.run(main())
+    assert [body["modules"] for body in server.reloads] == [
+        ["kernels.ops", "kernels.ops.act", "kernels.ops.unused", "runtime.layers", "runtime.layers.norm"],
+        ["kernels.ops", "kernels.ops.act", "runtime.layers", "runtime.layers.norm"]]
+    assert finished(events)[0].ok
+
+
+def test_reloads_by_other_clients_appear_and_are_checked(tmp_path):
+    project, server, events = make_project(tmp_path), FakeServer(), []
+
+    async def main():
+        daemon, task = await running(project, server, events)
+        server.pending_events = [
+            {"type": "reload_started", "id": "hook-1", "n": 1, "modules": ["kernels.ops.act"]},
+            {"type": "reload_step", "id": "hook-1", "step": "drain", "state": "started"},
+            {"type": "reload_step", "id": "hook-1", "step": "drain", "state": "done", "seconds": 0.25},
+            {"type": "reload_finished", "id": "hook-1", "n": 1, "worker": ok_worker()}]
+        await until(lambda: finished(events))
+        await stop(daemon, task)
+
+    asyncio.run(main())
+    record = finished(events)[0]
+    assert record.trigger == "another client" and record.modules == ["kernels.ops.act"]
+    assert record.steps["drain"] == pytest.approx(0.011)  # the reply's timings win over the live ones
+    assert record.verdict is not None and record.verdict.same and record.probe is not None
+    assert server.reloads == []  # the daemon did not reload again
+
+
+def test_an_edit_outside_the_reloadable_packages_cannot_restart_an_attached_server(tmp_path):
+    project, server, events = make_project(tmp_path), FakeServer(), []
+
+    async def main():
+        daemon, task = await running(project, server, events)
+        (project / "runtime/engine/scheduler.py").write_text("Y = 2\n")
+        await until(lambda: any(e.level == "warning" for e in events))
+        await stop(daemon, task)
+
+    asyncio.run(main())
+    warning = next(e.text for e in events if e.level == "warning")
+    assert "runtime.engine.scheduler changed outside the reloadable packages" in warning
+    assert "restart it yourself" in warning and server.reloads == []
+
+
+def test_profile_key_records_the_next_reloads_probe(tmp_path):
+    project, server, events = make_project(tmp_path), FakeServer(), []
+
+    async def main():
+        daemon, task = await running(project, server, events)
+        daemon.arm_profile()
+        (project / "kernels/ops/act.py").write_text("def act(x):\n    return x + 1\n")
+        await until(lambda: finished(events))
+        await stop(daemon, task)
+
+    asyncio.run(main())
+    assert server.profiles == [{"activities": ["TORCH"], "num_steps": 4, "name": "watch-reload-1"}]
+
+
+def test_server_flags_pass_through_and_model_is_found():
+    assert split_server_args(["--device", "cpu", "/models/qwen3", "--cudagraph-capture-sizes", "1,16,64",
+                              "--enforce-eager", "--port=9000"], SERVE_FLAGS) == (
+        "/models/qwen3", ["--device", "cpu", "--cudagraph-capture-sizes", "1,16,64", "--enforce-eager", "--port=9000"])
+    with pytest.raises(ValueError, match="--devcie"):
+        split_server_args(["--devcie", "cpu"], SERVE_FLAGS)
+    with pytest.raises(ValueError, match="at most one MODEL"):
+        split_server_args(["a", "b"], SERVE_FLAGS)

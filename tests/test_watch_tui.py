@@ -1,0 +1,65 @@
+"""The watch screen, driven by Textual's test pilot against the in-process fake server: what it shows."""
+import asyncio
+import html
+import re
+
+from fake_server import URL, FakeServer, failed_worker, make_project, until
+from tsdev.watch.daemon import WatchConfig
+from tsdev.watch.tui import WatchApp
+
+
+def screen_text(app) -> str:
+    """The characters on the screen, line by line, from Textual's SVG screenshot (text placed by its x)."""
+    spans = re.findall(r'<text class="[^"]*" x="([\d.]+)" y="([\d.]+)" textLength="([\d.]+)"[^>]*>([^<]*)</text>',
+                       app.export_screenshot())
+    spans = [(float(x), float(y), float(width), html.unescape(text).replace("\xa0", " ")) for x, y, width, text in spans]
+    cell = next(width / len(text) for _, _, width, text in sorted(spans, key=lambda s: -len(s[3])))
+    rows: dict[float, dict[int, str]] = {}
+    for x, y, _, text in spans:
+        row = rows.setdefault(y, {})
+        for i, char in enumerate(text):
+            row[round(x / cell) + i] = char
+    return "\n".join("".join(row.get(i, " ") for i in range(max(row) + 1)).rstrip() for _, row in sorted(rows.items()))
+
+
+def test_reload_row_with_timings_then_an_error_with_file_line_and_code(tmp_path):
+    project, server = make_project(tmp_path), FakeServer()
+    server.output_changed_at = 3
+    act = project / "kernels/ops/act.py"
+    app = WatchApp(WatchConfig(attach=URL, project=project, probe_batch=2, probe_steps=4), server.transport())
+
+    async def main():
+        async with app.run_test(size=(200, 48)) as pilot:
+            await until(lambda: app.daemon.watcher.ready.is_set() and app.daemon.info["state"] == "serving")
+            await pilot.pause(0.3)
+            act.write_text("def act(x):\n    return 2 * x\n")
+            await until(lambda: app.daemon.reloads and app.daemon.reloads[-1].done)
+            await pilot.pause(0.2)
+            first = screen_text(app)
+
+            server.answer = lambda body: failed_worker(f"{act}:2: SyntaxError: invalid syntax")
+            act.write_text("def act(x):\n    return (2 * x\n")
+            await until(lambda: len(app.daemon.reloads) == 2 and app.daemon.reloads[-1].done)
+            await pilot.pause(0.2)
+            second = screen_text(app)
+
+            await pilot.press("c")
+            await pilot.pause(0.2)
+            cleared = screen_text(app)
+            await pilot.press("q")
+            await until(lambda: app.return_code is not None)
+            return first, second, cleared
+
+    first, second, cleared = asyncio.run(main())
+    # the history row: trigger, module, dependents, each step's seconds, golden verdict, probe
+    row = next(line for line in first.splitlines() if re.search(r" 1 +\d\d:\d\d:\d\d +save kernels/ops/act.py", line))
+    for cell in ("0.01", "0.00", "0.03", "0.12", "0.46", "0.08", "0.63", "0.64", "changed @3", "ok"):
+        assert cell in row, (cell, row)
+    assert "✓ warm 0.12 s" in first and "✓ recapture 0.46 s" in first  # the current reload's steps
+    assert "golden: output changed at token 3 of 24" in first
+    assert "fake-model" in first and "serving" in first
+    # the error: message with file:line first, then the code around that line
+    assert f"{act}:2: SyntaxError: invalid syntax" in second
+    assert "2     return (2 * x" in second and "failed" in second and "✗ reload 0.02 s" in second
+    assert "SyntaxError" not in cleared
+    assert app.return_code == 0
