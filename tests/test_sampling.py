@@ -1,7 +1,8 @@
 import torch
 
 from runtime.engine.sequence import SamplingParams
-from runtime.sampling.sampler import apply_top_k_top_p
+from kernels.ops.sampling import apply_top_k_top_p
+from runtime.sampling.sampler import max_top_k
 
 PROMPT = [11, 22, 33, 44, 55]
 
@@ -50,3 +51,10 @@ def test_eos_stops_unless_ignored(make_engine):
     engine.eos = {out[3]}  # pretend the 4th generated token is the end of sequence
     stopped = engine.generate([PROMPT], SamplingParams(max_tokens=30, temperature=0))[0]
     assert stopped["token_ids"] == out[: out.index(out[3]) + 1] and stopped["finish_reason"] == "stop"
+
+
+def test_the_kernel_path_promise_follows_the_rows_parameters():
+    assert max_top_k([0, 0], [1.0, 1.0]) == 0
+    assert max_top_k([5, 40], [1.0, 0.9]) == 40
+    assert max_top_k([5, 0], [1.0, 1.0]) is None  # one row unfiltered, another top-k: full sort
+    assert max_top_k([0], [0.9]) is None

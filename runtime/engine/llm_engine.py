@@ -114,7 +114,6 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
-        self.runner.release(seq)
 
     def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
         detok = self.detokenizers[seq]

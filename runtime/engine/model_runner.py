@@ -1,4 +1,5 @@
 """Owns the model, the KV pool and the sampler; turns a scheduled batch into sampled tokens."""
+import random
 import time
 
 import nvtx
@@ -36,7 +37,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.max_model_len = max_model_len
         self.kv_cache = self._allocate_kv_cache(max_model_len)
-        self.generators: dict[int, torch.Generator] = {}
+        self.rng = random.Random(config.seed)
         self.graphs = None
         sizes = [s for s in config.cudagraph_capture_sizes if s <= config.max_running]
         if sizes and not config.enforce_eager:
@@ -165,8 +166,6 @@ class ModelRunner:
             seqs = [dummy(min(100 + i, longest), min(100 + i, longest) - 1, sampled if i % 2 else greedy) for i in range(size)]
             batch = ScheduledBatch(seqs, [1] * size)
             self.sample(self.compute_logits(batch, use_graphs=False), seqs)
-        for seq in seqs:
-            self.release(seq)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
@@ -178,14 +177,10 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]
         return self.sampler(logits, [p.temperature for p in params], [p.top_k for p in params],
-                            [p.top_p for p in params], [self._generator(s) for s in seqs])
+                            [p.top_p for p in params], [self._seed(s) for s in seqs])
 
-    def _generator(self, seq: Sequence) -> torch.Generator | None:
-        if seq.params.seed is None or seq.params.temperature == 0:
-            return None
-        if seq.seq_no not in self.generators:
-            self.generators[seq.seq_no] = torch.Generator(self.device).manual_seed(seq.params.seed)
-        return self.generators[seq.seq_no]
-
-    def release(self, seq: Sequence) -> None:
-        self.generators.pop(seq.seq_no, None)
+    def _seed(self, seq: Sequence) -> int:
+        """This step's noise seed: from the request's seed and its token count (reproducible), else random."""
+        if seq.params.seed is None:
+            return self.rng.getrandbits(63)
+        return hash((seq.params.seed, seq.num_output_tokens)) & (2**63 - 1)
