@@ -11,10 +11,13 @@ attention reference syncs with the host and cannot be captured (its column says 
 """
 import argparse
 import itertools
+import os
+import sys
 import time
 
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from kernels.ops import activation, attention, norm, rope, sampling
 
 HQ, HK, D, HIDDEN, INTER, VOCAB, LAYERS = 16, 8, 128, 1024, 3072, 151936, 28
@@ -155,8 +158,9 @@ def bench_attention(bw: float, sweep: bool) -> None:
                [lambda kc=kc, vc=vc: attention.paged_attention_ref(q, kc, vc, cu, sl, pt, scale) for kc, vc in caches[:2]],
                [lambda kc=kc, vc=vc: attention.paged_attention(q, kc, vc, cu, sl, pt, scale, max_q_len=1, max_seq_len=ctx)
                 for kc, vc in caches], kv_bytes, bw, ref_capturable=False)
-        if sweep and B in (1, 8):
-            for splits, block_n in itertools.product((1, 4, 8, 16, 32, 64), (16, 32, 64)):
+        if sweep:
+            default = attention.decode_num_splits(B, HK, q.device)
+            for splits, block_n in itertools.product((1, 4, 8, 16, 32, 64) if B <= 8 else (default,), (16, 32, 64)):
                 t = graph_ms([lambda kc=kc, vc=vc: attention.paged_decode_triton(q, kc, vc, cu, sl, pt, scale, splits, block_n)
                               for kc, vc in caches])
                 print(f"  sweep B={B} ctx={ctx} splits={splits} block_n={block_n}: {t * 1e3:.1f} us "
@@ -172,6 +176,12 @@ def bench_attention(bw: float, sweep: bool) -> None:
                ref_capturable=False)
         t = graph_ms(new)
         print(f"  prefill {name}: {flops / (t * 1e-3) / 1e12:.0f} TFLOP/s (causal flops)", flush=True)
+        if sweep:
+            for bm, bn, warps in itertools.product((32, 64, 128), (32, 64), (4, 8)):
+                t = graph_ms([lambda kc=kc, vc=vc: attention.paged_prefill_triton(
+                    q, kc, vc, cu, sl, pt, scale, max(q_lens), bm, bn, warps) for kc, vc in caches])
+                print(f"  sweep prefill {name} block_m={bm} block_n={bn} warps={warps}: {t * 1e3:.1f} us, "
+                      f"{flops / (t * 1e-3) / 1e12:.0f} TFLOP/s", flush=True)
 
 
 def bench_sampling(bw: float) -> None:
@@ -194,6 +204,10 @@ def bench_sampling(bw: float) -> None:
                [lambda: sampling.sample(logits, temps, off_k, off_p, seeds, max_top_k=0)], S * VOCAB * 4, bw)
         report("sample, top_k=20 top_p=0.9 (sort vs topk+kernel)", f"S={S}", [old_filtered],
                [lambda: sampling.sample(logits, temps, top_ks, top_ps, seeds, max_top_k=20)])
+        for chunks in (16, 256):
+            report(f"sample, top_k=20 top_p=0.9: plain topk vs two-stage topk ({chunks} chunks)", f"S={S}",
+                   [lambda: sampling.sample_top_k_triton(logits, temps, top_ks, top_ps, seeds, 20, 1)],
+                   [lambda c=chunks: sampling.sample_top_k_triton(logits, temps, top_ks, top_ps, seeds, 20, c)])
         report("sample, top_k=20 top_p=0.9, no promise (sort+race)", f"S={S}", [old_filtered],
                [lambda: sampling.sample(logits, temps, top_ks, top_ps, seeds)])
         report("greedy floor: logits.argmax vs race kernel at T=0", f"S={S}", [lambda: logits.argmax(-1)],

@@ -193,6 +193,8 @@ def test_sample_paths_match_reference(S):
     top_ps = torch.where(torch.rand(S, device="cuda") < 0.5, torch.rand(S, device="cuda") * 0.9 + 0.05, 1.0)
     want = reference(logits, temps, top_ks, top_ps, seeds)
     assert torch.equal(sampling.sample(logits, temps, top_ks, top_ps, seeds, max_top_k=50), want)
+    for chunks in (1, 16):  # a plain torch.topk, and another first-stage width
+        assert torch.equal(sampling.sample_top_k_triton(logits, temps, top_ks, top_ps, seeds, 50, chunks), want)
     assert torch.equal(sampling.sample(logits, temps, top_ks, top_ps, seeds), want)
     # top-p alone (top_k off) needs the full path
     want = reference(logits, temps, off_k, top_ps, seeds)

@@ -211,13 +211,22 @@ def test_race_breaks_greedy_ties_like_argmax():
     assert got.tolist() == [301, 301]
 
 
-def test_top_k_candidates_match_reference():
+@pytest.mark.parametrize("V,chunks", [(1000, 8), (1003, 8), (1000, 1), (100, 64)])
+def test_two_stage_topk(V, chunks):
+    logits = torch.randn(5, V)
+    values, cols = sampling._topk(logits, 20, chunks)
+    want_values, want_cols = logits.topk(20, dim=-1)
+    assert torch.equal(values, want_values) and torch.equal(cols, want_cols)
+
+
+@pytest.mark.parametrize("topk_chunks", [1, 7])
+def test_top_k_candidates_match_reference(topk_chunks):
     logits, temps, seeds = sampling_batch()
     S, V = logits.shape
     top_ks = torch.tensor([0, 5, 20, 1, 3, 20, 7, 13])  # a greedy row may have top_k = 0
     top_ps = torch.tensor([1.0, 0.9, 1.0, 0.8, 0.5, 0.95, 1.0, 0.6])
     want = sampling.sample_ref(logits, temps, top_ks, top_ps, sampling.exponential_noise(seeds, torch.arange(V)))
-    assert torch.equal(sampling.sample_top_k_triton(logits, temps, top_ks, top_ps, seeds, 20), want)
+    assert torch.equal(sampling.sample_top_k_triton(logits, temps, top_ks, top_ps, seeds, 20, topk_chunks), want)
 
 
 def test_seeded_noise_draws_from_the_distribution():
@@ -233,19 +242,6 @@ def test_seeded_noise_draws_from_the_distribution():
     expected = torch.where(keep, probs, 0) / torch.where(keep, probs, 0).sum()
     freq = torch.bincount(tokens, minlength=16)[:4].float() / n
     assert (freq - expected).abs().max() < 0.015 and tokens.max() < 4
-
-
-def test_sample_ref_is_the_runtime_sampler():
-    from runtime.sampling.sampler import Sampler
-
-    logits, temps, _ = sampling_batch(V=300)
-    top_ks = torch.tensor([0, 5, 0, 30, 3, 0, 7, 1])
-    top_ps = torch.tensor([1.0, 0.9, 0.7, 0.8, 0.5, 0.95, 0.999, 0.6])
-    torch.manual_seed(1)
-    want = Sampler()(logits, temps.tolist(), top_ks.tolist(), top_ps.tolist(), [None] * 8)
-    torch.manual_seed(1)
-    noise = torch.empty_like(logits).exponential_()
-    assert torch.equal(sampling.sample_ref(logits, temps, top_ks, top_ps, noise), want)
 
 
 def test_public_ops_use_the_references_on_cpu():

@@ -212,9 +212,9 @@ def paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table,
         return out
     if num_splits is None:
         num_splits = decode_num_splits(B, Hk, q.device)
-    if block_n is None:
-        block_n = 32 if q.is_cuda else 16
     split = num_splits > 1
+    if block_n is None:  # measured on H200: longer blocks pay off once each program walks a whole sequence
+        block_n = (32 if split else 64) if q.is_cuda else 16
     part_o = torch.empty((B, Hq, num_splits, D) if split else (1,), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((B, Hq, num_splits) if split else (1,), dtype=torch.float32, device=q.device)
     group = Hq // Hk
@@ -285,7 +285,7 @@ def _prefill_kernel(
 
 
 def paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, max_q_len: int,
-                         block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
+                         block_m: int | None = None, block_n: int | None = None, num_warps: int = 4) -> torch.Tensor:
     B = seq_lens.shape[0]
     T, Hq, D = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -299,7 +299,7 @@ def paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
         GROUP=Hq // k_cache.shape[2], PAGE_SIZE=k_cache.shape[1], HEAD_DIM=D,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(D),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=2,
     )
     return out
 

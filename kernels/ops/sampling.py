@@ -14,7 +14,8 @@ CUDA paths, picked by the host-side promise `max_top_k` (the caller knows every 
 * max_top_k == 0 (no row filters): one Triton pass over the vocabulary computes
   argmax(logits / T - log E) (the race in log space; T == 0 rows use the logits), split across
   programs per row and merged by a torch argmax over the few per-program winners.
-* max_top_k == K > 0 (every sampled row has 1 <= top_k <= K): torch.topk(K) candidates, then one
+* max_top_k == K > 0 (every sampled row has 1 <= top_k <= K): torch.topk(K) candidates (in two
+  stages, so that one row spreads over many thread blocks), then one
   Triton program per row does top-k, top-p (a cumsum over K) and the race on those K only, drawing
   noise for the candidates' columns. No full-vocabulary sort.
 * None: anything goes: the reference's full sort for the filters, then the Triton race.
@@ -212,13 +213,34 @@ def _candidates_kernel(
     tl.store(OUT + row, tl.where(temp > 0, sampled, greedy).to(tl.int64))
 
 
+TOPK_CHUNKS = 64  # column ranges per row in the first stage of _topk (1 = a plain torch.topk)
+
+
+def _topk(logits: torch.Tensor, k: int, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk(k) over the vocabulary, sorted, in two stages: the best k of each of `chunks` column
+    ranges, then the best k of those. A plain topk gives each row one thread block, which leaves the
+    GPU idle at small batch; this spreads a row over `chunks` blocks."""
+    S, V = logits.shape
+    width = V // chunks
+    if chunks <= 1 or width < k:
+        return logits.topk(k, dim=-1)
+    values, cols = logits[:, : chunks * width].unflatten(1, (chunks, width)).topk(k, dim=-1, sorted=False)
+    cols = (cols + torch.arange(0, chunks * width, width, device=logits.device).unsqueeze(1)).flatten(1)
+    values = values.flatten(1)
+    if chunks * width < V:  # the last V % chunks columns are candidates as they are
+        values = torch.cat([values, logits[:, chunks * width :]], dim=1)
+        cols = torch.cat([cols, torch.arange(chunks * width, V, device=logits.device).expand(S, -1)], dim=1)
+    values, best = values.topk(k, dim=-1)
+    return values, cols.gather(1, best)
+
+
 def sample_top_k_triton(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
-                        seeds: torch.Tensor, max_top_k: int) -> torch.Tensor:
+                        seeds: torch.Tensor, max_top_k: int, topk_chunks: int | None = None) -> torch.Tensor:
     """Rows whose top_k is in 1..max_top_k (greedy rows: anything): the filters and the race on the
     max_top_k best candidates only, which hold every token such a row can draw."""
     S, V = logits.shape
     k = min(max_top_k, V)
-    values, cols = logits.topk(k, dim=-1)  # sorted, best first
+    values, cols = _topk(logits, k, TOPK_CHUNKS if topk_chunks is None else topk_chunks)  # sorted, best first
     out = torch.empty(S, dtype=torch.int64, device=logits.device)
     if S:
         _candidates_kernel[(S,)](
