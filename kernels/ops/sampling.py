@@ -15,7 +15,7 @@ CUDA paths, picked by the host-side promise `max_top_k` (the caller knows every 
   argmax(logits / T - log E) (the race in log space; T == 0 rows use the logits), split across
   programs per row and merged by a torch argmax over the few per-program winners.
 * max_top_k == K > 0 (every sampled row has 1 <= top_k <= K): torch.topk(K) candidates (in two
-  stages, so that one row spreads over many thread blocks), then one
+  stages for a handful of rows, so that one row spreads over many thread blocks), then one
   Triton program per row does top-k, top-p (a cumsum over K) and the race on those K only, drawing
   noise for the candidates' columns. No full-vocabulary sort.
 * None: anything goes: the reference's full sort for the filters, then the Triton race.
@@ -213,7 +213,9 @@ def _candidates_kernel(
     tl.store(OUT + row, tl.where(temp > 0, sampled, greedy).to(tl.int64))
 
 
-TOPK_CHUNKS = 64  # column ranges per row in the first stage of _topk (1 = a plain torch.topk)
+# Two-stage top-k pays only when a few rows leave the GPU idle. H200, V=151936, k=20 (us, top-k path in a
+# graph): S=1 plain 64 / 64 chunks 47; S=16 plain 82 / 64 chunks 100; S=64 154 / 238; S=256 585 / 781.
+TOPK_CHUNKS, TOPK_CHUNKS_MAX_ROWS = 64, 4
 
 
 def _topk(logits: torch.Tensor, k: int, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,7 +242,9 @@ def sample_top_k_triton(logits: torch.Tensor, temperatures: torch.Tensor, top_ks
     max_top_k best candidates only, which hold every token such a row can draw."""
     S, V = logits.shape
     k = min(max_top_k, V)
-    values, cols = _topk(logits, k, TOPK_CHUNKS if topk_chunks is None else topk_chunks)  # sorted, best first
+    if topk_chunks is None:
+        topk_chunks = TOPK_CHUNKS if S <= TOPK_CHUNKS_MAX_ROWS else 1
+    values, cols = _topk(logits, k, topk_chunks)  # sorted, best first
     out = torch.empty(S, dtype=torch.int64, device=logits.device)
     if S:
         _candidates_kernel[(S,)](
