@@ -12,6 +12,10 @@ test *ARGS:
 serve *ARGS:
     tsdev serve {{ARGS}}
 
+# serve and reload on every save, with the step timings on screen (`just watch --no-tui` for plain lines)
+watch *ARGS:
+    tsdev watch {{ARGS}}
+
 # offline throughput of the engine on the default model
 bench *ARGS:
     python3 benchmarks/offline_throughput.py {{ARGS}}

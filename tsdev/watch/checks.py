@@ -4,7 +4,8 @@ Both go through the public completions route, so they work against any seed-styl
 prompt is token ids (no tokenizer in the way) and runs alone, greedy, with `ignore_eos`, so the same code
 gives the same tokens (compared by id where the server returns them, vLLM's `return_token_ids`, else by
 each streamed chunk's text: one chunk per engine step). The probe sends a fixed batch of streams and
-takes the median gap between chunks, which is the decode step time.
+takes, per stream, the time from its first token to its last over the steps between (the decode step
+time), and the median over the streams.
 """
 from __future__ import annotations
 
@@ -55,15 +56,16 @@ async def greedy(client: httpx.AsyncClient, url: str, vocab: int, tokens: int = 
 
 async def decode_ms(client: httpx.AsyncClient, url: str, vocab: int, batch: int, steps: int) -> float:
     """Median decode step time (ms) with `batch` streams of `steps` tokens running together."""
-    async def one(i: int) -> list[float]:
+    async def one(i: int) -> float | None:
         body = {"prompt": prompt_ids(i + 1, vocab), "max_tokens": steps, "temperature": 0, "ignore_eos": True}
         _, times = await _stream(client, url, body)
-        return [b - a for a, b in zip(times, times[1:])]
+        # first token to last: decode steps only; chunks may arrive in bursts, their span does not lie
+        return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
 
-    gaps = [g for gs in await asyncio.gather(*(one(i) for i in range(batch))) for g in gs]
-    if not gaps:
+    spans = [s for s in await asyncio.gather(*(one(i) for i in range(batch))) if s is not None]
+    if not spans:
         raise RuntimeError("the probe got no tokens back")
-    return statistics.median(gaps) * 1e3
+    return statistics.median(spans) * 1e3
 
 
 @dataclass

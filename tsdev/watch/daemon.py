@@ -391,7 +391,11 @@ class Daemon:
             modules = self.packages.reloadable_modules()
             await self._reload(ReloadRecord(next(self.numbers), "reload all (r)", [], modules), forced=True)
         if "golden" in kinds and not self.down:
-            await self._take_golden()
+            try:
+                await self._take_golden()
+                self.message(f"golden completion taken again ({len(self.golden)} tokens): later reloads compare with it")
+            except (httpx.HTTPError, RuntimeError) as exc:
+                self.message(f"could not take the golden completion: {exc}", "error")
         if "bench" in kinds and not self.down:
             await self._bench()
 
@@ -486,11 +490,11 @@ class Daemon:
             record.note = "profiled: the decode probe is recorded"
 
     async def _take_golden(self) -> None:
-        try:
-            self.golden = await checks.greedy(self._client, self.config.url, self.vocab)
-            self.message(f"golden completion taken again ({len(self.golden)} tokens): later reloads compare with it")
-        except (httpx.HTTPError, RuntimeError) as exc:
-            self.message(f"could not take the golden completion: {exc}", "error")
+        """The completion later ones are compared with (raises httpx errors)."""
+        self.golden = await checks.greedy(self._client, self.config.url, self.vocab)
+        if len(set(self.golden)) == 1:
+            self.message("the golden completion is one token repeated (random weights?): the output check will "
+                         "miss most edits; it is meaningful on a trained checkpoint", "warning")
 
     async def _bench(self) -> None:
         try:
@@ -592,7 +596,7 @@ class Daemon:
             self.vocab = int(models.get("vocab_size") or 256)
             self.info["model"] = models.get("id")
             if take_golden:
-                self.golden = await checks.greedy(self._client, self.config.url, self.vocab)
+                await self._take_golden()
         except (httpx.HTTPError, RuntimeError, KeyError, IndexError, ValueError) as exc:
             record.note = f"could not query the server: {exc}"
         else:

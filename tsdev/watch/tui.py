@@ -23,6 +23,12 @@ WHERE = re.compile(r"(?P<path>[^\s:'\"]+\.py):(?P<line>\d+)")
 STATE_COLORS = {"serving": "green", "paused": "yellow", "draining": "yellow", "reloading": "cyan",
                 "checking": "cyan", "starting": "cyan", "restarting": "magenta", "down": "red"}
 COLUMNS = ("#", "time", "trigger", "reloaded", "deps", *STEPS, "total", "golden", "decode ms/step", "outcome")
+HEADERS = {"recapture": "recap", "decode ms/step": "ms/step"}  # narrow enough for ~170 columns
+
+
+def clip(text: str, width: int = 26) -> str:
+    """Keep wide cells from pushing the timings off the screen (the log has the whole line)."""
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def excerpt(error: str, context: int = 3) -> Syntax | None:
@@ -77,7 +83,7 @@ class WatchApp(App):
     def on_mount(self) -> None:
         table = self.query_one("#history", DataTable)
         for name in COLUMNS:
-            table.add_column(name, key=name)
+            table.add_column(HEADERS.get(name, name), key=name)
         self.query_one("#current").border_title = "current"
         table.border_title = "history"
         self.query_one("#errors").border_title = "errors (first first; kept until the next success)"
@@ -214,11 +220,12 @@ class WatchApp(App):
         cells = dict.fromkeys(COLUMNS, "")
         cells["time"] = time.strftime("%H:%M:%S", time.localtime(record.started))
         if isinstance(record, RestartRecord):
-            cells.update({"#": f"R{record.n}" if record.n else "start", "trigger": "restart" if record.n else "start",
-                          "reloaded": record.reason if record.n else "", "total": f"{record.seconds:.2f}" if record.done else "…"})
+            cells.update({"#": f"R{record.n}" if record.n else "start",
+                          "trigger": clip(f"restart: {record.reason}") if record.n else "start",
+                          "total": f"{record.seconds:.2f}" if record.done else "…"})
         else:
-            cells.update({"#": str(record.n), "trigger": trigger_text(record),
-                          "reloaded": ", ".join(record.reloaded or record.modules[:3]),
+            cells.update({"#": str(record.n), "trigger": clip(trigger_text(record)),
+                          "reloaded": clip(", ".join(record.reloaded or record.modules)),
                           "deps": str(len(record.dependents)) if record.worker else ""})
             for name in (*STEPS, "total"):
                 if name in record.steps:
