@@ -54,7 +54,7 @@ def main() -> None:
                 time.sleep(0.1)
             if proc.poll() is not None:
                 sys.exit("the server failed to start")
-        baseline = httpx.post(url + "/v1/completions", json=PROMPT, timeout=120).json()["choices"][0]["token_ids"]
+        baseline = timed_request(url)[0]
         restart = time.perf_counter() - start
         steady = timed_request(url)[1]
         source = project / FILE
@@ -65,11 +65,16 @@ def main() -> None:
             for label, text in (("edit", original.replace(OLD, NEW)), ("revert", original)):
                 source.write_text(text)
                 t = time.perf_counter()
-                reply = httpx.post(url + "/v1/rl/engine/reload_forward", json={"id": uuid.uuid4().hex}, timeout=300).json()
+                response = httpx.post(url + "/v1/rl/engine/reload_forward", json={"id": uuid.uuid4().hex}, timeout=300)
+                if response.status_code != 200:
+                    sys.exit(f"reload_forward answered {response.status_code}: {response.text[:2000]}")
+                reply = response.json()
                 wall = time.perf_counter() - t
                 worker = reply["workers"][0]
                 if not reply["ok"]:
                     sys.exit(f"reload failed: {worker['error']}")
+                if worker.get("warnings"):
+                    print("warnings:", worker["warnings"])
                 out, first_request = timed_request(url)
                 changed = out != baseline
                 assert changed == (label == "edit"), f"cycle {cycle} {label}: output changed={changed}"
@@ -93,8 +98,10 @@ def main() -> None:
 
 def timed_request(url: str) -> tuple[list[int], float]:
     t = time.perf_counter()
-    ids = httpx.post(url + "/v1/completions", json=PROMPT, timeout=120).json()["choices"][0]["token_ids"]
-    return ids, time.perf_counter() - t
+    response = httpx.post(url + "/v1/completions", json=PROMPT, timeout=120)
+    if response.status_code != 200:
+        sys.exit(f"completion answered {response.status_code}: {response.text[:2000]}")
+    return response.json()["choices"][0]["token_ids"], time.perf_counter() - t
 
 
 if __name__ == "__main__":

@@ -37,6 +37,8 @@ def format_worker(worker: dict) -> str:
             f"warmed in {t.get('warm', 0):.2f} s; recaptured in {t.get('recapture', 0):.2f} s; "
             f"JIT-compiled {worker.get('jit_kernels', 0)} kernel(s) in {t.get('jit', 0):.2f} s; "
             f"serving paused {t.get('pause', 0):.2f} s")
+    for warning in worker.get("warnings") or []:
+        line += f"\n[yellow]warning: {warning}[/yellow]"
     if worker.get("stale"):
         names = ", ".join(s.get("name", "?") if isinstance(s, dict) else str(s) for s in worker["stale"])
         line += f"\n[yellow]stale (could not be patched): {names}[/yellow]"

@@ -83,7 +83,7 @@ class ReloadForward:
 
     def _worker_failure(self, error: str | None) -> dict:
         return {"rank": self.rank, "ok": False, "error": error, "reloaded": [], "dependents": [], "patched": 0,
-                "stale": [], "needs_restart": [], "timings": {}, "jit_kernels": 0}
+                "stale": [], "needs_restart": [], "timings": {}, "jit_kernels": 0, "warnings": []}
 
     async def _run(self, request: ReloadRequest) -> dict:
         ae, engine = self.async_engine, self.async_engine.engine
@@ -104,10 +104,13 @@ class ReloadForward:
                       "timings": {"total": time.perf_counter() - start, "pause": 0.0}}
             return self._finish(request, worker)
         compile_ahead = getattr(self.reloader, "compile_ahead", None)
-        jit_kernels = 0
+        jit_kernels, warnings = 0, []
         if compile_ahead is not None:  # old code keeps serving meanwhile
             async with self._step(attempt, "jit"):
-                jit_kernels, _ = await asyncio.to_thread(compile_ahead, sources, request.modules)
+                try:
+                    jit_kernels, _ = await asyncio.to_thread(compile_ahead, sources, request.modules)
+                except Exception as exc:  # only an optimisation: the warm step compiles what is missing
+                    warnings.append(f"compiling ahead failed, kernels compile during the warm step: {describe_error(exc)}")
         ae.hold(True)
         pause_start = time.perf_counter()
         try:
@@ -150,7 +153,7 @@ class ReloadForward:
             "reloaded": report.get("reloaded", []), "dependents": report.get("dependents", []),
             "patched": report.get("patched", 0), "stale": report.get("stale", []),
             "needs_restart": report.get("needs_restart", []),
-            "jit_kernels": jit_kernels or report.get("jit_kernels", 0),
+            "jit_kernels": jit_kernels or report.get("jit_kernels", 0), "warnings": warnings,
             "timings": {k: round(v, 6) for k, v in attempt.timings.items()},
         }
         return self._finish(request, worker)

@@ -27,7 +27,7 @@ def compile_ahead(modules: list[str], sources: Mapping[str, bytes], paths: Mappi
         return 0, 0.0
     import triton
 
-    start, count = time.perf_counter(), 0
+    start, count, errors = time.perf_counter(), 0, []
     for name in modules:
         live = sys.modules.get(name)
         if live is None or name not in sources or not _has_binaries(live):
@@ -45,13 +45,15 @@ def compile_ahead(modules: list[str], sources: Mapping[str, bytes], paths: Mappi
                     src = getattr(compiled, "src", None)
                     if src is None or not hasattr(compiled, "metadata"):
                         continue
-                    options = backend.parse_options(compiled.metadata._asdict())
-                    new_src = type(src)(new_fn, src.signature, src.constexprs, src.attrs)
                     try:
+                        options = backend.parse_options(compiled.metadata._asdict())
+                        new_src = type(src)(new_fn, src.signature, src.constexprs, src.attrs)
                         triton.compile(new_src, target=target, options=options.__dict__)
                         count += 1
-                    except Exception:  # the reload's warm-up will report this kernel's error with file:line
-                        continue
+                    except Exception as exc:  # the warm step compiles it (and reports a real error with file:line)
+                        errors.append(f"{attr}: {type(exc).__name__}: {exc}")
+    if errors and not count:
+        raise RuntimeError("; ".join(errors[:3]))
     return count, time.perf_counter() - start
 
 
