@@ -12,6 +12,7 @@ held back from the stream until it is clear.
 class Detokenizer:
     def __init__(self, stop: list[str]):
         self.stop = stop
+        self.hold = max((len(s) - 1 for s in stop), default=0)  # tail that may still become a stop string
         self.ids: list[int] = []
         self.prefix_offset = self.read_offset = 0
         self.text = ""
@@ -25,10 +26,10 @@ class Detokenizer:
         """Take the decoded windows after an append; True if the text now contains a stop string."""
         if len(now) <= len(before) or now.endswith("\ufffd"):
             return False
-        checked_from = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
+        checked_from = max(0, len(self.text) - self.hold)
         self.text += now[len(before) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        hits = [i for i in (self.text.find(s, checked_from) for s in self.stop) if i >= 0]
+        hits = [i for i in (self.text.find(s, checked_from) for s in self.stop) if i >= 0] if self.stop else None
         if hits:
             self.text = self.text[: min(hits)]
             return True
@@ -36,7 +37,6 @@ class Detokenizer:
 
     def delta(self, finished: bool) -> str:
         """New text since the last call, minus a tail that may still turn into a stop string."""
-        hold = 0 if finished else max((len(s) - 1 for s in self.stop), default=0)
-        end = max(self.sent, len(self.text) - hold)
+        end = max(self.sent, len(self.text) - (0 if finished else self.hold))
         out, self.sent = self.text[self.sent : end], end
         return out
