@@ -28,6 +28,20 @@ async def stop(daemon, task) -> None:
     assert await asyncio.wait_for(task, 10) == 0
 
 
+def session(project, server: FakeServer, act, done=finished) -> list:
+    """Start the daemon, run `act(daemon)` once it watches, wait until `done(events)`, stop; the events."""
+    events = []
+
+    async def main():
+        daemon, task = await running(project, server, events)
+        act(daemon)
+        await until(lambda: done(events))
+        await stop(daemon, task)
+
+    asyncio.run(main())
+    return events
+
+
 def test_saves_during_a_reload_are_coalesced_into_one_next_reload(tmp_path):
     project, server, events = make_project(tmp_path), FakeServer(), []
     server.reload_delay = 0.8
@@ -53,16 +67,9 @@ def test_saves_during_a_reload_are_coalesced_into_one_next_reload(tmp_path):
 
 
 def test_each_reload_is_checked_against_the_golden_completion_and_probed(tmp_path):
-    project, server, events = make_project(tmp_path), FakeServer(), []
+    project, server = make_project(tmp_path), FakeServer()
     server.output_changed_at = 5
-
-    async def main():
-        daemon, task = await running(project, server, events)
-        (project / "kernels/ops/act.py").write_text("def act(x):\n    return -x\n")
-        await until(lambda: finished(events))
-        await stop(daemon, task)
-
-    asyncio.run(main())
+    events = session(project, server, lambda daemon: (project / "kernels/ops/act.py").write_text("def act(x):\n    return -x\n"))
     record = finished(events)[0]
     assert record.ok and record.reloaded == ["kernels.ops.act"] and record.dependents == ["runtime.layers.norm"]
     assert record.steps["warm"] == pytest.approx(0.123) and record.steps["recapture"] == pytest.approx(0.456)
@@ -71,23 +78,16 @@ def test_each_reload_is_checked_against_the_golden_completion_and_probed(tmp_pat
 
 
 def test_a_failed_reload_keeps_its_error_and_skips_the_checks(tmp_path):
-    project, server, events = make_project(tmp_path), FakeServer(), []
+    project, server = make_project(tmp_path), FakeServer()
     error = f"{project}/kernels/ops/act.py:2: SyntaxError: invalid syntax"
     server.answer = lambda body: failed_worker(error)
-
-    async def main():
-        daemon, task = await running(project, server, events)
-        (project / "kernels/ops/act.py").write_text("def act(x):\n    return x)\n")
-        await until(lambda: finished(events))
-        await stop(daemon, task)
-
-    asyncio.run(main())
+    events = session(project, server, lambda daemon: (project / "kernels/ops/act.py").write_text("def act(x):\n    return x)\n"))
     record = finished(events)[0]
     assert record.error == error and record.verdict is None and record.probe is None
 
 
 def test_reload_all_forces_every_module_and_drops_those_the_server_never_imported(tmp_path):
-    project, server, events = make_project(tmp_path), FakeServer(), []
+    project, server = make_project(tmp_path), FakeServer()
     (project / "kernels/ops/unused.py").write_text("Z = 0\n")
 
     def answer(body):
@@ -96,14 +96,7 @@ def test_reload_all_forces_every_module_and_drops_those_the_server_never_importe
         return ok_worker(reloaded=body["modules"])
 
     server.answer = answer
-
-    async def main():
-        daemon, task = await running(project, server, events)
-        daemon.reload_all()
-        await until(lambda: finished(events))
-        await stop(daemon, task)
-
-    asyncio.run(main())
+    events = session(project, server, lambda daemon: daemon.reload_all())
     assert [body["modules"] for body in server.reloads] == [
         ["kernels.ops", "kernels.ops.act", "kernels.ops.unused", "runtime.layers", "runtime.layers.norm"],
         ["kernels.ops", "kernels.ops.act", "runtime.layers", "runtime.layers.norm"]]
@@ -111,19 +104,12 @@ def test_reload_all_forces_every_module_and_drops_those_the_server_never_importe
 
 
 def test_reloads_by_other_clients_appear_and_are_checked(tmp_path):
-    project, server, events = make_project(tmp_path), FakeServer(), []
-
-    async def main():
-        daemon, task = await running(project, server, events)
-        server.pending_events = [
-            {"type": "reload_started", "id": "hook-1", "n": 1, "modules": ["kernels.ops.act"]},
+    project, server = make_project(tmp_path), FakeServer()
+    hook = [{"type": "reload_started", "id": "hook-1", "n": 1, "modules": ["kernels.ops.act"]},
             {"type": "reload_step", "id": "hook-1", "step": "drain", "state": "started"},
             {"type": "reload_step", "id": "hook-1", "step": "drain", "state": "done", "seconds": 0.25},
             {"type": "reload_finished", "id": "hook-1", "n": 1, "worker": ok_worker()}]
-        await until(lambda: finished(events))
-        await stop(daemon, task)
-
-    asyncio.run(main())
+    events = session(project, server, lambda daemon: server.pending_events.extend(hook))
     record = finished(events)[0]
     assert record.trigger == "another client" and record.modules == ["kernels.ops.act"]
     assert record.steps["drain"] == pytest.approx(0.011)  # the reply's timings win over the live ones
@@ -132,31 +118,22 @@ def test_reloads_by_other_clients_appear_and_are_checked(tmp_path):
 
 
 def test_an_edit_outside_the_reloadable_packages_cannot_restart_an_attached_server(tmp_path):
-    project, server, events = make_project(tmp_path), FakeServer(), []
-
-    async def main():
-        daemon, task = await running(project, server, events)
-        (project / "runtime/engine/scheduler.py").write_text("Y = 2\n")
-        await until(lambda: any(e.level == "warning" for e in events))
-        await stop(daemon, task)
-
-    asyncio.run(main())
+    project, server = make_project(tmp_path), FakeServer()
+    events = session(project, server, lambda daemon: (project / "runtime/engine/scheduler.py").write_text("Y = 2\n"),
+                     done=lambda events: any(e.level == "warning" for e in events))
     warning = next(e.text for e in events if e.level == "warning")
     assert "runtime.engine.scheduler changed outside the reloadable packages" in warning
     assert "restart it yourself" in warning and server.reloads == []
 
 
 def test_profile_key_records_the_next_reloads_probe(tmp_path):
-    project, server, events = make_project(tmp_path), FakeServer(), []
+    project, server = make_project(tmp_path), FakeServer()
 
-    async def main():
-        daemon, task = await running(project, server, events)
+    def act(daemon):
         daemon.arm_profile()
         (project / "kernels/ops/act.py").write_text("def act(x):\n    return x + 1\n")
-        await until(lambda: finished(events))
-        await stop(daemon, task)
 
-    asyncio.run(main())
+    session(project, server, act)
     assert server.profiles == [{"activities": ["TORCH"], "num_steps": 4, "name": "watch-reload-1"}]
 
 

@@ -268,7 +268,7 @@ class Daemon:
         self.foreign: dict[str, ReloadRecord] = {}
         self.paused = False
         self.vocab = 256
-        self.golden: list[str] | None = None
+        self.golden: list | None = None
         self.last_probe: float | None = None
         self.profile_next = False
         self.restarts = 0
@@ -318,8 +318,13 @@ class Daemon:
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(60, read=None), transport=self.transport)
         tasks = [asyncio.create_task(self._watch(), name="watch")]  # saves during startup are not lost
         try:
-            first = await self._start_first()
-            if first.error:
+            first = asyncio.create_task(self._start_first())
+            stopped = asyncio.create_task(self._stop.wait())
+            tasks += [first, stopped]
+            await asyncio.wait({first, stopped}, return_when=asyncio.FIRST_COMPLETED)  # Ctrl-C during a long start
+            if not first.done():
+                return 0
+            if first.result().error:
                 return 2
             tasks += [asyncio.create_task(self._listen(), name="events"),
                       asyncio.create_task(self._work(), name="work")]
@@ -379,14 +384,15 @@ class Daemon:
             reasons.append(f"{', '.join(changes.restart)} changed outside the reloadable packages")
         elif changes and self.down:
             reasons.append(f"{', '.join(changes.files)} changed after the server failed")
-        if reasons and self.server is not None:
+        if reasons and self.server is not None:  # a restart runs every change: no reload first
             by_user = any(job[2] for job in restarts) or bool(changes)
             await self._restart("; ".join(reasons), by_user)
-        elif reasons:
-            self.message(f"needs a restart ({'; '.join(reasons)}), but tsdev watch did not start this server: "
-                         "restart it yourself", "warning")
-        elif changes:
-            await self._reload(ReloadRecord(next(self.numbers), "save", changes.files, changes.reload))
+        else:
+            if reasons:
+                self.message(f"needs a restart ({'; '.join(reasons)}), but tsdev watch did not start this server: "
+                             "restart it yourself", "warning")
+            if changes.reload:
+                await self._reload(ReloadRecord(next(self.numbers), "save", changes.files, changes.reload))
         if "reload_all" in kinds and not self.down:
             modules = self.packages.reloadable_modules()
             await self._reload(ReloadRecord(next(self.numbers), "reload all (r)", [], modules), forced=True)

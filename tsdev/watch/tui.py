@@ -94,7 +94,7 @@ class WatchApp(App):
 
     async def run_daemon(self) -> None:
         code = await self.daemon.run()
-        self.exit(code)
+        self.exit(return_code=code)
 
     # --- keys --------------------------------------------------------------------------------------
 
@@ -259,7 +259,7 @@ class WatchApp(App):
 
 def run_tui(config: WatchConfig) -> int:
     app = WatchApp(config)
-    code = app.run()
+    app.run()
     if app.failure:
         print(f"tsdev watch: the server did not start: {app.failure}")
-    return code if isinstance(code, int) else 0
+    return app.return_code or 0
