@@ -11,7 +11,7 @@ cd "$work"
 python3 -m tsdev profile --out "$prof" --ranges 2 --num-steps 10 --port 8400 --max-running 16 \
   --cudagraph-capture-sizes 1 8 16 > "$prof.log" 2>&1 &
 pid=$!
-for _ in $(seq 240); do [ -f "$prof/reload-0.summary.md" ] || ! kill -0 $pid 2>/dev/null && break; sleep 1; done
+for _ in $(seq 240); do grep -q "range reload-0 taken" "$prof.log" || ! kill -0 $pid 2>/dev/null && break; sleep 1; done
 sed -i 's/(act \* up).to(OUT.dtype.element_ty)/(act * up * 2.0).to(OUT.dtype.element_ty)/' kernels/ops/activation.py
 curl -s -X POST localhost:8400/v1/rl/engine/reload_forward -H 'content-type: application/json' -d '{"id": "p1"}'; echo
 wait $pid

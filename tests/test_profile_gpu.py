@@ -15,11 +15,11 @@ pytestmark = pytest.mark.gpu
 STORE = "tl.store(OUT + row * I + cols, (act * up)"
 
 
-def wait_for(path, proc, timeout=400):
+def wait_for_line(log, text, proc, timeout=400):
     deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert proc.poll() is None, f"tsdev profile exited with {proc.returncode}"
-        assert time.monotonic() < deadline, f"{path} did not appear"
+    while text not in log.read_text():
+        assert proc.poll() is None, f"tsdev profile exited with {proc.returncode}:\n{log.read_text()}"
+        assert time.monotonic() < deadline, f"no line {text!r}:\n{log.read_text()}"
         time.sleep(1)
 
 
@@ -28,16 +28,19 @@ def test_profile_takes_one_report_per_reload(tmp_path):
     project = copy_project(tmp_path / "project")
     out, port = tmp_path / "prof", free_port()
     env = {**os.environ, "PYTHONPATH": f"{project}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.Popen([sys.executable, "-m", "tsdev", "profile", "--out", str(out), "--ranges", "2",
-                             "--num-steps", "10", "--port", str(port), "--max-running", "16",
-                             "--cudagraph-capture-sizes", "1", "8", "16"], cwd=project, env=env)
+    log = tmp_path / "profile.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "tsdev", "profile", "--out", str(out), "--ranges", "2",
+                                 "--num-steps", "10", "--port", str(port), "--max-running", "16",
+                                 "--cudagraph-capture-sizes", "1", "8", "16"], cwd=project, env=env,
+                                stdout=f, stderr=subprocess.STDOUT)
     try:
-        wait_for(out / "reload-0.summary.md", proc)
+        wait_for_line(log, "range reload-0 taken", proc)
         source = project / "kernels/ops/activation.py"
         source.write_text(source.read_text().replace(STORE, "tl.store(OUT + row * I + cols, (-act * up)"))
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/rl/engine/reload_forward", json={"id": "p1"}, timeout=300).json()
         assert reply["ok"], reply
-        assert proc.wait(timeout=400) == 0
+        assert proc.wait(timeout=400) == 0, log.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -72,6 +72,7 @@ def test_edited_kernel_runs_in_recaptured_graphs_and_nothing_recompiles(tiny_mod
         assert reply["ok"], reply
         assert reply["workers"][0]["reloaded"] == ["kernels.ops.activation"]
         assert reply["workers"][0]["jit_kernels"] >= 1  # the edited kernel was compiled ahead, before the drain
+        assert reply["workers"][0]["warnings"] == []
         compiled = compiled_kernels()
         after = await greedy(ae, "b")  # decode steps replay the recaptured batch-1 graph
         assert compiled_kernels() == compiled  # the warm step compiled everything the request needed

@@ -2,7 +2,8 @@
 
 Each capture range is opened with POST /start_profile (cudaProfilerStart under nsys, which writes one
 report per range with --capture-range-end=repeat) while a small fixed workload runs, and closes itself
-after N engine steps. The report is renamed after the reload (reload-3.nsys-rep) and summarised with
+after N engine steps. nsys (2025.3, measured on the H200) writes the reports only when the server exits, so with nsys they are
+renamed after their reloads (reload-3.nsys-rep) and summarised when `tsdev profile` stops: with
 `nsys stats` (top kernels by GPU time, NVTX step ranges) into reload-3.summary.csv / .md, with the
 change per kernel against the previous range. Without nsys, the torch profiler writes a trace per range.
 """
@@ -123,21 +124,6 @@ def nsys_stats(nsys: str, report: Path) -> tuple[list[KernelRow], list[KernelRow
             parse_nvtx_csv(nvtx.read_text()) if nvtx.exists() else [])
 
 
-def wait_for_report(out_dir: Path, seen: set[Path], timeout: float = 120) -> Path:
-    """The next nsys range report to appear (written when the range closes), once its size is stable."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        fresh = sorted(set(out_dir.glob("range-*.nsys-rep")) - seen, key=lambda p: p.stat().st_mtime)
-        if fresh:
-            size = -1
-            while fresh[0].stat().st_size != size:
-                size = fresh[0].stat().st_size
-                time.sleep(0.5)
-            return fresh[0]
-        time.sleep(0.2)
-    raise TimeoutError(f"nsys wrote no report in {out_dir} within {timeout:.0f} s")
-
-
 def run_profile(server_args: list[str], out_dir: Path, num_steps: int, max_ranges: int | None, port: int, console) -> int:
     """Serve under nsys (or plain, with torch traces) and take a range at start and after every reload."""
     import queue
@@ -145,6 +131,7 @@ def run_profile(server_args: list[str], out_dir: Path, num_steps: int, max_range
     import threading
 
     import httpx
+    from rich.markdown import Markdown
 
     nsys, looked = find_nsys()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -160,30 +147,26 @@ def run_profile(server_args: list[str], out_dir: Path, num_steps: int, max_range
     proc = subprocess.Popen(command)
     events: queue.Queue = queue.Queue()
     stop = threading.Event()
+    names: list[str] = []  # ranges taken, in order (nsys numbers its reports the same way)
     try:
         _wait_healthy(url, proc)
         threading.Thread(target=_listen, args=(url, events, stop), daemon=True).start()
         console.print(f"server at {url}: edit, then `tsdev reload --url {url}`; each reload gets a report")
-        previous, seen, taken, name = None, set(), 0, "reload-0"
+        previous, taken, name = None, 0, "reload-0"
         while max_ranges is None or taken < max_ranges:
             _clear(events)
             r = httpx.post(url + "/start_profile", json={"activities": activities, "num_steps": num_steps,
                                                          "output_dir": str(out_dir.resolve()), "name": name}, timeout=30)
             r.raise_for_status()
             _run_workload_until_closed(url, events, name)
+            names.append(name)
+            taken += 1
             if nsys:
-                report = wait_for_report(out_dir, seen)
-                seen.add(report)
-                target = out_dir / f"{name}.nsys-rep"
-                report.rename(target)
-                seen.add(target)
-                kernels, nvtx = nsys_stats(nsys, target)
+                console.print(f"range {name} taken (nsys writes its report when the server stops)")
             else:
-                kernels, nvtx = torch_trace_kernels(out_dir / f"{name}.trace.json"), []
-            from rich.markdown import Markdown
-
-            console.print(Markdown(write_summary(out_dir / name, kernels, nvtx, previous)))
-            previous, taken = kernels, taken + 1
+                kernels = torch_trace_kernels(out_dir / f"{name}.trace.json")
+                console.print(Markdown(write_summary(out_dir / name, kernels, [], previous)))
+                previous = kernels
             if max_ranges is not None and taken >= max_ranges:
                 break
             event = _next_event(events, proc, {"reload_finished"})
@@ -195,9 +178,32 @@ def run_profile(server_args: list[str], out_dir: Path, num_steps: int, max_range
         stop.set()
         proc.terminate()
         try:
-            proc.wait(timeout=120)  # nsys finalizes its reports on the way out
+            proc.wait(timeout=600)  # nsys processes every range's report on the way out
         except subprocess.TimeoutExpired:
             proc.kill()
+        if nsys:
+            summarize_nsys_ranges(nsys, out_dir, names, console)
+
+
+def summarize_nsys_ranges(nsys: str, out_dir: Path, names: list[str], console) -> None:
+    """Name nsys's range-K reports after the reloads they belong to and summarise each against the last.
+
+    nsys (2025.3, measured on the H200) writes every range's report only when the application exits,
+    so this runs once the server has stopped.
+    """
+    from rich.markdown import Markdown
+
+    previous = None
+    for k, name in enumerate(names, start=1):
+        report = out_dir / f"range-{k}.nsys-rep"
+        if not report.exists():
+            console.print(f"[red]nsys wrote no report for range {k} ({name})[/red]")
+            continue
+        target = out_dir / f"{name}.nsys-rep"
+        report.rename(target)
+        kernels, nvtx = nsys_stats(nsys, target)
+        console.print(Markdown(write_summary(out_dir / name, kernels, nvtx, previous)))
+        previous = kernels
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:

@@ -8,7 +8,8 @@ compiling, and the serving pause excludes JIT time.
 
 Triton internals used (checked on 3.6 and 3.9): `device_caches[device]` is a tuple whose first item
 maps keys to compiled kernels and whose third-from-last and second-from-last items are the target and
-the backend; a compiled kernel keeps its `src` (signature, constexprs, attrs) and `metadata` (options).
+the backend; a compiled kernel keeps its `src` (signature, constexprs — `constants` on 3.6 —, attrs) and
+`metadata` (options).
 """
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def compile_ahead(modules: list[str], sources: Mapping[str, bytes], paths: Mappi
                         continue
                     try:
                         options = backend.parse_options(compiled.metadata._asdict())
-                        new_src = type(src)(new_fn, src.signature, src.constexprs, src.attrs)
+                        constexprs = getattr(src, "constexprs", None) or getattr(src, "constants", None)  # 3.9 / 3.6
+                        new_src = type(src)(new_fn, src.signature, constexprs, src.attrs)
                         triton.compile(new_src, target=target, options=options.__dict__)
                         count += 1
                     except Exception as exc:  # the warm step compiles it (and reports a real error with file:line)
