@@ -46,3 +46,21 @@ def test_kernel_csv_parser_skips_notices_before_the_header():
             '40.0,900,1,900.0,900.0,900,900,0.0,"big_kernel"\n')
     rows = parse_kernel_csv(text)
     assert [r.name for r in rows] == ["big_kernel", "small_kernel"] and rows[1].instances == 3
+
+
+def test_parsers_read_real_nsys_stats_output():
+    """Fixtures: `nsys stats` CSVs of a real `tsdev profile` range on the H200 (tests/test_profile_gpu.py)."""
+    from pathlib import Path
+
+    from tsdev.profile import parse_nvtx_csv
+
+    fixtures = Path(__file__).parent / "fixtures"
+    kernels = parse_kernel_csv((fixtures / "nsys_cuda_gpu_kern_sum.csv").read_text())
+    names = [k.name for k in kernels]
+    assert {"_decode_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel"} <= set(names)
+    assert kernels[0].total_ns >= kernels[-1].total_ns and kernels[0].instances > 0
+    decode = next(k for k in kernels if k.name == "_decode_kernel")
+    assert (decode.total_ns, decode.instances) == (960134.0, 224)
+    nvtx = {r.name: r for r in parse_nvtx_csv((fixtures / "nsys_nvtx_sum.csv").read_text())}
+    assert set(nvtx) == {"tsdev:forward", "tsdev:sample", "tsdev:prepare", "tsdev:schedule"}
+    assert nvtx["tsdev:forward"].instances == 10
