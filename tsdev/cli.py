@@ -242,12 +242,13 @@ def profile(
     ranges: Annotated[Optional[int], typer.Option(help="Stop after this many ranges (default: until Ctrl-C).")] = None,
     port: Annotated[int, typer.Option(help="Port of the profiled server.")] = 8000,
 ):
-    """Serve under Nsight Systems and take one report per reload: `tsdev profile [MODEL] [server flags]`.
+    """Serve under Nsight Systems and take one report per reload: `tsdev profile \\[MODEL] \\[server flags]`.
 
     A range is taken at start (reload-0) and after every successful reload (`tsdev reload`, an editor hook,
     `tsdev watch --attach`), each while a small fixed workload runs; every report is summarised (top
-    kernels by GPU time, NVTX step ranges, change against the previous range). Without nsys it takes
-    torch profiler traces instead.
+    kernels by GPU time, NVTX step ranges, change against the previous range). nsys writes its reports
+    when the server stops (Ctrl-C, or --ranges reached); they are then named reload-N and summarised.
+    Without nsys it takes torch profiler traces instead, summarised as each range closes.
     """
     import time as _time
 
