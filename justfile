@@ -20,6 +20,10 @@ watch *ARGS:
 bench *ARGS:
     python3 benchmarks/offline_throughput.py {{ARGS}}
 
+# serve under Nsight Systems (torch profiler without it): one report per reload in profiles/
+profile *ARGS:
+    tsdev profile {{ARGS}}
+
 # fetch the wheels and .deb files the H200 machine lacks into .whl/ and .debs/ (git-ignored; carry them)
 device-prep:
     bash scripts/device-prep.sh

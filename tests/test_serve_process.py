@@ -45,7 +45,7 @@ def test_openai_chat(client):
 def test_openai_client_sees_errors(client):
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model="tiny", prompt="hi", max_tokens=0)
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError, match="does not exist"):
         client.completions.create(model="nope", prompt="hi")
 
 

@@ -69,7 +69,7 @@ def test_chat_streaming_starts_with_the_role(client):
     ({"max_tokens": 3}, 400, "prompt"),
     ({"prompt": ""}, 400, "empty"),
     ({"prompt": []}, 400, "empty"),
-    ({"prompt": "hi", "model": "gpt-9"}, 404, "does not exist"),
+    ({"prompt": "hi", "model": "gpt-9"}, 400, "does not exist"),
     ({"prompt": "word " * 200}, 400, "maximum context length is 128"),
     ({"prompt": "hi", "max_tokens": 500}, 400, "maximum context length"),
     ({"prompt": [5, 99999]}, 400, "outside the vocabulary"),

@@ -137,6 +137,17 @@ def test_profile_key_records_the_next_reloads_probe(tmp_path):
     assert server.profiles == [{"activities": ["TORCH"], "num_steps": 4, "name": "watch-reload-1"}]
 
 
+def test_profile_each_reload_records_every_reloads_probe(tmp_path):
+    project, server = make_project(tmp_path), FakeServer()
+
+    def act(daemon):
+        daemon.config.profile_each_reload = True
+        (project / "kernels/ops/act.py").write_text("def act(x):\n    return x + 2\n")
+
+    session(project, server, act)
+    assert server.profiles == [{"activities": ["TORCH"], "num_steps": 4, "name": "watch-reload-1"}]
+
+
 def test_server_flags_pass_through_and_model_is_found():
     assert split_server_args(["--device", "cpu", "/models/qwen3", "--cudagraph-capture-sizes", "1,16,64",
                               "--enforce-eager", "--port=9000"], SERVE_FLAGS) == (

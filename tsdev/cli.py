@@ -271,6 +271,7 @@ def watch(
     probe_batch: Annotated[int, typer.Option(help="Batch size of the decode probe run after every reload.")] = 8,
     probe_steps: Annotated[int, typer.Option(help="Tokens per request of the decode probe.")] = 32,
     server_log: Annotated[Optional[Path], typer.Option(help="Where the child server's output goes; default $TMPDIR/tsdev-watch-PORT.log.")] = None,
+    profile_each_reload: Annotated[bool, typer.Option("--profile-each-reload", help="Record every reload's decode probe in a profiler capture range (POST /start_profile), as `p` does for the next one.")] = False,
 ):
     """Serve MODEL and reload it on every save: `tsdev watch \\[MODEL] \\[server flags...]`.
 
@@ -290,6 +291,7 @@ def watch(
             raise ValueError("--attach watches a running server: MODEL and server flags are for the server tsdev watch starts")
         config = WatchConfig(model=model, server_args=server_args, attach=attach, settle=settle_ms / 1000,
                              probe_batch=probe_batch, probe_steps=probe_steps, server_log=server_log,
+                             profile_each_reload=profile_each_reload,
                              host=flag_value(server_args, "--host") or "127.0.0.1",
                              port=int(flag_value(server_args, "--port") or 8000))
         code = run(config, tui=not no_tui)

@@ -81,8 +81,8 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader=None) -> FastA
 
     def check_model(body: SamplingRequest) -> None:
         if body.model is not None and body.model != served_model_name:
-            raise APIError(404, f"model {body.model!r} does not exist: this server serves {served_model_name!r} "
-                                "(GET /v1/models)", "model", "NotFoundError")
+            raise APIError(400, f"model {body.model!r} does not exist: this server serves {served_model_name!r} "
+                                "(GET /v1/models)", "model")
 
     def check_length(prompt_ids: list[int], max_tokens: int | None) -> int:
         if not prompt_ids:

@@ -50,6 +50,7 @@ class WatchConfig:
     settle: float = 0.2
     probe_batch: int = 8
     probe_steps: int = 32
+    profile_each_reload: bool = False  # every reload's decode probe runs inside a capture range, not just after `p`
     server_log: Path | None = None
     startup_timeout: float = 600.0
 
@@ -473,7 +474,7 @@ class Daemon:
         try:
             if golden and self.golden:
                 record.verdict = checks.compare(self.golden, await checks.greedy(self._client, self.config.url, self.vocab))
-            if self.profile_next and isinstance(record, ReloadRecord):
+            if (self.profile_next or self.config.profile_each_reload) and isinstance(record, ReloadRecord):
                 self.profile_next = False
                 await self._start_profile(record)
             ms = await checks.decode_ms(self._client, self.config.url, self.vocab, self.config.probe_batch,
