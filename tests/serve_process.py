@@ -4,11 +4,10 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
+from tsdev.client import wait_until_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,18 +38,7 @@ def serve(args: list[str], log_path: Path, cwd: Path | None = None, timeout: flo
                                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"tsdev serve exited early:\n{log_path.read_text()}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"tsdev serve was not healthy within {timeout} s:\n{log_path.read_text()}")
-            time.sleep(0.2)
+        wait_until_healthy(url, proc, timeout, log=log_path.read_text)
         yield url
     finally:
         proc.terminate()

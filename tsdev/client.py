@@ -1,4 +1,6 @@
 """Talking to a tsdev (or any seed-style) server over HTTP, and printing what it says."""
+import subprocess
+import time
 import uuid
 
 import httpx
@@ -45,3 +47,20 @@ def format_worker(worker: dict) -> str:
     if worker.get("needs_restart"):
         line += f"\n[yellow]needs restart: {', '.join(worker['needs_restart'])} changed outside the reloadable packages[/yellow]"
     return line
+
+
+def wait_until_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float = 600, log=None) -> None:
+    """Poll GET /health until it answers 200; fail early if `proc` (the server) exits. `log()` adds context."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with status {proc.returncode} before it was healthy"
+                               + (f":\n{log()}" if log else ""))
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the server at {url} was not healthy within {timeout:.0f} s" + (f":\n{log()}" if log else ""))
+        time.sleep(0.2)

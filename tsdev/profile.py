@@ -133,6 +133,8 @@ def run_profile(server_args: list[str], out_dir: Path, num_steps: int, max_range
     import httpx
     from rich.markdown import Markdown
 
+    from tsdev.client import wait_until_healthy
+
     nsys, looked = find_nsys()
     out_dir.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{port}"
@@ -149,7 +151,7 @@ def run_profile(server_args: list[str], out_dir: Path, num_steps: int, max_range
     stop = threading.Event()
     names: list[str] = []  # ranges taken, in order (nsys numbers its reports the same way)
     try:
-        _wait_healthy(url, proc)
+        wait_until_healthy(url, proc)
         threading.Thread(target=_listen, args=(url, events, stop), daemon=True).start()
         console.print(f"server at {url}: edit, then `tsdev reload --url {url}`; each reload gets a report")
         previous, taken, name = None, 0, "reload-0"
@@ -204,22 +206,6 @@ def summarize_nsys_ranges(nsys: str, out_dir: Path, names: list[str], console) -
         kernels, nvtx = nsys_stats(nsys, target)
         console.print(Markdown(write_summary(out_dir / name, kernels, nvtx, previous)))
         previous = kernels
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with status {proc.returncode} before it was healthy")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"the server at {url} was not healthy within {timeout:.0f} s")
 
 
 def _listen(url: str, events, stop) -> None:
