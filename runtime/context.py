@@ -17,10 +17,6 @@ class Context:
     max_q_len: int
     max_seq_len: int
 
-    @property
-    def is_decode(self) -> bool:
-        return self.max_q_len == 1
-
 
 _context: Context | None = None
 

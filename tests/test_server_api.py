@@ -99,7 +99,7 @@ def test_models_health_and_metrics(client):
     client.post("/v1/completions", json={"prompt": "metrics", "max_tokens": 2})
     text = client.get("/metrics").text
     for name in ("tsdev_requests_running", "tsdev_requests_waiting", "tsdev_kv_pages_used",
-                 "tsdev_generation_tokens_per_second", "tsdev_step_seconds_bucket"):
+                 "tsdev_generation_tokens_per_second", "tsdev_step_seconds_bucket", "tsdev_prefix_cache_hit_rate"):
         assert name in text
     generated = next(float(line.split()[1]) for line in text.splitlines() if line.startswith("tsdev_generation_tokens_total"))
     assert generated >= 2

@@ -94,6 +94,5 @@ class Scheduler:
         self.block_manager.free_pages(seq)
         self.running.remove(seq)
         seq.status = Status.WAITING
-        seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)

@@ -1,6 +1,5 @@
 """A request as the engine sees it: its tokens, its pages, and how far it has been computed."""
 import enum
-import itertools
 from dataclasses import dataclass, field
 
 
@@ -32,13 +31,9 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-_ids = itertools.count()
-
-
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
         self.request_id = request_id
-        self.seq_no = next(_ids)  # arrival order, for fair scheduling
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
@@ -48,7 +43,6 @@ class Sequence:
         self.pages: list[int] = []
         self.page_hashes: list[int] = []  # prefix-cache hash chain of the full pages computed so far
         self.finish_reason: str | None = None
-        self.num_preemptions = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -25,6 +25,9 @@ class EngineMetrics:
         self.waiting.set_function(lambda: len(engine.scheduler.waiting))
         self.kv_pages_used.set_function(lambda: engine.block_manager.num_used_pages)
         self.kv_pages_total.set(engine.block_manager.num_pages)
+        hit_rate = Gauge("tsdev_prefix_cache_hit_rate", "Full pages found in the prefix cache / pages looked up",
+                         registry=r)
+        hit_rate.set_function(lambda: engine.block_manager.hits / max(engine.block_manager.queries, 1))
         self._window_start, self._window_tokens = time.monotonic(), 0
         self._seen_prompt = self._seen_generated = 0
 
