@@ -20,7 +20,7 @@ CHATML = (  # also the chat template of checkpoints that have none
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-VERSION = 1
+VERSION = 2  # bump when the default checkpoint's contents change: it is cached by this name
 
 SHAPES = {
     "tiny": dict(vocab_size=1024, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
@@ -56,8 +56,13 @@ def default_model_dir(device: str) -> Path:
     return final
 
 
-def write_checkpoint(out: Path, shape: dict, seed: int = 0, std: float = 0.02) -> None:
-    """Write config, tokenizer and random weights for a Qwen3 model of `shape` into `out`."""
+def write_checkpoint(out: Path, shape: dict, seed: int = 0, std: float | None = None) -> None:
+    """Write config, tokenizer and random weights for a Qwen3 model of `shape` into `out`.
+
+    Matrices get std 1/sqrt(fan_in) unless `std` is given: each layer then keeps its input's scale, so
+    greedy output varies from token to token (with small weights a tied-embedding model only echoes its
+    last token, and an edit to a layer would not show in its output).
+    """
     tokenizer = train_tokenizer(shape["vocab_size"])
     tokenizer.save(str(out / "tokenizer.json"))
     eos = [tokenizer.token_to_id("<|im_end|>"), tokenizer.token_to_id("<|endoftext|>")]
@@ -74,13 +79,13 @@ def write_checkpoint(out: Path, shape: dict, seed: int = 0, std: float = 0.02) -
     save_file(random_weights(shape, seed, std, dtype), str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
-def random_weights(shape: dict, seed: int, std: float, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def random_weights(shape: dict, seed: int, std: float | None, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     h, i, d = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
     q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
 
-    def normal(*size: int) -> torch.Tensor:
-        return (torch.randn(*size, generator=g) * std).to(dtype)
+    def normal(rows: int, fan_in: int) -> torch.Tensor:
+        return (torch.randn(rows, fan_in, generator=g) * (std or fan_in**-0.5)).to(dtype)
 
     weights = {"model.embed_tokens.weight": normal(shape["vocab_size"], h), "model.norm.weight": torch.ones(h, dtype=dtype)}
     for n in range(shape["num_hidden_layers"]):
