@@ -41,3 +41,16 @@ def test_graph_replay_equals_eager_on_cuda(tiny_model_dir):
         torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
         for seq in batch.seqs:
             engine.block_manager.free_pages(seq)
+
+
+def test_greedy_on_cuda_matches_transformers(tiny_model_dir):
+    import transformers
+
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).cuda().eval()
+    hf.generation_config.eos_token_id = None
+    expected = []
+    for prompt in PROMPTS:
+        out = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=16, do_sample=False, pad_token_id=0)
+        expected.append(out[0, len(prompt):].tolist())
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cuda", dtype="float32", kv_pages=256))
+    assert [r["token_ids"] for r in engine.generate(PROMPTS, GREEDY)] == expected
