@@ -58,3 +58,17 @@ def test_the_kernel_path_promise_follows_the_rows_parameters():
     assert max_top_k([5, 40], [1.0, 0.9]) == 40
     assert max_top_k([5, 0], [1.0, 1.0]) is None  # one row unfiltered, another top-k: full sort
     assert max_top_k([0], [0.9]) is None
+
+
+def test_detokenizer_window_stays_short_when_ids_decode_to_nothing(make_engine):
+    from runtime.engine.detokenizer import Detokenizer
+
+    tokenizer = make_engine().tokenizer
+    unknown = tokenizer.get_vocab_size() + 5  # the model's vocabulary is larger than the tokenizer's
+    detok = Detokenizer(stop=[])
+    for token in [unknown] * 50 + tokenizer.encode(" hello world").ids:
+        detok.ids.append(token)
+        before, now = tokenizer.decode_batch(detok.windows())
+        detok.consume(before, now)
+        assert len(detok.ids) - detok.prefix_offset <= 3
+    assert detok.text == " hello world"

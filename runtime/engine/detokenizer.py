@@ -24,6 +24,9 @@ class Detokenizer:
 
     def consume(self, before: str, now: str) -> bool:
         """Take the decoded windows after an append; True if the text now contains a stop string."""
+        if now == before:  # the new ids decode to nothing (skipped specials, ids the tokenizer lacks):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)  # keep the window short
+            return False
         if len(now) <= len(before) or now.endswith("\ufffd"):
             return False
         checked_from = max(0, len(self.text) - self.hold)
