@@ -327,4 +327,4 @@ def hook(
 
 @app.callback()
 def main() -> None:
-    """tsdev: serve, and (soon) hot-reload the forward pass of, an LLM while you edit its kernels."""
+    """tsdev: serve an LLM and hot-reload its forward pass while you edit its kernels."""
