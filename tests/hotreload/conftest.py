@@ -8,10 +8,7 @@ import textwrap
 
 import pytest
 
-# Without a GPU, Triton kernels run in its interpreter. Triton reads this when a kernel is
-# decorated (triton.language's own helpers included), so it is fixed for the whole process.
-if not os.path.exists("/dev/nvidiactl"):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# TRITON_INTERPRET (CPU machines) is set once for the whole run by tests/conftest.py.
 sys.dont_write_bytecode = True  # edits land within the same second: never trust a .pyc here
 
 _counter = itertools.count()
