@@ -18,23 +18,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from benchmarks.decode_step import copy_bandwidth
 from kernels.ops import activation, attention, norm, rope, sampling
 
 HQ, HK, D, HIDDEN, INTER, VOCAB, LAYERS = 16, 8, 128, 1024, 3072, 151936, 28
 BF16 = torch.bfloat16
-
-
-def copy_bandwidth() -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    start, n = time.perf_counter(), 20
-    for _ in range(n):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    return 2 * src.numel() * n / (time.perf_counter() - start)
 
 
 def eager_ms(fns, iters=5) -> float:
@@ -219,7 +207,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=["rows", "attention", "sampling"])
     parser.add_argument("--sweep", action="store_true", help="decode attention: time every num_splits x block_n")
     args = parser.parse_args()
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bw / 1e9:.0f} GB/s\n")
     print("| op | shape | ref graph us | ref eager us | triton graph us | triton eager us | speedup | bandwidth |")
     print("|---|---|---|---|---|---|---|---|")
