@@ -73,7 +73,7 @@ class LLMEngine:
         seq = self.scheduler.find(request_id)
         if seq is None:
             return None
-        self._finish(seq, "abort")
+        self.scheduler.finish(seq, "abort")
         return self._output(seq, [])
 
     def has_unfinished(self) -> bool:
@@ -101,7 +101,7 @@ class LLMEngine:
             stopped = self.detokenizers[seq].consume(texts[2 * i], texts[2 * i + 1])
             reason = self._finish_reason(seq, token, stopped)
             if reason:
-                self._finish(seq, reason)
+                self.scheduler.finish(seq, reason)
             outputs.append(self._output(seq, [token]))
         return outputs
 
@@ -111,9 +111,6 @@ class LLMEngine:
         if seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len:
             return "length"
         return None
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        self.scheduler.finish(seq, reason)
 
     def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
         detok = self.detokenizers[seq]
