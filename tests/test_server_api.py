@@ -88,6 +88,11 @@ def test_malformed_json_is_refused(client):
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
 
 
+def test_chat_longer_than_the_context_is_refused(client):
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "word " * 300}]})
+    assert r.status_code == 400 and "maximum context length is 128" in r.json()["error"]["message"]
+
+
 def test_chat_without_messages_is_refused(client):
     r = client.post("/v1/chat/completions", json={"messages": []})
     assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
@@ -115,3 +120,18 @@ def test_return_token_ids_gives_the_generated_ids(client):
     chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
                                                      "ignore_eos": True, "return_token_ids": True}).json()
     assert len(chat["choices"][0]["token_ids"]) == 3
+
+
+def test_an_internal_error_is_a_json_500(tiny_model_dir, monkeypatch):
+    from runtime.config import EngineConfig
+    from runtime.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", max_model_len=128, kv_pages=256))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("tokenizer exploded")
+
+    monkeypatch.setattr(engine.tokenizer, "encode", broken, raising=False)
+    with TestClient(build_app(engine, "tiny"), raise_server_exceptions=False) as c:
+        r = c.post("/v1/completions", json={"prompt": "hi"})
+    assert r.status_code == 500 and "tokenizer exploded" in r.json()["error"]["message"]

@@ -1,6 +1,7 @@
 """The HTTP front: OpenAI-compatible routes over an AsyncEngine."""
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,6 +19,9 @@ from runtime.server.chat import ChatTemplate
 from runtime.server.control import add_control_routes
 from runtime.server.metrics import EngineMetrics
 from runtime.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+
+
+log = logging.getLogger("runtime.server")
 
 
 class APIError(Exception):
@@ -65,6 +69,11 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader=None) -> FastA
             message = f"{field}: {message}"
         return error_response(400, message, field)
 
+    @app.exception_handler(Exception)
+    async def _internal_error(request, exc: Exception):
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc} (see the server log)", None, "server_error")
+
     @app.get("/health")
     async def health():
         return {"status": "ok"}
@@ -88,12 +97,16 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader=None) -> FastA
         if not prompt_ids:
             raise APIError(400, "the prompt is empty: send at least one token", "prompt")
         limit = engine.max_model_len
+        if len(prompt_ids) >= limit:
+            raise APIError(400, f"this model's maximum context length is {limit} tokens, but the prompt has "
+                                f"{len(prompt_ids)}: shorten it (one token of the context must be left to generate)",
+                           "prompt")
         if max_tokens is None:
             max_tokens = limit - len(prompt_ids)
         if len(prompt_ids) + max_tokens > limit:
             raise APIError(400, f"this model's maximum context length is {limit} tokens, but {len(prompt_ids)} "
                                 f"prompt tokens + {max_tokens} max_tokens were requested: shorten the prompt or "
-                                "lower max_tokens", "max_tokens" if len(prompt_ids) < limit else "prompt")
+                                "lower max_tokens", "max_tokens")
         bad = next((t for t in prompt_ids if not 0 <= t < engine.model_config.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is outside the vocabulary (0..{engine.model_config.vocab_size - 1})", "prompt")
