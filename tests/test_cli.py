@@ -15,3 +15,11 @@ def test_serve_reports_a_bad_model_dir_and_exits_2(tmp_path):
     result = CliRunner().invoke(app, ["serve", str(tmp_path), "--device", "cpu"])
     assert result.exit_code == 2
     assert "no config.json" in result.output
+
+
+def test_serve_on_cuda_without_a_gpu_says_so(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = CliRunner().invoke(app, ["serve", "--device", "cuda"])
+    assert result.exit_code == 2 and "sees no CUDA GPU" in result.output

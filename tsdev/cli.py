@@ -90,6 +90,13 @@ def serve(
     console = Console(stderr=True, soft_wrap=True)
     if model and model_opt and model != model_opt:
         raise typer.BadParameter(f"MODEL {model!r} and --model {model_opt!r} disagree: give one")
+    if device and device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            console.print(f"[red]error:[/red] --device {device}, but this torch ({torch.__version__}) sees no CUDA GPU: "
+                          "use --device cpu, or install a CUDA build of torch on a machine with a GPU")
+            raise typer.Exit(2)
     config = EngineConfig(
         model=model or model_opt, device=device or _default_device(), dtype=dtype, max_running=max_running,
         max_batched_tokens=max_batched_tokens, max_model_len=max_model_len, page_size=page_size, kv_pages=kv_pages,
