@@ -34,6 +34,7 @@ class FakeServer:
         self._changed_at = None
         self.pending_events: list[dict] = []  # delivered on the next events connection
         self.profiles: list[dict] = []
+        self.loaded: list[str] | None = None  # GET /v1/rl/engine/modules answers these (None: no such route)
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
@@ -58,6 +59,8 @@ class FakeServer:
             events, self.pending_events = [{"type": "hello", "paused": False}, *self.pending_events], []
             return httpx.Response(200, content="".join(f"data: {json.dumps(e)}\n\n" for e in events).encode(),
                                   headers={"content-type": "text/event-stream"})
+        if path == "/v1/rl/engine/modules" and self.loaded is not None:
+            return httpx.Response(200, json={"modules": self.loaded})
         if path == "/start_profile":
             self.profiles.append(body)
             return httpx.Response(200, json={"n": len(self.profiles), "name": body.get("name")})

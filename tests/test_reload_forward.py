@@ -107,6 +107,12 @@ def test_forced_module_reloads_without_a_change(server):
     assert bad["ok"] is False and "no.such.module" in bad["workers"][0]["error"]
 
 
+def test_modules_route_lists_what_a_reload_can_force(server):
+    modules = httpx.get(server + "/v1/rl/engine/modules").json()["modules"]
+    assert {"kernels.ops.activation", "runtime.layers.norm", "runtime.models.qwen3"} <= set(modules)
+    assert not any(m.startswith("runtime.engine") for m in modules)
+
+
 def test_same_id_returns_the_first_outcome_without_reloading_again(server):
     rid = new_id()
     first = reload(server, rid, modules=["kernels.ops.norm"])
@@ -220,6 +226,7 @@ def test_reload_is_refused_without_the_flag(tiny_model_dir, tmp_path):
         threads, results = start_streams(url, 1, max_tokens=200)
         r = httpx.post(url + "/v1/rl/engine/reload_forward", json={"id": "x"})
         assert r.status_code == 403 and "--allow-reload-forward" in r.json()["error"]["message"]
+        assert httpx.get(url + "/v1/rl/engine/modules").status_code == 403
         threads[0].join(60)
         assert results[0][1] == ["length"]
 

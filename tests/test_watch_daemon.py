@@ -86,21 +86,22 @@ def test_a_failed_reload_keeps_its_error_and_skips_the_checks(tmp_path):
     assert record.error == error and record.verdict is None and record.probe is None
 
 
-def test_reload_all_forces_every_module_and_drops_those_the_server_never_imported(tmp_path):
+def test_reload_all_forces_every_module_the_server_has_imported(tmp_path):
     project, server = make_project(tmp_path), FakeServer()
     (project / "kernels/ops/unused.py").write_text("Z = 0\n")
-
-    def answer(body):
-        if "kernels.ops.unused" in body.get("modules", []):
-            return failed_worker("cannot reload kernels.ops.unused: it is not a loaded module under kernels.ops")
-        return ok_worker(reloaded=body["modules"])
-
-    server.answer = answer
+    server.loaded = ["kernels.ops", "kernels.ops.act", "runtime.layers", "runtime.layers.norm", "runtime.models.x"]
+    server.answer = lambda body: ok_worker(reloaded=body["modules"])
     events = session(project, server, lambda daemon: daemon.reload_all())
     assert [body["modules"] for body in server.reloads] == [
-        ["kernels.ops", "kernels.ops.act", "kernels.ops.unused", "runtime.layers", "runtime.layers.norm"],
-        ["kernels.ops", "kernels.ops.act", "runtime.layers", "runtime.layers.norm"]]
+        ["kernels.ops", "kernels.ops.act", "runtime.layers", "runtime.layers.norm"]]  # on disk and imported
     assert finished(events)[0].ok
+
+
+def test_reload_all_without_the_modules_route_forces_what_is_on_disk(tmp_path):
+    project, server = make_project(tmp_path), FakeServer()
+    server.answer = lambda body: ok_worker(reloaded=body["modules"])
+    session(project, server, lambda daemon: daemon.reload_all())
+    assert server.reloads[0]["modules"] == ["kernels.ops", "kernels.ops.act", "runtime.layers", "runtime.layers.norm"]
 
 
 def test_reloads_by_other_clients_appear_and_are_checked(tmp_path):

@@ -41,6 +41,13 @@ def add_control_routes(app: FastAPI, async_engine: AsyncEngine, reload_forward: 
             raise api_error(403, RELOAD_DISABLED, None, "PermissionError")
         return await reload_forward(ReloadRequest(body.id, body.mode, body.modules, body.timeout_s))
 
+    @app.get("/v1/rl/engine/modules")
+    async def reloadable_modules():
+        """The modules a reload may force (loaded, under the reloadable packages)."""
+        if reload_forward is None:
+            raise api_error(403, RELOAD_DISABLED, None, "PermissionError")
+        return {"modules": reload_forward.reloader.modules()}
+
     @app.post("/v1/rl/engine/pause_generation")
     async def pause(body: PauseBody | None = None):
         mode = (body or PauseBody()).mode

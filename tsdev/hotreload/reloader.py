@@ -86,6 +86,11 @@ class Reloader:
         return Plan(reloaded=[m for m in order if m in roots], dependents=[m for m in order if m not in roots],
                     needs_restart=sorted(m for m in changed if not self.reloadable(m)), order=order)
 
+    def modules(self) -> list[str]:
+        """The loaded modules under the reloadable packages (what `reload(modules=...)` accepts)."""
+        self._track()
+        return sorted(m for m in self._ran if self.reloadable(m))
+
     def graph(self) -> dict[str, list[str]]:
         """{module: modules it uses}, for every tracked reloadable module."""
         return {m: sorted(self._providers(m, None)) for m in self._ran if self.reloadable(m)}

@@ -34,7 +34,6 @@ from tsdev.watch import checks
 from tsdev.watch.watcher import Changes, Packages, Watcher
 
 STEPS = ("drain", "flush", "reload", "warm", "recapture", "jit", "pause")  # the reply's timings
-NOT_LOADED = re.compile(r"cannot reload (\S+): it is not a loaded module")
 EXIT_RESTARTS = 3  # restarts in a row after the server exited by itself, before waiting for the user
 
 
@@ -395,7 +394,7 @@ class Daemon:
             if changes.reload:
                 await self._reload(ReloadRecord(next(self.numbers), "save", changes.files, changes.reload))
         if "reload_all" in kinds and not self.down:
-            modules = self.packages.reloadable_modules()
+            modules = await self._loaded(self.packages.reloadable_modules())
             await self._reload(ReloadRecord(next(self.numbers), "reload all (r)", [], modules), forced=True)
         if "golden" in kinds and not self.down:
             try:
@@ -415,19 +414,25 @@ class Daemon:
         self.set_state("reloading")
         modules = list(record.modules) if forced else None
         try:
-            while True:  # "reload all" forces every module on disk: drop the ones the server never imported
-                rid = f"{self.session}-{record.n}-{len(record.ids)}"
-                record.ids.append(rid)
-                reply = await self._post_reload(rid, modules)
-                worker = next((w for w in reply["workers"] if not w.get("ok")), reply["workers"][0])
-                missing = NOT_LOADED.match(worker.get("error") or "")
-                if not (modules and missing and missing.group(1) in modules):
-                    break
-                modules.remove(missing.group(1))
+            rid = f"{self.session}-{record.n}-{len(record.ids)}"
+            record.ids.append(rid)
+            reply = await self._post_reload(rid, modules)
+            worker = next((w for w in reply["workers"] if not w.get("ok")), reply["workers"][0])
         except (httpx.HTTPError, RuntimeError) as exc:
             worker = {"ok": False, "error": f"the reload request failed: {exc}"}
         self.current = None
         await self._finish(record, worker)
+
+    async def _loaded(self, on_disk: list[str]) -> list[str]:
+        """Of the modules on disk, those the server has imported (a reload can force only those)."""
+        try:
+            response = await self._client.get(self.config.url + "/v1/rl/engine/modules")
+        except httpx.HTTPError:
+            return on_disk
+        if response.status_code != 200:  # a server without the route: force them all and let it say
+            return on_disk
+        loaded = set(response.json()["modules"])
+        return [m for m in on_disk if m in loaded]
 
     async def _post_reload(self, rid: str, modules: list[str] | None) -> dict:
         body = {"id": rid, "mode": "wait", **({"modules": modules} if modules else {})}
