@@ -1,0 +1,56 @@
+"""The engine's host work per step (scheduling, bookkeeping, detokenizing, outputs) with the model stubbed out.
+
+    python3 benchmarks/engine_overhead.py                  # batch 256, tiny checkpoint, CPU
+    python3 benchmarks/engine_overhead.py --profile        # plus the top functions (cProfile)
+
+The runner returns a fixed token at once, so what is left is the Python that every real step also pays
+before and after the GPU's work; on a GPU it adds to each step's time unless overlapped.
+"""
+import argparse
+import cProfile
+import pstats
+import random
+import tempfile
+import time
+from pathlib import Path
+
+from runtime.config import EngineConfig
+from runtime.engine.llm_engine import LLMEngine
+from runtime.engine.sequence import SamplingParams
+from runtime.weights.default_model import SHAPES, write_checkpoint
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--token", type=int, default=900, help="token the stub samples (900: beyond the tiny tokenizer)")
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+
+    model_dir = Path(tempfile.mkdtemp(prefix="tsdev-overhead-"))
+    write_checkpoint(model_dir, {**SHAPES["tiny"], "max_position_embeddings": 2048})
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", max_running=args.batch, max_model_len=2048,
+                                    kv_pages=args.batch * 130, enforce_eager=True))
+    rng = random.Random(0)
+    for i in range(args.batch):
+        engine.add_request(str(i), [rng.randrange(800) for _ in range(100)],
+                           SamplingParams(max_tokens=args.steps + 50, temperature=0.6, ignore_eos=True))
+    engine.runner.run = lambda batch: [args.token] * sum(batch.samples(i) for i in range(len(batch.seqs)))
+    for _ in range(10):
+        engine.step()
+    profiler = cProfile.Profile() if args.profile else None
+    if profiler:
+        profiler.enable()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    ms = (time.perf_counter() - start) / args.steps * 1e3
+    if profiler:
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
+    print(f"engine host work: {ms:.2f} ms per step at batch {args.batch} (model stubbed out)")
+
+
+if __name__ == "__main__":
+    main()
