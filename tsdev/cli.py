@@ -54,7 +54,9 @@ def serve(
     device: Annotated[Optional[str], typer.Option(help="cuda or cpu; default: cuda when a GPU is visible.")] = None,
     host: Annotated[str, typer.Option(help="Address to bind. The default keeps the server private to this machine.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port for the HTTP API.")] = 8000,
-    max_running: Annotated[int, typer.Option(help="Most requests computed at once (the batch size).")] = 64,
+    max_running: Annotated[int, typer.Option(help="Most requests computed at once (the batch size). Decode graphs are "
+                                                 "captured up to it: a larger value serves bigger batches from graphs "
+                                                 "but makes startup and every reload's recapture longer.")] = 64,
     max_batched_tokens: Annotated[int, typer.Option(help="Token budget per engine step; longer prompts are prefilled in chunks of this size.")] = 2048,
     kv_pages: Annotated[Optional[int], typer.Option(help="Pages in the KV pool; default: fit the free GPU memory "
                                                          "(or max-running full contexts on CPU).")] = None,
