@@ -36,7 +36,7 @@ def main() -> None:
     for i in range(args.batch):
         engine.add_request(str(i), [rng.randrange(800) for _ in range(100)],
                            SamplingParams(max_tokens=args.steps + 50, temperature=0.6, ignore_eos=True))
-    engine.runner.run = lambda batch: [args.token] * sum(batch.samples(i) for i in range(len(batch.seqs)))
+    engine.runner.run = lambda batch: [args.token] * sum(batch.sample_rows)
     for _ in range(10):
         engine.step()
     profiler = cProfile.Profile() if args.profile else None

@@ -107,10 +107,6 @@ class AsyncEngine:
 
     # --- gates -----------------------------------------------------------------------------------
 
-    @property
-    def holding(self) -> bool:
-        return not self.engine.scheduler.admit
-
     def hold(self, on: bool) -> None:
         """While holding, waiting requests are not admitted (they stay queued, not rejected)."""
         self.engine.scheduler.admit = not on

@@ -86,7 +86,7 @@ class ModelRunner:
             slots += [seq.pages[p // page] * page + p % page for p in range(start, end)]
             cu.append(cu[-1] + n)
             seq_lens.append(end)
-            if batch.samples(i):
+            if batch.sample_rows[i]:
                 logits_indices.append(cu[-1] - 1)
         return dict(input_ids=input_ids, positions=positions, slots=slots, cu_seqlens_q=cu, seq_lens=seq_lens,
                     logits_indices=logits_indices, page_table=[s.pages for s in batch.seqs])
@@ -132,7 +132,7 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> list[int]:
         """One forward + sampling; returns the sampled token of each sequence that samples, in order."""
         logits = self.compute_logits(batch)
-        sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
+        sampling = batch.sampling
         if not sampling:
             return []
         with nvtx.annotate("sample", domain=NVTX_DOMAIN):

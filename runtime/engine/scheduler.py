@@ -6,7 +6,7 @@ out, the newest running sequence is preempted: its pages are freed and it is rec
 (its full pages usually come straight back from the prefix cache).
 """
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.sequence import Sequence, Status
@@ -16,11 +16,17 @@ from runtime.engine.sequence import Sequence, Status
 class ScheduledBatch:
     seqs: list[Sequence]
     num_tokens: list[int]  # tokens computed for each sequence in this step
+    # Whether each sequence reaches its last token in this step, so its next token is sampled (fixed when
+    # the batch is made: the step advances num_computed_tokens afterwards).
+    sample_rows: list[bool] = field(init=False)
 
-    def samples(self, i: int) -> bool:
-        """Whether sequence i reaches its last token in this step, so its next token is sampled."""
-        seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_tokens[i] == len(seq)
+    def __post_init__(self):
+        self.sample_rows = [s.num_computed_tokens + n == len(s) for s, n in zip(self.seqs, self.num_tokens)]
+
+    @property
+    def sampling(self) -> list[Sequence]:
+        """The sequences that sample this step, in batch order."""
+        return [s for s, samples in zip(self.seqs, self.sample_rows) if samples]
 
     @property
     def total_tokens(self) -> int:

@@ -61,23 +61,14 @@ def read(path: str) -> bytes | None:
         return None
 
 
-def pin_lines(path: str, source: bytes) -> tuple | None:
+def pin_lines(path: str, source: bytes) -> None:
     """Make `linecache` (so `inspect`, tracebacks, Triton) see `source` for `path`.
 
     Triton reads a kernel's source through `inspect.getsourcelines` when it is
     decorated and the interpreter re-reads it on first launch; both must see
     the bytes that actually ran, not whatever is on disk now. An entry with
-    mtime None is never invalidated by `linecache.checkcache`. Returns the
-    previous entry so a rollback can put it back.
+    mtime None is never invalidated by `linecache.checkcache`. A rollback pins
+    the previous source again.
     """
-    previous = linecache.cache.get(path)
     text = importlib.util.decode_source(source)
     linecache.cache[path] = (len(source), None, text.splitlines(keepends=True), path)
-    return previous
-
-
-def unpin_lines(path: str, previous: tuple | None) -> None:
-    if previous is None:
-        linecache.cache.pop(path, None)
-    else:
-        linecache.cache[path] = previous
