@@ -55,15 +55,21 @@ class LLMEngine:
         self.eos = set(self.model_config.eos_token_ids)
         self.num_generated_tokens = self.num_prompt_tokens = 0
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Raise ValueError saying what to change if this prompt cannot be served."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty: send at least one token")
         if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; this server's context length "
-                             f"(--max-model-len) is {self.max_model_len}, which must leave room for one new token")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.model_config.vocab_size - 1})")
+            raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens (--max-model-len), "
+                             f"but the prompt has {len(prompt_token_ids)}: shorten it (one token of the context "
+                             "must be left to generate)")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.check_prompt(prompt_token_ids)
         seq = Sequence(request_id, prompt_token_ids, params)
         self.detokenizers[seq] = Detokenizer(params.stop)
         self.scheduler.add(seq)
@@ -87,7 +93,7 @@ class LLMEngine:
         tokens = self.runner.run(batch)  # one per sequence that samples, in batch order
         self.num_prompt_tokens += sum(n for s, n in zip(batch.seqs, batch.num_tokens) if s.num_computed_tokens < s.num_prompt_tokens)
         outputs = []
-        sampling = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
+        sampling = batch.sampling
         self.scheduler.advance(batch)
         windows = []
         for seq, token in zip(sampling, tokens):

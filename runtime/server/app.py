@@ -94,32 +94,26 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader=None) -> FastA
                                 "(GET /v1/models)", "model")
 
     def check_length(prompt_ids: list[int], max_tokens: int | None) -> int:
-        if not prompt_ids:
-            raise APIError(400, "the prompt is empty: send at least one token", "prompt")
+        """Validate the prompt and return max_tokens (default: the rest of the context)."""
+        try:
+            engine.check_prompt(prompt_ids)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "prompt") from None
         limit = engine.max_model_len
-        if len(prompt_ids) >= limit:
-            raise APIError(400, f"this model's maximum context length is {limit} tokens, but the prompt has "
-                                f"{len(prompt_ids)}: shorten it (one token of the context must be left to generate)",
-                           "prompt")
         if max_tokens is None:
             max_tokens = limit - len(prompt_ids)
         if len(prompt_ids) + max_tokens > limit:
             raise APIError(400, f"this model's maximum context length is {limit} tokens, but {len(prompt_ids)} "
                                 f"prompt tokens + {max_tokens} max_tokens were requested: shorten the prompt or "
                                 "lower max_tokens", "max_tokens")
-        bad = next((t for t in prompt_ids if not 0 <= t < engine.model_config.vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"token id {bad} is outside the vocabulary (0..{engine.model_config.vocab_size - 1})", "prompt")
         return max_tokens
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body)
         prompts = body.prompt
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not prompts:
-            raise APIError(400, "the prompt is empty: send at least one token", "prompt")
+        if isinstance(prompts, str) or not prompts or isinstance(prompts[0], int):
+            prompts = [prompts]  # one prompt (an empty one is refused by check_length)
         token_lists = [engine.tokenizer.encode(p).ids if isinstance(p, str) else list(p) for p in prompts]
         max_tokens = body.max_tokens or 16
         params = [body.sampling_params(check_length(ids, max_tokens)) for ids in token_lists]
