@@ -65,7 +65,7 @@ class ReloadForward:
         try:
             async with self.async_engine.control_lock:
                 if epoch != self.cancel_epoch:
-                    reply = self._reply(request, [self._worker_failure("cancelled by continue_generation before it started")])
+                    reply = self._reply(request, [self._worker("cancelled by continue_generation before it started")])
                 else:
                     reply = self._reply(request, [await self._run(request)])
         except BaseException as exc:
@@ -81,9 +81,14 @@ class ReloadForward:
     def _reply(self, request: ReloadRequest, workers: list[dict]) -> dict:
         return {"id": request.id, "ok": all(w["ok"] for w in workers), "workers": workers}
 
-    def _worker_failure(self, error: str | None) -> dict:
-        return {"rank": self.rank, "ok": False, "error": error, "reloaded": [], "dependents": [], "patched": 0,
-                "stale": [], "needs_restart": [], "timings": {}, "jit_kernels": 0, "warnings": []}
+    def _worker(self, error: str | None, report: dict | None = None, timings: dict | None = None, **extra) -> dict:
+        """This rank's entry of the reply: ok when `error` is None; the rest from the reloader's report."""
+        report = report or {}
+        return {"rank": self.rank, "ok": error is None, "error": error,
+                "reloaded": report.get("reloaded", []), "dependents": report.get("dependents", []),
+                "patched": report.get("patched", 0), "stale": report.get("stale", []),
+                "needs_restart": report.get("needs_restart", []), "jit_kernels": report.get("jit_kernels", 0),
+                "warnings": [], "timings": {k: round(v, 6) for k, v in (timings or {}).items()}, **extra}
 
     async def _run(self, request: ReloadRequest) -> dict:
         ae, engine = self.async_engine, self.async_engine.engine
@@ -98,11 +103,10 @@ class ReloadForward:
             sources = await ae.run_on_engine_thread(self.reloader.read_sources)
             plan = self.reloader.plan(sources=sources, modules=request.modules)
         except Exception as exc:  # e.g. a forced module that does not exist
-            return self._finish(request, self._worker_failure(describe_error(exc) if not isinstance(exc, ValueError) else str(exc)))
+            return self._finish(request, self._worker(str(exc) if isinstance(exc, ValueError) else describe_error(exc)))
         if not plan.reloaded:  # nothing to run: serving is not interrupted
-            worker = {**self._worker_failure(None), "ok": True, "needs_restart": plan.needs_restart,
-                      "timings": {"total": time.perf_counter() - start, "pause": 0.0}}
-            return self._finish(request, worker)
+            timings = {"total": time.perf_counter() - start, "pause": 0.0}
+            return self._finish(request, self._worker(None, {"needs_restart": plan.needs_restart}, timings))
         compile_ahead = getattr(self.reloader, "compile_ahead", None)
         jit_kernels, warnings = 0, []
         if compile_ahead is not None:  # old code keeps serving meanwhile
@@ -148,14 +152,8 @@ class ReloadForward:
             attempt.timings["total"] = time.perf_counter() - start
         report = tx.report.to_dict() if tx is not None else {}
         attempt.timings.setdefault("jit", 0.0)
-        worker = {
-            "rank": self.rank, "ok": error is None, "error": error,
-            "reloaded": report.get("reloaded", []), "dependents": report.get("dependents", []),
-            "patched": report.get("patched", 0), "stale": report.get("stale", []),
-            "needs_restart": report.get("needs_restart", []),
-            "jit_kernels": jit_kernels or report.get("jit_kernels", 0), "warnings": warnings,
-            "timings": {k: round(v, 6) for k, v in attempt.timings.items()},
-        }
+        worker = self._worker(error, report, attempt.timings, warnings=warnings,
+                              jit_kernels=jit_kernels or report.get("jit_kernels", 0))
         return self._finish(request, worker)
 
     def _finish(self, request: ReloadRequest, worker: dict) -> dict:
