@@ -62,7 +62,7 @@ def main() -> None:
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     kv_bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * runner.dtype.itemsize
     print(f"{engine.model_dir.name}: {weight_bytes / 1e9:.2f} GB of weights, copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
-          f"context {args.context}, graphs {runner.graphs.sizes if runner.graphs else 'off'}")
+          f"context {args.context}, graphs {runner.decode_graphs.sizes if runner.decode_graphs else 'off'}")
     print(f"{'batch':>5} {'step ms':>8} {'graph ms':>8} {'floor ms':>8} {'step/floor':>10} {'tok/s':>9} {'GB/s':>7}")
     params = SamplingParams(max_tokens=1, temperature=args.temperature, ignore_eos=True)
     for bs in args.batch_sizes:
@@ -74,8 +74,8 @@ def main() -> None:
             seqs.append(seq)
         batch = ScheduledBatch(seqs, [1] * bs)
         step = time_cuda(lambda: runner.run(batch), args.iters)
-        size = next(s for s in runner.graphs.sizes if s >= bs) if runner.graphs and bs <= runner.graphs.max_size else None
-        graph = time_cuda(runner.graphs.graphs[size].replay, args.iters) if size in (runner.graphs.graphs if runner.graphs else {}) else float("nan")
+        size = next(s for s in runner.decode_graphs.sizes if s >= bs) if runner.decode_graphs and bs <= runner.decode_graphs.max_size else None
+        graph = time_cuda(runner.decode_graphs.graphs[size].replay, args.iters) if size in (runner.decode_graphs.graphs if runner.decode_graphs else {}) else float("nan")
         floor = (weight_bytes + bs * args.context * kv_bytes_per_token) / bandwidth
         print(f"{bs:>5} {step * 1e3:>8.3f} {graph * 1e3:>8.3f} {floor * 1e3:>8.3f} {step / floor:>10.2f} "
               f"{bs / step:>9,.0f} {(weight_bytes + bs * args.context * kv_bytes_per_token) / step / 1e9:>7.0f}")

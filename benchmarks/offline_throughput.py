@@ -41,6 +41,7 @@ def main() -> None:
               for _ in range(args.num_requests)]
     engine_dir = engine.model_dir
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))  # warm-up
+    steps = time_steps(engine)
     start = time.perf_counter()
     results = engine.generate(prompts, params)
     if args.device.startswith("cuda"):
@@ -52,12 +53,40 @@ def main() -> None:
     print(f"tsdev: {args.num_requests} requests, {in_tokens} prompt + {out_tokens} output tokens in {seconds:.2f} s: "
           f"{ours:,.0f} output tok/s, {(in_tokens + out_tokens) / seconds:,.0f} total tok/s "
           f"({args.device}, {engine.model_dir.name})")
+    for kind, (count, secs, rows) in steps.items():
+        if count:
+            print(f"  {kind} steps: {count}, {secs:.2f} s, {1e3 * secs / count:.2f} ms/step, "
+                  f"{rows / count:.0f} sequences/step")
     if args.compare_transformers:
         del engine
         for batch in (1, args.hf_batch):
             theirs = transformers_throughput(engine_dir, args.device, batch, args.hf_len)
             print(f"transformers generate, batch {batch}, {args.hf_len} in + {args.hf_len} out: {theirs:,.0f} output "
                   f"tok/s; tsdev / transformers = {ours / theirs:.1f}x")
+
+
+def time_steps(engine: LLMEngine) -> dict[str, list]:
+    """Wrap engine.step to sum wall time per kind of step (each step ends in a host sync, so it is real)."""
+    totals = {"decode": [0, 0.0, 0], "prefill or mixed": [0, 0.0, 0]}
+    schedule, step = engine.scheduler.schedule, engine.step
+    kind = []
+
+    def scheduled():
+        batch = schedule()
+        kind.append(("decode" if batch.seqs and max(batch.num_tokens) == 1 else "prefill or mixed", len(batch.seqs)))
+        return batch
+
+    def timed_step():
+        start = time.perf_counter()
+        out = step()
+        name, rows = kind.pop()
+        totals[name][0] += 1
+        totals[name][1] += time.perf_counter() - start
+        totals[name][2] += rows
+        return out
+
+    engine.scheduler.schedule, engine.step = scheduled, timed_step
+    return totals
 
 
 def transformers_throughput(model_dir, device: str, batch: int, length: int) -> float:

@@ -2,6 +2,7 @@
 
 One object instead of threading these tensors through every forward (as nano-vllm does).
 """
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,8 @@ class Context:
     logits_indices: torch.Tensor  # [S] int64: rows whose next token is sampled
     max_q_len: int
     max_seq_len: int
+    # Set by prefill graphs: attention layers hand q, k, v to it instead of attending (a graph break).
+    attention_break: Callable | None = None
 
 
 _context: Context | None = None

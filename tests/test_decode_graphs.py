@@ -23,7 +23,7 @@ def decode_batch(engine, lengths):
 
 def test_graph_path_equals_eager_and_pads_to_the_next_size(make_engine):
     engine = make_engine(cudagraph_capture_sizes=[2, 4, 8])
-    timings = engine.runner.capture_graphs()
+    timings = engine.runner.capture_graphs()["decode"]
     assert sorted(timings) == [2, 4, 8]
     batch = decode_batch(engine, [5, 9, 14])  # 3 sequences -> the size-4 graph with one padding row
     eager = engine.runner.compute_logits(batch, use_graphs=False).clone()

@@ -66,7 +66,8 @@ def test_edit_changes_output_and_revert_restores_it(server, project):
         worker = reply["workers"][0]
         assert worker["reloaded"] == ["kernels.ops.activation"]
         assert "runtime.layers.activation" in worker["dependents"] and worker["patched"] > 0
-        assert set(worker["timings"]) >= {"drain", "flush", "reload", "warm", "recapture", "jit", "total", "pause"}
+        assert set(worker["timings"]) >= {"drain", "flush", "reload", "warm", "recapture", "jit", "total", "pause",
+                                          "recapture_decode", "recapture_prefill"}
         changed = complete(server)["text"]
         assert changed != before
     assert reload(server, new_id())["ok"]

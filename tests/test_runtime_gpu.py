@@ -33,7 +33,7 @@ def test_graph_replay_equals_eager_on_cuda(tiny_model_dir):
 
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cuda", dtype="float32", kv_pages=256,
                                     page_size=4, cudagraph_capture_sizes=[1, 4, 8]))
-    assert set(engine.runner.graphs.graphs) == {1, 4, 8}
+    assert set(engine.runner.decode_graphs.graphs) == {1, 4, 8}
     for lengths in ([7], [5, 9, 14], [3, 30, 17, 8, 2, 11]):
         batch = decode_batch(engine, lengths)
         eager = engine.runner.compute_logits(batch, use_graphs=False).clone()

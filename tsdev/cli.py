@@ -5,7 +5,7 @@ from typing import Annotated, Optional
 
 import typer
 
-LIST_FLAGS = ("--cudagraph-capture-sizes",)
+LIST_FLAGS = ("--cudagraph-capture-sizes", "--prefill-graph-capture-sizes")
 
 
 def join_list_flags(argv: list[str]) -> list[str]:
@@ -40,10 +40,36 @@ app = _Typer(
 )
 
 
+def parse_sizes(flag: str, value: str) -> list[int]:
+    """A list flag's joined value ("1,16,64") as sorted distinct positive integers."""
+    try:
+        sizes = sorted({int(v) for v in value.split(",") if v})
+    except ValueError:
+        sizes = []
+    if not sizes or sizes[0] < 1:
+        raise typer.BadParameter(f"give positive integers, e.g. {flag} 1 16 64", param_hint=flag)
+    return sizes
+
+
 def _default_device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _describe_graphs(runner, cuda: bool, timings: dict) -> str:
+    """'35 decode graphs captured in 0.30 s; 40 prefill graphs (16..2048 tokens) captured in 0.80 s'."""
+    done = "captured" if cuda else "prepared (CPU: no capture)"
+    parts = []
+    if runner.decode_graphs:
+        parts.append(f"{len(runner.decode_graphs.sizes)} decode graph(s) {done} in {timings['capture']:.2f} s")
+    prefill = runner.prefill_graphs
+    if prefill and prefill.disabled:
+        parts.append(f"prefill graphs failed to capture ({prefill.disabled}): prefill runs eagerly")
+    elif prefill:
+        parts.append(f"{len(prefill.buckets)} prefill graph(s) ({prefill.buckets[0]}..{prefill.max_tokens} tokens) "
+                     f"{done} in {timings['capture_prefill']:.2f} s")
+    return "; ".join(parts) or "CUDA graphs off"
 
 
 @app.command()
@@ -73,6 +99,15 @@ def serve(
              "batches run eagerly. Default: 1 2 4 8 16 24 ... 256 (up to --max-running). Fewer sizes capture "
              "faster (and reload faster).")] = None,
     enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="No CUDA graphs: every step runs eagerly.")] = False,
+    prefill_graph_max_tokens: Annotated[int, typer.Option(
+        help="Largest token count of a prefill (or mixed prefill + decode) step replayed from a breakable CUDA "
+             "graph (attention runs eagerly between graph pieces); clamped to --max-batched-tokens. Buckets "
+             "step from 16 by about 1/8 of their size. 0 turns prefill graphs off.", min=0)] = 2048,
+    disable_prefill_graph: Annotated[bool, typer.Option(
+        "--disable-prefill-graph", help="Run prefill and mixed steps eagerly (decode graphs stay on).")] = False,
+    prefill_graph_capture_sizes: Annotated[Optional[str], typer.Option(
+        help="Explicit prefill token buckets instead of the ladder, e.g. `--prefill-graph-capture-sizes 64 256 "
+             "1024`; clamped to the largest, which is always captured.")] = None,
     allow_reload_forward: Annotated[bool, typer.Option(
         "--allow-reload-forward",
         help="Enable POST /v1/rl/engine/reload_forward, which re-executes edited model/kernel code from disk "
@@ -103,13 +138,12 @@ def serve(
         model=model or model_opt, device=device or _default_device(), dtype=dtype, max_running=max_running,
         max_batched_tokens=max_batched_tokens, max_model_len=max_model_len, page_size=page_size, kv_pages=kv_pages,
         gpu_memory_utilization=gpu_memory_utilization, seed=seed, enable_prefix_caching=not no_prefix_caching,
-        enforce_eager=enforce_eager,
+        enforce_eager=enforce_eager, prefill_graph_max_tokens=0 if disable_prefill_graph else prefill_graph_max_tokens,
     )
     if cudagraph_capture_sizes:
-        try:
-            config.cudagraph_capture_sizes = sorted({int(v) for v in cudagraph_capture_sizes.split(",") if v})
-        except ValueError:
-            raise typer.BadParameter("give positive integers, e.g. --cudagraph-capture-sizes 1 16 64") from None
+        config.cudagraph_capture_sizes = parse_sizes("--cudagraph-capture-sizes", cudagraph_capture_sizes)
+    if prefill_graph_capture_sizes:
+        config.prefill_graph_capture_sizes = parse_sizes("--prefill-graph-capture-sizes", prefill_graph_capture_sizes)
     start = time.perf_counter()
     with console.status("loading the model (the first run creates the default checkpoint)..."):
         try:
@@ -120,16 +154,14 @@ def serve(
     name = served_model_name or ("tsdev-default" if config.model is None else Path(config.model).name)
     mc, bm = engine.model_config, engine.block_manager
     params = sum(p.numel() for p in engine.runner.model.parameters())
-    sizes = engine.runner.graphs.sizes if engine.runner.graphs else []
-    graphs = (f"{len(sizes)} decode graph(s) {'captured' if config.device.startswith('cuda') else 'prepared (CPU: no capture)'}"
-              if sizes else "CUDA graphs off")
+    graphs = _describe_graphs(engine.runner, config.device.startswith("cuda"), engine.startup_timings)
     console.print(
         f"loaded [bold]{name}[/bold] ({mc.architecture}, {params / 1e6:.1f} M parameters, "
         f"{str(engine.runner.dtype).removeprefix('torch.')}) from {engine.model_dir} on {config.device} "
         f"in {time.perf_counter() - start:.1f} s\n"
         f"KV pool: {bm.num_pages} pages x {bm.page_size} tokens; context length {engine.max_model_len}; "
         f"up to {config.max_running} requests at once\n"
-        f"warmed in {engine.startup_timings['warm']:.2f} s; {graphs} in {engine.startup_timings['capture']:.2f} s\n"
+        f"warmed in {engine.startup_timings['warm']:.2f} s; {graphs}\n"
         f"listening on [bold]http://{host}:{port}[/bold] (OpenAI API under /v1)"
     )
     reloader = None

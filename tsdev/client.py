@@ -27,6 +27,12 @@ def reload_forward(url: str, modules: list[str] | None = None, mode: str = "wait
     return response.json()
 
 
+def _graph_split(timings: dict) -> str:
+    """' (decode 0.25, prefill 0.20)' when the server reports the two graph kinds apart."""
+    kinds = [(k, timings[f"recapture_{k}"]) for k in ("decode", "prefill") if f"recapture_{k}" in timings]
+    return f" ({', '.join(f'{k} {s:.2f}' for k, s in kinds)})" if kinds else ""
+
+
 def format_worker(worker: dict) -> str:
     """One line per worker, as DESIGN.md shows it, with rich markup (stripped when not a terminal)."""
     t = worker.get("timings", {})
@@ -36,7 +42,7 @@ def format_worker(worker: dict) -> str:
     reloaded = ", ".join(worker.get("reloaded") or []) or "nothing (no source changed)"
     line = (f"{rank}reloaded [bold]{reloaded}[/bold] and {len(worker.get('dependents') or [])} dependent module(s), "
             f"{worker.get('patched', 0)} object(s) patched in {t.get('reload', 0):.2f} s;\n"
-            f"warmed in {t.get('warm', 0):.2f} s; recaptured in {t.get('recapture', 0):.2f} s; "
+            f"warmed in {t.get('warm', 0):.2f} s; recaptured in {t.get('recapture', 0):.2f} s{_graph_split(t)}; "
             f"JIT-compiled {worker.get('jit_kernels', 0)} kernel(s) in {t.get('jit', 0):.2f} s; "
             f"serving paused {t.get('pause', 0):.2f} s")
     for warning in worker.get("warnings") or []:

@@ -48,9 +48,10 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,
     page_table: torch.Tensor,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D]. One sequence at a time, in float32."""
-    out = torch.zeros_like(q)
+    out = torch.zeros_like(q) if out is None else out.zero_()
     page_size = k_cache.shape[1]
     group = q.shape[1] // k_cache.shape[2]
     for i, (start, end, seq_len) in enumerate(zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist(), seq_lens.tolist())):
@@ -203,11 +204,11 @@ def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> in
 
 
 def paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale,
-                        num_splits: int | None = None, block_n: int | None = None) -> torch.Tensor:
+                        num_splits: int | None = None, block_n: int | None = None, out=None) -> torch.Tensor:
     B = seq_lens.shape[0]
     T, Hq, D = q.shape
     Hk = k_cache.shape[2]
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     if B == 0:
         return out
     if num_splits is None:
@@ -285,10 +286,11 @@ def _prefill_kernel(
 
 
 def paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, max_q_len: int,
-                         block_m: int | None = None, block_n: int | None = None, num_warps: int = 4) -> torch.Tensor:
+                         block_m: int | None = None, block_n: int | None = None, num_warps: int = 4,
+                         out=None) -> torch.Tensor:
     B = seq_lens.shape[0]
     T, Hq, D = q.shape
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     if B == 0 or max_q_len == 0:
         return out
     block_m = block_m or (64 if q.is_cuda else 16)
@@ -331,14 +333,15 @@ def paged_attention(
     *,
     max_q_len: int | None = None,
     max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a mixed batch over the paged KV cache (this step's K/V already stored).
 
     q [T, Hq, D] (last dim contiguous); k_cache, v_cache [num_pages, page_size, Hk, D] with Hq % Hk == 0;
     cu_seqlens_q [B + 1] int32; seq_lens [B] int32 (KV length after this step, >= q_len);
     page_table [B, max_pages] int32 (padding entries must be valid page indices, e.g. 0).
-    Returns [T, Hq, D] in q's dtype, softmax in float32. Rows owned by no sequence are left unspecified
-    (the reference zeros them).
+    Returns [T, Hq, D] in q's dtype (written into `out` when given), softmax in float32. Rows owned by no
+    sequence are left unspecified (the reference zeros them).
 
     max_q_len / max_seq_len are host ints (the runner's Context has them), so choosing the kernel never
     waits on the GPU: max_q_len == 1 takes the decode kernel, whose grid depends only on the batch size
@@ -347,9 +350,9 @@ def paged_attention(
     have it and currently unused. Leaving max_q_len out costs one device->host sync to find it.
     """
     if not use_triton(q):
-        return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale)
+        return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, out=out)
     if max_q_len is None:
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if seq_lens.numel() else 0
     if max_q_len == 1:
-        return paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale)
-    return paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, max_q_len)
+        return paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, out=out)
+    return paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, max_q_len, out=out)

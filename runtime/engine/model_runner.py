@@ -8,6 +8,7 @@ import torch
 from runtime.config import EngineConfig, ModelConfig
 from runtime.context import Context, set_context
 from runtime.engine.cuda_graphs import DecodeGraphs
+from runtime.engine.prefill_graphs import PrefillGraphs, prefill_buckets
 from runtime.engine.scheduler import ScheduledBatch
 from runtime.engine.sequence import SamplingParams, Sequence
 from runtime.layers.attention import Attention
@@ -38,11 +39,17 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.kv_cache = self._allocate_kv_cache(max_model_len)
         self.rng = random.Random(config.seed)
-        self.graphs = None
+        self.decode_graphs = self.prefill_graphs = None
         sizes = [s for s in config.cudagraph_capture_sizes if s <= config.max_running]
         if sizes and not config.enforce_eager:
-            self.graphs = DecodeGraphs(self.model, sizes, -(-max_model_len // config.page_size), max_model_len,
-                                       model_config.vocab_size, self.scratch_pages[0], self.device)
+            self.decode_graphs = DecodeGraphs(self.model, sizes, -(-max_model_len // config.page_size), max_model_len,
+                                              model_config.vocab_size, self.scratch_pages[0], self.device)
+        buckets = prefill_buckets(config.prefill_graph_max_tokens, config.max_batched_tokens,
+                                  config.prefill_graph_capture_sizes)
+        if buckets and not config.enforce_eager:
+            self.prefill_graphs = PrefillGraphs(
+                self.model, buckets, [m for m in self.model.modules() if isinstance(m, Attention)],
+                model_config.hidden_size, model_config.num_attention_heads, model_config.head_dim, self.dtype, self.device)
 
     @property
     def num_pages(self) -> int:
@@ -110,8 +117,9 @@ class ModelRunner:
     @torch.inference_mode()
     def compute_logits(self, batch: ScheduledBatch, use_graphs: bool = True) -> torch.Tensor:
         """Logits [S, V] (float32) of the rows this batch samples from; valid until the next step (graph
-        replays return a view of their static output buffer)."""
-        if use_graphs and self.graphs and max(batch.num_tokens) == 1 and len(batch.seqs) <= self.graphs.max_size:
+        replays return a view of their static output buffer). Without `use_graphs`, a plain eager forward."""
+        graphs = self.decode_graphs
+        if use_graphs and graphs and max(batch.num_tokens) == 1 and len(batch.seqs) <= graphs.max_size:
             with nvtx.annotate("prepare", domain=NVTX_DOMAIN):
                 page = self.config.page_size
                 positions = [seq.num_computed_tokens for seq in batch.seqs]
@@ -119,19 +127,24 @@ class ModelRunner:
                 slots = [seq.pages[p // page] * page + p % page for seq, p in zip(batch.seqs, positions)]
                 seq_lens = [p + 1 for p in positions]
             with nvtx.annotate("forward", domain=NVTX_DOMAIN):
-                return self.graphs.run(input_ids, positions, slots, seq_lens, [seq.pages for seq in batch.seqs])
+                return graphs.run(input_ids, positions, slots, seq_lens, [seq.pages for seq in batch.seqs])
         with nvtx.annotate("prepare", domain=NVTX_DOMAIN):
             input_ids, positions = self.prepare(batch)
         try:
             with nvtx.annotate("forward", domain=NVTX_DOMAIN):
-                return self.model.compute_logits(self.model(input_ids, positions))
+                prefill = self.prefill_graphs
+                if use_graphs and prefill and not prefill.disabled and batch.total_tokens <= prefill.max_tokens:
+                    hidden = prefill.forward(input_ids, positions)
+                else:
+                    hidden = self.model(input_ids, positions)
+                return self.model.compute_logits(hidden)
         finally:
             set_context(None)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int]:
+    def run(self, batch: ScheduledBatch, use_graphs: bool = True) -> list[int]:
         """One forward + sampling; returns the sampled token of each sequence that samples, in order."""
-        logits = self.compute_logits(batch)
+        logits = self.compute_logits(batch, use_graphs)
         sampling = batch.sampling
         if not sampling:
             return []
@@ -156,13 +169,15 @@ class ModelRunner:
             seq.num_computed_tokens = computed
             return seq
 
-        # prefill: a long prompt, a short one, and one with a cached prefix
-        lengths = [longest, min(17, longest), min(40, longest)]
-        computed = [0, 0, lengths[2] // 2]
-        seqs = [dummy(n, c, p) for n, c, p in zip(lengths, computed, (greedy, sampled, greedy))]
-        self.run(ScheduledBatch(seqs, [n - c for n, c in zip(lengths, computed)]))
+        # prefill, eagerly: a long prompt; then a short one with one that has a cached prefix (48 tokens: a
+        # multiple of 16 like the graph buckets, where Triton specialises integer arguments differently)
+        self.run(ScheduledBatch([dummy(longest, 0, greedy)], [longest]), use_graphs=False)
+        lengths = [min(17, longest), min(40, longest)]
+        computed = [0, max(lengths[1] - 31, 0)]
+        seqs = [dummy(n, c, p) for n, c, p in zip(lengths, computed, (sampled, greedy))]
+        self.run(ScheduledBatch(seqs, [n - c for n, c in zip(lengths, computed)]), use_graphs=False)
         # decode, eagerly, at the smallest and largest batch the graphs will serve
-        for size in sorted({1, self.graphs.max_size if self.graphs else self.config.max_running}):
+        for size in sorted({1, self.decode_graphs.max_size if self.decode_graphs else self.config.max_running}):
             seqs = [dummy(min(100 + i, longest), min(100 + i, longest) - 1, sampled if i % 2 else greedy) for i in range(size)]
             batch = ScheduledBatch(seqs, [1] * size)
             self.sample(self.compute_logits(batch, use_graphs=False), seqs)
@@ -170,9 +185,12 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
 
-    def capture_graphs(self) -> dict[int, float]:
-        """(Re)capture the decode graphs; seconds per batch size. A no-op per size on CPU."""
-        return self.graphs.capture() if self.graphs else {}
+    def capture_graphs(self, strict: bool = True) -> dict[str, dict[int, float]]:
+        """(Re)capture the decode graphs, then the prefill graphs: seconds per batch size and per token
+        bucket. A no-op per size on CPU. A prefill capture failure other than out-of-memory raises when
+        `strict` (a reload), else leaves prefill eager (startup)."""
+        return {"decode": self.decode_graphs.capture() if self.decode_graphs else {},
+                "prefill": self.prefill_graphs.capture(strict) if self.prefill_graphs else {}}
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]

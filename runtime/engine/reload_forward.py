@@ -4,7 +4,8 @@ Steps, each timed: jit (edited Triton kernels compiled ahead into Triton's disk 
 code still serves, when the reloader can), drain (new requests held, running ones finish or are aborted), flush (the prefix
 cache: KV computed by old code is not reused), reload (the reloader re-executes the edited modules and
 patches live objects), warm (the startup warm-up, while the old graphs still exist), recapture (the
-decode graphs), resume. Any failure rolls every change back and the old code keeps serving.
+decode graphs, then the prefill graphs; the reply's timings also carry recapture_decode and
+recapture_prefill), resume. Any failure rolls every change back and the old code keeps serving.
 
 The reloader is anything with `read_sources()`, `reload(modules=, sources=)` returning a transaction
 (`report`, `commit()`, `rollback()`): tsdev's `tsdev.hotreload.Reloader`, or another library's.
@@ -137,8 +138,10 @@ class ReloadForward:
             async with self._step(attempt, "warm"):
                 await ae.run_on_engine_thread(engine.runner.warmup)
             async with self._step(attempt, "recapture"):
-                await ae.run_on_engine_thread(engine.runner.capture_graphs)  # swaps graphs only on success
-                graphs_swapped = True
+                graphs_swapped = True  # the decode graphs may be new even when the prefill capture then fails
+                graph_timings = await ae.run_on_engine_thread(engine.runner.capture_graphs)
+                for kind, seconds in graph_timings.items():
+                    attempt.timings[f"recapture_{kind}"] = sum(seconds.values())
             tx.commit()
         except Exception as exc:
             error = str(exc) if isinstance(exc, (_ReportedFailure, StepTimeout)) else describe_error(exc)
@@ -164,7 +167,8 @@ class ReloadForward:
     async def _recapture_old_code(self, why: str) -> None:
         """Graphs were replaced by ones of the new code: recapture them with the restored old code."""
         try:
-            await self.async_engine.run_on_engine_thread(self.async_engine.engine.runner.capture_graphs)
+            await self.async_engine.run_on_engine_thread(
+                lambda: self.async_engine.engine.runner.capture_graphs(strict=False))  # prefill may fall back to eager
         except Exception as exc:
             print(f"FATAL: after a failed reload ({why}), recapturing the decode graphs with the old code failed: "
                   f"{describe_error(exc)}. The server cannot serve safely and stops.", file=sys.stderr, flush=True)

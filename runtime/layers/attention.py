@@ -19,8 +19,14 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_context()
+        if ctx.attention_break is not None:
+            return ctx.attention_break(self, q, k, v)
+        return self.attend(q, k, v)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        ctx = get_context()
         attn_ops.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         return attn_ops.paged_attention(
             q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.seq_lens, ctx.page_table, self.scale,
-            max_q_len=ctx.max_q_len, max_seq_len=ctx.max_seq_len,
+            max_q_len=ctx.max_q_len, max_seq_len=ctx.max_seq_len, out=out,
         )

@@ -72,7 +72,10 @@ class Qwen3Model(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
+        return self.forward_embeds(self.embed_tokens(input_ids), positions)
+
+    def forward_embeds(self, embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = embeds, None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
@@ -95,6 +98,13 @@ class Qwen3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward_embeds(self, embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The forward from token embeddings (prefill graphs keep the lookup outside the graph)."""
+        return self.model.forward_embeds(embeds, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -1,0 +1,113 @@
+"""Prefill forward time, eager vs breakable prefill graphs, in one run; capture time and pool memory.
+
+    python3 benchmarks/prefill_graphs.py              # default model on CUDA, default ladder (16..2048)
+    python3 benchmarks/prefill_graphs.py --ttft       # also TTFT with `tsdev bench` against two servers
+
+Each forward is one engine-level `compute_logits` of fresh prompts (host prep, forward, logits of the
+sampled rows) followed by a sync, so launch overhead counts as it does when serving. "batch 8" splits the
+same token count over 8 prompts.
+"""
+import argparse
+import gc
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from runtime.config import EngineConfig
+from runtime.engine.llm_engine import LLMEngine
+from runtime.engine.scheduler import ScheduledBatch
+from runtime.engine.sequence import SamplingParams, Sequence
+
+
+def fresh_batch(engine: LLMEngine, total: int, num_seqs: int) -> ScheduledBatch:
+    seqs = []
+    for i in range(num_seqs):
+        n = total // num_seqs + (i < total % num_seqs)
+        seq = Sequence(f"b{i}", [(7 * i + 13 * j) % 20000 + 1 for j in range(n)], SamplingParams(max_tokens=1))
+        assert engine.block_manager.allocate(seq, n)
+        seqs.append(seq)
+    return ScheduledBatch(seqs, [len(s) for s in seqs])
+
+
+def time_ms(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        samples.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(samples)
+
+
+def ttft(extra: list[str], port: int, args) -> str:
+    """Mean/median TTFT line of `tsdev bench` at concurrency 1 against a fresh server."""
+    from tsdev.client import wait_until_healthy
+
+    server = subprocess.Popen([sys.executable, "-m", "tsdev", "serve", "--port", str(port), *extra],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until_healthy(f"http://127.0.0.1:{port}", server, timeout=600)
+        out = subprocess.run([sys.executable, "-m", "tsdev", "bench", "--url", f"http://127.0.0.1:{port}",
+                              "--num-prompts", str(args.ttft_prompts), "--input-len", str(args.ttft_input_len),
+                              "--output-len", "8", "--max-concurrency", "1", "--warmup", "3"],
+                             capture_output=True, text=True, timeout=600).stdout
+        return "\n".join(line for line in out.splitlines() if "TTFT" in line)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: the embedded default model)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 256, 1024, 2048])
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--ttft", action="store_true", help="also compare TTFT in `tsdev bench` (two server starts)")
+    parser.add_argument("--ttft-prompts", type=int, default=32)
+    parser.add_argument("--ttft-input-len", type=int, default=200)
+    args = parser.parse_args()
+
+    engine = LLMEngine(EngineConfig(model=args.model, device="cuda", max_running=16, max_model_len=4096,
+                                    cudagraph_capture_sizes=[1, 8]))
+    graphs, runner = engine.runner.prefill_graphs, engine.runner
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {engine.model_dir.name}, "
+          f"{str(runner.dtype).removeprefix('torch.')}, {len(graphs.buckets)} buckets "
+          f"({graphs.buckets[0]}..{graphs.max_tokens} tokens)")
+    print(f"startup: prefill capture {engine.startup_timings['capture_prefill']:.2f} s "
+          f"(decode graphs: {engine.startup_timings['capture']:.2f} s)")
+    graphs.graphs, graphs.pool = {}, torch.cuda.graph_pool_handle()  # measure a capture into an empty pool
+    gc.collect()
+    torch.cuda.empty_cache()
+    reserved = torch.cuda.memory_reserved()
+    timings = graphs.capture(strict=True)
+    print(f"recapture into a fresh pool: {sum(timings.values()):.2f} s, pool memory "
+          f"{(torch.cuda.memory_reserved() - reserved) / 2**20:.0f} MiB; slowest bucket "
+          f"{max(timings, key=timings.get)} tokens ({1e3 * max(timings.values()):.0f} ms)")
+
+    print(f"\n| tokens | prompts | bucket | eager ms | graph ms | eager / graph |\n|---:|---:|---:|---:|---:|---:|")
+    for total in args.tokens:
+        for num_seqs in (1, 8):
+            batch = fresh_batch(engine, total, num_seqs)
+            eager = time_ms(lambda: runner.compute_logits(batch, use_graphs=False), args.iters)
+            graph = time_ms(lambda: runner.compute_logits(batch), args.iters)
+            print(f"| {total} | {num_seqs} | {graphs.bucket(total)} | {eager:.2f} | {graph:.2f} | {eager / graph:.2f}x |",
+                  flush=True)
+            for seq in batch.seqs:
+                engine.block_manager.free_pages(seq)
+    if args.ttft:
+        del engine, graphs, runner
+        gc.collect()
+        torch.cuda.empty_cache()
+        for name, extra in (("prefill graphs", []), ("--disable-prefill-graph", ["--disable-prefill-graph"])):
+            print(f"\ntsdev bench, concurrency 1, {args.ttft_input_len} prompt tokens, {name}:\n"
+                  f"{ttft(extra, 8177, args)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""Breakable CUDA graphs for prefill and mixed steps: one graph per padded token bucket, cut at attention.
+
+A forward of T tokens runs as the bucket B >= T. The token-shaped compute (norms, projections, rotary,
+MLP) between two attention calls is one captured piece; attention runs eagerly between pieces on the
+real rows only, from the live batch's metadata, so one bucket serves any mix of prefills, decodes and
+cached prefixes. The embedding lookup stays outside (the graph starts from a static embeddings buffer)
+and so do the logits of the sampled rows. Padding rows carry zero embeddings at position 0; they never
+reach attention, so they write no KV at all.
+
+Every piece of every bucket shares one private memory pool (never the decode graphs'). The tensors at
+a cut (q, k, v and the final hidden state) are kept as non-owning views, so their memory goes back to
+the pool and later pieces and buckets reuse it: a replay always writes them before reading them. The
+attention output goes to one static buffer that every bucket and layer shares.
+
+On CPU nothing is captured and `forward` runs the same padded, cut forward eagerly, so CPU tests
+exercise everything but the capture itself.
+"""
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from runtime.context import Context, get_context, set_context
+
+LADDER_START, LADDER_MIN_STEP, LADDER_MAX_STEP = 16, 16, 512
+
+
+def prefill_buckets(max_tokens: int, token_budget: int, sizes: list[int] | None = None) -> list[int]:
+    """Token buckets up to min(max_tokens, token_budget); [] when that is 0 (prefill graphs off).
+
+    The ladder starts at 16 and steps by the largest power of two <= size / 8, clamped to 16..512, so
+    padding wastes at most ~1/8 of a forward. Explicit sizes are clamped to the top, which is always in.
+    """
+    top = min(max_tokens, token_budget)
+    if top <= 0:
+        return []
+    if sizes is not None:
+        return sorted({min(s, top) for s in sizes} | {top})
+    ladder, size = [], LADDER_START
+    while size < top:
+        ladder.append(size)
+        size += min(LADDER_MAX_STEP, max(LADDER_MIN_STEP, 1 << ((size // 8).bit_length() - 1)))
+    return ladder + [top]
+
+
+def _non_owning(t: torch.Tensor) -> torch.Tensor:
+    """A view of t's CUDA memory that does not keep it allocated (CUDA array interface, via an int type
+    of the same width: the interface has no bfloat16)."""
+    width = t.element_size()
+    view = type("_Memory", (), {"__cuda_array_interface__": {
+        "shape": tuple(t.shape), "typestr": f"<i{width}", "data": (t.data_ptr(), False), "version": 3,
+        "strides": tuple(s * width for s in t.stride()),
+    }})()
+    return torch.as_tensor(view, device=t.device).view(t.dtype)
+
+
+def graph_properties() -> tuple:
+    """What a capture depends on besides the code: a forward under other properties runs eagerly."""
+    return os.environ.get("TSDEV_KERNELS", "triton"), torch.is_inference_mode_enabled()
+
+
+class _Bucket:
+    """The captured pieces of one bucket and the tensors at its cuts."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.pieces: list[torch.cuda.CUDAGraph] = []
+        self.cuts: list[tuple] = []  # (attention layer, q, k, v) after each piece but the last
+        self.hidden: torch.Tensor | None = None
+        self.current: torch.cuda.CUDAGraph | None = None
+        self.properties = graph_properties()
+
+    def begin(self) -> None:
+        self.current = torch.cuda.CUDAGraph()
+        self.current.capture_begin(pool=self.pool)
+
+    def end(self) -> None:
+        self.current.capture_end()
+        self.pieces.append(self.current)
+        self.current = None
+
+    def abandon(self) -> None:
+        """After a failure mid-capture: leave capture mode so the device is usable again."""
+        if self.current is not None:
+            try:
+                self.current.capture_end()
+            except Exception:
+                pass
+            self.current = None
+
+
+class PrefillGraphs:
+    def __init__(self, model: torch.nn.Module, buckets: list[int], attention_layers: list[torch.nn.Module],
+                 hidden_size: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.model, self.buckets, self.device = model, sorted(set(buckets)), device
+        self.attention_layers = attention_layers
+        n = self.buckets[-1]
+        with device:
+            self.embeds = torch.zeros(n, hidden_size, dtype=dtype)
+            self.positions = torch.zeros(n, dtype=torch.int64)
+            self.attn_out = torch.zeros(n, num_heads, head_dim, dtype=dtype)
+        self.graphs: dict[int, _Bucket] = {}
+        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.disabled: str | None = None  # why prefill runs eagerly after a failed capture
+
+    @property
+    def max_tokens(self) -> int:
+        return self.buckets[-1]
+
+    def bucket(self, num_tokens: int) -> int | None:
+        return next((b for b in self.buckets if b >= num_tokens), None)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, replay: bool = True) -> torch.Tensor:
+        """Hidden states [T, H] of a batch of T <= max_tokens tokens, under the live step context (set by
+        the caller; attention reads it). Replays the bucket's graph when there is one and `replay`."""
+        num_tokens = input_ids.shape[0]
+        size = self.bucket(num_tokens)
+        self.embeds[:num_tokens].copy_(self.model.embed(input_ids))
+        self.positions[:num_tokens].copy_(positions)
+        self.embeds[num_tokens:size].zero_()
+        self.positions[num_tokens:size].zero_()
+        self.attn_out[num_tokens:size].zero_()
+        bucket = self.graphs.get(size) if replay else None
+        if bucket is None or bucket.properties != graph_properties():
+            return self._forward_eager(size, num_tokens)
+        rows = slice(0, num_tokens)
+        for piece, (layer, q, k, v) in zip(bucket.pieces, bucket.cuts):
+            piece.replay()
+            layer.attend(q[rows], k[rows], v[rows], out=self.attn_out[rows])
+        bucket.pieces[-1].replay()
+        return bucket.hidden[rows]
+
+    def _forward_eager(self, size: int, num_tokens: int) -> torch.Tensor:
+        """The same cut forward without graphs: attention on the real rows, into the shared buffer."""
+        ctx = get_context()
+
+        def attention(layer, q, k, v):
+            layer.attend(q[:num_tokens], k[:num_tokens], v[:num_tokens], out=self.attn_out[:num_tokens])
+            return self.attn_out[:size]
+
+        ctx.attention_break = attention
+        try:
+            return self.model.forward_embeds(self.embeds[:size], self.positions[:size])[:num_tokens]
+        finally:
+            ctx.attention_break = None
+
+    def capture(self, strict: bool) -> dict[int, float]:
+        """Capture every bucket, largest first; seconds per bucket. A no-op per bucket on CPU.
+
+        Out of memory raises, saying what to lower. Another failure raises when `strict` (a reload, which
+        then rolls back), else prefill runs eagerly from now on, with a warning. Every rank must succeed
+        for any to use the new graphs; they replace the old ones only then.
+        """
+        graphs, timings, error = {}, {}, None
+        try:
+            for size in reversed(self.buckets):
+                start = time.perf_counter()
+                graphs[size] = self._capture(size)
+                timings[size] = time.perf_counter() - start
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except torch.cuda.OutOfMemoryError as exc:
+            raise RuntimeError(
+                f"out of memory capturing the prefill graphs (buckets up to {self.max_tokens} tokens): lower "
+                "--prefill-graph-max-tokens or --gpu-memory-utilization, or pass --disable-prefill-graph") from exc
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        if not all_ranks_agree(error is None, self.device):
+            error = error or "another rank failed to capture its prefill graphs"
+            if strict:
+                raise RuntimeError(f"capturing the prefill graphs failed: {error}")
+            self.graphs, self.disabled = {}, error
+            print(f"warning: capturing the prefill graphs failed ({error}); prefill runs eagerly",
+                  file=sys.stderr, flush=True)
+            return {}
+        self.graphs, self.disabled = {s: b for s, b in graphs.items() if b is not None}, None
+        return timings
+
+    def _capture(self, size: int) -> _Bucket | None:
+        if self.device.type != "cuda":
+            return None
+        bucket = _Bucket(self.pool)
+
+        def cut(layer, q, k, v):
+            bucket.end()
+            bucket.cuts.append((layer, _non_owning(q), _non_owning(k), _non_owning(v)))
+            bucket.begin()
+            return self.attn_out[:size]
+
+        rows = torch.arange(size, device=self.device)
+        set_context(Context(
+            cu_seqlens_q=torch.tensor([0, size], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([size], dtype=torch.int32, device=self.device),
+            page_table=torch.zeros(1, 1, dtype=torch.int32, device=self.device), slot_mapping=rows,
+            logits_indices=rows, max_q_len=size, max_seq_len=size, attention_break=cut,
+        ))
+        torch.cuda.synchronize(self.device)
+        try:
+            with torch.cuda.stream(self.stream):
+                bucket.begin()
+                hidden = self.model.forward_embeds(self.embeds[:size], self.positions[:size])
+                bucket.end()
+        finally:
+            bucket.abandon()
+            set_context(None)
+        bucket.hidden = _non_owning(hidden)
+        return bucket
+
+
+def all_ranks_agree(ok: bool, device: torch.device) -> bool:
+    """True when every rank says ok (a MIN reduction); a single rank decides alone."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return ok
+    flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())

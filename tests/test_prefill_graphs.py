@@ -1,0 +1,162 @@
+"""Prefill graphs on CPU: the bucket ladder, the cut forward (run eagerly here), and capture failures."""
+import math
+import multiprocessing
+import socket
+
+import pytest
+import torch
+
+from prefill_batches import CASES, make_batch, written_slots
+from runtime.engine.prefill_graphs import PrefillGraphs, all_ranks_agree, prefill_buckets
+from runtime.engine.sequence import SamplingParams
+from tsdev.cli import join_list_flags, parse_sizes
+from tsdev.client import format_worker
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+def ladder_step(size: int) -> int:
+    """The rule, written independently: the largest power of two <= size / 8, clamped to 16..512."""
+    return min(512, max(16, 2 ** math.floor(math.log2(size / 8))))
+
+
+@pytest.mark.parametrize("max_tokens,budget", [(2048, 2048), (2048, 1000), (8192, 8192), (4096, 2048), (100, 2048),
+                                               (16, 2048), (17, 2048), (2048, 300)])
+def test_bucket_ladder_follows_the_rule(max_tokens, budget):
+    buckets = prefill_buckets(max_tokens, budget)
+    top = min(max_tokens, budget)
+    assert buckets[-1] == top and buckets == sorted(set(buckets))
+    assert buckets[0] == min(16, top)
+    for a, b in zip(buckets, buckets[1:-1]):
+        assert b - a == ladder_step(a), (a, b)
+    if len(buckets) > 1:
+        assert 0 < buckets[-1] - buckets[-2] <= ladder_step(buckets[-2])
+    for a, b in zip(buckets, buckets[1:]):  # above the 16-token minimum step, padding wastes at most 1/8
+        assert (b - (a + 1)) / b <= 0.125 or a < 128
+
+
+def test_bucket_ladder_by_example():
+    default = prefill_buckets(2048, 2048)
+    assert default[:17] == list(range(16, 257, 16)) + [288]
+    assert [b for b in default if b > 1024] == list(range(1152, 2049, 128))
+    assert len(default) == 40
+    assert prefill_buckets(8192, 8192)[-3:] == [7168, 7680, 8192]  # steps capped at 512
+    assert prefill_buckets(2048, 1000)[-2:] == [960, 1000]
+    assert prefill_buckets(8, 2048) == [8]
+    assert prefill_buckets(0, 2048) == [] and prefill_buckets(2048, 0) == []
+
+
+def test_explicit_buckets_are_clamped_and_include_the_top():
+    assert prefill_buckets(2048, 2048, [64, 300, 5000]) == [64, 300, 2048]
+    assert prefill_buckets(2048, 512, [64, 300, 5000]) == [64, 300, 512]
+    assert prefill_buckets(256, 2048, [1000]) == [256]
+
+
+def test_engine_flags_choose_the_buckets(make_engine):
+    assert make_engine(max_batched_tokens=256).runner.prefill_graphs.buckets == prefill_buckets(2048, 256)
+    assert make_engine(prefill_graph_max_tokens=0).runner.prefill_graphs is None
+    assert make_engine(enforce_eager=True).runner.prefill_graphs is None
+    explicit = make_engine(prefill_graph_capture_sizes=[32, 100])
+    assert explicit.runner.prefill_graphs.buckets == [32, 100, 256]
+
+
+def test_cli_list_flag_and_bad_sizes():
+    assert join_list_flags(["--prefill-graph-capture-sizes", "64", "256", "--port", "1"]) == [
+        "--prefill-graph-capture-sizes", "64,256", "--port", "1"]
+    assert parse_sizes("--prefill-graph-capture-sizes", "256,64,64") == [64, 256]
+    for bad in ("0,16", "x", ""):
+        with pytest.raises(Exception, match="positive integers"):
+            parse_sizes("--prefill-graph-capture-sizes", bad)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cut_forward_equals_the_plain_forward(make_engine, case):
+    engine = make_engine(max_batched_tokens=256)
+    batch = make_batch(engine, CASES[case])
+    assert engine.runner.prefill_graphs.bucket(batch.total_tokens) is not None
+    before = engine.runner.kv_cache.clone()
+    plain = engine.runner.compute_logits(batch, use_graphs=False).clone()
+    plain_kv = engine.runner.kv_cache.clone()
+    engine.runner.kv_cache.copy_(before)
+    cut = engine.runner.compute_logits(batch).clone()
+    torch.testing.assert_close(cut, plain, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(engine.runner.kv_cache, plain_kv, rtol=1e-5, atol=1e-5)
+    # padding rows write no KV: exactly the batch's own slots changed
+    changed = (engine.runner.kv_cache != before).flatten(4).any(-1).any(1).any(0)  # [page, offset]
+    assert {tuple(i) for i in changed.nonzero().tolist()} == written_slots(engine, batch)
+
+
+def test_generation_through_the_cut_forward_equals_eager(make_engine):
+    prompts = [[(5 * i + j) % 900 + 1 for j in range(3 + 11 * i)] for i in range(6)]
+    params = [greedy(6 + 3 * i) for i in range(6)]
+    cut = make_engine(max_batched_tokens=48).generate(prompts, params)  # chunked prefills mixed with decodes
+    eager = make_engine(max_batched_tokens=48, enforce_eager=True).generate(prompts, params)
+    assert [r["token_ids"] for r in cut] == [r["token_ids"] for r in eager]
+
+
+def test_a_failed_capture_at_startup_warns_and_prefill_runs_eagerly(make_engine, monkeypatch, capsys):
+    def broken(self, size):
+        raise RuntimeError(f"boom at {size} tokens")
+
+    monkeypatch.setattr(PrefillGraphs, "_capture", broken)
+    engine = make_engine(max_batched_tokens=64)
+    assert "boom at 64 tokens" in engine.runner.prefill_graphs.disabled
+    assert "prefill runs eagerly" in capsys.readouterr().err
+    monkeypatch.setattr(PrefillGraphs, "forward", lambda *a, **k: pytest.fail("the disabled graphs were used"))
+    prompts = [[3, 5, 7, 11, 13], [2, 4, 6]]
+    tokens = [r["token_ids"] for r in engine.generate(prompts, greedy(5))]
+    assert tokens == [r["token_ids"] for r in make_engine(enforce_eager=True).generate(prompts, greedy(5))]
+
+
+def test_a_failed_capture_during_a_reload_raises_and_out_of_memory_says_what_to_lower(make_engine, monkeypatch):
+    engine = make_engine(max_batched_tokens=64)
+
+    def broken(self, size):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(PrefillGraphs, "_capture", broken)
+    with pytest.raises(RuntimeError, match="capturing the prefill graphs failed: RuntimeError: boom"):
+        engine.runner.capture_graphs(strict=True)
+
+    def out_of_memory(self, size):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(PrefillGraphs, "_capture", out_of_memory)
+    for strict in (True, False):
+        with pytest.raises(RuntimeError, match="--prefill-graph-max-tokens"):
+            engine.runner.capture_graphs(strict=strict)
+
+
+def test_reload_line_shows_decode_and_prefill_recapture_apart():
+    worker = {"ok": True, "rank": 0, "reloaded": ["kernels.ops.norm"], "dependents": [], "patched": 3,
+              "timings": {"reload": 0.01, "warm": 0.1, "recapture": 0.5, "recapture_decode": 0.2,
+                          "recapture_prefill": 0.3, "pause": 0.6}}
+    assert "recaptured in 0.50 s (decode 0.20, prefill 0.30)" in format_worker(worker)
+
+
+def _agree(rank: int, port: int, ok: bool, results) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        results.put((rank, all_ranks_agree(ok, torch.device("cpu"))))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_agree_on_capture_success_by_a_min_reduction():
+    assert all_ranks_agree(True, torch.device("cpu")) and not all_ranks_agree(False, torch.device("cpu"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_agree, args=(rank, port, rank == 0, results)) for rank in (0, 1)]
+    for p in procs:
+        p.start()
+    outcome = dict(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert outcome == {0: False, 1: False}  # rank 1 failed, so rank 0 must not use its graphs either
