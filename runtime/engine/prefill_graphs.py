@@ -70,7 +70,7 @@ class _Bucket:
         self.cuts: list[tuple] = []  # (attention layer, q, k, v) after each piece but the last
         self.hidden: torch.Tensor | None = None
         self.current: torch.cuda.CUDAGraph | None = None
-        self.properties = graph_properties()
+        self.properties: tuple = ()
 
     def begin(self) -> None:
         self.current = torch.cuda.CUDAGraph()
@@ -198,14 +198,15 @@ class PrefillGraphs:
             logits_indices=rows, max_q_len=size, max_seq_len=size, attention_break=cut,
         ))
         torch.cuda.synchronize(self.device)
-        try:
-            with torch.cuda.stream(self.stream):
+        with torch.inference_mode(), torch.cuda.stream(self.stream):  # as the engine's forwards run
+            bucket.properties = graph_properties()
+            try:
                 bucket.begin()
                 hidden = self.model.forward_embeds(self.embeds[:size], self.positions[:size])
                 bucket.end()
-        finally:
-            bucket.abandon()
-            set_context(None)
+            finally:
+                bucket.abandon()  # on the capture stream, where the capture must end
+                set_context(None)
         bucket.hidden = _non_owning(hidden)
         return bucket
 
