@@ -81,10 +81,11 @@ def main() -> None:
                 rows.append({**worker["timings"], "wall": wall, "first_request": first_request,
                              "jit_kernels": worker["jit_kernels"], "label": label})
         print(f"restart (process start -> first completion): {restart:.2f} s; steady request {steady * 1e3:.1f} ms")
-        print(f"{'':8}" + "".join(f"{k:>11}" for k in ("jit", "drain", "flush", "reload", "warm", "recapture", "pause", "total", "wall", "1st req")))
+        columns = ("jit", "drain", "flush", "reload", "warm", "recapture", "recapture_decode", "recapture_prefill",
+                   "pause", "total", "wall", "first_request")
+        print(f"{'':8}" + "".join(f"{k.replace('recapture_', 'rc ').replace('first_request', '1st req'):>11}" for k in columns))
         for row in rows:
-            print(f"{row['label']:8}" + "".join(f"{row.get(k, 0):>11.3f}" for k in
-                                                ("jit", "drain", "flush", "reload", "warm", "recapture", "pause", "total", "wall", "first_request")))
+            print(f"{row['label']:8}" + "".join(f"{row.get(k, 0):>11.3f}" for k in columns))
         med = {k: statistics.median(r[k] for r in rows) for k in ("reload", "warm", "recapture", "pause", "total", "first_request")}
         print(f"median: reload+warm+recapture {med['reload'] + med['warm'] + med['recapture']:.3f} s (target <= 1.0), "
               f"pause {med['pause']:.3f} s (target <= 0.5), restart / total = {restart / med['total']:.1f}x (target >= 20), "

@@ -92,6 +92,21 @@ def test_kernel_edit_recompiles(pkg, cuda):
     assert launch(kernel, cuda) == [0, 2, 4, 6, 8, 10, 12, 14]  # the old binary, restored
 
 
+def test_compile_ahead_works_for_binaries_loaded_from_the_disk_cache(pkg, cuda):
+    pkg.write("common", COMMON)
+    pkg.write("ops", OPS)
+    ops = pkg.mod("ops")
+    ops.launch(ops.scale_kernel, cuda)
+    ops.scale_kernel.device_caches.clear()  # the next launch loads the binary back from Triton's disk cache
+    assert ops.launch(ops.scale_kernel, cuda)[1] == 2
+    r = pkg.reloader()
+    pkg.edit("ops", OPS.replace("* SCALE, mask=mask)", "* SCALE + 3, mask=mask)"))
+    compiled, _ = r.compile_ahead()
+    assert compiled == 1
+    assert pkg.reload(r).ok
+    assert ops.launch(ops.scale_kernel, cuda)[1] == 5
+
+
 def test_constexpr_global_change(pkg, cuda):
     pkg.write("common", COMMON)
     pkg.write("ops", OPS)

@@ -9,7 +9,7 @@ compiling, and the serving pause excludes JIT time.
 Triton internals used (checked on 3.6 and 3.9): `device_caches[device]` is a tuple whose first item
 maps keys to compiled kernels and whose third-from-last and second-from-last items are the target and
 the backend; a compiled kernel keeps its `src` (signature, constexprs — `constants` on 3.6 —, attrs) and
-`metadata` (options).
+`metadata` (options; read back from the disk cache, its tuples are lists).
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def compile_ahead(modules: list[str], sources: Mapping[str, bytes], paths: Mappi
                     if src is None or not hasattr(compiled, "metadata"):
                         continue
                     try:
-                        options = backend.parse_options(compiled.metadata._asdict())
+                        options = backend.parse_options({k: _frozen(v) for k, v in compiled.metadata._asdict().items()})
                         constexprs = getattr(src, "constexprs", None) or getattr(src, "constants", None)  # 3.9 / 3.6
                         new_src = type(src)(new_fn, src.signature, constexprs, src.attrs)
                         triton.compile(new_src, target=target, options=options.__dict__)
@@ -57,6 +57,11 @@ def compile_ahead(modules: list[str], sources: Mapping[str, bytes], paths: Mappi
     if errors and not count:
         raise RuntimeError("; ".join(errors[:3]))
     return count, time.perf_counter() - start
+
+
+def _frozen(value):
+    """Metadata read back from Triton's disk cache has lists where options need tuples (they are hashed)."""
+    return tuple(_frozen(v) for v in value) if isinstance(value, list) else value
 
 
 def _has_binaries(module: types.ModuleType) -> bool:
