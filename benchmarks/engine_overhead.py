@@ -14,6 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from runtime.config import EngineConfig
 from runtime.engine.llm_engine import LLMEngine
 from runtime.engine.sequence import SamplingParams
@@ -36,7 +38,7 @@ def main() -> None:
     for i in range(args.batch):
         engine.add_request(str(i), [rng.randrange(800) for _ in range(100)],
                            SamplingParams(max_tokens=args.steps + 50, temperature=0.6, ignore_eos=True))
-    engine.runner.run = lambda batch: [args.token] * sum(batch.sample_rows)
+    engine.runner.launch = lambda batch, in_flight=None: torch.full((sum(batch.sample_rows),), args.token)
     for _ in range(10):
         engine.step()
     profiler = cProfile.Profile() if args.profile else None

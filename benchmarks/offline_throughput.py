@@ -28,6 +28,8 @@ def main() -> None:
     parser.add_argument("--max-running", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compare-transformers", action="store_true")
+    parser.add_argument("--compare-sync", action="store_true",
+                        help="run the workload again with synchronous scheduling (no overlap), same engine")
     parser.add_argument("--hf-batch", type=int, default=64, help="batch size of the batched transformers run")
     parser.add_argument("--hf-len", type=int, default=128, help="prompt and output length of the transformers runs")
     args = parser.parse_args()
@@ -41,22 +43,11 @@ def main() -> None:
               for _ in range(args.num_requests)]
     engine_dir = engine.model_dir
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))  # warm-up
-    steps = time_steps(engine)
-    start = time.perf_counter()
-    results = engine.generate(prompts, params)
-    if args.device.startswith("cuda"):
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    out_tokens = sum(len(r["token_ids"]) for r in results)
-    in_tokens = sum(map(len, prompts))
-    ours = out_tokens / seconds
-    print(f"tsdev: {args.num_requests} requests, {in_tokens} prompt + {out_tokens} output tokens in {seconds:.2f} s: "
-          f"{ours:,.0f} output tok/s, {(in_tokens + out_tokens) / seconds:,.0f} total tok/s "
-          f"({args.device}, {engine.model_dir.name})")
-    for kind, (count, secs, rows) in steps.items():
-        if count:
-            print(f"  {kind} steps: {count}, {secs:.2f} s, {1e3 * secs / count:.2f} ms/step, "
-                  f"{rows / count:.0f} sequences/step")
+    ours = run_workload(engine, prompts, params, args.device)
+    if args.compare_sync:
+        engine.config.async_scheduling = False
+        sync = run_workload(engine, prompts, params, args.device, " (synchronous scheduling)")
+        print(f"async / synchronous scheduling = {ours / sync:.2f}x")
     if args.compare_transformers:
         del engine
         for batch in (1, args.hf_batch):
@@ -65,24 +56,51 @@ def main() -> None:
                   f"tok/s; tsdev / transformers = {ours / theirs:.1f}x")
 
 
+def run_workload(engine: LLMEngine, prompts, params, device: str, label: str = "") -> float:
+    """Generate, print the throughput and the time per kind of step; returns output tokens per second."""
+    steps = time_steps(engine)
+    start = time.perf_counter()
+    results = engine.generate(prompts, params)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    engine.scheduler.schedule, engine.step = steps.pop("_restore")
+    out_tokens = sum(len(r["token_ids"]) for r in results)
+    in_tokens = sum(map(len, prompts))
+    print(f"tsdev{label}: {len(prompts)} requests, {in_tokens} prompt + {out_tokens} output tokens in {seconds:.2f} s: "
+          f"{out_tokens / seconds:,.0f} output tok/s, {(in_tokens + out_tokens) / seconds:,.0f} total tok/s "
+          f"({device}, {engine.model_dir.name})")
+    for kind, (count, secs, rows) in steps.items():
+        if count:
+            print(f"  {kind} steps: {count}, {secs:.2f} s, {1e3 * secs / count:.2f} ms/step, "
+                  f"{rows / count:.0f} sequences/step")
+    return out_tokens / seconds
+
+
 def time_steps(engine: LLMEngine) -> dict[str, list]:
-    """Wrap engine.step to sum wall time per kind of step (each step ends in a host sync, so it is real)."""
+    """Wrap engine.step to sum wall time per kind of step. A step's time goes to the batch it read (with
+    async scheduling, the one launched by the call before), since reading waits for the GPU."""
     totals = {"decode": [0, 0.0, 0], "prefill or mixed": [0, 0.0, 0]}
     schedule, step = engine.scheduler.schedule, engine.step
+    totals["_restore"] = (schedule, step)
     kind = []
 
     def scheduled():
         batch = schedule()
-        kind.append(("decode" if batch.seqs and max(batch.num_tokens) == 1 else "prefill or mixed", len(batch.seqs)))
+        if batch.seqs:
+            kind.append(("decode" if max(batch.num_tokens) == 1 else "prefill or mixed", len(batch.seqs)))
         return batch
 
     def timed_step():
         start = time.perf_counter()
         out = step()
-        name, rows = kind.pop()
-        totals[name][0] += 1
-        totals[name][1] += time.perf_counter() - start
-        totals[name][2] += rows
+        seconds = time.perf_counter() - start
+        while len(kind) > (1 if engine.in_flight else 0):  # the batches this call read
+            name, rows = kind.pop(0)
+            totals[name][0] += 1
+            totals[name][1] += seconds
+            totals[name][2] += rows
+            seconds = 0.0
         return out
 
     engine.scheduler.schedule, engine.step = scheduled, timed_step

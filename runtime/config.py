@@ -92,6 +92,7 @@ class EngineConfig:
     world_size: int = 1
     cudagraph_capture_sizes: list[int] = field(default_factory=lambda: list(DEFAULT_CAPTURE_SIZES))
     enforce_eager: bool = False  # no CUDA graphs
+    async_scheduling: bool = True  # prepare step N+1 while the GPU computes step N
     prefill_graph_max_tokens: int = 2048  # largest prefill graph bucket (clamped to max_batched_tokens); 0: off
     prefill_graph_capture_sizes: list[int] | None = None  # explicit buckets instead of the ladder
 

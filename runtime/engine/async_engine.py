@@ -118,7 +118,7 @@ class AsyncEngine:
 
     async def wait_until_drained(self) -> None:
         """Return once no admitted request is left running (waiting ones stay queued)."""
-        while self.engine.scheduler.running and not self.paused:
+        while (self.engine.scheduler.running or self.engine.in_flight) and not self.paused:
             self._stepped.clear()
             await self._stepped.wait()
 
@@ -147,7 +147,7 @@ class AsyncEngine:
 
     def _can_step(self) -> bool:
         sched = self.engine.scheduler
-        return not self.paused and bool(sched.running or (sched.admit and sched.waiting))
+        return not self.paused and bool(sched.running or (sched.admit and sched.waiting) or self.engine.in_flight)
 
     async def _loop(self) -> None:
         while True:
@@ -185,6 +185,7 @@ class AsyncEngine:
             queue.put_nowait(out)
 
     def _fail_all(self, exc: Exception) -> None:
+        self.engine.discard_in_flight()
         for request_id, queue in list(self._streams.items()):
             self.engine.abort(request_id)
             queue.put_nowait(exc)

@@ -58,13 +58,16 @@ class DecodeGraphs:
         return timings
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
-            page_table: list[list[int]]) -> torch.Tensor:
-        """Logits [n, V] for a decode batch of n <= max_size sequences."""
+            page_table: list[list[int]], fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Logits [n, V] for a decode batch of n <= max_size sequences. `fill` = (rows, token ids) on the
+        device: inputs the previous step is still sampling, written in after the host's staged ids."""
         n = len(input_ids)
         size = next(s for s in self.sizes if s >= n)
         pad = size - n
         staged = torch.tensor([input_ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad, seq_lens + [1] * pad])
         self.inputs[:, :size].copy_(staged, non_blocking=True)
+        if fill is not None:
+            self.inputs[0].index_copy_(0, *fill)
         width = max(map(len, page_table))
         for row, pages in enumerate(page_table):
             self._update_row(row, pages)

@@ -1,17 +1,24 @@
-"""The engine: requests in, one scheduled step at a time, token and text deltas out."""
+"""The engine: requests in, one scheduled step at a time, token and text deltas out.
+
+With async scheduling (the default) a step is launched before the previous one's results are read: the
+host schedules and prepares step N+1 while the GPU computes step N, and its rows that decode take N's
+sampled tokens on the GPU (a PENDING placeholder on the host until N is read). A sequence that stops at
+N (EOS, a stop string) has computed one token too many in N+1; that token is dropped.
+"""
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import nvtx
+import torch
 from tokenizers import Tokenizer
 
 from runtime.config import EngineConfig, ModelConfig
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.detokenizer import Detokenizer
 from runtime.engine.model_runner import NVTX_DOMAIN, ModelRunner
-from runtime.engine.scheduler import Scheduler
-from runtime.engine.sequence import SamplingParams, Sequence, Status
+from runtime.engine.scheduler import ScheduledBatch, Scheduler
+from runtime.engine.sequence import PENDING, SamplingParams, Sequence, Status
 from runtime.weights.default_model import default_model_dir
 
 MAX_DEFAULT_MODEL_LEN = 8192
@@ -27,6 +34,30 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+
+
+@dataclass
+class _Launched:
+    """A step whose forward and sampling are queued on the GPU but whose tokens are not read yet."""
+    batch: ScheduledBatch
+    sampling: list[Sequence]
+    positions: list[int]  # where each sampling sequence's PENDING placeholder sits in its token_ids
+    tokens: torch.Tensor | None  # on the device
+    host: torch.Tensor | None = None  # pinned copy, complete once `ready` has passed (CUDA)
+    ready: object = None  # torch.cuda.Event
+
+    @property
+    def in_flight(self):
+        """What the runner needs to feed these tokens to the next step."""
+        return None if self.tokens is None else (self.tokens, {s: i for i, s in enumerate(self.sampling)})
+
+    def read(self) -> list[int]:
+        if self.tokens is None:
+            return []
+        if self.ready is None:
+            return self.tokens.tolist()
+        self.ready.synchronize()
+        return self.host.tolist()
 
 
 class LLMEngine:
@@ -51,7 +82,8 @@ class LLMEngine:
         self.startup_timings["capture"] = sum(graph_timings["decode"].values())
         self.startup_timings["capture_prefill"] = sum(graph_timings["prefill"].values())
         self.block_manager = BlockManager(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_running, config.max_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_running, config.max_batched_tokens, self.max_model_len)
+        self.in_flight: _Launched | None = None
         self.detokenizers: dict[Sequence, Detokenizer] = {}
         self.eos = set(self.model_config.eos_token_ids)
         self.num_generated_tokens = self.num_prompt_tokens = 0
@@ -81,41 +113,77 @@ class LLMEngine:
         if seq is None:
             return None
         self.scheduler.finish(seq, "abort")
+        if seq.token_ids[-1] == PENDING and len(seq) > seq.num_prompt_tokens:
+            seq.token_ids.pop()
         return self._output(seq, [])
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.in_flight is not None
+
+    def discard_in_flight(self) -> None:
+        """Forget the step in flight (after a failed step: its requests are aborted)."""
+        self.in_flight = None
 
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch a step, then read the previous one (async scheduling) or this one."""
         with nvtx.annotate("schedule", domain=NVTX_DOMAIN):
             batch = self.scheduler.schedule()
-        if not batch.seqs:
-            return []
-        tokens = self.runner.run(batch)  # one per sequence that samples, in batch order
+        launched = self._launch(batch) if batch.seqs else None
+        previous, self.in_flight = self.in_flight, launched
+        outputs = self._read(previous) if previous else []
+        if launched and not self.config.async_scheduling:
+            outputs += self._read(launched)
+            self.in_flight = None
+        return outputs
+
+    def _launch(self, batch: ScheduledBatch) -> _Launched:
         self.num_prompt_tokens += sum(n for s, n in zip(batch.seqs, batch.num_tokens) if s.num_computed_tokens < s.num_prompt_tokens)
-        outputs = []
+        tokens = self.runner.launch(batch, self.in_flight.in_flight if self.in_flight else None)
         sampling = batch.sampling
+        launched = _Launched(batch, sampling, [len(seq) for seq in sampling], tokens)
+        for seq in sampling:
+            seq.token_ids.append(PENDING)
         self.scheduler.advance(batch)
+        if tokens is not None and tokens.is_cuda:
+            launched.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            launched.host.copy_(tokens, non_blocking=True)
+            launched.ready = torch.cuda.Event()
+            launched.ready.record()
+        return launched
+
+    def _read(self, launched: _Launched) -> list[RequestOutput]:
+        """Wait for a launched step's tokens and turn them into outputs; sequences that finished (or were
+        aborted) since it was launched drop theirs."""
+        tokens = launched.read()
+        live = [(seq, pos, token) for seq, pos, token in zip(launched.sampling, launched.positions, tokens)
+                if not seq.is_finished]
+        for seq, pos, token in live:
+            seq.token_ids[pos] = token
+        for seq in launched.batch.seqs:
+            if not seq.is_finished:
+                self.block_manager.commit_full_pages(seq)
         windows = []
-        for seq, token in zip(sampling, tokens):
-            seq.token_ids.append(token)
+        for seq, _, token in live:
             detok = self.detokenizers[seq]
             detok.ids.append(token)
             windows += detok.windows()
         texts = self.tokenizer.decode_batch(windows) if windows else []
-        self.num_generated_tokens += len(tokens)
-        for i, (seq, token) in enumerate(zip(sampling, tokens)):
+        self.num_generated_tokens += len(live)
+        outputs = []
+        for i, (seq, pos, token) in enumerate(live):
             stopped = self.detokenizers[seq].consume(texts[2 * i], texts[2 * i + 1])
-            reason = self._finish_reason(seq, token, stopped)
+            reason = self._finish_reason(seq, token, stopped, length=pos + 1)
             if reason:
+                del seq.token_ids[pos + 1 :]  # a token the next step sampled for it is dropped
                 self.scheduler.finish(seq, reason)
             outputs.append(self._output(seq, [token]))
         return outputs
 
-    def _finish_reason(self, seq: Sequence, token: int, stopped: bool) -> str | None:
+    def _finish_reason(self, seq: Sequence, token: int, stopped: bool, length: int) -> str | None:
+        """Whether the sequence ends with `token`, its `length`-th token."""
         if stopped or (token in self.eos and not seq.params.ignore_eos):
             return "stop"
-        if seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len:
+        if length - seq.num_prompt_tokens >= seq.params.max_tokens or length >= self.max_model_len:
             return "length"
         return None
 
@@ -124,7 +192,8 @@ class LLMEngine:
         if seq.is_finished:
             del self.detokenizers[seq]
         return RequestOutput(seq.request_id, new_tokens, detok.delta(seq.is_finished), seq.is_finished,
-                             seq.finish_reason, seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens)
+                             seq.finish_reason, seq.num_prompt_tokens, seq.num_known_output_tokens,
+                             seq.num_cached_tokens)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[dict]:
         """Offline: run prompts (token ids) to completion; returns token ids and text per prompt, in order."""

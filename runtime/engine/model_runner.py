@@ -10,7 +10,7 @@ from runtime.context import Context, set_context
 from runtime.engine.cuda_graphs import DecodeGraphs
 from runtime.engine.prefill_graphs import PrefillGraphs, prefill_buckets
 from runtime.engine.scheduler import ScheduledBatch
-from runtime.engine.sequence import SamplingParams, Sequence
+from runtime.engine.sequence import PENDING, SamplingParams, Sequence
 from runtime.layers.attention import Attention
 from runtime.models import MODELS
 from runtime.sampling.sampler import Sampler
@@ -83,12 +83,17 @@ class ModelRunner:
         return kv
 
     def host_inputs(self, batch: ScheduledBatch) -> dict[str, list]:
-        """The batch flattened into plain lists: one row per token this step computes."""
+        """The batch flattened into plain lists: one row per token this step computes. `pending` lists
+        the rows whose token is still being sampled by the step in flight (their id is 0 here)."""
         page = self.config.page_size
-        input_ids, positions, slots, cu, seq_lens, logits_indices = [], [], [], [0], [], []
+        input_ids, positions, slots, cu, seq_lens, logits_indices, pending = [], [], [], [0], [], [], []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            input_ids += seq.token_ids[start:end]
+            ids = seq.token_ids[start:end]
+            if ids[-1] == PENDING:  # only ever the last token
+                ids[-1] = 0
+                pending.append((len(input_ids) + n - 1, seq))
+            input_ids += ids
             positions += range(start, end)
             slots += [seq.pages[p // page] * page + p % page for p in range(start, end)]
             cu.append(cu[-1] + n)
@@ -96,9 +101,21 @@ class ModelRunner:
             if batch.sample_rows[i]:
                 logits_indices.append(cu[-1] - 1)
         return dict(input_ids=input_ids, positions=positions, slots=slots, cu_seqlens_q=cu, seq_lens=seq_lens,
-                    logits_indices=logits_indices, page_table=[s.pages for s in batch.seqs])
+                    logits_indices=logits_indices, page_table=[s.pages for s in batch.seqs], pending=pending)
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pending_fill(self, pending: list[tuple[int, Sequence]], in_flight) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, token ids) on the device for the rows whose input the step in flight samples.
+        `in_flight` is that step's (device tokens, sequence -> index in them)."""
+        if not pending:
+            return None
+        if in_flight is None:
+            raise RuntimeError("a sequence ends in a PENDING token but no step is in flight")
+        tokens, index = in_flight
+        rows = torch.tensor([r for r, _ in pending], dtype=torch.int64).to(self.device, non_blocking=True)
+        src = torch.tensor([index[s] for _, s in pending], dtype=torch.int64).to(self.device, non_blocking=True)
+        return rows, tokens.index_select(0, src).to(torch.int64)
+
+    def prepare(self, batch: ScheduledBatch, in_flight=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Tensors for an eager forward; sets the step context."""
         inputs = self.host_inputs(batch)
         max_pages = max(map(len, inputs["page_table"]))
@@ -112,24 +129,33 @@ class ModelRunner:
             slot_mapping=tensor(inputs["slots"], torch.int64), logits_indices=tensor(inputs["logits_indices"], torch.int64),
             max_q_len=max(batch.num_tokens), max_seq_len=max(inputs["seq_lens"]),
         ))
-        return tensor(inputs["input_ids"], torch.int64), tensor(inputs["positions"], torch.int64)
+        input_ids = tensor(inputs["input_ids"], torch.int64)
+        fill = self._pending_fill(inputs["pending"], in_flight)
+        if fill is not None:
+            input_ids.index_copy_(0, *fill)
+        return input_ids, tensor(inputs["positions"], torch.int64)
 
     @torch.inference_mode()
-    def compute_logits(self, batch: ScheduledBatch, use_graphs: bool = True) -> torch.Tensor:
+    def compute_logits(self, batch: ScheduledBatch, use_graphs: bool = True, in_flight=None) -> torch.Tensor:
         """Logits [S, V] (float32) of the rows this batch samples from; valid until the next step (graph
-        replays return a view of their static output buffer). Without `use_graphs`, a plain eager forward."""
+        replays return a view of their static output buffer). Without `use_graphs`, a plain eager forward.
+        `in_flight`: (device tokens, sequence -> index) of the step still running, for PENDING inputs."""
         graphs = self.decode_graphs
         if use_graphs and graphs and max(batch.num_tokens) == 1 and len(batch.seqs) <= graphs.max_size:
             with nvtx.annotate("prepare", domain=NVTX_DOMAIN):
                 page = self.config.page_size
                 positions = [seq.num_computed_tokens for seq in batch.seqs]
                 input_ids = [seq.token_ids[p] for seq, p in zip(batch.seqs, positions)]
+                pending = [(row, seq) for row, (seq, t) in enumerate(zip(batch.seqs, input_ids)) if t == PENDING]
+                for row, _ in pending:
+                    input_ids[row] = 0
                 slots = [seq.pages[p // page] * page + p % page for seq, p in zip(batch.seqs, positions)]
                 seq_lens = [p + 1 for p in positions]
+                fill = self._pending_fill(pending, in_flight)
             with nvtx.annotate("forward", domain=NVTX_DOMAIN):
-                return graphs.run(input_ids, positions, slots, seq_lens, [seq.pages for seq in batch.seqs])
+                return graphs.run(input_ids, positions, slots, seq_lens, [seq.pages for seq in batch.seqs], fill)
         with nvtx.annotate("prepare", domain=NVTX_DOMAIN):
-            input_ids, positions = self.prepare(batch)
+            input_ids, positions = self.prepare(batch, in_flight)
         try:
             with nvtx.annotate("forward", domain=NVTX_DOMAIN):
                 prefill = self.prefill_graphs
@@ -142,14 +168,20 @@ class ModelRunner:
             set_context(None)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, use_graphs: bool = True) -> list[int]:
-        """One forward + sampling; returns the sampled token of each sequence that samples, in order."""
-        logits = self.compute_logits(batch, use_graphs)
+    def launch(self, batch: ScheduledBatch, in_flight=None, use_graphs: bool = True) -> torch.Tensor | None:
+        """One forward + sampling, without waiting for the GPU: the sampled token ids [S] (on the device) of
+        the sequences that sample, in batch order; None if none does."""
+        logits = self.compute_logits(batch, use_graphs, in_flight)
         sampling = batch.sampling
         if not sampling:
-            return []
+            return None
         with nvtx.annotate("sample", domain=NVTX_DOMAIN):
-            return self.sample(logits, sampling).tolist()
+            return self.sample(logits, sampling)
+
+    def run(self, batch: ScheduledBatch, use_graphs: bool = True) -> list[int]:
+        """`launch`, then wait: the sampled tokens as a list."""
+        tokens = self.launch(batch, use_graphs=use_graphs)
+        return [] if tokens is None else tokens.tolist()
 
     @torch.inference_mode()
     def warmup(self) -> float:

@@ -34,9 +34,9 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_running: int, max_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_running: int, max_batched_tokens: int, max_model_len: int):
         self.block_manager = block_manager
-        self.max_running, self.max_batched_tokens = max_running, max_batched_tokens
+        self.max_running, self.max_batched_tokens, self.max_model_len = max_running, max_batched_tokens, max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -54,6 +54,8 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.num_uncomputed > 1):
             if seq.status is not Status.RUNNING or budget == 0:
                 continue
+            if seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len:
+                continue  # its last token is being sampled by the step in flight
             n = min(seq.num_uncomputed, budget)
             while not self.block_manager.allocate(seq, n):
                 victim = self.running[-1]
@@ -80,10 +82,10 @@ class Scheduler:
         return ScheduledBatch(list(scheduled), list(scheduled.values()))
 
     def advance(self, batch: ScheduledBatch) -> None:
-        """Record that the batch's tokens are now in the KV cache."""
+        """Record that the batch's tokens are (being) computed into the KV cache. The engine registers full
+        pages in the prefix cache once the batch's sampled tokens are known."""
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n
-            self.block_manager.commit_full_pages(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = Status.FINISHED, reason

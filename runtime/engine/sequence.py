@@ -2,6 +2,10 @@
 import enum
 from dataclasses import dataclass, field
 
+# The token a step still in flight samples: a placeholder at the end of token_ids until the engine reads
+# the step's result. A step that computes that position takes the real id on the GPU.
+PENDING = -1
+
 
 @dataclass
 class SamplingParams:
@@ -49,7 +53,12 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
+        """Output tokens including a PENDING one (the count the next step's seed and the limits use)."""
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_known_output_tokens(self) -> int:
+        return self.num_output_tokens - (len(self.token_ids) > self.num_prompt_tokens and self.token_ids[-1] == PENDING)
 
     @property
     def num_uncomputed(self) -> int:
