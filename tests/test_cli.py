@@ -23,3 +23,14 @@ def test_serve_on_cuda_without_a_gpu_says_so(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     result = CliRunner().invoke(app, ["serve", "--device", "cuda"])
     assert result.exit_code == 2 and "sees no CUDA GPU" in result.output
+
+
+def test_serve_banner_names_the_graphs_and_the_startup_phases(make_engine):
+    from tsdev.cli import _describe_graphs, _describe_startup
+
+    engine = make_engine(cudagraph_capture_sizes=[1, 4], max_batched_tokens=64)
+    graphs = _describe_graphs(engine.runner, False, engine.startup_timings)
+    assert graphs.startswith("2 decode graph(s) prepared") and "4 prefill graph(s) (16..64 tokens)" in graphs
+    startup = _describe_startup(1.5, engine.startup_timings)
+    assert startup.startswith("startup: imports 1.50 s, load ") and "warm-up" in startup and "prefill" in startup
+    assert _describe_graphs(make_engine(enforce_eager=True).runner, False, {}) == "CUDA graphs off"

@@ -88,6 +88,21 @@ def test_cut_forward_equals_the_plain_forward(make_engine, case):
     assert {tuple(i) for i in changed.nonzero().tolist()} == written_slots(engine, batch)
 
 
+def test_a_graph_captured_under_other_properties_is_not_replayed(make_engine, monkeypatch):
+    from runtime.engine import prefill_graphs
+
+    engine = make_engine(max_batched_tokens=64)
+    graphs = engine.runner.prefill_graphs
+    batch = make_batch(engine, CASES["mixed-decodes-and-prefill"])
+    stale = prefill_graphs._Bucket(pool=None)
+    stale.properties = ("ref", True)  # as if captured under TSDEV_KERNELS=ref
+    stale.pieces = [type("Piece", (), {"replay": lambda self: pytest.fail("replayed a graph of other properties")})()]
+    graphs.graphs = {graphs.bucket(batch.total_tokens): stale}
+    monkeypatch.setenv("TSDEV_KERNELS", "triton")
+    plain = engine.runner.compute_logits(batch, use_graphs=False).clone()
+    torch.testing.assert_close(engine.runner.compute_logits(batch), plain, rtol=1e-5, atol=1e-5)
+
+
 def test_generation_through_the_cut_forward_equals_eager(make_engine):
     prompts = [[(5 * i + j) % 900 + 1 for j in range(3 + 11 * i)] for i in range(6)]
     params = [greedy(6 + 3 * i) for i in range(6)]

@@ -57,6 +57,11 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _describe_startup(imports: float, t: dict) -> str:
+    return (f"startup: imports {imports:.2f} s, load {t['load']:.2f} s, warm-up {t['warm']:.2f} s, capture "
+            f"{t['capture'] + t['capture_prefill']:.2f} s (decode {t['capture']:.2f}, prefill {t['capture_prefill']:.2f})")
+
+
 def _describe_graphs(runner, cuda: bool, timings: dict) -> str:
     """'35 decode graphs captured in 0.30 s; 40 prefill graphs (16..2048 tokens) captured in 0.80 s'."""
     done = "captured" if cuda else "prepared (CPU: no capture)"
@@ -117,6 +122,7 @@ def serve(
     """Serve a Qwen3 model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
     import time
 
+    imports_start = time.perf_counter()
     import uvicorn
     from rich.console import Console
 
@@ -124,6 +130,7 @@ def serve(
     from runtime.engine.llm_engine import LLMEngine
     from runtime.server.app import build_app
 
+    imports = time.perf_counter() - imports_start
     console = Console(stderr=True, soft_wrap=True)
     if model and model_opt and model != model_opt:
         raise typer.BadParameter(f"MODEL {model!r} and --model {model_opt!r} disagree: give one")
@@ -162,6 +169,7 @@ def serve(
         f"KV pool: {bm.num_pages} pages x {bm.page_size} tokens; context length {engine.max_model_len}; "
         f"up to {config.max_running} requests at once\n"
         f"warmed in {engine.startup_timings['warm']:.2f} s; {graphs}\n"
+        f"{_describe_startup(imports, engine.startup_timings)}\n"
         f"listening on [bold]http://{host}:{port}[/bold] (OpenAI API under /v1)"
     )
     reloader = None

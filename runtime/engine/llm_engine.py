@@ -62,6 +62,7 @@ class _Launched:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        start = time.perf_counter()
         self.config = config
         self.model_dir = Path(config.model) if config.model else default_model_dir(config.device)
         if not self.model_dir.is_dir():
@@ -77,7 +78,7 @@ class LLMEngine:
             raise ValueError(f"--max-model-len {self.max_model_len} exceeds the model's "
                              f"max_position_embeddings {self.model_config.max_position_embeddings}")
         self.runner = ModelRunner(config, self.model_config, self.model_dir, self.max_model_len)
-        self.startup_timings = {"warm": self.runner.warmup()}
+        self.startup_timings = {"load": time.perf_counter() - start, "warm": self.runner.warmup()}
         graph_timings = self.runner.capture_graphs(strict=False)
         self.startup_timings["capture"] = sum(graph_timings["decode"].values())
         self.startup_timings["capture_prefill"] = sum(graph_timings["prefill"].values())
