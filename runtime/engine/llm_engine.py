@@ -114,7 +114,7 @@ class LLMEngine:
         if seq is None:
             return None
         self.scheduler.finish(seq, "abort")
-        if seq.token_ids[-1] == PENDING and len(seq) > seq.num_prompt_tokens:
+        if seq.token_ids[-1] == PENDING:  # its in-flight token is dropped
             seq.token_ids.pop()
         return self._output(seq, [])
 
