@@ -4,8 +4,10 @@
     python3 benchmarks/decode_step.py --batch-sizes 1 8 --context 2048
 
 The floor is the time to read every weight once plus each sequence's KV cache, at the copy bandwidth
-measured in the same run. "step" is what the engine pays per decode step (host prep, graph replay,
-sampling, copy back); "graph" is the replay alone.
+measured in the same run. "step" is what the runner pays per decode step (host prep, graph replay,
+sampling, copy back, one after the other); "graph" is the replay alone; "engine" is the steady-state time
+of `LLMEngine.step` decoding that many requests with async scheduling (host work overlapped with the GPU;
+the context grows from `--context` by --iters tokens while it is timed).
 """
 import argparse
 import time
@@ -53,17 +55,19 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--prefill-graph-max-tokens", type=int, default=2048, help="0: no prefill graphs")
     args = parser.parse_args()
 
     engine = LLMEngine(EngineConfig(model=args.model, device="cuda", max_running=max(args.batch_sizes),
-                                    max_model_len=max(2 * args.context, 1024)))
+                                    max_model_len=max(2 * args.context, 1024),
+                                    prefill_graph_max_tokens=args.prefill_graph_max_tokens))
     runner, bm, c = engine.runner, engine.block_manager, engine.model_config
     bandwidth = copy_bandwidth(runner.device)
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     kv_bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * runner.dtype.itemsize
     print(f"{engine.model_dir.name}: {weight_bytes / 1e9:.2f} GB of weights, copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
           f"context {args.context}, graphs {runner.decode_graphs.sizes if runner.decode_graphs else 'off'}")
-    print(f"{'batch':>5} {'step ms':>8} {'graph ms':>8} {'floor ms':>8} {'step/floor':>10} {'tok/s':>9} {'GB/s':>7}")
+    print(f"{'batch':>5} {'step ms':>8} {'graph ms':>8} {'engine ms':>9} {'floor ms':>8} {'step/floor':>10} {'tok/s':>9} {'GB/s':>7}")
     params = SamplingParams(max_tokens=1, temperature=args.temperature, ignore_eos=True)
     for bs in args.batch_sizes:
         seqs = []
@@ -76,11 +80,33 @@ def main() -> None:
         step = time_cuda(lambda: runner.run(batch), args.iters)
         size = next(s for s in runner.decode_graphs.sizes if s >= bs) if runner.decode_graphs and bs <= runner.decode_graphs.max_size else None
         graph = time_cuda(runner.decode_graphs.graphs[size].replay, args.iters) if size in (runner.decode_graphs.graphs if runner.decode_graphs else {}) else float("nan")
-        floor = (weight_bytes + bs * args.context * kv_bytes_per_token) / bandwidth
-        print(f"{bs:>5} {step * 1e3:>8.3f} {graph * 1e3:>8.3f} {floor * 1e3:>8.3f} {step / floor:>10.2f} "
-              f"{bs / step:>9,.0f} {(weight_bytes + bs * args.context * kv_bytes_per_token) / step / 1e9:>7.0f}")
         for seq in seqs:
             bm.free_pages(seq)
+        engine_step = engine_step_time(engine, bs, args.context, args.iters, args.temperature)
+        floor = (weight_bytes + bs * args.context * kv_bytes_per_token) / bandwidth
+        print(f"{bs:>5} {step * 1e3:>8.3f} {graph * 1e3:>8.3f} {engine_step * 1e3:>9.3f} {floor * 1e3:>8.3f} {step / floor:>10.2f} "
+              f"{bs / step:>9,.0f} {(weight_bytes + bs * args.context * kv_bytes_per_token) / step / 1e9:>7.0f}")
+
+
+def engine_step_time(engine: LLMEngine, batch: int, context: int, iters: int, temperature: float) -> float:
+    """Seconds per `engine.step()` while `batch` requests decode (after their prefill and a few steps)."""
+    params = SamplingParams(max_tokens=iters + 64, temperature=temperature, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"e{i}", [(i * 17 + j) % 1000 + 1 for j in range(context)], params)
+    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
+        engine.step()
+    for _ in range(5):
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        engine.step()
+    seconds = (time.perf_counter() - start) / iters
+    for seq in list(engine.scheduler.running):
+        engine.abort(seq.request_id)
+    while engine.has_unfinished():
+        engine.step()
+    return seconds
 
 
 if __name__ == "__main__":
