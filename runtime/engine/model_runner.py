@@ -47,9 +47,9 @@ class ModelRunner:
         buckets = prefill_buckets(config.prefill_graph_max_tokens, config.max_batched_tokens,
                                   config.prefill_graph_capture_sizes)
         if buckets and not config.enforce_eager:
-            self.prefill_graphs = PrefillGraphs(
-                self.model, buckets, [m for m in self.model.modules() if isinstance(m, Attention)],
-                model_config.hidden_size, model_config.num_attention_heads, model_config.head_dim, self.dtype, self.device)
+            self.prefill_graphs = PrefillGraphs(self.model, buckets, model_config.hidden_size,
+                                                model_config.num_attention_heads, model_config.head_dim, self.dtype,
+                                                self.device)
 
     @property
     def num_pages(self) -> int:

@@ -92,10 +92,9 @@ class _Bucket:
 
 
 class PrefillGraphs:
-    def __init__(self, model: torch.nn.Module, buckets: list[int], attention_layers: list[torch.nn.Module],
-                 hidden_size: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model: torch.nn.Module, buckets: list[int], hidden_size: int, num_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
         self.model, self.buckets, self.device = model, sorted(set(buckets)), device
-        self.attention_layers = attention_layers
         n = self.buckets[-1]
         with device:
             self.embeds = torch.zeros(n, hidden_size, dtype=dtype)
@@ -113,9 +112,9 @@ class PrefillGraphs:
     def bucket(self, num_tokens: int) -> int | None:
         return next((b for b in self.buckets if b >= num_tokens), None)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, replay: bool = True) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states [T, H] of a batch of T <= max_tokens tokens, under the live step context (set by
-        the caller; attention reads it). Replays the bucket's graph when there is one and `replay`."""
+        the caller; attention reads it). Replays the bucket's graph when there is one."""
         num_tokens = input_ids.shape[0]
         size = self.bucket(num_tokens)
         self.embeds[:num_tokens].copy_(self.model.embed(input_ids))
@@ -123,7 +122,7 @@ class PrefillGraphs:
         self.embeds[num_tokens:size].zero_()
         self.positions[num_tokens:size].zero_()
         self.attn_out[num_tokens:size].zero_()
-        bucket = self.graphs.get(size) if replay else None
+        bucket = self.graphs.get(size)
         if bucket is None or bucket.properties != graph_properties():
             return self._forward_eager(size, num_tokens)
         rows = slice(0, num_tokens)
@@ -154,7 +153,7 @@ class PrefillGraphs:
         then rolls back), else prefill runs eagerly from now on, with a warning. Every rank must succeed
         for any to use the new graphs; they replace the old ones only then.
         """
-        graphs, timings, error = {}, {}, None
+        graphs, timings, error, out_of_memory = {}, {}, None, False
         try:
             for size in reversed(self.buckets):
                 start = time.perf_counter()
@@ -162,13 +161,14 @@ class PrefillGraphs:
                 timings[size] = time.perf_counter() - start
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-        except torch.cuda.OutOfMemoryError as exc:
+        except Exception as exc:
+            error, out_of_memory = f"{type(exc).__name__}: {exc}", isinstance(exc, torch.cuda.OutOfMemoryError)
+        agreed = all_ranks_agree(error is None, self.device)  # every rank gets here, whatever failed
+        if out_of_memory:
             raise RuntimeError(
                 f"out of memory capturing the prefill graphs (buckets up to {self.max_tokens} tokens): lower "
-                "--prefill-graph-max-tokens or --gpu-memory-utilization, or pass --disable-prefill-graph") from exc
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        if not all_ranks_agree(error is None, self.device):
+                f"--prefill-graph-max-tokens or --gpu-memory-utilization, or pass --disable-prefill-graph ({error})")
+        if not agreed:
             error = error or "another rank failed to capture its prefill graphs"
             if strict:
                 raise RuntimeError(f"capturing the prefill graphs failed: {error}")
