@@ -9,7 +9,7 @@ import torch
 from prefill_batches import CASES, make_batch, written_slots
 from runtime.engine.prefill_graphs import PrefillGraphs, all_ranks_agree, prefill_buckets
 from runtime.engine.sequence import SamplingParams
-from tsdev.cli import join_list_flags, parse_sizes
+from tsdev.cli import join_list_flags, parse_sizes, prefill_capture_sizes
 from tsdev.client import format_worker
 
 
@@ -60,6 +60,13 @@ def test_engine_flags_choose_the_buckets(make_engine):
     assert make_engine(enforce_eager=True).runner.prefill_graphs is None
     explicit = make_engine(prefill_graph_capture_sizes=[32, 100])
     assert explicit.runner.prefill_graphs.buckets == [32, 100, 256]
+
+
+def test_a_server_that_allows_reloads_gets_few_prefill_buckets_unless_told():
+    assert prefill_capture_sizes(None, allow_reload_forward=False) is None  # the ladder
+    assert prefill_capture_sizes(None, allow_reload_forward=True) == [256, 1024]
+    assert prefill_capture_sizes("64,512", allow_reload_forward=True) == [64, 512]
+    assert prefill_buckets(2048, 2048, prefill_capture_sizes(None, True)) == [256, 1024, 2048]
 
 
 def test_cli_list_flag_and_bad_sizes():

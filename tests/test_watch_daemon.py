@@ -158,13 +158,3 @@ def test_server_flags_pass_through_and_model_is_found():
     with pytest.raises(ValueError, match="at most one MODEL"):
         split_server_args(["a", "b"], SERVE_FLAGS)
 
-
-def test_the_child_server_gets_few_prefill_buckets_unless_told_otherwise():
-    from tsdev.watch.daemon import ServerProcess
-
-    default = ServerProcess(WatchConfig()).argv
-    assert default[default.index("--prefill-graph-capture-sizes"):][:3] == ["--prefill-graph-capture-sizes", "256", "1024"]
-    for flags in (["--prefill-graph-max-tokens", "512"], ["--prefill-graph-max-tokens=512"], ["--disable-prefill-graph"],
-                  ["--prefill-graph-capture-sizes", "64"]):
-        argv = ServerProcess(WatchConfig(server_args=flags)).argv
-        assert argv.count("--prefill-graph-capture-sizes") == flags.count("--prefill-graph-capture-sizes"), flags

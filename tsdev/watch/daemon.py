@@ -170,13 +170,6 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: no orphaned server holding the GPU or the port
 
 
-# Each reload recaptures every prefill bucket: the serve default (a 40-step ladder to 2048 tokens) takes
-# ~1.5 s on the H200, a few buckets ~0.1 s. The development loop pads prompts more to reload faster.
-WATCH_PREFILL_BUCKETS = ["256", "1024"]
-PREFILL_GRAPH_FLAGS = ("--prefill-graph-capture-sizes", "--prefill-graph-max-tokens", "--disable-prefill-graph",
-                       "--enforce-eager")
-
-
 class ServerProcess:
     """The child `tsdev serve`; its output goes to a log file (the screen belongs to the TUI)."""
 
@@ -193,8 +186,6 @@ class ServerProcess:
                 *self.config.server_args]
         if "--allow-reload-forward" not in args:
             args.append("--allow-reload-forward")
-        if not any(a.split("=")[0] in PREFILL_GRAPH_FLAGS for a in args):
-            args += ["--prefill-graph-capture-sizes", *WATCH_PREFILL_BUCKETS]
         if flag_value(args, "--port") is None:
             args += ["--port", str(self.config.port)]
         return args
