@@ -264,3 +264,31 @@ def run():
     assert stale["name"] == f"{pkg.name}.ops.kernel" and "became Heuristics" in stale["reason"]
     assert stale["where"] == f"{pkg.path('ops')}:6"
     assert run() == 8 and m.kernel is not old_kernel
+
+
+def test_compile_ahead_builds_the_edited_source_and_leaves_the_live_state_alone(pkg, monkeypatch):
+    import sys
+
+    from tsdev.hotreload import ahead
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    pkg.write("kern", COMPILED)
+    pkg.write("user", CALLER)  # a reloadable dependent with its own kernel
+    kern, user = pkg.mod("kern"), pkg.mod("user")
+    for k in (kern.uses_helper, kern.independent, user.outside_caller):
+        fake_compile(k)
+    registry = getattr(sys.modules["triton.runtime.jit"], "_triton_jit_function_registry", None)
+    before = dict(registry) if isinstance(registry, dict) else None
+    built = []
+    monkeypatch.setattr(ahead, "_recompile", lambda new_fn, compiled, target, backend: built.append(new_fn) or 1)
+    r = pkg.reloader()
+    pkg.edit("kern", COMPILED.replace("tl.load(x_ptr + offs) * 2", "tl.load(x_ptr + offs) * 5"))
+    count, _ = r.compile_ahead()
+    assert count == 2 and {fn.__name__ for fn in built} == {"uses_helper", "independent"}  # not the dependent's
+    assert "* 5" in next(fn for fn in built if fn.__name__ == "independent").src  # the new source, not the running one
+    assert "* 2" in kern.independent.src and kern.independent.device_caches[0][0] == {"spec": "binary"}
+    if before is not None:
+        assert dict(registry) == before  # the scratch kernels did not replace the live ones there
+    import linecache
+
+    assert "* 2" in "".join(linecache.getlines(kern.__file__))  # tracebacks still show what runs

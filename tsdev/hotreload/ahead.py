@@ -1,7 +1,8 @@
 """Compile edited Triton kernels ahead of the reload, while the old code still serves.
 
-For every changed module that holds compiled kernels, the new source is executed into a scratch
-namespace (the live module is untouched) and each new kernel is compiled for every specialisation
+For every edited module that holds compiled kernels, the new source is executed into a scratch
+namespace (the live module, linecache and Triton's kernel registry are left as they were; the module's
+import-time side effects do run) and each new kernel is compiled for every specialisation
 its live counterpart has compiled. `triton.compile` stores the binaries in Triton's on-disk cache,
 keyed by source and specialisation, so the warm-up after the real reload loads them instead of
 compiling, and the serving pause excludes JIT time.
@@ -20,43 +21,53 @@ import types
 from collections.abc import Mapping
 
 from . import jit
+from .snapshot import pin_lines
 
 
-def compile_ahead(modules: list[str], sources: Mapping[str, bytes], paths: Mapping[str, str]) -> tuple[int, float]:
-    """Compile the new versions of the kernels in `modules`; returns (binaries compiled, seconds)."""
+def compile_ahead(modules: list[str], sources: Mapping[str, bytes], paths: Mapping[str, str],
+                  running: Mapping[str, bytes]) -> tuple[int, float]:
+    """Compile the new versions of the kernels in the edited `modules`; returns (binaries compiled, seconds).
+
+    `running` is the source each module runs now: `linecache` shows the new source only while it executes.
+    """
     if "triton" not in sys.modules:
         return 0, 0.0
-    import triton
-
     start, count, errors = time.perf_counter(), 0, []
-    for name in modules:
-        live = sys.modules.get(name)
-        if live is None or name not in sources or not _has_binaries(live):
-            continue
-        scratch = _execute_aside(name, sources[name], paths[name], live)
-        if scratch is None:
-            continue
-        for attr, old in vars(live).items():
-            new_fn, old_fn = _jit_function(scratch.get(attr)), _jit_function(old)
-            if new_fn is None or old_fn is None:
+    restore_registry = jit.snapshot_registry()  # the scratch decorators register themselves: undo that
+    try:
+        for name in modules:
+            live = sys.modules.get(name)
+            if live is None or name not in sources or not _has_binaries(live):
                 continue
-            for cache in list(getattr(old_fn, "device_caches", {}).values()):
-                kernels, target, backend = cache[0], cache[-3], cache[-2]
-                for compiled in list(kernels.values()):
-                    src = getattr(compiled, "src", None)
-                    if src is None or not hasattr(compiled, "metadata"):
-                        continue
-                    try:
-                        options = backend.parse_options({k: _frozen(v) for k, v in compiled.metadata._asdict().items()})
-                        constexprs = getattr(src, "constexprs", None) or getattr(src, "constants", None)  # 3.9 / 3.6
-                        new_src = type(src)(new_fn, src.signature, constexprs, src.attrs)
-                        triton.compile(new_src, target=target, options=options.__dict__)
-                        count += 1
-                    except Exception as exc:  # the warm step compiles it (and reports a real error with file:line)
-                        errors.append(f"{attr}: {type(exc).__name__}: {exc}")
+            scratch = _execute_aside(name, sources[name], paths[name], running[name], live)
+            for attr, old in vars(live).items():
+                new_fn, old_fn = _jit_function(scratch.get(attr)), _jit_function(old)
+                if new_fn is None or old_fn is None:
+                    continue
+                for cache in list(vars(old_fn)["device_caches"].values()):
+                    for compiled in list(cache[0].values()):
+                        try:
+                            count += _recompile(new_fn, compiled, target=cache[-3], backend=cache[-2])
+                        except Exception as exc:  # the warm step compiles it (and reports a real error with file:line)
+                            errors.append(f"{attr}: {type(exc).__name__}: {exc}")
+    finally:
+        restore_registry()
     if errors and not count:
         raise RuntimeError("; ".join(errors[:3]))
     return count, time.perf_counter() - start
+
+
+def _recompile(new_fn, compiled, target, backend) -> int:
+    """Compile `new_fn` for the specialisation and options of a live binary; 1 if it did."""
+    import triton
+
+    src = getattr(compiled, "src", None)
+    if src is None or not hasattr(compiled, "metadata"):
+        return 0
+    options = backend.parse_options({k: _frozen(v) for k, v in compiled.metadata._asdict().items()})
+    constexprs = getattr(src, "constexprs", None) or getattr(src, "constants", None)  # 3.9 / 3.6
+    triton.compile(type(src)(new_fn, src.signature, constexprs, src.attrs), target=target, options=options.__dict__)
+    return 1
 
 
 def _frozen(value):
@@ -65,30 +76,24 @@ def _frozen(value):
 
 
 def _has_binaries(module: types.ModuleType) -> bool:
-    for obj in vars(module).values():
-        fn = _jit_function(obj)
-        if fn is not None and any(cache[0] for cache in getattr(fn, "device_caches", {}).values()):
-            return True
-    return False
+    return any(jit._has_code(fn) for fn in map(_jit_function, vars(module).values()) if fn is not None)
 
 
 def _jit_function(obj):
-    """The JITFunction under autotune/heuristics wrappers, or None."""
-    for _ in range(8):
-        if obj is None or not jit.is_kernel(obj):
-            return None
-        if hasattr(obj, "device_caches"):
-            return obj
-        obj = getattr(obj, "fn", None)
-    return None
+    """The JITFunction (the layer that holds binaries) under autotune/heuristics wrappers, or None."""
+    return next((layer for layer in jit._stack(obj) if "device_caches" in vars(layer)), None)
 
 
-def _execute_aside(name: str, source: bytes, path: str, live: types.ModuleType) -> dict | None:
-    """Run the new source in a fresh namespace that looks like the module's; None if it fails."""
+def _execute_aside(name: str, source: bytes, path: str, running: bytes, live: types.ModuleType) -> dict:
+    """Run the new source in a fresh namespace that looks like the module's (empty if it fails). Triton reads
+    a kernel's source through linecache, so that shows the new source meanwhile, then the running one again."""
     namespace = {"__name__": name, "__file__": path, "__package__": live.__package__,
                  "__spec__": live.__spec__, "__builtins__": builtins}
+    pin_lines(path, source)
     try:
         exec(compile(source, path, "exec", dont_inherit=True), namespace)
     except Exception:  # the reload itself reports the error with file:line
-        return None
+        return {}
+    finally:
+        pin_lines(path, running)
     return namespace

@@ -103,7 +103,9 @@ class Reloader:
         """
         sources = self.read_sources() if sources is None else sources
         plan = self.plan(sources, modules)
-        return ahead.compile_ahead(plan.order, sources, {m: self._ran[m][0] for m in plan.order})
+        # Only the edited modules: a dependent executed aside would import the live (old) providers.
+        return ahead.compile_ahead(plan.reloaded, sources, {m: self._ran[m][0] for m in plan.reloaded},
+                                   {m: self._ran[m][1].source for m in plan.reloaded})
 
     def reload(self, modules: Iterable[str] | None = None, sources: Mapping[str, bytes] | None = None) -> Transaction:
         """Re-execute changed (and forced) modules and their dependents, patching live objects.
