@@ -144,7 +144,7 @@ def bench_attention(bw: float, sweep: bool) -> None:
         kv_bytes = B * ctx * HK * D * 2 * 2
         report("paged_attention decode", f"B={B} ctx={ctx}",
                [lambda kc=kc, vc=vc: attention.paged_attention_ref(q, kc, vc, cu, sl, pt, scale) for kc, vc in caches[:2]],
-               [lambda kc=kc, vc=vc: attention.paged_attention(q, kc, vc, cu, sl, pt, scale, max_q_len=1, max_seq_len=ctx)
+               [lambda kc=kc, vc=vc: attention.paged_attention(q, kc, vc, cu, sl, pt, scale, max_q_len=1)
                 for kc, vc in caches], kv_bytes, bw, ref_capturable=False)
         if sweep:
             default = attention.decode_num_splits(B, HK, q.device)

@@ -1,4 +1,5 @@
-"""Per-step batch metadata, set once by the model runner and read by the attention and logits layers.
+"""Per-forward batch metadata, set by the model runner (and by the graphs while they capture), read by the
+attention and logits layers.
 
 One object instead of threading these tensors through every forward (as nano-vllm does).
 """
@@ -15,8 +16,7 @@ class Context:
     page_table: torch.Tensor  # [B, max_pages] int32
     slot_mapping: torch.Tensor  # [T] int64, -1 for padding rows
     logits_indices: torch.Tensor  # [S] int64: rows whose next token is sampled
-    max_q_len: int
-    max_seq_len: int
+    max_q_len: int  # longest query of the batch: 1 takes the decode kernel
     # Set by prefill graphs: attention layers hand q, k, v to it instead of attending (a graph break).
     attention_break: Callable | None = None
 

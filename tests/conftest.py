@@ -43,11 +43,15 @@ def make_engine(tiny_model_dir):
 
 
 @pytest.fixture(scope="session")
-def tiny_server(tiny_model_dir, tmp_path_factory):
+def tiny_server_log(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("serve") / "serve.log"
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model_dir, tiny_server_log):
     """URL of a `tsdev serve` subprocess on the tiny checkpoint, shared by the tests that only send requests."""
     from serve_process import serve
 
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
     args = [str(tiny_model_dir), "--device", "cpu", "--max-model-len", "1024", "--served-model-name", "tiny"]
-    with serve(args, log) as url:
+    with serve(args, tiny_server_log) as url:
         yield url

@@ -59,3 +59,14 @@ def test_generation_through_graphs_equals_eager_as_the_batch_changes(make_engine
     graphed = make_engine(cudagraph_capture_sizes=[2, 8]).generate(prompts, params)  # rows change owner as seqs finish
     eager = make_engine(enforce_eager=True).generate(prompts, params)
     assert [r["token_ids"] for r in graphed] == [r["token_ids"] for r in eager]
+
+
+def test_a_one_token_prefill_chunk_that_samples_nothing_keeps_the_batch_off_the_decode_graphs(make_engine):
+    # 3 decodes use 3 of the 4 tokens of budget; the new prompt gets a 1-token chunk that does not sample
+    prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11], list(range(20, 50))]
+    params = [SamplingParams(max_tokens=6, temperature=0.8, seed=i, ignore_eos=True) for i in range(3)]
+    params.append(SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True))
+    kwargs = dict(max_batched_tokens=4, max_running=4)
+    graphed = make_engine(cudagraph_capture_sizes=[4], **kwargs).generate(prompts, params)
+    eager = make_engine(enforce_eager=True, **kwargs).generate(prompts, params)
+    assert [r["token_ids"] for r in graphed] == [r["token_ids"] for r in eager]

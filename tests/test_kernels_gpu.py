@@ -125,7 +125,7 @@ DECODE_CASES = {
 def test_decode_attention(case, page_size, dtype):
     seq_lens = DECODE_CASES[case] or torch.randint(1, 1500, (256,)).tolist()
     q, kc, vc, cu, sl, pt = paged_batch(seq_lens, [1] * len(seq_lens), page_size, dtype)
-    got = attention.paged_attention(q, kc, vc, cu, sl, pt, D**-0.5, max_q_len=1, max_seq_len=max(seq_lens))
+    got = attention.paged_attention(q, kc, vc, cu, sl, pt, D**-0.5, max_q_len=1)
     torch.testing.assert_close(got, attention.paged_attention_ref(q, kc, vc, cu, sl, pt, D**-0.5), **tol(dtype, loose=True))
 
 
@@ -142,17 +142,17 @@ PREFILL_CASES = {
 def test_prefill_attention(case, page_size, dtype):
     seq_lens, q_lens = PREFILL_CASES[case]
     q, kc, vc, cu, sl, pt = paged_batch(seq_lens, q_lens, page_size, dtype)
-    got = attention.paged_attention(q, kc, vc, cu, sl, pt, D**-0.5, max_q_len=max(q_lens), max_seq_len=max(seq_lens))
+    got = attention.paged_attention(q, kc, vc, cu, sl, pt, D**-0.5, max_q_len=max(q_lens))
     torch.testing.assert_close(got, attention.paged_attention_ref(q, kc, vc, cu, sl, pt, D**-0.5), **tol(dtype, loose=True))
     # without the host hints the op finds max_q_len itself (one sync) and agrees
     torch.testing.assert_close(attention.paged_attention(q, kc, vc, cu, sl, pt, D**-0.5), got, atol=0, rtol=0)
 
 
 def test_decode_graph_replays_with_new_lengths_and_pages():
-    """Capture once at max_seq_len = a large bound, replay with other seq_lens / page tables in place."""
+    """Capture once, replay with other seq_lens / page tables written in place."""
     B, page_size, max_len = 8, 16, 4096
     q, kc, vc, cu, sl, pt = paged_batch([4096] * B, [1] * B, page_size, torch.bfloat16)
-    run = lambda: attention.paged_attention(q, kc, vc, cu, sl, pt, D**-0.5, max_q_len=1, max_seq_len=max_len)
+    run = lambda: attention.paged_attention(q, kc, vc, cu, sl, pt, D**-0.5, max_q_len=1)
     run()  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

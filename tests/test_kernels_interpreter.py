@@ -250,5 +250,5 @@ def test_public_ops_use_the_references_on_cpu():
     want = sampling.sample_ref(logits, temps, top_ks, top_ps, sampling.exponential_noise(seeds, torch.arange(50)))
     assert torch.equal(sampling.sample(logits, temps, top_ks, top_ps, seeds, max_top_k=0), want)
     q, kc, vc, cu, sl, pt = paged_batch([6, 3], [2, 1], 2, 1, 8, 4)
-    assert torch.equal(attention.paged_attention(q, kc, vc, cu, sl, pt, 0.5, max_q_len=2, max_seq_len=6),
+    assert torch.equal(attention.paged_attention(q, kc, vc, cu, sl, pt, 0.5, max_q_len=2),
                        attention.paged_attention_ref(q, kc, vc, cu, sl, pt, 0.5))

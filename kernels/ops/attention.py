@@ -332,7 +332,6 @@ def paged_attention(
     scale: float,
     *,
     max_q_len: int | None = None,
-    max_seq_len: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a mixed batch over the paged KV cache (this step's K/V already stored).
@@ -343,11 +342,10 @@ def paged_attention(
     Returns [T, Hq, D] in q's dtype (written into `out` when given), softmax in float32. Rows owned by no
     sequence are left unspecified (the reference zeros them).
 
-    max_q_len / max_seq_len are host ints (the runner's Context has them), so choosing the kernel never
+    max_q_len is a host int (the runner's Context has it), so choosing the kernel never
     waits on the GPU: max_q_len == 1 takes the decode kernel, whose grid depends only on the batch size
     and head counts (safe to capture once and replay with other seq_lens / page tables); otherwise the
-    prefill kernel, whose grid covers max_q_len. max_seq_len is an upper bound, accepted for callers that
-    have it and currently unused. Leaving max_q_len out costs one device->host sync to find it.
+    prefill kernel, whose grid covers max_q_len. Leaving max_q_len out costs one device->host sync to find it.
     """
     if not use_triton(q):
         return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, out=out)

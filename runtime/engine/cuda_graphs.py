@@ -13,10 +13,10 @@ from runtime.context import Context, set_context
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, sizes: list[int], max_pages_per_seq: int, max_seq_len: int,
+    def __init__(self, model: torch.nn.Module, sizes: list[int], max_pages_per_seq: int,
                  vocab_size: int, pad_page: int, device: torch.device):
         self.model, self.sizes, self.device = model, sorted(set(sizes)), device
-        self.max_seq_len, self.pad_page = max_seq_len, pad_page
+        self.pad_page = pad_page
         n = self.sizes[-1]
         with device:
             # rows: input ids, positions, KV slots, sequence lengths (one copy from the host per step)
@@ -97,7 +97,7 @@ class DecodeGraphs:
         set_context(Context(
             cu_seqlens_q=self.cu_seqlens_q[: size + 1], seq_lens=seq_lens.to(torch.int32),
             page_table=self.page_table[:size], slot_mapping=slots,
-            logits_indices=self.rows[:size], max_q_len=1, max_seq_len=self.max_seq_len,
+            logits_indices=self.rows[:size], max_q_len=1,
         ))
         try:
             hidden = self.model(input_ids, positions)

@@ -18,7 +18,7 @@ from runtime.engine.block_manager import BlockManager
 from runtime.engine.detokenizer import Detokenizer
 from runtime.engine.model_runner import NVTX_DOMAIN, ModelRunner
 from runtime.engine.scheduler import ScheduledBatch, Scheduler
-from runtime.engine.sequence import PENDING, SamplingParams, Sequence, Status
+from runtime.engine.sequence import PENDING, SamplingParams, Sequence
 from runtime.weights.default_model import default_model_dir
 
 MAX_DEFAULT_MODEL_LEN = 8192
@@ -138,7 +138,9 @@ class LLMEngine:
         return outputs
 
     def _launch(self, batch: ScheduledBatch) -> _Launched:
-        self.num_prompt_tokens += sum(n for s, n in zip(batch.seqs, batch.num_tokens) if s.num_computed_tokens < s.num_prompt_tokens)
+        # prompt tokens computed (a recompute after preemption counts them again: they are computed again)
+        self.num_prompt_tokens += sum(min(n, s.num_prompt_tokens - s.num_computed_tokens)
+                                      for s, n in zip(batch.seqs, batch.num_tokens) if s.num_computed_tokens < s.num_prompt_tokens)
         tokens = self.runner.launch(batch, self.in_flight.in_flight if self.in_flight else None)
         sampling = batch.sampling
         launched = _Launched(batch, sampling, [len(seq) for seq in sampling], tokens)

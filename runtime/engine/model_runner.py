@@ -42,7 +42,7 @@ class ModelRunner:
         self.decode_graphs = self.prefill_graphs = None
         sizes = [s for s in config.cudagraph_capture_sizes if s <= config.max_running]
         if sizes and not config.enforce_eager:
-            self.decode_graphs = DecodeGraphs(self.model, sizes, -(-max_model_len // config.page_size), max_model_len,
+            self.decode_graphs = DecodeGraphs(self.model, sizes, -(-max_model_len // config.page_size),
                                               model_config.vocab_size, self.scratch_pages[0], self.device)
         buckets = prefill_buckets(config.prefill_graph_max_tokens, config.max_batched_tokens,
                                   config.prefill_graph_capture_sizes)
@@ -116,7 +116,7 @@ class ModelRunner:
         return rows, tokens.index_select(0, src).to(torch.int64)
 
     def prepare(self, batch: ScheduledBatch, in_flight=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tensors for an eager forward; sets the step context."""
+        """Input ids and positions on the device for a forward outside the decode graphs; sets the step context."""
         inputs = self.host_inputs(batch)
         max_pages = max(map(len, inputs["page_table"]))
         table = [pages + [0] * (max_pages - len(pages)) for pages in inputs["page_table"]]
@@ -127,7 +127,7 @@ class ModelRunner:
         set_context(Context(
             cu_seqlens_q=tensor(inputs["cu_seqlens_q"]), seq_lens=tensor(inputs["seq_lens"]), page_table=tensor(table),
             slot_mapping=tensor(inputs["slots"], torch.int64), logits_indices=tensor(inputs["logits_indices"], torch.int64),
-            max_q_len=max(batch.num_tokens), max_seq_len=max(inputs["seq_lens"]),
+            max_q_len=max(batch.num_tokens),
         ))
         input_ids = tensor(inputs["input_ids"], torch.int64)
         fill = self._pending_fill(inputs["pending"], in_flight)
@@ -141,19 +141,16 @@ class ModelRunner:
         replays return a view of their static output buffer). Without `use_graphs`, a plain eager forward.
         `in_flight`: (device tokens, sequence -> index) of the step still running, for PENDING inputs."""
         graphs = self.decode_graphs
-        if use_graphs and graphs and max(batch.num_tokens) == 1 and len(batch.seqs) <= graphs.max_size:
+        # Decode graphs: one token per row, every row sampling (a one-token prefill chunk that does not reach
+        # its prompt's end samples nothing, and the graph's logits are per row).
+        if (use_graphs and graphs and max(batch.num_tokens) == 1 and all(batch.sample_rows)
+                and len(batch.seqs) <= graphs.max_size):
             with nvtx.annotate("prepare", domain=NVTX_DOMAIN):
-                page = self.config.page_size
-                positions = [seq.num_computed_tokens for seq in batch.seqs]
-                input_ids = [seq.token_ids[p] for seq, p in zip(batch.seqs, positions)]
-                pending = [(row, seq) for row, (seq, t) in enumerate(zip(batch.seqs, input_ids)) if t == PENDING]
-                for row, _ in pending:
-                    input_ids[row] = 0
-                slots = [seq.pages[p // page] * page + p % page for seq, p in zip(batch.seqs, positions)]
-                seq_lens = [p + 1 for p in positions]
-                fill = self._pending_fill(pending, in_flight)
+                inputs = self.host_inputs(batch)
+                fill = self._pending_fill(inputs["pending"], in_flight)
             with nvtx.annotate("forward", domain=NVTX_DOMAIN):
-                return graphs.run(input_ids, positions, slots, seq_lens, [seq.pages for seq in batch.seqs], fill)
+                return graphs.run(inputs["input_ids"], inputs["positions"], inputs["slots"], inputs["seq_lens"],
+                                  inputs["page_table"], fill)
         with nvtx.annotate("prepare", domain=NVTX_DOMAIN):
             input_ids, positions = self.prepare(batch, in_flight)
         try:

@@ -195,7 +195,7 @@ class PrefillGraphs:
             cu_seqlens_q=torch.tensor([0, size], dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor([size], dtype=torch.int32, device=self.device),
             page_table=torch.zeros(1, 1, dtype=torch.int32, device=self.device), slot_mapping=rows,
-            logits_indices=rows, max_q_len=size, max_seq_len=size, attention_break=cut,
+            logits_indices=rows, max_q_len=size, attention_break=cut,
         ))
         torch.cuda.synchronize(self.device)
         with torch.inference_mode(), torch.cuda.stream(self.stream):  # as the engine's forwards run

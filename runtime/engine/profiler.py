@@ -4,7 +4,6 @@ CUDA_PROFILER opens a cudaProfilerStart/Stop range, which `nsys --capture-range=
 into one report per range; TORCH records a torch.profiler trace (Chrome/Perfetto JSON) per range.
 Every method runs on the engine thread.
 """
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +20,6 @@ class Range:
     output_dir: Path
     name: str
     steps_left: int
-    started: float
     torch_profiler: object = None
 
 
@@ -44,7 +42,7 @@ class StepProfiler:
             raise ValueError("CUDA_PROFILER needs a CUDA device (this server runs on the CPU): use TORCH")
         self.count += 1
         out = Path(output_dir) if output_dir else self.default_dir
-        r = Range(self.count, list(activities), num_steps, out, name or f"range-{self.count}", num_steps, time.time())
+        r = Range(self.count, list(activities), num_steps, out, name or f"range-{self.count}", num_steps)
         if "TORCH" in activities:
             kinds = [torch.profiler.ProfilerActivity.CPU]
             if self.device.type == "cuda":

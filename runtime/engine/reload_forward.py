@@ -7,8 +7,9 @@ patches live objects), warm (the startup warm-up, while the old graphs still exi
 decode graphs, then the prefill graphs; the reply's timings also carry recapture_decode and
 recapture_prefill), resume. Any failure rolls every change back and the old code keeps serving.
 
-The reloader is anything with `read_sources()`, `reload(modules=, sources=)` returning a transaction
-(`report`, `commit()`, `rollback()`): tsdev's `tsdev.hotreload.Reloader`, or another library's.
+The reloader is anything with `read_sources()`, `plan(sources=, modules=)` and `reload(modules=, sources=)`
+returning a transaction (`report`, `commit()`, `rollback()`), optionally `compile_ahead(sources=, modules=)`:
+tsdev's `tsdev.hotreload.Reloader`, or another library's.
 """
 import asyncio
 import sys
@@ -19,7 +20,6 @@ from dataclasses import dataclass, field
 
 from runtime.engine.async_engine import AsyncEngine
 
-STEPS = ("drain", "flush", "reload", "warm", "recapture")
 REMEMBERED_IDS = 256
 
 
@@ -170,7 +170,7 @@ class ReloadForward:
             await self.async_engine.run_on_engine_thread(
                 lambda: self.async_engine.engine.runner.capture_graphs(strict=False))  # prefill may fall back to eager
         except Exception as exc:
-            print(f"FATAL: after a failed reload ({why}), recapturing the decode graphs with the old code failed: "
+            print(f"FATAL: after a failed reload ({why}), recapturing the CUDA graphs with the old code failed: "
                   f"{describe_error(exc)}. The server cannot serve safely and stops.", file=sys.stderr, flush=True)
             import os
             os._exit(70)

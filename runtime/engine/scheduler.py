@@ -19,14 +19,11 @@ class ScheduledBatch:
     # Whether each sequence reaches its last token in this step, so its next token is sampled (fixed when
     # the batch is made: the step advances num_computed_tokens afterwards).
     sample_rows: list[bool] = field(init=False)
+    sampling: list[Sequence] = field(init=False)  # the sequences that sample this step, in batch order
 
     def __post_init__(self):
         self.sample_rows = [s.num_computed_tokens + n == len(s) for s, n in zip(self.seqs, self.num_tokens)]
-
-    @property
-    def sampling(self) -> list[Sequence]:
-        """The sequences that sample this step, in batch order."""
-        return [s for s, samples in zip(self.seqs, self.sample_rows) if samples]
+        self.sampling = [s for s, samples in zip(self.seqs, self.sample_rows) if samples]
 
     @property
     def total_tokens(self) -> int:

@@ -28,5 +28,5 @@ class Attention(nn.Module):
         attn_ops.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         return attn_ops.paged_attention(
             q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.seq_lens, ctx.page_table, self.scale,
-            max_q_len=ctx.max_q_len, max_seq_len=ctx.max_seq_len, out=out,
+            max_q_len=ctx.max_q_len, out=out,
         )

@@ -202,7 +202,7 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader=None) -> FastA
             if not task.done() and await request.is_disconnected():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-                return Response(status_code=499)
+                raise APIError(499, "the client disconnected; the request was aborted", type_="client_closed_request")
         try:
             return task.result()
         except EngineError as exc:
