@@ -1,33 +1,22 @@
 """The decode-graph path (on CPU the same padded static batch runs eagerly instead of replaying)."""
 import torch
 
-from runtime.engine.scheduler import ScheduledBatch
-from runtime.engine.sequence import SamplingParams, Sequence
-
-GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-
-
-def decode_batch(engine, lengths):
-    """Sequences with their prompt (but the last token) already in the cache, ready to decode one token."""
-    seqs = []
-    for i, n in enumerate(lengths):
-        seq = Sequence(f"s{i}", [(13 * i + 7 * j) % 1000 + 1 for j in range(n)], GREEDY)
-        assert engine.block_manager.allocate(seq, n)
-        seqs.append(seq)
-    prefill = ScheduledBatch(seqs, [n - 1 for n in lengths])
-    engine.runner.compute_logits(prefill)
-    for seq, n in zip(seqs, lengths):
-        seq.num_computed_tokens = n - 1
-    return ScheduledBatch(seqs, [1] * len(seqs))
+from batches import GREEDY, decode_batch
+from runtime.engine.cuda_graphs import DecodeGraphs
+from runtime.engine.sequence import SamplingParams
 
 
-def test_graph_path_equals_eager_and_pads_to_the_next_size(make_engine):
+def test_graph_path_equals_eager_and_pads_to_the_next_size(make_engine, monkeypatch):
     engine = make_engine(cudagraph_capture_sizes=[2, 4, 8])
     timings = engine.runner.capture_graphs()["decode"]
     assert sorted(timings) == [2, 4, 8]
     batch = decode_batch(engine, [5, 9, 14])  # 3 sequences -> the size-4 graph with one padding row
     eager = engine.runner.compute_logits(batch, use_graphs=False).clone()
+    sizes = []
+    forward = DecodeGraphs._forward
+    monkeypatch.setattr(DecodeGraphs, "_forward", lambda self, size: sizes.append(size) or forward(self, size))
     graphed = engine.runner.compute_logits(batch).clone()
+    assert sizes == [4]
     torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5)
 
 

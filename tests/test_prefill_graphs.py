@@ -6,7 +6,7 @@ import socket
 import pytest
 import torch
 
-from prefill_batches import CASES, make_batch, written_slots
+from batches import CASES, make_batch, written_slots
 from runtime.engine.prefill_graphs import PrefillGraphs, all_ranks_agree, prefill_buckets
 from runtime.engine.sequence import SamplingParams
 from tsdev.cli import join_list_flags, parse_sizes, prefill_capture_sizes

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 import torch
 
-from prefill_batches import CASES, make_batch, written_slots
+from batches import CASES, make_batch, written_slots
 from runtime.config import EngineConfig
 from runtime.engine.async_engine import AsyncEngine
 from runtime.engine.llm_engine import LLMEngine
@@ -50,7 +50,8 @@ def test_replay_equals_eager_and_padding_writes_no_kv(tiny_model_dir, dtype, tol
         kv.copy_(before)
         graph = replayed(engine, batch)
         torch.testing.assert_close(graph, eager, rtol=tol, atol=tol, msg=lambda m: f"{case}: {m}")
-        assert torch.equal(graph.argmax(-1), eager.argmax(-1)) or dtype == "bfloat16"
+        if dtype == "float32":  # bf16 near-ties may flip the argmax; the logits tolerance above covers it
+            assert torch.equal(graph.argmax(-1), eager.argmax(-1))
         torch.testing.assert_close(kv, eager_kv, rtol=tol, atol=tol)
         changed = (kv != before).flatten(4).any(-1).any(1).any(0)
         assert {tuple(x) for x in changed.nonzero().tolist()} == written_slots(engine, batch), case

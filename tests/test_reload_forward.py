@@ -152,7 +152,7 @@ def test_streams_in_flight_complete_across_a_reload(server):
     for t in threads:
         t.join(60)
     assert reply["ok"]
-    assert all(r == (r[0], ["length"]) for r in results), results
+    assert [r[1] for r in results] == [["length"]] * 4, results  # each ended once, by length, no error
     assert late["finish_reason"] == "length"
 
 
@@ -206,7 +206,7 @@ def test_concurrent_reloads_run_one_after_the_other(server):
     assert len(starts) == 2 and len(ends) == 2 and ends[0] < starts[1]  # serialized
     steps = [e["step"] for e in mine[: ends[0]] if e["type"] == "reload_step" and e["state"] == "done"]
     assert steps == ["jit", "drain", "flush", "reload", "warm", "recapture"]
-    assert all(e.get("seconds", 0) >= 0 for e in mine if e["type"] == "reload_step")
+    assert all(e["seconds"] >= 0 for e in mine if e["type"] == "reload_step" and e["state"] != "started")
 
 
 def test_pause_is_kept_across_a_reload_and_continue_resumes(server):

@@ -29,7 +29,7 @@ def test_default_model_on_cuda_has_the_qwen3_0_6b_shape_and_generates():
 
 
 def test_graph_replay_equals_eager_on_cuda(tiny_model_dir):
-    from test_decode_graphs import decode_batch
+    from batches import decode_batch
 
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cuda", dtype="float32", kv_pages=256,
                                     page_size=4, cudagraph_capture_sizes=[1, 4, 8]))

@@ -45,12 +45,12 @@ def test_stop_string_ends_generation_and_is_not_returned(make_engine):
 
 def test_eos_stops_unless_ignored(make_engine):
     engine = make_engine()
-    eos = next(iter(engine.eos))
-    engine.eos = {eos}
     out = engine.generate([PROMPT], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]["token_ids"]
     engine.eos = {out[3]}  # pretend the 4th generated token is the end of sequence
     stopped = engine.generate([PROMPT], SamplingParams(max_tokens=30, temperature=0))[0]
     assert stopped["token_ids"] == out[: out.index(out[3]) + 1] and stopped["finish_reason"] == "stop"
+    ignored = engine.generate([PROMPT], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
+    assert ignored["token_ids"] == out and ignored["finish_reason"] == "length"
 
 
 def test_the_kernel_path_promise_follows_the_rows_parameters():

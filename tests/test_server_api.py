@@ -101,19 +101,27 @@ def test_chat_without_messages_is_refused(client):
 def test_models_health_and_metrics(client):
     assert client.get("/health").json() == {"status": "ok"}
     assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
-    client.post("/v1/completions", json={"prompt": "metrics", "max_tokens": 2})
+    def generated(text: str) -> float:
+        return next(float(line.split()[1]) for line in text.splitlines() if line.startswith("tsdev_generation_tokens_total"))
+
+    before = generated(client.get("/metrics").text)
+    client.post("/v1/completions", json={"prompt": "metrics", "max_tokens": 2, "ignore_eos": True})
     text = client.get("/metrics").text
     for name in ("tsdev_requests_running", "tsdev_requests_waiting", "tsdev_kv_pages_used",
                  "tsdev_generation_tokens_per_second", "tsdev_step_seconds_bucket", "tsdev_prefix_cache_hit_rate"):
         assert name in text
-    generated = next(float(line.split()[1]) for line in text.splitlines() if line.startswith("tsdev_generation_tokens_total"))
-    assert generated >= 2
+    assert generated(text) - before == 2
 
 
-def test_return_token_ids_gives_the_generated_ids(client):
+def test_return_token_ids_gives_the_generated_ids(client, tiny_model_dir):
+    from runtime.config import EngineConfig
+    from runtime.engine.llm_engine import LLMEngine
+    from runtime.engine.sequence import SamplingParams
+
     req = {"prompt": [3, 4, 5], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
     whole = client.post("/v1/completions", json=req).json()["choices"][0]["token_ids"]
-    assert len(whole) == 6 and all(isinstance(t, int) for t in whole)
+    offline = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", max_model_len=128, kv_pages=256))
+    assert whole == offline.generate([[3, 4, 5]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]["token_ids"]
     with client.stream("POST", "/v1/completions", json={**req, "stream": True}) as r:
         streamed = [t for e in sse_events(r) for t in e["choices"][0]["token_ids"]]
     assert streamed == whole

@@ -127,26 +127,25 @@ def test_an_edit_outside_the_reloadable_packages_cannot_restart_an_attached_serv
     assert "restart it yourself" in warning and server.reloads == []
 
 
-def test_profile_key_records_the_next_reloads_probe(tmp_path):
-    project, server = make_project(tmp_path), FakeServer()
+@pytest.mark.parametrize("each", [False, True], ids=["p-key-profiles-the-next-reload", "profile-each-reload"])
+def test_profiling_covers_the_next_reload_or_every_reload(tmp_path, each):
+    project, server, events = make_project(tmp_path), FakeServer(), []
 
-    def act(daemon):
-        daemon.arm_profile()
-        (project / "kernels/ops/act.py").write_text("def act(x):\n    return x + 1\n")
+    async def main():
+        daemon, task = await running(project, server, events)
+        if each:
+            daemon.config.profile_each_reload = True
+        else:
+            daemon.arm_profile()
+        for n in (1, 2):
+            (project / "kernels/ops/act.py").write_text(f"def act(x):\n    return x + {n}\n")
+            await until(lambda: len(finished(events)) == n)
+        await stop(daemon, task)
 
-    session(project, server, act)
-    assert server.profiles == [{"activities": ["TORCH"], "num_steps": 4, "name": "watch-reload-1"}]
-
-
-def test_profile_each_reload_records_every_reloads_probe(tmp_path):
-    project, server = make_project(tmp_path), FakeServer()
-
-    def act(daemon):
-        daemon.config.profile_each_reload = True
-        (project / "kernels/ops/act.py").write_text("def act(x):\n    return x + 2\n")
-
-    session(project, server, act)
-    assert server.profiles == [{"activities": ["TORCH"], "num_steps": 4, "name": "watch-reload-1"}]
+    asyncio.run(main())
+    names = [p["name"] for p in server.profiles]
+    assert names == (["watch-reload-1", "watch-reload-2"] if each else ["watch-reload-1"])
+    assert all(p["activities"] == ["TORCH"] and p["num_steps"] == 4 for p in server.profiles)
 
 
 def test_server_flags_pass_through_and_model_is_found():

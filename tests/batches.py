@@ -1,4 +1,4 @@
-"""Prefill and mixed batches on real pages, for the prefill-graph tests (CPU and GPU)."""
+"""Batches on real pages for the graph tests (CPU and GPU): prefill, mixed, prefix-cached, decode."""
 from runtime.engine.scheduler import ScheduledBatch
 from runtime.engine.sequence import SamplingParams, Sequence
 
@@ -38,3 +38,8 @@ def written_slots(engine, batch: ScheduledBatch) -> set[tuple[int, int]]:
     page = engine.config.page_size
     return {(seq.pages[p // page], p % page) for seq, n in zip(batch.seqs, batch.num_tokens)
             for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n)}
+
+
+def decode_batch(engine, lengths: list[int]) -> ScheduledBatch:
+    """Sequences with all but their last token in the cache, each decoding one token."""
+    return make_batch(engine, [(n, n - 1) for n in lengths])
