@@ -21,6 +21,8 @@ from pathlib import Path
 
 import httpx
 
+from tsdev.client import wait_until_healthy
+
 ROOT = Path(__file__).resolve().parent.parent
 FILE = "kernels/ops/activation.py"
 OLD = "tl.store(OUT + row * I + cols, (act * up)"
@@ -46,14 +48,7 @@ def main() -> None:
     proc = subprocess.Popen([sys.executable, "-m", "tsdev", "serve", "--allow-reload-forward", "--port", str(args.port),
                              *args.server_args], cwd=project, env=env)
     try:
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-            if proc.poll() is not None:
-                sys.exit("the server failed to start")
+        wait_until_healthy(url, proc, interval=0.05)
         baseline = timed_request(url)[0]
         restart = time.perf_counter() - start
         steady = timed_request(url)[1]

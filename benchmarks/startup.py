@@ -12,8 +12,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-import httpx
+from tsdev.client import wait_until_healthy
 
 
 def start_once(port: int, server_args: list[str]) -> tuple[float, str]:
@@ -22,16 +23,8 @@ def start_once(port: int, server_args: list[str]) -> tuple[float, str]:
     proc = subprocess.Popen([sys.executable, "-m", "tsdev", "serve", "--port", str(port), *server_args],
                             stdout=log, stderr=subprocess.STDOUT)
     try:
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                sys.exit(f"the server exited with {proc.returncode}:\n{log.read()[-3000:]}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
+        wait_until_healthy(f"http://127.0.0.1:{port}", proc, log=lambda: Path(log.name).read_text()[-3000:],
+                           interval=0.05)
         wall = time.perf_counter() - begin
     finally:
         proc.terminate()

@@ -55,8 +55,10 @@ def format_worker(worker: dict) -> str:
     return line
 
 
-def wait_until_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float = 600, log=None) -> None:
-    """Poll GET /health until it answers 200; fail early if `proc` (the server) exits. `log()` adds context."""
+def wait_until_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float = 600, log=None,
+                       interval: float = 0.2) -> None:
+    """Poll GET /health every `interval` s until it answers 200; fail early if `proc` (the server) exits.
+    `log()` adds context."""
     deadline = time.monotonic() + timeout
     while True:
         if proc is not None and proc.poll() is not None:
@@ -69,4 +71,4 @@ def wait_until_healthy(url: str, proc: subprocess.Popen | None = None, timeout: 
             pass
         if time.monotonic() > deadline:
             raise TimeoutError(f"the server at {url} was not healthy within {timeout:.0f} s" + (f":\n{log()}" if log else ""))
-        time.sleep(0.2)
+        time.sleep(interval)
