@@ -109,7 +109,7 @@ def serve(
     gpu_memory_utilization: Annotated[float, typer.Option(help="Fraction of GPU memory the server may use in all.")] = 0.9,
     no_prefix_caching: Annotated[bool, typer.Option("--no-prefix-caching", help="Do not share KV pages between requests with a common prefix.")] = False,
     served_model_name: Annotated[Optional[str], typer.Option(help="Model name in the API; default: the checkpoint directory's name.")] = None,
-    seed: Annotated[int, typer.Option(help="Seed for the weights of nothing but sampling of unseeded requests.")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the noise for requests that give no seed of their own.")] = 0,
     cudagraph_capture_sizes: Annotated[Optional[str], typer.Option(
         help="Decode batch sizes to capture as CUDA graphs, e.g. `--cudagraph-capture-sizes 1 16 64`; larger "
              "batches run eagerly. Default: 1 2 4 8 16 24 ... 256 (up to --max-running). Fewer sizes capture "

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +22,9 @@ MARK = "tsdev hook"  # found in every snippet: re-installing replaces ours and n
 
 
 def command(url: str | None = None) -> list[str]:
-    """The reload command with absolute paths: editors do not see the shell's PATH or virtualenv."""
-    exe = shutil.which("tsdev")
-    base = [exe] if exe else [sys.executable, "-m", "tsdev"]
-    return [*base, "reload", *(["--url", url] if url and url != DEFAULT_URL else []), "--file"]
+    """The reload command with absolute paths (editors do not see the shell's PATH or virtualenv): this
+    interpreter's tsdev, not whichever `tsdev` comes first on PATH."""
+    return [sys.executable, "-m", "tsdev", "reload", *(["--url", url] if url and url != DEFAULT_URL else []), "--file"]
 
 
 @dataclass

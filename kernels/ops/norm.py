@@ -1,8 +1,8 @@
 """RMSNorm, with and without the residual add fused in front of it.
 
 One Triton program normalises one row. The kernel follows the reference's rounding order (normalise in
-float32, round to the input dtype, multiply by the weight, round again) so bf16 outputs agree with
-Hugging Face's Qwen3RMSNorm to the last bit in almost every element.
+float32, round to the input dtype, multiply by the weight, round again), as Hugging Face's Qwen3RMSNorm
+does (the tests compare bf16 within a bf16 ulp, not bit for bit).
 """
 import torch
 import triton
