@@ -157,3 +157,15 @@ def test_server_flags_pass_through_and_model_is_found():
     with pytest.raises(ValueError, match="at most one MODEL"):
         split_server_args(["a", "b"], SERVE_FLAGS)
 
+
+
+def test_a_reload_line_carries_the_replys_warnings_and_stale_definitions():
+    from fake_server import ok_worker
+    from tsdev.watch.plain import reload_line
+
+    record = ReloadRecord(1, "save", files=["kernels/ops/act.py"], done=True)
+    record.worker = ok_worker(warnings=["compiling ahead failed, kernels compile during the warm step: boom"],
+                              stale=[{"name": "kernels.ops.act.Table"}])
+    line = reload_line(record)
+    assert "warning: compiling ahead failed, kernels compile during the warm step: boom" in line
+    assert "stale (could not be patched): kernels.ops.act.Table" in line

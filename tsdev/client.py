@@ -33,6 +33,15 @@ def _graph_split(timings: dict) -> str:
     return f" ({', '.join(f'{k} {s:.2f}' for k, s in kinds)})" if kinds else ""
 
 
+def worker_notes(worker: dict) -> list[str]:
+    """What a successful reload still wants the user to know: warnings, and definitions left stale."""
+    notes = [f"warning: {w}" for w in worker.get("warnings") or []]
+    if worker.get("stale"):
+        names = ", ".join(s.get("name", "?") if isinstance(s, dict) else str(s) for s in worker["stale"])
+        notes.append(f"stale (could not be patched): {names}")
+    return notes
+
+
 def format_worker(worker: dict) -> str:
     """One line per worker, as DESIGN.md shows it, with rich markup (stripped when not a terminal)."""
     t = worker.get("timings", {})
@@ -45,11 +54,8 @@ def format_worker(worker: dict) -> str:
             f"warmed in {t.get('warm', 0):.2f} s; recaptured in {t.get('recapture', 0):.2f} s{_graph_split(t)}; "
             f"JIT-compiled {worker.get('jit_kernels', 0)} kernel(s) in {t.get('jit', 0):.2f} s; "
             f"serving paused {t.get('pause', 0):.2f} s")
-    for warning in worker.get("warnings") or []:
-        line += f"\n[yellow]warning: {warning}[/yellow]"
-    if worker.get("stale"):
-        names = ", ".join(s.get("name", "?") if isinstance(s, dict) else str(s) for s in worker["stale"])
-        line += f"\n[yellow]stale (could not be patched): {names}[/yellow]"
+    for note in worker_notes(worker):
+        line += f"\n[yellow]{note}[/yellow]"
     if worker.get("needs_restart"):
         line += f"\n[yellow]needs restart: {', '.join(worker['needs_restart'])} changed outside the reloadable packages[/yellow]"
     return line

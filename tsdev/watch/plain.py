@@ -11,6 +11,7 @@ import time
 from rich.console import Console
 from rich.markup import escape
 
+from tsdev.client import worker_notes
 from tsdev.watch.daemon import Daemon, Event, ReloadRecord, RestartRecord, WatchConfig
 
 
@@ -39,6 +40,8 @@ def checks_text(record: ReloadRecord | RestartRecord) -> list[str]:
         parts.append(record.probe.text())
     if record.note:
         parts.append(f"[dim]{escape(record.note)}[/dim]")
+    if isinstance(record, ReloadRecord) and record.worker and not record.error:
+        parts += [f"[yellow]{escape(note)}[/yellow]" for note in worker_notes(record.worker)]
     return parts
 
 
