@@ -85,3 +85,25 @@ def test_chunked_prefill_runs_beside_decodes(make_engine):
     batch = engine.scheduler.schedule()
     assert [s.request_id for s in batch.seqs] == ["short", "long"]
     assert batch.num_tokens == [1, 7]
+
+
+
+def test_a_request_waiting_for_pages_counts_its_prefix_lookup_once():
+    from runtime.engine.scheduler import Scheduler
+
+    bm = BlockManager(num_pages=10, page_size=4)
+    cached = Sequence("cached", list(range(12)), GREEDY)
+    assert bm.allocate(cached, 12)
+    cached.num_computed_tokens = 12
+    bm.commit_full_pages(cached)
+    bm.free_pages(cached)  # 3 full pages stay in the prefix cache
+    scheduler = Scheduler(bm, max_running=4, max_batched_tokens=64, max_model_len=100)
+    scheduler.add(Sequence("hog", [500 + i for i in range(28)], GREEDY))
+    scheduler.schedule()  # the hog takes the 7 uncached pages
+    scheduler.add(Sequence("late", list(range(12)) + [99], GREEDY))
+    for _ in range(3):
+        assert [s.request_id for s in scheduler.schedule().seqs] == ["hog"]  # late waits: no page for its last token
+    assert (bm.hits, bm.queries) == (0, 1)  # only the hog's lookup (a miss) so far
+    scheduler.finish(scheduler.find("hog"), "length")
+    assert [s.request_id for s in scheduler.schedule().seqs] == ["late"]
+    assert (bm.hits, bm.queries) == (3, 3 + 1)  # late: 3 cached pages found, counted once

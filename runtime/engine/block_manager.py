@@ -43,14 +43,21 @@ class BlockManager:
         for start in range(0, len(seq) - self.page_size, self.page_size):
             h = self._chain(seq, start)
             page = self.hash_to_page.get(h)
-            self.queries += 1
             if page is None:
                 break
-            self.hits += 1
             self._take(page)
             seq.pages.append(page)
             seq.page_hashes.append(h)
         seq.num_computed_tokens = seq.num_cached_tokens = len(seq.pages) * self.page_size
+
+    def count_lookup(self, seq: Sequence) -> None:
+        """Add an admitted sequence's prefix lookup to the hit rate (once per admission: a sequence that waits
+        for pages is matched again each step)."""
+        if self.enable_prefix_caching:
+            candidates = len(range(0, len(seq) - self.page_size, self.page_size))  # the pages match_prefix may look up
+            hits = seq.num_cached_tokens // self.page_size
+            self.hits += hits
+            self.queries += min(hits + 1, candidates)
 
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Give `seq` the pages for `num_tokens` more tokens; False (and nothing taken) if the pool is short."""

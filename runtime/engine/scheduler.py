@@ -72,6 +72,7 @@ class Scheduler:
                 self.block_manager.free_pages(seq)
                 break
             self.waiting.popleft()
+            self.block_manager.count_lookup(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
             scheduled[seq] = n
