@@ -8,23 +8,36 @@ import httpx
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
-def reload_forward(url: str, modules: list[str] | None = None, mode: str = "wait",
-                   timeout_s: float | None = None, request_id: str | None = None) -> dict:
-    """POST reload_forward and return the reply; raises httpx errors and RuntimeError for refusals."""
+RELOAD_ROUTE = "/v1/rl/engine/reload_forward"
+
+
+def reload_body(modules: list[str] | None = None, mode: str = "wait", timeout_s: float | None = None,
+                request_id: str | None = None) -> dict:
     body = {"id": request_id or f"reload-{uuid.uuid4().hex[:12]}", "mode": mode}
     if modules:
         body["modules"] = modules
     if timeout_s:
         body["timeout_s"] = timeout_s
-    response = httpx.post(f"{url.rstrip('/')}/v1/rl/engine/reload_forward", json=body,
-                          timeout=None if timeout_s is None else timeout_s + 30)
+    return body
+
+
+def reply_or_raise(response: httpx.Response) -> dict:
+    """The JSON reply of a 200; RuntimeError("status: the error's message") otherwise."""
     if response.status_code != 200:
         try:
             message = response.json()["error"]["message"]
         except (ValueError, KeyError, TypeError):
-            message = response.text
+            message = response.text[:300]
         raise RuntimeError(f"{response.status_code}: {message}")
     return response.json()
+
+
+def reload_forward(url: str, modules: list[str] | None = None, mode: str = "wait",
+                   timeout_s: float | None = None, request_id: str | None = None) -> dict:
+    """POST reload_forward and return the reply; raises httpx errors and RuntimeError for refusals."""
+    response = httpx.post(url.rstrip("/") + RELOAD_ROUTE, json=reload_body(modules, mode, timeout_s, request_id),
+                          timeout=None if timeout_s is None else timeout_s + 30)
+    return reply_or_raise(response)
 
 
 def _graph_split(timings: dict) -> str:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import httpx
 
+from tsdev.client import RELOAD_ROUTE, reload_body, reply_or_raise
 from tsdev.watch import checks
 from tsdev.watch.watcher import Changes, Packages, Watcher
 
@@ -435,11 +436,8 @@ class Daemon:
         return [m for m in on_disk if m in loaded]
 
     async def _post_reload(self, rid: str, modules: list[str] | None) -> dict:
-        body = {"id": rid, "mode": "wait", **({"modules": modules} if modules else {})}
-        response = await self._client.post(self.config.url + "/v1/rl/engine/reload_forward", json=body)
-        if response.status_code != 200:
-            raise RuntimeError(f"{response.status_code}: {response.text[:300]}")
-        return response.json()
+        response = await self._client.post(self.config.url + RELOAD_ROUTE, json=reload_body(modules, request_id=rid))
+        return reply_or_raise(response)
 
     async def _finish(self, record: ReloadRecord, worker: dict) -> None:
         record.worker, record.current = worker, None
