@@ -19,13 +19,12 @@ Triton paths (CUDA), picked from host ints so no step waits on the GPU:
   prefix (query row j of a sequence sits at position seq_len - q_len + j).
 K/V rows are gathered token by token through the page table, so any page size works.
 """
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.ops import use_triton
+from kernels.ops import sm_count, use_triton
 
 LOG2E = 1.4426950408889634
 
@@ -190,17 +189,12 @@ def _decode_merge_kernel(
         tl.store(O + row * stride_ot + head * stride_oh + d, out.to(O.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-@functools.lru_cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
     """KV splits per sequence: enough programs for ~4 per SM. Depends on shapes only (graph-safe), never on
     seq_lens, so a captured graph and an eager step on the same batch run the same arithmetic."""
     if device.type != "cuda":
         return 2
-    return max(1, min(64, triton.cdiv(4 * _sm_count(device.index or 0), batch * num_kv_heads)))
+    return max(1, min(64, triton.cdiv(4 * sm_count(device.index or 0), batch * num_kv_heads)))
 
 
 def paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale,

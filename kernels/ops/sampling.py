@@ -20,13 +20,12 @@ CUDA paths, picked by the host-side promise `max_top_k` (the caller knows every 
   noise for the candidates' columns. No full-vocabulary sort.
 * None: anything goes: the reference's full sort for the filters, then the Triton race.
 """
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.ops import use_triton
+from kernels.ops import sm_count, use_triton
 
 _M1, _M2 = 0x21F0AAAD, 0xD35A2D97  # "lowbias32"-style 32-bit integer hash (C. Wellons' hash-prospector)
 _SEED_SALT = 0x9E3779B9
@@ -149,18 +148,13 @@ def _race_kernel(
     tl.store(BEST_IDX + row * num_splits + split, idx)
 
 
-@functools.lru_cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def race_triton(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
                 num_splits: int | None = None, block: int | None = None) -> torch.Tensor:
     """argmax per row of logits / T - log E(seed, column) (T > 0) or of the logits (T == 0): [S] int64."""
     S, V = logits.shape
     block = block or (2048 if logits.is_cuda else 128)
     if num_splits is None:
-        sms = _sm_count(logits.device.index or 0) if logits.is_cuda else 2
+        sms = sm_count(logits.device.index or 0) if logits.is_cuda else 2
         num_splits = max(1, min(triton.cdiv(V, 4 * block), triton.cdiv(4 * sms, max(S, 1))))
     best_val = torch.empty(S, num_splits, dtype=torch.float32, device=logits.device)
     best_idx = torch.empty(S, num_splits, dtype=torch.int32, device=logits.device)
