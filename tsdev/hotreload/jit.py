@@ -159,10 +159,16 @@ def _forget_interpreted(fn) -> None:
         cache.pop(fn, None)
 
 
+def _registry() -> dict | None:
+    """Triton's name -> kernel registry (for deserialising constants), if this Triton has one."""
+    registry = getattr(sys.modules.get("triton.runtime.jit"), "_triton_jit_function_registry", None)
+    return registry if isinstance(registry, dict) else None
+
+
 def _reregister(new, old) -> None:
     """Triton keeps a name -> kernel registry (for deserialising constants): keep the live one there."""
-    registry = getattr(sys.modules.get("triton.runtime.jit"), "_triton_jit_function_registry", None)
-    if not isinstance(registry, dict):
+    registry = _registry()
+    if registry is None:
         return
     for key, value in list(registry.items()):
         if value is new:
@@ -171,8 +177,8 @@ def _reregister(new, old) -> None:
 
 def snapshot_registry():
     """An undo for everything the re-executed decorators wrote into Triton's registry."""
-    registry = getattr(sys.modules.get("triton.runtime.jit"), "_triton_jit_function_registry", None)
-    if not isinstance(registry, dict):
+    registry = _registry()
+    if registry is None:
         return lambda: None
     saved = dict(registry)
 
@@ -206,6 +212,6 @@ def _kernels_in(modules):
         for value in list(vars(module).values()):
             if is_kernel(value):
                 yield value
-    registry = getattr(sys.modules.get("triton.runtime.jit"), "_triton_jit_function_registry", None)
-    if isinstance(registry, dict):
+    registry = _registry()
+    if registry is not None:
         yield from list(registry.values())

@@ -26,6 +26,7 @@ _LRU = type(functools.lru_cache(maxsize=None)(lambda: None))
 _SLOTS = (types.MemberDescriptorType, types.GetSetDescriptorType)  # bound to one class's layout
 _KEEP_IN_CLASS = {"__dict__", "__weakref__", "_abc_impl"}
 _DESCRIPTORS = (staticmethod, classmethod, property, functools.cached_property)
+_DESCRIPTOR_FUNCTIONS = ("__func__", "fget", "fset", "fdel", "func")  # where each kind keeps its function
 _REHOME_MAX = 1000  # module-level containers larger than this are tables: not scanned on every reload
 TARGET = "__tsdev_target__"  # kw-only default through which a redirected function finds its replacement
 
@@ -90,7 +91,7 @@ class Patcher:
         if jit.is_kernel(old) and jit.is_kernel(new) and type(old) is type(new):
             return jit.merge(self, old, new, module, name)
         if isinstance(old, _DESCRIPTORS) and type(old) is type(new):
-            for attr in ("__func__", "fget", "fset", "fdel", "func"):
+            for attr in _DESCRIPTOR_FUNCTIONS:
                 o, n = getattr(old, attr, None), getattr(new, attr, None)
                 if o is not None and n is not None:
                     self.merge(o, n, module, name)
@@ -298,7 +299,7 @@ def _underlying(obj: Any) -> Any:
     if isinstance(obj, _LRU):
         return obj.__wrapped__
     if isinstance(obj, _DESCRIPTORS):
-        return next((f for a in ("__func__", "fget", "fset", "func") if (f := getattr(obj, a, None))), None)
+        return next((f for a in _DESCRIPTOR_FUNCTIONS if (f := getattr(obj, a, None))), None)
     return obj
 
 
@@ -342,7 +343,7 @@ def _functions_in(value, depth: int = 3):
     if depth == 0:
         return
     if isinstance(value, _DESCRIPTORS):
-        for attr in ("__func__", "fget", "fset", "fdel", "func"):
+        for attr in _DESCRIPTOR_FUNCTIONS:
             yield from _functions_in(getattr(value, attr, None), depth)
     elif isinstance(value, types.FunctionType):
         yield value
