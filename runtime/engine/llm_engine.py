@@ -186,7 +186,7 @@ class LLMEngine:
         """Whether the sequence ends with `token`, its `length`-th token."""
         if stopped or (token in self.eos and not seq.params.ignore_eos):
             return "stop"
-        if length - seq.num_prompt_tokens >= seq.params.max_tokens or length >= self.max_model_len:
+        if seq.at_length_limit(length, self.max_model_len):
             return "length"
         return None
 

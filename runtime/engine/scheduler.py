@@ -51,7 +51,7 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.num_uncomputed > 1):
             if seq.status is not Status.RUNNING or budget == 0:
                 continue
-            if seq.num_output_tokens >= seq.params.max_tokens or len(seq) >= self.max_model_len:
+            if seq.at_length_limit(len(seq), self.max_model_len):
                 continue  # its last token is being sampled by the step in flight
             n = min(seq.num_uncomputed, budget)
             while not self.block_manager.allocate(seq, n):
