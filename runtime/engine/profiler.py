@@ -23,6 +23,10 @@ class Range:
     torch_profiler: object = None
 
 
+class RangeOpen(ValueError):
+    """A capture range is open: another cannot start yet (the HTTP layer answers 409)."""
+
+
 class StepProfiler:
     def __init__(self, device: torch.device, default_dir: Path = Path("profiles")):
         self.device, self.default_dir = device, default_dir
@@ -31,7 +35,7 @@ class StepProfiler:
 
     def start(self, activities: list[str], num_steps: int, output_dir: str | None = None, name: str | None = None) -> dict:
         if self.active is not None:
-            raise ValueError(f"capture range {self.active.n} is still open ({self.active.steps_left} of "
+            raise RangeOpen(f"capture range {self.active.n} is still open ({self.active.steps_left} of "
                              f"{self.active.num_steps} steps left): wait for it or POST /stop_profile first")
         unknown = [a for a in activities if a not in ACTIVITIES]
         if unknown or not activities:

@@ -7,6 +7,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
 from runtime.engine.async_engine import AsyncEngine
+from runtime.engine.profiler import RangeOpen
 from runtime.engine.reload_forward import ReloadForward, ReloadRequest
 
 RELOAD_DISABLED = ("reload_forward is disabled on this server: start it with `tsdev serve --allow-reload-forward` "
@@ -85,7 +86,7 @@ def add_control_routes(app: FastAPI, async_engine: AsyncEngine, reload_forward: 
         try:
             info = await ae.run_on_engine_thread(ae.profiler.start, body.activities, body.num_steps, body.output_dir, body.name)
         except ValueError as exc:
-            status = 409 if "still open" in str(exc) else 400
+            status = 409 if isinstance(exc, RangeOpen) else 400
             raise api_error(status, str(exc), None, "invalid_request_error") from None
         ae.publish({"type": "profile_started", **info})
         return info
