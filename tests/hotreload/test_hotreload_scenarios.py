@@ -419,8 +419,9 @@ def test_forced_module_list(pkg):
     pkg.mod("b")
     m.get("x")
     r = pkg.reloader()
-    assert r.reload().report.reloaded == []  # nothing changed: nothing runs
-    r._pending.commit()
+    noop = r.reload()
+    assert noop.report.reloaded == []  # nothing changed: nothing runs
+    noop.commit()
     report = pkg.reload(r, modules=pkg.full("a"))
     assert report.reloaded == pkg.full("a") and report.dependents == pkg.full("b")
     assert m.CACHE == {}  # module-level caches start empty
@@ -553,7 +554,7 @@ def test_default_packages_from_pyproject(tmp_path):
 
 
 def test_nn_module_forward_edit_keeps_weights(pkg):
-    torch = __import__("pytest").importorskip("torch")
+    torch = pytest.importorskip("torch")
     pkg.write("layers", """
         import torch
         class Scale(torch.nn.Module):
