@@ -2,6 +2,7 @@
 
     python3 benchmarks/decode_step.py                       # Qwen3-0.6B shape, bf16, context 512
     python3 benchmarks/decode_step.py --batch-sizes 1 8 --context 2048
+    python3 benchmarks/decode_step.py --batch-sizes 1 128 --breakdown   # + GPU time per kernel of a replay
 
 The floor is the time to read every weight once plus each sequence's KV cache, at the copy bandwidth
 measured in the same run. "step" is what the runner pays per decode step (host prep, graph replay,
@@ -55,6 +56,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--iters", type=int, default=100)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also print the GPU time per kernel name of one graph replay (torch profiler)")
     parser.add_argument("--prefill-graph-max-tokens", type=int, default=2048, help="0: no prefill graphs")
     args = parser.parse_args()
 
@@ -69,6 +72,7 @@ def main() -> None:
           f"context {args.context}, graphs {runner.decode_graphs.sizes if runner.decode_graphs else 'off'}")
     print(f"{'batch':>5} {'step ms':>8} {'graph ms':>8} {'engine ms':>9} {'floor ms':>8} {'step/floor':>10} {'tok/s':>9} {'GB/s':>7}")
     params = SamplingParams(max_tokens=1, temperature=args.temperature, ignore_eos=True)
+    breakdown = []
     for bs in args.batch_sizes:
         seqs = []
         for i in range(bs):
@@ -80,12 +84,37 @@ def main() -> None:
         step = time_cuda(lambda: runner.run(batch), args.iters)
         size = next(s for s in runner.decode_graphs.sizes if s >= bs) if runner.decode_graphs and bs <= runner.decode_graphs.max_size else None
         graph = time_cuda(runner.decode_graphs.graphs[size].replay, args.iters) if size in (runner.decode_graphs.graphs if runner.decode_graphs else {}) else float("nan")
+        if args.breakdown and size in runner.decode_graphs.graphs:
+            breakdown.append((bs, kernel_breakdown(runner.decode_graphs.graphs[size].replay, args.iters)))
         for seq in seqs:
             bm.free_pages(seq)
         engine_step = engine_step_time(engine, bs, args.context, args.iters, args.temperature)
         floor = (weight_bytes + bs * args.context * kv_bytes_per_token) / bandwidth
         print(f"{bs:>5} {step * 1e3:>8.3f} {graph * 1e3:>8.3f} {engine_step * 1e3:>9.3f} {floor * 1e3:>8.3f} {step / floor:>10.2f} "
               f"{bs / step:>9,.0f} {(weight_bytes + bs * args.context * kv_bytes_per_token) / step / 1e9:>7.0f}")
+    for bs, kernels in breakdown:
+        total = sum(us for us, _ in kernels.values())
+        print(f"\nbatch {bs}: {total:.1f} us of kernels per replay ({sum(n for _, n in kernels.values()):.0f} launches)")
+        for name, (us, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0]):
+            print(f"{us:>9.1f} us {us / total:>6.1%} {n:>6.0f}x  {name[:110]}")
+
+
+def kernel_breakdown(replay, iters: int) -> dict[str, tuple[float, float]]:
+    """GPU microseconds and launches per replay, by kernel name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            replay()
+        torch.cuda.synchronize()
+    kernels: dict[str, tuple[float, float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            us, n = kernels.get(event.name, (0.0, 0.0))
+            kernels[event.name] = (us + event.device_time_total / iters, n + 1 / iters)
+    return kernels
 
 
 def engine_step_time(engine: LLMEngine, batch: int, context: int, iters: int, temperature: float) -> float:

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from benchmarks.decode_step import copy_bandwidth
-from kernels.ops import activation, attention, norm, rope, sampling
+from kernels.ops import activation, attention, linear, norm, rope, sampling
 
 HQ, HK, D, HIDDEN, INTER, VOCAB, LAYERS = 16, 8, 128, 1024, 3072, 151936, 28
 BF16 = torch.bfloat16
@@ -202,10 +202,47 @@ def bench_sampling(bw: float) -> None:
                [lambda: sampling.race_triton(logits, torch.zeros_like(temps), seeds)], S * VOCAB * 4, bw)
 
 
+# (name, N, K, calls per decode step)
+PROJECTIONS = [("qkv_proj", (HQ + 2 * HK) * D, HIDDEN, LAYERS), ("o_proj", HIDDEN, HQ * D, LAYERS),
+               ("gate_up_proj", 2 * INTER, HIDDEN, LAYERS), ("down_proj", HIDDEN, INTER, LAYERS),
+               ("lm_head", VOCAB, HIDDEN, 1)]
+
+
+def bench_linear(bw: float, sweep: bool) -> None:
+    """cuBLAS (F.linear) vs the Triton GEMV at one row (decode at batch 1), 28 weights per projection like a
+    step. With --sweep: the GEMV's configurations ranked by the time of one step's projections."""
+    weights = {name: [rand(n, k, scale=k ** -0.5) for _ in range(min(calls, 28))] for name, n, k, calls in PROJECTIONS}
+    inputs = {k: rand(1, k) for _, _, k, _ in PROJECTIONS}
+    for name, n, k, _ in PROJECTIONS:
+        x = inputs[k]
+        report(f"linear {name}", f"1x{k} @ {k}x{n}", [lambda w=w: linear.linear_ref(x, w) for w in weights[name]],
+               [lambda w=w: linear.gemv_triton(x, w) for w in weights[name]], n * k * 2, bw)
+    if not sweep:
+        return
+    configs = itertools.product((2, 4, 8, 16), (256, 512, 1024), (2, 4, 8), (2, 3))
+    per_step = {}
+    for bn, bk, warps, stages in configs:
+        times = [graph_ms([lambda w=w, x=inputs[k]: linear.gemv_triton(x, w, None, bn, bk, warps, stages)
+                           for w in weights[name]]) for name, n, k, _ in PROJECTIONS]
+        total = sum((t if t is not None else float("inf")) * calls for t, (*_, calls) in zip(times, PROJECTIONS))
+        per_step[(bn, bk, warps, stages)] = (total, times)
+    names = " ".join(name for name, *_ in PROJECTIONS)
+    print(f"  sweep GEMV: (block_n, block_k, warps, stages): us per step ({names}: us each)")
+    for config, (total, times) in sorted(per_step.items(), key=lambda kv: kv[1][0])[:8]:
+        print(f"    {config}: {total * 1e3:.1f} us ({' '.join(f'{t * 1e3:.1f}' for t in times)})")
+    for i, (name, *_rest) in enumerate(PROJECTIONS):
+        config, (_, times) = min(per_step.items(), key=lambda kv: kv[1][1][i] or float("inf"))
+        print(f"    best for {name}: {config} {times[i] * 1e3:.1f} us")
+    cublas = [graph_ms([lambda w=w, x=inputs[k]: linear.linear_ref(x, w) for w in weights[name]])
+              for name, n, k, _ in PROJECTIONS]
+    print(f"    cuBLAS: {sum(t * calls for t, (*_, calls) in zip(cublas, PROJECTIONS)) * 1e3:.1f} us per step "
+          f"({' '.join(f'{t * 1e3:.1f}' for t in cublas)})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="*", default=["rows", "attention", "sampling"])
-    parser.add_argument("--sweep", action="store_true", help="decode attention: time every num_splits x block_n")
+    parser.add_argument("--only", nargs="*", default=["rows", "linear", "attention", "sampling"])
+    parser.add_argument("--sweep", action="store_true", help="time the configurations of the linear and attention kernels")
     args = parser.parse_args()
     bw = copy_bandwidth(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bw / 1e9:.0f} GB/s\n")
@@ -213,6 +250,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     if "rows" in args.only:
         bench_rows()
+    if "linear" in args.only:
+        bench_linear(bw, args.sweep)
     if "attention" in args.only:
         bench_attention(bw, args.sweep)
     if "sampling" in args.only:

@@ -10,7 +10,7 @@ import zlib
 import pytest
 import torch
 
-from kernels.ops import activation, attention, norm, rope, sampling
+from kernels.ops import activation, attention, linear, norm, rope, sampling
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -80,6 +80,23 @@ def test_rope_and_qk_norm_rope(dtype, T):
 def test_silu_and_mul(dtype, T):
     x = rand(T, 2 * INTER, dtype=dtype, scale=3)
     torch.testing.assert_close(activation.silu_and_mul(x), activation.silu_and_mul_ref(x), **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,K", [((HQ + 2 * HK) * D, HIDDEN), (HIDDEN, HQ * D), (2 * INTER, HIDDEN),
+                                 (HIDDEN, INTER), (1000, 1000), (37, 77)])
+def test_linear_one_row_runs_the_gemv(dtype, N, K, monkeypatch):
+    x, w, b = rand(1, K, dtype=dtype), rand(N, K, dtype=dtype, scale=K ** -0.5), rand(N, dtype=dtype)
+    calls = []
+    gemv = linear.gemv_triton
+    monkeypatch.setattr(linear, "gemv_triton", lambda *a, **k: calls.append(1) or gemv(*a, **k))
+    for bias in (None, b):
+        torch.testing.assert_close(linear.linear(x, w, bias), linear.linear_ref(x, w, bias), **tol(dtype))
+    assert len(calls) == 2
+    rows = rand(3, K, dtype=dtype)
+    assert torch.equal(linear.linear(rows, w), linear.linear_ref(rows, w)) and len(calls) == 2  # cuBLAS
+    monkeypatch.setenv("TSDEV_KERNELS", "ref:linear")
+    assert torch.equal(linear.linear(x, w), linear.linear_ref(x, w)) and len(calls) == 2
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

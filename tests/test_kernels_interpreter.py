@@ -11,7 +11,8 @@ import zlib
 import pytest
 import torch
 
-from kernels.ops import activation, attention, norm, rope, sampling
+import kernels.ops
+from kernels.ops import activation, attention, linear, norm, rope, sampling
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests are for CPU machines")
 
@@ -53,6 +54,39 @@ def test_fused_add_rms_norm():
     torch.testing.assert_close(out, ref_out, **TOL)
     torch.testing.assert_close(res, ref_res, **TOL)
     assert torch.equal(x, x0) and torch.equal(r, r0)  # inputs untouched
+
+
+# --- linear -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("N,K,block_n,block_k", [(40, 72, 4, 32), (33, 100, 8, 64), (17, 19, 2, 16), (5, 300, 16, 512)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv(N, K, block_n, block_k, bias):
+    x, w = torch.randn(1, K), torch.randn(N, K)
+    b = torch.randn(N) if bias else None
+    got = linear.gemv_triton(x, w, b, block_n=block_n, block_k=block_k)
+    torch.testing.assert_close(got, linear.linear_ref(x, w, b), **TOL)
+
+
+def test_gemv_keeps_leading_dims_and_refuses_several_rows():
+    x, w = torch.randn(1, 1, 24), torch.randn(8, 24)
+    assert linear.gemv_triton(x, w).shape == (1, 1, 8)
+    with pytest.raises(ValueError, match="one row"):
+        linear.gemv_triton(torch.randn(2, 24), w)
+
+
+@pytest.mark.parametrize("value,families", [("triton", set()), ("ref", set(kernels.ops.FAMILIES)),
+                                            ("ref:linear", {"linear"}), ("ref:linear,rope", {"linear", "rope"})])
+def test_tsdev_kernels_sends_families_to_their_references(monkeypatch, value, families):
+    monkeypatch.setenv("TSDEV_KERNELS", value)
+    assert kernels.ops.reference_families() == families
+
+
+@pytest.mark.parametrize("value", ["torch", "ref:gemm", "ref:"])
+def test_tsdev_kernels_rejects_what_it_does_not_know(monkeypatch, value):
+    monkeypatch.setenv("TSDEV_KERNELS", value)
+    with pytest.raises(ValueError, match="TSDEV_KERNELS"):
+        kernels.ops.reference_families()
 
 
 # --- rope -------------------------------------------------------------------------------------------
@@ -250,7 +284,8 @@ def test_public_ops_use_the_references_on_cpu(monkeypatch):
         raise AssertionError("a Triton entry point ran for CPU tensors")
 
     for module, name in ((sampling, "race_triton"), (sampling, "sample_top_k_triton"),
-                         (attention, "paged_decode_triton"), (attention, "paged_prefill_triton")):
+                         (attention, "paged_decode_triton"), (attention, "paged_prefill_triton"),
+                         (linear, "gemv_triton")):
         monkeypatch.setattr(module, name, triton_called)
     logits, temps, seeds = sampling_batch(V=50)
     top_ks, top_ps = torch.zeros(8, dtype=torch.int64), torch.ones(8)
@@ -259,3 +294,5 @@ def test_public_ops_use_the_references_on_cpu(monkeypatch):
     q, kc, vc, cu, sl, pt = paged_batch([6, 3], [2, 1], 2, 1, 8, 4)
     assert torch.equal(attention.paged_attention(q, kc, vc, cu, sl, pt, 0.5, max_q_len=2),
                        attention.paged_attention_ref(q, kc, vc, cu, sl, pt, 0.5))
+    x, w = torch.randn(1, 16), torch.randn(4, 16)
+    assert torch.equal(linear.linear(x, w), linear.linear_ref(x, w))

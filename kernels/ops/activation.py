@@ -44,6 +44,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
     Float32 inside; rounded to x's dtype after the SiLU and after the product, like the reference.
     """
-    if use_triton(x):
+    if use_triton(x, "activation"):
         return silu_and_mul_triton(x)
     return silu_and_mul_ref(x)

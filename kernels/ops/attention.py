@@ -310,7 +310,7 @@ def store_kvcache(
     """Write k, v [T, Hk, D] (last dim contiguous; v may be a strided view of the qkv projection) into
     k_cache, v_cache [num_pages, page_size, Hk, D] at slot_mapping [T] (int64, page * page_size + offset).
     Rows whose slot is -1 (graph padding) write nothing. In place; no sync."""
-    if use_triton(k):
+    if use_triton(k, "attention"):
         store_kvcache_triton(k, v, k_cache, v_cache, slot_mapping)
     else:
         store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
@@ -341,7 +341,7 @@ def paged_attention(
     and head counts (safe to capture once and replay with other seq_lens / page tables); otherwise the
     prefill kernel, whose grid covers max_q_len. Leaving max_q_len out costs one device->host sync to find it.
     """
-    if not use_triton(q):
+    if not use_triton(q, "attention"):
         return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, out=out)
     if max_q_len is None:
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if seq_lens.numel() else 0

@@ -89,7 +89,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     projection is read in place). weight: [N]. Float32 statistics; the result is rounded to x's dtype
     before the weight multiply, as Hugging Face does. Triton on CUDA, the reference elsewhere.
     """
-    if use_triton(x):
+    if use_triton(x, "norm"):
         return rms_norm_triton(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
 
@@ -102,6 +102,6 @@ def fused_add_rms_norm(
     x, residual: same shape [..., N]. The sum is rounded to the input dtype before it is normalised
     (as the reference, which adds in that dtype), and returned as the next layer's residual.
     """
-    if use_triton(x):
+    if use_triton(x, "norm"):
         return rms_norm_triton(x, weight, eps, residual)
     return fused_add_rms_norm_ref(x, residual, weight, eps)

@@ -123,7 +123,7 @@ def apply_rope(
     cos_sin_cache: [max_positions, D] float32 from `rope_cos_sin_cache`; cast to q's dtype before use,
     as Hugging Face does. Returns new contiguous (q, k) in their dtype.
     """
-    if use_triton(q):
+    if use_triton(q, "rope"):
         return rope_triton(q, k, positions, cos_sin_cache)
     return apply_rope_ref(q, k, positions, cos_sin_cache)
 
@@ -138,6 +138,6 @@ def qk_norm_rope(
     rounding included. q/k may be strided views of a fused qkv projection (last dim contiguous).
     Returns new contiguous (q [T, Hq, D], k [T, Hk, D]).
     """
-    if use_triton(q):
+    if use_triton(q, "rope"):
         return rope_triton(q, k, positions, cos_sin_cache, q_weight, k_weight, eps)
     return qk_norm_rope_ref(q, k, q_weight, k_weight, eps, positions, cos_sin_cache)

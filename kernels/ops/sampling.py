@@ -273,7 +273,7 @@ def sample(
     1 <= top_k <= K: topk(K) candidates; None (default) = no promise: a full sort, the slowest path.
     A wrong promise gives wrong draws, not an error. On CPU the reference runs (promise ignored).
     """
-    if not use_triton(logits):
+    if not use_triton(logits, "sampling"):
         cols = torch.arange(logits.shape[1], device=logits.device)
         return sample_ref(logits, temperatures, top_ks, top_ps, exponential_noise(seeds, cols))
     if max_top_k == 0:

@@ -1,7 +1,8 @@
 """Linear layers. Merged projections (q|k|v, gate|up) run as one matmul and load per shard."""
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from kernels.ops import linear as linear_ops
 
 
 class Linear(nn.Module):
@@ -11,7 +12,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear_ops.linear(x, self.weight, self.bias)
 
 
 class MergedLinear(Linear):
