@@ -15,9 +15,16 @@ from tsdev.client import worker_notes
 from tsdev.watch.daemon import Daemon, Event, ReloadRecord, RestartRecord, WatchConfig
 
 
+def split_text(steps: dict[str, float], name: str) -> str:
+    """" (decode 0.16, prefill 0.06)" after the recapture step when the reply split it, else ""."""
+    kinds = [(kind, steps[f"{name}_{kind}"]) for kind in ("decode", "prefill") if f"{name}_{kind}" in steps]
+    return f" ({', '.join(f'{kind} {seconds:.2f}' for kind, seconds in kinds)})" if kinds else ""
+
+
 def steps_text(record: ReloadRecord) -> str:
     steps = record.steps
-    parts = [f"{name} {steps[name]:.2f}" for name in (*record.step_order(), "total") if name in steps]
+    parts = [f"{name} {steps[name]:.2f}{split_text(steps, name)}" for name in (*record.step_order(), "total")
+             if name in steps]
     kernels = (record.worker or {}).get("jit_kernels")
     text = " ".join(parts) + " s" if parts else ""
     return text + (f" ({kernels} kernel(s) compiled)" if kernels else "")
