@@ -43,6 +43,23 @@ def test_graph_replay_equals_eager_on_cuda(tiny_model_dir):
             engine.block_manager.free_pages(seq)
 
 
+def test_decode_graphs_run_eagerly_under_other_kernel_settings(tiny_model_dir, monkeypatch):
+    from batches import decode_batch
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cuda", dtype="float32", kv_pages=256,
+                                    cudagraph_capture_sizes=[1, 4]))
+    batch = decode_batch(engine, [5, 9, 3])
+    graphed = engine.runner.compute_logits(batch).clone()
+
+    def replay():
+        raise AssertionError("replayed a graph captured with the Triton kernels under TSDEV_KERNELS=ref")
+
+    for graph in engine.runner.decode_graphs.graphs.values():
+        monkeypatch.setattr(graph, "replay", replay)
+    monkeypatch.setenv("TSDEV_KERNELS", "ref")
+    torch.testing.assert_close(engine.runner.compute_logits(batch), graphed, rtol=1e-4, atol=1e-4)
+
+
 def test_greedy_on_cuda_matches_transformers(tiny_model_dir):
     import transformers
 
@@ -54,3 +71,22 @@ def test_greedy_on_cuda_matches_transformers(tiny_model_dir):
         expected.append(out[0, len(prompt):].tolist())
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cuda", dtype="float32", kv_pages=256))
     assert [r["token_ids"] for r in engine.generate(PROMPTS, GREEDY)] == expected
+
+
+def test_no_sampling_kernel_compiles_while_serving():
+    """The warm-up compiles every sampling kernel binary a request can pick (top-k's one per candidate block)."""
+    from kernels.ops import sampling
+
+    def binaries():
+        return {name: sum(len(cache[0]) for cache in kernel.device_caches.values())
+                for name, kernel in vars(sampling).items() if hasattr(kernel, "device_caches")}
+
+    engine = LLMEngine(EngineConfig(model=None, device="cuda", max_running=8, max_model_len=2048))
+    compiled = binaries()
+    assert compiled["_candidates_kernel"] == len(sampling.candidate_blocks(1024)) and compiled["_race_kernel"] >= 1
+    filters = [(1, 1.0), (7, 1.0), (50, 0.95), (333, 1.0), (1000, 0.5), (0, 0.9), (0, 1.0), (20, 0.8)]
+    params = [SamplingParams(max_tokens=4, temperature=0.8, top_k=k, top_p=p, seed=i, ignore_eos=True)
+              for i, (k, p) in enumerate(filters)]
+    out = engine.generate([PROMPTS[i % 3] for i in range(len(params))], params)
+    assert [len(r["token_ids"]) for r in out] == [4] * len(params)
+    assert binaries() == compiled

@@ -172,7 +172,7 @@ def race_triton(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.T
 # Triton: top-k / top-p / the race on torch.topk's candidates, one program per row
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K", "stride_v", "stride_c"])  # one binary per BLOCK_K, whatever the top_k
 def _candidates_kernel(
     VALUES, COLS, TEMPS, TOP_KS, TOP_PS, SEEDS, OUT, K, stride_v, stride_c,
     SALT: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -230,6 +230,16 @@ def _topk(logits: torch.Tensor, k: int, chunks: int) -> tuple[torch.Tensor, torc
     return values, cols.gather(1, best)
 
 
+def candidate_block(k: int) -> int:
+    """The candidate kernel's BLOCK_K for k candidates: one compiled binary per value."""
+    return max(16, triton.next_power_of_2(k))
+
+
+def candidate_blocks(max_top_k: int) -> list[int]:
+    """Every BLOCK_K that a top_k in 1..max_top_k uses (the warm-up compiles them all)."""
+    return [2**i for i in range(4, candidate_block(max_top_k).bit_length())]
+
+
 def sample_top_k_triton(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
                         seeds: torch.Tensor, max_top_k: int, topk_chunks: int | None = None) -> torch.Tensor:
     """Rows whose top_k is in 1..max_top_k (greedy rows: anything): the filters and the race on the
@@ -243,7 +253,7 @@ def sample_top_k_triton(logits: torch.Tensor, temperatures: torch.Tensor, top_ks
     if S:
         _candidates_kernel[(S,)](
             values, cols, temperatures, top_ks, top_ps, seeds, out, k, values.stride(0), cols.stride(0),
-            SALT=_SEED_SALT, BLOCK_K=max(16, triton.next_power_of_2(k)), num_warps=4 if k <= 1024 else 8,
+            SALT=_SEED_SALT, BLOCK_K=candidate_block(k), num_warps=4 if k <= 1024 else 8,
         )
     return out
 

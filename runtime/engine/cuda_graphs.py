@@ -3,13 +3,20 @@
 A decode batch of n sequences runs the graph of the smallest captured size >= n; the extra rows are
 padding (slot -1: they write no KV; their logits are dropped). Inputs live in static buffers that each
 step overwrites. On CPU nothing is captured and `run` executes the same padded static batch eagerly,
-so CPU tests exercise everything but the capture itself.
+so CPU tests exercise everything but the capture itself. A step under other capture-time properties
+(`graph_properties`) than the capture's runs eagerly rather than replaying the wrong kernels.
 """
+import os
 import time
 
 import torch
 
 from runtime.context import Context, set_context
+
+
+def graph_properties() -> tuple:
+    """What a capture depends on besides the code: a forward under other properties runs eagerly."""
+    return os.environ.get("TSDEV_KERNELS", "triton"), torch.is_inference_mode_enabled()
 
 
 class DecodeGraphs:
@@ -26,6 +33,7 @@ class DecodeGraphs:
             self.rows = torch.arange(n, dtype=torch.int64)
             self.logits = torch.zeros(n, vocab_size, dtype=torch.float32)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.properties: tuple = ()
         self.pool = None
         # The page table is updated incrementally: a host mirror, and which page list each row holds.
         self.host_table = torch.full((n, max_pages_per_seq), pad_page, dtype=torch.int32)
@@ -43,18 +51,20 @@ class DecodeGraphs:
         (and the code they were captured from) keep serving.
         """
         graphs, timings = {}, {}
-        for size in reversed(self.sizes):
-            start = time.perf_counter()
-            if self.device.type == "cuda":
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    self._forward(size)
-                self.pool = graph.pool()
-                graphs[size] = graph
-            timings[size] = time.perf_counter() - start
+        with torch.inference_mode():  # as the engine's steps run
+            properties = graph_properties()
+            for size in reversed(self.sizes):
+                start = time.perf_counter()
+                if self.device.type == "cuda":
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool):
+                        self._forward(size)
+                    self.pool = graph.pool()
+                    graphs[size] = graph
+                timings[size] = time.perf_counter() - start
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.graphs = graphs
+        self.graphs, self.properties = graphs, properties
         return timings
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
@@ -74,7 +84,7 @@ class DecodeGraphs:
         for row in range(n, size):  # padding rows (length 1) read column 0 alone
             self._update_row(row, None)
         self.page_table[:size, :width].copy_(self.host_table[:size, :width], non_blocking=True)
-        if size in self.graphs:
+        if size in self.graphs and self.properties == graph_properties():
             self.graphs[size].replay()
         else:
             self._forward(size)

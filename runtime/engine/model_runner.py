@@ -209,7 +209,9 @@ class ModelRunner:
         for size in sorted({1, self.decode_graphs.max_size if self.decode_graphs else self.config.max_running}):
             seqs = [dummy(min(100 + i, longest), min(100 + i, longest) - 1, sampled if i % 2 else greedy) for i in range(size)]
             batch = ScheduledBatch(seqs, [1] * size)
-            self.sample(self.compute_logits(batch, use_graphs=False), seqs)
+            logits = self.compute_logits(batch, use_graphs=False)
+            self.sample(logits, seqs)
+        self.sampler.warm(logits[:1])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - start

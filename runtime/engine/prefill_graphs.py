@@ -15,7 +15,6 @@ attention output goes to one static buffer that every bucket and layer shares.
 On CPU nothing is captured and `forward` runs the same padded, cut forward eagerly, so CPU tests
 exercise everything but the capture itself.
 """
-import os
 import sys
 import time
 
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.context import Context, get_context, set_context
+from runtime.engine.cuda_graphs import graph_properties
 
 LADDER_START, LADDER_MIN_STEP, LADDER_MAX_STEP = 16, 16, 512
 
@@ -54,11 +54,6 @@ def _non_owning(t: torch.Tensor) -> torch.Tensor:
         "strides": tuple(s * width for s in t.stride()),
     }})()
     return torch.as_tensor(view, device=t.device).view(t.dtype)
-
-
-def graph_properties() -> tuple:
-    """What a capture depends on besides the code: a forward under other properties runs eagerly."""
-    return os.environ.get("TSDEV_KERNELS", "triton"), torch.is_inference_mode_enabled()
 
 
 class _Bucket:

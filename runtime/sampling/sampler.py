@@ -34,6 +34,14 @@ class Sampler(nn.Module):
                                    tensor(top_ps, torch.float32), tensor(seeds, torch.int64),
                                    max_top_k=max_top_k([top_ks[i] for i in sampled], [top_ps[i] for i in sampled]))
 
+    def warm(self, logits: torch.Tensor) -> None:
+        """Run every sampling path a request can pick on these logits, so none compiles while serving
+        (the top-k kernel has one binary per power-of-two number of candidates)."""
+        for block in sampling_ops.candidate_blocks(MAX_CANDIDATES):
+            self(logits, [0.8], [block], [0.9], [0])
+        self(logits, [0.8], [0], [1.0], [0])  # no filters
+        self(logits, [0.8], [0], [0.9], [0])  # top-p alone: the full sort
+
 
 def max_top_k(top_ks: list[int], top_ps: list[float]) -> int | None:
     """The promise the sampling kernel needs about the sampled rows: 0 = no filters, K = every top_k in
