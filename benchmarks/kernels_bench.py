@@ -217,8 +217,22 @@ def bench_linear(bw: float, sweep: bool) -> None:
         x = inputs[k]
         report(f"linear {name}", f"1x{k} @ {k}x{n}", [lambda w=w: linear.linear_ref(x, w) for w in weights[name]],
                [lambda w=w: linear.gemv_triton(x, w) for w in weights[name]], n * k * 2, bw)
+    for m in (2, 4, 8, 16):
+        for name, n, k, _ in PROJECTIONS:
+            x = rand(m, k)
+            report(f"linear {name} (skinny)", f"{m}x{k} @ {k}x{n}", [lambda w=w: linear.linear_ref(x, w) for w in weights[name]],
+                   [lambda w=w: linear.skinny_triton(x, w) for w in weights[name]], n * k * 2, bw)
     if not sweep:
         return
+    for m in (2, 8):
+        rows = {k: rand(m, k) for _, _, k, _ in PROJECTIONS}
+        skinny = {}
+        for bn, bk, warps, stages in itertools.product((16, 32, 64), (64, 128, 256, 512), (2, 4), (2, 3, 4)):
+            times = [graph_ms([lambda w=w, x=rows[k]: linear.skinny_triton(x, w, None, bn, bk, warps, stages)
+                               for w in weights[name]]) for name, n, k, _ in PROJECTIONS]
+            skinny[(bn, bk, warps, stages)] = (sum((t or float("inf")) * c for t, (*_, c) in zip(times, PROJECTIONS)), times)
+        print_sweep(f"skinny M={m}", skinny, [graph_ms([lambda w=w, x=rows[k]: linear.linear_ref(x, w) for w in weights[name]])
+                                               for name, n, k, _ in PROJECTIONS])
     configs = itertools.product((2, 4, 8, 16), (256, 512, 1024), (2, 4, 8), (2, 3))
     per_step = {}
     for bn, bk, warps, stages in configs:
@@ -226,15 +240,20 @@ def bench_linear(bw: float, sweep: bool) -> None:
                            for w in weights[name]]) for name, n, k, _ in PROJECTIONS]
         total = sum((t if t is not None else float("inf")) * calls for t, (*_, calls) in zip(times, PROJECTIONS))
         per_step[(bn, bk, warps, stages)] = (total, times)
+    print_sweep("GEMV", per_step, [graph_ms([lambda w=w, x=inputs[k]: linear.linear_ref(x, w) for w in weights[name]])
+                                   for name, n, k, _ in PROJECTIONS])
+
+
+def print_sweep(title: str, per_step: dict, cublas: list[float]) -> None:
+    """The best configurations by one step's projection time, the best per projection, and cuBLAS's."""
     names = " ".join(name for name, *_ in PROJECTIONS)
-    print(f"  sweep GEMV: (block_n, block_k, warps, stages): us per step ({names}: us each)")
-    for config, (total, times) in sorted(per_step.items(), key=lambda kv: kv[1][0])[:8]:
-        print(f"    {config}: {total * 1e3:.1f} us ({' '.join(f'{t * 1e3:.1f}' for t in times)})")
+    print(f"  sweep {title}: (block_n, block_k, warps, stages): us per step ({names}: us each)")
+    for config, (total, times) in sorted(per_step.items(), key=lambda kv: kv[1][0])[:6]:
+        each = " ".join("-" if t is None else f"{t * 1e3:.1f}" for t in times)
+        print(f"    {config}: {total * 1e3:.1f} us ({each})")
     for i, (name, *_rest) in enumerate(PROJECTIONS):
         config, (_, times) = min(per_step.items(), key=lambda kv: kv[1][1][i] or float("inf"))
         print(f"    best for {name}: {config} {times[i] * 1e3:.1f} us")
-    cublas = [graph_ms([lambda w=w, x=inputs[k]: linear.linear_ref(x, w) for w in weights[name]])
-              for name, n, k, _ in PROJECTIONS]
     print(f"    cuBLAS: {sum(t * calls for t, (*_, calls) in zip(cublas, PROJECTIONS)) * 1e3:.1f} us per step "
           f"({' '.join(f'{t * 1e3:.1f}' for t in cublas)})")
 

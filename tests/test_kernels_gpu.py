@@ -84,19 +84,24 @@ def test_silu_and_mul(dtype, T):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("N,K", [((HQ + 2 * HK) * D, HIDDEN), (HIDDEN, HQ * D), (2 * INTER, HIDDEN),
-                                 (HIDDEN, INTER), (1000, 1000), (37, 77)])
-def test_linear_one_row_runs_the_gemv(dtype, N, K, monkeypatch):
-    x, w, b = rand(1, K, dtype=dtype), rand(N, K, dtype=dtype, scale=K ** -0.5), rand(N, dtype=dtype)
+                                 (HIDDEN, INTER), (VOCAB, HIDDEN), (37, 77)])
+def test_linear_picks_gemv_skinny_or_cublas_by_rows(dtype, N, K, monkeypatch):
+    w, b = rand(N, K, dtype=dtype, scale=K ** -0.5), rand(N, dtype=dtype)
     calls = []
-    gemv = linear.gemv_triton
-    monkeypatch.setattr(linear, "gemv_triton", lambda *a, **k: calls.append(1) or gemv(*a, **k))
-    for bias in (None, b):
-        torch.testing.assert_close(linear.linear(x, w, bias), linear.linear_ref(x, w, bias), **tol(dtype))
-    assert len(calls) == 2
-    rows = rand(3, K, dtype=dtype)
-    assert torch.equal(linear.linear(rows, w), linear.linear_ref(rows, w)) and len(calls) == 2  # cuBLAS
+    for name in ("gemv_triton", "skinny_triton"):
+        kernel = getattr(linear, name)
+        monkeypatch.setattr(linear, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
+    for rows, kernel in ((1, "gemv_triton"), (2, "skinny_triton"), (5, "skinny_triton"), (8, "skinny_triton"),
+                         (9, None), (64, None)):
+        x = rand(rows, K, dtype=dtype)
+        for bias in (None, b):
+            calls.clear()
+            torch.testing.assert_close(linear.linear(x, w, bias), linear.linear_ref(x, w, bias), **tol(dtype))
+            assert calls == ([kernel] if kernel else []), (rows, calls)
     monkeypatch.setenv("TSDEV_KERNELS", "ref:linear")
-    assert torch.equal(linear.linear(x, w), linear.linear_ref(x, w)) and len(calls) == 2
+    calls.clear()
+    x = rand(1, K, dtype=dtype)
+    assert torch.equal(linear.linear(x, w), linear.linear_ref(x, w)) and calls == []
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

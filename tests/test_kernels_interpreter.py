@@ -75,6 +75,16 @@ def test_gemv_keeps_leading_dims_and_refuses_several_rows():
         linear.gemv_triton(torch.randn(2, 24), w)
 
 
+@pytest.mark.parametrize("M,N,K,block_n,block_k", [(2, 40, 72, 16, 32), (5, 33, 100, 16, 64), (8, 64, 256, 32, 256),
+                                                   (16, 17, 19, 16, 16)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear(M, N, K, block_n, block_k, bias):
+    x, w = torch.randn(M, K), torch.randn(N, K)
+    b = torch.randn(N) if bias else None
+    got = linear.skinny_triton(x, w, b, block_n=block_n, block_k=block_k)
+    torch.testing.assert_close(got, linear.linear_ref(x, w, b), **TOL)
+
+
 @pytest.mark.parametrize("value,families", [("triton", set()), ("ref", set(kernels.ops.FAMILIES)),
                                             ("ref:linear", {"linear"}), ("ref:linear,rope", {"linear", "rope"})])
 def test_tsdev_kernels_sends_families_to_their_references(monkeypatch, value, families):
@@ -285,7 +295,7 @@ def test_public_ops_use_the_references_on_cpu(monkeypatch):
 
     for module, name in ((sampling, "race_triton"), (sampling, "sample_top_k_triton"),
                          (attention, "paged_decode_triton"), (attention, "paged_prefill_triton"),
-                         (linear, "gemv_triton")):
+                         (linear, "gemv_triton"), (linear, "skinny_triton")):
         monkeypatch.setattr(module, name, triton_called)
     logits, temps, seeds = sampling_batch(V=50)
     top_ks, top_ps = torch.zeros(8, dtype=torch.int64), torch.ones(8)
@@ -294,5 +304,6 @@ def test_public_ops_use_the_references_on_cpu(monkeypatch):
     q, kc, vc, cu, sl, pt = paged_batch([6, 3], [2, 1], 2, 1, 8, 4)
     assert torch.equal(attention.paged_attention(q, kc, vc, cu, sl, pt, 0.5, max_q_len=2),
                        attention.paged_attention_ref(q, kc, vc, cu, sl, pt, 0.5))
-    x, w = torch.randn(1, 16), torch.randn(4, 16)
-    assert torch.equal(linear.linear(x, w), linear.linear_ref(x, w))
+    for rows in (1, 3):
+        x, w = torch.randn(rows, 16), torch.randn(4, 16)
+        assert torch.equal(linear.linear(x, w), linear.linear_ref(x, w))

@@ -1,10 +1,13 @@
-"""Linear projections: y = x @ w.T (+ bias). One input row (decode at batch 1) runs a Triton GEMV;
-more rows go to cuBLAS (`F.linear`).
+"""Linear projections: y = x @ w.T (+ bias). One input row (decode at batch 1) runs a Triton GEMV, up to
+SKINNY_ROWS rows a Triton kernel with the rows padded to 16 for tl.dot; more rows go to cuBLAS (`F.linear`).
 
-At one row a projection is a pure read of its weight, which cuBLAS's kernels for that shape do not
-always do at full speed. The GEMV gives each program a block of BLOCK_N output columns: it streams
-those weight rows once in BLOCK_K chunks, multiplies them elementwise by the input in float32, and
-reduces once at the end (one rounding to the output dtype, as cuBLAS does).
+At a few rows a projection is a pure read of its weight, which cuBLAS's kernels for those shapes do not
+always do at full speed (on the H200, o_proj at 1-4 rows reads at a third of the speed of its neighbours).
+Both kernels give each program a block of BLOCK_N output columns and stream those weight rows once in
+BLOCK_K chunks, accumulating in float32 with one rounding at the end, as cuBLAS does. The GEMV multiplies
+elementwise and reduces once after the loop; the skinny kernel uses tl.dot (IEEE fp32 for fp32 inputs).
+The configurations are the best of `benchmarks/kernels_bench.py --only linear --sweep` on the H200 for the
+Qwen3-0.6B projections.
 """
 import torch
 import torch.nn.functional as F
@@ -12,6 +15,8 @@ import triton
 import triton.language as tl
 
 from kernels.ops import use_triton
+
+SKINNY_ROWS = 8
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -39,8 +44,7 @@ def _gemv_kernel(X, W, B, OUT, N, K, stride_wn,
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int = 4,
                 block_k: int = 1024, num_warps: int = 2, num_stages: int = 3) -> torch.Tensor:
-    """x [..., K] holding one row, weight [N, K] -> [..., N] in x's dtype. The default config is the best of
-    `benchmarks/kernels_bench.py --only linear --sweep` on the H200 for the Qwen3-0.6B projections."""
+    """x [..., K] holding one row, weight [N, K] -> [..., N] in x's dtype."""
     K, N = x.shape[-1], weight.shape[0]
     if x.numel() != K:
         raise ValueError(f"gemv_triton multiplies one row; x has shape {tuple(x.shape)}")
@@ -56,8 +60,53 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out
 
 
+@triton.jit
+def _skinny_kernel(X, W, B, OUT, M, N, K, stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr,
+                   IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
+    ks = tl.arange(0, BLOCK_K)
+    col_ok, row_ok = cols < N, rows < M
+    w_rows = W + cols[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + ks) < K
+        w = tl.load(w_rows + (k0 + ks)[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(X + rows[:, None] * stride_xm + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee" if IEEE else "tf32")
+    if HAS_BIAS:
+        acc += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(OUT + rows[:, None] * stride_om + cols[None, :], acc.to(OUT.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def skinny_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int = 16,
+                  block_k: int = 256, num_warps: int = 2, num_stages: int = 4) -> torch.Tensor:
+    """x [..., K] with at most 16 rows, weight [N, K] -> [..., N]: rows padded to 16 for tl.dot."""
+    K, N = x.shape[-1], weight.shape[0]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    if M > 16:
+        raise ValueError(f"skinny_triton multiplies at most 16 rows; x has {M}")
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M:
+        _skinny_kernel[(triton.cdiv(N, block_n),)](
+            x2, weight, bias if bias is not None else weight, out, M, N, K, x2.stride(0), weight.stride(0),
+            out.stride(0), HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, BLOCK_M=16, BLOCK_N=block_n,
+            BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+        )
+    return out.reshape(*x.shape[:-1], N)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ weight.T (+ bias), x [..., K]: the Triton GEMV for a single row on CUDA, else cuBLAS."""
-    if use_triton(x, "linear") and x.numel() == x.shape[-1]:
-        return gemv_triton(x, weight, bias)
+    """y = x @ weight.T (+ bias), x [..., K]. On CUDA: the GEMV for one row, the skinny kernel for up to
+    SKINNY_ROWS rows, cuBLAS above."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if use_triton(x, "linear") and 1 <= rows <= SKINNY_ROWS:
+        return gemv_triton(x, weight, bias) if rows == 1 else skinny_triton(x, weight, bias)
     return linear_ref(x, weight, bias)

@@ -205,8 +205,10 @@ class ModelRunner:
         computed = [0, max(lengths[1] - 31, 0)]
         seqs = [dummy(n, c, p) for n, c, p in zip(lengths, computed, (sampled, greedy))]
         self.run(ScheduledBatch(seqs, [n - c for n, c in zip(lengths, computed)]), use_graphs=False)
-        # decode, eagerly, at the smallest and largest batch the graphs will serve
-        for size in sorted({1, self.decode_graphs.max_size if self.decode_graphs else self.config.max_running}):
+        # decode, eagerly, at batch 1, 2 (one and a few rows take other projection kernels) and the largest
+        # batch the graphs will serve
+        largest = self.decode_graphs.max_size if self.decode_graphs else self.config.max_running
+        for size in sorted({1, min(2, largest), largest}):
             seqs = [dummy(min(100 + i, longest), min(100 + i, longest) - 1, sampled if i % 2 else greedy) for i in range(size)]
             batch = ScheduledBatch(seqs, [1] * size)
             logits = self.compute_logits(batch, use_graphs=False)
