@@ -17,6 +17,16 @@ def test_serve_reports_a_bad_model_dir_and_exits_2(tmp_path):
     assert "no config.json" in result.output
 
 
+def test_serve_refuses_an_unknown_tsdev_kernels_value(tiny_model_dir, monkeypatch):
+    import uvicorn
+
+    monkeypatch.setenv("TSDEV_KERNELS", "ref:gemm")
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: print("served despite the bad value"))
+    result = CliRunner().invoke(app, ["serve", str(tiny_model_dir), "--device", "cpu"])
+    assert result.exit_code == 2
+    assert "TSDEV_KERNELS='ref:gemm'" in result.output and "linear" in result.output
+
+
 def test_serve_on_cuda_without_a_gpu_says_so(monkeypatch):
     import torch
 

@@ -5,6 +5,7 @@ import time
 import nvtx
 import torch
 
+from kernels.ops import reference_families
 from runtime.config import EngineConfig, ModelConfig
 from runtime.context import Context, set_context
 from runtime.engine.cuda_graphs import DecodeGraphs
@@ -23,6 +24,7 @@ NVTX_DOMAIN = "tsdev"
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir, max_model_len: int):
         self.config, self.model_config = config, model_config
+        reference_families()  # a bad TSDEV_KERNELS fails here, on any device, before the weights load
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype(model_config)
         torch.manual_seed(config.seed)
