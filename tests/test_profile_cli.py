@@ -2,23 +2,38 @@
 import os
 import subprocess
 import sys
+import time
 
 from serve_process import free_port
+from tsdev.client import reload_forward
 from tsdev.profile import KernelRow, find_nsys, parse_kernel_csv, write_summary
 
 
-def test_profile_without_nsys_takes_a_torch_range_and_summarises_it(tiny_model_dir, tmp_path):
+def test_profile_without_nsys_takes_a_torch_range_per_reload_and_summarises_it(tiny_model_dir, tmp_path):
     env = {**os.environ, "PATH": "/usr/bin:/bin", "NSYS": str(tmp_path / "missing-nsys")}
-    out = tmp_path / "prof"
-    result = subprocess.run([sys.executable, "-m", "tsdev", "profile", str(tiny_model_dir), "--device", "cpu",
-                             "--max-model-len", "512", "--out", str(out), "--ranges", "1", "--num-steps", "4",
-                             "--port", str(free_port())], env=env, capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "nsys not found" in result.stdout and "missing-nsys" in result.stdout
-    assert (out / "reload-0.trace.json").exists()
-    summary = (out / "reload-0.summary.md").read_text()
-    assert "aten::" in summary and "| kernel |" in summary
-    assert (out / "reload-0.summary.csv").read_text().startswith("kind,name,total_ms")
+    out, port = tmp_path / "prof", free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tsdev", "profile", str(tiny_model_dir), "--device", "cpu",
+                             "--max-model-len", "512", "--out", str(out), "--ranges", "2", "--num-steps", "4",
+                             "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (out / "reload-0.summary.md").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "timeout"
+            time.sleep(0.5)
+        reply = reload_forward(f"http://127.0.0.1:{port}", ["runtime.layers.activation"], timeout_s=120)
+        assert reply["ok"], reply
+        stdout, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stdout
+    assert "nsys not found" in stdout and "missing-nsys" in stdout
+    for name in ("reload-0", "reload-1"):
+        assert (out / f"{name}.trace.json").exists()
+        summary = (out / f"{name}.summary.md").read_text()
+        assert "aten::" in summary and "| kernel |" in summary
+        assert (out / f"{name}.summary.csv").read_text().startswith("kind,name,total_ms")
+    assert "vs previous" in (out / "reload-1.summary.md").read_text()
 
 
 def test_find_nsys_honours_the_env_variable(tmp_path, monkeypatch):

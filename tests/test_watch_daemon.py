@@ -168,6 +168,6 @@ def test_a_reload_line_carries_the_replys_warnings_and_stale_definitions():
                               stale=[{"name": "kernels.ops.act.Table"}])
     record.steps.update(record.worker["timings"])
     line = reload_line(record)
-    assert "recapture 0.46 (decode 0.30, prefill 0.16) jit 0.08" in line
+    assert "jit 0.08 drain 0.01" in line and "recapture 0.46 (decode 0.30, prefill 0.16) pause 0.63" in line
     assert "warning: compiling ahead failed, kernels compile during the warm step: boom" in line
     assert "stale (could not be patched): kernels.ops.act.Table" in line

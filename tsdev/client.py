@@ -33,16 +33,17 @@ def reply_or_raise(response: httpx.Response) -> dict:
 
 
 def reload_forward(url: str, modules: list[str] | None = None, mode: str = "wait",
-                   timeout_s: float | None = None, request_id: str | None = None) -> dict:
+                   timeout_s: float | None = None) -> dict:
     """POST reload_forward and return the reply; raises httpx errors and RuntimeError for refusals."""
-    response = httpx.post(url.rstrip("/") + RELOAD_ROUTE, json=reload_body(modules, mode, timeout_s, request_id),
+    response = httpx.post(url.rstrip("/") + RELOAD_ROUTE, json=reload_body(modules, mode, timeout_s),
                           timeout=None if timeout_s is None else timeout_s + 30)
     return reply_or_raise(response)
 
 
-def _graph_split(timings: dict) -> str:
-    """' (decode 0.25, prefill 0.20)' when the server reports the two graph kinds apart."""
-    kinds = [(k, timings[f"recapture_{k}"]) for k in ("decode", "prefill") if f"recapture_{k}" in timings]
+def graph_split(timings: dict, step: str = "recapture") -> str:
+    """' (decode 0.25, prefill 0.20)' after the recapture step when the server reports the two graph kinds
+    apart; '' for any other step."""
+    kinds = [(k, timings[f"{step}_{k}"]) for k in ("decode", "prefill") if f"{step}_{k}" in timings]
     return f" ({', '.join(f'{k} {s:.2f}' for k, s in kinds)})" if kinds else ""
 
 
@@ -64,7 +65,7 @@ def format_worker(worker: dict) -> str:
     reloaded = ", ".join(worker.get("reloaded") or []) or "nothing (no source changed)"
     line = (f"{rank}reloaded [bold]{reloaded}[/bold] and {len(worker.get('dependents') or [])} dependent module(s), "
             f"{worker.get('patched', 0)} object(s) patched in {t.get('reload', 0):.2f} s;\n"
-            f"warmed in {t.get('warm', 0):.2f} s; recaptured in {t.get('recapture', 0):.2f} s{_graph_split(t)}; "
+            f"warmed in {t.get('warm', 0):.2f} s; recaptured in {t.get('recapture', 0):.2f} s{graph_split(t)}; "
             f"JIT-compiled {worker.get('jit_kernels', 0)} kernel(s) in {t.get('jit', 0):.2f} s; "
             f"serving paused {t.get('pause', 0):.2f} s")
     for note in worker_notes(worker):

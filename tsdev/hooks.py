@@ -29,7 +29,6 @@ def command(url: str | None = None) -> list[str]:
 
 @dataclass
 class Hook:
-    editor: str
     where: str  # where it goes, in words
     text: str
     note: str = ""
@@ -49,11 +48,11 @@ def snippet(editor: str, url: str | None = None) -> Hook:
         settings = {"emeraldwalk.runonsave": {"commands": [
             {"match": "\\.py$", "isAsync": True, "cmd": f"{shlex.join(cmd)} \"${{file}}\"",
              "message": "tsdev: reloading the server's forward pass"}]}}
-        return Hook(editor, ".vscode/settings.json in the project (merge the key into existing settings)",
+        return Hook(".vscode/settings.json in the project (merge the key into existing settings)",
                     json.dumps(settings, indent=4),
                     "needs the Run on Save extension: code --install-extension emeraldwalk.RunOnSave")
     if editor == "neovim":
-        return Hook(editor, "~/.config/nvim/plugin/tsdev.lua (every file in plugin/ is loaded at startup)", f"""\
+        return Hook("~/.config/nvim/plugin/tsdev.lua (every file in plugin/ is loaded at startup)", f"""\
 -- {MARK} neovim: reload the tsdev server's forward pass when a Python file is saved
 vim.api.nvim_create_autocmd("BufWritePost", {{
   pattern = "*.py",
@@ -72,7 +71,7 @@ vim.api.nvim_create_autocmd("BufWritePost", {{
 }})
 """)
     if editor == "emacs":
-        return Hook(editor, "tsdev-reload.el in your Emacs directory, loaded from your init file", f"""\
+        return Hook("tsdev-reload.el in your Emacs directory, loaded from your init file", f"""\
 ;;; tsdev-reload.el --- {MARK} emacs: reload the tsdev server's forward pass when a Python file is saved
 (require 'subr-x)
 (defun tsdev-reload-on-save ()
@@ -92,7 +91,7 @@ vim.api.nvim_create_autocmd("BufWritePost", {{
 """)
     if editor == "jetbrains":
         args = shlex.join(cmd[1:]) + " $FilePath$"
-        return Hook(editor, ".idea/watcherTasks.xml in the project (Settings | Tools | File Watchers)", f"""\
+        return Hook(".idea/watcherTasks.xml in the project (Settings | Tools | File Watchers)", f"""\
 <?xml version="1.0" encoding="UTF-8"?>
 <!-- {MARK} jetbrains: reload the tsdev server's forward pass when a Python file is saved -->
 <project version="4">

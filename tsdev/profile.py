@@ -50,17 +50,17 @@ class KernelRow:
 
 def parse_kernel_csv(text: str) -> list[KernelRow]:
     """Rows of `nsys stats --report cuda_gpu_kern_sum --format csv`, largest total first."""
-    rows = []
-    for row in csv.DictReader(io.StringIO(_csv_body(text))):
-        rows.append(KernelRow(row["Name"], float(row["Total Time (ns)"]), int(row["Instances"]), float(row["Avg (ns)"])))
-    return sorted(rows, key=lambda r: -r.total_ns)
+    return _parse_summary(text, "Name")
 
 
 def parse_nvtx_csv(text: str) -> list[KernelRow]:
     """Rows of `nsys stats --report nvtx_sum --format csv` (NVTX ranges: schedule/prepare/forward/sample)."""
-    rows = []
-    for row in csv.DictReader(io.StringIO(_csv_body(text))):
-        rows.append(KernelRow(row["Range"], float(row["Total Time (ns)"]), int(row["Instances"]), float(row["Avg (ns)"])))
+    return _parse_summary(text, "Range")
+
+
+def _parse_summary(text: str, name_column: str) -> list[KernelRow]:
+    rows = [KernelRow(row[name_column], float(row["Total Time (ns)"]), int(row["Instances"]), float(row["Avg (ns)"]))
+            for row in csv.DictReader(io.StringIO(_csv_body(text)))]
     return sorted(rows, key=lambda r: -r.total_ns)
 
 
@@ -154,25 +154,23 @@ def run_profile(server_args: list[str], out_dir: Path, num_steps: int, max_range
         wait_until_healthy(url, proc)
         threading.Thread(target=_listen, args=(url, events, stop), daemon=True).start()
         console.print(f"server at {url}: edit, then `tsdev reload --url {url}`; each reload gets a report")
-        previous, taken, name = None, 0, "reload-0"
-        while max_ranges is None or taken < max_ranges:
+        previous, name = None, "reload-0"
+        while True:
             _clear(events)
             r = httpx.post(url + "/start_profile", json={"activities": activities, "num_steps": num_steps,
                                                          "output_dir": str(out_dir.resolve()), "name": name}, timeout=30)
             r.raise_for_status()
             _run_workload_until_closed(url, events, name)
             names.append(name)
-            taken += 1
             if nsys:
                 console.print(f"range {name} taken (nsys writes its report when the server stops)")
             else:
                 kernels = torch_trace_kernels(out_dir / f"{name}.trace.json")
                 console.print(Markdown(write_summary(out_dir / name, kernels, [], previous)))
                 previous = kernels
-            if max_ranges is not None and taken >= max_ranges:
+            if max_ranges is not None and len(names) >= max_ranges:
                 break
-            event = _next_event(events, proc, {"reload_finished"})
-            name = f"reload-{event['n']}"
+            name = f"reload-{_next_reload(events, proc)['n']}"
         return 0
     except KeyboardInterrupt:
         return 0
@@ -228,24 +226,24 @@ def _clear(events) -> None:
         events.get_nowait()
 
 
-def _next_event(events, proc, types: set[str], timeout: float | None = None) -> dict:
+def _next_reload(events, proc) -> dict:
+    """The next successful reload_finished event (waits as long as the server runs)."""
     import queue
 
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while deadline is None or time.monotonic() < deadline:
+    while True:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with status {proc.returncode}")
         try:
             event = events.get(timeout=0.5)
         except queue.Empty:
             continue
-        if event.get("type") in types and (event.get("type") != "reload_finished" or event["worker"]["ok"]):
+        if event.get("type") == "reload_finished" and event["worker"]["ok"]:
             return event
-    raise TimeoutError(f"no {'/'.join(sorted(types))} event within {timeout} s")
 
 
 def _run_workload_until_closed(url: str, events, name: str, timeout: float = 300) -> None:
     """A small fixed workload (8 requests of 64 tokens at a time) until the range `name` closes."""
+    import queue
     import threading
 
     import httpx
@@ -266,7 +264,7 @@ def _run_workload_until_closed(url: str, events, name: str, timeout: float = 300
         while time.monotonic() < deadline:
             try:
                 event = events.get(timeout=0.5)
-            except Exception:
+            except queue.Empty:
                 continue
             if event.get("type") == "profile_finished" and event.get("name") == name:
                 return

@@ -34,7 +34,8 @@ from tsdev.client import RELOAD_ROUTE, reload_body, reply_or_raise
 from tsdev.watch import checks
 from tsdev.watch.watcher import Changes, Packages, Watcher
 
-STEPS = ("drain", "flush", "reload", "warm", "recapture", "jit", "pause")  # the reply's timings
+STEPS = ("jit", "drain", "flush", "reload", "warm", "recapture", "pause")  # the reply's timings, in server order
+FAILING_STEPS = ("drain", "flush", "reload", "warm", "recapture")  # where a reload can fail (jit only warns)
 EXIT_RESTARTS = 3  # restarts in a row after the server exited by itself, before waiting for the user
 
 
@@ -46,7 +47,6 @@ class WatchConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     project: Path = field(default_factory=Path.cwd)
-    packages: list[str] | None = None  # default: [tool.tsdev] reload-packages
     settle: float = 0.2
     probe_batch: int = 8
     probe_steps: int = 32
@@ -256,7 +256,7 @@ class Daemon:
         from tsdev.hotreload import default_packages
 
         self.config, self.on_event, self.transport = config, on_event, transport
-        self.packages = Packages.locate(config.packages or default_packages(config.project), config.project)
+        self.packages = Packages.locate(default_packages(config.project), config.project)
         self.watcher = Watcher(self.packages, config.settle)
         self.server = None if config.attach else ServerProcess(config)
         self.session = f"watch-{uuid.uuid4().hex[:6]}"  # prefix of this daemon's reload ids
@@ -445,7 +445,7 @@ class Daemon:
         for step, seconds in (worker.get("timings") or {}).items():
             record.steps[step] = seconds
         if record.error and record.failed is None:  # the step that was running: the last one timed
-            record.failed = next((s for s in reversed(record.steps) if s in STEPS[:5]), None)
+            record.failed = next((s for s in reversed(record.steps) if s in FAILING_STEPS), None)
         if record.error is None and record.reloaded:
             self.exit_restarts = 0
             await self._check(record)
@@ -507,18 +507,15 @@ class Daemon:
                          "miss most edits; it is meaningful on a trained checkpoint", "warning")
 
     async def _bench(self) -> None:
-        try:
-            from tsdev.bench import quick
-        except ImportError:
-            self.message("quick bench is not available in this version of tsdev (tsdev.bench.quick)", "warning")
-            return
+        from tsdev.bench import quick
+
         self.message("quick bench running...")
         try:
             result = await asyncio.to_thread(quick, self.config.url)
         except Exception as exc:
             self.message(f"quick bench failed: {type(exc).__name__}: {exc}", "error")
             return
-        m = result.get("metrics", result)
+        m = result["metrics"]
         parts = [f"{label} {m[key]:.{digits}f}{unit}" for key, label, digits, unit in (
             ("output_throughput", "output", 1, " tok/s"), ("mean_ttft_ms", "TTFT", 1, " ms"),
             ("mean_tpot_ms", "TPOT", 2, " ms"), ("failed_requests", "failed", 0, "")) if isinstance(m.get(key), (int, float))]

@@ -11,19 +11,13 @@ import time
 from rich.console import Console
 from rich.markup import escape
 
-from tsdev.client import worker_notes
+from tsdev.client import graph_split, worker_notes
 from tsdev.watch.daemon import Daemon, Event, ReloadRecord, RestartRecord, WatchConfig
-
-
-def split_text(steps: dict[str, float], name: str) -> str:
-    """" (decode 0.16, prefill 0.06)" after the recapture step when the reply split it, else ""."""
-    kinds = [(kind, steps[f"{name}_{kind}"]) for kind in ("decode", "prefill") if f"{name}_{kind}" in steps]
-    return f" ({', '.join(f'{kind} {seconds:.2f}' for kind, seconds in kinds)})" if kinds else ""
 
 
 def steps_text(record: ReloadRecord) -> str:
     steps = record.steps
-    parts = [f"{name} {steps[name]:.2f}{split_text(steps, name)}" for name in (*record.step_order(), "total")
+    parts = [f"{name} {steps[name]:.2f}{graph_split(steps, name)}" for name in (*record.step_order(), "total")
              if name in steps]
     kernels = (record.worker or {}).get("jit_kernels")
     text = " ".join(parts) + " s" if parts else ""
@@ -50,6 +44,11 @@ def checks_text(record: ReloadRecord | RestartRecord) -> list[str]:
     if isinstance(record, ReloadRecord) and record.worker and not record.error:
         parts += [f"[yellow]{escape(note)}[/yellow]" for note in worker_notes(record.worker)]
     return parts
+
+
+def message_line(event: Event) -> str:
+    color = {"warning": "yellow", "error": "red"}.get(event.level)
+    return f"[{color}]{escape(event.text)}[/{color}]" if color else escape(event.text)
 
 
 def reload_line(record: ReloadRecord) -> str:
@@ -103,8 +102,7 @@ class PlainPrinter:
     def __call__(self, event: Event) -> None:
         line = None
         if event.kind == "message":
-            color = {"warning": "yellow", "error": "red"}.get(event.level)
-            line = f"[{color}]{escape(event.text)}[/{color}]" if color else escape(event.text)
+            line = message_line(event)
         elif event.kind in ("reload_started", "restart_started"):
             line = started_line(event, self.daemon)
         elif event.kind == "reload_finished":

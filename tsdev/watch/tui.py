@@ -16,8 +16,9 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.widgets import DataTable, Footer, RichLog, Static
 
+from tsdev.client import graph_split
 from tsdev.watch.daemon import STEPS, Daemon, Event, ReloadRecord, RestartRecord, WatchConfig
-from tsdev.watch.plain import checks_text, restart_line, split_text, started_line, trigger_text
+from tsdev.watch.plain import checks_text, message_line, restart_line, started_line, trigger_text
 
 WHERE = re.compile(r"(?P<path>[^\s:'\"]+\.py):(?P<line>\d+)")
 STATE_COLORS = {"serving": "green", "paused": "yellow", "draining": "yellow", "reloading": "cyan",
@@ -130,8 +131,7 @@ class WatchApp(App):
         if event.kind == "state":
             self.draw_header()
         elif event.kind == "message":
-            color = {"warning": "yellow", "error": "red"}.get(event.level)
-            self.log_line(f"[{color}]{escape(event.text)}[/{color}]" if color else escape(event.text))
+            self.log_line(message_line(event))
         elif event.kind in ("reload_started", "restart_started"):
             self.live = record
             self.log_line(started_line(event, self.daemon))
@@ -193,7 +193,7 @@ class WatchApp(App):
             if name == record.failed:
                 chips.append(f"[red]✗ {name} {record.steps.get(name, 0):.2f} s[/red]")
             elif name in record.steps:
-                chips.append(f"[green]✓ {name} {record.steps[name]:.2f} s{split_text(record.steps, name)}[/green]")
+                chips.append(f"[green]✓ {name} {record.steps[name]:.2f} s{graph_split(record.steps, name)}[/green]")
             elif record.current == name and not record.done:
                 chips.append(f"[yellow]▶ {name} {time.perf_counter() - record.step_started:.1f} s[/yellow]")
             else:
