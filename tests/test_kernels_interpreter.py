@@ -125,13 +125,22 @@ def test_qk_norm_rope(Hq, Hk, D):
         torch.testing.assert_close(g, w, **TOL)
 
 
-def test_qk_norm_rope_ref_is_norm_then_rope():
+def test_qk_norm_rope_ref_matches_hugging_face_qwen3():
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+
     q, k, _ = fused_qkv(3, 2, 1, 8)
     qw, kw = torch.randn(8), torch.randn(8)
     cache, positions = rope.rope_cos_sin_cache(8, 16, 100.0), torch.tensor([0, 5, 15])
-    want = rope.apply_rope_ref(norm.rms_norm_ref(q, qw, 1e-6), norm.rms_norm_ref(k, kw, 1e-6), positions, cache)
-    for g, w in zip(rope.qk_norm_rope(q, k, qw, kw, 1e-6, positions, cache), want):
-        torch.testing.assert_close(g, w, atol=0, rtol=0)
+    q_norm, k_norm = Qwen3RMSNorm(8, eps=1e-6), Qwen3RMSNorm(8, eps=1e-6)
+    q_norm.weight.data, k_norm.weight.data = qw, kw
+    # Hugging Face's layout: [batch, heads, tokens, head_dim], cos/sin [batch, tokens, head_dim]
+    inv_freq = 1.0 / (100.0 ** (torch.arange(0, 8, 2).float() / 8))
+    angles = torch.cat([positions[:, None].float() * inv_freq] * 2, dim=-1)[None]
+    hf_q, hf_k = apply_rotary_pos_emb(q_norm(q).transpose(0, 1)[None], k_norm(k).transpose(0, 1)[None],
+                                      angles.cos(), angles.sin())
+    got_q, got_k = rope.qk_norm_rope(q, k, qw, kw, 1e-6, positions, cache)
+    torch.testing.assert_close(got_q, hf_q[0].transpose(0, 1), **TOL)
+    torch.testing.assert_close(got_k, hf_k[0].transpose(0, 1), **TOL)
 
 
 # --- activation -------------------------------------------------------------------------------------
@@ -256,7 +265,7 @@ def test_race_breaks_greedy_ties_like_argmax():
     assert got.tolist() == [301, 301]
 
 
-@pytest.mark.parametrize("V,chunks", [(1000, 8), (1003, 8), (1000, 1), (100, 64)])
+@pytest.mark.parametrize("V,chunks", [(1000, 8), (1003, 8), (1000, 3), (5000, 64)])  # all two-stage
 def test_two_stage_topk(V, chunks):
     logits = torch.randn(5, V)
     values, cols = sampling._topk(logits, 20, chunks)
@@ -295,7 +304,9 @@ def test_public_ops_use_the_references_on_cpu(monkeypatch):
 
     for module, name in ((sampling, "race_triton"), (sampling, "sample_top_k_triton"),
                          (attention, "paged_decode_triton"), (attention, "paged_prefill_triton"),
-                         (linear, "gemv_triton"), (linear, "skinny_triton")):
+                         (linear, "gemv_triton"), (linear, "skinny_triton"), (norm, "rms_norm_triton"),
+                         (rope, "rope_triton"), (activation, "silu_and_mul_triton"),
+                         (attention, "store_kvcache_triton")):
         monkeypatch.setattr(module, name, triton_called)
     logits, temps, seeds = sampling_batch(V=50)
     top_ks, top_ps = torch.zeros(8, dtype=torch.int64), torch.ones(8)
@@ -307,3 +318,19 @@ def test_public_ops_use_the_references_on_cpu(monkeypatch):
     for rows in (1, 3):
         x, w = torch.randn(rows, 16), torch.randn(4, 16)
         assert torch.equal(linear.linear(x, w), linear.linear_ref(x, w))
+    x, r, w = torch.randn(3, 16), torch.randn(3, 16), torch.randn(16)
+    assert torch.equal(norm.rms_norm(x, w, 1e-6), norm.rms_norm_ref(x, w, 1e-6))
+    for got, want in zip(norm.fused_add_rms_norm(x, r, w, 1e-6), norm.fused_add_rms_norm_ref(x, r, w, 1e-6)):
+        assert torch.equal(got, want)
+    assert torch.equal(activation.silu_and_mul(x), activation.silu_and_mul_ref(x))
+    q, k, v = fused_qkv(3, 2, 1, 8)
+    cache, positions = rope.rope_cos_sin_cache(8, 16, 100.0), torch.tensor([0, 5, 15])
+    for got, want in zip(rope.apply_rope(q, k, positions, cache), rope.apply_rope_ref(q, k, positions, cache)):
+        assert torch.equal(got, want)
+    qw, kw = torch.randn(8), torch.randn(8)
+    for got, want in zip(rope.qk_norm_rope(q, k, qw, kw, 1e-6, positions, cache),
+                         rope.qk_norm_rope_ref(q, k, qw, kw, 1e-6, positions, cache)):
+        assert torch.equal(got, want)
+    k_cache, v_cache = torch.zeros(4, 2, 1, 8), torch.zeros(4, 2, 1, 8)
+    attention.store_kvcache(k, v, k_cache, v_cache, torch.tensor([0, -1, 5]))
+    assert torch.equal(k_cache.view(-1, 1, 8)[[0, 5]], k[[0, 2]]) and k_cache.view(-1, 1, 8)[1:5].eq(0).all()
