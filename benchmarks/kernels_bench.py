@@ -4,16 +4,17 @@ attention reports the bandwidth it achieves next to its time).
     python3 benchmarks/kernels_bench.py            # everything, a markdown table on stdout
     python3 benchmarks/kernels_bench.py --only attention sampling --sweep
 
-Times are per call, GPU time from CUDA events. "graph" replays a CUDA graph of 28 back-to-back calls (one
-per layer, each layer on its own KV cache, so L2 holds no more than a real step would): that is what a
-captured decode step pays. "eager" launches them one by one, so small ops show launch cost. The
-attention reference syncs with the host and cannot be captured (its column says eager).
+Times are per call, GPU time from CUDA events. "graph" replays a CUDA graph of the op's calls back to back,
+on distinct inputs so that L2 holds about what a real step's would (4 inputs for the row ops, 28 weights
+per projection, one KV cache per layer for attention up to 8 GiB in all): that is what a captured decode
+step pays. "eager" launches them one by one, so small ops show launch cost. The attention reference syncs
+with the host and cannot be captured (its column says eager). `--only` takes rows, linear, attention,
+sampling.
 """
 import argparse
 import itertools
 import os
 import sys
-import time
 
 import torch
 
@@ -209,8 +210,9 @@ PROJECTIONS = [("qkv_proj", (HQ + 2 * HK) * D, HIDDEN, LAYERS), ("o_proj", HIDDE
 
 
 def bench_linear(bw: float, sweep: bool) -> None:
-    """cuBLAS (F.linear) vs the Triton GEMV at one row (decode at batch 1), 28 weights per projection like a
-    step. With --sweep: the GEMV's configurations ranked by the time of one step's projections."""
+    """cuBLAS (F.linear) vs the Triton GEMV at one row and the skinny kernel at 2/4/8/16 rows, 28 weights per
+    projection like a step. With --sweep: both kernels' configurations (skinny at 2 and 8 rows) ranked by the
+    time of one step's projections."""
     weights = {name: [rand(n, k, scale=k ** -0.5) for _ in range(min(calls, 28))] for name, n, k, calls in PROJECTIONS}
     inputs = {k: rand(1, k) for _, _, k, _ in PROJECTIONS}
     for name, n, k, _ in PROJECTIONS:
@@ -260,7 +262,8 @@ def print_sweep(title: str, per_step: dict, cublas: list[float]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="*", default=["rows", "linear", "attention", "sampling"])
+    parser.add_argument("--only", nargs="*", default=["rows", "linear", "attention", "sampling"],
+                        choices=["rows", "linear", "attention", "sampling"])
     parser.add_argument("--sweep", action="store_true", help="time the configurations of the linear and attention kernels")
     args = parser.parse_args()
     bw = copy_bandwidth(torch.device("cuda"))

@@ -49,14 +49,15 @@ def ttft(extra: list[str], port: int, args) -> str:
     """Mean/median TTFT line of `tsdev bench` at concurrency 1 against a fresh server."""
     from tsdev.client import wait_until_healthy
 
-    server = subprocess.Popen([sys.executable, "-m", "tsdev", "serve", "--port", str(port), *extra],
+    model = [args.model] if args.model else []
+    server = subprocess.Popen([sys.executable, "-m", "tsdev", "serve", *model, "--port", str(port), *extra],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_until_healthy(f"http://127.0.0.1:{port}", server, timeout=600)
         out = subprocess.run([sys.executable, "-m", "tsdev", "bench", "--url", f"http://127.0.0.1:{port}",
                               "--num-prompts", str(args.ttft_prompts), "--input-len", str(args.ttft_input_len),
                               "--output-len", "8", "--max-concurrency", "1", "--warmup", "3"],
-                             capture_output=True, text=True, timeout=600).stdout
+                             capture_output=True, text=True, timeout=600, check=True).stdout
         return "\n".join(line for line in out.splitlines() if "TTFT" in line)
     finally:
         server.terminate()

@@ -4,7 +4,7 @@
     python3 benchmarks/reload_vs_restart.py --cycles 5 -- --cudagraph-capture-sizes 1 16 64
 
 Runs a copy of the project in a temporary folder: starts the server (restart time = process start to
-the first token of a completion), then edits the SiLU-and-mul Triton kernel (negates its output) and
+the end of the first 32-token completion), then edits the SiLU-and-mul Triton kernel (negates its output) and
 reverts it, `--cycles` times, reloading after each save. Prints every step's time, the serving pause,
 the ratio to the restart, and checks that outputs change with the edit and come back after the revert.
 """

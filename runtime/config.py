@@ -84,7 +84,7 @@ class EngineConfig:
     max_batched_tokens: int = 2048  # per-step token budget; longer prompts are prefilled in chunks
     max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings, capped at 8192
     page_size: int = 16
-    kv_pages: int | None = None  # default: sized from free memory (CUDA) or max_running full contexts (CPU)
+    kv_pages: int | None = None  # default: the memory budget (CUDA: free memory; CPU: 512 MiB), at most max_running full contexts
     gpu_memory_utilization: float = 0.9
     seed: int = 0
     enable_prefix_caching: bool = True

@@ -1,4 +1,4 @@
-"""The watcher on real file saves, the way editors make them (DESIGN.md "Known traps": watchfiles)."""
+"""The watcher on real file saves, the way editors make them (docs/watch.md, "What happens on a save")."""
 import asyncio
 import os
 import tempfile

@@ -57,7 +57,7 @@ def worker_notes(worker: dict) -> list[str]:
 
 
 def format_worker(worker: dict) -> str:
-    """One line per worker, as DESIGN.md shows it, with rich markup (stripped when not a terminal)."""
+    """One line per worker, as the README shows it, with rich markup (stripped when not a terminal)."""
     t = worker.get("timings", {})
     rank = f"[dim]rank {worker['rank']}:[/dim] " if worker.get("rank") else ""
     if not worker.get("ok"):

@@ -2,7 +2,7 @@
 
 One Triton program normalises one row. The kernel follows the reference's rounding order (normalise in
 float32, round to the input dtype, multiply by the weight, round again), as Hugging Face's Qwen3RMSNorm
-does (the tests compare bf16 within a bf16 ulp, not bit for bit).
+does (the GPU tests compare bf16 within ~2-4 bf16 ulps, atol 1e-2 / rtol 1.6e-2, not bit for bit).
 """
 import torch
 import triton

@@ -5,7 +5,8 @@ code still serves, when the reloader can), drain (new requests held, running one
 cache: KV computed by old code is not reused), reload (the reloader re-executes the edited modules and
 patches live objects), warm (the startup warm-up, while the old graphs still exist), recapture (the
 decode graphs, then the prefill graphs; the reply's timings also carry recapture_decode and
-recapture_prefill), resume. Any failure rolls every change back and the old code keeps serving.
+recapture_prefill); then serving resumes (not a timed step). Any failure rolls every change back and the
+old code keeps serving.
 
 The reloader is anything with `read_sources()`, `plan(sources=, modules=)` and `reload(modules=, sources=)`
 returning a transaction (`report`, `commit()`, `rollback()`), optionally `compile_ahead(sources=, modules=)`:

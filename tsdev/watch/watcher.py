@@ -1,6 +1,6 @@
 """Editor saves -> settled batches of changed modules.
 
-What an editor does on save is not one clean event (DESIGN.md, "Known traps"): vim deletes and re-adds
+What an editor does on save is not one clean event (docs/watch.md, "What happens on a save"): vim deletes and re-adds
 the file after creating a `4913` probe file, atomic savers write a temp file and rename it over the
 original, and a formatter writes again ~100 ms later. So the watcher keeps only `.py` files of packages,
 waits until the directories have been quiet for `settle` seconds, then looks at what is on disk: a path
