@@ -14,17 +14,14 @@ import pytest
 # Tests never write into the user's real cache directory.
 os.environ.setdefault("TSDEV_CACHE_DIR", str(Path(__file__).parent.parent / ".pytest_cache" / "tsdev-cache"))
 
-TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, torch_dtype="float32")
-
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny Qwen3 checkpoint whose random weights give varied (not repetitive) greedy output."""
-    from runtime.weights.default_model import write_checkpoint
+    from runtime.weights.default_model import SHAPES, write_checkpoint
 
     out = tmp_path_factory.mktemp("tiny-qwen3")
-    write_checkpoint(out, TINY, seed=1, std=0.2)
+    write_checkpoint(out, {**SHAPES["tiny"], "max_position_embeddings": 1024}, seed=1, std=0.2)
     return out
 
 
