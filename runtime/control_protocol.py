@@ -1,0 +1,249 @@
+"""The control protocol: every body, reply, worker report, step name and event that the server's control
+routes speak, in one place that both sides import.
+
+The server builds its replies and events from these models; `tsdev reload`, `tsdev watch`, `tsdev profile`
+and the tests parse them with these models. It imports pydantic only (no torch), so a client pays nothing
+for it. Wave 2 (weights, parallelism) adds its bodies here.
+
+Replies are dumped with `dump()` (JSON-ready dicts, `None` fields kept so the shape is stable); clients
+read with `Model.model_validate(json)` and ignore fields they do not know, so an older client can talk to
+a newer server.
+"""
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+RELOAD_ROUTE = "/v1/rl/engine/reload_forward"
+MODULES_ROUTE = "/v1/rl/engine/modules"
+PAUSE_ROUTE = "/v1/rl/engine/pause_generation"
+CONTINUE_ROUTE = "/v1/rl/engine/continue_generation"
+EVENTS_ROUTE = "/v1/rl/engine/events"
+FLUSH_ROUTE = "/flush_cache"
+START_PROFILE_ROUTE = "/start_profile"
+STOP_PROFILE_ROUTE = "/stop_profile"
+SERVER_INFO_ROUTE = "/server_info"
+
+# The timed steps of a reload, in the order the server runs them. jit compiles edited kernels ahead while the
+# old code serves (a failure there only warns); the others run while serving is paused.
+STEPS = ("jit", "drain", "flush", "reload", "warm", "recapture")
+FAILING_STEPS = STEPS[1:]  # where a reload can fail
+GRAPH_KINDS = ("decode", "prefill")  # recapture is reported split by graph kind too: recapture_decode, ...
+# Every key a worker's timings may hold: the steps, the recapture split, the pause serving saw, the total.
+TIMINGS = (*STEPS, *(f"recapture_{kind}" for kind in GRAPH_KINDS), "pause", "total")
+TimingName = Literal[TIMINGS]
+StepName = Literal[STEPS]
+
+
+class _Message(BaseModel):
+    """Unknown fields are ignored (a newer peer may send more)."""
+    model_config = ConfigDict(extra="ignore")
+
+    def dump(self) -> dict:
+        return self.model_dump(mode="json")
+
+
+# --- reload_forward ---------------------------------------------------------------------------------------
+
+
+class ReloadRequest(_Message):
+    id: str = Field(min_length=1, description="the same id again returns the first outcome")
+    mode: Literal["wait", "abort"] = "wait"  # wait: running requests finish first; abort: they are aborted
+    modules: list[str] | None = None  # force these modules (and their dependents) to re-execute
+    timeout_s: float | None = Field(None, gt=0)  # bounds drain + reload; nothing changes when it runs out
+
+
+class StaleDefinition(_Message):
+    """A definition that could be neither patched nor redirected: callers keep running the old one."""
+    name: str
+    reason: str = ""
+    where: str | None = None
+    referrers: list[str] = []
+
+
+class WorkerReport(_Message):
+    """One rank's outcome of a reload: ok only when it reloaded (or had nothing to reload)."""
+    rank: int = 0
+    ok: bool
+    error: str | None = None  # "file:line: Type: message" when it failed
+    reloaded: list[str] = []  # changed (or forced) modules re-executed
+    dependents: list[str] = []  # re-executed because they use those
+    patched: int = 0  # live objects updated in place or redirected
+    stale: list[StaleDefinition] = []
+    needs_restart: list[str] = []  # changed modules outside the reloadable packages
+    jit_kernels: int = 0  # Triton kernels compiled ahead (or reset to compile on their next launch)
+    warnings: list[str] = []
+    timings: dict[TimingName, float] = {}  # seconds, in step order
+
+    def step_seconds(self, step: str) -> float:
+        return self.timings.get(step, 0.0)
+
+    @property
+    def failed_step(self) -> str | None:
+        """The step that failed: the last one timed among those that can fail."""
+        if self.ok:
+            return None
+        return next((s for s in reversed(list(self.timings)) if s in FAILING_STEPS), None)
+
+
+class ReloadReply(_Message):
+    id: str
+    ok: bool  # every worker reloaded
+    workers: list[WorkerReport]
+
+    @classmethod
+    def of(cls, request_id: str, workers: list[WorkerReport]) -> "ReloadReply":
+        return cls(id=request_id, ok=all(w.ok for w in workers), workers=workers)
+
+    @property
+    def first_failure(self) -> WorkerReport:
+        """The worker to show when only one is shown: the first that failed, else rank 0's."""
+        return next((w for w in self.workers if not w.ok), self.workers[0])
+
+
+class ModulesReply(_Message):
+    modules: list[str]  # loaded modules under the reloadable packages: what a reload may force
+
+
+# --- pause / continue / cache / profile ----------------------------------------------------------------------
+
+
+class PauseRequest(_Message):
+    mode: Literal["abort", "wait", "keep"] = "abort"
+
+
+class PauseReply(_Message):
+    paused: bool = True
+    mode: Literal["abort", "wait", "keep"]
+    aborted: int = 0
+
+
+class ContinueReply(_Message):
+    paused: bool = False
+
+
+class FlushReply(_Message):
+    flushed: bool = True
+
+
+ProfileActivity = Literal["CUDA_PROFILER", "TORCH"]
+
+
+class ProfileRequest(_Message):
+    activities: list[ProfileActivity] = Field(["CUDA_PROFILER"], min_length=1)
+    num_steps: int = Field(20, ge=1)
+    output_dir: str | None = None
+    name: str | None = None  # the range's name (the trace file's, for TORCH)
+
+
+class ProfileRange(_Message):
+    """A capture range as /start_profile and /stop_profile describe it."""
+    n: int
+    name: str
+    activities: list[ProfileActivity]
+    num_steps: int | None = None  # when it started: steps it will last
+    steps: int | None = None  # when it closed: steps it lasted
+    trace: str | None = None  # TORCH: the Chrome/Perfetto trace written
+
+
+# --- what the server is ---------------------------------------------------------------------------------------
+
+
+class ServerInfo(_Message):
+    """GET /server_info: what a client (the daemon's status line, a benchmark's record) needs to know."""
+    model: str  # the served name
+    model_dir: str
+    architecture: str
+    device: str
+    dtype: str
+    parameters: int
+    max_model_len: int
+    vocab_size: int
+    rank: int = 0
+    world_size: int = 1
+    allow_reload_forward: bool = False
+    pid: int
+
+
+# --- events (GET /v1/rl/engine/events, one SSE `data:` line each) -------------------------------------------
+
+
+class _Event(_Message):
+    time: float | None = None  # server clock, seconds since the epoch
+
+
+class Hello(_Event):
+    """The first event of every connection: the state a new subscriber needs."""
+    type: Literal["hello"] = "hello"
+    paused: bool
+
+
+class Paused(_Event):
+    type: Literal["paused"] = "paused"
+    mode: str
+    aborted: int = 0
+
+
+class Continued(_Event):
+    type: Literal["continued"] = "continued"
+
+
+class ReloadStarted(_Event):
+    type: Literal["reload_started"] = "reload_started"
+    id: str
+    n: int  # the server's count of reloads
+    modules: list[str] = []  # forced modules, if any
+
+
+class ReloadStep(_Event):
+    type: Literal["reload_step"] = "reload_step"
+    id: str
+    step: StepName
+    state: Literal["started", "done", "failed"]
+    seconds: float | None = None  # when done or failed
+
+
+class ReloadFinished(_Event):
+    """reload_finished when the worker reloaded, reload_failed otherwise."""
+    type: Literal["reload_finished", "reload_failed"]
+    id: str
+    n: int
+    worker: WorkerReport
+
+
+class ProfileStarted(ProfileRange, _Event):
+    type: Literal["profile_started"] = "profile_started"
+
+
+class ProfileFinished(ProfileRange, _Event):
+    type: Literal["profile_finished"] = "profile_finished"
+
+
+Event = Annotated[Union[Hello, Paused, Continued, ReloadStarted, ReloadStep, ReloadFinished, ProfileStarted,
+                        ProfileFinished], Field(discriminator="type")]
+_EVENT = TypeAdapter(Event)
+
+
+def parse_event(data: str | bytes | dict) -> Event | None:
+    """An event from its SSE `data:` payload; None for a type this client does not know (a newer server)."""
+    from pydantic import ValidationError
+
+    try:
+        return _EVENT.validate_json(data) if isinstance(data, (str, bytes)) else _EVENT.validate_python(data)
+    except ValidationError as exc:
+        if any(e["type"] == "union_tag_invalid" for e in exc.errors()):
+            return None
+        raise
+
+
+# --- errors (OpenAI's shape, for every route) ---------------------------------------------------------------
+
+
+class ErrorDetail(_Message):
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: int | None = None
+
+
+class ErrorBody(_Message):
+    error: ErrorDetail
