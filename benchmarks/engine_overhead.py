@@ -3,8 +3,9 @@
     python3 benchmarks/engine_overhead.py                  # batch 256, tiny checkpoint, CPU
     python3 benchmarks/engine_overhead.py --profile        # plus the top functions (cProfile)
 
-The runner returns a fixed token at once, so what is left is the Python that every real step also pays
-before and after the GPU's work; on a GPU it adds to each step's time unless overlapped.
+The model runner's `launch` is replaced (on its class, after the engine has started) by one that returns a
+fixed token at once, so what is left is the Python that every real step also pays before and after the
+GPU's work; on a GPU it adds to each step's time unless overlapped.
 """
 import argparse
 import cProfile
@@ -18,6 +19,7 @@ import torch
 
 from runtime.config import EngineConfig
 from runtime.engine.llm_engine import LLMEngine
+from runtime.engine.model_runner import ModelRunner
 from runtime.engine.sequence import SamplingParams
 from runtime.weights.default_model import SHAPES, write_checkpoint
 
@@ -38,7 +40,7 @@ def main() -> None:
     for i in range(args.batch):
         engine.add_request(str(i), [rng.randrange(800) for _ in range(100)],
                            SamplingParams(max_tokens=args.steps + 50, temperature=0.6, ignore_eos=True))
-    engine.runner.launch = lambda batch, in_flight=None: torch.full((sum(batch.sample_rows),), args.token)
+    ModelRunner.launch = lambda self, batch, in_flight=None: torch.full((sum(batch.sample_rows),), args.token)
     for _ in range(10):
         engine.step()
     profiler = cProfile.Profile() if args.profile else None

@@ -4,10 +4,12 @@
     python3 benchmarks/host_profile.py --top 40
 
 Prints the functions with the most own time (tottime) for (1) eager forwards of a 16-token prompt
-(launch-bound: what prefill graphs save) and (2) engine steps decoding a batch of --batch sequences.
+(launch-bound: what prefill graphs save), on a model runner this benchmark builds and owns, and (2)
+engine steps decoding a batch of --batch sequences, on an engine built once that runner is freed.
 """
 import argparse
 import cProfile
+import gc
 import pstats
 import time
 
@@ -15,6 +17,7 @@ import torch
 
 from runtime.config import EngineConfig
 from runtime.engine.llm_engine import LLMEngine
+from runtime.engine.model_runner import Checkpoint, ModelRunner
 from runtime.engine.scheduler import ScheduledBatch
 from runtime.engine.sequence import SamplingParams, Sequence
 
@@ -31,30 +34,35 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    engine = LLMEngine(EngineConfig(model=None, device=device, max_running=args.batch, max_model_len=2048))
+    config = EngineConfig(model=None, device=device, max_running=args.batch, max_model_len=2048)
 
+    runner = ModelRunner(config, Checkpoint.open(config))
+    runner.warmup()
     seq = Sequence("p", list(range(1, 17)), SamplingParams(max_tokens=1))
-    assert engine.block_manager.allocate(seq, 16)
+    seq.pages = runner.scratch_pages[:1]  # 16 tokens: one page of a runner with no page manager
     batch = ScheduledBatch([seq], [16])
     for _ in range(3):
-        engine.runner.compute_logits(batch, use_graphs=False)
+        runner.compute_logits(batch, use_graphs=False)
     profile = cProfile.Profile()
     start = time.perf_counter()
     profile.enable()
     for _ in range(20):
-        engine.runner.compute_logits(batch, use_graphs=False)
+        runner.compute_logits(batch, use_graphs=False)
     profile.disable()
     if device == "cuda":
         torch.cuda.synchronize()
     print(f"eager 16-token forward: {1e3 * (time.perf_counter() - start) / 20:.2f} ms each (under cProfile)")
     report(profile, "eager 16-token prefill forward x 20", args.top)
-    engine.block_manager.free_pages(seq)
+    del runner, batch, seq  # the engine sizes its KV pool to the memory left
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
+    engine = LLMEngine(config)
     prompts = [[(i * 7 + j) % 5000 + 1 for j in range(200)] for i in range(args.batch)]
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, SamplingParams(max_tokens=args.steps + 50, temperature=0.6, ignore_eos=True))
-    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()
+    engine.prefill_all()
     for _ in range(5):
         engine.step()
     profile = cProfile.Profile()

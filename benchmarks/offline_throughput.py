@@ -46,7 +46,7 @@ def main() -> None:
     ours = run_workload(engine, prompts, params, args.device)
     if args.compare_sync:
         engine.config.async_scheduling = False
-        engine.block_manager.flush()  # the same prompts again: no prefix-cache hits from the first run
+        engine.flush_prefix_cache()  # the same prompts again: no prefix-cache hits from the first run
         sync = run_workload(engine, prompts, params, args.device, " (synchronous scheduling)")
         print(f"async / synchronous scheduling = {ours / sync:.2f}x")
     if args.compare_transformers:
@@ -65,7 +65,7 @@ def run_workload(engine: LLMEngine, prompts, params, device: str, label: str = "
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    engine.scheduler.schedule, engine.step = steps.pop("_restore")
+    engine.step = steps.pop("_restore")
     out_tokens = sum(len(r["token_ids"]) for r in results)
     in_tokens = sum(map(len, prompts))
     print(f"tsdev{label}: {len(prompts)} requests, {in_tokens} prompt + {out_tokens} output tokens in {seconds:.2f} s: "
@@ -80,22 +80,22 @@ def run_workload(engine: LLMEngine, prompts, params, device: str, label: str = "
 
 def time_steps(engine: LLMEngine) -> dict[str, list]:
     """Wrap engine.step to sum wall time per kind of step. A step's time goes to the batch it read (with
-    async scheduling, the one launched by the call before), since reading waits for the GPU."""
+    async scheduling, the one launched by the call before), since reading waits for the GPU. What each call
+    launched shows in the engine's step counters (`stats()`)."""
     totals = {"decode": [0, 0.0, 0], "prefill or mixed": [0, 0.0, 0]}
-    schedule, step = engine.scheduler.schedule, engine.step
-    totals["_restore"] = (schedule, step)
+    step = engine.step
+    totals["_restore"] = step
     kind = []
 
-    def scheduled():
-        batch = schedule()
-        if batch.seqs:
-            kind.append(("decode" if max(batch.num_tokens) == 1 else "prefill or mixed", len(batch.seqs)))
-        return batch
-
     def timed_step():
+        before = engine.stats()
         start = time.perf_counter()
         out = step()
         seconds = time.perf_counter() - start
+        after = engine.stats()
+        if after.steps > before.steps:  # it launched a batch
+            decode = after.decode_steps > before.decode_steps
+            kind.append(("decode" if decode else "prefill or mixed", after.rows - before.rows))
         while len(kind) > (1 if engine.in_flight else 0):  # the batches this call read
             name, rows = kind.pop(0)
             totals[name][0] += 1
@@ -104,7 +104,7 @@ def time_steps(engine: LLMEngine) -> dict[str, list]:
             seconds = 0.0
         return out
 
-    engine.scheduler.schedule, engine.step = scheduled, timed_step
+    engine.step = timed_step
     return totals
 
 

@@ -3,9 +3,9 @@
     python3 benchmarks/prefill_graphs.py              # default model on CUDA, default ladder (16..2048)
     python3 benchmarks/prefill_graphs.py --ttft       # also TTFT with `tsdev bench` against two servers
 
-Each forward is one engine-level `compute_logits` of fresh prompts (host prep, forward, logits of the
+Each forward is one model-runner `compute_logits` of fresh prompts (host prep, forward, logits of the
 sampled rows) followed by a sync, so launch overhead counts as it does when serving. "batch 8" splits the
-same token count over 8 prompts.
+same token count over 8 prompts. The runner and its page manager are this benchmark's own (no engine).
 """
 import argparse
 import gc
@@ -17,17 +17,18 @@ import time
 import torch
 
 from runtime.config import EngineConfig
-from runtime.engine.llm_engine import LLMEngine
+from runtime.engine.block_manager import BlockManager
+from runtime.engine.model_runner import Checkpoint, ModelRunner
 from runtime.engine.scheduler import ScheduledBatch
 from runtime.engine.sequence import SamplingParams, Sequence
 
 
-def fresh_batch(engine: LLMEngine, total: int, num_seqs: int) -> ScheduledBatch:
+def fresh_batch(pages: BlockManager, total: int, num_seqs: int) -> ScheduledBatch:
     seqs = []
     for i in range(num_seqs):
         n = total // num_seqs + (i < total % num_seqs)
         seq = Sequence(f"b{i}", [(7 * i + 13 * j) % 20000 + 1 for j in range(n)], SamplingParams(max_tokens=1))
-        assert engine.block_manager.allocate(seq, n)
+        assert pages.allocate(seq, n)
         seqs.append(seq)
     return ScheduledBatch(seqs, [len(s) for s in seqs])
 
@@ -47,21 +48,20 @@ def time_ms(fn, iters: int) -> float:
 
 def ttft(extra: list[str], port: int, args) -> str:
     """Mean/median TTFT line of `tsdev bench` at concurrency 1 against a fresh server."""
-    from tsdev.client import wait_until_healthy
+    import tempfile
+    from pathlib import Path
+
+    from tsdev.server_process import ServerProcess
 
     model = [args.model] if args.model else []
-    server = subprocess.Popen([sys.executable, "-m", "tsdev", "serve", *model, "--port", str(port), *extra],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_until_healthy(f"http://127.0.0.1:{port}", server, timeout=600)
-        out = subprocess.run([sys.executable, "-m", "tsdev", "bench", "--url", f"http://127.0.0.1:{port}",
-                              "--num-prompts", str(args.ttft_prompts), "--input-len", str(args.ttft_input_len),
-                              "--output-len", "8", "--max-concurrency", "1", "--warmup", "3"],
-                             capture_output=True, text=True, timeout=600, check=True).stdout
-        return "\n".join(line for line in out.splitlines() if "TTFT" in line)
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
+    with tempfile.TemporaryDirectory() as tmp:
+        server = ServerProcess([*model, *extra], port, log_path=Path(tmp) / "serve.log")
+        with server.running(stop_timeout=60):
+            out = subprocess.run([sys.executable, "-m", "tsdev", "bench", "--url", server.url,
+                                  "--num-prompts", str(args.ttft_prompts), "--input-len", str(args.ttft_input_len),
+                                  "--output-len", "8", "--max-concurrency", "1", "--warmup", "3"],
+                                 capture_output=True, text=True, timeout=600, check=True).stdout
+    return "\n".join(line for line in out.splitlines() if "TTFT" in line)
 
 
 def main() -> None:
@@ -74,14 +74,16 @@ def main() -> None:
     parser.add_argument("--ttft-input-len", type=int, default=200)
     args = parser.parse_args()
 
-    engine = LLMEngine(EngineConfig(model=args.model, device="cuda", max_running=16, max_model_len=4096,
-                                    cudagraph_capture_sizes=[1, 8]))
-    graphs, runner = engine.runner.prefill_graphs, engine.runner
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {engine.model_dir.name}, "
+    config = EngineConfig(model=args.model, device="cuda", max_running=16, max_model_len=4096,
+                          cudagraph_capture_sizes=[1, 8])
+    checkpoint = Checkpoint.open(config)
+    runner = ModelRunner(config, checkpoint)
+    startup = runner.start()
+    graphs, pages = runner.prefill_graphs, BlockManager(runner.num_pages, config.page_size)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {checkpoint.dir.name}, "
           f"{str(runner.dtype).removeprefix('torch.')}, {len(graphs.buckets)} buckets "
           f"({graphs.buckets[0]}..{graphs.max_tokens} tokens)")
-    print(f"startup: prefill capture {engine.startup_timings['capture_prefill']:.2f} s "
-          f"(decode graphs: {engine.startup_timings['capture']:.2f} s)")
+    print(f"startup: prefill capture {startup['capture_prefill']:.2f} s (decode graphs: {startup['capture']:.2f} s)")
     graphs.graphs, graphs.pool = {}, torch.cuda.graph_pool_handle()  # measure a capture into an empty pool
     gc.collect()
     torch.cuda.empty_cache()
@@ -94,15 +96,15 @@ def main() -> None:
     print(f"\n| tokens | prompts | bucket | eager ms | graph ms | eager / graph |\n|---:|---:|---:|---:|---:|---:|")
     for total in args.tokens:
         for num_seqs in (1, 8):
-            batch = fresh_batch(engine, total, num_seqs)
+            batch = fresh_batch(pages, total, num_seqs)
             eager = time_ms(lambda: runner.compute_logits(batch, use_graphs=False), args.iters)
             graph = time_ms(lambda: runner.compute_logits(batch), args.iters)
             print(f"| {total} | {num_seqs} | {graphs.bucket(total)} | {eager:.2f} | {graph:.2f} | {eager / graph:.2f}x |",
                   flush=True)
             for seq in batch.seqs:
-                engine.block_manager.free_pages(seq)
+                pages.free_pages(seq)
     if args.ttft:
-        del engine, graphs, runner
+        del runner, graphs, pages
         gc.collect()
         torch.cuda.empty_cache()
         for name, extra in (("prefill graphs", []), ("--disable-prefill-graph", ["--disable-prefill-graph"])):

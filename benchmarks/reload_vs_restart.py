@@ -9,19 +9,17 @@ reverts it, `--cycles` times, reloading after each save. Prints every step's tim
 the ratio to the restart, and checks that outputs change with the edit and come back after the revert.
 """
 import argparse
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import httpx
 
-from tsdev.client import wait_until_healthy
+from tsdev.client import reload_forward
+from tsdev.server_process import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 FILE = "kernels/ops/activation.py"
@@ -42,13 +40,12 @@ def main() -> None:
     for name in ("runtime", "kernels", "tsdev"):
         shutil.copytree(ROOT / name, project / name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", project)
-    env = {**os.environ, "PYTHONPATH": f"{project}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    url = f"http://127.0.0.1:{args.port}"
+    server = ServerProcess(args.server_args, args.port, allow_reload_forward=True, cwd=project, pythonpath=project)
+    url = server.url
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "tsdev", "serve", "--allow-reload-forward", "--port", str(args.port),
-                             *args.server_args], cwd=project, env=env)
     try:
-        wait_until_healthy(url, proc, interval=0.05)
+        server.start()
+        server.wait_healthy()
         baseline = timed_request(url)[0]
         restart = time.perf_counter() - start
         steady = timed_request(url)[1]
@@ -60,21 +57,21 @@ def main() -> None:
             for label, text in (("edit", original.replace(OLD, NEW)), ("revert", original)):
                 source.write_text(text)
                 t = time.perf_counter()
-                response = httpx.post(url + "/v1/rl/engine/reload_forward", json={"id": uuid.uuid4().hex}, timeout=300)
-                if response.status_code != 200:
-                    sys.exit(f"reload_forward answered {response.status_code}: {response.text[:2000]}")
-                reply = response.json()
+                try:
+                    reply = reload_forward(url)
+                except RuntimeError as exc:
+                    sys.exit(f"reload_forward answered {exc}")
                 wall = time.perf_counter() - t
-                worker = reply["workers"][0]
-                if not reply["ok"]:
-                    sys.exit(f"reload failed: {worker['error']}")
-                if worker.get("warnings"):
-                    print("warnings:", worker["warnings"])
+                worker = reply.workers[0]
+                if not reply.ok:
+                    sys.exit(f"reload failed: {worker.error}")
+                if worker.warnings:
+                    print("warnings:", worker.warnings)
                 out, first_request = timed_request(url)
                 changed = out != baseline
                 assert changed == (label == "edit"), f"cycle {cycle} {label}: output changed={changed}"
-                rows.append({**worker["timings"], "wall": wall, "first_request": first_request,
-                             "jit_kernels": worker["jit_kernels"], "label": label})
+                rows.append({**worker.timings, "wall": wall, "first_request": first_request,
+                             "jit_kernels": worker.jit_kernels, "label": label})
         print(f"restart (process start -> first completion): {restart:.2f} s; steady request {steady * 1e3:.1f} ms")
         columns = ("jit", "drain", "flush", "reload", "warm", "recapture", "recapture_decode", "recapture_prefill",
                    "pause", "total", "wall", "first_request")
@@ -87,8 +84,7 @@ def main() -> None:
               f"first request after reload {med['first_request'] * 1e3:.1f} ms vs steady {steady * 1e3:.1f} ms; "
               "outputs changed with each edit and came back with each revert")
     finally:
-        proc.terminate()
-        proc.wait(30)
+        server.stop(30)
         shutil.rmtree(project, ignore_errors=True)
 
 

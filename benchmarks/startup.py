@@ -8,29 +8,25 @@ load (model, weights, KV pool, first CUDA use), warm-up, capture (decode + prefi
 may create the default checkpoint; the later ones reuse it (and Triton's disk cache).
 """
 import argparse
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from tsdev.client import wait_until_healthy
+from tsdev.server_process import ServerProcess
 
 
 def start_once(port: int, server_args: list[str]) -> tuple[float, str]:
-    log = tempfile.NamedTemporaryFile("w+", suffix=".log")
-    begin = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "tsdev", "serve", "--port", str(port), *server_args],
-                            stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_until_healthy(f"http://127.0.0.1:{port}", proc, log=lambda: Path(log.name).read_text()[-3000:],
-                           interval=0.05)
-        wall = time.perf_counter() - begin
-    finally:
-        proc.terminate()
-        proc.wait(60)
-    log.seek(0)
-    split = next((line.strip() for line in log if line.startswith("startup:")), "(no startup line)")
+    with tempfile.TemporaryDirectory() as tmp:
+        server = ServerProcess(server_args, port, log_path=Path(tmp) / "serve.log")
+        begin = time.perf_counter()
+        server.start()
+        try:
+            server.wait_healthy()
+            wall = time.perf_counter() - begin
+        finally:
+            server.stop(60)
+        lines = server.output().splitlines()
+    split = next((line.strip() for line in lines if line.startswith("startup:")), "(no startup line)")
     return wall, split
 
 

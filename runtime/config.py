@@ -2,8 +2,10 @@
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_CAPTURE_SIZES = [1, 2, 4, 8] + list(range(16, 257, 8))
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
@@ -96,7 +98,9 @@ class EngineConfig:
     prefill_graph_max_tokens: int = 2048  # largest prefill graph bucket (clamped to max_batched_tokens); 0: off
     prefill_graph_capture_sizes: list[int] | None = None  # explicit buckets instead of the ladder
 
-    def torch_dtype(self, model_config: ModelConfig) -> torch.dtype:
+    def torch_dtype(self, model_config: ModelConfig) -> "torch.dtype":
+        import torch  # here, so that the CLI and clients read the defaults without loading torch
+
         name = self.dtype
         if name == "auto":
             name = model_config.torch_dtype if self.device.startswith("cuda") else "float32"

@@ -1,9 +1,9 @@
 """Per-forward batch metadata, set by the model runner (and by the graphs while they capture), read by the
 attention and logits layers.
 
-One object instead of threading these tensors through every forward (as nano-vllm does).
+One object instead of threading these tensors through every forward (as nano-vllm does). Pure data: how
+a forward runs (e.g. attention cut out of a prefill graph) is the layers' own state, not the context's.
 """
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,8 +17,6 @@ class Context:
     slot_mapping: torch.Tensor  # [T] int64, -1 for padding rows
     logits_indices: torch.Tensor  # [S] int64: rows whose next token is sampled
     max_q_len: int  # longest query of the batch: 1 takes the decode kernel
-    # Set by prefill graphs: attention layers hand q, k, v to it instead of attending (a graph break).
-    attention_break: Callable | None = None
 
 
 _context: Context | None = None

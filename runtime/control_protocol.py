@@ -148,9 +148,8 @@ class ProfileRange(_Message):
 # --- what the server is ---------------------------------------------------------------------------------------
 
 
-class ServerInfo(_Message):
-    """GET /server_info: what a client (the daemon's status line, a benchmark's record) needs to know."""
-    model: str  # the served name
+class EngineInfo(_Message):
+    """What an engine serves, and how (`LLMEngine.describe()`): the `tsdev serve` banner, GET /server_info."""
     model_dir: str
     architecture: str
     device: str
@@ -160,6 +159,17 @@ class ServerInfo(_Message):
     vocab_size: int
     rank: int = 0
     world_size: int = 1
+    max_running: int | None = None  # the most requests computed at once
+    kv_pages: int | None = None
+    page_size: int | None = None  # tokens per KV page
+    decode_graph_sizes: list[int] = []  # batch sizes replayed from decode graphs ([]: none)
+    prefill_graph_buckets: list[int] = []  # token counts of the prefill graphs ([]: none)
+    prefill_graphs_failed: str | None = None  # why prefill runs eagerly after its graphs failed to capture
+
+
+class ServerInfo(EngineInfo):
+    """GET /server_info: what a client (the daemon's status line, a benchmark's record) needs to know."""
+    model: str  # the served name
     allow_reload_forward: bool = False
     pid: int
 

@@ -8,33 +8,45 @@ from pathlib import Path
 
 import httpx
 
+from runtime.control_protocol import (EVENTS_ROUTE, MODULES_ROUTE, RELOAD_ROUTE, SERVER_INFO_ROUTE,
+                                      START_PROFILE_ROUTE, ErrorBody, ErrorDetail, Hello, ModulesReply, ProfileRange,
+                                      ProfileRequest, ReloadReply, ReloadRequest, ServerInfo, WorkerReport)
 from tsdev.watch.checks import prompt_ids
 
 URL = "http://fake-server"
 TIMINGS = {"jit": 0.078, "drain": 0.011, "flush": 0.002, "reload": 0.034, "warm": 0.123, "recapture": 0.456,
            "recapture_decode": 0.3, "recapture_prefill": 0.156, "pause": 0.63, "total": 0.64}  # the server's order
+INFO = ServerInfo(model="fake-model", model_dir="/fake", architecture="Qwen3ForCausalLM", device="cpu",
+                  dtype="float32", parameters=1000, max_model_len=512, vocab_size=1000, allow_reload_forward=True,
+                  pid=4242)
 
 
-def ok_worker(reloaded=("kernels.ops.act",), dependents=("runtime.layers.norm",), **extra) -> dict:
-    return {"rank": 0, "ok": True, "error": None, "reloaded": list(reloaded), "dependents": list(dependents),
-            "patched": 3, "stale": [], "needs_restart": [], "jit_kernels": 1, "timings": dict(TIMINGS), **extra}
+def ok_worker(reloaded=("kernels.ops.act",), dependents=("runtime.layers.norm",), **extra) -> WorkerReport:
+    return WorkerReport(ok=True, reloaded=list(reloaded), dependents=list(dependents), patched=3, jit_kernels=1,
+                        timings=TIMINGS, **extra)
 
 
-def failed_worker(error: str) -> dict:
-    return {"rank": 0, "ok": False, "error": error, "reloaded": [], "dependents": [], "patched": 0, "stale": [],
-            "needs_restart": [], "jit_kernels": 0, "timings": {"drain": 0.01, "flush": 0.0, "reload": 0.02}}
+def failed_worker(error: str) -> WorkerReport:
+    return WorkerReport(ok=False, error=error, timings={"drain": 0.01, "flush": 0.0, "reload": 0.02})
+
+
+def sse(payloads: list) -> httpx.Response:
+    """An event stream of these JSON payloads (a str goes as it is: "[DONE]")."""
+    lines = (f"data: {p if isinstance(p, str) else json.dumps(p)}\n\n" for p in payloads)
+    return httpx.Response(200, content="".join(lines).encode(), headers={"content-type": "text/event-stream"})
 
 
 class FakeServer:
     def __init__(self):
-        self.reloads: list[dict] = []  # bodies of the reload_forward calls, in order
+        self.reloads: list[ReloadRequest] = []  # the reload_forward calls, in order
         self.reload_delay = 0.0
-        self.answer = lambda body: ok_worker()  # the worker entry to reply with
+        self.answer = lambda request: ok_worker()  # the worker to reply with
         self.output_changed_at: int | None = None  # golden tokens differ from here on, after the next reload
         self._changed_at = None
-        self.pending_events: list[dict] = []  # delivered on the next events connection
-        self.profiles: list[dict] = []
+        self.pending_events: list = []  # control-protocol events delivered on the next events connection
+        self.profiles: list[ProfileRequest] = []
         self.loaded: list[str] | None = None  # GET /v1/rl/engine/modules answers these (None: no such route)
+        self.info: ServerInfo | None = INFO  # GET /server_info (None: no such route, as on an older server)
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
@@ -46,34 +58,38 @@ class FakeServer:
             return httpx.Response(200, json={"status": "ok"})
         if path == "/v1/models":
             return httpx.Response(200, json={"data": [{"id": "fake-model", "vocab_size": 1000, "max_model_len": 512}]})
+        if path == SERVER_INFO_ROUTE and self.info is not None:
+            return httpx.Response(200, json=self.info.dump())
         if path == "/v1/completions":
             return self.completion(body)
-        if path == "/v1/rl/engine/reload_forward":
-            self.reloads.append(body)
+        if path == RELOAD_ROUTE:
+            reload = ReloadRequest.model_validate(body)
+            self.reloads.append(reload)
             await asyncio.sleep(self.reload_delay)
-            worker = self.answer(body)
-            if worker["ok"] and worker["reloaded"]:
+            worker = self.answer(reload)
+            if worker.ok and worker.reloaded:
                 self._changed_at = self.output_changed_at
-            return httpx.Response(200, json={"id": body["id"], "ok": worker["ok"], "workers": [worker]})
-        if path == "/v1/rl/engine/events":
-            events, self.pending_events = [{"type": "hello", "paused": False}, *self.pending_events], []
-            return httpx.Response(200, content="".join(f"data: {json.dumps(e)}\n\n" for e in events).encode(),
-                                  headers={"content-type": "text/event-stream"})
-        if path == "/v1/rl/engine/modules" and self.loaded is not None:
-            return httpx.Response(200, json={"modules": self.loaded})
-        if path == "/start_profile":
-            self.profiles.append(body)
-            return httpx.Response(200, json={"n": len(self.profiles), "name": body.get("name")})
-        return httpx.Response(404, json={"error": {"message": f"no route {path}"}})
+            return httpx.Response(200, json=ReloadReply.of(reload.id, [worker]).dump())
+        if path == EVENTS_ROUTE:
+            events, self.pending_events = [Hello(paused=False), *self.pending_events], []
+            return sse([event.dump() for event in events])
+        if path == MODULES_ROUTE and self.loaded is not None:
+            return httpx.Response(200, json=ModulesReply(modules=self.loaded).dump())
+        if path == START_PROFILE_ROUTE:
+            profile = ProfileRequest.model_validate(body)
+            self.profiles.append(profile)
+            return httpx.Response(200, json=ProfileRange(n=len(self.profiles), name=profile.name or "",
+                                                         activities=profile.activities,
+                                                         num_steps=profile.num_steps).dump())
+        return httpx.Response(404, json=ErrorBody(error=ErrorDetail(message=f"no route {path}", code=404)).dump())
 
     def completion(self, body: dict) -> httpx.Response:
         first = body["prompt"][0]
         ids = [first + i for i in range(body["max_tokens"])]
         if self._changed_at is not None and body["prompt"] == prompt_ids(0, 1000) and len(ids) > self._changed_at:
             ids[self._changed_at] += 1
-        chunks = [{"choices": [{"index": 0, "text": f"t{i}", "token_ids": [i], "finish_reason": None}]} for i in ids]
-        stream = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
-        return httpx.Response(200, content=stream.encode(), headers={"content-type": "text/event-stream"})
+        return sse([{"choices": [{"index": 0, "text": f"t{i}", "token_ids": [i], "finish_reason": None}]}
+                    for i in ids] + ["[DONE]"])
 
 
 def make_project(root: Path) -> Path:

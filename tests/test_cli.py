@@ -39,8 +39,8 @@ def test_serve_banner_names_the_graphs_and_the_startup_phases(make_engine):
     from tsdev.cli import _describe_graphs, _describe_startup
 
     engine = make_engine(cudagraph_capture_sizes=[1, 4], max_batched_tokens=64)
-    graphs = _describe_graphs(engine.runner, False, engine.startup_timings)
+    graphs = _describe_graphs(engine.describe(), False, engine.startup_timings)
     assert graphs.startswith("2 decode graph(s) prepared") and "4 prefill graph(s) (16..64 tokens)" in graphs
     startup = _describe_startup(1.5, engine.startup_timings)
     assert startup.startswith("startup: imports 1.50 s, load ") and "warm-up" in startup and "prefill" in startup
-    assert _describe_graphs(make_engine(enforce_eager=True).runner, False, {}) == "CUDA graphs off"
+    assert _describe_graphs(make_engine(enforce_eager=True).describe(), False, {}) == "CUDA graphs off"

@@ -7,10 +7,12 @@ import pytest
 import torch
 
 from batches import CASES, make_batch, written_slots
-from runtime.engine.prefill_graphs import PrefillGraphs, all_ranks_agree, prefill_buckets
+from runtime.context import set_context
+from runtime.control_protocol import WorkerReport
+from runtime.engine.prefill_graphs import PrefillGraphs, all_ranks_agree, cut_at_attention, prefill_buckets
 from runtime.engine.sequence import SamplingParams
 from tsdev.cli import join_list_flags, parse_sizes, prefill_capture_sizes
-from tsdev.client import format_worker
+from tsdev.outcome import worker_text
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -95,6 +97,52 @@ def test_cut_forward_equals_the_plain_forward(make_engine, case):
     assert {tuple(i) for i in changed.nonzero().tolist()} == written_slots(engine, batch)
 
 
+def test_attention_is_cut_only_inside_cut_at_attention(make_engine):
+    engine = make_engine()
+    model, layers = engine.runner.model, engine.runner.prefill_graphs.attention
+    assert len(layers) == engine.runner.model_config.num_hidden_layers
+    input_ids, positions = engine.runner.prepare(make_batch(engine, CASES["batched-uneven"]))
+    seen = []
+
+    def cut(layer, q, k, v):
+        seen.append(layer)
+        return layer.attend(q, k, v)
+
+    def broken(layer, q, k, v):
+        raise RuntimeError("boom")
+
+    try:
+        with torch.inference_mode():
+            plain = model(input_ids, positions)
+            assert seen == []
+            with cut_at_attention(layers, cut):
+                torch.testing.assert_close(model(input_ids, positions), plain, rtol=1e-5, atol=1e-5)
+            assert seen == layers  # every layer, once, in order
+            with pytest.raises(RuntimeError, match="boom"), cut_at_attention(layers, broken):
+                model(input_ids, positions)
+    finally:
+        set_context(None)
+    assert all(layer.graph_cut is None for layer in layers)  # reset, after a failure too
+
+
+def test_the_cut_forward_survives_a_reload_of_the_attention_layer(make_engine):
+    from tsdev.hotreload import Reloader
+
+    engine = make_engine(max_batched_tokens=256)
+    batch = make_batch(engine, CASES["prefix-cached-mixed"])
+    assert engine.runner.prefill_graphs.bucket(batch.total_tokens) > batch.total_tokens  # padded: needs the cut
+    before = engine.runner.kv_cache.clone()
+    plain = engine.runner.compute_logits(batch, use_graphs=False).clone()
+    engine.runner.kv_cache.copy_(before)
+    tx = Reloader(["runtime.layers", "runtime.models"]).reload(modules=["runtime.layers.attention"])
+    try:
+        assert tx.report.ok, tx.report.error
+        assert "runtime.models.qwen3" in tx.report.dependents
+        torch.testing.assert_close(engine.runner.compute_logits(batch), plain, rtol=1e-5, atol=1e-5)
+    finally:
+        tx.rollback()
+
+
 def test_a_graph_captured_under_other_properties_is_not_replayed(make_engine, monkeypatch):
     from runtime.engine import prefill_graphs
 
@@ -152,10 +200,10 @@ def test_a_failed_capture_during_a_reload_raises_and_out_of_memory_says_what_to_
 
 
 def test_reload_line_shows_decode_and_prefill_recapture_apart():
-    worker = {"ok": True, "rank": 0, "reloaded": ["kernels.ops.norm"], "dependents": [], "patched": 3,
-              "timings": {"reload": 0.01, "warm": 0.1, "recapture": 0.5, "recapture_decode": 0.2,
-                          "recapture_prefill": 0.3, "pause": 0.6}}
-    assert "recaptured in 0.50 s (decode 0.20, prefill 0.30)" in format_worker(worker)
+    worker = WorkerReport(ok=True, reloaded=["kernels.ops.norm"], patched=3,
+                          timings={"reload": 0.01, "warm": 0.1, "recapture": 0.5, "recapture_decode": 0.2,
+                                   "recapture_prefill": 0.3, "pause": 0.6})
+    assert "recaptured in 0.50 s (decode 0.20, prefill 0.30)" in worker_text(worker)
 
 
 def _agree(rank: int, port: int, ok: bool, results) -> None:

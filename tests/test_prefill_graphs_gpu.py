@@ -7,10 +7,11 @@ import torch
 
 from batches import CASES, make_batch, written_slots
 from runtime.config import EngineConfig
+from runtime.control_protocol import ReloadRequest
 from runtime.engine.async_engine import AsyncEngine
 from runtime.engine.llm_engine import LLMEngine
 from runtime.engine.prefill_graphs import PrefillGraphs
-from runtime.engine.reload_forward import ReloadForward, ReloadRequest
+from runtime.engine.reload_forward import ReloadForward
 from runtime.engine.sequence import SamplingParams
 from test_reload_gpu import STORE, EDITED, EditedSources
 from tsdev.hotreload import Reloader
@@ -86,19 +87,19 @@ def test_reload_edit_changes_the_prefill_graphs_output(tiny_model_dir):
         ae = AsyncEngine(engine)
         await ae.start()
         try:
-            return await ReloadForward(ae, edit)(ReloadRequest(rid))
+            return await ReloadForward(ae, edit)(ReloadRequest(id=rid))
         finally:
             await ae.stop()
 
     reply = asyncio.run(reload("edit"))
-    assert reply["ok"], reply
-    timings = reply["workers"][0]["timings"]
+    assert reply.ok, reply
+    timings = reply.workers[0].timings
     assert timings["recapture_prefill"] > 0 and timings["recapture_decode"] > 0
     edited = replayed(engine, batch)
     assert (edited - before).abs().max() > 1e-3
     torch.testing.assert_close(edited, engine.runner.compute_logits(batch, use_graphs=False), rtol=1e-4, atol=1e-4)
     edit.active = False
-    assert asyncio.run(reload("revert"))["ok"]
+    assert asyncio.run(reload("revert")).ok
     torch.testing.assert_close(replayed(engine, batch), before, rtol=1e-4, atol=1e-4)
 
 

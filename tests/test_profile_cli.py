@@ -4,9 +4,9 @@ import subprocess
 import sys
 import time
 
-from serve_process import free_port
 from tsdev.client import reload_forward
 from tsdev.profile import KernelRow, find_nsys, parse_kernel_csv, write_summary
+from tsdev.server_process import free_port
 
 
 def test_profile_without_nsys_takes_a_torch_range_per_reload_and_summarises_it(tiny_model_dir, tmp_path):
@@ -21,7 +21,7 @@ def test_profile_without_nsys_takes_a_torch_range_per_reload_and_summarises_it(t
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "timeout"
             time.sleep(0.5)
         reply = reload_forward(f"http://127.0.0.1:{port}", ["runtime.layers.activation"], timeout_s=120)
-        assert reply["ok"], reply
+        assert reply.ok, reply
         stdout, _ = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:

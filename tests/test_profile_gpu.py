@@ -8,7 +8,8 @@ import time
 import httpx
 import pytest
 
-from serve_process import copy_project, free_port
+from serve_process import copy_project
+from tsdev.server_process import free_port
 from tsdev.profile import find_nsys
 
 pytestmark = pytest.mark.gpu

@@ -1,5 +1,4 @@
 """reload_forward against a `tsdev serve --allow-reload-forward` subprocess running a temporary copy of the project."""
-import json
 import threading
 import time
 from contextlib import contextmanager
@@ -8,6 +7,7 @@ import httpx
 import pytest
 
 from serve_process import copy_project, serve
+from tsdev.client import iter_sse_data
 
 PROMPT = {"prompt": [5, 17, 300, 42, 9, 77, 123], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
 ACTIVATION = "kernels/ops/activation.py"
@@ -124,15 +124,13 @@ def test_same_id_returns_the_first_outcome_without_reloading_again(server):
 def stream_completion(url, results, index, **overrides):
     text, reasons = "", []
     with httpx.stream("POST", url + "/v1/completions", json={**PROMPT, "stream": True, **overrides}, timeout=120) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                event = json.loads(line[6:])
-                if "error" in event:
-                    reasons.append("error")
-                    continue
-                text += event["choices"][0]["text"]
-                if event["choices"][0]["finish_reason"]:
-                    reasons.append(event["choices"][0]["finish_reason"])
+        for event in iter_sse_data(r):
+            if "error" in event:
+                reasons.append("error")
+                continue
+            text += event["choices"][0]["text"]
+            if event["choices"][0]["finish_reason"]:
+                reasons.append(event["choices"][0]["finish_reason"])
     results[index] = (text, reasons)
 
 
@@ -180,11 +178,10 @@ def test_concurrent_reloads_run_one_after_the_other(server):
 
     def listen():
         with httpx.stream("GET", server + "/v1/rl/engine/events", timeout=60) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(json.loads(line[6:]))
-                    if events[-1].get("id") == marker:
-                        return
+            for event in iter_sse_data(r):
+                events.append(event)
+                if event.get("id") == marker:
+                    return
 
     listener = threading.Thread(target=listen)
     listener.start()

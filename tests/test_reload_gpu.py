@@ -5,9 +5,10 @@ import sys
 import pytest
 
 from runtime.config import EngineConfig
+from runtime.control_protocol import ReloadRequest
 from runtime.engine.async_engine import AsyncEngine
 from runtime.engine.llm_engine import LLMEngine
-from runtime.engine.reload_forward import ReloadForward, ReloadRequest
+from runtime.engine.reload_forward import ReloadForward
 from runtime.engine.sequence import SamplingParams
 from tsdev.hotreload import Reloader
 
@@ -36,6 +37,9 @@ class EditedSources:
 
     def reload(self, modules=None, sources=None):
         return self.reloader.reload(modules=modules, sources=sources)
+
+    def modules(self):
+        return self.reloader.modules()
 
 
 def compiled_kernels() -> int:
@@ -68,16 +72,16 @@ def test_edited_kernel_runs_in_recaptured_graphs_and_nothing_recompiles(tiny_mod
         await ae.start()
         reload = ReloadForward(ae, edit)
         before = await greedy(ae, "a")
-        reply = await reload(ReloadRequest("r1"))
-        assert reply["ok"], reply
-        assert reply["workers"][0]["reloaded"] == ["kernels.ops.activation"]
-        assert reply["workers"][0]["jit_kernels"] >= 1  # the edited kernel was compiled ahead, before the drain
-        assert reply["workers"][0]["warnings"] == []
+        reply = await reload(ReloadRequest(id="r1"))
+        assert reply.ok, reply
+        assert reply.workers[0].reloaded == ["kernels.ops.activation"]
+        assert reply.workers[0].jit_kernels >= 1  # the edited kernel was compiled ahead, before the drain
+        assert reply.workers[0].warnings == []
         compiled = compiled_kernels()
         after = await greedy(ae, "b")  # decode steps replay the recaptured batch-1 graph
         assert compiled_kernels() == compiled  # the warm step compiled everything the request needed
         edit.active = False
-        assert (await reload(ReloadRequest("r2")))["ok"]
+        assert (await reload(ReloadRequest(id="r2"))).ok
         restored = await greedy(ae, "c")
         await ae.stop()
         return before, after, restored

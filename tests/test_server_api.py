@@ -1,10 +1,9 @@
 """HTTP API in-process: response shapes, streaming, and errors for bad input."""
-import json
-
 import pytest
 from fastapi.testclient import TestClient
 
 from runtime.server.app import build_app
+from tsdev.client import iter_sse_data
 
 
 @pytest.fixture(scope="module")
@@ -18,9 +17,8 @@ def client(tiny_model_dir):
 
 
 def sse_events(response) -> list:
-    lines = [line for line in response.iter_lines() if line.startswith("data: ")]
-    assert lines[-1] == "data: [DONE]"
-    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert response.read().decode().rstrip().endswith("data: [DONE]")
+    return list(iter_sse_data(response))
 
 
 def test_completion_reports_text_and_usage(client):
@@ -143,3 +141,22 @@ def test_an_internal_error_is_a_json_500(tiny_model_dir, monkeypatch):
     with TestClient(build_app(engine, "tiny"), raise_server_exceptions=False) as c:
         r = c.post("/v1/completions", json={"prompt": "hi"})
     assert r.status_code == 500 and "tokenizer exploded" in r.json()["error"]["message"]
+
+
+def test_server_info_says_what_is_served(client, tiny_model_dir):
+    import math
+    import os
+
+    from safetensors import safe_open
+
+    from runtime.control_protocol import SERVER_INFO_ROUTE, ServerInfo
+
+    r = client.get(SERVER_INFO_ROUTE)
+    assert r.status_code == 200, r.text
+    info = ServerInfo.model_validate(r.json())
+    assert (info.model, info.model_dir, info.architecture) == ("tiny", str(tiny_model_dir), "Qwen3ForCausalLM")
+    assert (info.device, info.dtype, info.max_model_len, info.vocab_size) == ("cpu", "float32", 128, 1024)
+    with safe_open(tiny_model_dir / "model.safetensors", "pt") as f:  # tied embeddings: stored once, counted once
+        assert info.parameters == sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    assert (info.rank, info.world_size) == (0, 1)
+    assert info.allow_reload_forward is False and info.pid == os.getpid()

@@ -4,7 +4,10 @@ import asyncio
 import pytest
 
 from fake_server import URL, FakeServer, failed_worker, make_project, ok_worker, until
-from tsdev.watch.daemon import Daemon, ReloadRecord, WatchConfig, split_server_args
+from runtime.control_protocol import ReloadFinished, ReloadStarted, ReloadStep, StaleDefinition
+from tsdev.watch.args import WatchConfig, split_server_args
+from tsdev.watch.daemon import Daemon
+from tsdev.watch.records import ReloadRecord
 
 SERVE_FLAGS = {"--device": True, "--port": True, "--cudagraph-capture-sizes": True, "--enforce-eager": False,
                "--model": True}
@@ -59,7 +62,7 @@ def test_saves_during_a_reload_are_coalesced_into_one_next_reload(tmp_path):
 
     asyncio.run(main())
     assert len(server.reloads) == 2
-    assert all("modules" not in body for body in server.reloads)  # the server decides by content
+    assert all(request.modules is None for request in server.reloads)  # the server decides by content
     first, second = finished(events)
     assert (first.files, first.modules) == (["kernels/ops/act.py"], ["kernels.ops.act"])
     assert second.files == ["kernels/ops/act.py", "runtime/layers/norm.py"]
@@ -80,7 +83,7 @@ def test_each_reload_is_checked_against_the_golden_completion_and_probed(tmp_pat
 def test_a_failed_reload_keeps_its_error_and_skips_the_checks(tmp_path):
     project, server = make_project(tmp_path), FakeServer()
     error = f"{project}/kernels/ops/act.py:2: SyntaxError: invalid syntax"
-    server.answer = lambda body: failed_worker(error)
+    server.answer = lambda request: failed_worker(error)
     events = session(project, server, lambda daemon: (project / "kernels/ops/act.py").write_text("def act(x):\n    return x)\n"))
     record = finished(events)[0]
     assert record.error == error and record.verdict is None and record.probe is None
@@ -90,26 +93,26 @@ def test_reload_all_forces_every_module_the_server_has_imported(tmp_path):
     project, server = make_project(tmp_path), FakeServer()
     (project / "kernels/ops/unused.py").write_text("Z = 0\n")
     server.loaded = ["kernels.ops", "kernels.ops.act", "runtime.layers", "runtime.layers.norm", "runtime.models.x"]
-    server.answer = lambda body: ok_worker(reloaded=body["modules"])
+    server.answer = lambda request: ok_worker(reloaded=request.modules)
     events = session(project, server, lambda daemon: daemon.reload_all())
-    assert [body["modules"] for body in server.reloads] == [
+    assert [request.modules for request in server.reloads] == [
         ["kernels.ops", "kernels.ops.act", "runtime.layers", "runtime.layers.norm"]]  # on disk and imported
     assert finished(events)[0].ok
 
 
 def test_reload_all_without_the_modules_route_forces_what_is_on_disk(tmp_path):
     project, server = make_project(tmp_path), FakeServer()
-    server.answer = lambda body: ok_worker(reloaded=body["modules"])
+    server.answer = lambda request: ok_worker(reloaded=request.modules)
     session(project, server, lambda daemon: daemon.reload_all())
-    assert server.reloads[0]["modules"] == ["kernels.ops", "kernels.ops.act", "runtime.layers", "runtime.layers.norm"]
+    assert server.reloads[0].modules == ["kernels.ops", "kernels.ops.act", "runtime.layers", "runtime.layers.norm"]
 
 
 def test_reloads_by_other_clients_appear_and_are_checked(tmp_path):
     project, server = make_project(tmp_path), FakeServer()
-    hook = [{"type": "reload_started", "id": "hook-1", "n": 1, "modules": ["kernels.ops.act"]},
-            {"type": "reload_step", "id": "hook-1", "step": "drain", "state": "started"},
-            {"type": "reload_step", "id": "hook-1", "step": "drain", "state": "done", "seconds": 0.25},
-            {"type": "reload_finished", "id": "hook-1", "n": 1, "worker": ok_worker()}]
+    hook = [ReloadStarted(id="hook-1", n=1, modules=["kernels.ops.act"]),
+            ReloadStep(id="hook-1", step="drain", state="started"),
+            ReloadStep(id="hook-1", step="drain", state="done", seconds=0.25),
+            ReloadFinished(type="reload_finished", id="hook-1", n=1, worker=ok_worker())]
     events = session(project, server, lambda daemon: server.pending_events.extend(hook))
     record = finished(events)[0]
     assert record.trigger == "another client" and record.modules == ["kernels.ops.act"]
@@ -143,9 +146,9 @@ def test_profiling_covers_the_next_reload_or_every_reload(tmp_path, each):
         await stop(daemon, task)
 
     asyncio.run(main())
-    names = [p["name"] for p in server.profiles]
+    names = [p.name for p in server.profiles]
     assert names == (["watch-reload-1", "watch-reload-2"] if each else ["watch-reload-1"])
-    assert all(p["activities"] == ["TORCH"] and p["num_steps"] == 4 for p in server.profiles)
+    assert all(p.activities == ["TORCH"] and p.num_steps == 4 for p in server.profiles)
 
 
 def test_server_flags_pass_through_and_model_is_found():
@@ -160,14 +163,28 @@ def test_server_flags_pass_through_and_model_is_found():
 
 
 def test_a_reload_line_carries_the_replys_warnings_and_stale_definitions():
-    from fake_server import ok_worker
     from tsdev.watch.plain import reload_line
 
     record = ReloadRecord(1, "save", files=["kernels/ops/act.py"], done=True)
     record.worker = ok_worker(warnings=["compiling ahead failed, kernels compile during the warm step: boom"],
-                              stale=[{"name": "kernels.ops.act.Table"}])
-    record.steps.update(record.worker["timings"])
+                              stale=[StaleDefinition(name="kernels.ops.act.Table")])
+    record.steps.update(record.worker.timings)
     line = reload_line(record)
     assert "jit 0.08 drain 0.01" in line and "recapture 0.46 (decode 0.30, prefill 0.16) pause 0.63" in line
     assert "warning: compiling ahead failed, kernels compile during the warm step: boom" in line
     assert "stale (could not be patched): kernels.ops.act.Table" in line
+
+
+@pytest.mark.parametrize("has_route", [True, False], ids=["server-info", "older-server-without-it"])
+def test_model_and_device_come_from_server_info_else_from_v1_models(tmp_path, has_route):
+    project, server, events = make_project(tmp_path), FakeServer(), []
+    if not has_route:
+        server.info = None
+
+    async def main():
+        daemon, task = await running(project, server, events)
+        await stop(daemon, task)
+        return daemon.info
+
+    info = asyncio.run(main())
+    assert (info["model"], info["device"]) == ("fake-model", "cpu" if has_route else None)

@@ -11,7 +11,8 @@ import time
 import httpx
 import pytest
 
-from serve_process import copy_project, free_port
+from serve_process import copy_project
+from tsdev.server_process import free_port
 
 LAYER, LAYER_LINE = "runtime/layers/activation.py", "        return act_ops.silu_and_mul(x)\n"
 

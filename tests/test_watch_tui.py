@@ -4,7 +4,7 @@ import html
 import re
 
 from fake_server import URL, FakeServer, failed_worker, make_project, until
-from tsdev.watch.daemon import WatchConfig
+from tsdev.watch.args import WatchConfig
 from tsdev.watch.tui import WatchApp
 
 
@@ -33,13 +33,13 @@ def test_reload_row_with_timings_then_an_error_with_file_line_and_code(tmp_path)
             await until(lambda: app.daemon.watcher.ready.is_set() and app.daemon.info["state"] == "serving")
             await pilot.pause(0.3)
             act.write_text("def act(x):\n    return 2 * x\n")
-            await until(lambda: app.daemon.reloads and app.daemon.reloads[-1].done)
+            await until(lambda: app.daemon.reloads.records and app.daemon.reloads.records[-1].done)
             await pilot.pause(0.2)
             first = screen_text(app)
 
-            server.answer = lambda body: failed_worker(f"{act}:2: SyntaxError: invalid syntax")
+            server.answer = lambda request: failed_worker(f"{act}:2: SyntaxError: invalid syntax")
             act.write_text("def act(x):\n    return (2 * x\n")
-            await until(lambda: len(app.daemon.reloads) == 2 and app.daemon.reloads[-1].done)
+            await until(lambda: len(app.daemon.reloads.records) == 2 and app.daemon.reloads.records[-1].done)
             await pilot.pause(0.2)
             second = screen_text(app)
 

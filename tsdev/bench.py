@@ -15,6 +15,8 @@ from pathlib import Path
 
 import httpx
 
+from tsdev.client import aiter_sse_data
+
 WORDS = ("the quick brown fox jumps over a lazy dog while kernels run fast on every GPU in the rack").split()
 
 
@@ -98,10 +100,7 @@ async def send(client: httpx.AsyncClient, config: BenchConfig, model: str, body:
                 text = (await response.aread()).decode(errors="replace")
                 record.error = f"HTTP {response.status_code}: {text[:300]}"
                 return record
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
+            async for event in aiter_sse_data(response):
                 if "error" in event:
                     record.error = f"server error: {event['error'].get('message')}"
                     return record
@@ -216,3 +215,12 @@ def quick(url: str) -> dict:
     """A few seconds of load for the TUI's `b` key: 16 requests, 64 in / 32 out, 8 at a time."""
     config = BenchConfig(url=url, num_prompts=16, input_len=64, output_len=32, max_concurrency=8)
     return asyncio.run(run_bench(config))
+
+
+def quick_line(metrics: dict) -> str:
+    """'output 812.3 tok/s, TTFT 41.2 ms, TPOT 9.87 ms, failed 0' (the watch log's line)."""
+    parts = [f"{label} {metrics[key]:.{digits}f}{unit}" for key, label, digits, unit in (
+        ("output_throughput", "output", 1, " tok/s"), ("mean_ttft_ms", "TTFT", 1, " ms"),
+        ("mean_tpot_ms", "TPOT", 2, " ms"), ("failed_requests", "failed", 0, ""))
+        if isinstance(metrics.get(key), (int, float))]
+    return ", ".join(parts) or json.dumps(metrics)[:200]

@@ -5,6 +5,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from runtime.config import EngineConfig  # no torch: the serve flags' defaults are the engine config's
+
 LIST_FLAGS = ("--cudagraph-capture-sizes", "--prefill-graph-capture-sizes")
 # Every reload recaptures every prefill bucket: the ladder (40 buckets up to 2048 tokens) takes 1.2-1.7 s of
 # it on the H200, three buckets ~0.1 s. A server that allows reloads is for development: it pads prompts more
@@ -73,17 +75,18 @@ def _describe_startup(imports: float, t: dict) -> str:
             f"{t['capture'] + t['capture_prefill']:.2f} s (decode {t['capture']:.2f}, prefill {t['capture_prefill']:.2f})")
 
 
-def _describe_graphs(runner, cuda: bool, timings: dict) -> str:
-    """'35 decode graphs captured in 0.30 s; 40 prefill graphs (16..2048 tokens) captured in 0.80 s'."""
+def _describe_graphs(info, cuda: bool, timings: dict) -> str:
+    """'35 decode graphs captured in 0.30 s; 40 prefill graphs (16..2048 tokens) captured in 0.80 s'.
+    `info` is the engine's `describe()`."""
     done = "captured" if cuda else "prepared (CPU: no capture)"
     parts = []
-    if runner.decode_graphs:
-        parts.append(f"{len(runner.decode_graphs.sizes)} decode graph(s) {done} in {timings['capture']:.2f} s")
-    prefill = runner.prefill_graphs
-    if prefill and prefill.disabled:
-        parts.append(f"prefill graphs failed to capture ({prefill.disabled}): prefill runs eagerly")
-    elif prefill:
-        parts.append(f"{len(prefill.buckets)} prefill graph(s) ({prefill.buckets[0]}..{prefill.max_tokens} tokens) "
+    if info.decode_graph_sizes:
+        parts.append(f"{len(info.decode_graph_sizes)} decode graph(s) {done} in {timings['capture']:.2f} s")
+    buckets = info.prefill_graph_buckets
+    if info.prefill_graphs_failed:
+        parts.append(f"prefill graphs failed to capture ({info.prefill_graphs_failed}): prefill runs eagerly")
+    elif buckets:
+        parts.append(f"{len(buckets)} prefill graph(s) ({buckets[0]}..{buckets[-1]} tokens) "
                      f"{done} in {timings['capture_prefill']:.2f} s")
     return "; ".join(parts) or "CUDA graphs off"
 
@@ -98,27 +101,27 @@ def serve(
     port: Annotated[int, typer.Option(help="TCP port for the HTTP API.")] = 8000,
     max_running: Annotated[int, typer.Option(help="Most requests computed at once (the batch size). Decode graphs are "
                                                  "captured up to it: a larger value serves bigger batches from graphs "
-                                                 "but makes startup and every reload's recapture longer.")] = 64,
-    max_batched_tokens: Annotated[int, typer.Option(help="Token budget per engine step; longer prompts are prefilled in chunks of this size.")] = 2048,
+                                                 "but makes startup and every reload's recapture longer.")] = EngineConfig.max_running,
+    max_batched_tokens: Annotated[int, typer.Option(help="Token budget per engine step; longer prompts are prefilled in chunks of this size.")] = EngineConfig.max_batched_tokens,
     kv_pages: Annotated[Optional[int], typer.Option(help="Pages in the KV pool; default: fit the free GPU memory "
-                                                         "(or max-running full contexts on CPU).")] = None,
-    page_size: Annotated[int, typer.Option(help="Tokens per KV page.")] = 16,
+                                                         "(or max-running full contexts on CPU).")] = EngineConfig.kv_pages,
+    page_size: Annotated[int, typer.Option(help="Tokens per KV page.")] = EngineConfig.page_size,
     max_model_len: Annotated[Optional[int], typer.Option(help="Longest prompt + completion, in tokens; default: "
-                                                              "the model's, capped at 8192.")] = None,
-    dtype: Annotated[str, typer.Option(help="auto (checkpoint dtype on CUDA, float32 on CPU), bfloat16, float16, float32.")] = "auto",
-    gpu_memory_utilization: Annotated[float, typer.Option(help="Fraction of GPU memory the server may use in all.")] = 0.9,
-    no_prefix_caching: Annotated[bool, typer.Option("--no-prefix-caching", help="Do not share KV pages between requests with a common prefix.")] = False,
+                                                              "the model's, capped at 8192.")] = EngineConfig.max_model_len,
+    dtype: Annotated[str, typer.Option(help="auto (checkpoint dtype on CUDA, float32 on CPU), bfloat16, float16, float32.")] = EngineConfig.dtype,
+    gpu_memory_utilization: Annotated[float, typer.Option(help="Fraction of GPU memory the server may use in all.")] = EngineConfig.gpu_memory_utilization,
+    no_prefix_caching: Annotated[bool, typer.Option("--no-prefix-caching", help="Do not share KV pages between requests with a common prefix.")] = not EngineConfig.enable_prefix_caching,
     served_model_name: Annotated[Optional[str], typer.Option(help="Model name in the API; default: the checkpoint directory's name.")] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the noise for requests that give no seed of their own.")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the noise for requests that give no seed of their own.")] = EngineConfig.seed,
     cudagraph_capture_sizes: Annotated[Optional[str], typer.Option(
         help="Decode batch sizes to capture as CUDA graphs, e.g. `--cudagraph-capture-sizes 1 16 64`; larger "
              "batches run eagerly. Default: 1 2 4 8 16 24 ... 256 (up to --max-running). Fewer sizes capture "
              "faster (and reload faster).")] = None,
-    enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="No CUDA graphs: every step runs eagerly.")] = False,
+    enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="No CUDA graphs: every step runs eagerly.")] = EngineConfig.enforce_eager,
     prefill_graph_max_tokens: Annotated[int, typer.Option(
         help="Largest token count of a prefill (or mixed prefill + decode) step replayed from a breakable CUDA "
              "graph (attention runs eagerly between graph pieces); clamped to --max-batched-tokens. Buckets "
-             "step from 16 by about 1/8 of their size. 0 turns prefill graphs off.", min=0)] = 2048,
+             "step from 16 by about 1/8 of their size. 0 turns prefill graphs off.", min=0)] = EngineConfig.prefill_graph_max_tokens,
     disable_prefill_graph: Annotated[bool, typer.Option(
         "--disable-prefill-graph", help="Run prefill and mixed steps eagerly (decode graphs stay on).")] = False,
     prefill_graph_capture_sizes: Annotated[Optional[str], typer.Option(
@@ -138,7 +141,6 @@ def serve(
     import uvicorn
     from rich.console import Console
 
-    from runtime.config import EngineConfig
     from runtime.engine.llm_engine import LLMEngine
     from runtime.server.app import build_app
 
@@ -170,15 +172,13 @@ def serve(
             console.print(f"[red]error:[/red] {exc}")
             raise typer.Exit(2) from None
     name = served_model_name or ("tsdev-default" if config.model is None else Path(config.model).name)
-    mc, bm = engine.model_config, engine.block_manager
-    params = sum(p.numel() for p in engine.runner.model.parameters())
-    graphs = _describe_graphs(engine.runner, config.device.startswith("cuda"), engine.startup_timings)
+    info = engine.describe()
+    graphs = _describe_graphs(info, config.device.startswith("cuda"), engine.startup_timings)
     console.print(
-        f"loaded [bold]{name}[/bold] ({mc.architecture}, {params / 1e6:.1f} M parameters, "
-        f"{str(engine.runner.dtype).removeprefix('torch.')}) from {engine.model_dir} on {config.device} "
-        f"in {time.perf_counter() - start:.1f} s\n"
-        f"KV pool: {bm.num_pages} pages x {bm.page_size} tokens; context length {engine.max_model_len}; "
-        f"up to {config.max_running} requests at once\n"
+        f"loaded [bold]{name}[/bold] ({info.architecture}, {info.parameters / 1e6:.1f} M parameters, "
+        f"{info.dtype}) from {info.model_dir} on {info.device} in {time.perf_counter() - start:.1f} s\n"
+        f"KV pool: {info.kv_pages} pages x {info.page_size} tokens; context length {info.max_model_len}; "
+        f"up to {info.max_running} requests at once\n"
         f"warmed in {engine.startup_timings['warm']:.2f} s; {graphs}\n"
         f"{_describe_startup(imports, engine.startup_timings)}\n"
         f"listening on [bold]http://{host}:{port}[/bold] (OpenAI API under /v1)"
@@ -209,7 +209,8 @@ def reload(
     """
     from rich.console import Console
 
-    from tsdev.client import format_worker, reload_forward
+    from tsdev.client import reload_forward
+    from tsdev.outcome import worker_text
 
     console = Console(soft_wrap=True, highlight=False)
     if mode not in ("wait", "abort"):
@@ -234,9 +235,9 @@ def reload(
     except RuntimeError as exc:  # 403 and other refusals
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from None
-    for worker in reply["workers"]:
-        console.print(format_worker(worker))
-    raise typer.Exit(0 if reply["ok"] else 1)
+    for worker in reply.workers:
+        console.print(worker_text(worker))
+    raise typer.Exit(0 if reply.ok else 1)
 
 
 @app.command()
@@ -342,8 +343,8 @@ def watch(
     Keys: r reload all, R restart, b quick bench, p profile next reload, g new golden, c clear, q quit.
     See docs/watch.md.
     """
+    from tsdev.server_process import flag_value
     from tsdev.watch import WatchConfig, run, serve_flags, split_server_args
-    from tsdev.watch.daemon import flag_value
 
     try:
         model, server_args = split_server_args(list(ctx.args), serve_flags(typer.main.get_command(app).get_command(ctx, "serve")))

@@ -127,39 +127,40 @@ def nsys_stats(nsys: str, report: Path) -> tuple[list[KernelRow], list[KernelRow
 def run_profile(server_args: list[str], out_dir: Path, num_steps: int, max_ranges: int | None, port: int, console) -> int:
     """Serve under nsys (or plain, with torch traces) and take a range at start and after every reload."""
     import queue
-    import sys
     import threading
 
     import httpx
     from rich.markdown import Markdown
 
-    from tsdev.client import wait_until_healthy
+    from runtime.control_protocol import START_PROFILE_ROUTE, ProfileRequest
+    from tsdev.client import body
+    from tsdev.server_process import ServerProcess, StartFailed
 
     nsys, looked = find_nsys()
     out_dir.mkdir(parents=True, exist_ok=True)
-    url = f"http://127.0.0.1:{port}"
-    serve = [sys.executable, "-m", "tsdev", "serve", *server_args, "--allow-reload-forward", "--port", str(port)]
     if nsys:
-        command, activities = [nsys, *NSYS_FLAGS, "-o", str(out_dir / "range-%n"), *serve], ["CUDA_PROFILER"]
+        prefix, activities = [nsys, *NSYS_FLAGS, "-o", str(out_dir / "range-%n")], ["CUDA_PROFILER"]
         console.print(f"profiling with {nsys}; reports go to {out_dir}/")
     else:
-        command, activities = serve, ["TORCH"]
+        prefix, activities = [], ["TORCH"]
         console.print(f"[yellow]nsys not found[/yellow] (looked in {', '.join(looked)}): taking torch profiler "
                       f"traces instead (Chrome/Perfetto JSON in {out_dir}/)")
-    proc = subprocess.Popen(command)
+    server = ServerProcess(server_args, port, allow_reload_forward=True, prefix=prefix)  # its output: the terminal
+    url = server.url
     events: queue.Queue = queue.Queue()
     stop = threading.Event()
     names: list[str] = []  # ranges taken, in order (nsys numbers its reports the same way)
     try:
-        wait_until_healthy(url, proc)
+        server.start()
+        server.wait_healthy()
         threading.Thread(target=_listen, args=(url, events, stop), daemon=True).start()
         console.print(f"server at {url}: edit, then `tsdev reload --url {url}`; each reload gets a report")
         previous, name = None, "reload-0"
         while True:
             _clear(events)
-            r = httpx.post(url + "/start_profile", json={"activities": activities, "num_steps": num_steps,
-                                                         "output_dir": str(out_dir.resolve()), "name": name}, timeout=30)
-            r.raise_for_status()
+            request = ProfileRequest(activities=activities, num_steps=num_steps, output_dir=str(out_dir.resolve()),
+                                     name=name)
+            httpx.post(url + START_PROFILE_ROUTE, json=body(request), timeout=30).raise_for_status()
             _run_workload_until_closed(url, events, name)
             names.append(name)
             if nsys:
@@ -170,17 +171,16 @@ def run_profile(server_args: list[str], out_dir: Path, num_steps: int, max_range
                 previous = kernels
             if max_ranges is not None and len(names) >= max_ranges:
                 break
-            name = f"reload-{_next_reload(events, proc)['n']}"
+            name = f"reload-{_next_reload(events, server.proc).n}"
         return 0
     except KeyboardInterrupt:
         return 0
+    except StartFailed as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
     finally:
         stop.set()
-        proc.terminate()
-        try:
-            proc.wait(timeout=600)  # nsys processes every range's report on the way out
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        server.stop(timeout=600)  # nsys processes every range's report on the way out
         if nsys:
             summarize_nsys_ranges(nsys, out_dir, names, console)
 
@@ -207,16 +207,18 @@ def summarize_nsys_ranges(nsys: str, out_dir: Path, names: list[str], console) -
 
 
 def _listen(url: str, events, stop) -> None:
-    import json
-
+    """The server's events, parsed, into `events` (reconnecting) until `stop` is set."""
     import httpx
+
+    from runtime.control_protocol import EVENTS_ROUTE, parse_event
+    from tsdev.client import iter_sse_data
 
     while not stop.is_set():
         try:
-            with httpx.stream("GET", url + "/v1/rl/engine/events", timeout=None) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        events.put(json.loads(line[6:]))
+            with httpx.stream("GET", url + EVENTS_ROUTE, timeout=None) as r:
+                for data in iter_sse_data(r):
+                    if (event := parse_event(data)) is not None:
+                        events.put(event)
         except httpx.HTTPError:
             time.sleep(0.5)
 
@@ -226,9 +228,11 @@ def _clear(events) -> None:
         events.get_nowait()
 
 
-def _next_reload(events, proc) -> dict:
-    """The next successful reload_finished event (waits as long as the server runs)."""
+def _next_reload(events, proc):
+    """The next successful reload's ReloadFinished event (waits as long as the server runs)."""
     import queue
+
+    from runtime.control_protocol import ReloadFinished
 
     while True:
         if proc.poll() is not None:
@@ -237,7 +241,7 @@ def _next_reload(events, proc) -> dict:
             event = events.get(timeout=0.5)
         except queue.Empty:
             continue
-        if event.get("type") == "reload_finished" and event["worker"]["ok"]:
+        if isinstance(event, ReloadFinished) and event.worker.ok:
             return event
 
 
@@ -247,6 +251,8 @@ def _run_workload_until_closed(url: str, events, name: str, timeout: float = 300
     import threading
 
     import httpx
+
+    from runtime.control_protocol import ProfileFinished
 
     closed = threading.Event()
 
@@ -266,7 +272,7 @@ def _run_workload_until_closed(url: str, events, name: str, timeout: float = 300
                 event = events.get(timeout=0.5)
             except queue.Empty:
                 continue
-            if event.get("type") == "profile_finished" and event.get("name") == name:
+            if isinstance(event, ProfileFinished) and event.name == name:
                 return
         raise TimeoutError(f"capture range {name} did not close within {timeout:.0f} s")
     finally:

@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from runtime.control_protocol import Event, Hello, ProfileFinished, ProfileRange
 from runtime.engine.llm_engine import LLMEngine, RequestOutput
 from runtime.engine.profiler import StepProfiler
 from runtime.engine.sequence import SamplingParams
@@ -36,7 +37,7 @@ class AsyncEngine:
         self._stepped: asyncio.Event | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._task: asyncio.Task | None = None
-        self.profiler = StepProfiler(engine.runner.device)
+        self.profiler = StepProfiler(engine.config.device)
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -99,17 +100,16 @@ class AsyncEngine:
 
     def abort_all(self, running_only: bool) -> int:
         """Abort requests (the running ones, or all) and tell their streams; run it via between_steps."""
-        sched = self.engine.scheduler
-        seqs = list(sched.running) if running_only else [*sched.running, *sched.waiting]
-        for seq in seqs:
-            self._deliver(self.engine.abort(seq.request_id))
-        return len(seqs)
+        outputs = self.engine.abort_all(running_only)
+        for out in outputs:
+            self._deliver(out)
+        return len(outputs)
 
     # --- gates -----------------------------------------------------------------------------------
 
     def hold(self, on: bool) -> None:
         """While holding, waiting requests are not admitted (they stay queued, not rejected)."""
-        self.engine.scheduler.admit = not on
+        self.engine.hold(on)
         self._wake.set()
 
     def set_paused(self, paused: bool) -> None:
@@ -118,21 +118,24 @@ class AsyncEngine:
 
     async def wait_until_drained(self) -> None:
         """Return once no admitted request is left running (waiting ones stay queued)."""
-        while (self.engine.scheduler.running or self.engine.in_flight) and not self.paused:
+        while not self.engine.drained() and not self.paused:
             self._stepped.clear()
             await self._stepped.wait()
 
     # --- events ----------------------------------------------------------------------------------
 
-    def publish(self, event: dict) -> None:
-        event = {"time": time.time(), **event}
+    def publish(self, event: Event) -> None:
+        """Send an event (stamped with the server clock) to every subscriber of `events()`."""
+        event.time = time.time()
         for queue in self._subscribers:
             queue.put_nowait(event)
 
-    async def events(self) -> AsyncIterator[dict]:
+    async def events(self) -> AsyncIterator[Event]:
+        """Every event published from now on, after a `Hello` with the state a new subscriber needs."""
         queue: asyncio.Queue = asyncio.Queue()
         self._subscribers.add(queue)
         try:
+            yield Hello(paused=self.paused, time=time.time())
             while True:
                 yield await queue.get()
         finally:
@@ -146,8 +149,7 @@ class AsyncEngine:
             self._wake.set()
 
     def _can_step(self) -> bool:
-        sched = self.engine.scheduler
-        return not self.paused and bool(sched.running or (sched.admit and sched.waiting) or self.engine.in_flight)
+        return not self.paused and self.engine.can_step()
 
     async def _loop(self) -> None:
         while True:
@@ -170,12 +172,12 @@ class AsyncEngine:
             for out in outputs:
                 self._deliver(out)
             if closed_range:
-                self.publish({"type": "profile_finished", **closed_range})
+                self.publish(ProfileFinished(**dict(closed_range)))
             self._stepped.set()
             if self.on_step:
                 self.on_step(time.perf_counter() - start, outputs)
 
-    def _step(self) -> tuple[list[RequestOutput], dict | None]:
+    def _step(self) -> tuple[list[RequestOutput], ProfileRange | None]:
         outputs = self.engine.step()
         return outputs, self.profiler.after_step()
 

@@ -7,21 +7,18 @@ N (EOS, a stop string) has computed one token too many in N+1; that token is dro
 """
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import nvtx
 import torch
 from tokenizers import Tokenizer
 
-from runtime.config import EngineConfig, ModelConfig
+from runtime.config import EngineConfig
+from runtime.control_protocol import EngineInfo
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.detokenizer import Detokenizer
-from runtime.engine.model_runner import NVTX_DOMAIN, ModelRunner
+from runtime.engine.model_runner import NVTX_DOMAIN, Checkpoint, ModelRunner
 from runtime.engine.scheduler import ScheduledBatch, Scheduler
 from runtime.engine.sequence import PENDING, SamplingParams, Sequence
-from runtime.weights.default_model import default_model_dir
-
-MAX_DEFAULT_MODEL_LEN = 8192
 
 
 @dataclass
@@ -34,6 +31,23 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's gauges and counters (/metrics, benchmarks); read between steps."""
+    running: int
+    waiting: int
+    kv_pages_used: int
+    kv_pages_total: int
+    prefix_cache_hits: int  # full pages found in the prefix cache
+    prefix_cache_queries: int  # full pages looked up
+    prompt_tokens: int  # prompt tokens computed (again after a preemption)
+    generated_tokens: int
+    steps: int  # steps launched
+    decode_steps: int  # of those, steps in which every sequence computed one token
+    rows: int  # sequences in the steps launched
+    decode_rows: int  # sequences in the decode steps
 
 
 @dataclass
@@ -61,33 +75,28 @@ class _Launched:
 
 
 class LLMEngine:
+    """Used through its methods: requests (`add_request`, `step`, `abort`, `generate`) and the operations a
+    server or a benchmark needs (`stats`, `describe`, `hold`, `flush_prefix_cache`, `warmup`,
+    `capture_graphs`, ...). Its runner, scheduler and block manager are its own business."""
+
     def __init__(self, config: EngineConfig):
         start = time.perf_counter()
         self.config = config
-        self.model_dir = Path(config.model) if config.model else default_model_dir(config.device)
-        if not self.model_dir.is_dir():
-            raise FileNotFoundError(f"model directory {self.model_dir} does not exist: pass a Hugging Face "
-                                    "checkpoint directory, or no model for the embedded default")
-        self.model_config = ModelConfig.from_dir(self.model_dir)
+        checkpoint = Checkpoint.open(config)
+        self.model_dir, self.model_config, self.max_model_len = checkpoint.dir, checkpoint.config, checkpoint.max_model_len
         tokenizer_file = self.model_dir / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise FileNotFoundError(f"{self.model_dir} has no tokenizer.json (a fast tokenizer is required)")
         self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
-        self.max_model_len = config.max_model_len or min(self.model_config.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
-        if self.max_model_len > self.model_config.max_position_embeddings:
-            raise ValueError(f"--max-model-len {self.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {self.model_config.max_position_embeddings}")
-        self.runner = ModelRunner(config, self.model_config, self.model_dir, self.max_model_len)
-        self.startup_timings = {"load": time.perf_counter() - start, "warm": self.runner.warmup()}
-        graph_timings = self.runner.capture_graphs(strict=False)
-        self.startup_timings["capture"] = sum(graph_timings["decode"].values())
-        self.startup_timings["capture_prefill"] = sum(graph_timings["prefill"].values())
+        self.runner = ModelRunner(config, checkpoint)
+        self.startup_timings = {"load": time.perf_counter() - start, **self.runner.start()}
         self.block_manager = BlockManager(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_running, config.max_batched_tokens, self.max_model_len)
         self.in_flight: _Launched | None = None
         self.detokenizers: dict[Sequence, Detokenizer] = {}
         self.eos = set(self.model_config.eos_token_ids)
         self.num_generated_tokens = self.num_prompt_tokens = 0
+        self.num_steps = self.num_decode_steps = self.num_rows = self.num_decode_rows = 0
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         """Raise ValueError saying what to change if this prompt cannot be served."""
@@ -125,6 +134,70 @@ class LLMEngine:
         """Forget the step in flight (after a failed step: its requests are aborted)."""
         self.in_flight = None
 
+    def abort_all(self, running_only: bool = False) -> list[RequestOutput]:
+        """Abort the running requests (and the waiting ones unless `running_only`); their final outputs."""
+        sched = self.scheduler
+        seqs = list(sched.running) if running_only else [*sched.running, *sched.waiting]
+        return [self.abort(seq.request_id) for seq in seqs]
+
+    # --- what a server and a benchmark ask of the engine -------------------------------------------
+
+    def hold(self, on: bool) -> None:
+        """While holding, waiting requests are not admitted (they stay queued); running ones go on."""
+        self.scheduler.admit = not on
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def drained(self) -> bool:
+        """No admitted request is left running and no step is in flight (waiting ones may be queued)."""
+        return not self.scheduler.running and self.in_flight is None
+
+    def can_step(self) -> bool:
+        """Whether a step has anything to do: requests running, waiting ones it may admit, a step to read."""
+        sched = self.scheduler
+        return bool(sched.running or (sched.admit and sched.waiting) or self.in_flight)
+
+    def prefill_all(self) -> None:
+        """Step until no request is waiting or prefilling: from there on every step decodes (benchmarks)."""
+        sched = self.scheduler
+        while sched.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.running):
+            self.step()
+
+    def flush_prefix_cache(self) -> None:
+        """Forget every cached prefix: KV computed by other code (or other weights) is not reused."""
+        self.block_manager.flush()
+
+    def warmup(self) -> float:
+        """Run every kernel once on dummy batches (startup does; a reload's warm step does): seconds."""
+        return self.runner.warmup()
+
+    def capture_graphs(self, strict: bool = True) -> dict[str, dict[int, float]]:
+        """(Re)capture the decode, then the prefill graphs: seconds per batch size / token bucket, by kind.
+        `strict`: a prefill capture failure raises (a reload) instead of leaving prefill eager."""
+        return self.runner.capture_graphs(strict)
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting), kv_pages_used=bm.num_used_pages,
+            kv_pages_total=bm.num_pages, prefix_cache_hits=bm.hits, prefix_cache_queries=bm.queries,
+            prompt_tokens=self.num_prompt_tokens, generated_tokens=self.num_generated_tokens, steps=self.num_steps,
+            decode_steps=self.num_decode_steps, rows=self.num_rows, decode_rows=self.num_decode_rows)
+
+    def describe(self) -> EngineInfo:
+        runner, config = self.runner, self.config
+        decode, prefill = runner.decode_graphs, runner.prefill_graphs
+        return EngineInfo(
+            model_dir=str(self.model_dir), architecture=self.model_config.architecture, device=config.device,
+            dtype=str(runner.dtype).removeprefix("torch."), parameters=sum(p.numel() for p in runner.model.parameters()),
+            max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size, rank=config.rank,
+            world_size=config.world_size, max_running=config.max_running, kv_pages=self.block_manager.num_pages,
+            page_size=self.block_manager.page_size, decode_graph_sizes=list(decode.sizes) if decode else [],
+            prefill_graph_buckets=list(prefill.buckets) if prefill else [],
+            prefill_graphs_failed=prefill.disabled if prefill else None)
+
     def step(self) -> list[RequestOutput]:
         """Schedule and launch a step, then read the previous one (async scheduling) or this one."""
         with nvtx.annotate("schedule", domain=NVTX_DOMAIN):
@@ -141,6 +214,11 @@ class LLMEngine:
         # prompt tokens computed (a recompute after preemption counts them again: they are computed again)
         self.num_prompt_tokens += sum(min(n, s.num_prompt_tokens - s.num_computed_tokens)
                                       for s, n in zip(batch.seqs, batch.num_tokens) if s.num_computed_tokens < s.num_prompt_tokens)
+        self.num_steps += 1
+        self.num_rows += len(batch.seqs)
+        if max(batch.num_tokens) == 1:
+            self.num_decode_steps += 1
+            self.num_decode_rows += len(batch.seqs)
         tokens = self.runner.launch(batch, self.in_flight.in_flight if self.in_flight else None)
         sampling = batch.sampling
         launched = _Launched(batch, sampling, [len(seq) for seq in sampling], tokens)

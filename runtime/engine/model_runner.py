@@ -1,6 +1,8 @@
 """Owns the model, the KV pool and the sampler; turns a scheduled batch into sampled tokens."""
 import random
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import nvtx
 import torch
@@ -15,14 +17,41 @@ from runtime.engine.sequence import PENDING, SamplingParams, Sequence
 from runtime.layers.attention import Attention
 from runtime.models import MODELS
 from runtime.sampling.sampler import Sampler
+from runtime.weights.default_model import default_model_dir
 from runtime.weights.loader import load_weights
 
 CPU_KV_BYTES = 512 << 20
 NVTX_DOMAIN = "tsdev"
+MAX_DEFAULT_MODEL_LEN = 8192
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """The checkpoint an engine config names, checked before any weight loads."""
+    dir: Path
+    config: ModelConfig
+    max_model_len: int  # what --max-model-len asks for, else the model's, capped at MAX_DEFAULT_MODEL_LEN
+
+    @classmethod
+    def open(cls, config: EngineConfig) -> "Checkpoint":
+        model_dir = Path(config.model) if config.model else default_model_dir(config.device)
+        if not model_dir.is_dir():
+            raise FileNotFoundError(f"model directory {model_dir} does not exist: pass a Hugging Face "
+                                    "checkpoint directory, or no model for the embedded default")
+        model_config = ModelConfig.from_dir(model_dir)
+        max_model_len = config.max_model_len or min(model_config.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
+        if max_model_len > model_config.max_position_embeddings:
+            raise ValueError(f"--max-model-len {max_model_len} exceeds the model's "
+                             f"max_position_embeddings {model_config.max_position_embeddings}")
+        return cls(model_dir, model_config, max_model_len)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, model_dir, max_model_len: int):
+    """Benchmarks that time the runner alone build their own: `ModelRunner(config, Checkpoint.open(config))`,
+    then `start()`; the engine builds one the same way."""
+
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint):
+        model_config, max_model_len = checkpoint.config, checkpoint.max_model_len
         self.config, self.model_config = config, model_config
         reference_families()  # a bad TSDEV_KERNELS fails here, on any device, before the weights load
         self.device = torch.device(config.device)
@@ -35,7 +64,7 @@ class ModelRunner:
                 self.model = MODELS[model_config.architecture](model_config)
         finally:
             torch.set_default_dtype(default_dtype)
-        load_weights(self.model, model_dir)
+        load_weights(self.model, checkpoint.dir)
         self.model.eval()
         self.sampler = Sampler()
         self.max_model_len = max_model_len
@@ -219,6 +248,13 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
+
+    def start(self) -> dict[str, float]:
+        """Warm up, then capture the graphs (a prefill capture failure leaves prefill eager): seconds of
+        warm-up (`warm`), decode graphs (`capture`) and prefill graphs (`capture_prefill`)."""
+        warm = self.warmup()
+        graphs = self.capture_graphs(strict=False)
+        return {"warm": warm, "capture": sum(graphs["decode"].values()), "capture_prefill": sum(graphs["prefill"].values())}
 
     def capture_graphs(self, strict: bool = True) -> dict[str, dict[int, float]]:
         """(Re)capture the decode graphs, then the prefill graphs: seconds per batch size and per token

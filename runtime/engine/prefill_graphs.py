@@ -5,7 +5,8 @@ MLP) between two attention calls is one captured piece; attention runs eagerly b
 real rows only, from the live batch's metadata, so one bucket serves any mix of prefills, decodes and
 cached prefixes. The embedding lookup stays outside (the graph starts from a static embeddings buffer)
 and so do the logits of the sampled rows. Padding rows carry zero embeddings at position 0; they never
-reach attention, so they write no KV at all.
+reach attention, so they write no KV at all. The cut is explicit: `cut_at_attention` installs it on the
+model's `Attention` layers for one forward (see `Attention.graph_cut`); outside it they attend as usual.
 
 Every piece of every bucket shares one private memory pool (never the decode graphs'). The tensors at
 a cut (q, k, v and the final hidden state) are kept as non-owning views, so their memory goes back to
@@ -17,12 +18,15 @@ exercise everything but the capture itself.
 """
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
-from runtime.context import Context, get_context, set_context
+from runtime.context import Context, set_context
 from runtime.engine.cuda_graphs import graph_properties
+from runtime.layers.attention import Attention, GraphCut
 
 LADDER_START, LADDER_MIN_STEP, LADDER_MAX_STEP = 16, 16, 512
 
@@ -43,6 +47,18 @@ def prefill_buckets(max_tokens: int, token_budget: int, sizes: list[int] | None 
         ladder.append(size)
         size += min(LADDER_MAX_STEP, max(LADDER_MIN_STEP, 1 << ((size // 8).bit_length() - 1)))
     return ladder + [top]
+
+
+@contextmanager
+def cut_at_attention(layers: list[Attention], cut: GraphCut) -> Iterator[None]:
+    """For the forward run inside: every attention layer hands q, k, v to `cut` instead of attending."""
+    for layer in layers:
+        layer.graph_cut = cut
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.graph_cut = None
 
 
 def _non_owning(t: torch.Tensor) -> torch.Tensor:
@@ -90,6 +106,7 @@ class PrefillGraphs:
     def __init__(self, model: torch.nn.Module, buckets: list[int], hidden_size: int, num_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
         self.model, self.buckets, self.device = model, sorted(set(buckets)), device
+        self.attention = [m for m in model.modules() if isinstance(m, Attention)]  # where every bucket is cut
         n = self.buckets[-1]
         with device:
             self.embeds = torch.zeros(n, hidden_size, dtype=dtype)
@@ -129,17 +146,13 @@ class PrefillGraphs:
 
     def _forward_eager(self, size: int, num_tokens: int) -> torch.Tensor:
         """The same cut forward without graphs: attention on the real rows, into the shared buffer."""
-        ctx = get_context()
 
         def attention(layer, q, k, v):
             layer.attend(q[:num_tokens], k[:num_tokens], v[:num_tokens], out=self.attn_out[:num_tokens])
             return self.attn_out[:size]
 
-        ctx.attention_break = attention
-        try:
+        with cut_at_attention(self.attention, attention):
             return self.model.forward_embeds(self.embeds[:size], self.positions[:size])[:num_tokens]
-        finally:
-            ctx.attention_break = None
 
     def capture(self, strict: bool) -> dict[int, float]:
         """Capture every bucket, largest first; seconds per bucket. A no-op per bucket on CPU.
@@ -190,10 +203,11 @@ class PrefillGraphs:
             cu_seqlens_q=torch.tensor([0, size], dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor([size], dtype=torch.int32, device=self.device),
             page_table=torch.zeros(1, 1, dtype=torch.int32, device=self.device), slot_mapping=rows,
-            logits_indices=rows, max_q_len=size, attention_break=cut,
+            logits_indices=rows, max_q_len=size,
         ))
         torch.cuda.synchronize(self.device)
-        with torch.inference_mode(), torch.cuda.stream(self.stream):  # as the engine's forwards run
+        # as the engine's forwards run, but each attention call ends a piece and begins the next
+        with torch.inference_mode(), torch.cuda.stream(self.stream), cut_at_attention(self.attention, cut):
             bucket.properties = graph_properties()
             try:
                 bucket.begin()

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from runtime.control_protocol import ProfileRange
+
 ACTIVITIES = ("CUDA_PROFILER", "TORCH")
 
 
@@ -28,12 +30,13 @@ class RangeOpen(ValueError):
 
 
 class StepProfiler:
-    def __init__(self, device: torch.device, default_dir: Path = Path("profiles")):
-        self.device, self.default_dir = device, default_dir
+    def __init__(self, device: str | torch.device, default_dir: Path = Path("profiles")):
+        self.device, self.default_dir = torch.device(device), default_dir
         self.active: Range | None = None
         self.count = 0
 
-    def start(self, activities: list[str], num_steps: int, output_dir: str | None = None, name: str | None = None) -> dict:
+    def start(self, activities: list[str], num_steps: int, output_dir: str | None = None,
+              name: str | None = None) -> ProfileRange:
         if self.active is not None:
             raise RangeOpen(f"capture range {self.active.n} is still open ({self.active.steps_left} of "
                              f"{self.active.num_steps} steps left): wait for it or POST /stop_profile first")
@@ -57,21 +60,21 @@ class StepProfiler:
             torch.cuda.synchronize(self.device)
             torch.cuda.profiler.start()
         self.active = r
-        return {"n": r.n, "name": r.name, "activities": r.activities, "num_steps": num_steps}
+        return ProfileRange(n=r.n, name=r.name, activities=r.activities, num_steps=num_steps)
 
-    def after_step(self) -> dict | None:
+    def after_step(self) -> ProfileRange | None:
         """Count a step; returns the closed range's description when this step closed it."""
         if self.active is None:
             return None
         self.active.steps_left -= 1
         return self.stop() if self.active.steps_left <= 0 else None
 
-    def stop(self) -> dict:
+    def stop(self) -> ProfileRange:
         r = self.active
         if r is None:
             raise ValueError("no capture range is open")
         self.active = None
-        info = {"n": r.n, "name": r.name, "activities": r.activities, "steps": r.num_steps - r.steps_left}
+        info = ProfileRange(n=r.n, name=r.name, activities=r.activities, steps=r.num_steps - r.steps_left)
         if "CUDA_PROFILER" in r.activities:
             torch.cuda.synchronize(self.device)
             torch.cuda.profiler.stop()
@@ -80,5 +83,5 @@ class StepProfiler:
             r.output_dir.mkdir(parents=True, exist_ok=True)
             path = r.output_dir / f"{r.name}.trace.json"
             r.torch_profiler.export_chrome_trace(str(path))
-            info["trace"] = str(path)
+            info.trace = str(path)
         return info

@@ -8,28 +8,73 @@ decode graphs, then the prefill graphs; the reply's timings also carry recapture
 recapture_prefill); then serving resumes (not a timed step). Any failure rolls every change back and the
 old code keeps serving.
 
-The reloader is anything with `read_sources()`, `plan(sources=, modules=)` and `reload(modules=, sources=)`
-returning a transaction (`report`, `commit()`, `rollback()`), optionally `compile_ahead(sources=, modules=)`:
-tsdev's `tsdev.hotreload.Reloader`, or another library's.
+The reloader is anything that satisfies `ForwardReloader` below (a `typing.Protocol`: the runtime never
+imports the toolkit): `read_sources()`, `plan(sources=, modules=)` (what changed: `reloaded`,
+`needs_restart`), `reload(modules=, sources=)` returning a transaction (its `report`, `commit()`,
+`rollback(reason)`), and `modules()` (what a reload may force); optionally `compile_ahead(sources=,
+modules=)`. tsdev's `tsdev.hotreload.Reloader` is one (tests/test_reloader_protocol.py checks it), another
+library's may be. Requests, worker reports, the reply and the events are runtime.control_protocol's models.
 """
 import asyncio
 import sys
 import time
 import traceback
 from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
+from runtime.control_protocol import (STEPS, ReloadFinished, ReloadReply, ReloadRequest, ReloadStarted, ReloadStep,
+                                      StaleDefinition, WorkerReport)
 from runtime.engine.async_engine import AsyncEngine
 
 REMEMBERED_IDS = 256
+JIT, DRAIN, FLUSH, RELOAD, WARM, RECAPTURE = STEPS
 
 
-@dataclass
-class ReloadRequest:
-    id: str
-    mode: str = "wait"  # wait: running requests finish first; abort: they are aborted
-    modules: list[str] | None = None  # force these modules (and their dependents) to re-execute
-    timeout_s: float | None = None  # bounds drain + reload
+@runtime_checkable
+class ReloadReport(Protocol):
+    """What a reload did: `ok`, else `error` ("file:line: Type: message"); the rest goes into the reply."""
+    ok: bool
+    error: str | None
+    reloaded: Sequence[str]
+    dependents: Sequence[str]
+    patched: int
+    stale: Sequence[Mapping]  # {name, reason, where, referrers}, as StaleDefinition reads them
+    needs_restart: Sequence[str]
+    jit_kernels: int
+
+
+@runtime_checkable
+class ReloadPlan(Protocol):
+    reloaded: Sequence[str]  # modules a reload would re-execute (changed or forced): none, nothing to do
+    needs_restart: Sequence[str]  # changed modules outside the reloadable packages
+
+
+@runtime_checkable
+class ReloadTransaction(Protocol):
+    """A reload applied in place: `commit()` keeps it, `rollback()` undoes every change. A reload that
+    failed (`report.ok` false) has already rolled itself back."""
+    report: ReloadReport
+
+    def commit(self) -> None: ...
+
+    def rollback(self, reason: str | None = None) -> None: ...
+
+
+@runtime_checkable
+class ForwardReloader(Protocol):
+    """What the engine needs of a hot-reload library. `read_sources` runs once (on rank 0 with several
+    ranks) and every step after it gets those bytes, so all ranks run the same code."""
+
+    def read_sources(self) -> Mapping[str, bytes]: ...
+
+    def plan(self, sources: Mapping[str, bytes] | None = None, modules: Iterable[str] | None = None) -> ReloadPlan: ...
+
+    def reload(self, modules: Iterable[str] | None = None,
+               sources: Mapping[str, bytes] | None = None) -> ReloadTransaction: ...
+
+    def modules(self) -> list[str]: ...
 
 
 class StepTimeout(Exception):
@@ -49,13 +94,13 @@ class _Attempt:
 
 
 class ReloadForward:
-    def __init__(self, async_engine: AsyncEngine, reloader, rank: int = 0):
+    def __init__(self, async_engine: AsyncEngine, reloader: ForwardReloader, rank: int = 0):
         self.async_engine, self.reloader, self.rank = async_engine, reloader, rank
-        self.outcomes: OrderedDict[str, asyncio.Future] = OrderedDict()
+        self.outcomes: OrderedDict[str, asyncio.Future[ReloadReply]] = OrderedDict()
         self.cancel_epoch = 0
         self.count = 0
 
-    async def __call__(self, request: ReloadRequest) -> dict:
+    async def __call__(self, request: ReloadRequest) -> ReloadReply:
         """Reload once per id: the same id again returns the first outcome (waiting for it if needed)."""
         if request.id in self.outcomes:
             return await asyncio.shield(self.outcomes[request.id])
@@ -67,9 +112,9 @@ class ReloadForward:
         try:
             async with self.async_engine.control_lock:
                 if epoch != self.cancel_epoch:
-                    reply = self._reply(request, [self._worker("cancelled by continue_generation before it started")])
+                    reply = ReloadReply.of(request.id, [self._worker("cancelled by continue_generation before it started")])
                 else:
-                    reply = self._reply(request, [await self._run(request)])
+                    reply = ReloadReply.of(request.id, [await self._run(request)])
         except BaseException as exc:
             outcome.set_exception(exc)
             raise
@@ -80,26 +125,19 @@ class ReloadForward:
         """continue_generation: reloads still waiting for their turn give up."""
         self.cancel_epoch += 1
 
-    def _reply(self, request: ReloadRequest, workers: list[dict]) -> dict:
-        return {"id": request.id, "ok": all(w["ok"] for w in workers), "workers": workers}
+    def _worker(self, error: str | None, timings: dict[str, float] | None = None, **fields) -> WorkerReport:
+        """This rank's entry of the reply: ok when `error` is None; `fields` are WorkerReport's."""
+        return WorkerReport(rank=self.rank, ok=error is None, error=error,
+                            timings={k: round(v, 6) for k, v in (timings or {}).items()}, **fields)
 
-    def _worker(self, error: str | None, report: dict | None = None, timings: dict | None = None, **extra) -> dict:
-        """This rank's entry of the reply: ok when `error` is None; the rest from the reloader's report."""
-        report = report or {}
-        return {"rank": self.rank, "ok": error is None, "error": error,
-                "reloaded": report.get("reloaded", []), "dependents": report.get("dependents", []),
-                "patched": report.get("patched", 0), "stale": report.get("stale", []),
-                "needs_restart": report.get("needs_restart", []), "jit_kernels": report.get("jit_kernels", 0),
-                "warnings": [], "timings": {k: round(v, 6) for k, v in (timings or {}).items()}, **extra}
-
-    async def _run(self, request: ReloadRequest) -> dict:
+    async def _run(self, request: ReloadRequest) -> WorkerReport:
         ae, engine = self.async_engine, self.async_engine.engine
         self.count += 1
         attempt = _Attempt(request)
         start = time.perf_counter()
         if request.timeout_s:
             attempt.deadline = start + request.timeout_s
-        ae.publish({"type": "reload_started", "id": request.id, "n": self.count, "modules": request.modules or []})
+        ae.publish(ReloadStarted(id=request.id, n=self.count, modules=request.modules or []))
         tx, error, graphs_swapped = None, None, False
         try:
             sources = await ae.run_on_engine_thread(self.reloader.read_sources)
@@ -108,11 +146,11 @@ class ReloadForward:
             return self._finish(request, self._worker(str(exc) if isinstance(exc, ValueError) else describe_error(exc)))
         if not plan.reloaded:  # nothing to run: serving is not interrupted
             timings = {"total": time.perf_counter() - start, "pause": 0.0}
-            return self._finish(request, self._worker(None, {"needs_restart": plan.needs_restart}, timings))
+            return self._finish(request, self._worker(None, timings, needs_restart=list(plan.needs_restart)))
         compile_ahead = getattr(self.reloader, "compile_ahead", None)
         jit_kernels, warnings = 0, []
         if compile_ahead is not None:  # old code keeps serving meanwhile
-            async with self._step(attempt, "jit"):
+            async with self._step(attempt, JIT):
                 try:
                     jit_kernels, _ = await asyncio.to_thread(compile_ahead, sources, request.modules)
                 except Exception as exc:  # only an optimisation: the warm step compiles what is missing
@@ -120,27 +158,27 @@ class ReloadForward:
         ae.hold(True)
         pause_start = time.perf_counter()
         try:
-            async with self._step(attempt, "drain"):
+            async with self._step(attempt, DRAIN):
                 if request.mode == "abort":
                     await ae.between_steps(lambda: ae.abort_all(running_only=True))
                 remaining = attempt.deadline - time.perf_counter()
                 try:
                     await asyncio.wait_for(ae.wait_until_drained(), None if remaining == float("inf") else max(remaining, 0))
                 except TimeoutError:
-                    raise StepTimeout(f"timed out after {request.timeout_s} s in step 'drain' "
-                                      f"({len(engine.scheduler.running)} request(s) still running); nothing was changed") from None
-            async with self._step(attempt, "flush"):
-                await ae.between_steps(engine.block_manager.flush)
-            async with self._step(attempt, "reload"):
+                    raise StepTimeout(f"timed out after {request.timeout_s} s in step '{DRAIN}' "
+                                      f"({engine.num_running} request(s) still running); nothing was changed") from None
+            async with self._step(attempt, FLUSH):
+                await ae.between_steps(engine.flush_prefix_cache)
+            async with self._step(attempt, RELOAD):
                 tx = await ae.run_on_engine_thread(lambda: self.reloader.reload(modules=request.modules, sources=sources))
                 if not tx.report.ok:
                     raise _ReportedFailure(tx.report.error or "the reload failed")
                 attempt.check_deadline()
-            async with self._step(attempt, "warm"):
-                await ae.run_on_engine_thread(engine.runner.warmup)
-            async with self._step(attempt, "recapture"):
+            async with self._step(attempt, WARM):
+                await ae.run_on_engine_thread(engine.warmup)
+            async with self._step(attempt, RECAPTURE):
                 graphs_swapped = True  # the decode graphs may be new even when the prefill capture then fails
-                graph_timings = await ae.run_on_engine_thread(engine.runner.capture_graphs)
+                graph_timings = await ae.run_on_engine_thread(engine.capture_graphs)
                 for kind, seconds in graph_timings.items():
                     attempt.timings[f"recapture_{kind}"] = sum(seconds.values())
             tx.commit()
@@ -154,22 +192,21 @@ class ReloadForward:
             ae.hold(False)
             attempt.timings["pause"] = time.perf_counter() - pause_start
             attempt.timings["total"] = time.perf_counter() - start
-        report = tx.report.to_dict() if tx is not None else {}
-        attempt.timings.setdefault("jit", 0.0)
-        worker = self._worker(error, report, attempt.timings, warnings=warnings,
-                              jit_kernels=jit_kernels or report.get("jit_kernels", 0))
-        return self._finish(request, worker)
+        fields = reported(tx.report) if tx is not None else {}
+        fields["jit_kernels"] = jit_kernels or fields.get("jit_kernels", 0)
+        attempt.timings.setdefault(JIT, 0.0)
+        return self._finish(request, self._worker(error, attempt.timings, warnings=warnings, **fields))
 
-    def _finish(self, request: ReloadRequest, worker: dict) -> dict:
-        self.async_engine.publish({"type": "reload_finished" if worker["ok"] else "reload_failed", "id": request.id,
-                                   "n": self.count, "worker": worker})
+    def _finish(self, request: ReloadRequest, worker: WorkerReport) -> WorkerReport:
+        self.async_engine.publish(ReloadFinished(type="reload_finished" if worker.ok else "reload_failed",
+                                                 id=request.id, n=self.count, worker=worker))
         return worker
 
     async def _recapture_old_code(self, why: str) -> None:
         """Graphs were replaced by ones of the new code: recapture them with the restored old code."""
         try:
             await self.async_engine.run_on_engine_thread(
-                lambda: self.async_engine.engine.runner.capture_graphs(strict=False))  # prefill may fall back to eager
+                lambda: self.async_engine.engine.capture_graphs(strict=False))  # prefill may fall back to eager
         except Exception as exc:
             print(f"FATAL: after a failed reload ({why}), recapturing the CUDA graphs with the old code failed: "
                   f"{describe_error(exc)}. The server cannot serve safely and stops.", file=sys.stderr, flush=True)
@@ -191,16 +228,22 @@ class _TimedStep:
     async def __aenter__(self):
         self.attempt.step = self.name
         self.start = time.perf_counter()
-        self.async_engine.publish({"type": "reload_step", "id": self.attempt.request.id, "step": self.name,
-                                   "state": "started"})
+        self.async_engine.publish(ReloadStep(id=self.attempt.request.id, step=self.name, state="started"))
         return self
 
     async def __aexit__(self, exc_type, exc, tb):
         seconds = time.perf_counter() - self.start
         self.attempt.timings[self.name] = seconds
-        self.async_engine.publish({"type": "reload_step", "id": self.attempt.request.id, "step": self.name,
-                                   "state": "failed" if exc else "done", "seconds": seconds})
+        self.async_engine.publish(ReloadStep(id=self.attempt.request.id, step=self.name,
+                                             state="failed" if exc else "done", seconds=seconds))
         return False
+
+
+def reported(report: ReloadReport) -> dict:
+    """The WorkerReport fields a reloader's report fills."""
+    return dict(reloaded=list(report.reloaded), dependents=list(report.dependents), patched=report.patched,
+                stale=[StaleDefinition.model_validate(s) for s in report.stale],
+                needs_restart=list(report.needs_restart), jit_kernels=report.jit_kernels)
 
 
 def describe_error(exc: BaseException) -> str:

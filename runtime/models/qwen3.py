@@ -30,6 +30,8 @@ class Qwen3Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
+        # the graph cut: under prefill graphs, everything above and below is captured and attention runs
+        # outside the graph (Attention.graph_cut)
         o = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim))
         return self.o_proj(o.flatten(1))
 
@@ -103,7 +105,8 @@ class Qwen3ForCausalLM(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def forward_embeds(self, embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The forward from token embeddings (prefill graphs keep the lookup outside the graph)."""
+        """The forward from token embeddings (prefill graphs keep the lookup outside the graph, and cut it at
+        each layer's attention)."""
         return self.model.forward_embeds(embeds, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

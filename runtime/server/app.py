@@ -1,7 +1,7 @@
 """The HTTP front: OpenAI-compatible routes over an AsyncEngine."""
 import asyncio
-import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -12,13 +12,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from runtime.control_protocol import SERVER_INFO_ROUTE, ErrorBody, ErrorDetail, ServerInfo
 from runtime.engine.llm_engine import LLMEngine, RequestOutput
 from runtime.engine.async_engine import AsyncEngine, EngineError
-from runtime.engine.reload_forward import ReloadForward
+from runtime.engine.reload_forward import ForwardReloader, ReloadForward
 from runtime.server.chat import ChatTemplate
 from runtime.server.control import add_control_routes
 from runtime.server.metrics import EngineMetrics
 from runtime.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from runtime.server.sse import sse_response
 
 
 log = logging.getLogger("runtime.server")
@@ -30,12 +32,15 @@ class APIError(Exception):
         self.status, self.message, self.param, self.type = status, message, param, type_
 
 
+def error_body(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error") -> dict:
+    return ErrorBody(error=ErrorDetail(message=message, type=type_, param=param, code=status)).dump()
+
+
 def error_response(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error"):
-    body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(error_body(status, message, param, type_), status_code=status)
 
 
-def build_app(engine: LLMEngine, served_model_name: str, reloader=None) -> FastAPI:
+def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReloader | None = None) -> FastAPI:
     """The app; `reloader` (a tsdev.hotreload.Reloader or alike) enables reload_forward, None refuses it (403)."""
     metrics = EngineMetrics(engine)
     async_engine = AsyncEngine(engine, on_step=metrics.on_step)
@@ -83,6 +88,11 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader=None) -> FastA
         return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": created,
                                             "owned_by": "tsdev", "max_model_len": engine.max_model_len,
                                             "vocab_size": engine.model_config.vocab_size}]}
+
+    @app.get(SERVER_INFO_ROUTE)
+    async def server_info():
+        return ServerInfo(model=served_model_name, allow_reload_forward=reloader is not None, pid=os.getpid(),
+                          **dict(engine.describe())).dump()
 
     @app.get("/metrics")
     async def prometheus():
@@ -163,25 +173,23 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader=None) -> FastA
                 "usage": usage([last])}
 
     def sse(streams, chunk, include_usage: bool, request_id: str, object_name: str) -> StreamingResponse:
-        async def events() -> AsyncIterator[str]:
+        async def events() -> AsyncIterator[dict]:
             finals = []
             try:
                 async for index, out in merge(streams):
                     body = chunk(index, out)
                     if include_usage:
                         body["usage"] = None
-                    yield f"data: {json.dumps(body)}\n\n"
+                    yield body
                     if out.finished:
                         finals.append(out)
                 if include_usage:
-                    final = {"id": request_id, "object": object_name, "created": int(time.time()),
-                             "model": served_model_name, "choices": [], "usage": usage(finals)}
-                    yield f"data: {json.dumps(final)}\n\n"
+                    yield {"id": request_id, "object": object_name, "created": int(time.time()),
+                           "model": served_model_name, "choices": [], "usage": usage(finals)}
             except (EngineError, ValueError) as exc:
-                yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'server_error', 'code': 500}})}\n\n"
-            yield "data: [DONE]\n\n"
+                yield error_body(500, str(exc), type_="server_error")
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return sse_response(events(), done=True)
 
     async def collect(streams, request: Request) -> list[tuple[str, str, RequestOutput, list[int]]]:
         """Run streams to the end (text, finish reason, final output, token ids); abort them if the client goes away."""

@@ -21,23 +21,23 @@ class EngineMetrics:
         self.step_seconds = Histogram("tsdev_step_seconds", "Engine step time", registry=r,
                                       buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
         # Read at scrape time, so they are right even while the engine is idle.
-        self.running.set_function(lambda: len(engine.scheduler.running))
-        self.waiting.set_function(lambda: len(engine.scheduler.waiting))
-        self.kv_pages_used.set_function(lambda: engine.block_manager.num_used_pages)
-        self.kv_pages_total.set(engine.block_manager.num_pages)
+        self.running.set_function(lambda: engine.stats().running)
+        self.waiting.set_function(lambda: engine.stats().waiting)
+        self.kv_pages_used.set_function(lambda: engine.stats().kv_pages_used)
+        self.kv_pages_total.set(engine.stats().kv_pages_total)
         hit_rate = Gauge("tsdev_prefix_cache_hit_rate", "Full pages found in the prefix cache / pages looked up",
                          registry=r)
-        hit_rate.set_function(lambda: engine.block_manager.hits / max(engine.block_manager.queries, 1))
+        hit_rate.set_function(lambda: (s := engine.stats()).prefix_cache_hits / max(s.prefix_cache_queries, 1))
         self._window_start, self._window_tokens = time.monotonic(), 0
         self._seen_prompt = self._seen_generated = 0
 
     def on_step(self, seconds: float, outputs) -> None:
-        e = self.engine
+        stats = self.engine.stats()
         self.step_seconds.observe(seconds)
-        self.prompt_tokens.inc(e.num_prompt_tokens - self._seen_prompt)
-        generated = e.num_generated_tokens - self._seen_generated
+        self.prompt_tokens.inc(stats.prompt_tokens - self._seen_prompt)
+        generated = stats.generated_tokens - self._seen_generated
         self.generation_tokens.inc(generated)
-        self._seen_prompt, self._seen_generated = e.num_prompt_tokens, e.num_generated_tokens
+        self._seen_prompt, self._seen_generated = stats.prompt_tokens, stats.generated_tokens
         self._window_tokens += generated
         elapsed = time.monotonic() - self._window_start
         if elapsed >= 2.0:

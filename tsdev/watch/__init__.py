@@ -1,15 +1,12 @@
 """`tsdev watch`: a daemon that keeps a server running the code on disk (see docs/watch.md).
 
-watcher.py turns editor saves into settled batches of changed modules; daemon.py runs the child
-server, reloads or restarts it, and checks each reload (checks.py); tui.py and plain.py show it.
+watcher.py turns editor saves into settled batches of changed modules; daemon.py runs the child server
+(tsdev.server_process), queues the work (jobs.py), reloads (reloads.py) or restarts, and checks each
+reload (checks.py), talking to the server through link.py; it reports records (records.py) that tui.py
+and plain.py show. args.py holds the settings and passes `tsdev serve` flags through.
 """
-from tsdev.watch.daemon import Daemon, WatchConfig, split_server_args
-
-
-def serve_flags(command) -> dict[str, bool]:
-    """{flag: takes a value} of a click command (`tsdev serve`), to pass its flags through watch."""
-    return {opt: not param.is_flag for param in command.params if param.param_type_name == "option"
-            for opt in (*param.opts, *param.secondary_opts)}
+from tsdev.watch.args import WatchConfig, serve_flags, split_server_args
+from tsdev.watch.daemon import Daemon
 
 
 def run(config: WatchConfig, tui: bool = True) -> int:

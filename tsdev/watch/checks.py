@@ -10,12 +10,20 @@ time), and the median over the streams.
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import httpx
+
+from tsdev.client import aiter_sse_data
+
+if TYPE_CHECKING:
+    from tsdev.watch.args import WatchConfig
+    from tsdev.watch.link import ServerLink
+    from tsdev.watch.records import ReloadRecord, RestartRecord
 
 GOLDEN_TOKENS = 24
 PROMPT_LEN = 16
@@ -37,15 +45,13 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict) -> tuple[list
             await response.aread()
             raise httpx.HTTPStatusError(f"{response.status_code}: {response.text[:200]}", request=response.request,
                                         response=response)
-        async for line in response.aiter_lines():
-            if line.startswith("data: {"):
-                event = json.loads(line[6:])
-                if "error" in event:
-                    raise RuntimeError(event["error"].get("message", "the server failed the request"))
-                if event.get("choices"):
-                    choice = event["choices"][0]
-                    tokens += choice["token_ids"] if "token_ids" in choice else [choice.get("text") or ""]
-                    times.append(time.perf_counter())
+        async for event in aiter_sse_data(response):
+            if "error" in event:
+                raise RuntimeError(event["error"].get("message", "the server failed the request"))
+            if event.get("choices"):
+                choice = event["choices"][0]
+                tokens += choice["token_ids"] if "token_ids" in choice else [choice.get("text") or ""]
+                times.append(time.perf_counter())
     return tokens, times
 
 
@@ -108,3 +114,40 @@ class Probe:
         if self.delta is not None:
             line += f" ({self.delta:+.2f} ms, {100 * self.delta / self.previous:+.1f}%)"
         return line
+
+
+class Checker:
+    """Runs the checks and keeps what they compare with: the golden completion and the last probe."""
+
+    def __init__(self, link: ServerLink, config: WatchConfig, message: Callable[..., None]):
+        self.link, self.config, self.message = link, config, message
+        self.vocab = 256  # prompts stay below it (the server's vocabulary, once known)
+        self.golden: list | None = None
+        self.last_probe: float | None = None
+        self.profile_next = False  # `p`: record the next reload's probe
+
+    async def take_golden(self) -> None:
+        """The completion later ones are compared with (raises httpx errors)."""
+        self.golden = await greedy(self.link.client, self.link.url, self.vocab)
+        if len(set(self.golden)) == 1:
+            self.message("the golden completion is one token repeated (random weights?): the output check will "
+                         "miss most edits; it is meaningful on a trained checkpoint", "warning")
+
+    async def run(self, record: ReloadRecord | RestartRecord, golden: bool, can_profile: bool) -> None:
+        """Golden completion, then the decode probe, into `record`; the probe runs inside a profiler range
+        when `p` armed it or --profile-each-reload asks (`can_profile`: a reload's probe, not a restart's)."""
+        client, url, config = self.link.client, self.link.url, self.config
+        try:
+            if golden and self.golden:
+                record.verdict = compare(self.golden, await greedy(client, url, self.vocab))
+            if can_profile and (self.profile_next or config.profile_each_reload):
+                self.profile_next = False
+                if problem := await self.link.start_profile(f"watch-reload-{record.n}", config.probe_steps):
+                    self.message(problem, "warning")
+                else:
+                    record.note = "profiled: the decode probe is recorded"
+            ms = await decode_ms(client, url, self.vocab, config.probe_batch, config.probe_steps)
+            record.probe = Probe(ms, config.probe_batch, self.last_probe)
+            self.last_probe = ms
+        except (httpx.HTTPError, RuntimeError) as exc:
+            record.note = f"checks failed: {exc}"

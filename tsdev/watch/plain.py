@@ -1,6 +1,7 @@
 """`tsdev watch --no-tui`: one plain line per event, for CI logs, editors' terminals and `grep`.
 
-The line formats live here and the TUI reuses them, so both say the same thing in the same words.
+The line formats live here and the TUI reuses them; the words for a reload's outcome come from
+tsdev/outcome.py, which `tsdev reload` uses too.
 """
 from __future__ import annotations
 
@@ -11,17 +12,10 @@ import time
 from rich.console import Console
 from rich.markup import escape
 
-from tsdev.client import graph_split, worker_notes
-from tsdev.watch.daemon import Daemon, Event, ReloadRecord, RestartRecord, WatchConfig
-
-
-def steps_text(record: ReloadRecord) -> str:
-    steps = record.steps
-    parts = [f"{name} {steps[name]:.2f}{graph_split(steps, name)}" for name in (*record.step_order(), "total")
-             if name in steps]
-    kernels = (record.worker or {}).get("jit_kernels")
-    text = " ".join(parts) + " s" if parts else ""
-    return text + (f" ({kernels} kernel(s) compiled)" if kernels else "")
+from tsdev import outcome
+from tsdev.watch.args import WatchConfig
+from tsdev.watch.daemon import Daemon
+from tsdev.watch.records import Event, ReloadRecord, RestartRecord
 
 
 def trigger_text(record: ReloadRecord) -> str:
@@ -42,7 +36,7 @@ def checks_text(record: ReloadRecord | RestartRecord) -> list[str]:
     if record.note:
         parts.append(f"[dim]{escape(record.note)}[/dim]")
     if isinstance(record, ReloadRecord) and record.worker and not record.error:
-        parts += [f"[yellow]{escape(note)}[/yellow]" for note in worker_notes(record.worker)]
+        parts += [f"[yellow]{escape(note)}[/yellow]" for note in outcome.notes(record.worker)]
     return parts
 
 
@@ -55,13 +49,11 @@ def reload_line(record: ReloadRecord) -> str:
     head = f"reload #{record.n}"
     why = escape(trigger_text(record))
     if record.error:
-        return f"{head} [red]FAILED[/red] ({why}): {escape(record.error)} [dim]— the old code keeps serving[/dim]"
+        return f"{head} [red]FAILED[/red] ({why}): {escape(record.error)} [dim]— {outcome.KEEPS_SERVING}[/dim]"
     if not record.reloaded:
         return f"{head}: {' | '.join(checks_text(record)) or 'nothing reloaded'} ({why})"
-    w = record.worker or {}
-    what = (f"{', '.join(record.reloaded)} + {len(record.dependents)} dependent(s), {w.get('patched', 0)} object(s) "
-            "patched")
-    return " | ".join([f"{head} [green]ok[/green] ({why}): {escape(what)}", steps_text(record),
+    steps = outcome.steps_text(record.steps, record.step_order(), record.worker.jit_kernels)
+    return " | ".join([f"{head} [green]ok[/green] ({why}): {escape(outcome.summary(record.worker))}", steps,
                        *checks_text(record)])
 
 
@@ -76,8 +68,8 @@ def restart_line(record: RestartRecord, daemon: Daemon) -> str:
         head = f"server up in {record.seconds:.1f} s ({where}) at {info['url']}"
         if info.get("log"):
             head += f", log {info['log']}"
-        if daemon.golden:
-            head += f"; golden completion: {len(daemon.golden)} tokens"
+        if daemon.checker.golden:
+            head += f"; golden completion: {len(daemon.checker.golden)} tokens"
     else:
         head = f"restart #{record.n}: {escape(record.reason)} → restarted in {record.seconds:.1f} s ({where})"
     return " | ".join([head, *checks_text(record)])
@@ -89,7 +81,7 @@ def started_line(event: Event, daemon: Daemon) -> str | None:
         modules = ", ".join(record.modules) if record.trigger == "save" else ""
         return f"reload #{record.n}: {escape(trigger_text(record))}" + (f" → {escape(modules)}" if modules else "")
     if record.n == 0:
-        return (f"starting the server: tsdev {' '.join(daemon.server.argv[3:])}" if daemon.server
+        return (f"starting the server: {daemon.server.command_line}" if daemon.server
                 else f"attaching to {daemon.config.url}")
     return f"restarting the server: {escape(record.reason)}"
 

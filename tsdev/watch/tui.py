@@ -16,14 +16,16 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.widgets import DataTable, Footer, RichLog, Static
 
-from tsdev.client import graph_split
-from tsdev.watch.daemon import STEPS, Daemon, Event, ReloadRecord, RestartRecord, WatchConfig
+from tsdev.outcome import KEEPS_SERVING, SHOWN_STEPS, graph_split, reloaded_text
+from tsdev.watch.args import WatchConfig
+from tsdev.watch.daemon import Daemon
+from tsdev.watch.records import Event, ReloadRecord, RestartRecord
 from tsdev.watch.plain import checks_text, message_line, restart_line, started_line, trigger_text
 
 WHERE = re.compile(r"(?P<path>[^\s:'\"]+\.py):(?P<line>\d+)")
 STATE_COLORS = {"serving": "green", "paused": "yellow", "draining": "yellow", "reloading": "cyan",
                 "checking": "cyan", "starting": "cyan", "restarting": "magenta", "down": "red"}
-COLUMNS = ("#", "time", "trigger", "reloaded", "deps", *STEPS, "total", "golden", "decode ms/step", "outcome")
+COLUMNS = ("#", "time", "trigger", "reloaded", "deps", *SHOWN_STEPS, "total", "golden", "decode ms/step", "outcome")
 HEADERS = {"recapture": "recap", "decode ms/step": "ms/step"}  # narrow enough for ~170 columns
 
 
@@ -185,7 +187,7 @@ class WatchApp(App):
             return
         head = f"[b]reload #{record.n}[/b]  {escape(trigger_text(record))}"
         if record.reloaded:
-            head += f"  →  {escape(', '.join(record.reloaded))} + {len(record.dependents)} dependent(s)"
+            head += f"  →  {escape(reloaded_text(record.worker))}"
         elif record.modules and not record.done:
             head += f"  →  {escape(', '.join(record.modules[:6]))}{' ...' if len(record.modules) > 6 else ''}"
         chips = []
@@ -200,7 +202,7 @@ class WatchApp(App):
                 chips.append(f"[dim]· {name}[/dim]")
         lines = [head, "   ".join(chips)]
         if record.done:
-            outcome = "[red]FAILED: the old code keeps serving[/red]" if record.error else " | ".join(checks_text(record))
+            outcome = f"[red]FAILED: {KEEPS_SERVING}[/red]" if record.error else " | ".join(checks_text(record))
             lines.append(outcome or "[green]ok[/green]")
         widget.update(Text.from_markup("\n".join(lines)))
 
@@ -227,7 +229,7 @@ class WatchApp(App):
             cells.update({"#": str(record.n), "trigger": clip(trigger_text(record)),
                           "reloaded": clip(", ".join(record.reloaded or record.modules)),
                           "deps": str(len(record.dependents)) if record.worker else ""})
-            for name in (*STEPS, "total"):
+            for name in (*SHOWN_STEPS, "total"):
                 if name in record.steps:
                     cells[name] = f"{record.steps[name]:.2f}"
         if record.verdict is not None:

@@ -1,0 +1,189 @@
+"""`tsdev serve` as a child process: the one way the toolkit, the tests and the benchmarks start, wait for
+and stop a server (`tsdev watch` from asyncio, `tsdev profile` under nsys, the rest synchronously).
+
+The child runs in its own session (Ctrl-C reaches the parent, which stops the server itself) and, on
+Linux, gets SIGTERM when its parent dies, so that a killed parent leaves no server holding the GPU or the
+port. Its output goes to a log file (or the parent's terminal when there is none); a failed start shows
+the log's last lines.
+"""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+POLL_S = 0.05  # how often a start polls GET /health (benchmarks time the start, so keep it short)
+_LIBC = ctypes.CDLL(None) if sys.platform == "linux" else None
+
+
+class StartFailed(RuntimeError):
+    pass
+
+
+class PortInUse(StartFailed):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def local_url(host: str, port: int) -> str:
+    """Where a client on this machine reaches a server listening on host:port."""
+    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+
+
+def flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of `flag` in an argv (`--port 8000` or `--port=8000`), or None."""
+    for i, token in enumerate(args):
+        if token == flag and i + 1 < len(args):
+            return args[i + 1]
+        if token.startswith(flag + "="):
+            return token.split("=", 1)[1]
+    return None
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    os.setsid()
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG (sent when the forking thread ends: fork from the main one)
+
+
+class ServerProcess:
+    """`python -m tsdev serve ARGS`, started, waited for and stopped; restartable (start() again after stop())."""
+
+    def __init__(self, args: Sequence[str] = (), port: int | None = None, *, allow_reload_forward: bool = False,
+                 prefix: Sequence[str] = (), cwd: Path | None = None, pythonpath: Path | None = None,
+                 log_path: Path | None = None):
+        """`port` (default: a free one) is added unless ARGS carry --port; `prefix` wraps the command (nsys);
+        `pythonpath` is searched first for imports (a copy of the project); `log_path` None: the terminal."""
+        args = list(args)
+        if allow_reload_forward and "--allow-reload-forward" not in args:
+            args.append("--allow-reload-forward")
+        if flag_value(args, "--port") is None:
+            args += ["--port", str(port or free_port())]
+        self.serve_args = ["serve", *args]
+        self.argv = [*prefix, sys.executable, "-m", "tsdev", *self.serve_args]
+        self.url = local_url(flag_value(args, "--host") or "127.0.0.1", int(flag_value(args, "--port")))
+        self.cwd, self.log_path = cwd, log_path
+        self.env = None if pythonpath is None else {
+            **os.environ, "PYTHONPATH": f"{pythonpath}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        self.proc: subprocess.Popen | None = None  # None once stop() was called
+        self._offset = 0  # where the current run's output starts in the log
+
+    @property
+    def command_line(self) -> str:
+        return " ".join(["tsdev", *self.serve_args])
+
+    def start(self, header: str = "starting the server") -> None:
+        """Start the child (returns at once); PortInUse when something already answers on the port."""
+        try:
+            httpx.get(self.url + "/health", timeout=1)
+        except httpx.TransportError:
+            pass
+        else:
+            raise PortInUse(f"something already answers on {self.url}: stop it or use another --port")
+        log = None
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            log = open(self.log_path, "a")
+            log.write(f"\n--- {time.strftime('%H:%M:%S')} {header}: {self.command_line}\n")
+            log.flush()
+            self._offset = log.tell()
+        try:
+            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=None if log is None else subprocess.STDOUT, cwd=self.cwd,
+                                         env=self.env, preexec_fn=_die_with_parent)
+        finally:
+            if log is not None:
+                log.close()
+
+    async def wait_healthy_async(self, timeout: float = 600) -> None:
+        """Until GET /health answers 200; StartFailed (with the log's last lines) when the child exits first
+        or is not healthy in time (then it is stopped)."""
+        deadline = time.monotonic() + timeout
+        async with httpx.AsyncClient() as client:
+            while True:
+                if (code := self.proc.poll()) is not None:
+                    raise StartFailed(f"the server exited during startup ({describe_exit(code)}):\n{self.tail()}")
+                try:
+                    if (await client.get(self.url + "/health", timeout=2)).status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    await self.stop_async()
+                    raise StartFailed(f"the server was not healthy within {timeout:.0f} s:\n{self.tail()}")
+                await asyncio.sleep(POLL_S)
+
+    def wait_healthy(self, timeout: float = 600) -> None:
+        asyncio.run(self.wait_healthy_async(timeout))
+
+    async def exited(self) -> int | None:
+        """When the current run ends: its exit status, or None when stop() ended it."""
+        proc = self.proc
+        while proc.poll() is None:
+            await asyncio.sleep(0.1)
+        return proc.returncode if proc is self.proc else None
+
+    def stop(self, timeout: float = 20) -> None:
+        """SIGTERM, `timeout` s to exit, then SIGKILL."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    async def stop_async(self, timeout: float = 20) -> None:
+        await asyncio.to_thread(self.stop, timeout)
+
+    @contextmanager
+    def running(self, timeout: float = 600, stop_timeout: float = 20) -> Iterator["ServerProcess"]:
+        """Started and healthy inside the block, stopped after it."""
+        self.start()
+        try:
+            self.wait_healthy(timeout)
+            yield self
+        finally:
+            self.stop(stop_timeout)
+
+    def output(self) -> str:
+        """What the current run printed so far (into the log)."""
+        if self.log_path is None:
+            return ""
+        try:
+            with open(self.log_path, errors="replace") as log:
+                log.seek(self._offset)
+                return log.read()
+        except OSError:
+            return ""
+
+    def tail(self, lines: int = 15) -> str:
+        if self.log_path is None:
+            return "(its output is above)"
+        return "\n".join(self.output().rstrip().splitlines()[-lines:]) or f"(nothing in {self.log_path})"

@@ -1,0 +1,82 @@
+"""The daemon's calls to the server it watches, in the control protocol's types: the daemon decides, this
+talks. Every call works against a seed-style server that lacks tsdev's extra routes (it falls back)."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+
+from runtime.control_protocol import (EVENTS_ROUTE, MODULES_ROUTE, RELOAD_ROUTE, SERVER_INFO_ROUTE,
+                                      START_PROFILE_ROUTE, Event, ModulesReply, ProfileRequest, ReloadReply,
+                                      ServerInfo, parse_event)
+from tsdev.client import aiter_sse_data, body, error_message, reload_request, reply_or_raise
+
+
+@dataclass
+class Described:
+    model: str | None
+    device: str | None
+    vocab: int
+
+
+class ServerLink:
+    def __init__(self, url: str, transport: httpx.AsyncBaseTransport | None = None):
+        self.url = url
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(60, read=None), transport=transport)
+
+    async def reachable(self) -> None:
+        """Raises httpx.TransportError when nothing answers."""
+        await self.client.get(self.url + "/health", timeout=5)
+
+    async def describe(self) -> Described:
+        """Model, device and vocabulary from GET /server_info; from /v1/models (no device) on a server
+        without that route."""
+        response = await self.client.get(self.url + SERVER_INFO_ROUTE)
+        if response.status_code == 200:
+            info = ServerInfo.model_validate_json(response.content)
+            return Described(info.model, info.device, info.vocab_size)
+        first = (await self.client.get(self.url + "/v1/models")).json()["data"][0]
+        return Described(first.get("id"), None, int(first.get("vocab_size") or 256))
+
+    async def loaded(self, on_disk: list[str]) -> list[str]:
+        """Of the modules on disk, those the server has imported (a reload can force only those)."""
+        try:
+            response = await self.client.get(self.url + MODULES_ROUTE)
+        except httpx.HTTPError:
+            return on_disk
+        if response.status_code != 200:  # a server without the route: force them all and let it say
+            return on_disk
+        loaded = set(ModulesReply.model_validate_json(response.content).modules)
+        return [m for m in on_disk if m in loaded]
+
+    async def reload(self, request_id: str, modules: list[str] | None) -> ReloadReply:
+        """Raises httpx errors, and RuntimeError for refusals."""
+        request = reload_request(modules, request_id=request_id)
+        return reply_or_raise(await self.client.post(self.url + RELOAD_ROUTE, json=body(request)), ReloadReply)
+
+    async def start_profile(self, name: str, num_steps: int) -> str | None:
+        """Open a torch profiler range; None when it opened, else why not."""
+        request = ProfileRequest(activities=["TORCH"], num_steps=num_steps, name=name)
+        response = await self.client.post(self.url + START_PROFILE_ROUTE, json=body(request))
+        if response.status_code == 404:
+            return "this server has no /start_profile route: nothing profiled"
+        if response.status_code != 200:
+            return f"profiling refused: {error_message(response)}"
+        return None
+
+    async def events(self) -> AsyncIterator[Event]:
+        """The server's events, forever: reconnects when the stream drops (a restart); skips unknown types."""
+        while True:
+            try:
+                async with self.client.stream("GET", self.url + EVENTS_ROUTE) as response:
+                    async for data in aiter_sse_data(response):
+                        if (event := parse_event(data)) is not None:
+                            yield event
+            except (httpx.HTTPError, ValueError):
+                pass
+            await asyncio.sleep(0.5)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()

@@ -1,0 +1,77 @@
+"""What the daemon tells its screen: one record per reload or restart, filled in as it runs, and the events
+that carry them (the screen and the plain printer only read these)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from runtime.control_protocol import WorkerReport
+from tsdev.outcome import SHOWN_STEPS
+from tsdev.watch.checks import Probe, Verdict
+
+
+@dataclass
+class ReloadRecord:
+    n: int
+    trigger: str  # "save", "reload all (r)", "another client"
+    files: list[str] = field(default_factory=list)
+    modules: list[str] = field(default_factory=list)  # what the trigger asked for or saw changed
+    started: float = field(default_factory=time.time)
+    ids: list[str] = field(default_factory=list)
+    steps: dict[str, float] = field(default_factory=dict)  # step -> seconds, filled in live
+    current: str | None = None  # the step running now
+    step_started: float = 0.0  # perf_counter() when it started
+    failed: str | None = None  # the step that failed
+    worker: WorkerReport | None = None  # the reply's worker (the first failing one, else rank 0)
+    error: str | None = None
+    verdict: Verdict | None = None
+    probe: Probe | None = None
+    note: str = ""
+    done: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.done and self.error is None
+
+    def step_order(self) -> list[str]:
+        """The steps seen so far in the order they ran, then the ones still to come."""
+        seen = [s for s in self.steps if s in SHOWN_STEPS]
+        return seen + [s for s in SHOWN_STEPS if s not in seen]
+
+    @property
+    def reloaded(self) -> list[str]:
+        return self.worker.reloaded if self.worker else []
+
+    @property
+    def dependents(self) -> list[str]:
+        return self.worker.dependents if self.worker else []
+
+    def finish(self, worker: WorkerReport) -> None:
+        """Take the reply's outcome: its timings win over the ones seen live."""
+        self.worker, self.current = worker, None
+        self.error = None if worker.ok else (worker.error or "the reload failed")
+        self.steps.update(worker.timings)
+        if self.error and self.failed is None:
+            self.failed = worker.failed_step
+
+
+@dataclass
+class RestartRecord:
+    n: int  # 0: the first start
+    reason: str
+    started: float = field(default_factory=time.time)
+    seconds: float = 0.0
+    pid: int | None = None
+    error: str | None = None
+    verdict: Verdict | None = None
+    probe: Probe | None = None
+    note: str = ""
+    done: bool = False
+
+
+@dataclass
+class Event:
+    kind: str  # state | message | reload_started | reload_step | reload_finished | restart_started | restart_finished
+    record: ReloadRecord | RestartRecord | None = None
+    text: str = ""
+    level: str = "info"  # info | warning | error
