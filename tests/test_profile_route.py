@@ -3,12 +3,17 @@ import json
 
 import httpx
 
+from runtime.control_protocol import ProfileRange, ProfileRequest
+from tsdev.client import body
+
 
 def test_torch_range_closes_after_n_steps_and_writes_a_trace(tiny_server, tmp_path):
-    r = httpx.post(tiny_server + "/start_profile", json={"activities": ["TORCH"], "num_steps": 3,
-                                                         "output_dir": str(tmp_path), "name": "reload-1"})
+    r = httpx.post(tiny_server + "/start_profile", json=body(ProfileRequest(activities=["TORCH"], num_steps=3,
+                                                                            output_dir=str(tmp_path), name="reload-1")))
     assert r.status_code == 200, r.text
-    again = httpx.post(tiny_server + "/start_profile", json={"activities": ["TORCH"], "num_steps": 3})
+    started = ProfileRange.model_validate_json(r.content)
+    assert started.name == "reload-1" and started.num_steps == 3
+    again = httpx.post(tiny_server + "/start_profile", json=body(ProfileRequest(activities=["TORCH"], num_steps=3)))
     assert again.status_code == 409 and "still open" in again.json()["error"]["message"]
     trace = tmp_path / "reload-1.trace.json"
     assert not trace.exists()
@@ -17,10 +22,10 @@ def test_torch_range_closes_after_n_steps_and_writes_a_trace(tiny_server, tmp_pa
     events = json.loads(trace.read_text())["traceEvents"]
     assert any("aten::" in e.get("name", "") for e in events)
     # closed: a new range can open, and /stop_profile closes it early
-    assert httpx.post(tiny_server + "/start_profile", json={"activities": ["TORCH"], "num_steps": 1000,
-                                                            "output_dir": str(tmp_path)}).status_code == 200
-    stopped = httpx.post(tiny_server + "/stop_profile").json()
-    assert stopped["steps"] == 0 and (tmp_path / f"{stopped['name']}.trace.json").exists()
+    assert httpx.post(tiny_server + "/start_profile", json=body(ProfileRequest(
+        activities=["TORCH"], num_steps=1000, output_dir=str(tmp_path)))).status_code == 200
+    stopped = ProfileRange.model_validate_json(httpx.post(tiny_server + "/stop_profile").content)
+    assert stopped.steps == 0 and stopped.trace and (tmp_path / f"{stopped.name}.trace.json").exists()
 
 
 def test_bad_profile_requests_are_refused(tiny_server):

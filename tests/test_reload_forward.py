@@ -6,6 +6,8 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
+from runtime.control_protocol import (ModulesReply, PauseReply, ReloadFinished, ReloadReply, ReloadStarted, ReloadStep,
+                                      WorkerReport, parse_event)
 from serve_process import copy_project, serve
 from tsdev.client import iter_sse_data
 
@@ -45,10 +47,12 @@ def complete(url, **overrides):
     return r.json()["choices"][0]
 
 
-def reload(url, id_, **body):
+def reload(url, id_, **body) -> ReloadReply:
     r = httpx.post(url + "/v1/rl/engine/reload_forward", json={"id": id_, **body}, timeout=120)
     assert r.status_code == 200, r.text
-    return r.json()
+    for worker in r.json()["workers"]:  # the wire carries every field of the protocol's worker report, no other
+        assert set(worker) == set(WorkerReport.model_fields), worker
+    return ReloadReply.model_validate_json(r.content)
 
 
 _ids = iter(range(10**6))
@@ -62,15 +66,15 @@ def test_edit_changes_output_and_revert_restores_it(server, project):
     before = complete(server)["text"]
     with edited(project, ACTIVATION, SILU_LINE, "    return -F.silu(gate) * up\n"):
         reply = reload(server, new_id())
-        assert reply["ok"], reply
-        worker = reply["workers"][0]
-        assert worker["reloaded"] == ["kernels.ops.activation"]
-        assert "runtime.layers.activation" in worker["dependents"] and worker["patched"] > 0
-        assert set(worker["timings"]) >= {"drain", "flush", "reload", "warm", "recapture", "jit", "total", "pause",
+        assert reply.ok, reply
+        worker = reply.workers[0]
+        assert worker.reloaded == ["kernels.ops.activation"]
+        assert "runtime.layers.activation" in worker.dependents and worker.patched > 0
+        assert set(worker.timings) >= {"drain", "flush", "reload", "warm", "recapture", "jit", "total", "pause",
                                           "recapture_decode", "recapture_prefill"}
         changed = complete(server)["text"]
         assert changed != before
-    assert reload(server, new_id())["ok"]
+    assert reload(server, new_id()).ok
     assert complete(server)["text"] == before
 
 
@@ -78,38 +82,38 @@ def test_syntax_error_is_reported_and_old_code_keeps_serving(server, project):
     before = complete(server)["text"]
     with edited(project, ACTIVATION, SILU_LINE, "    return F.silu(gate) * up)\n"):
         reply = reload(server, new_id())
-        assert reply["ok"] is False
-        error = reply["workers"][0]["error"]
+        assert reply.ok is False
+        error = reply.workers[0].error
         assert "activation.py:" in error and "SyntaxError" in error
         assert complete(server)["text"] == before
-    assert reload(server, new_id())["ok"]  # the reverted file still differs from nothing: a no-op reload
+    assert reload(server, new_id()).ok  # the reverted file still differs from nothing: a no-op reload
 
 
 def test_error_in_warm_up_rolls_back(server, project):
     before = complete(server)["text"]
     with edited(project, ACTIVATION, SILU_LINE, "    raise RuntimeError('kernel exploded')\n"):
         reply = reload(server, new_id())
-        assert reply["ok"] is False
-        assert "kernel exploded" in reply["workers"][0]["error"] and "activation.py:" in reply["workers"][0]["error"]
+        assert reply.ok is False
+        assert "kernel exploded" in reply.workers[0].error and "activation.py:" in reply.workers[0].error
         assert complete(server)["text"] == before
 
 
 def test_edit_outside_reloadable_packages_needs_restart(server, project):
     with edited(project, "runtime/engine/scheduler.py", '"""Continuous batching', '"""Edited. Continuous batching'):
-        worker = reload(server, new_id())["workers"][0]
-        assert worker["needs_restart"] == ["runtime.engine.scheduler"]
-        assert worker["reloaded"] == []
+        worker = reload(server, new_id()).workers[0]
+        assert worker.needs_restart == ["runtime.engine.scheduler"]
+        assert worker.reloaded == []
 
 
 def test_forced_module_reloads_without_a_change(server):
-    worker = reload(server, new_id(), modules=["kernels.ops.norm"])["workers"][0]
-    assert worker["ok"] and worker["reloaded"] == ["kernels.ops.norm"] and worker["dependents"]
+    worker = reload(server, new_id(), modules=["kernels.ops.norm"]).workers[0]
+    assert worker.ok and worker.reloaded == ["kernels.ops.norm"] and worker.dependents
     bad = reload(server, new_id(), modules=["no.such.module"])
-    assert bad["ok"] is False and "no.such.module" in bad["workers"][0]["error"]
+    assert bad.ok is False and "no.such.module" in bad.workers[0].error
 
 
 def test_modules_route_lists_what_a_reload_can_force(server):
-    modules = httpx.get(server + "/v1/rl/engine/modules").json()["modules"]
+    modules = ModulesReply.model_validate_json(httpx.get(server + "/v1/rl/engine/modules").content).modules
     assert {"kernels.ops.activation", "runtime.layers.norm", "runtime.models.qwen3"} <= set(modules)
     assert not any(m.startswith("runtime.engine") for m in modules)
 
@@ -149,7 +153,7 @@ def test_streams_in_flight_complete_across_a_reload(server):
     late = complete(server, max_tokens=5)  # arrives after the reload: served by the new code
     for t in threads:
         t.join(60)
-    assert reply["ok"]
+    assert reply.ok
     assert [r[1] for r in results] == [["length"]] * 4, results  # each ended once, by length, no error
     assert late["finish_reason"] == "length"
 
@@ -159,7 +163,7 @@ def test_abort_mode_aborts_running_requests_with_a_reason(server):
     reply = reload(server, new_id(), modules=["kernels.ops.activation"], mode="abort")
     for t in threads:
         t.join(60)
-    assert reply["ok"]
+    assert reply.ok
     assert all(reasons == ["abort"] for _, reasons in results), results
 
 
@@ -168,7 +172,7 @@ def test_drain_timeout_gives_up_cleanly_and_names_the_step(server):
     reply = reload(server, new_id(), modules=["kernels.ops.activation"], timeout_s=0.2)
     for t in threads:
         t.join(60)
-    assert reply["ok"] is False and "drain" in reply["workers"][0]["error"]
+    assert reply.ok is False and "drain" in reply.workers[0].error
     assert results[0][1] == ["length"]  # the running request was not disturbed
 
 
@@ -178,9 +182,9 @@ def test_concurrent_reloads_run_one_after_the_other(server):
 
     def listen():
         with httpx.stream("GET", server + "/v1/rl/engine/events", timeout=60) as r:
-            for event in iter_sse_data(r):
-                events.append(event)
-                if event.get("id") == marker:
+            for data in iter_sse_data(r):
+                events.append(event := parse_event(data))
+                if getattr(event, "id", None) == marker:
                     return
 
     listener = threading.Thread(target=listen)
@@ -196,22 +200,23 @@ def test_concurrent_reloads_run_one_after_the_other(server):
         w.join(60)
     reload(server, marker, modules=["kernels.ops.norm"])  # its first event ends the listener
     listener.join(30)
-    assert all(r["ok"] for r in replies)
-    mine = [e for e in events if e.get("id") in ids]
-    starts = [i for i, e in enumerate(mine) if e["type"] == "reload_started"]
-    ends = [i for i, e in enumerate(mine) if e["type"] == "reload_finished"]
+    assert all(r.ok for r in replies)
+    mine = [e for e in events if getattr(e, "id", None) in ids]
+    starts = [i for i, e in enumerate(mine) if isinstance(e, ReloadStarted)]
+    ends = [i for i, e in enumerate(mine) if isinstance(e, ReloadFinished) and e.type == "reload_finished"]
     assert len(starts) == 2 and len(ends) == 2 and ends[0] < starts[1]  # serialized
-    steps = [e["step"] for e in mine[: ends[0]] if e["type"] == "reload_step" and e["state"] == "done"]
+    steps = [e.step for e in mine[: ends[0]] if isinstance(e, ReloadStep) and e.state == "done"]
     assert steps == ["jit", "drain", "flush", "reload", "warm", "recapture"]
-    assert all(e["seconds"] >= 0 for e in mine if e["type"] == "reload_step" and e["state"] != "started")
+    assert all(e.seconds >= 0 for e in mine if isinstance(e, ReloadStep) and e.state != "started")
 
 
 def test_pause_is_kept_across_a_reload_and_continue_resumes(server):
-    assert httpx.post(server + "/v1/rl/engine/pause_generation", json={"mode": "keep"}).json()["paused"]
+    assert PauseReply.model_validate_json(httpx.post(server + "/v1/rl/engine/pause_generation",
+                                                     json={"mode": "keep"}).content).paused
     results = [None]
     t = threading.Thread(target=stream_completion, args=(server, results, 0), kwargs={"max_tokens": 3})
     t.start()
-    assert reload(server, new_id(), modules=["kernels.ops.norm"])["ok"]
+    assert reload(server, new_id(), modules=["kernels.ops.norm"]).ok
     time.sleep(0.5)
     assert results[0] is None  # still paused: the request is held
     httpx.post(server + "/v1/rl/engine/continue_generation", json={})
@@ -241,5 +246,5 @@ def test_continue_generation_cancels_a_reload_that_has_not_started(server):
     assert httpx.post(server + "/v1/rl/engine/continue_generation", json={}, timeout=60).status_code == 200
     for t in (first, second, *threads):
         t.join(60)
-    assert replies["first"]["ok"]
-    assert replies["second"]["ok"] is False and "cancelled" in replies["second"]["workers"][0]["error"]
+    assert replies["first"].ok
+    assert replies["second"].ok is False and "cancelled" in replies["second"].workers[0].error
