@@ -108,3 +108,15 @@ class EngineConfig:
             return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
         except KeyError:
             raise ValueError(f"dtype {name!r} not supported: use auto, bfloat16, float16 or float32") from None
+
+
+@dataclass
+class ServerConfig:
+    """What `tsdev serve` flags set for the HTTP front (the engine's are EngineConfig's)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port (the listening line says which)
+    served_model_name: str | None = None  # default: the checkpoint directory's name
+    allow_reload_forward: bool = False
+    log_level: str = "warning"  # uvicorn's
+    max_request_body_bytes: int = 4 * 1024 * 1024  # larger bodies are answered 413 before they are parsed

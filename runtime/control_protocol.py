@@ -210,6 +210,7 @@ class ReloadStep(_Event):
     step: StepName
     state: Literal["started", "done", "failed"]
     seconds: float | None = None  # when done or failed
+    running: int | None = None  # drain, when started: the requests it waits for (wait) or aborts (abort)
 
 
 class ReloadFinished(_Event):

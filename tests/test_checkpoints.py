@@ -37,6 +37,39 @@ def test_cuda_default_has_the_qwen3_0_6b_shape():
             shape["num_key_value_heads"], shape["head_dim"], shape["vocab_size"]) == (28, 1024, 16, 8, 128, 151936)
 
 
+@pytest.mark.parametrize("shape", ["tiny", "qwen3-0.6b"])
+def test_every_id_of_the_default_tokenizer_decodes_to_text(shape):
+    """The model samples ids 0..vocab_size-1: each decodes (as the engine decodes, skipping special tokens)
+    to non-empty text, except the special tokens, which end a request (EOS). The 0.6B shape's tokenizer
+    is built alone, without its 1.2 GB of weights."""
+    vocab_size = default_model.SHAPES[shape]["vocab_size"]
+    tokenizer = default_model.build_tokenizer(vocab_size)
+    assert tokenizer.get_vocab_size() == vocab_size
+    texts = tokenizer.decode_batch([[i] for i in range(vocab_size)])
+    specials = {tokenizer.token_to_id(t) for t in default_model.SPECIAL_TOKENS}
+    assert {i for i, text in enumerate(texts) if not text} == specials
+    assert set(default_model.eos_token_ids(tokenizer)) == specials
+    assert [tokenizer.decode([i], skip_special_tokens=False) for i in sorted(specials)] == default_model.SPECIAL_TOKENS
+    assert len({tokenizer.id_to_token(i) for i in range(vocab_size)}) == vocab_size  # distinct tokens
+    text = " the serving engine writes conversations"
+    assert tokenizer.decode(tokenizer.encode(text).ids) == text
+
+
+def test_default_model_completes_prompts_with_text(tmp_path, monkeypatch):
+    """Greedy completions of the tiny default model (CPU) are text, not empty strings."""
+    monkeypatch.setenv("TSDEV_CACHE_DIR", str(tmp_path))
+    engine = LLMEngine(EngineConfig(model=None, device="cpu", kv_pages=256))
+    assert engine.tokenizer.get_vocab_size() == engine.model_config.vocab_size
+    special = {engine.tokenizer.token_to_id(t) for t in default_model.SPECIAL_TOKENS}
+    assert engine.eos == special
+    prompts = ["Hello, my name is", "The capital of France is", "def fibonacci(n):", "Once upon a time",
+               "<|im_start|>user\nWhat is a kernel?<|im_end|>\n<|im_start|>assistant\n"]
+    outputs = engine.generate([engine.tokenizer.encode(p).ids for p in prompts],
+                              SamplingParams(max_tokens=16, temperature=0))
+    for prompt, out in zip(prompts, outputs):
+        assert out["text"].strip(), (prompt, out)
+
+
 def test_sharded_checkpoint_gives_the_same_tokens(tiny_model_dir, tmp_path):
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     expected = LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_pages=64)).generate([prompt], GREEDY)

@@ -12,7 +12,7 @@ def test_serve_help_explains_the_flags():
 
 
 def test_serve_reports_a_bad_model_dir_and_exits_2(tmp_path):
-    result = CliRunner().invoke(app, ["serve", str(tmp_path), "--device", "cpu"])
+    result = CliRunner().invoke(app, ["serve", str(tmp_path), "--device", "cpu", "--port", "0"])
     assert result.exit_code == 2
     assert "no config.json" in result.output
 
@@ -21,8 +21,8 @@ def test_serve_refuses_an_unknown_tsdev_kernels_value(tiny_model_dir, monkeypatc
     import uvicorn
 
     monkeypatch.setenv("TSDEV_KERNELS", "ref:gemm")
-    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: print("served despite the bad value"))
-    result = CliRunner().invoke(app, ["serve", str(tiny_model_dir), "--device", "cpu"])
+    monkeypatch.setattr(uvicorn.Server, "run", lambda *a, **k: print("served despite the bad value"))
+    result = CliRunner().invoke(app, ["serve", str(tiny_model_dir), "--device", "cpu", "--port", "0"])
     assert result.exit_code == 2
     assert "TSDEV_KERNELS='ref:gemm'" in result.output and "linear" in result.output
 
@@ -36,11 +36,119 @@ def test_serve_on_cuda_without_a_gpu_says_so(monkeypatch):
 
 
 def test_serve_banner_names_the_graphs_and_the_startup_phases(make_engine):
-    from tsdev.cli import _describe_graphs, _describe_startup
+    from tsdev.serving import describe_graphs, describe_startup
 
     engine = make_engine(cudagraph_capture_sizes=[1, 4], max_batched_tokens=64)
-    graphs = _describe_graphs(engine.describe(), False, engine.startup_timings)
+    graphs = describe_graphs(engine.describe(), False, engine.startup_timings)
     assert graphs.startswith("2 decode graph(s) prepared") and "4 prefill graph(s) (16..64 tokens)" in graphs
-    startup = _describe_startup(1.5, engine.startup_timings)
+    startup = describe_startup(1.5, engine.startup_timings)
     assert startup.startswith("startup: imports 1.50 s, load ") and "warm-up" in startup and "prefill" in startup
-    assert _describe_graphs(make_engine(enforce_eager=True).describe(), False, {}) == "CUDA graphs off"
+    assert describe_graphs(make_engine(enforce_eager=True).describe(), False, {}) == "CUDA graphs off"
+
+
+# --- help at 80 columns, vLLM's flag names, list flags -----------------------------------------------------
+
+import re  # noqa: E402
+
+import pytest  # noqa: E402
+import typer  # noqa: E402
+
+from runtime.config import EngineConfig  # noqa: E402
+from tsdev.watch.args import serve_flags, split_server_args  # noqa: E402
+
+COMMANDS = typer.main.get_command(app).commands
+
+
+def option_names(command: str) -> list[str]:
+    return [name for param in COMMANDS[command].params for name in (*param.opts, *param.secondary_opts)
+            if name.startswith("-")]
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_help_at_80_columns_names_every_option_in_full(command):
+    result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    assert max(len(line) for line in result.output.splitlines()) <= 80
+    assert "…" not in result.output
+    for name in option_names(command):
+        assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", result.output), (name, result.output)
+
+
+def test_help_shows_bracketed_text_as_written():
+    def help_of(command):
+        return " ".join(CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "80"}).output.split())
+
+    assert "[len*(1-r), len*(1+r)]" in help_of("bench")
+    assert "tsdev watch [MODEL] [server flags...]" in help_of("watch")
+    assert "tsdev profile [MODEL] [server flags]" in help_of("profile")
+    assert "\\[" not in help_of("watch") + help_of("profile")
+
+
+def engine_config(monkeypatch, *args: str) -> EngineConfig:
+    """The EngineConfig `tsdev serve ARGS` hands to serving (nothing is loaded or bound)."""
+    import tsdev.serving
+
+    seen = []
+    monkeypatch.setattr(tsdev.serving, "run_server", lambda config, server, console: seen.append(config) or 0)
+    result = CliRunner().invoke(app, ["serve", "--device", "cpu", *args])
+    assert result.exit_code == 0 and len(seen) == 1, result.output
+    return seen[0]
+
+
+SAME_NAMES = ["--max-model-len", "512", "--dtype", "float32", "--gpu-memory-utilization", "0.5", "--seed", "3",
+              "--enforce-eager", "--cudagraph-capture-sizes", "1", "2"]
+TSDEV_NAMES = ["--max-running", "7", "--max-batched-tokens", "333", "--kv-pages", "99", "--page-size", "8",
+               "--no-prefix-caching"]
+VLLM_NAMES = ["--max-num-seqs", "7", "--max-num-batched-tokens", "333", "--num-gpu-blocks-override", "99",
+              "--block-size", "8", "--no-enable-prefix-caching"]
+
+
+def test_vllm_flag_names_set_the_same_engine_config_as_tsdevs(monkeypatch):
+    tsdev = engine_config(monkeypatch, *TSDEV_NAMES, *SAME_NAMES)
+    assert engine_config(monkeypatch, *VLLM_NAMES, *SAME_NAMES) == tsdev
+    assert (tsdev.max_running, tsdev.max_batched_tokens, tsdev.kv_pages, tsdev.page_size) == (7, 333, 99, 8)
+    assert tsdev.enable_prefix_caching is False and tsdev.enforce_eager and tsdev.cudagraph_capture_sizes == [1, 2]
+    assert (tsdev.max_model_len, tsdev.dtype, tsdev.gpu_memory_utilization, tsdev.seed) == (512, "float32", 0.5, 3)
+    assert engine_config(monkeypatch, "--enable-prefix-caching").enable_prefix_caching is True
+    assert engine_config(monkeypatch).enable_prefix_caching is EngineConfig.enable_prefix_caching
+
+
+@pytest.mark.parametrize("sizes", [["1", "16", "64"], ["1,16,64"], ["1 16 64"], ["64, 16", "1"]],
+                         ids=["separate", "commas", "one-quoted-token", "mixed"])
+def test_list_flags_take_their_values_in_every_form(monkeypatch, tiny_model_dir, sizes):
+    config = engine_config(monkeypatch, "--cudagraph-capture-sizes", *sizes, "--prefill-graph-capture-sizes", *sizes,
+                           str(tiny_model_dir))  # MODEL after the list: not taken for a size
+    assert config.cudagraph_capture_sizes == [1, 16, 64] and config.prefill_graph_capture_sizes == [1, 16, 64]
+    assert config.model == str(tiny_model_dir)
+    assert engine_config(monkeypatch, "--cudagraph-capture-sizes=1 16 64").cudagraph_capture_sizes == [1, 16, 64]
+
+
+def test_a_list_flag_without_sizes_says_what_to_give(monkeypatch):
+    result = CliRunner().invoke(app, ["serve", "--device", "cpu", "--cudagraph-capture-sizes", "many"])
+    assert result.exit_code == 2 and "give positive integers" in result.output
+
+
+def test_watch_passes_vllms_serve_flag_names_through():
+    flags = serve_flags(COMMANDS["serve"])
+    model, args = split_server_args([*VLLM_NAMES, "--enable-prefix-caching", "/models/q"], flags)
+    assert model == "/models/q" and args == [*VLLM_NAMES, "--enable-prefix-caching"]
+
+
+def test_reload_progress_on_a_terminal_is_one_live_line_that_goes_away():
+    import io
+
+    from rich.console import Console
+
+    from runtime.control_protocol import ReloadStep
+    from tsdev.outcome import ReloadProgress
+
+    out = io.StringIO()
+    progress = ReloadProgress(Console(file=out, force_terminal=True, width=100), "wait")
+    progress.event(ReloadStep(id="r", step="drain", state="started", running=3))
+    progress.tick()
+    assert progress.status is None  # a quick step shows nothing
+    progress.started -= 1.2
+    progress.tick()
+    assert str(progress.status.status).startswith("draining 1.2 s: waiting for 3 running request(s) to finish")
+    progress.event(ReloadStep(id="r", step="drain", state="done", seconds=1.3))
+    assert progress.status is None and "drained" not in out.getvalue()  # plain lines are for non-terminals

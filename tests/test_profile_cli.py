@@ -1,11 +1,13 @@
 """tsdev profile without nsys (CPU): a torch trace and a summary per range."""
+import csv
+import json
 import os
 import subprocess
 import sys
 import time
 
 from tsdev.client import reload_forward
-from tsdev.profile import KernelRow, find_nsys, parse_kernel_csv, write_summary
+from tsdev.profile import KernelRow, find_nsys, parse_kernel_csv, torch_trace_summary, write_summary
 from tsdev.server_process import free_port
 
 
@@ -31,9 +33,65 @@ def test_profile_without_nsys_takes_a_torch_range_per_reload_and_summarises_it(t
     for name in ("reload-0", "reload-1"):
         assert (out / f"{name}.trace.json").exists()
         summary = (out / f"{name}.summary.md").read_text()
-        assert "aten::" in summary and "| kernel |" in summary
-        assert (out / f"{name}.summary.csv").read_text().startswith("kind,name,total_ms")
+        assert "aten::" in summary and "| CPU op | self CPU time (ms) |" in summary and "GPU" not in summary
+        assert "| tsdev:forward |" in summary and "| tsdev:sample |" in summary  # the step table
+        rows = list(csv.DictReader(open(out / f"{name}.summary.csv")))
+        assert {r["kind"] for r in rows} == {"cpu_op", "nvtx"}
+        steps = {r["name"]: r for r in rows if r["kind"] == "nvtx"}
+        assert {"tsdev:schedule", "tsdev:prepare", "tsdev:forward", "tsdev:sample"} <= set(steps)
+        assert int(steps["tsdev:forward"]["instances"]) >= 4
+        # self times: each operator's time counted once, so they fit in the traced wall time
+        events = [e for e in json.loads((out / f"{name}.trace.json").read_text())["traceEvents"]
+                  if e.get("cat") == "cpu_op"]
+        wall_ms = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1e3
+        self_ms = sum(float(r["total_ms"]) for r in rows if r["kind"] == "cpu_op")
+        assert 0 < self_ms <= wall_ms * 1.001, (self_ms, wall_ms)
+        assert self_ms < sum(e["dur"] for e in events) / 1e3  # nested operators are not counted twice
     assert "vs previous" in (out / "reload-1.summary.md").read_text()
+
+
+def trace(path, events):
+    path.write_text(json.dumps({"traceEvents": [{"ph": "X", "pid": 1, "tid": 1, **e} for e in events]}))
+    return path
+
+
+def test_cpu_trace_rows_are_operators_by_self_time(tmp_path):
+    """aten::linear (10 us) runs aten::addmm (7 us), which runs aten::copy_ (2 us); another thread runs
+    aten::mul. Self times: 3, 5, 2 and 4 us; the step ranges are listed, and count in no operator."""
+    path = trace(tmp_path / "t.json", [
+        {"cat": "user_annotation", "name": "tsdev:forward", "ts": 99.0, "dur": 13.0},
+        {"cat": "cpu_op", "name": "aten::linear", "ts": 100.0, "dur": 10.0},
+        {"cat": "cpu_op", "name": "aten::addmm", "ts": 101.0, "dur": 7.0},
+        {"cat": "cpu_op", "name": "aten::copy_", "ts": 102.0, "dur": 2.0},
+        {"cat": "cpu_op", "name": "aten::mul", "ts": 103.0, "dur": 4.0, "tid": 2},
+        {"cat": "user_annotation", "name": "tsdev:sample", "ts": 112.5, "dur": 0.5},
+        {"cat": "user_annotation", "name": "other", "ts": 112.5, "dur": 0.5},
+    ])
+    summary = torch_trace_summary(path)
+    assert not summary.on_gpu
+    assert {r.name: r.total_ns for r in summary.rows} == {"aten::addmm": 5e3, "aten::mul": 4e3,
+                                                          "aten::linear": 3e3, "aten::copy_": 2e3}
+    assert [(r.name, r.total_ns, r.instances) for r in summary.steps] == [("tsdev:forward", 13e3, 1),
+                                                                          ("tsdev:sample", 500.0, 1)]
+    md = write_summary(tmp_path / "reload-0", summary.rows, summary.steps, None, cpu=True)
+    assert "| CPU op | self CPU time (ms) | share | calls |" in md and "| `aten::addmm` | 0.005 | 36% |" in md
+    assert "| tsdev:forward | 0.013 |" in md and "GPU" not in md and "kernel" not in md
+    csv_rows = (tmp_path / "reload-0.summary.csv").read_text().splitlines()
+    assert csv_rows[1].startswith("cpu_op,aten::addmm,0.0050,1,5.000") and csv_rows[-1].startswith("nvtx,tsdev:sample")
+
+
+def test_gpu_trace_rows_are_kernels_by_gpu_time(tmp_path):
+    path = trace(tmp_path / "t.json", [
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 100.0, "dur": 10.0},
+        {"cat": "kernel", "name": "gemm", "ts": 105.0, "dur": 3.0, "tid": 7},
+        {"cat": "kernel", "name": "gemm", "ts": 109.0, "dur": 5.0, "tid": 7},
+        {"cat": "user_annotation", "name": "tsdev:forward", "ts": 99.0, "dur": 12.0},
+    ])
+    summary = torch_trace_summary(path)
+    assert summary.on_gpu and [(r.name, r.total_ns, r.instances) for r in summary.rows] == [("gemm", 8e3, 2)]
+    assert [r.name for r in summary.steps] == ["tsdev:forward"]
+    md = write_summary(tmp_path / "reload-0", summary.rows, summary.steps, None)
+    assert "| kernel | GPU time (ms) |" in md and "| tsdev:forward |" in md
 
 
 def test_find_nsys_honours_the_env_variable(tmp_path, monkeypatch):

@@ -1,14 +1,17 @@
 """reload_forward against a `tsdev serve --allow-reload-forward` subprocess running a temporary copy of the project."""
+import re
 import threading
 import time
 from contextlib import contextmanager
 
 import httpx
 import pytest
+from typer.testing import CliRunner
 
 from runtime.control_protocol import (ModulesReply, PauseReply, ReloadFinished, ReloadReply, ReloadStarted, ReloadStep,
                                       WorkerReport, parse_event)
 from serve_process import copy_project, serve
+from tsdev.cli import app
 from tsdev.client import iter_sse_data
 
 PROMPT = {"prompt": [5, 17, 300, 42, 9, 77, 123], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
@@ -110,6 +113,18 @@ def test_forced_module_reloads_without_a_change(server):
     assert worker.ok and worker.reloaded == ["kernels.ops.norm"] and worker.dependents
     bad = reload(server, new_id(), modules=["no.such.module"])
     assert bad.ok is False and "no.such.module" in bad.workers[0].error
+
+
+def test_the_server_logs_one_line_per_reload_with_its_outcome(server, project):
+    ok, failed = new_id(), new_id()
+    worker = reload(server, ok, modules=["kernels.ops.norm"]).workers[0]
+    with edited(project, ACTIVATION, SILU_LINE, "    return F.silu(gate) * up)\n"):
+        assert not reload(server, failed).ok
+    log = (project / "serve.log").read_text()
+    assert (f"reload {ok} ok: kernels.ops.norm + {len(worker.dependents)} dependent(s), "
+            f"paused {worker.timings['pause']:.2f} s\n") in log
+    line = next(line for line in log.splitlines() if line.startswith(f"reload {failed} "))
+    assert line.startswith(f"reload {failed} FAILED in reload: ") and "activation.py:" in line and "SyntaxError" in line
 
 
 def test_modules_route_lists_what_a_reload_can_force(server):
@@ -230,6 +245,8 @@ def test_reload_is_refused_without_the_flag(tiny_model_dir, tmp_path):
         r = httpx.post(url + "/v1/rl/engine/reload_forward", json={"id": "x"})
         assert r.status_code == 403 and "--allow-reload-forward" in r.json()["error"]["message"]
         assert httpx.get(url + "/v1/rl/engine/modules").status_code == 403
+        refused = tsdev_reload(url)
+        assert refused.exit_code == 2 and "403" in refused.output and "--allow-reload-forward" in refused.output
         threads[0].join(60)
         assert results[0][1] == ["length"]
 
@@ -248,3 +265,62 @@ def test_continue_generation_cancels_a_reload_that_has_not_started(server):
         t.join(60)
     assert replies["first"].ok
     assert replies["second"].ok is False and "cancelled" in replies["second"].workers[0].error
+
+
+# --- `tsdev reload`: exit status and what it shows while it waits -------------------------------------------
+
+SCHEDULER = "runtime/engine/scheduler.py"
+SCHEDULER_DOC = ('"""Continuous batching', '"""Edited. Continuous batching')
+
+
+def tsdev_reload(url, *args):
+    return CliRunner().invoke(app, ["reload", "--url", url, *args])
+
+
+def test_reload_exit_status_0_when_reloaded_or_nothing_changed(server, project):
+    with edited(project, ACTIVATION, SILU_LINE, "    return -F.silu(gate) * up\n"):
+        done = tsdev_reload(server)
+        assert done.exit_code == 0 and done.output.startswith("reloaded kernels.ops.activation"), done.output
+    assert tsdev_reload(server).exit_code == 0  # the revert
+    nothing = tsdev_reload(server)
+    assert nothing.exit_code == 0 and nothing.output.startswith("nothing to reload"), nothing.output
+
+
+def test_reload_exit_status_1_when_the_reload_failed(server, project):
+    with edited(project, ACTIVATION, SILU_LINE, "    return F.silu(gate) * up)\n"):
+        failed = tsdev_reload(server, "--file", str(project / ACTIVATION))  # as an editor hook runs it
+        assert failed.exit_code == 1, failed.output
+        assert failed.output.startswith("reload failed") and "activation.py:" in failed.output
+    assert tsdev_reload(server).exit_code == 0
+
+
+def test_reload_exit_status_3_when_an_edit_needs_a_restart_even_if_others_reloaded(server, project):
+    with edited(project, SCHEDULER, *SCHEDULER_DOC):
+        alone = tsdev_reload(server, "--file", str(project / SCHEDULER))
+        assert alone.exit_code == 3, alone.output
+        assert alone.output.startswith("needs restart: runtime.engine.scheduler changed outside the reloadable "
+                                       "packages; restart the server") and "reloaded" not in alone.output
+        with edited(project, ACTIVATION, SILU_LINE, "    return -F.silu(gate) * up\n"):
+            both = tsdev_reload(server)
+            assert both.exit_code == 3, both.output
+            assert both.output.startswith("needs restart: runtime.engine.scheduler")
+            assert "reloaded kernels.ops.activation" in both.output  # the reloadable edit did reload
+    assert tsdev_reload(server).exit_code == 0  # the reverts: back to the code the server started with
+
+
+def test_reload_exit_status_2_when_no_server_answers():
+    down = tsdev_reload("http://127.0.0.1:9")
+    assert down.exit_code == 2 and "cannot reach http://127.0.0.1:9" in down.output
+
+
+def test_reload_shows_the_drain_waiting_for_running_requests(server):
+    threads, results = start_streams(server, 2, max_tokens=900)
+    waited = tsdev_reload(server, "--modules", "kernels.ops.norm")
+    for t in threads:
+        t.join(60)
+    assert waited.exit_code == 0, waited.output
+    lines = waited.output.splitlines()  # not a terminal: plain lines, the first after 0.5 s of draining
+    assert re.match(r"draining \d+\.\d s: waiting for 2 running request\(s\) to finish before reloading", lines[0]), lines
+    assert re.fullmatch(r"drained in \d+\.\d s", lines[-3]) and lines[-2].startswith("reloaded kernels.ops.norm")
+    immediate = tsdev_reload(server, "--modules", "kernels.ops.norm")
+    assert immediate.output.startswith("reloaded kernels.ops.norm")  # nothing extra when nothing waits

@@ -160,3 +160,61 @@ def test_server_info_says_what_is_served(client, tiny_model_dir):
         assert info.parameters == sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
     assert (info.rank, info.world_size) == (0, 1)
     assert info.allow_reload_forward is False and info.pid == os.getpid()
+
+
+def error_of(response, status: int) -> dict:
+    """The OpenAI-style error body every error status carries."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+    return error
+
+
+def test_unknown_routes_and_methods_get_openai_style_errors(client):
+    assert "no route GET /v1/nope" in error_of(client.get("/v1/nope"), 404)["message"]
+    r = client.get("/v1/completions")
+    assert "use POST" in error_of(r, 405)["message"] and r.headers["allow"] == "POST"
+
+
+@pytest.mark.parametrize("path, body, needle", [
+    ("/v1/completions", [{"prompt": "hi"}], 'must be a JSON object with "prompt"'),
+    ("/v1/completions", "hi", "not a JSON string"),
+    ("/v1/chat/completions", [{"role": "user", "content": "hi"}], 'must be a JSON object with "messages"'),
+])
+def test_a_body_that_is_not_an_object_says_what_to_send(client, path, body, needle):
+    assert needle in error_of(client.post(path, json=body), 400)["message"]
+
+
+def test_an_oversize_body_is_refused_413_before_parsing(client):
+    error = error_of(client.post("/v1/completions", content=b"[" * (5 << 20), headers={"content-type": "application/json"}), 413)
+    assert "--max-request-body-bytes" in error["message"]
+
+
+def test_a_prompt_far_longer_than_the_context_is_refused_without_tokenizing(client):
+    assert "characters" in error_of(client.post("/v1/completions", json={"prompt": "word " * 400_000}), 400)["message"]
+
+
+def test_chat_roles_are_checked(client):
+    error = error_of(client.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "hi"}]}), 400)
+    assert "'robot'" in error["message"] and error["param"] == "messages.role"
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "developer", "content": "Be brief."},
+                                                               {"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+LATENCY_HISTOGRAMS = ("tsdev_time_to_first_token_seconds", "tsdev_inter_token_latency_seconds",
+                      "tsdev_e2e_request_latency_seconds", "tsdev_request_queue_time_seconds")
+
+
+def test_latency_histograms_count_each_request(client):
+    def counts() -> dict[str, float]:
+        lines = client.get("/metrics").text.splitlines()
+        return {name: next(float(line.split()[1]) for line in lines if line.startswith(name + "_count "))
+                for name in LATENCY_HISTOGRAMS}
+
+    before = counts()
+    client.post("/v1/completions", json={"prompt": "metrics", "max_tokens": 4, "ignore_eos": True})
+    after = counts()
+    assert {name: after[name] - before[name] for name in LATENCY_HISTOGRAMS} == {
+        "tsdev_time_to_first_token_seconds": 1, "tsdev_inter_token_latency_seconds": 3,
+        "tsdev_e2e_request_latency_seconds": 1, "tsdev_request_queue_time_seconds": 1}

@@ -130,6 +130,21 @@ def test_an_edit_outside_the_reloadable_packages_cannot_restart_an_attached_serv
     assert "restart it yourself" in warning and server.reloads == []
 
 
+def test_a_reload_that_needs_a_restart_says_so_in_its_line(tmp_path):
+    from tsdev.watch.plain import reload_line
+
+    project, server = make_project(tmp_path), FakeServer()
+    worker = ok_worker(needs_restart=["runtime.engine.scheduler"])  # kernels.ops.act reloaded as well
+    hook = [ReloadStarted(id="hook-1", n=1), ReloadFinished(type="reload_finished", id="hook-1", n=1, worker=worker)]
+    events = session(project, server, lambda daemon: server.pending_events.extend(hook),
+                     done=lambda events: finished(events) and any(e.level == "warning" for e in events))
+    record = finished(events)[0]
+    assert record.restart == ("needs restart: runtime.engine.scheduler changed outside the reloadable packages → "
+                              "restart it yourself (attached)")  # a server tsdev watch started: "restarting the server"
+    line = reload_line(record)
+    assert line.startswith("reload #1 [green]ok[/green]") and line.endswith(f"[yellow]{record.restart}[/yellow]")
+
+
 @pytest.mark.parametrize("each", [False, True], ids=["p-key-profiles-the-next-reload", "profile-each-reload"])
 def test_profiling_covers_the_next_reload_or_every_reload(tmp_path, each):
     project, server, events = make_project(tmp_path), FakeServer(), []

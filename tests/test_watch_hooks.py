@@ -85,3 +85,16 @@ def test_hook_command_prints_and_rejects_unknown_editors():
 def test_reload_file_outside_the_packages_is_a_quiet_no_op():
     result = CliRunner().invoke(app, ["reload", "--url", "http://127.0.0.1:9", "--file", "README.md"])
     assert result.exit_code == 0 and "nothing to reload" in result.output
+
+
+def test_every_snippet_tells_needs_restart_and_failure_from_success():
+    from tsdev.outcome import FAILED, NEEDS_RESTART, RELOADED
+
+    assert (RELOADED, FAILED, NEEDS_RESTART) == (0, 1, 3)  # the exit statuses the snippets test for
+    vscode = json.loads(hooks.snippet("vscode").text)["emeraldwalk.runonsave"]["commands"][0]
+    assert vscode["autoShowOutputPanel"] == "error"  # any status but 0 opens the output
+    lua = hooks.snippet("neovim").text
+    assert "({ [0] = vim.log.levels.INFO, [3] = vim.log.levels.WARN })[code] or vim.log.levels.ERROR" in lua
+    assert "(0 'success) (3 'warning) (_ 'error)" in hooks.snippet("emacs").text
+    options = {o.get("name"): o.get("value") for o in ET.fromstring(hooks.snippet("jetbrains").text).iter("option")}
+    assert options["exitCodeBehavior"] == "ERROR"  # any status but 0 opens the watcher's console

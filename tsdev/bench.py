@@ -10,7 +10,7 @@ import math
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import httpx
@@ -20,13 +20,17 @@ from tsdev.client import aiter_sse_data
 WORDS = ("the quick brown fox jumps over a lazy dog while kernels run fast on every GPU in the rack").split()
 
 
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}  # --endpoint: a name or vLLM's path
+DATASETS = {"random": "random", "jsonl": "jsonl", "custom": "jsonl"}  # --dataset-name (custom: vLLM's JSONL name)
+
+
 @dataclass
 class BenchConfig:
     url: str = "http://127.0.0.1:8000"
-    endpoint: str = "completions"  # completions | chat
+    endpoint: str = "completions"  # completions | chat (or /v1/completions | /v1/chat/completions, as vLLM)
     model: str | None = None  # default: the server's first model
     num_prompts: int = 100
-    input_len: int = 256
+    input_len: int = 256  # the random dataset's (vLLM: --random-input-len)
     output_len: int = 128
     range_ratio: float = 0.0  # lengths uniform in [len * (1 - r), len * (1 + r)], as vllm bench serve
     prompts_file: str | None = None  # JSONL: {"prompt": str | [ids], "max_tokens"?} or {"messages": [...]}
@@ -36,23 +40,60 @@ class BenchConfig:
     seed: int = 0
     warmup: int = 0
     timeout_s: float = 600.0
+    dataset_name: str | None = None  # random | jsonl; default: jsonl when prompts_file is given
+
+    def __post_init__(self) -> None:
+        """vLLM's spellings become tsdev's: --endpoint /v1/chat/completions is chat, --dataset-name custom jsonl."""
+        self.endpoint = {path: name for name, path in ENDPOINTS.items()}.get(self.endpoint.rstrip("/"), self.endpoint)
+        if self.dataset_name is None:
+            self.dataset_name = "jsonl" if self.prompts_file else "random"
+        self.dataset_name = DATASETS.get(self.dataset_name, self.dataset_name)
 
     def check(self) -> None:
         """Raise ValueError with what to change for a bad combination of arguments."""
-        if self.endpoint not in ("completions", "chat"):
-            raise ValueError(f"--endpoint is completions or chat, not {self.endpoint!r}")
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(f"--endpoint is completions or chat (vLLM's /v1/completions or /v1/chat/completions), "
+                             f"not {self.endpoint!r}")
+        if self.dataset_name not in DATASETS:
+            raise ValueError(f"--dataset-name is random or jsonl (vLLM's custom), not {self.dataset_name!r}")
+        if self.dataset_name == "jsonl" and not self.prompts_file:
+            raise ValueError("--dataset-name jsonl reads its requests from --dataset-path FILE.jsonl: give one")
+        if self.dataset_name == "random" and self.prompts_file:
+            raise ValueError("--dataset-path is read by --dataset-name jsonl; the random dataset makes its prompts")
         if self.num_prompts < 1:
             raise ValueError("--num-prompts must be at least 1")
         if self.input_len < 1 or self.output_len < 1:
-            raise ValueError("--input-len and --output-len must be at least 1")
+            raise ValueError("--random-input-len and --random-output-len must be at least 1")
         if not 0 <= self.range_ratio < 1:
-            raise ValueError("--range-ratio must be in [0, 1)")
+            raise ValueError("--random-range-ratio must be in [0, 1)")
         if self.request_rate <= 0:
             raise ValueError("--request-rate must be positive (or inf)")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError("--max-concurrency must be at least 1")
         if self.prompts_file and not Path(self.prompts_file).is_file():
-            raise ValueError(f"--prompts {self.prompts_file}: no such file")
+            raise ValueError(f"--dataset-path {self.prompts_file}: no such file")
+
+    @classmethod
+    def saved(cls, config: dict) -> "BenchConfig":
+        """The config of a saved result (--save-result), also one saved before a field existed."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in config.items() if k in known})
+
+
+# What makes two runs comparable: the workload and how it is sent (not the server, the model name or warm-up).
+# field -> its flag; the random dataset's lengths count only for it, the JSONL file only for jsonl.
+WORKLOAD = {"endpoint": "--endpoint", "dataset_name": "--dataset-name", "prompts_file": "--dataset-path",
+            "input_len": "--random-input-len", "output_len": "--random-output-len",
+            "range_ratio": "--random-range-ratio", "num_prompts": "--num-prompts", "request_rate": "--request-rate",
+            "max_concurrency": "--max-concurrency", "ignore_eos": "--ignore-eos", "seed": "--seed"}
+RANDOM_ONLY, JSONL_ONLY = ("input_len", "output_len", "range_ratio"), ("prompts_file",)
+
+
+def workload_differences(config: BenchConfig, baseline: BenchConfig) -> list[str]:
+    """'--random-input-len: 64 in this run, 256 in the baseline', one per workload setting that differs."""
+    skip = JSONL_ONLY if config.dataset_name == "random" else RANDOM_ONLY
+    return [f"{flag}: {getattr(config, key)} in this run, {getattr(baseline, key)} in the baseline"
+            for key, flag in WORKLOAD.items() if key not in skip and getattr(config, key) != getattr(baseline, key)]
 
 
 @dataclass
@@ -69,10 +110,10 @@ class RequestRecord:
 
 def build_requests(config: BenchConfig, vocab: int, count: int, rng: random.Random) -> list[dict]:
     """Request bodies (without model/stream fields) for the chosen workload."""
-    if config.prompts_file:
+    if config.dataset_name == "jsonl":
         lines = [json.loads(line) for line in Path(config.prompts_file).read_text().splitlines() if line.strip()]
         if not lines:
-            raise ValueError(f"--prompts {config.prompts_file} has no requests")
+            raise ValueError(f"--dataset-path {config.prompts_file} has no requests")
         return [dict(lines[i % len(lines)]) for i in range(count)]
 
     def length(n: int) -> int:
@@ -90,7 +131,7 @@ def build_requests(config: BenchConfig, vocab: int, count: int, rng: random.Rand
 
 
 async def send(client: httpx.AsyncClient, config: BenchConfig, model: str, body: dict) -> RequestRecord:
-    path = "/v1/chat/completions" if config.endpoint == "chat" else "/v1/completions"
+    path = ENDPOINTS[config.endpoint]
     payload = {"model": model, **body, "stream": True, "stream_options": {"include_usage": True},
                "ignore_eos": config.ignore_eos, "temperature": body.get("temperature", 0.0)}
     record = RequestRecord(ok=False, start=time.perf_counter())

@@ -1,11 +1,13 @@
 """The `tsdev` command line."""
+import re
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
-from runtime.config import EngineConfig  # no torch: the serve flags' defaults are the engine config's
+from runtime.config import EngineConfig, ServerConfig  # no torch: the serve flags' defaults are the configs'
 
 LIST_FLAGS = ("--cudagraph-capture-sizes", "--prefill-graph-capture-sizes")
 # Every reload recaptures every prefill bucket: the ladder (40 buckets up to 2048 tokens) takes 1.2-1.7 s of
@@ -14,42 +16,84 @@ LIST_FLAGS = ("--cudagraph-capture-sizes", "--prefill-graph-capture-sizes")
 RELOAD_PREFILL_BUCKETS = [256, 1024]
 
 
+def _is_list_value(token: str) -> bool:
+    """'16', '1,16,64', '1 16 64' (one quoted argv token): a list flag's value, not MODEL or another flag."""
+    return bool(token.strip()) and all(part.isdigit() for part in re.split(r"[,\s]+", token.strip()))
+
+
 def join_list_flags(argv: list[str]) -> list[str]:
-    """Let list flags take space-separated values, as vLLM's do: `--cudagraph-capture-sizes 1 16 64`."""
+    """Let list flags take their values as vLLM's do: `--cudagraph-capture-sizes 1 16 64`, or one token
+    `"1,16,64"` / `"1 16 64"`; all become one comma-joined value. And vLLM's `--save-result` without a file
+    name (`tsdev bench`) gets an empty value: the default file name."""
     out, i = [], 0
     while i < len(argv):
         out.append(argv[i])
         if argv[i] in LIST_FLAGS:
             values = []
-            while i + 1 < len(argv) and argv[i + 1].replace(",", "").isdigit():
+            while i + 1 < len(argv) and _is_list_value(argv[i + 1]):
                 i += 1
                 values.append(argv[i])
-            out.append(",".join(values))
+            if values:  # none: click takes the next token and parse_sizes says what is wrong with it
+                out.append(",".join(re.split(r"[,\s]+", " ".join(values).strip())))
+        elif argv[i] == "--save-result" and (i + 1 == len(argv) or argv[i + 1].startswith("-")):
+            out.append("")
         i += 1
     return out
 
 
+_NO_BREAK = "\u2011"  # a non-breaking hyphen while wrapping: `--max-batched-tokens` stays on one line
+
+
+class _HelpFormatter(TyperCommand.context_class.formatter_class):
+    """click's plain help formatter, except that it never breaks a line inside a hyphenated word."""
+
+    def write_text(self, text: str) -> None:
+        super().write_text(text.replace("-", _NO_BREAK))
+
+    def write_dl(self, rows, *args, **kwargs) -> None:
+        super().write_dl([(term, help.replace("-", _NO_BREAK)) for term, help in rows], *args, **kwargs)
+
+    def getvalue(self) -> str:
+        return super().getvalue().replace(_NO_BREAK, "-")
+
+
+class _Context(TyperCommand.context_class):
+    formatter_class = _HelpFormatter
+
+
+class _Command(TyperCommand):
+    context_class = _Context
+
+
+class _Group(TyperGroup):
+    context_class = _Context
+
+    def main(self, args=None, *rest, **kwargs):
+        """Every way in (the `tsdev` script, `python -m tsdev`, typer's CliRunner) reads list flags alike."""
+        return super().main(join_list_flags(list(sys.argv[1:] if args is None else args)), *rest, **kwargs)
+
+
 class _Typer(typer.Typer):
-    def __call__(self, *args, **kwargs):
-        if kwargs.get("args") is None and not args:
-            sys.argv[1:] = join_list_flags(sys.argv[1:])
-        elif kwargs.get("args") is not None:
-            kwargs["args"] = join_list_flags(list(kwargs["args"]))
-        return super().__call__(*args, **kwargs)
+    def command(self, *args, cls=None, **kwargs):
+        return super().command(*args, cls=cls or _Command, **kwargs)
 
 
+# Plain help (click's formatter, not rich's tables): it never truncates an option name, whatever the terminal
+# width, and prints brackets as written. Up to 120 columns on a wide terminal.
 app = _Typer(
     help="Edit a Triton kernel or a layer, save, and see the effect on a running LLM server in about a second.",
     no_args_is_help=True,
-    rich_markup_mode="rich",
+    rich_markup_mode=None,
+    cls=_Group,
     pretty_exceptions_enable=False,
+    context_settings={"max_content_width": 120},
 )
 
 
 def parse_sizes(flag: str, value: str) -> list[int]:
-    """A list flag's joined value ("1,16,64") as sorted distinct positive integers."""
+    """A list flag's value ("1,16,64", "1 16 64") as sorted distinct positive integers."""
     try:
-        sizes = sorted({int(v) for v in value.split(",") if v})
+        sizes = sorted({int(v) for v in re.split(r"[,\s]+", value) if v})
     except ValueError:
         sizes = []
     if not sizes or sizes[0] < 1:
@@ -70,27 +114,6 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _describe_startup(imports: float, t: dict) -> str:
-    return (f"startup: imports {imports:.2f} s, load {t['load']:.2f} s, warm-up {t['warm']:.2f} s, capture "
-            f"{t['capture'] + t['capture_prefill']:.2f} s (decode {t['capture']:.2f}, prefill {t['capture_prefill']:.2f})")
-
-
-def _describe_graphs(info, cuda: bool, timings: dict) -> str:
-    """'35 decode graphs captured in 0.30 s; 40 prefill graphs (16..2048 tokens) captured in 0.80 s'.
-    `info` is the engine's `describe()`."""
-    done = "captured" if cuda else "prepared (CPU: no capture)"
-    parts = []
-    if info.decode_graph_sizes:
-        parts.append(f"{len(info.decode_graph_sizes)} decode graph(s) {done} in {timings['capture']:.2f} s")
-    buckets = info.prefill_graph_buckets
-    if info.prefill_graphs_failed:
-        parts.append(f"prefill graphs failed to capture ({info.prefill_graphs_failed}): prefill runs eagerly")
-    elif buckets:
-        parts.append(f"{len(buckets)} prefill graph(s) ({buckets[0]}..{buckets[-1]} tokens) "
-                     f"{done} in {timings['capture_prefill']:.2f} s")
-    return "; ".join(parts) or "CUDA graphs off"
-
-
 @app.command()
 def serve(
     model: Annotated[Optional[str], typer.Argument(help="Hugging Face checkpoint directory (Qwen3). "
@@ -99,22 +122,24 @@ def serve(
     device: Annotated[Optional[str], typer.Option(help="cuda or cpu; default: cuda when a GPU is visible.")] = None,
     host: Annotated[str, typer.Option(help="Address to bind. The default keeps the server private to this machine.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port for the HTTP API.")] = 8000,
-    max_running: Annotated[int, typer.Option(help="Most requests computed at once (the batch size). Decode graphs are "
+    max_running: Annotated[int, typer.Option("--max-running", "--max-num-seqs", help="Most requests computed at once (the batch size). Decode graphs are "
                                                  "captured up to it: a larger value serves bigger batches from graphs "
                                                  "but makes startup and every reload's recapture longer.")] = EngineConfig.max_running,
-    max_batched_tokens: Annotated[int, typer.Option(help="Token budget per engine step; longer prompts are prefilled in chunks of this size.")] = EngineConfig.max_batched_tokens,
-    kv_pages: Annotated[Optional[int], typer.Option(help="Pages in the KV pool; default: fit the free GPU memory "
+    max_batched_tokens: Annotated[int, typer.Option("--max-batched-tokens", "--max-num-batched-tokens", help="Token budget per engine step; longer prompts are prefilled in chunks of this size.")] = EngineConfig.max_batched_tokens,
+    kv_pages: Annotated[Optional[int], typer.Option("--kv-pages", "--num-gpu-blocks-override", help="Pages (vLLM: blocks) in the KV pool; default: fit the free GPU memory "
                                                          "(or max-running full contexts on CPU).")] = EngineConfig.kv_pages,
-    page_size: Annotated[int, typer.Option(help="Tokens per KV page.")] = EngineConfig.page_size,
+    page_size: Annotated[int, typer.Option("--page-size", "--block-size", help="Tokens per KV page (vLLM: block).")] = EngineConfig.page_size,
     max_model_len: Annotated[Optional[int], typer.Option(help="Longest prompt + completion, in tokens; default: "
                                                               "the model's, capped at 8192.")] = EngineConfig.max_model_len,
     dtype: Annotated[str, typer.Option(help="auto (checkpoint dtype on CUDA, float32 on CPU), bfloat16, float16, float32.")] = EngineConfig.dtype,
     gpu_memory_utilization: Annotated[float, typer.Option(help="Fraction of GPU memory the server may use in all.")] = EngineConfig.gpu_memory_utilization,
-    no_prefix_caching: Annotated[bool, typer.Option("--no-prefix-caching", help="Do not share KV pages between requests with a common prefix.")] = not EngineConfig.enable_prefix_caching,
+    no_prefix_caching: Annotated[bool, typer.Option(
+        "--no-prefix-caching/--enable-prefix-caching", "--no-enable-prefix-caching", show_default=False,
+        help="Do not share KV pages between requests with a common prefix (shared by default).")] = not EngineConfig.enable_prefix_caching,
     served_model_name: Annotated[Optional[str], typer.Option(help="Model name in the API; default: the checkpoint directory's name.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the noise for requests that give no seed of their own.")] = EngineConfig.seed,
     cudagraph_capture_sizes: Annotated[Optional[str], typer.Option(
-        help="Decode batch sizes to capture as CUDA graphs, e.g. `--cudagraph-capture-sizes 1 16 64`; larger "
+        metavar="SIZES", help="Decode batch sizes to capture as CUDA graphs, e.g. `--cudagraph-capture-sizes 1 16 64` (or 1,16,64); larger "
              "batches run eagerly. Default: 1 2 4 8 16 24 ... 256 (up to --max-running). Fewer sizes capture "
              "faster (and reload faster).")] = None,
     enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="No CUDA graphs: every step runs eagerly.")] = EngineConfig.enforce_eager,
@@ -125,7 +150,7 @@ def serve(
     disable_prefill_graph: Annotated[bool, typer.Option(
         "--disable-prefill-graph", help="Run prefill and mixed steps eagerly (decode graphs stay on).")] = False,
     prefill_graph_capture_sizes: Annotated[Optional[str], typer.Option(
-        help="Explicit prefill token buckets instead of the ladder, e.g. `--prefill-graph-capture-sizes 64 256 "
+        metavar="SIZES", help="Explicit prefill token buckets instead of the ladder, e.g. `--prefill-graph-capture-sizes 64 256 "
              "1024`; clamped to the largest, which is always captured. Default: the ladder; with "
              "--allow-reload-forward, 256 1024 (every reload recaptures every bucket).")] = None,
     allow_reload_forward: Annotated[bool, typer.Option(
@@ -133,18 +158,15 @@ def serve(
         help="Enable POST /v1/rl/engine/reload_forward, which re-executes edited model/kernel code from disk "
              "in this process. For development only (`tsdev watch` turns it on); without it the route answers 403.")] = False,
     log_level: Annotated[str, typer.Option(help="uvicorn log level (warning shows errors only).")] = "warning",
+    max_request_body_bytes: Annotated[int, typer.Option(
+        metavar="BYTES", help="Largest request body accepted (4 MiB by default); a larger one is answered 413 "
+                              "before it is parsed.", min=1)] = ServerConfig.max_request_body_bytes,
 ):
     """Serve a Qwen3 model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
-    import time
-
-    imports_start = time.perf_counter()
-    import uvicorn
     from rich.console import Console
 
-    from runtime.engine.llm_engine import LLMEngine
-    from runtime.server.app import build_app
+    from tsdev.serving import run_server  # what serving does: bind, load, serve, stop
 
-    imports = time.perf_counter() - imports_start
     console = Console(stderr=True, soft_wrap=True)
     if model and model_opt and model != model_opt:
         raise typer.BadParameter(f"MODEL {model!r} and --model {model_opt!r} disagree: give one")
@@ -164,53 +186,39 @@ def serve(
     if cudagraph_capture_sizes:
         config.cudagraph_capture_sizes = parse_sizes("--cudagraph-capture-sizes", cudagraph_capture_sizes)
     config.prefill_graph_capture_sizes = prefill_capture_sizes(prefill_graph_capture_sizes, allow_reload_forward)
-    start = time.perf_counter()
-    with console.status("loading the model (the first run creates the default checkpoint)..."):
-        try:
-            engine = LLMEngine(config)
-        except (FileNotFoundError, ValueError) as exc:
-            console.print(f"[red]error:[/red] {exc}")
-            raise typer.Exit(2) from None
-    name = served_model_name or ("tsdev-default" if config.model is None else Path(config.model).name)
-    info = engine.describe()
-    graphs = _describe_graphs(info, config.device.startswith("cuda"), engine.startup_timings)
-    console.print(
-        f"loaded [bold]{name}[/bold] ({info.architecture}, {info.parameters / 1e6:.1f} M parameters, "
-        f"{info.dtype}) from {info.model_dir} on {info.device} in {time.perf_counter() - start:.1f} s\n"
-        f"KV pool: {info.kv_pages} pages x {info.page_size} tokens; context length {info.max_model_len}; "
-        f"up to {info.max_running} requests at once\n"
-        f"warmed in {engine.startup_timings['warm']:.2f} s; {graphs}\n"
-        f"{_describe_startup(imports, engine.startup_timings)}\n"
-        f"listening on [bold]http://{host}:{port}[/bold] (OpenAI API under /v1)"
-    )
-    reloader = None
-    if allow_reload_forward:
-        from tsdev.hotreload import Reloader, default_packages
-
-        reloader = Reloader(default_packages())  # snapshots the sources the server is running now
-        console.print(f"reload_forward enabled for {', '.join(reloader.packages)}")
-    # Event streams never end by themselves: give open connections 3 s on shutdown, then close them.
-    uvicorn.run(build_app(engine, name, reloader), host=host, port=port, log_level=log_level,
-                timeout_graceful_shutdown=3)
+    server = ServerConfig(host=host, port=port, served_model_name=served_model_name, log_level=log_level,
+                          allow_reload_forward=allow_reload_forward, max_request_body_bytes=max_request_body_bytes)
+    raise typer.Exit(run_server(config, server, console))
 
 
 @app.command()
 def reload(
     url: Annotated[str, typer.Option(help="The server (started with --allow-reload-forward, or by `tsdev watch`).")] = "http://127.0.0.1:8000",
-    modules: Annotated[Optional[list[str]], typer.Option("--modules", "-m", help="Force these modules (and their dependents) to re-execute, changed or not. Repeat the flag for several.")] = None,
+    modules: Annotated[Optional[list[str]], typer.Option("--modules", "-m", metavar="MODULE", help="Force these modules (and their dependents) to re-execute, changed or not. Repeat the flag for several.")] = None,
     mode: Annotated[str, typer.Option(help="wait: running requests finish first; abort: they are aborted.")] = "wait",
     timeout_s: Annotated[Optional[float], typer.Option(help="Give up (changing nothing) if drain + reload take longer.")] = None,
-    files: Annotated[Optional[list[str]], typer.Option("--file", "-f", help="Force the modules these files hold (for editor save hooks); "
+    files: Annotated[Optional[list[str]], typer.Option("--file", "-f", metavar="PATH", help="Force the modules these files hold (for editor save hooks); "
                                                        "files outside the reloadable packages' projects are ignored. Repeatable.")] = None,
 ):
     """Reload the server's forward pass now: edited modules and their dependents re-execute in place.
 
-    Prints one line per worker; exits 0 only when every worker reloaded (for editor save hooks and scripts).
+    Prints one line per worker, its first words the outcome. While the reload waits (running requests
+    finishing first in --mode wait, or a slow step) it shows which step runs and for how long.
+
+    Exit status (for editor save hooks and scripts):
+
+    \b
+      0  reloaded, or nothing to reload
+      3  needs a server restart: an edit outside the reloadable packages
+         (even when other modules reloaded); `tsdev watch` restarts by itself
+      1  the reload failed (file:line shown); the old code keeps serving
+      2  no server at --url, or it refused (403: no --allow-reload-forward)
     """
     from rich.console import Console
+    from rich.markup import escape
 
+    from tsdev import outcome
     from tsdev.client import reload_forward
-    from tsdev.outcome import worker_text
 
     console = Console(soft_wrap=True, highlight=False)
     if mode not in ("wait", "abort"):
@@ -223,75 +231,108 @@ def reload(
         forced, others, ignored = classify_files(files)
         if not forced and not others:
             console.print(f"nothing to reload: {', '.join(ignored)} not in a reloadable package's project")
-            raise typer.Exit(0)
+            raise typer.Exit(outcome.RELOADED)
         modules = [*(modules or []), *forced] or None  # others: the server reports them as needing a restart
 
+    progress = outcome.ReloadProgress(console, mode)
     try:
-        reply = reload_forward(url, modules, mode, timeout_s)
+        reply = reload_forward(url, modules, mode, timeout_s, on_event=progress.event, on_tick=progress.tick)
     except httpx.TransportError as exc:
         console.print(f"[red]error:[/red] cannot reach {url} ({exc}): is a server running there? Start one with "
                       "`tsdev watch` or `tsdev serve --allow-reload-forward`, or pass --url")
-        raise typer.Exit(2) from None
+        raise typer.Exit(outcome.UNREACHABLE) from None
     except RuntimeError as exc:  # 403 and other refusals
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from None
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
+        raise typer.Exit(outcome.UNREACHABLE) from None
+    finally:
+        progress.close()
     for worker in reply.workers:
-        console.print(worker_text(worker))
-    raise typer.Exit(0 if reply.ok else 1)
+        console.print(outcome.worker_text(worker))
+    raise typer.Exit(outcome.exit_status(reply))
 
 
 @app.command()
 def bench(
-    url: Annotated[str, typer.Option(help="Any OpenAI-compatible server.")] = "http://127.0.0.1:8000",
-    endpoint: Annotated[str, typer.Option(help="completions (token-id prompts) or chat (text prompts).")] = "completions",
+    url: Annotated[str, typer.Option("--url", "--base-url", help="Any OpenAI-compatible server.")] = "http://127.0.0.1:8000",
+    endpoint: Annotated[str, typer.Option(
+        metavar="ENDPOINT", help="/v1/completions (token-id prompts) or /v1/chat/completions (text prompts); "
+                                 "completions and chat work too.")] = "/v1/completions",
     model: Annotated[Optional[str], typer.Option(help="Model name to send; default: the server's first model.")] = None,
+    dataset_name: Annotated[Optional[str], typer.Option(
+        metavar="NAME", help="random (generated prompts) or jsonl (vLLM: custom; the requests of --dataset-path). "
+                             "Default: jsonl with --dataset-path, else random.")] = None,
+    dataset_path: Annotated[Optional[Path], typer.Option(
+        "--dataset-path", "--prompts", metavar="FILE.jsonl",
+        help='The jsonl dataset: {"prompt": ..., "max_tokens": ...} or {"messages": [...]} per line.')] = None,
     num_prompts: Annotated[int, typer.Option(help="Requests to measure.")] = 100,
-    input_len: Annotated[int, typer.Option(help="Prompt tokens per request (random workload).")] = 256,
-    output_len: Annotated[int, typer.Option(help="Output tokens per request (max_tokens).")] = 128,
-    range_ratio: Annotated[float, typer.Option(help="Lengths uniform in [len*(1-r), len*(1+r)], as in `vllm bench serve`.")] = 0.0,
-    prompts: Annotated[Optional[Path], typer.Option("--prompts", help="JSONL workload instead of random prompts: "
-                                                    '{"prompt": ..., "max_tokens": ...} or {"messages": [...]} per line.')] = None,
+    input_len: Annotated[int, typer.Option("--random-input-len", "--input-len", help="Prompt tokens per request (random dataset).")] = 256,
+    output_len: Annotated[int, typer.Option("--random-output-len", "--output-len", help="Output tokens per request (max_tokens; random dataset).")] = 128,
+    range_ratio: Annotated[float, typer.Option(
+        "--random-range-ratio", "--range-ratio", help="Lengths uniform in [len*(1-r), len*(1+r)], as in `vllm bench serve`.")] = 0.0,
     request_rate: Annotated[float, typer.Option(help="Requests per second (Poisson arrivals); inf sends all at once.")] = float("inf"),
     max_concurrency: Annotated[Optional[int], typer.Option(help="Most requests in flight at once.")] = None,
     ignore_eos: Annotated[bool, typer.Option(help="Generate exactly max_tokens (the server must support ignore_eos).")] = True,
     seed: Annotated[int, typer.Option(help="Seed of the workload (lengths, token ids, arrivals).")] = 0,
     warmup: Annotated[int, typer.Option(help="Requests sent (one at a time) before measuring.")] = 0,
-    save_result: Annotated[Optional[Path], typer.Option(help="Write metrics, config and per-request records as JSON.")] = None,
-    baseline: Annotated[Optional[Path], typer.Option(help="A JSON from --save-result: print the change per metric.")] = None,
+    save_result: Annotated[Optional[str], typer.Option(
+        metavar="[FILE.json]", help="Write metrics, config and per-request records as JSON: to FILE.json, or (vLLM's "
+                                    "flag form, no value) to --result-filename, default bench-MODEL-DATE-TIME.json.")] = None,
+    result_filename: Annotated[Optional[str], typer.Option(help="File name for --save-result (implies it).")] = None,
+    result_dir: Annotated[Optional[Path], typer.Option(help="Folder for --save-result's file; default: here.")] = None,
+    baseline: Annotated[Optional[Path], typer.Option(
+        help="A JSON from --save-result: print the change per metric. Refused (exit status 2) when its endpoint or "
+             "workload (dataset, lengths, range ratio, prompts, rate, concurrency, seed) differs from this run's.")] = None,
 ):
-    """Load-test a server and report throughput, TTFT, TPOT, ITL and latency (mean, median, p90, p99)."""
+    """Load-test a server and report throughput, TTFT, TPOT, ITL and latency (mean, median, p90, p99).
+
+    Takes the workload flags of `vllm bench serve` (--dataset-name, --random-input-len, ...); tsdev's
+    earlier names (--input-len, --output-len, --range-ratio, --prompts) still work.
+    """
     import asyncio
     import json
+    import time
 
     from rich.console import Console
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-    from tsdev.bench import BenchConfig, run_bench
+    from tsdev.bench import BenchConfig, run_bench, workload_differences
     from tsdev.bench_report import render
 
     console = Console(soft_wrap=True)
-    config = BenchConfig(url=url, endpoint=endpoint, model=model, num_prompts=num_prompts, input_len=input_len,
-                         output_len=output_len, range_ratio=range_ratio, prompts_file=str(prompts) if prompts else None,
-                         request_rate=request_rate, max_concurrency=max_concurrency, ignore_eos=ignore_eos, seed=seed,
-                         warmup=warmup)
+
+    def refuse(message: str):
+        console.print(f"[red]error:[/red] {escape(message)}")
+        raise typer.Exit(2)
+
     try:
+        config = BenchConfig(url=url, endpoint=endpoint, model=model, num_prompts=num_prompts, input_len=input_len,
+                             output_len=output_len, range_ratio=range_ratio, dataset_name=dataset_name,
+                             prompts_file=str(dataset_path.resolve()) if dataset_path else None,
+                             request_rate=request_rate, max_concurrency=max_concurrency, ignore_eos=ignore_eos,
+                             seed=seed, warmup=warmup)
         config.check()
         before = json.loads(baseline.read_text()) if baseline else None
-    except (ValueError, OSError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(2) from None
+        differences = workload_differences(config, BenchConfig.saved(before["config"])) if before else []
+    except (ValueError, OSError, KeyError, TypeError) as exc:
+        refuse(str(exc) if not isinstance(exc, (KeyError, TypeError)) else f"--baseline {baseline}: not a saved result")
+    if differences:
+        refuse(f"--baseline {baseline} measured another workload, so the change per metric would compare unlike runs:\n  "
+               + "\n  ".join(differences) + "\nRun with the baseline's values of these flags, or save a new baseline "
+               "with --save-result (and drop --baseline).")
     with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as bar:
         task = bar.add_task("requests", total=num_prompts)
         try:
             result = asyncio.run(run_bench(config, lambda done, total: bar.update(task, completed=done)))
         except (ConnectionError, ValueError) as exc:
-            console.print(f"[red]error:[/red] {exc}")
-            raise typer.Exit(2) from None
+            refuse(str(exc))
     console.print(render(result, before))
-    if save_result:
-        save_result.write_text(json.dumps(result, indent=1))
-        console.print(f"saved to {save_result}")
+    if save_result is not None or result_filename:
+        name = result_filename or save_result or f"bench-{result['model'].replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        path = (result_dir or Path()) / name
+        path.write_text(json.dumps(result, indent=1))
+        console.print(f"saved to {path}")
     raise typer.Exit(1 if result["metrics"]["failed_requests"] else 0)
 
 
@@ -303,13 +344,14 @@ def profile(
     ranges: Annotated[Optional[int], typer.Option(help="Stop after this many ranges (default: until Ctrl-C).")] = None,
     port: Annotated[int, typer.Option(help="Port of the profiled server.")] = 8000,
 ):
-    """Serve under Nsight Systems and take one report per reload: `tsdev profile \\[MODEL] \\[server flags]`.
+    """Serve under Nsight Systems and take one report per reload: `tsdev profile [MODEL] [server flags]`.
 
     A range is taken at start (reload-0) and after every successful reload (`tsdev reload`, an editor hook,
     `tsdev watch --attach`), each while a small fixed workload runs; every report is summarised (top
     kernels by GPU time, NVTX step ranges, change against the previous range). nsys writes its reports
     when the server stops (Ctrl-C, or --ranges reached); they are then named reload-N and summarised.
-    Without nsys it takes torch profiler traces instead, summarised as each range closes.
+    Without nsys it takes torch profiler traces instead, summarised as each range closes: GPU kernels by
+    GPU time on a GPU server, CPU ops by self time on a CPU one, and the step ranges either way.
     """
     import time as _time
 
@@ -334,7 +376,7 @@ def watch(
     server_log: Annotated[Optional[Path], typer.Option(help="Where the child server's output goes; default $TMPDIR/tsdev-watch-PORT.log.")] = None,
     profile_each_reload: Annotated[bool, typer.Option("--profile-each-reload", help="Record every reload's decode probe in a profiler capture range (POST /start_profile), as `p` does for the next one.")] = False,
 ):
-    """Serve MODEL and reload it on every save: `tsdev watch \\[MODEL] \\[server flags...]`.
+    """Serve MODEL and reload it on every save: `tsdev watch [MODEL] [server flags...]`.
 
     Starts `tsdev serve --allow-reload-forward` with the server flags given (`tsdev serve --help` lists them).
     Reloads what changed on every save; restarts the server when an edit cannot be reloaded or when it dies.

@@ -1,14 +1,16 @@
 """Talking to a tsdev (or any seed-style) server over HTTP: control calls in the control protocol's types
 (runtime/control_protocol.py), and the one reader of server-sent events."""
+import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TypeVar
 
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from runtime.control_protocol import RELOAD_ROUTE, ErrorBody, ReloadReply, ReloadRequest
+from runtime.control_protocol import (EVENTS_ROUTE, RELOAD_ROUTE, ErrorBody, Event, Hello, ReloadReply, ReloadRequest,
+                                      parse_event)
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 Reply = TypeVar("Reply", bound=BaseModel)
@@ -40,12 +42,59 @@ def reload_request(modules: list[str] | None = None, mode: str = "wait", timeout
                          timeout_s=timeout_s or None)
 
 
-def reload_forward(url: str, modules: list[str] | None = None, mode: str = "wait",
-                   timeout_s: float | None = None) -> ReloadReply:
-    """POST reload_forward and return the reply; raises httpx errors and RuntimeError for refusals."""
-    response = httpx.post(url.rstrip("/") + RELOAD_ROUTE, json=body(reload_request(modules, mode, timeout_s)),
-                          timeout=None if timeout_s is None else timeout_s + 30)
+def reload_forward(url: str, modules: list[str] | None = None, mode: str = "wait", timeout_s: float | None = None,
+                   on_event: Callable[[Event], None] | None = None, on_tick: Callable[[], None] | None = None,
+                   tick_s: float = 0.25) -> ReloadReply:
+    """POST reload_forward and return the reply; raises httpx errors and RuntimeError for refusals.
+
+    With `on_event`, this reload's events (ReloadStarted, ReloadStep, ReloadFinished) are passed to it while
+    the POST is in flight, from the server's event stream, subscribed before the POST is sent (a server
+    without the stream just replies); `on_tick()` runs every `tick_s` meanwhile (to show elapsed time)."""
+    request = reload_request(modules, mode, timeout_s)
+    timeout = None if timeout_s is None else timeout_s + 30
+    if on_event is None:
+        response = httpx.post(url.rstrip("/") + RELOAD_ROUTE, json=body(request), timeout=timeout)
+    else:
+        response = asyncio.run(_post_following(url.rstrip("/"), request, timeout, on_event, on_tick, tick_s))
     return reply_or_raise(response, ReloadReply)
+
+
+async def _post_following(url: str, request: ReloadRequest, timeout: float | None, on_event, on_tick,
+                          tick_s: float) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5)) as client:
+        subscribed = asyncio.Event()
+
+        async def listen() -> None:
+            try:
+                async with client.stream("GET", url + EVENTS_ROUTE, timeout=httpx.Timeout(5, read=None)) as response:
+                    if response.status_code == 200:
+                        async for data in aiter_sse_data(response):
+                            event = parse_event(data)
+                            if isinstance(event, Hello):
+                                subscribed.set()
+                            elif getattr(event, "id", None) == request.id:
+                                on_event(event)
+            except (httpx.HTTPError, ValueError):  # no stream: the reply alone tells the outcome
+                pass
+            finally:
+                subscribed.set()
+
+        async def tick() -> None:
+            while on_tick is not None:
+                await asyncio.sleep(tick_s)
+                on_tick()
+
+        tasks = [asyncio.create_task(listen()), asyncio.create_task(tick())]
+        try:
+            try:
+                await asyncio.wait_for(subscribed.wait(), 2)
+            except TimeoutError:
+                pass
+            return await client.post(url + RELOAD_ROUTE, json=body(request))
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 _DONE = object()

@@ -3,8 +3,9 @@
 `tsdev watch` already reloads on every save; hooks are for when file events do not reach it (a network
 or container filesystem, an editor on another machine) or when no daemon runs at all. Reloads they
 trigger show up in the watch screen through the server's event stream. Each hook runs the command in
-the background and shows its one-line answer; `tsdev reload --file` ignores files outside the reloadable
-packages' projects, so hooks may fire on every save.
+the background and shows its answer, marked by its exit status: reloaded (0), needs a restart (3), failed
+(1), no server (2) (tsdev/outcome.py); `tsdev reload --file` ignores files outside the reloadable packages'
+projects, so hooks may fire on every save.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tsdev.client import DEFAULT_URL
+from tsdev.outcome import NEEDS_RESTART, RELOADED
 
 EDITORS = ("vscode", "neovim", "emacs", "jetbrains")
 MARK = "tsdev hook"  # found in every snippet: re-installing replaces ours and nothing else
@@ -47,7 +49,8 @@ def snippet(editor: str, url: str | None = None) -> Hook:
     if editor == "vscode":
         settings = {"emeraldwalk.runonsave": {"commands": [
             {"match": "\\.py$", "isAsync": True, "cmd": f"{shlex.join(cmd)} \"${{file}}\"",
-             "message": "tsdev: reloading the server's forward pass"}]}}
+             "message": "tsdev: reloading the server's forward pass",
+             "autoShowOutputPanel": "error"}]}}  # any exit status but 0: needs restart, failed, no server
         return Hook(".vscode/settings.json in the project (merge the key into existing settings)",
                     json.dumps(settings, indent=4),
                     "needs the Run on Save extension: code --install-extension emeraldwalk.RunOnSave")
@@ -64,7 +67,8 @@ vim.api.nvim_create_autocmd("BufWritePost", {{
       stdout_buffered = true, stderr_buffered = true, on_stdout = collect, on_stderr = collect,
       on_exit = function(_, code)
         local msg = vim.trim(table.concat(out, "\\n"))
-        if msg ~= "" then vim.notify("tsdev: " .. msg, code == 0 and vim.log.levels.INFO or vim.log.levels.WARN) end
+        local level = ({{ [{RELOADED}] = vim.log.levels.INFO, [{NEEDS_RESTART}] = vim.log.levels.WARN }})[code] or vim.log.levels.ERROR
+        if msg ~= "" then vim.notify("tsdev: " .. msg, level) end
       end,
     }})
   end,
@@ -84,8 +88,10 @@ vim.api.nvim_create_autocmd("BufWritePost", {{
        :command (list {_elisp_list(cmd)} buffer-file-name)
        :sentinel (lambda (proc _event)
                    (unless (process-live-p proc)
-                     (message "tsdev: %s" (with-current-buffer (process-buffer proc)
-                                            (string-trim (buffer-string))))))))))
+                     (message "tsdev: %s"
+                              (propertize (with-current-buffer (process-buffer proc) (string-trim (buffer-string)))
+                                          'face (pcase (process-exit-status proc)
+                                                  ({RELOADED} 'success) ({NEEDS_RESTART} 'warning) (_ 'error))))))))))
 (add-hook 'after-save-hook #'tsdev-reload-on-save)
 (provide 'tsdev-reload)
 """)

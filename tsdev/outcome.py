@@ -1,14 +1,30 @@
 """How a reload's outcome is worded. `tsdev reload`'s lines, `tsdev watch --no-tui`'s lines and the watch
 screen take their words from here, so the three say the same thing the same way. Texts are rich markup:
-what comes from the server is escaped."""
+what comes from the server is escaped. Also `tsdev reload`'s exit status and what it shows while it waits."""
+import time
 from collections.abc import Iterable, Mapping
 
+from rich.console import Console
 from rich.markup import escape
 
-from runtime.control_protocol import GRAPH_KINDS, STEPS, WorkerReport
+from runtime.control_protocol import GRAPH_KINDS, STEPS, Event, ReloadReply, ReloadStep, WorkerReport
 
 SHOWN_STEPS = (*STEPS, "pause")  # the timings shown as steps, in server order; pause: what serving saw
 KEEPS_SERVING = "the old code keeps serving"
+
+# `tsdev reload`'s exit status (editor hooks and scripts tell the outcomes apart by it)
+RELOADED = 0  # every worker reloaded, or there was nothing to reload
+FAILED = 1  # the reload failed and was rolled back: the old code keeps serving
+UNREACHABLE = 2  # no server answers at the URL, or it refused (403 without --allow-reload-forward, ...)
+NEEDS_RESTART = 3  # an edit outside the reloadable packages needs a server restart (even if others reloaded)
+RESTART_HINT = "restart the server (`tsdev watch` restarts it by itself)"
+
+
+def exit_status(reply: ReloadReply) -> int:
+    """FAILED when a worker failed, else NEEDS_RESTART when one lists needs_restart, else RELOADED."""
+    if not reply.ok:
+        return FAILED
+    return NEEDS_RESTART if any(w.needs_restart for w in reply.workers) else RELOADED
 
 
 def graph_split(timings: Mapping[str, float], step: str = "recapture") -> str:
@@ -49,19 +65,81 @@ def notes(worker: WorkerReport) -> list[str]:
 
 
 def worker_text(worker: WorkerReport) -> str:
-    """`tsdev reload`'s lines for one worker, as the README shows them."""
+    """`tsdev reload`'s lines for one worker, as the README shows them. The first line starts with the
+    outcome (`reload failed`, `needs restart`, `reloaded`, `nothing to reload`): editors show that much."""
     t = worker.timings
     rank = f"[dim]rank {worker.rank}:[/dim] " if worker.rank else ""
     if not worker.ok:
         return f"{rank}[red]reload failed[/red]: {escape(str(worker.error))}"
-    reloaded = ", ".join(worker.reloaded) or "nothing (no source changed)"
-    line = (f"{rank}reloaded [bold]{reloaded}[/bold] and {len(worker.dependents)} dependent module(s), "
-            f"{worker.patched} object(s) patched in {t.get('reload', 0):.2f} s;\n"
-            f"warmed in {t.get('warm', 0):.2f} s; recaptured in {t.get('recapture', 0):.2f} s{graph_split(t)}; "
-            f"JIT-compiled {worker.jit_kernels} kernel(s) in {t.get('jit', 0):.2f} s; "
-            f"serving paused {t.get('pause', 0):.2f} s")
-    for note in notes(worker):
-        line += f"\n[yellow]{escape(note)}[/yellow]"
+    lines = []
     if worker.needs_restart:
-        line += f"\n[yellow]needs restart: {outside(worker.needs_restart)}[/yellow]"
-    return line
+        lines.append(f"[yellow]needs restart: {escape(outside(worker.needs_restart))}; {RESTART_HINT}[/yellow]")
+    if worker.reloaded:
+        lines.append(f"reloaded [bold]{', '.join(worker.reloaded)}[/bold] and {len(worker.dependents)} dependent "
+                     f"module(s), {worker.patched} object(s) patched in {t.get('reload', 0):.2f} s;\n"
+                     f"warmed in {t.get('warm', 0):.2f} s; recaptured in {t.get('recapture', 0):.2f} s{graph_split(t)}; "
+                     f"JIT-compiled {worker.jit_kernels} kernel(s) in {t.get('jit', 0):.2f} s; "
+                     f"serving paused {t.get('pause', 0):.2f} s")
+    elif not worker.needs_restart:
+        lines.append("nothing to reload: no source in the reloadable packages changed since the last reload")
+    lines += [f"[yellow]{escape(note)}[/yellow]" for note in notes(worker)]
+    return rank + "\n".join(lines)
+
+
+def step_progress(step: str, elapsed: float, running: int | None, mode: str) -> str:
+    """What a reload is busy with, while `tsdev reload` waits (plain text)."""
+    if step != "drain":
+        return f"reloading: {step} {elapsed:.1f} s"
+    requests = "the running requests" if running is None else f"{running} running request(s)"
+    if mode == "abort":
+        return f"draining {elapsed:.1f} s: aborting {requests}"
+    return f"draining {elapsed:.1f} s: waiting for {requests} to finish before reloading (--mode abort aborts them)"
+
+
+class ReloadProgress:
+    """What `tsdev reload` shows while its reload runs (fed the reload's events and a tick): nothing while a
+    step is quick; a step running SHOW_AFTER s or longer, with its elapsed time, on a live status line on a
+    terminal; elsewhere (editor hooks, logs) only a drain that waits, one line every PLAIN_EVERY s."""
+    SHOW_AFTER = 0.5
+    PLAIN_EVERY = 5.0
+
+    def __init__(self, console: Console, mode: str):
+        self.console, self.mode = console, mode
+        self.step: str | None = None
+        self.started, self.running = 0.0, None
+        self.printed: float | None = None  # plain: elapsed time of the last line printed for this step
+        self.status = None  # the live status line, on a terminal
+
+    def event(self, event: Event) -> None:
+        if not isinstance(event, ReloadStep):
+            return
+        if event.state == "started":
+            self.step, self.started, self.running, self.printed = event.step, time.perf_counter(), event.running, None
+        elif event.step == self.step:
+            if self.printed is not None:
+                self.console.print(f"drained in {event.seconds or 0:.1f} s" if event.state == "done"
+                                   else f"{event.step} failed after {event.seconds or 0:.1f} s")
+            self.step = None
+        self.tick()
+
+    def tick(self) -> None:
+        if self.step is None:
+            return self.close()
+        elapsed = time.perf_counter() - self.started
+        if elapsed < self.SHOW_AFTER:
+            return
+        text = step_progress(self.step, elapsed, self.running, self.mode)
+        if self.console.is_terminal:
+            if self.status is None:
+                self.status = self.console.status(escape(text))
+                self.status.start()
+            else:
+                self.status.update(escape(text))
+        elif self.step == "drain" and (self.printed is None or elapsed - self.printed >= self.PLAIN_EVERY):
+            self.console.print(escape(text))
+            self.printed = elapsed
+
+    def close(self) -> None:
+        if self.status is not None:
+            self.status.stop()
+            self.status = None

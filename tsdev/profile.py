@@ -5,7 +5,9 @@ report per range with --capture-range-end=repeat) while a small fixed workload r
 after N engine steps. nsys (2025.3, measured on the H200) writes the reports only when the server exits, so with nsys they are
 renamed after their reloads (reload-3.nsys-rep) and summarised when `tsdev profile` stops: with
 `nsys stats` (top kernels by GPU time, NVTX step ranges) into reload-3.summary.csv / .md, with the
-change per kernel against the previous range. Without nsys, the torch profiler writes a trace per range.
+change per kernel against the previous range. Without nsys, the torch profiler writes a trace per range,
+summarised as it closes: its GPU kernels, or on a CPU server its operators by self CPU time, and the same
+step ranges (the runtime's NVTX ranges are also `record_function` labels while a torch profiler records).
 """
 import csv
 import glob
@@ -71,33 +73,85 @@ def _csv_body(text: str) -> str:
     return "\n".join(lines[start:])
 
 
-def torch_trace_kernels(path: Path) -> list[KernelRow]:
-    """GPU kernels (or, on CPU, operators) of a torch.profiler Chrome trace, largest total first."""
+@dataclass
+class TraceSummary:
+    """A torch profiler trace: its GPU kernels (`on_gpu`) or, without any, its CPU operators by self time;
+    and its step ranges (the runtime's `tsdev:*` labels, wall time on the host)."""
+    rows: list[KernelRow]
+    steps: list[KernelRow]
+    on_gpu: bool
+
+
+def torch_trace_summary(path: Path) -> TraceSummary:
+    """Summarise a torch.profiler Chrome trace, largest total first.
+
+    GPU kernels do not nest: each row is the sum of its kernels' durations. CPU operators do (aten::linear
+    runs aten::addmm): each row is their self time, an operator's duration minus that of the operators and
+    ranges it ran on the same thread, so the rows add up to at most the traced wall time.
+    """
     import json
 
-    events = json.loads(Path(path).read_text()).get("traceEvents", [])
-    kernels = [e for e in events if e.get("cat") == "kernel"] or [e for e in events if e.get("cat") == "cpu_op"]
+    events = [e for e in json.loads(Path(path).read_text()).get("traceEvents", []) if e.get("ph") == "X"]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    ranges = [e for e in events if e.get("cat") == "user_annotation"]
+    if kernels:
+        rows = _totals((e["name"], float(e.get("dur", 0)) * 1e3) for e in kernels)
+    else:
+        rows = _totals(_self_times([e for e in events if e.get("cat") == "cpu_op"] + ranges, "cpu_op"))
+    steps = _totals((e["name"], float(e.get("dur", 0)) * 1e3) for e in ranges if e["name"].startswith("tsdev:"))
+    return TraceSummary(rows, steps, bool(kernels))
+
+
+def _self_times(events: list[dict], cat: str):
+    """(name, self ns) of each event of category `cat`: its duration minus its children's (events that start
+    and end inside it on the same thread, found by the nesting of ts/dur)."""
+    by_thread: dict = {}
+    for e in events:
+        by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    for thread in by_thread.values():
+        thread.sort(key=lambda e: (float(e["ts"]), -float(e.get("dur", 0))))
+        stack: list[list] = []  # [end, event, self time]
+        done = []
+        for e in thread:
+            start, dur = float(e["ts"]), float(e.get("dur", 0))
+            while stack and stack[-1][0] <= start:
+                done.append(stack.pop())
+            if stack:
+                parent = stack[-1]
+                parent[2] -= min(start + dur, parent[0]) - start  # a child rounded past its parent's end
+            stack.append([start + dur, e, dur])
+        done += stack
+        for _, e, own in done:
+            if e.get("cat") == cat:
+                yield e["name"], max(own, 0.0) * 1e3
+
+
+def _totals(pairs) -> list[KernelRow]:
     totals: dict[str, list[float]] = {}
-    for e in kernels:
-        totals.setdefault(e["name"], []).append(float(e.get("dur", 0)) * 1e3)
+    for name, ns in pairs:
+        totals.setdefault(name, []).append(ns)
     return sorted((KernelRow(n, sum(d), len(d), sum(d) / len(d)) for n, d in totals.items()), key=lambda r: -r.total_ns)
 
 
 def write_summary(prefix: Path, kernels: list[KernelRow], nvtx: list[KernelRow],
-                  previous: list[KernelRow] | None, top: int = 15) -> str:
-    """Write PREFIX.summary.csv and PREFIX.summary.md; return the markdown."""
+                  previous: list[KernelRow] | None, top: int = 15, cpu: bool = False) -> str:
+    """Write PREFIX.summary.csv and PREFIX.summary.md; return the markdown.
+
+    `kernels`: GPU kernels by GPU time, or with `cpu` CPU operators by self CPU time; `nvtx`: step ranges.
+    """
     before = {k.name: k for k in previous or []}
+    kind = "cpu_op" if cpu else "kernel"
     with open(f"{prefix}.summary.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["kind", "name", "total_ms", "instances", "mean_us", "previous_total_ms", "change_pct"])
-        for kind, rows in (("kernel", kernels), ("nvtx", nvtx)):
+        for row_kind, rows in ((kind, kernels), ("nvtx", nvtx)):
             for r in rows:
-                old = before.get(r.name) if kind == "kernel" else None
-                w.writerow([kind, r.name, f"{r.total_ns / 1e6:.4f}", r.instances, f"{r.avg_ns / 1e3:.3f}",
+                old = before.get(r.name) if row_kind == kind else None
+                w.writerow([row_kind, r.name, f"{r.total_ns / 1e6:.4f}", r.instances, f"{r.avg_ns / 1e3:.3f}",
                             f"{old.total_ns / 1e6:.4f}" if old else "", _pct(r, old)])
     total = sum(k.total_ns for k in kernels) or 1
-    lines = [f"## {prefix.name}", "", "| kernel | GPU time (ms) | share | instances | mean (us) | vs previous |",
-             "|---|---:|---:|---:|---:|---:|"]
+    head = "| CPU op | self CPU time (ms) | share | calls |" if cpu else "| kernel | GPU time (ms) | share | instances |"
+    lines = [f"## {prefix.name}", "", head + " mean (us) | vs previous |", "|---|---:|---:|---:|---:|---:|"]
     for r in kernels[:top]:
         lines.append(f"| `{r.name[:80]}` | {r.total_ns / 1e6:.3f} | {r.total_ns / total:.0%} | {r.instances} | "
                      f"{r.avg_ns / 1e3:.2f} | {_pct(r, before.get(r.name)) or 'new' if previous else ''} |")
@@ -166,9 +220,10 @@ def run_profile(server_args: list[str], out_dir: Path, num_steps: int, max_range
             if nsys:
                 console.print(f"range {name} taken (nsys writes its report when the server stops)")
             else:
-                kernels = torch_trace_kernels(out_dir / f"{name}.trace.json")
-                console.print(Markdown(write_summary(out_dir / name, kernels, [], previous)))
-                previous = kernels
+                trace = torch_trace_summary(out_dir / f"{name}.trace.json")
+                console.print(Markdown(write_summary(out_dir / name, trace.rows, trace.steps, previous,
+                                                     cpu=not trace.on_gpu)))
+                previous = trace.rows
             if max_ranges is not None and len(names) >= max_ranges:
                 break
             name = f"reload-{_next_reload(events, server.proc).n}"

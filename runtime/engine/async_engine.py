@@ -24,11 +24,16 @@ class EngineError(RuntimeError):
     """The engine failed while running a request; the request was aborted."""
 
 
+class ShuttingDown(EngineError):
+    """The server is stopping: the request was not started."""
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_step: Callable[[float, list[RequestOutput]], None] | None = None):
         self.engine = engine
         self.on_step = on_step
         self.paused = False
+        self.stopping = False  # shutdown(): no new requests, no new event subscribers
         self.control_lock = asyncio.Lock()
         self._streams: dict[str, asyncio.Queue] = {}
         self._subscribers: set[asyncio.Queue] = set()
@@ -45,6 +50,15 @@ class AsyncEngine:
         self._wake, self._stepped = asyncio.Event(), asyncio.Event()
         self._task = asyncio.create_task(self._loop(), name="engine-loop")
 
+    async def shutdown(self) -> None:
+        """Stop serving (SIGINT/SIGTERM): refuse new requests, abort those in flight (their streams end with
+        finish reason "abort") and end every events stream, so that no open connection holds the server."""
+        self.stopping = True
+        for queue in self._subscribers:
+            queue.put_nowait(None)
+        if self._task is not None and not self._task.done():
+            await self.between_steps(lambda: self.abort_all(running_only=False))
+
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
@@ -59,12 +73,15 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as they come; closing the iterator early aborts the request."""
+        if self.stopping:
+            raise ShuttingDown("the server is shutting down: the request was not started")
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
+        arrival = time.monotonic()
 
         def add() -> None:
             try:
-                self.engine.add_request(request_id, prompt_token_ids, params)
+                self.engine.add_request(request_id, prompt_token_ids, params, arrival_time=arrival)
             except ValueError as exc:
                 queue.put_nowait(exc)
 
@@ -131,13 +148,16 @@ class AsyncEngine:
             queue.put_nowait(event)
 
     async def events(self) -> AsyncIterator[Event]:
-        """Every event published from now on, after a `Hello` with the state a new subscriber needs."""
+        """Every event published from now on, after a `Hello` with the state a new subscriber needs; the
+        stream ends when the server shuts down."""
+        if self.stopping:
+            return
         queue: asyncio.Queue = asyncio.Queue()
         self._subscribers.add(queue)
         try:
             yield Hello(paused=self.paused, time=time.time())
-            while True:
-                yield await queue.get()
+            while (event := await queue.get()) is not None:
+                yield event
         finally:
             self._subscribers.discard(queue)
 

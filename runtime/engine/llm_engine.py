@@ -8,7 +8,6 @@ N (EOS, a stop string) has computed one token too many in N+1; that token is dro
 import time
 from dataclasses import dataclass
 
-import nvtx
 import torch
 from tokenizers import Tokenizer
 
@@ -16,7 +15,7 @@ from runtime.config import EngineConfig
 from runtime.control_protocol import EngineInfo
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.detokenizer import Detokenizer
-from runtime.engine.model_runner import NVTX_DOMAIN, Checkpoint, ModelRunner
+from runtime.engine.model_runner import Checkpoint, ModelRunner, step_range
 from runtime.engine.scheduler import ScheduledBatch, Scheduler
 from runtime.engine.sequence import PENDING, SamplingParams, Sequence
 
@@ -31,6 +30,11 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    # time.monotonic() stamps for the server's latency metrics (as vLLM's RequestMetrics):
+    arrival_time: float = 0.0  # when the request arrived (AsyncEngine.generate) or was added
+    first_scheduled_time: float | None = None  # first admitted by the scheduler (queue time: this - arrival)
+    token_time: float | None = None  # when new_token_ids were read (None: no new token)
+    previous_token_time: float | None = None  # when the request's previous token was read (None: none yet)
 
 
 @dataclass(frozen=True)
@@ -111,9 +115,11 @@ class LLMEngine:
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request; `arrival_time` (time.monotonic(), default now) is when it reached the server."""
         self.check_prompt(prompt_token_ids)
-        seq = Sequence(request_id, prompt_token_ids, params)
+        seq = Sequence(request_id, prompt_token_ids, params, arrival_time)
         self.detokenizers[seq] = Detokenizer(params.stop)
         self.scheduler.add(seq)
 
@@ -200,7 +206,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule and launch a step, then read the previous one (async scheduling) or this one."""
-        with nvtx.annotate("schedule", domain=NVTX_DOMAIN):
+        with step_range("schedule"):
             batch = self.scheduler.schedule()
         launched = self._launch(batch) if batch.seqs else None
         previous, self.in_flight = self.in_flight, launched
@@ -250,6 +256,7 @@ class LLMEngine:
             windows += detok.windows()
         texts = self.tokenizer.decode_batch(windows) if windows else []
         self.num_generated_tokens += len(live)
+        now = time.monotonic()
         outputs = []
         for i, (seq, pos, token) in enumerate(live):
             stopped = self.detokenizers[seq].consume(texts[2 * i], texts[2 * i + 1])
@@ -257,7 +264,7 @@ class LLMEngine:
             if reason:
                 del seq.token_ids[pos + 1 :]  # a token the next step sampled for it is dropped
                 self.scheduler.finish(seq, reason)
-            outputs.append(self._output(seq, [token]))
+            outputs.append(self._output(seq, [token], now))
         return outputs
 
     def _finish_reason(self, seq: Sequence, token: int, stopped: bool, length: int) -> str | None:
@@ -268,13 +275,18 @@ class LLMEngine:
             return "length"
         return None
 
-    def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+    def _output(self, seq: Sequence, new_tokens: list[int], now: float | None = None) -> RequestOutput:
+        """`now`: when new_tokens were read."""
         detok = self.detokenizers[seq]
         if seq.is_finished:
             del self.detokenizers[seq]
+        previous = seq.last_token_time
+        if new_tokens:
+            seq.last_token_time = now
         return RequestOutput(seq.request_id, new_tokens, detok.delta(seq.is_finished), seq.is_finished,
                              seq.finish_reason, seq.num_prompt_tokens, seq.num_known_output_tokens,
-                             seq.num_cached_tokens)
+                             seq.num_cached_tokens, seq.arrival_time, seq.first_scheduled_time,
+                             now if new_tokens else None, previous)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[dict]:
         """Offline: run prompts (token ids) to completion; returns token ids and text per prompt, in order."""

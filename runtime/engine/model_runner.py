@@ -1,4 +1,5 @@
 """Owns the model, the KV pool and the sampler; turns a scheduled batch into sampled tokens."""
+import contextlib
 import random
 import time
 from dataclasses import dataclass
@@ -23,6 +24,20 @@ from runtime.weights.loader import load_weights
 CPU_KV_BYTES = 512 << 20
 NVTX_DOMAIN = "tsdev"
 MAX_DEFAULT_MODEL_LEN = 8192
+
+
+def step_range(name: str):
+    """The NVTX range `name` in the tsdev domain (nsys's step table). While a torch profiler records, also
+    a `record_function` label "tsdev:name" (the torch trace's step table); otherwise that costs one check."""
+    if torch.autograd._profiler_enabled():
+        return _recorded_range(name)
+    return nvtx.annotate(name, domain=NVTX_DOMAIN)
+
+
+@contextlib.contextmanager
+def _recorded_range(name: str):
+    with nvtx.annotate(name, domain=NVTX_DOMAIN), torch.profiler.record_function(f"{NVTX_DOMAIN}:{name}"):
+        yield
 
 
 @dataclass(frozen=True)
@@ -176,16 +191,16 @@ class ModelRunner:
         # its prompt's end samples nothing, and the graph's logits are per row).
         if (use_graphs and graphs and max(batch.num_tokens) == 1 and all(batch.sample_rows)
                 and len(batch.seqs) <= graphs.max_size):
-            with nvtx.annotate("prepare", domain=NVTX_DOMAIN):
+            with step_range("prepare"):
                 inputs = self.host_inputs(batch)
                 fill = self._pending_fill(inputs["pending"], in_flight)
-            with nvtx.annotate("forward", domain=NVTX_DOMAIN):
+            with step_range("forward"):
                 return graphs.run(inputs["input_ids"], inputs["positions"], inputs["slots"], inputs["seq_lens"],
                                   inputs["page_table"], fill)
-        with nvtx.annotate("prepare", domain=NVTX_DOMAIN):
+        with step_range("prepare"):
             input_ids, positions = self.prepare(batch, in_flight)
         try:
-            with nvtx.annotate("forward", domain=NVTX_DOMAIN):
+            with step_range("forward"):
                 prefill = self.prefill_graphs
                 if use_graphs and prefill and not prefill.disabled and batch.total_tokens <= prefill.max_tokens:
                     hidden = prefill.forward(input_ids, positions)
@@ -203,7 +218,7 @@ class ModelRunner:
         sampling = batch.sampling
         if not sampling:
             return None
-        with nvtx.annotate("sample", domain=NVTX_DOMAIN):
+        with step_range("sample"):
             return self.sample(logits, sampling)
 
     def run(self, batch: ScheduledBatch, use_graphs: bool = True) -> list[int]:

@@ -16,6 +16,7 @@ modules=)`. tsdev's `tsdev.hotreload.Reloader` is one (tests/test_reloader_proto
 library's may be. Requests, worker reports, the reply and the events are runtime.control_protocol's models.
 """
 import asyncio
+import logging
 import sys
 import time
 import traceback
@@ -30,6 +31,7 @@ from runtime.engine.async_engine import AsyncEngine
 
 REMEMBERED_IDS = 256
 JIT, DRAIN, FLUSH, RELOAD, WARM, RECAPTURE = STEPS
+log = logging.getLogger("runtime.server")  # `tsdev serve` prints its info lines on stderr
 
 
 @runtime_checkable
@@ -158,7 +160,7 @@ class ReloadForward:
         ae.hold(True)
         pause_start = time.perf_counter()
         try:
-            async with self._step(attempt, DRAIN):
+            async with self._step(attempt, DRAIN, running=engine.num_running):
                 if request.mode == "abort":
                     await ae.between_steps(lambda: ae.abort_all(running_only=True))
                 remaining = attempt.deadline - time.perf_counter()
@@ -198,6 +200,7 @@ class ReloadForward:
         return self._finish(request, self._worker(error, attempt.timings, warnings=warnings, **fields))
 
     def _finish(self, request: ReloadRequest, worker: WorkerReport) -> WorkerReport:
+        log.info(log_line(request.id, worker))
         self.async_engine.publish(ReloadFinished(type="reload_finished" if worker.ok else "reload_failed",
                                                  id=request.id, n=self.count, worker=worker))
         return worker
@@ -213,8 +216,9 @@ class ReloadForward:
             import os
             os._exit(70)
 
-    def _step(self, attempt: _Attempt, name: str):
-        return _TimedStep(self.async_engine, attempt, name)
+    def _step(self, attempt: _Attempt, name: str, **started):
+        """A timed step; `started`: more fields of its ReloadStep "started" event."""
+        return _TimedStep(self.async_engine, attempt, name, started)
 
 
 class _ReportedFailure(Exception):
@@ -222,13 +226,14 @@ class _ReportedFailure(Exception):
 
 
 class _TimedStep:
-    def __init__(self, async_engine: AsyncEngine, attempt: _Attempt, name: str):
-        self.async_engine, self.attempt, self.name = async_engine, attempt, name
+    def __init__(self, async_engine: AsyncEngine, attempt: _Attempt, name: str, started: dict):
+        self.async_engine, self.attempt, self.name, self.started = async_engine, attempt, name, started
 
     async def __aenter__(self):
         self.attempt.step = self.name
         self.start = time.perf_counter()
-        self.async_engine.publish(ReloadStep(id=self.attempt.request.id, step=self.name, state="started"))
+        self.async_engine.publish(ReloadStep(id=self.attempt.request.id, step=self.name, state="started",
+                                             **self.started))
         return self
 
     async def __aexit__(self, exc_type, exc, tb):
@@ -237,6 +242,22 @@ class _TimedStep:
         self.async_engine.publish(ReloadStep(id=self.attempt.request.id, step=self.name,
                                              state="failed" if exc else "done", seconds=seconds))
         return False
+
+
+def log_line(request_id: str, worker: WorkerReport) -> str:
+    """The server log's line for one reload: 'reload r-12 ok: kernels.ops.activation + 3 dependent(s), paused
+    0.31 s' or 'reload r-13 FAILED in warm: file:line: ...'."""
+    if not worker.ok:
+        step = worker.failed_step
+        return f"reload {request_id} FAILED{f' in {step}' if step else ''}: {worker.error}"
+    if worker.reloaded:
+        what = (f"{', '.join(worker.reloaded)} + {len(worker.dependents)} dependent(s), "
+                f"paused {worker.step_seconds('pause'):.2f} s")
+    else:
+        what = "nothing changed"
+    if worker.needs_restart:
+        what += f"; needs restart: {', '.join(worker.needs_restart)}"
+    return f"reload {request_id} ok: {what}"
 
 
 def reported(report: ReloadReport) -> dict:

@@ -5,6 +5,7 @@ ones while budget, slots and pages last. Prefill chunks and decodes share one st
 out, the newest running sequence is preempted: its pages are freed and it is recomputed later
 (its full pages usually come straight back from the prefix cache).
 """
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -74,6 +75,8 @@ class Scheduler:
             self.waiting.popleft()
             self.block_manager.count_lookup(seq)
             seq.status = Status.RUNNING
+            if seq.first_scheduled_time is None:  # (a preempted sequence is admitted again later)
+                seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
             scheduled[seq] = n
             budget -= n

@@ -1,5 +1,6 @@
 """A request as the engine sees it: its tokens, its pages, and how far it has been computed."""
 import enum
+import time
 from dataclasses import dataclass, field
 
 # The token a step still in flight samples: a placeholder at the end of token_ids until the engine reads
@@ -36,7 +37,8 @@ class Status(enum.Enum):
 
 
 class Sequence:
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival_time: float | None = None):
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -47,6 +49,10 @@ class Sequence:
         self.pages: list[int] = []
         self.page_hashes: list[int] = []  # prefix-cache hash chain of the full pages computed so far
         self.finish_reason: str | None = None
+        # time.monotonic() stamps for the latency metrics (vLLM's RequestMetrics)
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_scheduled_time: float | None = None  # first admitted by the scheduler
+        self.last_token_time: float | None = None  # when its latest token was read
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -4,18 +4,22 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from runtime.config import ServerConfig
 from runtime.control_protocol import SERVER_INFO_ROUTE, ErrorBody, ErrorDetail, ServerInfo
 from runtime.engine.llm_engine import LLMEngine, RequestOutput
-from runtime.engine.async_engine import AsyncEngine, EngineError
+from runtime.engine.async_engine import AsyncEngine, EngineError, ShuttingDown
 from runtime.engine.reload_forward import ForwardReloader, ReloadForward
+from runtime.server.body_limit import BodyLimit
 from runtime.server.chat import ChatTemplate
 from runtime.server.control import add_control_routes
 from runtime.server.metrics import EngineMetrics
@@ -24,6 +28,14 @@ from runtime.server.sse import sse_response
 
 
 log = logging.getLogger("runtime.server")
+
+# What the body of a POST route must be, for the message that answers a body that is not a JSON object.
+BODY_SHAPES = {
+    "/v1/completions": '"prompt" (a string, a list of strings, a list of token ids or a list of such lists), '
+                       'e.g. {"prompt": "Hello", "max_tokens": 16}',
+    "/v1/chat/completions": '"messages" (a list of {"role", "content"} objects), '
+                            'e.g. {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}',
+}
 
 
 class APIError(Exception):
@@ -40,20 +52,27 @@ def error_response(status: int, message: str, param: str | None = None, type_: s
     return JSONResponse(error_body(status, message, param, type_), status_code=status)
 
 
-def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReloader | None = None) -> FastAPI:
-    """The app; `reloader` (a tsdev.hotreload.Reloader or alike) enables reload_forward, None refuses it (403)."""
+def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReloader | None = None,
+              max_request_body_bytes: int = ServerConfig.max_request_body_bytes) -> FastAPI:
+    """The app; `reloader` (a tsdev.hotreload.Reloader or alike) enables reload_forward, None refuses it (403).
+    `app.state.async_engine.shutdown()` ends its requests and streams (what a server does on SIGTERM)."""
     metrics = EngineMetrics(engine)
     async_engine = AsyncEngine(engine, on_step=metrics.on_step)
     chat_template = ChatTemplate(engine.model_dir)
     created = int(time.time())
+    # Tokenizing (and chat templates) run here, neither on the event loop nor on the engine's thread.
+    tokenizer_pool = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
+    max_prompt_chars = prompt_char_limit(engine)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await async_engine.start()
         yield
         await async_engine.stop()
+        tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="tsdev runtime", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=max_request_body_bytes)
     app.state.engine, app.state.async_engine = engine, async_engine
     reload_forward = ReloadForward(async_engine, reloader, engine.config.rank) if reloader is not None else None
     add_control_routes(app, async_engine, reload_forward, APIError)
@@ -70,9 +89,26 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReload
         message = first.get("msg", "invalid request").removeprefix("Value error, ")
         if first.get("type") == "json_invalid":
             message = f"the request body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})"
+        elif not field and first.get("type") in ("missing", "model_attributes_type", "dict_type", "model_type"):
+            message = not_an_object(request.url.path, first.get("input"))
         elif field:
             message = f"{field}: {message}"
         return error_response(400, message, field)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):
+        method, path = request.method, request.url.path
+        if exc.status_code == 404:
+            message = (f"no route {method} {path}: the OpenAI routes are POST /v1/completions, "
+                       "POST /v1/chat/completions and GET /v1/models (docs/runtime.md lists them all)")
+        elif exc.status_code == 405:
+            allowed = next((v for k, v in (exc.headers or {}).items() if k.lower() == "allow"), "another method")
+            message = f"{method} is not allowed on {path}: use {allowed}"
+        else:
+            message = str(exc.detail)
+        response = error_response(exc.status_code, message)
+        response.headers.update(exc.headers or {})
+        return response
 
     @app.exception_handler(Exception)
     async def _internal_error(request, exc: Exception):
@@ -118,15 +154,31 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReload
                                 "lower max_tokens", "max_tokens")
         return max_tokens
 
+    def encode(text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt; one so long that it cannot fit the context is refused without tokenizing it."""
+        if len(text) > max_prompt_chars:
+            raise APIError(400, f"this model's maximum context length is {engine.max_model_len} tokens, but the "
+                                f"prompt has {len(text)} characters, more than that many tokens can hold: shorten it",
+                           "prompt")
+        return engine.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    async def off_loop(fn: Callable):
+        """Run `fn` (tokenizing, checking lengths) in the tokenizer threads: the event loop keeps serving."""
+        return await asyncio.get_running_loop().run_in_executor(tokenizer_pool, fn)
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body)
         prompts = body.prompt
         if isinstance(prompts, str) or not prompts or isinstance(prompts[0], int):
             prompts = [prompts]  # one prompt (an empty one is refused by check_length)
-        token_lists = [engine.tokenizer.encode(p).ids if isinstance(p, str) else list(p) for p in prompts]
         max_tokens = body.max_tokens or 16
-        params = [body.sampling_params(check_length(ids, max_tokens)) for ids in token_lists]
+
+        def prepare() -> tuple[list[list[int]], list]:
+            token_lists = [encode(p) if isinstance(p, str) else list(p) for p in prompts]
+            return token_lists, [body.sampling_params(check_length(ids, max_tokens)) for ids in token_lists]
+
+        token_lists, params = await off_loop(prepare)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = [async_engine.generate(f"{request_id}-{i}", ids, p) for i, (ids, p) in enumerate(zip(token_lists, params))]
 
@@ -146,12 +198,16 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReload
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body)
-        try:
-            text = chat_template.render([{"role": m.role, "content": m.text()} for m in body.messages])
-        except Exception as exc:
-            raise APIError(400, f"the chat template failed on these messages: {exc}", "messages") from exc
-        ids = engine.tokenizer.encode(text, add_special_tokens=False).ids
-        params = body.sampling_params(check_length(ids, body.max_completion_tokens or body.max_tokens))
+
+        def prepare() -> tuple[list[int], object]:
+            try:
+                text = chat_template.render([m.for_template() for m in body.messages])
+            except Exception as exc:
+                raise APIError(400, f"the chat template failed on these messages: {exc}", "messages") from exc
+            ids = encode(text, add_special_tokens=False)
+            return ids, body.sampling_params(check_length(ids, body.max_completion_tokens or body.max_tokens))
+
+        ids, params = await off_loop(prepare)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = [async_engine.generate(request_id, ids, params)]
         first = True
@@ -186,6 +242,8 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReload
                 if include_usage:
                     yield {"id": request_id, "object": object_name, "created": int(time.time()),
                            "model": served_model_name, "choices": [], "usage": usage(finals)}
+            except ShuttingDown as exc:
+                yield error_body(503, str(exc), type_="server_error")
             except (EngineError, ValueError) as exc:
                 yield error_body(500, str(exc), type_="server_error")
 
@@ -213,12 +271,31 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReload
                 raise APIError(499, "the client disconnected; the request was aborted", type_="client_closed_request")
         try:
             return task.result()
+        except ShuttingDown as exc:
+            raise APIError(503, str(exc), type_="server_error") from exc
         except EngineError as exc:
             raise APIError(500, str(exc), type_="server_error") from exc
         except ValueError as exc:
             raise APIError(400, str(exc)) from exc
 
     return app
+
+
+def prompt_char_limit(engine: LLMEngine) -> int:
+    """Characters beyond which a prompt surely has more tokens than the context holds: no token covers more
+    characters than the longest vocabulary entry (halved again for normalisation that merges characters)."""
+    longest = max(map(len, engine.tokenizer.get_vocab(with_added_tokens=True)), default=1)
+    return 2 * max(longest, 1) * engine.max_model_len
+
+
+def not_an_object(path: str, value) -> str:
+    """What to send instead of a body that is not a JSON object (an array, a string, nothing)."""
+    what = {list: "a JSON array", str: "a JSON string", type(None): "no body (or null)",
+            bool: "a boolean", int: "a number", float: "a number"}.get(type(value), "something else")
+    shape = BODY_SHAPES.get(path)
+    return (f"the request body must be a JSON object" + (f" with {shape}" if shape else "") + f", not {what}"
+            + (" (one request per body: send several prompts as a list in \"prompt\")" if path == "/v1/completions"
+               and isinstance(value, list) else ""))
 
 
 def with_token_ids(body: SamplingRequest, choice: dict, token_ids: list[int]) -> dict:

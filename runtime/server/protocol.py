@@ -1,7 +1,7 @@
 """OpenAI request bodies, validated by pydantic. Unknown fields are ignored, as OpenAI servers do."""
 from typing import Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from runtime.engine.sequence import SamplingParams
 
@@ -52,14 +52,28 @@ class ContentPart(BaseModel):
     text: str = ""
 
 
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
 class ChatMessage(BaseModel):
     role: str
     content: str | list[ContentPart] | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}: use one of {', '.join(ROLES)}")
+        return role
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content if part.type == "text")
         return self.content or ""
+
+    def for_template(self) -> dict:
+        """The message as a chat template reads it; OpenAI's "developer" role is a system prompt here."""
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
 
 
 class ChatCompletionRequest(SamplingRequest):

@@ -37,6 +37,8 @@ def checks_text(record: ReloadRecord | RestartRecord) -> list[str]:
         parts.append(f"[dim]{escape(record.note)}[/dim]")
     if isinstance(record, ReloadRecord) and record.worker and not record.error:
         parts += [f"[yellow]{escape(note)}[/yellow]" for note in outcome.notes(record.worker)]
+    if isinstance(record, ReloadRecord) and record.restart:
+        parts.append(f"[yellow]{escape(record.restart)}[/yellow]")
     return parts
 
 

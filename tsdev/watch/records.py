@@ -27,6 +27,7 @@ class ReloadRecord:
     verdict: Verdict | None = None
     probe: Probe | None = None
     note: str = ""
+    restart: str = ""  # what the reply's needs_restart leads to ("needs restart: ... → restarting the server")
     done: bool = False
 
     @property

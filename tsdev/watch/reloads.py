@@ -59,8 +59,11 @@ class Reloads:
         if record.error is None and record.reloaded:
             daemon.restarts.after_exit = 0
             await daemon.check(record)
-        elif record.error is None:
+        elif record.error is None and not worker.needs_restart:
             record.note = "no change to reload"
+        if worker.needs_restart:  # the restart job that follows says the same when it runs
+            record.restart = (f"needs restart: {outside(worker.needs_restart)} → "
+                              + ("restarting the server" if daemon.server else "restart it yourself (attached)"))
         record.done = True
         daemon.emit("reload_finished", record)
         daemon.set_state("serving")

@@ -240,6 +240,8 @@ class WatchApp(App):
         if record.done:
             if record.error:
                 cells["outcome"] = Text("failed", "red")
+            elif isinstance(record, ReloadRecord) and record.restart:
+                cells["outcome"] = Text("needs restart", "yellow")
             elif isinstance(record, ReloadRecord) and not record.reloaded:
                 cells["outcome"] = Text("no change", "dim")
             else:

@@ -1,0 +1,118 @@
+"""`tsdev serve`'s lifecycle as a user meets it: the port is taken before the model loads, the listening line
+means it, a big body does not stall the server, and Ctrl-C stops it at once and quietly.
+
+One subprocess server for the module; the last test stops it with SIGINT.
+"""
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from tsdev.server_process import ServerProcess
+
+LISTENING = "listening on http://"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    """A started server, and whether a connection made the moment its listening line appeared was served."""
+    log = tmp_path_factory.mktemp("lifecycle") / "serve.log"
+    process = ServerProcess([str(tiny_model_dir), "--device", "cpu", "--max-model-len", "1024"], log_path=log)
+    process.start()
+    deadline = time.monotonic() + 90
+    while LISTENING not in process.output():
+        assert process.proc.poll() is None and time.monotonic() < deadline, process.tail()
+        time.sleep(0.005)
+    port = int(process.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:  # at once, no retry
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        process.first_answer = sock.recv(1024).decode()
+    process.tiny_model_dir, process.port = tiny_model_dir, port
+    yield process
+    process.stop()
+
+
+def test_the_listening_line_comes_last_and_is_served_at_once(server):
+    assert server.first_answer.startswith("HTTP/1.1 200"), server.first_answer
+    lines = server.output().strip().splitlines()
+    assert lines[-1].startswith(LISTENING) and lines[-1].split()[2] == server.url, lines
+
+
+def test_a_second_server_on_the_port_exits_2_at_once_naming_the_port(server):
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "tsdev", "serve", str(server.tiny_model_dir), "--device", "cpu",
+                             "--port", str(server.port)], capture_output=True, text=True, timeout=60)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert time.monotonic() - start < 10, output  # before loading anything (the interpreter start aside)
+    assert f"port {server.port} is in use" in output and "--port" in output
+    assert LISTENING not in output and "loaded" not in output
+
+
+@pytest.mark.parametrize("what", ["content-length", "chunked", "long prompt"])
+def test_health_answers_while_a_big_body_is_refused(server, what):
+    if what == "content-length":
+        body, status = b"x" * 10_000_000, 413
+    elif what == "chunked":
+        body, status = (b"x" * 65536 for _ in range(160)), 413
+    else:  # under the body limit, but far longer than the context: refused without tokenizing it
+        body, status = json.dumps({"prompt": "word " * 700_000}).encode(), 400
+    answer = {}
+
+    def send():
+        answer["response"] = httpx.post(server.url + "/v1/completions", content=body, timeout=60,
+                                        headers={"content-type": "application/json"})
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    slowest = 0.0
+    with httpx.Client(base_url=server.url) as client:
+        while sender.is_alive() or slowest == 0.0:
+            start = time.monotonic()
+            assert client.get("/health", timeout=5).status_code == 200
+            slowest = max(slowest, time.monotonic() - start)
+    sender.join()
+    response = answer["response"]
+    assert response.status_code == status, response.text
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    assert slowest < 0.2
+
+
+def test_sigint_stops_the_server_at_once_without_a_traceback(server):
+    """With an events stream open and a completion streaming: both end, the stream with finish reason abort."""
+    got: dict[str, list] = {"events": [], "completion": []}
+    first_token = threading.Event()
+
+    def read(name: str, method: str, path: str, **kwargs) -> None:
+        with httpx.stream(method, server.url + path, timeout=30, **kwargs) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    got[name].append(line.removeprefix("data: "))
+                    if name == "completion":
+                        first_token.set()
+
+    readers = [threading.Thread(target=read, args=("events", "GET", "/v1/rl/engine/events")),
+               threading.Thread(target=read, args=("completion", "POST", "/v1/completions"), kwargs={"json": {
+                   "prompt": "Once", "max_tokens": 1000, "ignore_eos": True, "stream": True}})]
+    for reader in readers:
+        reader.start()
+    assert first_token.wait(30)
+    time.sleep(0.2)  # the events stream is open too
+    start = time.monotonic()
+    server.proc.send_signal(signal.SIGINT)
+    code = server.proc.wait(10)
+    elapsed = time.monotonic() - start
+    for reader in readers:
+        reader.join(5)
+    output = server.output()
+    assert code == 0 and elapsed < 2, (code, elapsed, output)
+    assert "Traceback" not in output and "Error" not in output, output
+    assert got["events"] and json.loads(got["events"][0])["type"] == "hello"
+    assert got["completion"][-1] == "[DONE]"
+    assert json.loads(got["completion"][-2])["choices"][0]["finish_reason"] == "abort"

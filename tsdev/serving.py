@@ -1,0 +1,193 @@
+"""What `tsdev serve` does once its flags are parsed: bind the port, load the model, serve, stop.
+
+* The port is bound before the model loads, so a port in use is reported at once (exit status 2), not after
+  the load; the socket only listens once the server is ready (until then connections are refused).
+* `listening on http://HOST:PORT` is the banner's last line, printed once uvicorn accepts connections: a
+  request sent the moment it appears is served.
+* SIGINT and SIGTERM (Ctrl-C, `tsdev watch` restarting, `tsdev profile` stopping, ServerProcess.stop) stop
+  it in well under a second, quietly, with status 0: requests in flight end with finish reason "abort" and
+  open streams (completions and the control events stream) end, so uvicorn's graceful shutdown finds no
+  connection to wait for.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from runtime.config import EngineConfig, ServerConfig
+
+# uvicorn cancels what is still open this long after a stop; streams end by themselves well before.
+GRACEFUL_SHUTDOWN_S = 3
+BACKLOG = 2048  # uvicorn's default
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (port 0: any free one), not listening yet."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        # A restarted server binds while its last run's connections may still be in TIME_WAIT. (Linux still
+        # refuses a port that another socket listens on.)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def bind_error(exc: OSError, host: str, port: int) -> str:
+    """What went wrong binding host:port, and what to do about it."""
+    if exc.errno == errno.EADDRINUSE:
+        return (f"port {port} is in use on {host} (another server holds it): stop the other server, "
+                "or pass --port")
+    if exc.errno == errno.EACCES:
+        return f"cannot listen on {host}:{port}: permission denied (ports below 1024 need privileges): pass --port"
+    if exc.errno == errno.EADDRNOTAVAIL or isinstance(exc, socket.gaierror):
+        return f"cannot listen on {host}: not an address of this machine: pass --host (e.g. 127.0.0.1 or 0.0.0.0)"
+    return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+
+
+def describe_startup(imports: float, t: dict) -> str:
+    return (f"startup: imports {imports:.2f} s, load {t['load']:.2f} s, warm-up {t['warm']:.2f} s, capture "
+            f"{t['capture'] + t['capture_prefill']:.2f} s (decode {t['capture']:.2f}, prefill {t['capture_prefill']:.2f})")
+
+
+def describe_graphs(info, cuda: bool, timings: dict) -> str:
+    """'35 decode graphs captured in 0.30 s; 40 prefill graphs (16..2048 tokens) captured in 0.80 s'.
+    `info` is the engine's `describe()`."""
+    done = "captured" if cuda else "prepared (CPU: no capture)"
+    parts = []
+    if info.decode_graph_sizes:
+        parts.append(f"{len(info.decode_graph_sizes)} decode graph(s) {done} in {timings['capture']:.2f} s")
+    buckets = info.prefill_graph_buckets
+    if info.prefill_graphs_failed:
+        parts.append(f"prefill graphs failed to capture ({info.prefill_graphs_failed}): prefill runs eagerly")
+    elif buckets:
+        parts.append(f"{len(buckets)} prefill graph(s) ({buckets[0]}..{buckets[-1]} tokens) "
+                     f"{done} in {timings['capture_prefill']:.2f} s")
+    return "; ".join(parts) or "CUDA graphs off"
+
+
+def run_server(config: EngineConfig, server: ServerConfig, console: Console | None = None) -> int:
+    """Bind, load the model, serve until SIGINT/SIGTERM. Returns the exit status: 0 once stopped, 2 when the
+    port or the model cannot be used, 130 for Ctrl-C during the load."""
+    console = console or Console(stderr=True, soft_wrap=True)
+    try:
+        sock = bind(server.host, server.port)
+    except OSError as exc:
+        console.print(f"[red]error:[/red] {bind_error(exc, server.host, server.port)}")
+        return 2
+    with sock:
+        try:
+            return _load_and_serve(config, server, sock, console)
+        except KeyboardInterrupt:  # Ctrl-C while loading, before the server handles signals itself
+            console.print("stopped before the server started")
+            return 130
+
+
+def _load_and_serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, console: Console) -> int:
+    imports_start = time.perf_counter()
+    import uvicorn
+
+    from runtime.engine.llm_engine import LLMEngine
+    from runtime.server.app import build_app
+
+    imports = time.perf_counter() - imports_start
+    start = time.perf_counter()
+    with console.status("loading the model (the first run creates the default checkpoint)..."):
+        try:
+            engine = LLMEngine(config)
+        except (FileNotFoundError, ValueError) as exc:
+            console.print(f"[red]error:[/red] {exc}")
+            return 2
+    name = server.served_model_name or ("tsdev-default" if config.model is None else Path(config.model).name)
+    info = engine.describe()
+    graphs = describe_graphs(info, config.device.startswith("cuda"), engine.startup_timings)
+    console.print(
+        f"loaded [bold]{name}[/bold] ({info.architecture}, {info.parameters / 1e6:.1f} M parameters, "
+        f"{info.dtype}) from {info.model_dir} on {info.device} in {time.perf_counter() - start:.1f} s\n"
+        f"KV pool: {info.kv_pages} pages x {info.page_size} tokens; context length {info.max_model_len}; "
+        f"up to {info.max_running} requests at once\n"
+        f"warmed in {engine.startup_timings['warm']:.2f} s; {graphs}\n"
+        f"{describe_startup(imports, engine.startup_timings)}"
+    )
+    reloader = None
+    if server.allow_reload_forward:
+        from tsdev.hotreload import Reloader, default_packages
+
+        reloader = Reloader(default_packages())  # snapshots the sources the server is running now
+        console.print(f"reload_forward enabled for {', '.join(reloader.packages)}")
+    log_to_stderr()
+    app = build_app(engine, name, reloader, max_request_body_bytes=server.max_request_body_bytes)
+    try:
+        sock.listen(BACKLOG)  # another server may have bound the port meanwhile (SO_REUSEADDR): one listens
+    except OSError as exc:
+        console.print(f"[red]error:[/red] {bind_error(exc, server.host, server.port)}")
+        return 2
+    port = sock.getsockname()[1]
+
+    def started() -> None:
+        console.print(f"listening on [bold]http://{server.host}:{port}[/bold] (OpenAI API under /v1)")
+
+    uvicorn_config = uvicorn.Config(app, log_level=server.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    _server_class(uvicorn.Server)(uvicorn_config, started, app.state.async_engine.shutdown).run(sockets=[sock])
+    return 0
+
+
+def log_to_stderr() -> None:
+    """The runtime's log lines (one per reload, unhandled errors) as plain lines on stderr."""
+    logger = logging.getLogger("runtime.server")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+def _server_class(base: type) -> type:
+    """uvicorn's Server (imported late: it is part of the startup's imports), told when it accepts
+    connections, stopping the app's streams on SIGINT/SIGTERM, and exiting quietly after such a stop
+    (uvicorn re-raises the signal, which Ctrl-C turns into a KeyboardInterrupt traceback)."""
+
+    class Server(base):
+        def __init__(self, config, on_started, stop_streams):
+            super().__init__(config)
+            self._on_started, self._stop_streams, self._stopping = on_started, stop_streams, None
+
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:
+                self._on_started()
+
+        def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit:
+                self._stopping = asyncio.ensure_future(self._stop_streams())
+            super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            loop = asyncio.get_running_loop()
+            signals = (signal.SIGINT, signal.SIGTERM)
+            for sig in signals:
+                loop.add_signal_handler(sig, self.handle_exit, sig, None)
+            try:
+                yield
+            finally:
+                for sig in signals:
+                    loop.remove_signal_handler(sig)
+
+    return Server
