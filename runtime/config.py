@@ -8,6 +8,10 @@ if TYPE_CHECKING:
     import torch
 
 DEFAULT_CAPTURE_SIZES = [1, 2, 4, 8] + list(range(16, 257, 8))
+LOAD_FORMATS = ("auto", "pinned", "plain")  # --load-format; runtime/weights/loader.py says what each does
+# Where `tsdev serve` and tsdev's clients read the API key when --api-key is not given, the first set first
+# (VLLM_API_KEY: vLLM's, so a vLLM deployment's environment keeps its server closed). docs/security.md.
+API_KEY_ENV_VARS = ("TSDEV_API_KEY", "VLLM_API_KEY")
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 
 
@@ -97,6 +101,8 @@ class EngineConfig:
     async_scheduling: bool = True  # prepare step N+1 while the GPU computes step N
     prefill_graph_max_tokens: int = 2048  # largest prefill graph bucket (clamped to max_batched_tokens); 0: off
     prefill_graph_capture_sizes: list[int] | None = None  # explicit buckets instead of the ladder
+    load_format: str = "auto"  # pinned: staged through a page-locked buffer; plain: safetensors; auto: pinned on CUDA
+    load_memory_limit: int = 16 << 30  # bytes of host memory the pinned staging buffer may take
 
     def torch_dtype(self, model_config: ModelConfig) -> "torch.dtype":
         import torch  # here, so that the CLI and clients read the defaults without loading torch
@@ -110,6 +116,23 @@ class EngineConfig:
             raise ValueError(f"dtype {name!r} not supported: use auto, bfloat16, float16 or float32") from None
 
 
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+               "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "17179869184", "16GB" (10**9), "16GiB" (2**30), "512 MiB", "1.5g"."""
+    number = text.strip().rstrip("bBiIkKmMgGtT ")
+    unit = text.strip()[len(number):].strip().lower()
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _SIZE_UNITS or not 0 <= value * _SIZE_UNITS.get(unit, 1) < 2**63:
+        raise ValueError(f"{text!r} is not a size: give bytes, or a number with a unit such as 16GB or 512MiB")
+    return int(value * _SIZE_UNITS[unit])
+
+
 @dataclass
 class ServerConfig:
     """What `tsdev serve` flags set for the HTTP front (the engine's are EngineConfig's)."""
@@ -120,3 +143,9 @@ class ServerConfig:
     allow_reload_forward: bool = False
     log_level: str = "warning"  # uvicorn's
     max_request_body_bytes: int = 4 * 1024 * 1024  # larger bodies are answered 413 before they are parsed
+    # Who may call what (runtime/server/security.py, docs/security.md):
+    api_key: str | None = field(default=None, repr=False)  # every route but /health and /metrics needs it
+    allow_remote_control: bool = False  # control routes answer any client, not only loopback ones
+    metrics_require_api_key: bool = False  # /metrics needs the key too
+    profile_dir: str = "profiles"  # /start_profile writes only under it
+    allowed_weight_dirs: list[str] = field(default_factory=list)  # weight paths beside the model's directory

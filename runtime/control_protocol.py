@@ -9,9 +9,10 @@ Replies are dumped with `dump()` (JSON-ready dicts, `None` fields kept so the sh
 read with `Model.model_validate(json)` and ignore fields they do not know, so an older client can talk to
 a newer server.
 """
+import re
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationInfo, field_validator
 
 RELOAD_ROUTE = "/v1/rl/engine/reload_forward"
 MODULES_ROUTE = "/v1/rl/engine/modules"
@@ -42,13 +43,31 @@ class _Message(BaseModel):
         return self.model_dump(mode="json")
 
 
+def valid_unicode(text: str) -> str:
+    """`text` unless it holds a lone surrogate: JSON's \\ud800 escapes can carry one, but it is no character, and
+    neither the tokenizer, a file name nor a UTF-8 reply can hold it (they failed with a 500 before)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{text[exc.start]!r} at character {exc.start} is half of a UTF-16 surrogate pair, not a "
+                         "character: send valid Unicode (a character beyond U+FFFF escaped as both halves of its "
+                         "pair, or unescaped)") from None
+    return text
+
+
+# A string from a request body: valid Unicode.
+Text = Annotated[str, AfterValidator(valid_unicode)]
+NAME_MAX = 255  # bytes in one file or directory name on the usual file systems
+PATH_MAX = 1024  # bytes in a path a request may name (the kernel's limit, 4096, counts the directory above too)
+
+
 # --- reload_forward ---------------------------------------------------------------------------------------
 
 
 class ReloadRequest(_Message):
-    id: str = Field(min_length=1, description="the same id again returns the first outcome")
+    id: Text = Field(min_length=1, description="the same id again returns the first outcome")
     mode: Literal["wait", "abort"] = "wait"  # wait: running requests finish first; abort: they are aborted
-    modules: list[str] | None = None  # force these modules (and their dependents) to re-execute
+    modules: list[Text] | None = None  # force these modules (and their dependents) to re-execute
     timeout_s: float | None = Field(None, gt=0)  # bounds drain + reload; nothing changes when it runs out
 
 
@@ -131,8 +150,24 @@ ProfileActivity = Literal["CUDA_PROFILER", "TORCH"]
 class ProfileRequest(_Message):
     activities: list[ProfileActivity] = Field(["CUDA_PROFILER"], min_length=1)
     num_steps: int = Field(20, ge=1)
-    output_dir: str | None = None
-    name: str | None = None  # the range's name (the trace file's, for TORCH)
+    output_dir: Text | None = None  # a subdirectory of the server's profile directory (tsdev serve --profile-dir)
+    name: Text | None = None  # the range's name (the trace file's, for TORCH): a plain file name
+
+    @field_validator("output_dir", "name")
+    @classmethod
+    def _a_path_the_file_system_takes(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """No NUL and no name longer than a file system takes: the trace's write failed with a 500 otherwise."""
+        if value is None:
+            return value
+        if "\0" in value:
+            raise ValueError("must not contain a NUL character")
+        path = value + (".trace.json" if info.field_name == "name" else "")
+        longest = max(len(part.encode()) for part in re.split(r"[/\\]", path))
+        if longest > NAME_MAX or len(path.encode()) > PATH_MAX:
+            raise ValueError(f"is too long for a file system ({longest} bytes in one name, {len(path.encode())} in "
+                             f"all{', with .trace.json' if info.field_name == 'name' else ''}): use at most "
+                             f"{NAME_MAX} bytes per name and {PATH_MAX} in all")
+        return value
 
 
 class ProfileRange(_Message):
@@ -143,6 +178,7 @@ class ProfileRange(_Message):
     num_steps: int | None = None  # when it started: steps it will last
     steps: int | None = None  # when it closed: steps it lasted
     trace: str | None = None  # TORCH: the Chrome/Perfetto trace written
+    error: str | None = None  # when it closed: why its trace could not be written
 
 
 # --- what the server is ---------------------------------------------------------------------------------------

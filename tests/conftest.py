@@ -13,6 +13,11 @@ import pytest
 
 # Tests never write into the user's real cache directory.
 os.environ.setdefault("TSDEV_CACHE_DIR", str(Path(__file__).parent.parent / ".pytest_cache" / "tsdev-cache"))
+# A developer's API key would close every server the tests start (tests that want one set it themselves).
+from runtime.config import API_KEY_ENV_VARS  # noqa: E402
+
+for _name in API_KEY_ENV_VARS:
+    os.environ.pop(_name, None)
 
 
 @pytest.fixture(scope="session")
@@ -39,16 +44,41 @@ def make_engine(tiny_model_dir):
     return make
 
 
+@pytest.fixture
+def package(tmp_path, monkeypatch):
+    """A throwaway package `protopkg` with one module, imported: for a Reloader that must not touch the checkout."""
+    import importlib
+    import sys
+
+    root = tmp_path / "protopkg"
+    root.mkdir()
+    (root / "__init__.py").write_text("")
+    (root / "a.py").write_text("def f():\n    return 1\n\n\nkeep = f\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    importlib.import_module("protopkg.a")
+    yield root
+    for name in [m for m in sys.modules if m == "protopkg" or m.startswith("protopkg.")]:
+        del sys.modules[name]
+
+
 @pytest.fixture(scope="session")
 def tiny_server_log(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("serve") / "serve.log"
 
 
 @pytest.fixture(scope="session")
-def tiny_server(tiny_model_dir, tiny_server_log):
+def tiny_server_profile_dir(tmp_path_factory) -> Path:
+    """Where tiny_server writes profiler traces (its --profile-dir)."""
+    return tmp_path_factory.mktemp("profiles")
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model_dir, tiny_server_log, tiny_server_profile_dir):
     """URL of a `tsdev serve` subprocess on the tiny checkpoint, shared by the tests that only send requests."""
     from serve_process import serve
 
-    args = [str(tiny_model_dir), "--device", "cpu", "--max-model-len", "1024", "--served-model-name", "tiny"]
+    args = [str(tiny_model_dir), "--device", "cpu", "--max-model-len", "1024", "--served-model-name", "tiny",
+            "--profile-dir", str(tiny_server_profile_dir)]
     with serve(args, tiny_server_log) as url:
         yield url

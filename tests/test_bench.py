@@ -92,7 +92,7 @@ def bench_config(monkeypatch, args) -> BenchConfig:
     """The BenchConfig `tsdev bench ARGS` runs (nothing is sent)."""
     seen = []
 
-    async def fake_run(config, progress=None):
+    async def fake_run(config, progress=None, api_key=None):
         seen.append(config)
         return {"model": "m", "config": asdict(config), "metrics": {"failed_requests": 0}, "errors": []}
 

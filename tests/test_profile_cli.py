@@ -12,7 +12,8 @@ from tsdev.server_process import free_port
 
 
 def test_profile_without_nsys_takes_a_torch_range_per_reload_and_summarises_it(tiny_model_dir, tmp_path):
-    env = {**os.environ, "PATH": "/usr/bin:/bin", "NSYS": str(tmp_path / "missing-nsys")}
+    """With an API key (TSDEV_API_KEY): the server profile starts requires it, and profile sends it."""
+    env = {**os.environ, "PATH": "/usr/bin:/bin", "NSYS": str(tmp_path / "missing-nsys"), "TSDEV_API_KEY": "prof-key"}
     out, port = tmp_path / "prof", free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tsdev", "profile", str(tiny_model_dir), "--device", "cpu",
                              "--max-model-len", "512", "--out", str(out), "--ranges", "2", "--num-steps", "4",
@@ -22,7 +23,8 @@ def test_profile_without_nsys_takes_a_torch_range_per_reload_and_summarises_it(t
         while not (out / "reload-0.summary.md").exists():
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "timeout"
             time.sleep(0.5)
-        reply = reload_forward(f"http://127.0.0.1:{port}", ["runtime.layers.activation"], timeout_s=120)
+        reply = reload_forward(f"http://127.0.0.1:{port}", ["runtime.layers.activation"], timeout_s=120,
+                               api_key="prof-key")
         assert reply.ok, reply
         stdout, _ = proc.communicate(timeout=180)
     finally:

@@ -2,7 +2,6 @@
 the runtime never imports the toolkit, so only this test notices when the two drift apart."""
 import importlib
 import inspect
-import sys
 
 import pytest
 
@@ -12,21 +11,6 @@ from runtime.engine.reload_forward import (ForwardReloader, ReloadPlan, ReloadRe
 from tsdev.hotreload import Reloader
 from tsdev.hotreload.reloader import Plan
 from tsdev.hotreload.transaction import Report, Transaction
-
-
-@pytest.fixture
-def package(tmp_path, monkeypatch):
-    """A throwaway package `protopkg` with one module, imported."""
-    root = tmp_path / "protopkg"
-    root.mkdir()
-    (root / "__init__.py").write_text("")
-    (root / "a.py").write_text("def f():\n    return 1\n\n\nkeep = f\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    importlib.invalidate_caches()
-    importlib.import_module("protopkg.a")
-    yield root
-    for name in [m for m in sys.modules if m == "protopkg" or m.startswith("protopkg.")]:
-        del sys.modules[name]
 
 
 @pytest.mark.parametrize("protocol, implementation", [

@@ -73,6 +73,8 @@ def test_chat_streaming_starts_with_the_role(client):
     ({"prompt": [5, 99999]}, 400, "outside the vocabulary"),
     ({"prompt": "hi", "n": 2}, 400, "n:"),
     ({"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    # beyond int64 it failed the engine's step, aborting every request in flight (issue 19's fuzz)
+    ({"prompt": "hi", "top_k": 2**64}, 400, "top_k: Input should be less than or equal to"),
 ])
 def test_bad_completion_requests_are_refused_with_a_reason(client, body, status, needle):
     r = client.post("/v1/completions", json=body)
@@ -200,6 +202,32 @@ def test_chat_roles_are_checked(client):
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "developer", "content": "Be brief."},
                                                                {"role": "user", "content": "hi"}], "max_tokens": 2})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", rb'{"prompt": "\ud800", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", rb'{"prompt": ["hi", "\udfff"], "max_tokens": 2}', "prompt"),
+    ("/v1/completions", rb'{"prompt": "hi", "stop": ["\ud800"], "max_tokens": 2}', "stop"),
+    ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": "\ud800"}]}', "messages.content"),
+    ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": [{"text": "a\udc00"}]}]}',
+     "messages.content.text"),
+])
+def test_text_with_a_lone_surrogate_is_refused_not_a_server_error(client, path, body, param):
+    """JSON's \\ud800 escape carries half a surrogate pair, no tokenizer takes: prompts and messages were a 500."""
+    error = error_of(client.post(path, content=body, headers={"content-type": "application/json"}), 400)
+    assert error["param"] == param and "surrogate pair, not a character: send valid Unicode" in error["message"]
+
+
+@pytest.mark.parametrize("body, content_type, needle", [
+    (b"\xcc\x1b", "application/json", "not UTF-8 text ('utf-8' codec can't decode byte 0xcc"),
+    (b'{"prompt": "hi"}', "text/plain", "not a body sent without the header Content-Type: application/json"),
+    (b'{"prompt": "hi"}', "application/x-www-form-urlencoded", "Content-Type: application/json"),  # curl -d
+    (b'{"prompt": "hi", "temperature": NaN}', "application/json", "temperature: Input should be a finite number"),
+])
+def test_a_body_the_server_cannot_read_says_what_to_send(client, body, content_type, needle):
+    """These were "There was an error parsing the body", "... not something else" and "... less than 2"."""
+    assert needle in error_of(client.post("/v1/completions", content=body, headers={"content-type": content_type}),
+                              400)["message"]
 
 
 LATENCY_HISTOGRAMS = ("tsdev_time_to_first_token_seconds", "tsdev_inter_token_latency_seconds",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from tsdev.client import aiter_sse_data
+from tsdev.client import aiter_sse_data, auth_headers, error_message
 
 WORDS = ("the quick brown fox jumps over a lazy dog while kernels run fast on every GPU in the rack").split()
 
@@ -205,17 +205,20 @@ def percentile(ordered: list[float], q: float) -> float:
 async def server_model(client: httpx.AsyncClient, url: str) -> tuple[str, int]:
     """(first model id, a safe token-id range for random prompts)."""
     response = await client.get(url.rstrip("/") + "/v1/models")
+    if response.status_code in (401, 403):
+        raise PermissionError(f"{url} refused the benchmark ({response.status_code}: {error_message(response)})")
     response.raise_for_status()
     first = response.json()["data"][0]
     return first["id"], min(first.get("vocab_size") or 1000, 10_000)
 
 
-async def run_bench(config: BenchConfig, progress=None) -> dict:
-    """Run the benchmark; `progress(done, total)` is called as requests finish. Returns metrics, config and records."""
+async def run_bench(config: BenchConfig, progress=None, api_key: str | None = None) -> dict:
+    """Run the benchmark; `progress(done, total)` is called as requests finish. Returns metrics, config and records.
+    `api_key`: the server's (sent as `Authorization: Bearer`), kept out of the config so that no result saves it."""
     config.check()
     rng = random.Random(config.seed)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=config.timeout_s, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=config.timeout_s, limits=limits, headers=auth_headers(api_key)) as client:
         try:
             default_model, vocab = await server_model(client, config.url)
         except httpx.HTTPError as exc:
@@ -252,10 +255,10 @@ async def run_bench(config: BenchConfig, progress=None) -> dict:
             "records": [asdict(r) for r in records]}
 
 
-def quick(url: str) -> dict:
+def quick(url: str, api_key: str | None = None) -> dict:
     """A few seconds of load for the TUI's `b` key: 16 requests, 64 in / 32 out, 8 at a time."""
     config = BenchConfig(url=url, num_prompts=16, input_len=64, output_len=32, max_concurrency=8)
-    return asyncio.run(run_bench(config))
+    return asyncio.run(run_bench(config, api_key=api_key))
 
 
 def quick_line(metrics: dict) -> str:

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from runtime.config import EngineConfig, ServerConfig  # no torch: the serve flags' defaults are the configs'
+from runtime.config import API_KEY_ENV_VARS, LOAD_FORMATS, EngineConfig, ServerConfig, parse_size  # no torch: serve's defaults are the configs'
 
 LIST_FLAGS = ("--cudagraph-capture-sizes", "--prefill-graph-capture-sizes")
 # Every reload recaptures every prefill bucket: the ladder (40 buckets up to 2048 tokens) takes 1.2-1.7 s of
@@ -108,6 +108,13 @@ def prefill_capture_sizes(flag: str | None, allow_reload_forward: bool) -> list[
     return list(RELOAD_PREFILL_BUCKETS) if allow_reload_forward else None
 
 
+def api_key_option(help: str = "The server's API key, sent as `Authorization: Bearer KEY`."):
+    """--api-key, read from the environment when not given (docs/security.md)."""
+    return typer.Option("--api-key", envvar=list(API_KEY_ENV_VARS), metavar="KEY", show_default=False,
+                        help=f"{help} Default: $TSDEV_API_KEY, else $VLLM_API_KEY: prefer the environment, which "
+                             "`ps` does not show.")
+
+
 def _default_device() -> str:
     import torch
 
@@ -133,6 +140,13 @@ def serve(
                                                               "the model's, capped at 8192.")] = EngineConfig.max_model_len,
     dtype: Annotated[str, typer.Option(help="auto (checkpoint dtype on CUDA, float32 on CPU), bfloat16, float16, float32.")] = EngineConfig.dtype,
     gpu_memory_utilization: Annotated[float, typer.Option(help="Fraction of GPU memory the server may use in all.")] = EngineConfig.gpu_memory_utilization,
+    load_format: Annotated[str, typer.Option(
+        metavar="auto|pinned|plain", help="How weights reach the GPU. pinned: reader threads fill a page-locked "
+             "staging buffer, copied to the GPU while the next part is read; plain: safetensors, one tensor at a "
+             "time. auto: pinned on CUDA (plain, with a warning, if pinning fails), plain on CPU.")] = EngineConfig.load_format,
+    load_memory_limit: Annotated[str, typer.Option(
+        metavar="SIZE", help="Most host memory the pinned staging buffer may take: bytes, or e.g. 16GiB, "
+                             "512MB.")] = f"{EngineConfig.load_memory_limit >> 30}GiB",
     no_prefix_caching: Annotated[bool, typer.Option(
         "--no-prefix-caching/--enable-prefix-caching", "--no-enable-prefix-caching", show_default=False,
         help="Do not share KV pages between requests with a common prefix (shared by default).")] = not EngineConfig.enable_prefix_caching,
@@ -156,7 +170,24 @@ def serve(
     allow_reload_forward: Annotated[bool, typer.Option(
         "--allow-reload-forward",
         help="Enable POST /v1/rl/engine/reload_forward, which re-executes edited model/kernel code from disk "
-             "in this process. For development only (`tsdev watch` turns it on); without it the route answers 403.")] = False,
+             "in this process. For development only (`tsdev watch` turns it on); without it the route answers 403. "
+             "With a --host other than loopback it needs --api-key.")] = False,
+    api_key: Annotated[Optional[str], api_key_option(
+        "Require `Authorization: Bearer KEY` on every route but /health and /metrics (401 otherwise); "
+        "docs/security.md.")] = None,
+    allow_remote_control: Annotated[bool, typer.Option(
+        "--allow-remote-control", help="Let control routes (reload, pause, profile, events, ...) answer clients on "
+                                       "other machines without an API key; by default only loopback clients (403). "
+                                       "For development on a trusted network only.")] = False,
+    metrics_require_api_key: Annotated[bool, typer.Option(
+        "--metrics-require-api-key", help="Close /metrics behind --api-key too (it is open by default, for "
+                                          "Prometheus).")] = False,
+    profile_dir: Annotated[str, typer.Option(
+        metavar="DIR", help="Where POST /start_profile writes traces; a request may name a subdirectory, never a "
+                            "path outside it.")] = ServerConfig.profile_dir,
+    allowed_weight_dir: Annotated[Optional[list[str]], typer.Option(
+        "--allowed-weight-dir", metavar="DIR", help="A directory the weight routes may load checkpoints from, besides "
+                                                    "the served model's. Repeatable.")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level (warning shows errors only).")] = "warning",
     max_request_body_bytes: Annotated[int, typer.Option(
         metavar="BYTES", help="Largest request body accepted (4 MiB by default); a larger one is answered 413 "
@@ -177,17 +208,27 @@ def serve(
             console.print(f"[red]error:[/red] --device {device}, but this torch ({torch.__version__}) sees no CUDA GPU: "
                           "use --device cpu, or install a CUDA build of torch on a machine with a GPU")
             raise typer.Exit(2)
+    if load_format not in LOAD_FORMATS:
+        raise typer.BadParameter(f"use one of {', '.join(LOAD_FORMATS)}", param_hint="--load-format")
+    try:
+        load_memory_bytes = parse_size(load_memory_limit)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--load-memory-limit") from None
     config = EngineConfig(
         model=model or model_opt, device=device or _default_device(), dtype=dtype, max_running=max_running,
         max_batched_tokens=max_batched_tokens, max_model_len=max_model_len, page_size=page_size, kv_pages=kv_pages,
         gpu_memory_utilization=gpu_memory_utilization, seed=seed, enable_prefix_caching=not no_prefix_caching,
         enforce_eager=enforce_eager, prefill_graph_max_tokens=0 if disable_prefill_graph else prefill_graph_max_tokens,
+        load_format=load_format, load_memory_limit=load_memory_bytes,
     )
     if cudagraph_capture_sizes:
         config.cudagraph_capture_sizes = parse_sizes("--cudagraph-capture-sizes", cudagraph_capture_sizes)
     config.prefill_graph_capture_sizes = prefill_capture_sizes(prefill_graph_capture_sizes, allow_reload_forward)
     server = ServerConfig(host=host, port=port, served_model_name=served_model_name, log_level=log_level,
-                          allow_reload_forward=allow_reload_forward, max_request_body_bytes=max_request_body_bytes)
+                          allow_reload_forward=allow_reload_forward, max_request_body_bytes=max_request_body_bytes,
+                          api_key=api_key or None, allow_remote_control=allow_remote_control,
+                          metrics_require_api_key=metrics_require_api_key, profile_dir=profile_dir,
+                          allowed_weight_dirs=list(allowed_weight_dir or []))
     raise typer.Exit(run_server(config, server, console))
 
 
@@ -199,6 +240,7 @@ def reload(
     timeout_s: Annotated[Optional[float], typer.Option(help="Give up (changing nothing) if drain + reload take longer.")] = None,
     files: Annotated[Optional[list[str]], typer.Option("--file", "-f", metavar="PATH", help="Force the modules these files hold (for editor save hooks); "
                                                        "files outside the reloadable packages' projects are ignored. Repeatable.")] = None,
+    api_key: Annotated[Optional[str], api_key_option()] = None,
 ):
     """Reload the server's forward pass now: edited modules and their dependents re-execute in place.
 
@@ -212,7 +254,8 @@ def reload(
       3  needs a server restart: an edit outside the reloadable packages
          (even when other modules reloaded); `tsdev watch` restarts by itself
       1  the reload failed (file:line shown); the old code keeps serving
-      2  no server at --url, or it refused (403: no --allow-reload-forward)
+      2  no server at --url, or it refused (403: no --allow-reload-forward;
+         401: no or a wrong --api-key)
     """
     from rich.console import Console
     from rich.markup import escape
@@ -236,7 +279,8 @@ def reload(
 
     progress = outcome.ReloadProgress(console, mode)
     try:
-        reply = reload_forward(url, modules, mode, timeout_s, on_event=progress.event, on_tick=progress.tick)
+        reply = reload_forward(url, modules, mode, timeout_s, on_event=progress.event, on_tick=progress.tick,
+                               api_key=api_key)
     except httpx.TransportError as exc:
         console.print(f"[red]error:[/red] cannot reach {url} ({exc}): is a server running there? Start one with "
                       "`tsdev watch` or `tsdev serve --allow-reload-forward`, or pass --url")
@@ -282,6 +326,7 @@ def bench(
     baseline: Annotated[Optional[Path], typer.Option(
         help="A JSON from --save-result: print the change per metric. Refused (exit status 2) when its endpoint or "
              "workload (dataset, lengths, range ratio, prompts, rate, concurrency, seed) differs from this run's.")] = None,
+    api_key: Annotated[Optional[str], api_key_option()] = None,
 ):
     """Load-test a server and report throughput, TTFT, TPOT, ITL and latency (mean, median, p90, p99).
 
@@ -324,8 +369,8 @@ def bench(
                   console=console, transient=True) as bar:
         task = bar.add_task("requests", total=num_prompts)
         try:
-            result = asyncio.run(run_bench(config, lambda done, total: bar.update(task, completed=done)))
-        except (ConnectionError, ValueError) as exc:
+            result = asyncio.run(run_bench(config, lambda done, total: bar.update(task, completed=done), api_key))
+        except (ConnectionError, PermissionError, ValueError) as exc:
             refuse(str(exc))
     console.print(render(result, before))
     if save_result is not None or result_filename:
@@ -343,6 +388,9 @@ def profile(
     num_steps: Annotated[int, typer.Option(help="Engine steps per capture range.")] = 20,
     ranges: Annotated[Optional[int], typer.Option(help="Stop after this many ranges (default: until Ctrl-C).")] = None,
     port: Annotated[int, typer.Option(help="Port of the profiled server.")] = 8000,
+    api_key: Annotated[Optional[str], api_key_option(
+        "An API key the profiled server requires (passed in its environment, not its argv); profile sends it."
+    )] = None,
 ):
     """Serve under Nsight Systems and take one report per reload: `tsdev profile [MODEL] [server flags]`.
 
@@ -360,7 +408,8 @@ def profile(
     from tsdev.profile import run_profile
 
     folder = out or Path("profiles") / _time.strftime("%Y%m%d-%H%M%S")
-    raise typer.Exit(run_profile(list(ctx.args), folder, num_steps, ranges, port, Console(soft_wrap=True)))
+    raise typer.Exit(run_profile(list(ctx.args), folder, num_steps, ranges, port, Console(soft_wrap=True),
+                                 api_key or None))
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
@@ -375,6 +424,9 @@ def watch(
     probe_steps: Annotated[int, typer.Option(help="Tokens per request of the decode probe.")] = 32,
     server_log: Annotated[Optional[Path], typer.Option(help="Where the child server's output goes; default $TMPDIR/tsdev-watch-PORT.log.")] = None,
     profile_each_reload: Annotated[bool, typer.Option("--profile-each-reload", help="Record every reload's decode probe in a profiler capture range (POST /start_profile), as `p` does for the next one.")] = False,
+    api_key: Annotated[Optional[str], api_key_option(
+        "An API key: the server watch starts requires it (passed in its environment, not its argv), and watch "
+        "sends it. With --attach: the running server's key.")] = None,
 ):
     """Serve MODEL and reload it on every save: `tsdev watch [MODEL] [server flags...]`.
 
@@ -394,7 +446,7 @@ def watch(
             raise ValueError("--attach watches a running server: MODEL and server flags are for the server tsdev watch starts")
         config = WatchConfig(model=model, server_args=server_args, attach=attach, settle=settle_ms / 1000,
                              probe_batch=probe_batch, probe_steps=probe_steps, server_log=server_log,
-                             profile_each_reload=profile_each_reload,
+                             profile_each_reload=profile_each_reload, api_key=api_key or None,
                              host=flag_value(server_args, "--host") or "127.0.0.1",
                              port=int(flag_value(server_args, "--port") or 8000))
         code = run(config, tui=not no_tui)

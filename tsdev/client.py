@@ -21,6 +21,11 @@ def body(request: BaseModel) -> dict:
     return request.model_dump(mode="json", exclude_none=True)
 
 
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The header that carries a server's API key (tsdev serve --api-key); none without a key."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def error_message(response: httpx.Response) -> str:
     """The message of an error reply (OpenAI's shape), else the start of its text."""
     try:
@@ -44,24 +49,26 @@ def reload_request(modules: list[str] | None = None, mode: str = "wait", timeout
 
 def reload_forward(url: str, modules: list[str] | None = None, mode: str = "wait", timeout_s: float | None = None,
                    on_event: Callable[[Event], None] | None = None, on_tick: Callable[[], None] | None = None,
-                   tick_s: float = 0.25) -> ReloadReply:
-    """POST reload_forward and return the reply; raises httpx errors and RuntimeError for refusals.
+                   tick_s: float = 0.25, api_key: str | None = None) -> ReloadReply:
+    """POST reload_forward (with the server's `api_key`, if it has one) and return the reply; raises httpx errors
+    and RuntimeError for refusals (401 without the right key, 403 without --allow-reload-forward).
 
     With `on_event`, this reload's events (ReloadStarted, ReloadStep, ReloadFinished) are passed to it while
     the POST is in flight, from the server's event stream, subscribed before the POST is sent (a server
     without the stream just replies); `on_tick()` runs every `tick_s` meanwhile (to show elapsed time)."""
     request = reload_request(modules, mode, timeout_s)
     timeout = None if timeout_s is None else timeout_s + 30
+    headers = auth_headers(api_key)
     if on_event is None:
-        response = httpx.post(url.rstrip("/") + RELOAD_ROUTE, json=body(request), timeout=timeout)
+        response = httpx.post(url.rstrip("/") + RELOAD_ROUTE, json=body(request), timeout=timeout, headers=headers)
     else:
-        response = asyncio.run(_post_following(url.rstrip("/"), request, timeout, on_event, on_tick, tick_s))
+        response = asyncio.run(_post_following(url.rstrip("/"), request, timeout, on_event, on_tick, tick_s, headers))
     return reply_or_raise(response, ReloadReply)
 
 
 async def _post_following(url: str, request: ReloadRequest, timeout: float | None, on_event, on_tick,
-                          tick_s: float) -> httpx.Response:
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5)) as client:
+                          tick_s: float, headers: dict[str, str]) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5), headers=headers) as client:
         subscribed = asyncio.Event()
 
         async def listen() -> None:

@@ -178,8 +178,12 @@ def nsys_stats(nsys: str, report: Path) -> tuple[list[KernelRow], list[KernelRow
             parse_nvtx_csv(nvtx.read_text()) if nvtx.exists() else [])
 
 
-def run_profile(server_args: list[str], out_dir: Path, num_steps: int, max_ranges: int | None, port: int, console) -> int:
-    """Serve under nsys (or plain, with torch traces) and take a range at start and after every reload."""
+def run_profile(server_args: list[str], out_dir: Path, num_steps: int, max_ranges: int | None, port: int, console,
+                api_key: str | None = None) -> int:
+    """Serve under nsys (or plain, with torch traces) and take a range at start and after every reload.
+
+    The server's profile directory is `out_dir` (--profile-dir), so ranges are asked for by name only; `api_key`
+    reaches the server in its environment and goes with every request."""
     import queue
     import threading
 
@@ -187,7 +191,7 @@ def run_profile(server_args: list[str], out_dir: Path, num_steps: int, max_range
     from rich.markdown import Markdown
 
     from runtime.control_protocol import START_PROFILE_ROUTE, ProfileRequest
-    from tsdev.client import body
+    from tsdev.client import auth_headers, body
     from tsdev.server_process import ServerProcess, StartFailed
 
     nsys, looked = find_nsys()
@@ -199,23 +203,24 @@ def run_profile(server_args: list[str], out_dir: Path, num_steps: int, max_range
         prefix, activities = [], ["TORCH"]
         console.print(f"[yellow]nsys not found[/yellow] (looked in {', '.join(looked)}): taking torch profiler "
                       f"traces instead (Chrome/Perfetto JSON in {out_dir}/)")
-    server = ServerProcess(server_args, port, allow_reload_forward=True, prefix=prefix)  # its output: the terminal
-    url = server.url
+    server_args = [*server_args, "--profile-dir", str(out_dir.resolve())]  # the last --profile-dir is the one taken
+    server = ServerProcess(server_args, port, allow_reload_forward=True, prefix=prefix,  # its output: the terminal
+                           api_key=api_key)
+    url, headers = server.url, auth_headers(api_key)
     events: queue.Queue = queue.Queue()
     stop = threading.Event()
     names: list[str] = []  # ranges taken, in order (nsys numbers its reports the same way)
     try:
         server.start()
         server.wait_healthy()
-        threading.Thread(target=_listen, args=(url, events, stop), daemon=True).start()
+        threading.Thread(target=_listen, args=(url, events, stop, headers), daemon=True).start()
         console.print(f"server at {url}: edit, then `tsdev reload --url {url}`; each reload gets a report")
         previous, name = None, "reload-0"
         while True:
             _clear(events)
-            request = ProfileRequest(activities=activities, num_steps=num_steps, output_dir=str(out_dir.resolve()),
-                                     name=name)
-            httpx.post(url + START_PROFILE_ROUTE, json=body(request), timeout=30).raise_for_status()
-            _run_workload_until_closed(url, events, name)
+            request = ProfileRequest(activities=activities, num_steps=num_steps, name=name)
+            httpx.post(url + START_PROFILE_ROUTE, json=body(request), timeout=30, headers=headers).raise_for_status()
+            _run_workload_until_closed(url, events, name, headers)
             names.append(name)
             if nsys:
                 console.print(f"range {name} taken (nsys writes its report when the server stops)")
@@ -233,6 +238,9 @@ def run_profile(server_args: list[str], out_dir: Path, num_steps: int, max_range
     except StartFailed as exc:
         console.print(f"[red]error:[/red] {exc}")
         return 2
+    except (RuntimeError, TimeoutError) as exc:  # the server exited, or a range could not be taken
+        console.print(f"[red]error:[/red] {exc}")
+        return 1
     finally:
         stop.set()
         server.stop(timeout=600)  # nsys processes every range's report on the way out
@@ -261,7 +269,7 @@ def summarize_nsys_ranges(nsys: str, out_dir: Path, names: list[str], console) -
         previous = kernels
 
 
-def _listen(url: str, events, stop) -> None:
+def _listen(url: str, events, stop, headers: dict[str, str]) -> None:
     """The server's events, parsed, into `events` (reconnecting) until `stop` is set."""
     import httpx
 
@@ -270,7 +278,7 @@ def _listen(url: str, events, stop) -> None:
 
     while not stop.is_set():
         try:
-            with httpx.stream("GET", url + EVENTS_ROUTE, timeout=None) as r:
+            with httpx.stream("GET", url + EVENTS_ROUTE, timeout=None, headers=headers) as r:
                 for data in iter_sse_data(r):
                     if (event := parse_event(data)) is not None:
                         events.put(event)
@@ -300,7 +308,7 @@ def _next_reload(events, proc):
             return event
 
 
-def _run_workload_until_closed(url: str, events, name: str, timeout: float = 300) -> None:
+def _run_workload_until_closed(url: str, events, name: str, headers: dict[str, str], timeout: float = 300) -> None:
     """A small fixed workload (8 requests of 64 tokens at a time) until the range `name` closes."""
     import queue
     import threading
@@ -312,7 +320,7 @@ def _run_workload_until_closed(url: str, events, name: str, timeout: float = 300
     closed = threading.Event()
 
     def client() -> None:
-        with httpx.Client(timeout=120) as c:
+        with httpx.Client(timeout=120, headers=headers) as c:
             while not closed.is_set():
                 c.post(url + "/v1/completions", json={"prompt": list(range(1, 65)), "max_tokens": 64,
                                                      "ignore_eos": True, "temperature": 0})
@@ -328,6 +336,8 @@ def _run_workload_until_closed(url: str, events, name: str, timeout: float = 300
             except queue.Empty:
                 continue
             if isinstance(event, ProfileFinished) and event.name == name:
+                if event.error:
+                    raise RuntimeError(f"the server could not write range {name}: {event.error}")
                 return
         raise TimeoutError(f"capture range {name} did not close within {timeout:.0f} s")
     finally:

@@ -75,9 +75,10 @@ class ServerProcess:
 
     def __init__(self, args: Sequence[str] = (), port: int | None = None, *, allow_reload_forward: bool = False,
                  prefix: Sequence[str] = (), cwd: Path | None = None, pythonpath: Path | None = None,
-                 log_path: Path | None = None):
+                 log_path: Path | None = None, api_key: str | None = None):
         """`port` (default: a free one) is added unless ARGS carry --port; `prefix` wraps the command (nsys);
-        `pythonpath` is searched first for imports (a copy of the project); `log_path` None: the terminal."""
+        `pythonpath` is searched first for imports (a copy of the project); `log_path` None: the terminal;
+        `api_key` reaches the server in its environment (TSDEV_API_KEY), never its argv, which `ps` shows."""
         args = list(args)
         if allow_reload_forward and "--allow-reload-forward" not in args:
             args.append("--allow-reload-forward")
@@ -87,8 +88,12 @@ class ServerProcess:
         self.argv = [*prefix, sys.executable, "-m", "tsdev", *self.serve_args]
         self.url = local_url(flag_value(args, "--host") or "127.0.0.1", int(flag_value(args, "--port")))
         self.cwd, self.log_path = cwd, log_path
-        self.env = None if pythonpath is None else {
-            **os.environ, "PYTHONPATH": f"{pythonpath}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        extra = {}
+        if pythonpath is not None:
+            extra["PYTHONPATH"] = f"{pythonpath}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+        if api_key:
+            extra["TSDEV_API_KEY"] = api_key
+        self.env = {**os.environ, **extra} if extra else None
         self.proc: subprocess.Popen | None = None  # None once stop() was called
         self._offset = 0  # where the current run's output starts in the log
 

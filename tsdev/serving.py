@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from runtime.config import EngineConfig, ServerConfig
 
@@ -80,8 +81,13 @@ def describe_graphs(info, cuda: bool, timings: dict) -> str:
 
 def run_server(config: EngineConfig, server: ServerConfig, console: Console | None = None) -> int:
     """Bind, load the model, serve until SIGINT/SIGTERM. Returns the exit status: 0 once stopped, 2 when the
-    port or the model cannot be used, 130 for Ctrl-C during the load."""
+    security flags do not go together or the port or the model cannot be used, 130 for Ctrl-C during the load."""
+    from runtime.server.security import startup_refusal
+
     console = console or Console(stderr=True, soft_wrap=True)
+    if refusal := startup_refusal(server):
+        console.print(f"[red]error:[/red] {escape(refusal)}")
+        return 2
     try:
         sock = bind(server.host, server.port)
     except OSError as exc:
@@ -101,6 +107,7 @@ def _load_and_serve(config: EngineConfig, server: ServerConfig, sock: socket.soc
 
     from runtime.engine.llm_engine import LLMEngine
     from runtime.server.app import build_app
+    from runtime.server.security import SecurityPolicy, describe
 
     imports = time.perf_counter() - imports_start
     start = time.perf_counter()
@@ -127,8 +134,11 @@ def _load_and_serve(config: EngineConfig, server: ServerConfig, sock: socket.soc
 
         reloader = Reloader(default_packages())  # snapshots the sources the server is running now
         console.print(f"reload_forward enabled for {', '.join(reloader.packages)}")
+    if access := describe(server):
+        console.print(access)
     log_to_stderr()
-    app = build_app(engine, name, reloader, max_request_body_bytes=server.max_request_body_bytes)
+    app = build_app(engine, name, reloader, max_request_body_bytes=server.max_request_body_bytes,
+                    security=SecurityPolicy.of(server))
     try:
         sock.listen(BACKLOG)  # another server may have bound the port meanwhile (SO_REUSEADDR): one listens
     except OSError as exc:

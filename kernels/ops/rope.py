@@ -14,10 +14,10 @@ from kernels.ops import use_triton
 from kernels.ops.norm import rms_norm_ref
 
 
-def rope_cos_sin_cache(head_dim: int, max_positions: int, theta: float) -> torch.Tensor:
+def rope_cos_sin_cache(head_dim: int, max_positions: int, theta: float, device=None) -> torch.Tensor:
     """[max_positions, head_dim] float32: cos in the first half, sin in the second."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.int64).float(), inv_freq)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.int64, device=device).float(), inv_freq)
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 

@@ -16,7 +16,7 @@ from runtime.engine.prefill_graphs import PrefillGraphs, prefill_buckets
 from runtime.engine.scheduler import ScheduledBatch
 from runtime.engine.sequence import PENDING, SamplingParams, Sequence
 from runtime.layers.attention import Attention
-from runtime.models import MODELS
+from runtime.models import build_model
 from runtime.sampling.sampler import Sampler
 from runtime.weights.default_model import default_model_dir
 from runtime.weights.loader import load_weights
@@ -72,14 +72,8 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype(model_config)
         torch.manual_seed(config.seed)
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with self.device:
-                self.model = MODELS[model_config.architecture](model_config)
-        finally:
-            torch.set_default_dtype(default_dtype)
-        load_weights(self.model, checkpoint.dir)
+        self.model = build_model(model_config, self.device, self.dtype)
+        self.load_report = load_weights(self.model, checkpoint.dir, config.load_format, config.load_memory_limit)
         self.model.eval()
         self.sampler = Sampler()
         self.max_model_len = max_model_len

@@ -80,8 +80,11 @@ class StepProfiler:
             torch.cuda.profiler.stop()
         if r.torch_profiler is not None:
             r.torch_profiler.stop()
-            r.output_dir.mkdir(parents=True, exist_ok=True)
             path = r.output_dir / f"{r.name}.trace.json"
-            r.torch_profiler.export_chrome_trace(str(path))
-            info.trace = str(path)
+            try:  # a full disk must not fail the engine step that closed the range
+                r.output_dir.mkdir(parents=True, exist_ok=True)
+                r.torch_profiler.export_chrome_trace(str(path))
+                info.trace = str(path)
+            except OSError as exc:
+                info.error = f"could not write the trace {path}: {exc.strerror or exc}"
         return info

@@ -9,7 +9,13 @@ from kernels.ops import rope as rope_ops
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float):
         super().__init__()
-        self.register_buffer("cos_sin_cache", rope_ops.rope_cos_sin_cache(head_dim, max_positions, theta), persistent=False)
+        self.head_dim, self.max_positions, self.theta = head_dim, max_positions, theta
+        # derived, not loaded: filled by process_weights_after_loading, in place (CUDA graphs read it)
+        self.register_buffer("cos_sin_cache", torch.empty(max_positions, head_dim, dtype=torch.float32), persistent=False)
+
+    def process_weights_after_loading(self) -> None:
+        table = rope_ops.rope_cos_sin_cache(self.head_dim, self.max_positions, self.theta, self.cos_sin_cache.device)
+        self.cos_sin_cache.copy_(table)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                 q_norm: nn.Module | None = None, k_norm: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,6 +24,7 @@ from runtime.server.chat import ChatTemplate
 from runtime.server.control import add_control_routes
 from runtime.server.metrics import EngineMetrics
 from runtime.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from runtime.server.security import Guard, SecurityPolicy
 from runtime.server.sse import sse_response
 
 
@@ -53,8 +54,10 @@ def error_response(status: int, message: str, param: str | None = None, type_: s
 
 
 def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReloader | None = None,
-              max_request_body_bytes: int = ServerConfig.max_request_body_bytes) -> FastAPI:
+              max_request_body_bytes: int = ServerConfig.max_request_body_bytes,
+              security: SecurityPolicy | None = None) -> FastAPI:
     """The app; `reloader` (a tsdev.hotreload.Reloader or alike) enables reload_forward, None refuses it (403).
+    `security`: who may call what (API key, loopback-only control routes, profile and weight directories).
     `app.state.async_engine.shutdown()` ends its requests and streams (what a server does on SIGTERM)."""
     metrics = EngineMetrics(engine)
     async_engine = AsyncEngine(engine, on_step=metrics.on_step)
@@ -72,10 +75,12 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReload
         tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="tsdev runtime", lifespan=lifespan)
+    security = security or SecurityPolicy()
     app.add_middleware(BodyLimit, max_bytes=max_request_body_bytes)
-    app.state.engine, app.state.async_engine = engine, async_engine
+    app.add_middleware(Guard, policy=security)  # added last: runs first, before the body is read
+    app.state.engine, app.state.async_engine, app.state.security = engine, async_engine, security
     reload_forward = ReloadForward(async_engine, reloader, engine.config.rank) if reloader is not None else None
-    add_control_routes(app, async_engine, reload_forward, APIError)
+    add_control_routes(app, async_engine, reload_forward, APIError, security)
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -83,9 +88,12 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReload
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request, exc: RequestValidationError):
-        first = exc.errors()[0]
+        errors = exc.errors()
+        # A validator's own message says more than the type mismatches of a union's other members.
+        first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        field = ".".join(p for p in loc if not p.isdigit() and p[:1].islower()) or None
+        # Field names only: no list indexes, no union members ("list[int]", "function-after[valid_unicode(), str]").
+        field = ".".join(p for p in loc if p.isidentifier() and p[:1].islower()) or None
         message = first.get("msg", "invalid request").removeprefix("Value error, ")
         if first.get("type") == "json_invalid":
             message = f"the request body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})"
@@ -104,6 +112,8 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReload
         elif exc.status_code == 405:
             allowed = next((v for k, v in (exc.headers or {}).items() if k.lower() == "allow"), "another method")
             message = f"{method} is not allowed on {path}: use {allowed}"
+        elif exc.status_code == 400 and isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's body parsing
+            message = f"the request body is not UTF-8 text ({exc.__cause__}): send JSON encoded as UTF-8"
         else:
             message = str(exc.detail)
         response = error_response(exc.status_code, message)
@@ -291,7 +301,9 @@ def prompt_char_limit(engine: LLMEngine) -> int:
 def not_an_object(path: str, value) -> str:
     """What to send instead of a body that is not a JSON object (an array, a string, nothing)."""
     what = {list: "a JSON array", str: "a JSON string", type(None): "no body (or null)",
-            bool: "a boolean", int: "a number", float: "a number"}.get(type(value), "something else")
+            bool: "a boolean", int: "a number", float: "a number",
+            bytes: "a body sent without the header Content-Type: application/json (send that header)"
+            }.get(type(value), "something else")
     shape = BODY_SHAPES.get(path)
     return (f"the request body must be a JSON object" + (f" with {shape}" if shape else "") + f", not {what}"
             + (" (one request per body: send several prompts as a list in \"prompt\")" if path == "/v1/completions"

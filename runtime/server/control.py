@@ -11,6 +11,7 @@ from runtime.control_protocol import (CONTINUE_ROUTE, EVENTS_ROUTE, FLUSH_ROUTE,
 from runtime.engine.async_engine import AsyncEngine
 from runtime.engine.profiler import RangeOpen
 from runtime.engine.reload_forward import ReloadForward
+from runtime.server.security import PathNotAllowed, SecurityPolicy
 from runtime.server.sse import sse_response
 
 RELOAD_DISABLED = ("reload_forward is disabled on this server: start it with `tsdev serve --allow-reload-forward` "
@@ -18,7 +19,8 @@ RELOAD_DISABLED = ("reload_forward is disabled on this server: start it with `ts
 
 
 def add_control_routes(app: FastAPI, async_engine: AsyncEngine, reload_forward: ReloadForward | None,
-                       api_error: type[Exception]) -> None:
+                       api_error: type[Exception], security: SecurityPolicy) -> None:
+    """Who may call these is security's concern (runtime/server/security.py): its Guard covers every path."""
     ae = async_engine
 
     def reloads() -> ReloadForward:
@@ -70,7 +72,12 @@ def add_control_routes(app: FastAPI, async_engine: AsyncEngine, reload_forward: 
     async def start_profile(body: ProfileRequest | None = None):
         body = body or ProfileRequest()
         try:
-            info = await ae.run_on_engine_thread(ae.profiler.start, body.activities, body.num_steps, body.output_dir, body.name)
+            directory = security.profile_target(body.output_dir, body.name)  # confined to --profile-dir
+        except PathNotAllowed as exc:
+            raise api_error(400, str(exc), exc.param, "invalid_request_error") from None
+        try:
+            info = await ae.run_on_engine_thread(ae.profiler.start, body.activities, body.num_steps, str(directory),
+                                                 body.name)
         except ValueError as exc:
             status = 409 if isinstance(exc, RangeOpen) else 400
             raise api_error(status, str(exc), None, "invalid_request_error") from None

@@ -3,6 +3,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from runtime.control_protocol import Text
 from runtime.engine.sequence import SamplingParams
 
 
@@ -13,11 +14,11 @@ class StreamOptions(BaseModel):
 class SamplingRequest(BaseModel):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1)
+    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    top_k: int = Field(0, ge=-1, le=2**31 - 1)  # 0 or -1: off; beyond int64 it broke the engine's step (issue 19)
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -43,21 +44,21 @@ class SamplingRequest(BaseModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     echo: Literal[False] = False
 
 
 class ContentPart(BaseModel):
     type: str = "text"
-    text: str = ""
+    text: Text = ""
 
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 class ChatMessage(BaseModel):
-    role: str
-    content: str | list[ContentPart] | None = None
+    role: str = Field(json_schema_extra={"enum": list(ROLES)})  # checked below, with a message that lists them
+    content: Text | list[ContentPart] | None = None
 
     @field_validator("role")
     @classmethod

@@ -1,65 +1,168 @@
-"""Load a Hugging Face safetensors checkpoint (single file or sharded) into a model."""
-import json
+"""Load a Hugging Face safetensors checkpoint (single file or sharded) into a model.
+
+`load_weights` reads the checkpoint's headers first, so a checkpoint that does not fit the model fails
+before any data is read, naming what is missing, extra or mis-shaped. The data then arrives one way or
+the other (`--load-format`):
+
+* `pinned`: staged through a page-locked buffer by several reader threads and copied to the device
+  asynchronously (`runtime/weights/pinned.py`); the loaders see device tensors, so fused loads are
+  device-to-device copies. If pinning is not possible (a CPU device, a failed registration) it falls back
+  to `plain` with one warning.
+* `plain`: safetensors' own reader, one tensor at a time, copied into the parameter.
+* `auto` (the default): `pinned` on CUDA, `plain` on CPU (where the device is host memory already).
+
+Either way every parameter is bit-identical, and each module's post-load hook runs once its parameters
+are complete (`runtime/weights/processing.py`). `load_tensors` loads into the existing parameters again
+(a weight update) and reruns the hooks in place.
+"""
+import contextlib
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
-
-def checkpoint_files(model_dir: Path) -> list[Path]:
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        missing = [s for s in shards if not (model_dir / s).is_file()]
-        if missing:
-            raise FileNotFoundError(f"{index} names shards that are not there: {', '.join(missing)}")
-        return [model_dir / s for s in shards]
-    single = model_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise FileNotFoundError(
-        f"{model_dir} has neither model.safetensors nor model.safetensors.index.json: "
-        "pass a Hugging Face checkpoint directory with safetensors weights"
-    )
+from runtime.config import LOAD_FORMATS, EngineConfig
+from runtime.weights.checkpoint import TensorEntry, checkpoint_files, read_entries
+from runtime.weights.pinned import PinningUnavailable, StagedLoad
+from runtime.weights.processing import Counts, LoadSession
 
 
-def load_weights(model: nn.Module, model_dir: Path) -> None:
-    """Copy every checkpoint tensor into its parameter; fail naming what is missing, extra or mis-shaped."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
-    expected = {name for name in params if not _is_tied(model, name)}
-    for name, param in params.items():
-        module = model.get_submodule(name.rsplit(".", 1)[0])
-        if hasattr(module, "shard_offsets"):
-            expected.discard(name)
-            expected |= {f"{name}#{shard}" for shard in module.shard_offsets}
-    loaded, unexpected = set(), []
-    for path in checkpoint_files(model_dir):
+@dataclass(frozen=True)
+class LoadReport:
+    format: str  # what ran: pinned or plain
+    nbytes: int
+    seconds: float
+    detail: str = ""  # the staging's shape and setup time, for pinned
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.nbytes / max(self.seconds, 1e-9) / 1e9
+
+    def __str__(self) -> str:
+        extra = f" ({self.detail})" if self.detail else ""
+        return (f"{self.format}: {self.nbytes / 1e9:.2f} GB in {self.seconds:.2f} s, "
+                f"{self.gb_per_s:.1f} GB/s{extra}")
+
+
+def load_weights(model: nn.Module, model_dir: Path, load_format: str = EngineConfig.load_format,
+                 memory_limit: int = EngineConfig.load_memory_limit) -> LoadReport:
+    """Copy every checkpoint tensor into its parameter and run the post-load hooks."""
+    begin = time.perf_counter()
+    entries = read_entries(checkpoint_files(model_dir))
+    targets = _Targets(model)
+    session = LoadSession(model, targets.expected_loads(entries, model_dir))
+    device = next(model.parameters()).device
+    with _tensor_source(entries, device, load_format, memory_limit) as (fmt, detail, tensors):
+        for name, tensor in tensors:
+            targets.load(name, tensor, session)
+        session.finish()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return LoadReport(fmt, sum(e.nbytes for e in entries), time.perf_counter() - begin, detail)
+
+
+def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Load checkpoint-named tensors into `model`'s existing parameters, in any order, repeats allowed (a
+    weight update); each module's hook reruns, into the same storage, once its parameters have every
+    load they had at the first `load_weights`. Ends with an error if some did not get all of them."""
+    targets, session = _Targets(model), LoadSession(model)
+    for name, tensor in tensors:
+        targets.load(name, tensor, session)
+    session.finish()
+
+
+@contextlib.contextmanager
+def _tensor_source(entries: list[TensorEntry], device: torch.device, load_format: str, memory_limit: int):
+    """(format used, detail, iterator of (checkpoint name, tensor)), falling back from pinned to plain."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"--load-format {load_format!r}: use {', '.join(LOAD_FORMATS)}")
+    if load_format == "pinned" or (load_format == "auto" and device.type == "cuda"):
+        try:
+            staged = StagedLoad(entries, device, memory_limit)
+        except PinningUnavailable as exc:
+            print(f"warning: pinned weight loading is not possible ({exc}); loading with --load-format plain",
+                  file=sys.stderr)
+        else:
+            with staged:
+                yield "pinned", staged.describe(), iter(staged)
+            return
+    yield "plain", "", _plain_tensors(entries)
+
+
+def _plain_tensors(entries: list[TensorEntry]) -> Iterator[tuple[str, torch.Tensor]]:
+    files: dict[Path, list[str]] = {}
+    for entry in entries:
+        files.setdefault(entry.path, []).append(entry.name)
+    for path, names in files.items():
         with safe_open(str(path), framework="pt") as f:
-            for ckpt_name in f.keys():
-                target, shard = _map_name(ckpt_name, packed)
-                if target not in params:
-                    unexpected.append(ckpt_name)
-                    continue
-                tensor = f.get_tensor(ckpt_name)
-                param = params[target]
-                if shard is not None:
-                    model.get_submodule(target.rsplit(".", 1)[0]).load_shard(shard, tensor)
-                    loaded.add(f"{target}#{shard}")
-                    continue
-                if param.shape != tensor.shape:
-                    raise ValueError(f"{path.name}: {ckpt_name} has shape {tuple(tensor.shape)}, "
-                                     f"the model expects {tuple(param.shape)}: config.json and weights disagree")
-                param.data.copy_(tensor)
-                loaded.add(target)
-    missing = sorted(expected - loaded)
-    if missing:
-        raise ValueError(f"{model_dir}: checkpoint lacks {len(missing)} tensor(s), e.g. {', '.join(missing[:5])}")
-    if unexpected:
-        raise ValueError(f"{model_dir}: checkpoint has {len(unexpected)} tensor(s) this model does not use, "
-                         f"e.g. {', '.join(unexpected[:5])}: is config.json's architecture right?")
+            for name in names:
+                yield name, f.get_tensor(name)
+
+
+class _Targets:
+    """Where each checkpoint tensor goes in one model: (parameter name, parameter, owning module, shard)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.params = dict(model.named_parameters(remove_duplicate=False))  # tied names too
+        self.canonical = {id(p): name for name, p in model.named_parameters()}
+        self.packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
+
+    def resolve(self, ckpt_name: str) -> tuple[str, nn.Parameter, nn.Module, str | None] | None:
+        target, shard = _map_name(ckpt_name, self.packed)
+        if target not in self.params:
+            return None
+        param = self.params[target]
+        return self.canonical[id(param)], param, self.model.get_submodule(target.rsplit(".", 1)[0]), shard
+
+    def expected_loads(self, entries: list[TensorEntry], model_dir: Path) -> Counts:
+        """The loads each parameter gets from these tensors; fails naming what is mis-shaped, missing or extra."""
+        counts: Counts = {}
+        unexpected = []
+        for entry in entries:
+            target = self.resolve(entry.name)
+            if target is None:
+                unexpected.append(entry.name)
+                continue
+            name, param, module, shard = target
+            shape = tuple(param.shape) if shard is None else (module.shard_offsets[shard][1], *param.shape[1:])
+            if entry.shape != shape:
+                raise ValueError(f"{entry.path.name}: {entry.name} has shape {entry.shape}, the model expects "
+                                 f"{shape}: config.json and weights disagree")
+            counts.setdefault(name, {})[shard] = entry.numel
+        missing = [f"{name}#{shard}" if shard else name for name, shards in self._needed().items()
+                   for shard in shards if shard not in counts.get(name, {})]
+        if missing:
+            raise ValueError(f"{model_dir}: checkpoint lacks {len(missing)} tensor(s), e.g. {', '.join(missing[:5])}")
+        if unexpected:
+            raise ValueError(f"{model_dir}: checkpoint has {len(unexpected)} tensor(s) this model does not use, "
+                             f"e.g. {', '.join(unexpected[:5])}: is config.json's architecture right?")
+        return counts
+
+    def _needed(self) -> dict[str, list[str | None]]:
+        needed = {}
+        for name in self.canonical.values():
+            module = self.model.get_submodule(name.rsplit(".", 1)[0])
+            needed[name] = list(module.shard_offsets) if hasattr(module, "shard_offsets") else [None]
+        return needed
+
+    def load(self, ckpt_name: str, tensor: torch.Tensor, session: LoadSession) -> None:
+        target = self.resolve(ckpt_name)
+        if target is None:
+            raise ValueError(f"{ckpt_name}: this model has no parameter for it")
+        name, param, module, shard = target
+        if shard is not None:
+            module.load_shard(shard, tensor)
+        elif param.shape != tensor.shape:
+            raise ValueError(f"{ckpt_name} has shape {tuple(tensor.shape)}, the model expects {tuple(param.shape)}")
+        else:
+            param.data.copy_(tensor)
+        session.loaded(param, shard, tensor.numel())
 
 
 def _map_name(name: str, packed: dict[str, tuple[str, str]]) -> tuple[str, str | None]:
@@ -67,9 +170,3 @@ def _map_name(name: str, packed: dict[str, tuple[str, str]]) -> tuple[str, str |
         if f".{fragment}." in name:
             return name.replace(f".{fragment}.", f".{merged}."), shard
     return name, None
-
-
-def _is_tied(model: nn.Module, name: str) -> bool:
-    if name != "lm_head.weight" or not hasattr(model, "lm_head"):
-        return False
-    return model.lm_head.weight is model.get_submodule("model.embed_tokens").weight

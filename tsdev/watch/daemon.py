@@ -43,10 +43,10 @@ class Daemon:
         self.watcher = Watcher(self.packages, config.settle)
         self.server = None if config.attach else ServerProcess(
             [*([config.model] if config.model else []), *config.server_args], config.port, allow_reload_forward=True,
-            cwd=config.project, log_path=config.log_path)
+            cwd=config.project, log_path=config.log_path, api_key=config.api_key)
         self.info = {"state": "starting", "url": config.url, "model": None, "device": None, "pid": None,
                      "log": str(config.log_path) if self.server else None, "attach": bool(config.attach)}
-        self.link = ServerLink(config.url, transport)
+        self.link = ServerLink(config.url, transport, config.api_key)
         self.checker = Checker(self.link, config, self.message)
         self.jobs = Jobs()
         self.reloads = Reloads(self)
@@ -132,6 +132,8 @@ class Daemon:
                 self.paused = event.paused if isinstance(event, Hello) else isinstance(event, Paused)
                 if self.info["state"] in ("serving", "paused"):
                     self.set_state("serving")
+            elif isinstance(event, ProfileFinished) and event.error:
+                self.message(f"profile {event.name} not written: {event.error}", "error")
             elif isinstance(event, ProfileFinished):
                 self.message(f"profile written: {event.trace or event.name}")
             else:
@@ -195,7 +197,7 @@ class Daemon:
 
         self.message("quick bench running...")
         try:
-            result = await asyncio.to_thread(quick, self.config.url)
+            result = await asyncio.to_thread(quick, self.config.url, self.config.api_key)
         except Exception as exc:
             self.message(f"quick bench failed: {type(exc).__name__}: {exc}", "error")
             return

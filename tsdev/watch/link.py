@@ -11,7 +11,7 @@ import httpx
 from runtime.control_protocol import (EVENTS_ROUTE, MODULES_ROUTE, RELOAD_ROUTE, SERVER_INFO_ROUTE,
                                       START_PROFILE_ROUTE, Event, ModulesReply, ProfileRequest, ReloadReply,
                                       ServerInfo, parse_event)
-from tsdev.client import aiter_sse_data, body, error_message, reload_request, reply_or_raise
+from tsdev.client import aiter_sse_data, auth_headers, body, error_message, reload_request, reply_or_raise
 
 
 @dataclass
@@ -22,9 +22,11 @@ class Described:
 
 
 class ServerLink:
-    def __init__(self, url: str, transport: httpx.AsyncBaseTransport | None = None):
+    def __init__(self, url: str, transport: httpx.AsyncBaseTransport | None = None, api_key: str | None = None):
+        """`api_key`: the server's (tsdev serve --api-key), sent on every call, the checks' completions included."""
         self.url = url
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(60, read=None), transport=transport)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(60, read=None), transport=transport,
+                                        headers=auth_headers(api_key))
 
     async def reachable(self) -> None:
         """Raises httpx.TransportError when nothing answers."""
