@@ -65,10 +65,13 @@ def main() -> None:
     parser.add_argument("--breakdown", action="store_true",
                         help="also print the GPU time per kernel name of one graph replay (torch profiler)")
     parser.add_argument("--prefill-graph-max-tokens", type=int, default=2048, help="0: no prefill graphs")
+    parser.add_argument("--quantization", choices=["fp8"], default=None,
+                        help="fp8: e4m3 projections (compare with a run without it)")
     args = parser.parse_args()
 
     config = EngineConfig(model=args.model, device="cuda", max_running=max(args.batch_sizes),
-                          max_model_len=max(2 * args.context, 1024), prefill_graph_max_tokens=args.prefill_graph_max_tokens)
+                          max_model_len=max(2 * args.context, 1024), prefill_graph_max_tokens=args.prefill_graph_max_tokens,
+                          quantization=args.quantization)
     engine = LLMEngine(config)  # first: built after a freed runner, its host step at 256 rows measured ~1 ms slower
     engine_times = {bs: engine_step_time(engine, bs, args.context, args.iters, args.temperature) for bs in args.batch_sizes}
     del engine  # the runner sizes its KV pool to the memory left
@@ -80,8 +83,11 @@ def main() -> None:
     bm, c = BlockManager(runner.num_pages, config.page_size), checkpoint.config
     bandwidth = copy_bandwidth(runner.device)
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    for m in runner.model.modules():  # fp8 projections read their e4m3 copy and scales, not the kept weight
+        if getattr(m, "quantization", None) == "fp8":
+            weight_bytes += m.weight_fp8.numel() + 4 * m.weight_scale.numel() - m.weight.numel() * m.weight.element_size()
     kv_bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * runner.dtype.itemsize
-    print(f"{checkpoint.dir.name}: {weight_bytes / 1e9:.2f} GB of weights, copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
+    print(f"{checkpoint.dir.name}{' fp8' if args.quantization else ''}: {weight_bytes / 1e9:.2f} GB of weights read per step, copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
           f"context {args.context}, graphs {runner.decode_graphs.sizes if runner.decode_graphs else 'off'}")
     print(f"{'batch':>5} {'step ms':>8} {'graph ms':>8} {'engine ms':>9} {'floor ms':>8} {'step/floor':>10} {'tok/s':>9} {'GB/s':>7}")
     params = SamplingParams(max_tokens=1, temperature=args.temperature, ignore_eos=True)

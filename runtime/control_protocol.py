@@ -12,7 +12,7 @@ a newer server.
 import re
 from typing import Annotated, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationInfo, field_validator
+from pydantic import AfterValidator, AliasChoices, BaseModel, ConfigDict, Field, TypeAdapter, ValidationInfo, field_validator
 
 RELOAD_ROUTE = "/v1/rl/engine/reload_forward"
 MODULES_ROUTE = "/v1/rl/engine/modules"
@@ -23,6 +23,13 @@ FLUSH_ROUTE = "/flush_cache"
 START_PROFILE_ROUTE = "/start_profile"
 STOP_PROFILE_ROUTE = "/stop_profile"
 SERVER_INFO_ROUTE = "/server_info"
+SLEEP_ROUTE = "/sleep"  # vLLM's sleep mode routes
+WAKE_UP_ROUTE = "/wake_up"
+IS_SLEEPING_ROUTE = "/is_sleeping"
+RELOAD_WEIGHTS_ROUTE = "/v1/rl/engine/reload_weights"
+UPDATE_WEIGHTS_FROM_DISK_ROUTE = "/update_weights_from_disk"  # SGLang's name for reload_weights
+SLEEP_TAGS = ("weights", "kv_cache")
+SleepTag = Literal[SLEEP_TAGS]
 
 # The timed steps of a reload, in the order the server runs them. jit compiles edited kernels ahead while the
 # old code serves (a failure there only warns); the others run while serving is paused.
@@ -59,6 +66,21 @@ def valid_unicode(text: str) -> str:
 Text = Annotated[str, AfterValidator(valid_unicode)]
 NAME_MAX = 255  # bytes in one file or directory name on the usual file systems
 PATH_MAX = 1024  # bytes in a path a request may name (the kernel's limit, 4096, counts the directory above too)
+
+
+def file_system_path(value: str | None, suffix: str = "") -> str | None:
+    """`value` when a file system takes it (with `suffix` appended): no NUL, no name or path longer than allowed."""
+    if value is None:
+        return value
+    if "\0" in value:
+        raise ValueError("must not contain a NUL character")
+    path = value + suffix
+    longest = max(len(part.encode()) for part in re.split(r"[/\\]", path))
+    if longest > NAME_MAX or len(path.encode()) > PATH_MAX:
+        raise ValueError(f"is too long for a file system ({longest} bytes in one name, {len(path.encode())} in "
+                         f"all{f', with {suffix}' if suffix else ''}): use at most {NAME_MAX} bytes per name and "
+                         f"{PATH_MAX} in all")
+    return value
 
 
 # --- reload_forward ---------------------------------------------------------------------------------------
@@ -156,18 +178,8 @@ class ProfileRequest(_Message):
     @field_validator("output_dir", "name")
     @classmethod
     def _a_path_the_file_system_takes(cls, value: str | None, info: ValidationInfo) -> str | None:
-        """No NUL and no name longer than a file system takes: the trace's write failed with a 500 otherwise."""
-        if value is None:
-            return value
-        if "\0" in value:
-            raise ValueError("must not contain a NUL character")
-        path = value + (".trace.json" if info.field_name == "name" else "")
-        longest = max(len(part.encode()) for part in re.split(r"[/\\]", path))
-        if longest > NAME_MAX or len(path.encode()) > PATH_MAX:
-            raise ValueError(f"is too long for a file system ({longest} bytes in one name, {len(path.encode())} in "
-                             f"all{', with .trace.json' if info.field_name == 'name' else ''}): use at most "
-                             f"{NAME_MAX} bytes per name and {PATH_MAX} in all")
-        return value
+        """The trace's write failed with a 500 otherwise."""
+        return file_system_path(value, ".trace.json" if info.field_name == "name" else "")
 
 
 class ProfileRange(_Message):
@@ -179,6 +191,58 @@ class ProfileRange(_Message):
     steps: int | None = None  # when it closed: steps it lasted
     trace: str | None = None  # TORCH: the Chrome/Perfetto trace written
     error: str | None = None  # when it closed: why its trace could not be written
+
+
+# --- sleep / wake / weights ---------------------------------------------------------------------------------
+
+
+class SleepRequest(_Message):
+    level: Literal[1, 2] = 1  # 1: weights kept in host memory, KV discarded; 2: both discarded
+
+
+class SleepStatus(_Message):
+    """GET /is_sleeping (vLLM's `is_sleeping` key, and more); the state part of the sleep and wake replies."""
+    is_sleeping: bool
+    level: int | None = None  # while sleeping
+    asleep: list[SleepTag] = []  # what is still freed (a wake_up with tags may bring back one of them)
+    weights_loaded: bool = True  # False after a level-2 sleep until reload_weights
+
+
+class SleepReply(SleepStatus):
+    freed_bytes: int = 0  # device bytes of the weights and the KV pool freed (0: it was asleep already)
+    device_freed_bytes: int | None = None  # what cudaMemGetInfo saw come free (graphs' pools too); None off CUDA
+    seconds: float = 0.0  # drain included
+
+
+class WakeUpRequest(_Message):
+    tags: list[SleepTag] | None = None  # default: everything asleep
+
+
+class WakeUpReply(SleepStatus):
+    woken: list[SleepTag] = []
+    recapture_seconds: float = 0.0  # the graphs are recaptured once weights and KV are both back
+    seconds: float = 0.0
+
+
+class ReloadWeightsRequest(_Message):
+    # under the served model's directory or an --allowed-weight-dir; default: the served model's directory.
+    # SGLang's /update_weights_from_disk sends it as model_path.
+    path: Text | None = Field(None, validation_alias=AliasChoices("path", "model_path"))
+
+    @field_validator("path")
+    @classmethod
+    def _a_path_the_file_system_takes(cls, value: str | None) -> str | None:
+        return file_system_path(value)
+
+
+class ReloadWeightsReply(_Message):
+    success: bool = True  # SGLang's key
+    message: str = ""
+    path: str
+    format: str  # pinned or plain
+    nbytes: int
+    load_seconds: float
+    seconds: float  # drain included
 
 
 # --- what the server is ---------------------------------------------------------------------------------------
@@ -221,6 +285,7 @@ class Hello(_Event):
     """The first event of every connection: the state a new subscriber needs."""
     type: Literal["hello"] = "hello"
     paused: bool
+    sleeping: bool = False
 
 
 class Paused(_Event):
@@ -257,6 +322,24 @@ class ReloadFinished(_Event):
     worker: WorkerReport
 
 
+class Sleeping(_Event):
+    type: Literal["sleeping"] = "sleeping"
+    level: int
+    freed_bytes: int = 0
+
+
+class Awake(_Event):
+    """Everything is awake again (a wake_up that leaves a tag asleep sends none)."""
+    type: Literal["awake"] = "awake"
+    weights_loaded: bool = True
+
+
+class WeightsReloaded(_Event):
+    type: Literal["weights_reloaded"] = "weights_reloaded"
+    path: str
+    seconds: float
+
+
 class ProfileStarted(ProfileRange, _Event):
     type: Literal["profile_started"] = "profile_started"
 
@@ -266,7 +349,7 @@ class ProfileFinished(ProfileRange, _Event):
 
 
 Event = Annotated[Union[Hello, Paused, Continued, ReloadStarted, ReloadStep, ReloadFinished, ProfileStarted,
-                        ProfileFinished], Field(discriminator="type")]
+                        ProfileFinished, Sleeping, Awake, WeightsReloaded], Field(discriminator="type")]
 _EVENT = TypeAdapter(Event)
 
 

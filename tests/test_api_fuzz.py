@@ -16,8 +16,9 @@ import pytest
 import schemathesis
 from schemathesis.python import asgi
 
-from runtime.control_protocol import (CONTINUE_ROUTE, EVENTS_ROUTE, PAUSE_ROUTE, RELOAD_ROUTE, START_PROFILE_ROUTE,
-                                      STOP_PROFILE_ROUTE, ErrorBody, Hello, parse_event)
+from runtime.control_protocol import (CONTINUE_ROUTE, EVENTS_ROUTE, PAUSE_ROUTE, RELOAD_ROUTE, RELOAD_WEIGHTS_ROUTE,
+                                      SLEEP_ROUTE, START_PROFILE_ROUTE, STOP_PROFILE_ROUTE,
+                                      UPDATE_WEIGHTS_FROM_DISK_ROUTE, WAKE_UP_ROUTE, ErrorBody, Hello, parse_event)
 from runtime.server.app import build_app
 from runtime.server.security import SecurityPolicy
 
@@ -119,9 +120,12 @@ def test_every_route_answers_fuzzed_requests_without_a_server_error(case, app):
             assert_openai_error(response)
         elif response.headers.get("content-type", [""])[0].startswith("text/event-stream"):
             assert not stream_errors(response), response.text
-    finally:  # leave the server serving for the next example: not paused, no capture range open
+    finally:  # leave the server serving for the next example: not paused, awake with its weights, no capture range open
         if case.path == PAUSE_ROUTE:
             post(app, CONTINUE_ROUTE)
+        elif case.path in (SLEEP_ROUTE, WAKE_UP_ROUTE, RELOAD_WEIGHTS_ROUTE, UPDATE_WEIGHTS_FROM_DISK_ROUTE):
+            post(app, WAKE_UP_ROUTE)
+            post(app, RELOAD_WEIGHTS_ROUTE)  # after a level-2 sleep the weights must be loaded again
         elif case.path == START_PROFILE_ROUTE:
             post(app, STOP_PROFILE_ROUTE)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kernels.ops
-from kernels.ops import activation, attention, linear, norm, rope, sampling
+from kernels.ops import activation, attention, fp8, linear, norm, rope, sampling
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests are for CPU machines")
 
@@ -83,6 +83,30 @@ def test_skinny_linear(M, N, K, block_n, block_k, bias):
     b = torch.randn(N) if bias else None
     got = linear.skinny_triton(x, w, b, block_n=block_n, block_k=block_k)
     torch.testing.assert_close(got, linear.linear_ref(x, w, b), **TOL)
+
+
+def fp8_weight(N, K):
+    """An e4m3 weight with per-row scales from fresh random rows of different magnitudes."""
+    q, s = fp8.quantize_fp8_rows(torch.randn(N, K) * torch.rand(N, 1).add(0.1) * 4)
+    return q, s.view(-1)
+
+
+@pytest.mark.parametrize("N,K,block_n,block_k", [(40, 72, 4, 32), (33, 100, 8, 64), (5, 300, 16, 512)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_gemv(N, K, block_n, block_k, bias):
+    x, (w, s) = torch.randn(1, K), fp8_weight(N, K)
+    b = torch.randn(N) if bias else None
+    got = fp8.fp8_gemv_triton(x, w, s, b, block_n=block_n, block_k=block_k)
+    torch.testing.assert_close(got, fp8.fp8_weight_only_ref(x, w, s, b), **TOL)
+
+
+@pytest.mark.parametrize("M,N,K,block_n,block_k", [(2, 40, 72, 16, 32), (5, 33, 100, 16, 64), (8, 64, 256, 32, 256)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_skinny(M, N, K, block_n, block_k, bias):
+    x, (w, s) = torch.randn(M, K), fp8_weight(N, K)
+    b = torch.randn(N) if bias else None
+    got = fp8.fp8_skinny_triton(x, w, s, b, block_n=block_n, block_k=block_k)
+    torch.testing.assert_close(got, fp8.fp8_weight_only_ref(x, w, s, b), **TOL)
 
 
 @pytest.mark.parametrize("value,families", [("triton", set()), ("ref", set(kernels.ops.FAMILIES)),
@@ -306,7 +330,8 @@ def test_public_ops_use_the_references_on_cpu(monkeypatch):
                          (attention, "paged_decode_triton"), (attention, "paged_prefill_triton"),
                          (linear, "gemv_triton"), (linear, "skinny_triton"), (norm, "rms_norm_triton"),
                          (rope, "rope_triton"), (activation, "silu_and_mul_triton"),
-                         (attention, "store_kvcache_triton")):
+                         (attention, "store_kvcache_triton"), (fp8, "fp8_gemv_triton"),
+                         (fp8, "fp8_skinny_triton"), (fp8, "fp8_scaled_mm")):
         monkeypatch.setattr(module, name, triton_called)
     logits, temps, seeds = sampling_batch(V=50)
     top_ks, top_ps = torch.zeros(8, dtype=torch.int64), torch.ones(8)
@@ -318,6 +343,11 @@ def test_public_ops_use_the_references_on_cpu(monkeypatch):
     for rows in (1, 3):
         x, w = torch.randn(rows, 16), torch.randn(4, 16)
         assert torch.equal(linear.linear(x, w), linear.linear_ref(x, w))
+    w8, s8 = fp8_weight(4, 16)
+    for rows in (1, 3, 9):
+        x = torch.randn(rows, 16)
+        want = (fp8.fp8_weight_only_ref if rows <= fp8.SKINNY_ROWS else fp8.fp8_scaled_mm_ref)(x, w8, s8)
+        assert torch.equal(fp8.fp8_linear(x, w8, s8), want)
     x, r, w = torch.randn(3, 16), torch.randn(3, 16), torch.randn(16)
     assert torch.equal(norm.rms_norm(x, w, 1e-6), norm.rms_norm_ref(x, w, 1e-6))
     for got, want in zip(norm.fused_add_rms_norm(x, r, w, 1e-6), norm.fused_add_rms_norm_ref(x, r, w, 1e-6)):

@@ -203,3 +203,21 @@ def test_model_and_device_come_from_server_info_else_from_v1_models(tmp_path, ha
 
     info = asyncio.run(main())
     assert (info["model"], info["device"]) == ("fake-model", "cpu" if has_route else None)
+
+
+def test_the_daemon_shows_a_sleeping_server_and_skips_its_checks(tmp_path):
+    from runtime.control_protocol import Awake, Sleeping
+
+    project, server, events = make_project(tmp_path), FakeServer(), []
+
+    async def main():
+        daemon, task = await running(project, server, events)
+        server.pending_events.append(Sleeping(level=2, freed_bytes=10))
+        await until(lambda: daemon.info["state"] == "sleeping")
+        assert any("server sleeping (level 2)" in (e.text or "") for e in events if e.kind == "message")
+        server.pending_events.append(Awake(weights_loaded=False))
+        await until(lambda: daemon.info["state"] == "serving")
+        assert any("weights not loaded" in (e.text or "") for e in events if e.kind == "message")
+        await stop(daemon, task)
+
+    asyncio.run(main())

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from runtime.config import API_KEY_ENV_VARS, LOAD_FORMATS, EngineConfig, ServerConfig, parse_size  # no torch: serve's defaults are the configs'
+from runtime.config import API_KEY_ENV_VARS, LOAD_FORMATS, QUANTIZATIONS, EngineConfig, ServerConfig, parse_size  # no torch: serve's defaults are the configs'
 
 LIST_FLAGS = ("--cudagraph-capture-sizes", "--prefill-graph-capture-sizes")
 # Every reload recaptures every prefill bucket: the ladder (40 buckets up to 2048 tokens) takes 1.2-1.7 s of
@@ -147,6 +147,10 @@ def serve(
     load_memory_limit: Annotated[str, typer.Option(
         metavar="SIZE", help="Most host memory the pinned staging buffer may take: bytes, or e.g. 16GiB, "
                              "512MB.")] = f"{EngineConfig.load_memory_limit >> 30}GiB",
+    quantization: Annotated[Optional[str], typer.Option(
+        "--quantization", "-q", metavar="fp8", help="fp8: projections in e4m3 with per-output-channel scales derived "
+             "from the checkpoint's weights at load (which stay loaded too); CUDA needs compute capability >= 8.9, "
+             "CPU runs the torch references.")] = EngineConfig.quantization,
     no_prefix_caching: Annotated[bool, typer.Option(
         "--no-prefix-caching/--enable-prefix-caching", "--no-enable-prefix-caching", show_default=False,
         help="Do not share KV pages between requests with a common prefix (shared by default).")] = not EngineConfig.enable_prefix_caching,
@@ -210,6 +214,8 @@ def serve(
             raise typer.Exit(2)
     if load_format not in LOAD_FORMATS:
         raise typer.BadParameter(f"use one of {', '.join(LOAD_FORMATS)}", param_hint="--load-format")
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise typer.BadParameter(f"use one of {', '.join(QUANTIZATIONS)}", param_hint="--quantization")
     try:
         load_memory_bytes = parse_size(load_memory_limit)
     except ValueError as exc:
@@ -219,7 +225,7 @@ def serve(
         max_batched_tokens=max_batched_tokens, max_model_len=max_model_len, page_size=page_size, kv_pages=kv_pages,
         gpu_memory_utilization=gpu_memory_utilization, seed=seed, enable_prefix_caching=not no_prefix_caching,
         enforce_eager=enforce_eager, prefill_graph_max_tokens=0 if disable_prefill_graph else prefill_graph_max_tokens,
-        load_format=load_format, load_memory_limit=load_memory_bytes,
+        load_format=load_format, load_memory_limit=load_memory_bytes, quantization=quantization,
     )
     if cudagraph_capture_sizes:
         config.cudagraph_capture_sizes = parse_sizes("--cudagraph-capture-sizes", cudagraph_capture_sizes)
@@ -478,6 +484,13 @@ def hook(
     except (ValueError, FileExistsError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
+
+
+from tsdev.weights_cli import sleep, wake, weights_app  # noqa: E402
+
+app.command()(sleep)
+app.command()(wake)
+app.add_typer(weights_app, name="weights")
 
 
 @app.callback()

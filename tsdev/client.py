@@ -41,6 +41,15 @@ def reply_or_raise(response: httpx.Response, model: type[Reply]) -> Reply:
     return model.model_validate_json(response.content)
 
 
+def control_call(url: str, method: str, route: str, model: type[Reply], request: BaseModel | None = None,
+                 api_key: str | None = None, timeout: float | None = 600) -> Reply:
+    """One control call (sleep, wake_up, is_sleeping, reload_weights, ...) with the server's `api_key`: its reply as
+    `model`; raises httpx errors when no server answers, RuntimeError("status: message") for a refusal."""
+    response = httpx.request(method, url.rstrip("/") + route, json=None if request is None else body(request),
+                             headers=auth_headers(api_key), timeout=timeout)
+    return reply_or_raise(response, model)
+
+
 def reload_request(modules: list[str] | None = None, mode: str = "wait", timeout_s: float | None = None,
                    request_id: str | None = None) -> ReloadRequest:
     return ReloadRequest(id=request_id or f"reload-{uuid.uuid4().hex[:12]}", mode=mode, modules=modules or None,

@@ -1,4 +1,4 @@
-"""Op families: norm, rope, activation, linear, attention, sampling. Import the submodules directly.
+"""Op families: norm, rope, activation, linear, fp8, attention, sampling. Import the submodules directly.
 
 Each public op runs its Triton kernel when its inputs are on CUDA and its torch reference otherwise.
 Set TSDEV_KERNELS=ref to run the references on CUDA too (to compare speed or rule a kernel out), or
@@ -11,7 +11,7 @@ import os
 import torch
 
 
-FAMILIES = ("norm", "rope", "activation", "linear", "attention", "sampling")
+FAMILIES = ("norm", "rope", "activation", "linear", "fp8", "attention", "sampling")
 
 
 def reference_families() -> set[str]:

@@ -24,8 +24,8 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 
 @triton.jit
-def _gemv_kernel(X, W, B, OUT, N, K, stride_wn,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(X, W, B, S, OUT, N, K, stride_wn,
+                 HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     col_ok = cols < N
@@ -37,14 +37,18 @@ def _gemv_kernel(X, W, B, OUT, N, K, stride_wn,
         x = tl.load(X + k0 + ks, mask=k_ok, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
+    if HAS_SCALE:  # e4m3 weights: one float32 scale per output row (kernels/ops/fp8.py)
+        y *= tl.load(S + cols, mask=col_ok, other=0.0)
     if HAS_BIAS:
         y += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
     tl.store(OUT + cols, y.to(OUT.dtype.element_ty), mask=col_ok)
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int = 4,
-                block_k: int = 1024, num_warps: int = 2, num_stages: int = 3) -> torch.Tensor:
-    """x [..., K] holding one row, weight [N, K] -> [..., N] in x's dtype."""
+                block_k: int = 1024, num_warps: int = 2, num_stages: int = 3,
+                weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] holding one row, weight [N, K] -> [..., N] in x's dtype. With weight_scale [N] float32 the
+    weight may be e4m3, multiplied by its row's scale after the float32 sum (kernels/ops/fp8.py)."""
     K, N = x.shape[-1], weight.shape[0]
     if x.numel() != K:
         raise ValueError(f"gemv_triton multiplies one row; x has shape {tuple(x.shape)}")
@@ -53,16 +57,16 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         weight = weight.contiguous()
     out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(N, block_n),)](
-        x, weight, bias if bias is not None else weight, out, N, K, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(K)),
+        x, weight, bias if bias is not None else weight, weight_scale if weight_scale is not None else weight, out,
+        N, K, weight.stride(0), HAS_BIAS=bias is not None, HAS_SCALE=weight_scale is not None, BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(K)),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
 
 @triton.jit
-def _skinny_kernel(X, W, B, OUT, M, N, K, stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr,
-                   IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _skinny_kernel(X, W, B, S, OUT, M, N, K, stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr,
+                   HAS_SCALE: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
@@ -74,7 +78,10 @@ def _skinny_kernel(X, W, B, OUT, M, N, K, stride_xm, stride_wn, stride_om, HAS_B
         w = tl.load(w_rows + (k0 + ks)[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(X + rows[:, None] * stride_xm + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee" if IEEE else "tf32")
+        # to x's dtype: a no-op for bf16/fp32 weights, exact for e4m3 ones (every e4m3 value fits)
+        acc = tl.dot(x, tl.trans(w.to(X.dtype.element_ty)), acc, input_precision="ieee" if IEEE else "tf32")
+    if HAS_SCALE:
+        acc = acc * tl.load(S + cols, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(OUT + rows[:, None] * stride_om + cols[None, :], acc.to(OUT.dtype.element_ty),
@@ -82,8 +89,10 @@ def _skinny_kernel(X, W, B, OUT, M, N, K, stride_xm, stride_wn, stride_om, HAS_B
 
 
 def skinny_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int = 16,
-                  block_k: int = 256, num_warps: int = 2, num_stages: int = 4) -> torch.Tensor:
-    """x [..., K] with at most 16 rows, weight [N, K] -> [..., N]: rows padded to 16 for tl.dot."""
+                  block_k: int = 256, num_warps: int = 2, num_stages: int = 4,
+                  weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] with at most 16 rows, weight [N, K] -> [..., N]: rows padded to 16 for tl.dot. weight_scale:
+    as gemv_triton's."""
     K, N = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
@@ -96,8 +105,9 @@ def skinny_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M:
         _skinny_kernel[(triton.cdiv(N, block_n),)](
-            x2, weight, bias if bias is not None else weight, out, M, N, K, x2.stride(0), weight.stride(0),
-            out.stride(0), HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, BLOCK_M=16, BLOCK_N=block_n,
+            x2, weight, bias if bias is not None else weight, weight_scale if weight_scale is not None else weight,
+            out, M, N, K, x2.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+            HAS_SCALE=weight_scale is not None, IEEE=x.dtype == torch.float32, BLOCK_M=16, BLOCK_N=block_n,
             BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
         )
     return out.reshape(*x.shape[:-1], N)

@@ -24,7 +24,11 @@ class EngineError(RuntimeError):
     """The engine failed while running a request; the request was aborted."""
 
 
-class ShuttingDown(EngineError):
+class Unavailable(EngineError):
+    """The server cannot serve now (sleeping, shutting down): the request was not started, or was aborted."""
+
+
+class ShuttingDown(Unavailable):
     """The server is stopping: the request was not started."""
 
 
@@ -34,6 +38,7 @@ class AsyncEngine:
         self.on_step = on_step
         self.paused = False
         self.stopping = False  # shutdown(): no new requests, no new event subscribers
+        self.refusing: str | None = None  # why new requests are refused while a sleep drains
         self.control_lock = asyncio.Lock()
         self._streams: dict[str, asyncio.Queue] = {}
         self._subscribers: set[asyncio.Queue] = set()
@@ -75,6 +80,8 @@ class AsyncEngine:
         """Yield the request's outputs as they come; closing the iterator early aborts the request."""
         if self.stopping:
             raise ShuttingDown("the server is shutting down: the request was not started")
+        if why := self.unavailable():
+            raise Unavailable(why)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         arrival = time.monotonic()
@@ -92,6 +99,8 @@ class AsyncEngine:
                 out = await queue.get()
                 if isinstance(out, ValueError):
                     finished = True
+                    raise out
+                if isinstance(out, EngineError):
                     raise out
                 if isinstance(out, BaseException):
                     raise EngineError(f"the engine failed while running this request: {out}") from out
@@ -121,6 +130,18 @@ class AsyncEngine:
         for out in outputs:
             self._deliver(out)
         return len(outputs)
+
+    def fail_all(self, error: EngineError) -> int:
+        """Abort every request (running or waiting) and end its stream with `error`; run it via between_steps."""
+        outputs = [out for out in self.engine.abort_all(running_only=False) if out]
+        for out in outputs:
+            if (queue := self._streams.get(out.request_id)) is not None:
+                queue.put_nowait(error)
+        return len(outputs)
+
+    def unavailable(self) -> str | None:
+        """Why requests are refused now (a sleep draining, sleeping, weights not loaded), else None."""
+        return self.refusing or self.engine.unavailable()
 
     # --- gates -----------------------------------------------------------------------------------
 
@@ -155,7 +176,7 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()
         self._subscribers.add(queue)
         try:
-            yield Hello(paused=self.paused, time=time.time())
+            yield Hello(paused=self.paused, sleeping=self.engine.sleep_state.sleeping, time=time.time())
             while (event := await queue.get()) is not None:
                 yield event
         finally:
@@ -169,7 +190,7 @@ class AsyncEngine:
             self._wake.set()
 
     def _can_step(self) -> bool:
-        return not self.paused and self.engine.can_step()
+        return not self.paused and self.engine.unavailable() is None and self.engine.can_step()
 
     async def _loop(self) -> None:
         while True:

@@ -67,6 +67,11 @@ class DecodeGraphs:
         self.graphs, self.properties = graphs, properties
         return timings
 
+    def release(self) -> None:
+        """Drop every graph and their pool (sleep): their memory goes back once the allocator's cache is emptied.
+        Until `capture` runs again, `run` executes eagerly."""
+        self.graphs, self.properties, self.pool = {}, (), None
+
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
             page_table: list[list[int]], fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Logits [n, V] for a decode batch of n <= max_size sequences. `fill` = (rows, token ids) on the

@@ -5,8 +5,10 @@ host schedules and prepares step N+1 while the GPU computes step N, and its rows
 sampled tokens on the GPU (a PENDING placeholder on the host until N is read). A sequence that stops at
 N (EOS, a stop string) has computed one token too many in N+1; that token is dropped.
 """
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
@@ -18,6 +20,17 @@ from runtime.engine.detokenizer import Detokenizer
 from runtime.engine.model_runner import Checkpoint, ModelRunner, step_range
 from runtime.engine.scheduler import ScheduledBatch, Scheduler
 from runtime.engine.sequence import PENDING, SamplingParams, Sequence
+from runtime.engine.sleep import (WEIGHTS, SleepState, device_free_bytes, free_cached_memory, model_tensors,
+                                  weights_checksum)
+from runtime.weights.loader import LoadReport, check_checkpoint, load_weights
+
+
+class WeightsAsleep(RuntimeError):
+    """A weight load while the weights are asleep: wake them first."""
+
+
+class CheckpointRefused(ValueError):
+    """A weight load refused before anything changed: no checkpoint there, or one that does not fit the model."""
 
 
 @dataclass
@@ -101,6 +114,7 @@ class LLMEngine:
         self.eos = set(self.model_config.eos_token_ids)
         self.num_generated_tokens = self.num_prompt_tokens = 0
         self.num_steps = self.num_decode_steps = self.num_rows = self.num_decode_rows = 0
+        self.sleep_state = SleepState()
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         """Raise ValueError saying what to change if this prompt cannot be served."""
@@ -183,6 +197,68 @@ class LLMEngine:
         """(Re)capture the decode, then the prefill graphs: seconds per batch size / token bucket, by kind.
         `strict`: a prefill capture failure raises (a reload) instead of leaving prefill eager."""
         return self.runner.capture_graphs(strict)
+
+    # --- sleep, wake, weights (run between steps, on the engine's thread, with nothing running) --------
+
+    def unavailable(self) -> str | None:
+        """Why requests cannot be served now (sleeping, weights not loaded), else None."""
+        state = self.sleep_state
+        if state.sleeping:
+            return (f"the server is sleeping (POST /sleep, level {state.level}; asleep: {', '.join(sorted(state.asleep))}): "
+                    "POST /wake_up to serve again")
+        if not state.weights_loaded:
+            return ("the weights were discarded (POST /sleep level 2, or a weight load that failed) and not loaded "
+                    "since: POST /v1/rl/engine/reload_weights to load them")
+        return None
+
+    def sleep(self, level: int) -> dict[str, int | None]:
+        """Free the device memory of the weights (kept in host memory at level 1, discarded at level 2), the KV
+        pool and the CUDA graphs. Nothing may be running. Returns bytes freed (`freed`), and device free memory
+        before and after (`free_before`, `free_after`; None off CUDA)."""
+        if not self.drained() or self.scheduler.waiting:
+            raise RuntimeError("requests are still queued or running: drain them before sleeping")
+        device = self.runner.device
+        free_before = device_free_bytes(device)
+        self.flush_prefix_cache()  # the KV pool is discarded
+        self.runner.release_graphs()
+        freed = self.sleep_state.sleep(level, model_tensors(self.runner.model), [self.runner.kv_cache])
+        free_cached_memory(device)
+        return {"freed": freed, "free_before": free_before, "free_after": device_free_bytes(device)}
+
+    def wake_up(self, tags: list[str] | None = None) -> tuple[list[str], dict[str, float]]:
+        """Take back the memory of `tags` (weights, kv_cache; default both); once both are back, recapture the
+        graphs (their addresses changed). Returns the tags woken and the recapture's seconds per graph kind."""
+        woken = self.sleep_state.wake(tags)
+        recapture: dict[str, float] = {}
+        if woken and not self.sleep_state.sleeping:
+            try:
+                recapture = {kind: sum(secs.values()) for kind, secs in self.capture_graphs(strict=False).items()}
+            except Exception as exc:  # the released graphs stay released: steps run eagerly, correctly
+                print(f"warning: recapturing the CUDA graphs after waking failed ({type(exc).__name__}: {exc}); "
+                      "serving eagerly", file=sys.stderr, flush=True)
+        return woken, recapture
+
+    def reload_weights(self, path: Path | None = None) -> LoadReport:
+        """Load the checkpoint at `path` (default: the served model's) into the existing parameters and rerun the
+        post-load hooks: every derived tensor is refilled in the memory the graphs captured. A checkpoint that
+        does not fit fails before anything changes; a load that fails later leaves the weights marked not loaded."""
+        if WEIGHTS in self.sleep_state.asleep:
+            raise WeightsAsleep(f"the weights are asleep (level {self.sleep_state.level}): POST /wake_up (tags "
+                                f"[\"{WEIGHTS}\"]) first, then reload them")
+        model, path = self.runner.model, Path(path or self.model_dir)
+        try:
+            check_checkpoint(model, path)
+        except (OSError, ValueError) as exc:
+            raise CheckpointRefused(f"{type(exc).__name__}: {exc}") from exc
+        self.flush_prefix_cache()  # KV computed with other weights is not reused
+        self.sleep_state.weights_loaded = False
+        report = load_weights(model, path, self.config.load_format, self.config.load_memory_limit)
+        self.sleep_state.weights_loaded = True
+        return report
+
+    def weights_checksum(self) -> dict[str, str]:
+        """name -> sha256 of every parameter and buffer, derived ones included (the weights drill)."""
+        return weights_checksum(self.runner.model)
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

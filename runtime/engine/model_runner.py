@@ -72,7 +72,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype(model_config)
         torch.manual_seed(config.seed)
-        self.model = build_model(model_config, self.device, self.dtype)
+        self.model = build_model(model_config, self.device, self.dtype, config.quantization)
         self.load_report = load_weights(self.model, checkpoint.dir, config.load_format, config.load_memory_limit)
         self.model.eval()
         self.sampler = Sampler()
@@ -271,6 +271,12 @@ class ModelRunner:
         `strict` (a reload), else leaves prefill eager (startup)."""
         return {"decode": self.decode_graphs.capture() if self.decode_graphs else {},
                 "prefill": self.prefill_graphs.capture(strict) if self.prefill_graphs else {}}
+
+    def release_graphs(self) -> None:
+        """Free the decode and prefill graphs and their pools (sleep); steps run eagerly until `capture_graphs`."""
+        for graphs in (self.decode_graphs, self.prefill_graphs):
+            if graphs is not None:
+                graphs.release()
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]

@@ -154,6 +154,12 @@ class PrefillGraphs:
         with cut_at_attention(self.attention, attention):
             return self.model.forward_embeds(self.embeds[:size], self.positions[:size])[:num_tokens]
 
+    def release(self) -> None:
+        """Drop every bucket's graphs and their pool (sleep); the next `capture` uses a new pool. Until then
+        `forward` runs eagerly."""
+        self.graphs = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+
     def capture(self, strict: bool) -> dict[int, float]:
         """Capture every bucket, largest first; seconds per bucket. A no-op per bucket on CPU.
 

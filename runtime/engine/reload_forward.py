@@ -115,6 +115,8 @@ class ReloadForward:
             async with self.async_engine.control_lock:
                 if epoch != self.cancel_epoch:
                     reply = ReloadReply.of(request.id, [self._worker("cancelled by continue_generation before it started")])
+                elif why := self.async_engine.engine.unavailable():  # asleep: no memory to warm up or capture in
+                    reply = ReloadReply.of(request.id, [self._worker(f"cannot reload the forward now: {why}")])
                 else:
                     reply = ReloadReply.of(request.id, [await self._run(request)])
         except BaseException as exc:

@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from runtime.config import ServerConfig
 from runtime.control_protocol import SERVER_INFO_ROUTE, ErrorBody, ErrorDetail, ServerInfo
 from runtime.engine.llm_engine import LLMEngine, RequestOutput
-from runtime.engine.async_engine import AsyncEngine, EngineError, ShuttingDown
+from runtime.engine.async_engine import AsyncEngine, EngineError, Unavailable
 from runtime.engine.reload_forward import ForwardReloader, ReloadForward
 from runtime.server.body_limit import BodyLimit
 from runtime.server.chat import ChatTemplate
@@ -176,9 +176,15 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReload
         """Run `fn` (tokenizing, checking lengths) in the tokenizer threads: the event loop keeps serving."""
         return await asyncio.get_running_loop().run_in_executor(tokenizer_pool, fn)
 
+    def check_available() -> None:
+        """503 while the server sleeps (or has no weights loaded), saying what brings it back."""
+        if why := async_engine.unavailable():
+            raise APIError(503, why, None, "server_error")
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body)
+        check_available()
         prompts = body.prompt
         if isinstance(prompts, str) or not prompts or isinstance(prompts[0], int):
             prompts = [prompts]  # one prompt (an empty one is refused by check_length)
@@ -208,6 +214,7 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReload
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body)
+        check_available()
 
         def prepare() -> tuple[list[int], object]:
             try:
@@ -252,7 +259,7 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReload
                 if include_usage:
                     yield {"id": request_id, "object": object_name, "created": int(time.time()),
                            "model": served_model_name, "choices": [], "usage": usage(finals)}
-            except ShuttingDown as exc:
+            except Unavailable as exc:
                 yield error_body(503, str(exc), type_="server_error")
             except (EngineError, ValueError) as exc:
                 yield error_body(500, str(exc), type_="server_error")
@@ -281,7 +288,7 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReload
                 raise APIError(499, "the client disconnected; the request was aborted", type_="client_closed_request")
         try:
             return task.result()
-        except ShuttingDown as exc:
+        except Unavailable as exc:
             raise APIError(503, str(exc), type_="server_error") from exc
         except EngineError as exc:
             raise APIError(500, str(exc), type_="server_error") from exc

@@ -1,14 +1,21 @@
-"""Control routes: reload_forward, pause/continue, prefix-cache flush, profiling, and the events stream (SSE).
+"""Control routes: reload_forward, pause/continue, prefix-cache flush, profiling, sleep/wake and reload_weights,
+and the events stream (SSE).
 
 Bodies, replies and events are runtime.control_protocol's models, which the clients parse too.
 """
 from fastapi import FastAPI
 
-from runtime.control_protocol import (CONTINUE_ROUTE, EVENTS_ROUTE, FLUSH_ROUTE, MODULES_ROUTE, PAUSE_ROUTE,
-                                      RELOAD_ROUTE, START_PROFILE_ROUTE, STOP_PROFILE_ROUTE, Continued, ContinueReply,
-                                      FlushReply, ModulesReply, Paused, PauseReply, PauseRequest, ProfileFinished,
-                                      ProfileRequest, ProfileStarted, ReloadRequest)
-from runtime.engine.async_engine import AsyncEngine
+import time
+
+from runtime.control_protocol import (CONTINUE_ROUTE, EVENTS_ROUTE, FLUSH_ROUTE, IS_SLEEPING_ROUTE, MODULES_ROUTE,
+                                      PAUSE_ROUTE, RELOAD_ROUTE, RELOAD_WEIGHTS_ROUTE, SLEEP_ROUTE, START_PROFILE_ROUTE,
+                                      STOP_PROFILE_ROUTE, UPDATE_WEIGHTS_FROM_DISK_ROUTE, WAKE_UP_ROUTE, Awake,
+                                      Continued, ContinueReply, FlushReply, ModulesReply, Paused, PauseReply,
+                                      PauseRequest, ProfileFinished, ProfileRequest, ProfileStarted, ReloadRequest,
+                                      ReloadWeightsReply, ReloadWeightsRequest, Sleeping, SleepReply, SleepRequest,
+                                      SleepStatus, WakeUpReply, WakeUpRequest, WeightsReloaded)
+from runtime.engine.async_engine import AsyncEngine, Unavailable
+from runtime.engine.llm_engine import CheckpointRefused, WeightsAsleep
 from runtime.engine.profiler import RangeOpen
 from runtime.engine.reload_forward import ReloadForward
 from runtime.server.security import PathNotAllowed, SecurityPolicy
@@ -96,3 +103,88 @@ def add_control_routes(app: FastAPI, async_engine: AsyncEngine, reload_forward: 
     @app.get(EVENTS_ROUTE)
     async def events():
         return sse_response(ae.events())
+
+    add_weight_routes(app, async_engine, api_error, security)
+
+
+def sleep_status(ae: AsyncEngine) -> dict:
+    state = ae.engine.sleep_state
+    return dict(is_sleeping=state.sleeping, level=state.level, asleep=sorted(state.asleep),
+                weights_loaded=state.weights_loaded)
+
+
+def add_weight_routes(app: FastAPI, async_engine: AsyncEngine, api_error: type[Exception],
+                      security: SecurityPolicy) -> None:
+    """vLLM's sleep mode and the weight reload (SGLang's /update_weights_from_disk too). Each takes its turn in the
+    control lock, after the control calls before it; sleep and reload_weights drain first, as a reload does."""
+    ae, engine = async_engine, async_engine.engine
+
+    async def drained() -> None:
+        """Hold new requests and let the running ones finish (a paused server: they stay as they are)."""
+        ae.hold(True)
+        try:
+            await ae.wait_until_drained()
+        finally:
+            ae.hold(False)
+
+    @app.post(SLEEP_ROUTE)
+    async def sleep(body: SleepRequest | None = None):
+        level = (body or SleepRequest()).level
+        start = time.perf_counter()
+        async with ae.control_lock:
+            if engine.sleep_state.sleeping:  # asleep already: nothing more to free
+                return SleepReply(**sleep_status(ae)).dump()
+            ae.refusing = ("the server is going to sleep (POST /sleep): POST /wake_up once it sleeps to serve again")
+            try:
+                await drained()
+                await ae.between_steps(lambda: ae.fail_all(Unavailable(
+                    "the server went to sleep (POST /sleep) before this request ran: POST /wake_up, then send it again")))
+                info = await ae.run_on_engine_thread(engine.sleep, level)
+            finally:
+                ae.refusing = None
+        device_freed = None if info["free_after"] is None else info["free_after"] - info["free_before"]
+        ae.publish(Sleeping(level=level, freed_bytes=info["freed"]))
+        return SleepReply(**sleep_status(ae), freed_bytes=info["freed"], device_freed_bytes=device_freed,
+                          seconds=round(time.perf_counter() - start, 6)).dump()
+
+    @app.post(WAKE_UP_ROUTE)
+    async def wake_up(body: WakeUpRequest | None = None):
+        tags = (body or WakeUpRequest()).tags
+        start = time.perf_counter()
+        async with ae.control_lock:
+            woken, recapture = await ae.run_on_engine_thread(engine.wake_up, tags)
+        if woken and not engine.sleep_state.sleeping:
+            ae.publish(Awake(weights_loaded=engine.sleep_state.weights_loaded))
+        return WakeUpReply(**sleep_status(ae), woken=woken, recapture_seconds=round(sum(recapture.values()), 6),
+                           seconds=round(time.perf_counter() - start, 6)).dump()
+
+    @app.get(IS_SLEEPING_ROUTE)
+    async def is_sleeping():
+        return SleepStatus(**sleep_status(ae)).dump()
+
+    async def reload_weights(body: ReloadWeightsRequest | None = None):
+        body = body or ReloadWeightsRequest()
+        try:
+            path = security.weight_path(body.path, engine.model_dir) if body.path else engine.model_dir
+        except PathNotAllowed as exc:
+            raise api_error(400, str(exc), exc.param, "invalid_request_error") from None
+        start = time.perf_counter()
+        async with ae.control_lock:
+            await drained()
+            try:
+                report = await ae.run_on_engine_thread(engine.reload_weights, path)
+            except WeightsAsleep as exc:
+                raise api_error(409, str(exc), None, "invalid_request_error") from None
+            except CheckpointRefused as exc:  # before any weight changed
+                raise api_error(400, f"{path}: {exc}", "path", "invalid_request_error") from None
+            except Exception as exc:
+                raise api_error(500, f"loading {path} failed midway ({type(exc).__name__}: {exc}); requests get 503 "
+                                "until a reload_weights succeeds", None, "server_error") from None
+        seconds = time.perf_counter() - start
+        ae.publish(WeightsReloaded(path=str(path), seconds=round(seconds, 6)))
+        return ReloadWeightsReply(message=f"reloaded {path}: {report}", path=str(path), format=report.format,
+                                  nbytes=report.nbytes, load_seconds=round(report.seconds, 6),
+                                  seconds=round(seconds, 6)).dump()
+
+    app.post(RELOAD_WEIGHTS_ROUTE)(reload_weights)
+    app.post(UPDATE_WEIGHTS_FROM_DISK_ROUTE)(reload_weights)

@@ -66,6 +66,11 @@ def load_weights(model: nn.Module, model_dir: Path, load_format: str = EngineCon
     return LoadReport(fmt, sum(e.nbytes for e in entries), time.perf_counter() - begin, detail)
 
 
+def check_checkpoint(model: nn.Module, model_dir: Path) -> None:
+    """Raise (as `load_weights` would, before reading any data) unless `model_dir`'s checkpoint fits `model`."""
+    _Targets(model).expected_loads(read_entries(checkpoint_files(model_dir)), model_dir)
+
+
 def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Load checkpoint-named tensors into `model`'s existing parameters, in any order, repeats allowed (a
     weight update); each module's hook reruns, into the same storage, once its parameters have every

@@ -17,9 +17,14 @@ times, and no repeat can stand in for a load that has not arrived; a load into a
 in the session marks it (and its ancestors) to be processed again at the end.
 """
 import itertools
+import os
 from weakref import WeakKeyDictionary
 
 from torch import nn
+
+# Negative control of the weights drill (tsdev weights drill, tests/test_sleep.py), never for serving: on a reload,
+# "skip" leaves every derived tensor as it was (stale), "rebind" derives into new memory (the guard below refuses it).
+DEBUG_DERIVED_ENV = "TSDEV_DEBUG_DERIVED"
 
 # parameter name -> {load key: element count}; the key is a shard name, or None for a whole tensor
 Counts = dict[str, dict[str | None, int]]
@@ -134,8 +139,14 @@ class LoadSession:
         hook = getattr(module, "process_weights_after_loading", None)
         if hook is None:
             return
+        debug = os.environ.get(DEBUG_DERIVED_ENV, "") if self.reprocessing else ""
+        if debug == "skip":
+            return
         before = _addresses(module)
         hook()
+        if debug == "rebind":
+            for name, buffer in list(module.named_buffers(recurse=False)):
+                setattr(module, name, buffer.clone())
         after = _addresses(module)
         moved = sorted(n for n in before.keys() | after.keys() if before.get(n) != after.get(n))
         if self.reprocessing and moved:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import httpx
 
-from runtime.control_protocol import Continued, Hello, Paused, ProfileFinished
+from runtime.control_protocol import Awake, Continued, Hello, Paused, ProfileFinished, Sleeping
 from tsdev.outcome import outside
 from tsdev.server_process import ServerProcess
 from tsdev.watch.args import WatchConfig
@@ -52,6 +52,7 @@ class Daemon:
         self.reloads = Reloads(self)
         self.restarts = Restarts(self)
         self.paused = False  # generation paused by a client (pause_generation): the checks would wait forever
+        self.sleeping = False  # put to sleep by a client (POST /sleep): requests get 503 until /wake_up
         self.down = False  # the server failed to start or exited, and no restart has brought it back yet
         self._stop = asyncio.Event()
 
@@ -89,7 +90,9 @@ class Daemon:
         self.emit("message", text=text, level=level)
 
     def set_state(self, state: str, **info) -> None:
-        self.info.update(state="paused" if state == "serving" and self.paused else state, **info)
+        if state == "serving" and (self.sleeping or self.paused):
+            state = "sleeping" if self.sleeping else "paused"
+        self.info.update(state=state, **info)
         self.emit("state")
 
     # --- the main loop ---------------------------------------------------------------------------
@@ -128,9 +131,17 @@ class Daemon:
 
     async def _listen(self) -> None:
         async for event in self.link.events():
-            if isinstance(event, (Hello, Paused, Continued)):
-                self.paused = event.paused if isinstance(event, Hello) else isinstance(event, Paused)
-                if self.info["state"] in ("serving", "paused"):
+            if isinstance(event, (Hello, Paused, Continued, Sleeping, Awake)):
+                if isinstance(event, Hello):
+                    self.paused, self.sleeping = event.paused, event.sleeping
+                elif isinstance(event, (Paused, Continued)):
+                    self.paused = isinstance(event, Paused)
+                else:
+                    self.sleeping = isinstance(event, Sleeping)
+                    self.message(f"server sleeping (level {event.level}): POST /wake_up (tsdev wake) to serve again"
+                                 if self.sleeping else "server awake" + ("" if event.weights_loaded else
+                                                                          ": weights not loaded (tsdev weights reload)"))
+                if self.info["state"] in ("serving", "paused", "sleeping"):
                     self.set_state("serving")
             elif isinstance(event, ProfileFinished) and event.error:
                 self.message(f"profile {event.name} not written: {event.error}", "error")
@@ -180,8 +191,8 @@ class Daemon:
 
     async def check(self, record: ReloadRecord | RestartRecord, golden: bool = True) -> None:
         """The checks after a reload or a restart (skipped while generation is paused)."""
-        if self.paused:
-            record.note = "generation is paused: checks skipped"
+        if self.paused or self.sleeping:
+            record.note = f"the server is {'asleep' if self.sleeping else 'paused'}: checks skipped"
             return
         start = time.perf_counter()
         if isinstance(record, ReloadRecord):

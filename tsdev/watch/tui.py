@@ -23,7 +23,7 @@ from tsdev.watch.records import Event, ReloadRecord, RestartRecord
 from tsdev.watch.plain import checks_text, message_line, restart_line, started_line, trigger_text
 
 WHERE = re.compile(r"(?P<path>[^\s:'\"]+\.py):(?P<line>\d+)")
-STATE_COLORS = {"serving": "green", "paused": "yellow", "draining": "yellow", "reloading": "cyan",
+STATE_COLORS = {"serving": "green", "paused": "yellow", "sleeping": "yellow", "draining": "yellow", "reloading": "cyan",
                 "checking": "cyan", "starting": "cyan", "restarting": "magenta", "down": "red"}
 COLUMNS = ("#", "time", "trigger", "reloaded", "deps", *SHOWN_STEPS, "total", "golden", "decode ms/step", "outcome")
 HEADERS = {"recapture": "recap", "decode ms/step": "ms/step"}  # narrow enough for ~170 columns

@@ -1,0 +1,120 @@
+"""`tsdev sleep`, `tsdev wake` and `tsdev weights reload|drill`: a server's sleep mode and weight reloads.
+
+The first three are control calls over HTTP (with the API key, as `tsdev reload`); `tsdev weights drill` builds
+engines in-process, as `tsdev serve` does (docs/runtime.md, "Sleep, wake and weight reloads").
+"""
+from typing import Annotated, Optional
+
+import typer
+
+from runtime.config import API_KEY_ENV_VARS
+from runtime.control_protocol import SLEEP_TAGS
+
+UNREACHABLE, FAILED = 2, 1
+URL_OPTION = typer.Option(help="The server.")
+API_KEY = typer.Option("--api-key", envvar=list(API_KEY_ENV_VARS), metavar="KEY", show_default=False,
+                       help="The server's API key (as `tsdev reload`). Default: $TSDEV_API_KEY, else $VLLM_API_KEY.")
+weights_app = typer.Typer(help="Reload a server's weights from disk; check sleep/wake/reload in-process (drill).",
+                          no_args_is_help=True)
+
+
+def _call(url: str, method: str, route: str, model, request=None, api_key: str | None = None):
+    import httpx
+
+    from tsdev.client import control_call
+
+    try:
+        return control_call(url, method, route, model, request, api_key)
+    except httpx.TransportError as exc:
+        typer.echo(f"error: cannot reach {url} ({exc}): is a server running there? pass --url", err=True)
+        raise typer.Exit(UNREACHABLE) from None
+    except RuntimeError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(FAILED) from None
+
+
+def _state(reply) -> str:
+    if reply.is_sleeping:
+        return f"sleeping (level {reply.level}; asleep: {', '.join(reply.asleep)})"
+    return "awake" if reply.weights_loaded else "awake, weights not loaded (tsdev weights reload)"
+
+
+def sleep(
+    level: Annotated[int, typer.Option(min=1, max=2, help="1: weights kept in host memory, KV discarded; 2: both "
+                                       "discarded (reload the weights after waking).")] = 1,
+    url: Annotated[str, URL_OPTION] = "http://127.0.0.1:8000",
+    api_key: Annotated[Optional[str], API_KEY] = None,
+):
+    """Put a server to sleep (POST /sleep): its GPU memory (weights, KV pool, graphs) is given back."""
+    from runtime.control_protocol import SLEEP_ROUTE, SleepReply, SleepRequest
+
+    reply = _call(url, "POST", SLEEP_ROUTE, SleepReply, SleepRequest(level=level), api_key)
+    freed = f"; freed {reply.freed_bytes / 1e9:.2f} GB" if reply.freed_bytes else " (it was asleep already)"
+    device = f" ({reply.device_freed_bytes / 1e9:.2f} GB free on the device)" if reply.device_freed_bytes else ""
+    typer.echo(f"{_state(reply)}{freed}{device} in {reply.seconds:.2f} s")
+
+
+def wake(
+    tags: Annotated[Optional[list[str]], typer.Option("--tags", help=f"What to wake ({', '.join(SLEEP_TAGS)}); "
+                                                      "repeatable; default: everything.")] = None,
+    url: Annotated[str, URL_OPTION] = "http://127.0.0.1:8000",
+    api_key: Annotated[Optional[str], API_KEY] = None,
+):
+    """Wake a sleeping server (POST /wake_up); the CUDA graphs are recaptured once everything is back."""
+    from runtime.control_protocol import WAKE_UP_ROUTE, WakeUpReply, WakeUpRequest
+
+    bad = [t for t in tags or [] if t not in SLEEP_TAGS]
+    if bad:
+        raise typer.BadParameter(f"{', '.join(bad)}: use {', '.join(SLEEP_TAGS)}", param_hint="--tags")
+    reply = _call(url, "POST", WAKE_UP_ROUTE, WakeUpReply, WakeUpRequest(tags=tags or None), api_key)
+    woken = ", ".join(reply.woken) or "nothing (it was awake)"
+    typer.echo(f"{_state(reply)}; woke {woken} in {reply.seconds:.2f} s (recapture {reply.recapture_seconds:.2f} s)")
+
+
+@weights_app.command("reload")
+def reload_weights(
+    path: Annotated[Optional[str], typer.Argument(help="A checkpoint under the served model's directory or an "
+                                                  "--allowed-weight-dir; default: the served model's.")] = None,
+    url: Annotated[str, URL_OPTION] = "http://127.0.0.1:8000",
+    api_key: Annotated[Optional[str], API_KEY] = None,
+):
+    """Reload the served weights from disk into the running server (POST /v1/rl/engine/reload_weights)."""
+    from runtime.control_protocol import RELOAD_WEIGHTS_ROUTE, ReloadWeightsReply, ReloadWeightsRequest
+
+    reply = _call(url, "POST", RELOAD_WEIGHTS_ROUTE, ReloadWeightsReply, ReloadWeightsRequest(path=path), api_key)
+    typer.echo(f"reloaded {reply.path}: {reply.format}, {reply.nbytes / 1e9:.2f} GB in {reply.load_seconds:.2f} s "
+               f"({reply.seconds:.2f} s with the drain)")
+
+
+@weights_app.command("drill")
+def drill(
+    model: Annotated[Optional[str], typer.Argument(help="A checkpoint directory; default: the embedded model.")] = None,
+    rounds: Annotated[int, typer.Option(min=1, help="Rounds of sleep(2) -> wake_up -> reload_weights per mode.")] = 3,
+    mode: Annotated[list[str], typer.Option("--mode", help="eager and/or graphs (repeatable).")] = ["eager", "graphs"],
+    device: Annotated[Optional[str], typer.Option(help="cuda or cpu (default: cuda when there is one).")] = None,
+    quantization: Annotated[Optional[str], typer.Option(help="e.g. fp8.")] = None,
+):
+    """Check that every round leaves every tensor (derived ones too) as a fresh load does, and greedy output the
+    same; exit 1 naming what differs. TSDEV_DEBUG_DERIVED=skip (or rebind) is its negative control: it must fail."""
+    import dataclasses
+
+    from runtime.config import EngineConfig
+    from runtime.engine.weights_drill import DrillFailed, drill_modes
+
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    bad = [m for m in mode if m not in ("eager", "graphs")]
+    if bad:
+        raise typer.BadParameter(f"{', '.join(bad)}: use eager or graphs", param_hint="--mode")
+    config = EngineConfig(model=model, device=device)
+    if quantization:
+        config = dataclasses.replace(config, quantization=quantization)
+    try:
+        for report in drill_modes(config, rounds, tuple(mode), on_round=lambda m, n, t: typer.echo(
+                f"{m} round {n}: " + ", ".join(f"{k} {v:.3f} s" for k, v in t.items()))):
+            typer.echo(f"ok {report}")
+    except DrillFailed as exc:
+        typer.echo(f"FAILED: {exc}", err=True)
+        raise typer.Exit(1) from None
