@@ -77,6 +77,16 @@ def launch():  # through the kernel object taken before the reload, as a kernel 
     return out.tolist()
 assert launch() == [1, 2, 3, 4]  # warm: a running server has launched (and cached) it already
 """
+NORM = """
+class Norm:
+    def __init__(self, dim):
+        self.dim = dim
+    def forward(self, x):
+        return x * self.dim
+"""
+PARTIAL = "import functools\ndef scale(x, k):\n    return x * k\ndouble = functools.partial(scale, k=2)\n"
+
+
 AUTOTUNE = TRITON + """
 def bench(call, quantiles):
     call()
@@ -196,6 +206,26 @@ SCENARIOS = [
       needs={"packages"}, packages=["layers"]),
     S("forced module list (module-level cache emptied)",
       {"a": "CACHE = {}\n"}, {}, "import {p}.a as m; m.CACHE[1] = 1", "m.CACHE == {}", needs={"forced"}, forced=["a"]),
+    # issue 16.5: what keeps running old code is fixed, or reported (never silently wrong)
+    S("`__init__` sets a new attribute the new method reads, live instance: migrated or reported stale",
+      {"a": NORM, "engine": "MODEL = []\n"}, {"a": NORM.replace("self.dim = dim", "self.dim = dim\n        self.eps = 1")
+                                            .replace("x * self.dim", "x * self.dim + self.eps")},
+      "import {p}.a as m, {p}.engine as e; e.MODEL.append(m.Norm(2)); n = e.MODEL[0]",
+      "hasattr(n, 'eps') and n.forward(1) == 3 or (not hasattr(n, 'eps') and reported('Norm'))", packages=["a"]),
+    S("lambda held in another module's registry: patched or reported stale",
+      {"ops": "OPS = {'act': lambda x: x + 1}\n", "reg": "REG = {}\n"}, {"ops": "OPS = {'act': lambda x: x + 100}\n"},
+      "import {p}.ops as o, {p}.reg as r; r.REG.update(o.OPS); held = r.REG['act']",
+      "held(1) == 101 or (held(1) == 2 and reported('<lambda>'))", packages=["ops"]),
+    S("functools.partial of an edited function, arguments changed",
+      {"a": PARTIAL, "reg": "OPS = []\n"}, {"a": PARTIAL.replace("x * k", "x * k + 1").replace("k=2", "k=3")},
+      "import {p}.a as a, {p}.reg as r; r.OPS.append(a.double); held = r.OPS[0]",
+      "held(1) == 4", packages=["a"]),
+    S("decorator's wrapper body edited, a wrapper held elsewhere: patched or reported stale",
+      {"deco": DECO, "reg": "OPS = []\n",
+       "a": "from .deco import twice\nfrom . import reg\nreg.OPS.append(twice(lambda x: x))\n"},
+      {"deco": DECO.replace("2 * fn(*a)", "3 * fn(*a)")},
+      "import {p}.a, {p}.reg as r; held = r.OPS[0]",
+      "held(1) == 3 or (held(1) == 2 and reported('wrapper'))", packages=["a", "deco"]),
     S("function that became a class: reported stale",
       {"a": "def Norm(x):\n    return x\n", "reg": "from .a import Norm\nOPS = [Norm]\n"},
       {"a": "class Norm:\n    def __init__(self, x):\n        self.x = x\n"},
@@ -382,6 +412,13 @@ def render(rows, tools, versions) -> str:
         "* Values computed at import time *outside* the re-executed modules (e.g. a table another, non-reloadable",
         "  module built from a reloaded constant) keep their old values; module-level containers in the",
         "  reloaded modules are rebuilt. Instances created by non-reloaded code are never re-created.",
+        "* Live objects that keep running old code though nothing names them are reported in `stale`, with",
+        "  who holds them, not fixed: instances of a class whose `__init__` changed (their attributes were set",
+        "  by the old code; the entry names the attributes the new `__init__` adds), and lambdas or nested",
+        "  functions (a decorator's wrapper, a factory's closure) whose code changed and that something outside",
+        "  the re-executed modules still holds. The reload stays ok: the server's warm-up runs the new code.",
+        "  Objects held only by a running function's locals are invisible to the scan (frames are not tracked",
+        "  objects); a quiescent server holds its model in objects, so they are found.",
         "* Enum member *values* changing, or members of a `Flag` changing, is reported stale (added/removed",
         "  members of a plain `Enum` are applied in place).",
         "* A removed function/class is not reported; references to it keep the old code.",

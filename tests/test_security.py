@@ -45,7 +45,7 @@ def from_address(app, client: tuple[str, int], *requests: tuple) -> list[httpx.R
     the engine's loop: refusals are answered before routing, /server_info and /health answer at once."""
     async def run():
         transport = httpx.ASGITransport(app, client=client)
-        async with httpx.AsyncClient(transport=transport, base_url="http://server") as c:
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8000") as c:
             return [await c.request(method, path, headers=(rest or [None])[0]) for method, path, *rest in requests]
 
     return asyncio.run(run())
@@ -115,6 +115,12 @@ def test_control_routes_refuse_a_remote_client_while_completions_serve_it(engine
     with TestClient(app, client=REMOTE) as remote:  # with the engine running: completions answer anyone
         assert remote.post("/v1/completions", json=COMPLETION).status_code == 200
         assert remote.get("/v1/models").status_code == 200
+
+
+def test_reload_forward_without_the_flag_is_refused_as_every_403_is(engine):
+    app = build_app(engine, "tiny")  # no reloader: --allow-reload-forward was not given
+    error = error_of(from_address(app, ("127.0.0.1", 1), ("GET", "/v1/rl/engine/modules"))[0], 403)
+    assert error.type == "permission_error" and "--allow-reload-forward" in error.message
 
 
 @pytest.mark.parametrize("policy", [SecurityPolicy(api_key=KEY), SecurityPolicy(allow_remote_control=True)],
@@ -305,3 +311,25 @@ def test_start_profile_writes_under_the_profile_directory(engine, dirs):
             trace = client.post("/stop_profile").json()["trace"]
             assert Path(trace) == (root / (output_dir or "") / "r.trace.json").resolve() and Path(trace).exists()
     assert list(outside.iterdir()) == [] and os.path.exists(root / "runs" / "a" / "r.trace.json")
+
+
+@pytest.mark.parametrize("headers", [{"origin": "https://evil.example"}, {"origin": "null"},
+                                     {"host": "evil.example:8000"}, {"host": "rebind.example"}],
+                         ids=["cross-site", "opaque-origin", "rebinding-with-port", "rebinding"])
+def test_a_web_page_cannot_drive_control_routes_through_the_developers_browser(engine, headers):
+    app = build_app(engine, "tiny")  # no key: loopback clients are trusted, but a browser is a loopback client
+    for method, path in (("POST", "/flush_cache"), ("POST", "/v1/rl/engine/pause_generation")):
+        error = error_of(from_address(app, ("127.0.0.1", 1), (method, path, headers))[0], 403)
+        assert error.type == "permission_error" and "--api-key" in error.message
+    assert engine.can_step() is False and app.state.async_engine.paused is False  # nothing was paused
+
+
+def test_programs_and_same_machine_pages_still_reach_control_routes(engine):
+    app = build_app(engine, "tiny")
+    for headers in ({}, {"origin": "http://127.0.0.1:8000"}, {"origin": "http://localhost:3000"},
+                    {"host": "localhost:8000"}, {"host": "[::1]:8000"}):
+        assert from_address(app, ("127.0.0.1", 1), ("GET", "/server_info", headers))[0].status_code == 200, headers
+    keyed = build_app(engine, "tiny", security=SecurityPolicy(api_key=KEY))  # the key is the protection then
+    response, = from_address(keyed, ("127.0.0.1", 1), ("GET", "/server_info",
+                                                       {**auth_headers(KEY), "origin": "https://tool.example"}))
+    assert response.status_code == 200

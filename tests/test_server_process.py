@@ -18,6 +18,8 @@ def test_argv_adds_reload_and_port_flags_once_and_wraps_a_prefix():
     plain = ServerProcess(["--device", "cpu", "--host", "0.0.0.0"], 8123, allow_reload_forward=True)
     assert plain.serve_args[-3:] == ["--allow-reload-forward", "--port", "8123"]
     assert plain.url == "http://127.0.0.1:8123"
+    assert ServerProcess(["--host", "::1"], 8124).url == "http://[::1]:8124"  # an IPv6 address needs brackets
+    httpx.URL(ServerProcess(["--host", "::1"], 8124).url + "/health")
 
 
 def test_a_server_that_exits_during_startup_fails_early_with_its_last_output(tmp_path):

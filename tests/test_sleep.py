@@ -2,6 +2,7 @@
 same steps as on CUDA, without the memory accounting (tests/test_sleep_gpu.py has that) and with graphs a no-op."""
 import dataclasses
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from fastapi.testclient import TestClient
@@ -9,6 +10,7 @@ from fastapi.testclient import TestClient
 from runtime.config import EngineConfig
 from runtime.control_protocol import (ErrorBody, Hello, ReloadWeightsReply, SleepReply, SleepStatus, WakeUpReply,
                                       parse_event)
+import runtime.engine.llm_engine as llm_engine
 from runtime.engine.llm_engine import LLMEngine
 from runtime.engine.weights_drill import DrillFailed, drill, greedy
 from runtime.server.app import build_app
@@ -117,6 +119,40 @@ def test_reload_weights_when_awake_writes_in_place(served):
     assert client.post("/v1/rl/engine/reload_weights").status_code == 200
     assert {name: t.data_ptr() for name, t in tensors.items()} == before
     assert engine.weights_checksum() == checksum
+
+
+def test_a_reload_that_fails_midway_ends_queued_requests_with_503_instead_of_leaving_them_hung(served, monkeypatch):
+    client, engine, _ = served
+
+    def broken(*args, **kwargs):
+        raise OSError("disk went away")
+
+    assert client.post("/v1/rl/engine/pause_generation", json={"mode": "keep"}).status_code == 200
+    with ThreadPoolExecutor(1) as pool:
+        queued = pool.submit(client.post, "/v1/completions", json=COMPLETION)
+        while not engine.scheduler.waiting:  # queued behind the pause
+            pass
+        monkeypatch.setattr(llm_engine, "load_weights", broken)
+        refused(client.post("/v1/rl/engine/reload_weights"), 500, "disk went away")
+        assert client.post("/v1/rl/engine/continue_generation").status_code == 200
+        refused(queued.result(timeout=30), 503, "reload_weights")
+    monkeypatch.undo()
+    assert client.post("/v1/rl/engine/reload_weights").status_code == 200
+    assert status(client).weights_loaded and greedy_ids(client)
+
+
+def test_tsdev_sleep_says_how_much_device_memory_came_free_not_how_much_is_free(monkeypatch):
+    from typer.testing import CliRunner
+
+    import tsdev.client
+    from tsdev.cli import app
+
+    reply = SleepReply(is_sleeping=True, level=1, asleep=["kv_cache", "weights"], freed_bytes=3 * 10**9,
+                       device_freed_bytes=4 * 10**9, seconds=0.5)
+    monkeypatch.setattr(tsdev.client, "control_call", lambda *args, **kwargs: reply)
+    result = CliRunner().invoke(app, ["sleep"])
+    assert result.exit_code == 0, result.output
+    assert "freed 3.00 GB (4.00 GB came free on the device)" in result.output
 
 
 def test_hello_says_whether_the_server_sleeps_and_sleep_events_parse():

@@ -41,8 +41,9 @@ def free_port() -> int:
 
 
 def local_url(host: str, port: int) -> str:
-    """Where a client on this machine reaches a server listening on host:port."""
-    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    """Where a client on this machine reaches a server listening on host:port (an IPv6 address in brackets)."""
+    host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def flag_value(args: Sequence[str], flag: str) -> str | None:

@@ -50,7 +50,7 @@ def sleep(
 
     reply = _call(url, "POST", SLEEP_ROUTE, SleepReply, SleepRequest(level=level), api_key)
     freed = f"; freed {reply.freed_bytes / 1e9:.2f} GB" if reply.freed_bytes else " (it was asleep already)"
-    device = f" ({reply.device_freed_bytes / 1e9:.2f} GB free on the device)" if reply.device_freed_bytes else ""
+    device = f" ({reply.device_freed_bytes / 1e9:.2f} GB came free on the device)" if reply.device_freed_bytes else ""
     typer.echo(f"{_state(reply)}{freed}{device} in {reply.seconds:.2f} s")
 
 

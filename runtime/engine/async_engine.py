@@ -154,6 +154,15 @@ class AsyncEngine:
         self.paused = paused
         self._wake.set()
 
+    async def drain(self) -> None:
+        """Hold new requests and let the admitted ones finish (on a paused server they stay as they are), then
+        admit again: what pause's mode wait, sleep and reload_weights do before they go on."""
+        self.hold(True)
+        try:
+            await self.wait_until_drained()
+        finally:
+            self.hold(False)
+
     async def wait_until_drained(self) -> None:
         """Return once no admitted request is left running (waiting ones stay queued)."""
         while not self.engine.drained() and not self.paused:

@@ -32,7 +32,7 @@ def add_control_routes(app: FastAPI, async_engine: AsyncEngine, reload_forward: 
 
     def reloads() -> ReloadForward:
         if reload_forward is None:
-            raise api_error(403, RELOAD_DISABLED, None, "PermissionError")
+            raise api_error(403, RELOAD_DISABLED, None, "permission_error")
         return reload_forward
 
     @app.post(RELOAD_ROUTE)
@@ -52,11 +52,7 @@ def add_control_routes(app: FastAPI, async_engine: AsyncEngine, reload_forward: 
             if mode == "abort":
                 aborted = await ae.between_steps(lambda: ae.abort_all(running_only=False))
             elif mode == "wait":
-                ae.hold(True)
-                try:
-                    await ae.wait_until_drained()
-                finally:
-                    ae.hold(False)
+                await ae.drain()
             ae.set_paused(True)
         ae.publish(Paused(mode=mode, aborted=aborted))
         return PauseReply(mode=mode, aborted=aborted).dump()
@@ -119,14 +115,6 @@ def add_weight_routes(app: FastAPI, async_engine: AsyncEngine, api_error: type[E
     control lock, after the control calls before it; sleep and reload_weights drain first, as a reload does."""
     ae, engine = async_engine, async_engine.engine
 
-    async def drained() -> None:
-        """Hold new requests and let the running ones finish (a paused server: they stay as they are)."""
-        ae.hold(True)
-        try:
-            await ae.wait_until_drained()
-        finally:
-            ae.hold(False)
-
     @app.post(SLEEP_ROUTE)
     async def sleep(body: SleepRequest | None = None):
         level = (body or SleepRequest()).level
@@ -136,7 +124,7 @@ def add_weight_routes(app: FastAPI, async_engine: AsyncEngine, api_error: type[E
                 return SleepReply(**sleep_status(ae)).dump()
             ae.refusing = ("the server is going to sleep (POST /sleep): POST /wake_up once it sleeps to serve again")
             try:
-                await drained()
+                await ae.drain()
                 await ae.between_steps(lambda: ae.fail_all(Unavailable(
                     "the server went to sleep (POST /sleep) before this request ran: POST /wake_up, then send it again")))
                 info = await ae.run_on_engine_thread(engine.sleep, level)
@@ -170,7 +158,7 @@ def add_weight_routes(app: FastAPI, async_engine: AsyncEngine, api_error: type[E
             raise api_error(400, str(exc), exc.param, "invalid_request_error") from None
         start = time.perf_counter()
         async with ae.control_lock:
-            await drained()
+            await ae.drain()
             try:
                 report = await ae.run_on_engine_thread(engine.reload_weights, path)
             except WeightsAsleep as exc:
@@ -178,8 +166,11 @@ def add_weight_routes(app: FastAPI, async_engine: AsyncEngine, api_error: type[E
             except CheckpointRefused as exc:  # before any weight changed
                 raise api_error(400, f"{path}: {exc}", "path", "invalid_request_error") from None
             except Exception as exc:
-                raise api_error(500, f"loading {path} failed midway ({type(exc).__name__}: {exc}); requests get 503 "
-                                "until a reload_weights succeeds", None, "server_error") from None
+                why = (f"loading {path} failed midway ({type(exc).__name__}: {exc}); requests get 503 until a "
+                       "reload_weights succeeds")
+                # the engine steps no more until then: end the queued (or paused) requests instead of leaving them hung
+                await ae.between_steps(lambda: ae.fail_all(Unavailable(why)))
+                raise api_error(500, why, None, "server_error") from None
         seconds = time.perf_counter() - start
         ae.publish(WeightsReloaded(path=str(path), seconds=round(seconds, 6)))
         return ReloadWeightsReply(message=f"reloaded {path}: {report}", path=str(path), format=report.format,

@@ -61,7 +61,8 @@ class SecurityPolicy:
             return "open"
         return "openai" if path in OPENAI_PATHS else "control"
 
-    def refusal(self, path: str, client_host: str | None, authorization: bytes | None) -> tuple[int, str] | None:
+    def refusal(self, path: str, client_host: str | None, authorization: bytes | None,
+                host_header: bytes | None = None, origin: bytes | None = None) -> tuple[int, str] | None:
         """(status, message) when this request may not run, None when it may."""
         kind = self.kind(path)
         if kind == "open":
@@ -81,6 +82,8 @@ class SecurityPolicy:
                          f"came from {client_host}): call it from that machine, or start the server with --api-key "
                          "KEY and send `Authorization: Bearer KEY` (or, on a trusted network only, "
                          "--allow-remote-control)")
+        if kind == "control" and not self.allow_remote_control and client_host != IN_PROCESS_CLIENT:
+            return browser_refusal(path, host_header, origin)
         return None
 
     def profile_target(self, output_dir: str | None, name: str | None) -> Path:
@@ -138,6 +141,27 @@ def is_local_client(host: str | None) -> bool:
     return _is_loopback_address(host)
 
 
+def browser_refusal(path: str, host_header: bytes | None, origin: bytes | None) -> tuple[int, str] | None:
+    """A loopback client may still be a browser acting for a web site: a cross-site request (an `Origin` that is
+    not this machine) or DNS rebinding (a `Host` that is not a loopback name). Programs send neither."""
+    remedy = ("without an API key, control routes answer programs on this machine (curl, tsdev) at "
+              "http://127.0.0.1:PORT or http://localhost:PORT, not web pages; or start the server with --api-key KEY")
+    if origin is not None and not is_loopback_host(_url_host(origin.decode("latin-1"))):
+        return 403, f"{path}: refused a request sent by the web page {origin.decode('latin-1')!r}: {remedy}"
+    if host_header is not None and not is_loopback_host(_url_host(host_header.decode("latin-1"))):
+        return 403, (f"{path}: refused a request addressed to {host_header.decode('latin-1')!r}, not a loopback "
+                     f"name (a DNS-rebinding web page?): {remedy}")
+    return None
+
+
+def _url_host(value: str) -> str:
+    """The host of an Origin (`http://127.0.0.1:8000`) or Host (`[::1]:8000`) header value."""
+    value = value.strip().split("://", 1)[-1].split("/", 1)[0]
+    if value.startswith("["):
+        return value[1:].split("]", 1)[0]
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
 def is_loopback_host(host: str) -> bool:
     """Whether binding `host` keeps the server private to this machine (0.0.0.0, :: and LAN addresses do not)."""
     return host == "localhost" or _is_loopback_address(host)
@@ -189,9 +213,10 @@ class Guard:
         root = scope.get("root_path", "")
         if root and path.startswith(root):  # what the router matches (starlette strips the mount point)
             path = path[len(root):] or "/"
-        authorization = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), None)
+        headers = dict(scope.get("headers", ()))  # names are lower case in ASGI
         client = scope.get("client")
-        refused = self.policy.refusal(path, client[0] if client else None, authorization)
+        refused = self.policy.refusal(path, client[0] if client else None, headers.get(b"authorization"),
+                                      headers.get(b"host"), headers.get(b"origin"))
         if refused is None:
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":

@@ -594,3 +594,163 @@ def test_nn_module_forward_edit_keeps_weights(pkg):
     assert report.dependents == pkg.full("model")
     assert model(x).tolist() == [7.0, 7.0, 7.0] and model.blocks[0].weight is weight
     assert isinstance(model.blocks[1], pkg.mod("model").Scale)
+
+
+# -- issue 16 point 5: what keeps running old code is reported in `stale`, with who holds it ------------
+NORM = """
+class Norm:
+    def __init__(self, dim):
+        self.dim = dim
+    def forward(self, x):
+        return x * self.dim
+"""
+NORM_EPS = NORM.replace("self.dim = dim", "self.dim = dim\n        self.eps = 0.5").replace(
+    "x * self.dim", "x * self.dim + self.eps")
+
+
+def test_init_changed_live_instances_are_stale(pkg):
+    pkg.write("a", NORM)
+    pkg.write("model", "from .a import Norm\nclass Model:\n    def __init__(self):\n        self.norm = Norm(2)\n"
+                       "class Sub(Norm):\n    pass\n")
+    pkg.write("engine", "MODEL = None\n")  # not re-executed: holds what the server built
+    engine = pkg.mod("engine")
+    engine.MODEL = pkg.mod("model").Model()
+    sub = pkg.mod("model").Sub(3)  # inherits the edited __init__
+    r = pkg.reloader()
+    pkg.edit("a", NORM_EPS)
+    report = pkg.reload(r)
+    assert report.ok  # the library reports; the server's warm-up (or issue 16.4's rebuild) acts on it
+    [stale] = report.stale
+    assert stale["name"] == f"{pkg.name}.a.Norm" and stale["where"] == f"{pkg.path('a')}:1"
+    assert stale["reason"] == (f"2 live instance(s) of {pkg.name}.a.Norm keep attributes set by the old __init__;"
+                               " the new __init__ also sets eps")
+    assert stale["referrers"] == [f"{pkg.name}.engine.MODEL.norm"]
+    with pytest.raises(AttributeError, match="eps"):  # what the report warns about: the new forward needs eps
+        engine.MODEL.norm.forward(1)
+    with pytest.raises(AttributeError, match="eps"):
+        sub.forward(1)
+    assert pkg.mod("a").Norm(2).forward(1) == 2.5  # instances built now are right
+
+
+def test_init_unchanged_no_scan_no_stale(pkg):
+    pkg.write("a", NORM)
+    norm = pkg.mod("a").Norm(2)
+    r = pkg.reloader()
+    pkg.edit("a", NORM.replace("x * self.dim", "x * self.dim + 1"))
+    report = pkg.reload(r)
+    assert not report.stale and norm.forward(1) == 3
+    assert "stale" in report.timings and report.timings["stale"] < 0.001  # no heap scan on the common path
+
+
+def test_init_changed_instances_only_in_the_old_namespace_are_not_stale(pkg):
+    pkg.write("a", NORM + "NORM = Norm(2)\n")
+    pkg.mod("a")
+    r = pkg.reloader()
+    pkg.edit("a", NORM_EPS + "NORM = Norm(2)\n")
+    report = pkg.reload(r)
+    assert not report.stale  # the module-level instance was rebuilt by the new code
+    assert pkg.mod("a").NORM.forward(1) == 2.5 and isinstance(pkg.mod("a").NORM, pkg.mod("a").Norm)
+
+
+LAMBDAS = "OPS = {'act': lambda x: x + 1, 'same': lambda x: x}\n"
+
+
+def test_lambda_held_in_a_registry_is_stale(pkg):
+    pkg.write("ops", LAMBDAS)
+    pkg.write("reg", "REGISTRY = {}\n")  # not re-executed: another module's registry
+    ops, reg = pkg.mod("ops"), pkg.mod("reg")
+    reg.REGISTRY.update(ops.OPS)
+    act = reg.REGISTRY["act"]
+    r = pkg.reloader("ops")
+    pkg.edit("ops", "\n" + LAMBDAS.replace("x + 1", "x + 100"))  # also moved a line: `same` did not change
+    report = pkg.reload(r)
+    assert act(1) == 2 and ops.OPS["act"](1) == 101  # the held lambda keeps running the old code...
+    [stale] = report.stale  # ... and the report says so; the unchanged lambda is not reported
+    assert stale["name"] == f"{pkg.name}.ops.<lambda>" and stale["where"] == f"{pkg.path('ops')}:1"
+    assert stale["reason"].startswith("1 live lambda(s) created by the old code")
+    assert stale["referrers"] == ["a dict at key 'act'"]
+
+
+def test_lambda_only_in_the_reexecuted_module_is_not_stale(pkg):
+    pkg.write("ops", LAMBDAS)
+    pkg.write("user", "from .ops import OPS\ndef run(x):\n    return OPS['act'](x)\n")
+    run = pkg.mod("user").run
+    r = pkg.reloader()
+    pkg.edit("ops", LAMBDAS.replace("x + 1", "x + 100"))
+    report = pkg.reload(r)
+    assert not report.stale and run(1) == 101  # the dependent re-executed: it holds the new registry
+
+
+def test_lambda_bound_to_a_name_is_patched(pkg):
+    pkg.write("a", "act = lambda x: x + 1\n")
+    act = pkg.mod("a").act
+    r = pkg.reloader()
+    pkg.edit("a", "act = lambda x: x + 100\n")
+    report = pkg.reload(r)
+    assert act(1) == 101 and not report.stale
+
+
+PARTIAL = "import functools\ndef scale(x, k):\n    return x * k\ndouble = functools.partial(scale, k=2)\n"
+
+
+def test_partial_is_patched(pkg):
+    pkg.write("a", PARTIAL)
+    pkg.write("reg", "OPS = []\n")
+    pkg.mod("reg").OPS.append(pkg.mod("a").double)
+    held = pkg.mod("reg").OPS[0]
+    r = pkg.reloader("a")
+    pkg.edit("a", PARTIAL.replace("x * k", "x * k + 1").replace("k=2", "k=3"))
+    report = pkg.reload(r)
+    assert not report.stale and held(1) == 4  # wrapped function patched, arguments replaced in place
+    assert pkg.mod("a").double is held
+
+
+def test_partial_of_a_lambda_is_stale(pkg):
+    pkg.write("a", "import functools\nPLUS = functools.partial(lambda x, k: x + k, k=1)\n")
+    pkg.write("reg", "OPS = []\n")
+    pkg.mod("reg").OPS.append(pkg.mod("a").PLUS.func)
+    held = pkg.mod("reg").OPS[0]
+    r = pkg.reloader("a")
+    pkg.edit("a", "import functools\nPLUS = functools.partial(lambda x, k: x - k, k=1)\n")
+    report = pkg.reload(r)
+    assert held(1, 1) == 2  # old code
+    [stale] = report.stale
+    assert stale["name"] == f"{pkg.name}.a.<lambda>" and "a list" in stale["referrers"]
+
+
+def test_decorator_wrapper_held_elsewhere_is_patched(pkg):
+    pkg.write("deco", TWICE)
+    pkg.write("a", "from .deco import twice\n@twice\ndef f(x):\n    return x\n")
+    pkg.write("reg", "OPS = []\n")
+    pkg.mod("reg").OPS.append(pkg.mod("a").f)
+    held = pkg.mod("reg").OPS[0]
+    r = pkg.reloader("a", "deco")
+    pkg.edit("a", "from .deco import twice\n@twice\ndef f(x):\n    return x + 1\n")
+    report = pkg.reload(r)
+    assert held(1) == 4 and not report.stale and held.__wrapped__(1) == 2
+
+
+def test_decorator_body_edit_with_wrapper_held_outside_is_stale(pkg):
+    pkg.write("deco", TWICE)
+    pkg.write("reg", "OPS = []\n")
+    pkg.write("a", "from .deco import twice\nfrom . import reg\nreg.OPS.append(twice(lambda x: x))\n"
+                   "@twice\ndef f(x):\n    return x\n")
+    f, ops = pkg.mod("a").f, pkg.mod("reg").OPS
+    held = ops[0]
+    r = pkg.reloader("a", "deco")
+    pkg.edit("deco", TWICE.replace("2 * fn(*a)", "3 * fn(*a)"))
+    report = pkg.reload(r)
+    assert f(1) == 3  # named: patched
+    assert held(1) == 2  # the wrapper appended to another module's list before the reload: old code
+    [stale] = report.stale
+    assert stale["name"] == f"{pkg.name}.deco.twice.<locals>.wrapper" and stale["referrers"] == ["a list"]
+
+
+def test_bound_method_captured_before_init_change(pkg):
+    pkg.write("a", NORM + "HOOKS = []\n")
+    norm = pkg.mod("a").Norm(2)
+    hook = norm.forward
+    r = pkg.reloader()
+    pkg.edit("a", NORM.replace("x * self.dim", "x * self.dim * 10") + "HOOKS = []\n")
+    report = pkg.reload(r)
+    assert hook(1) == 20 and not report.stale  # the method is patched; __init__ unchanged: no stale

@@ -11,6 +11,7 @@ wrong. Every change is recorded in `undo` so a transaction can revert it.
 from __future__ import annotations
 
 import dataclasses
+import dis
 import enum
 import functools
 import gc
@@ -43,6 +44,12 @@ class Patcher:
         self._done: dict[int, Any] = {}  # id(old) -> what its name binds to now
         self._new_to_old: dict[int, tuple[Any, Any]] = {}  # id(new) -> (new, old merged into)
         self._stale_objects: list[Any] = []
+        self._stale_index: list[int] = []  # which entry of `stale` each of `_stale_objects` is
+        self._groups: dict[int, tuple[str, list[str], int]] = {}  # index in _stale_objects -> (reason, paths, more)
+        self._saved_values: set[int] = set()  # ids of the values the pre-reload namespaces held
+        self._fresh: set[int] = set()  # ids of instances the re-execution built and _rehome gave the live class
+        self._init_changed: list[tuple[type, str, list[str]]] = []  # (live class, name, attributes new __init__ adds)
+        self._changed_nested: dict[int, tuple[dict, str, dict, dict]] = {}  # id(ns) -> (ns, module, old, new codes)
 
     # -- entry point ---------------------------------------------------------
     def module(self, module: types.ModuleType, before: dict) -> None:
@@ -96,6 +103,8 @@ class Patcher:
                 if o is not None and n is not None:
                     self.merge(o, n, module, name)
             return new  # descriptors are immutable; the class gets the new one
+        if type(old) is functools.partial and type(new) is functools.partial:
+            return self._partial(old, new)
         if is_definition(old):
             self.add_stale(old, name, f"{kind(old)} became {kind(new)}")
             return new
@@ -123,6 +132,15 @@ class Patcher:
         old.__dict__ = {"__wrapped__": new}  # inspect.signature() follows it
         self.patched += 1
         return new
+
+    def _partial(self, old, new):
+        """A partial's func/args are read-only attributes, but `__setstate__` replaces them all in place."""
+        state = old.__reduce__()[2]
+        self.undo.append(lambda: old.__setstate__(state))
+        old.__setstate__((self.translate(new.func), tuple(map(self.translate, new.args)),
+                          {k: self.translate(v) for k, v in new.keywords.items()}, new.__dict__ or None))
+        self.patched += 1
+        return old
 
     def _cell(self, old_cell, new_cell, module, name):
         new = _cell_get(new_cell)
@@ -159,6 +177,9 @@ class Patcher:
             self.add_stale(old, name, reason)
             return new
         self._new_to_old[id(new)] = (new, old)  # methods, nested classes, instances translate to old
+        init_change = _init_change(vars(old).get("__init__"), vars(new).get("__init__"))
+        if init_change is not None:
+            self._init_changed.append((old, name, init_change))
         saved = dict(vars(old))
         self.undo.append(lambda: _restore_class(old, saved))
         _point_class_cells(new, old)
@@ -259,31 +280,252 @@ class Patcher:
         if cls is not type(value):
             try:
                 value.__class__ = cls
+                self._fresh.add(id(value))
             except TypeError:
                 pass
         return value
 
     # -- stale -----------------------------------------------------------------
     def add_stale(self, obj: Any, name: str, reason: str) -> None:
+        self._stale_index.append(len(self.stale))
         self.stale.append({"name": name, "reason": reason, "where": _where(obj), "referrers": []})
         self._stale_objects.append(obj)
 
+    def note_code(self, module: types.ModuleType, old_code: types.CodeType | None, new_code: types.CodeType) -> None:
+        """Remember a module whose lambdas or nested functions changed: live copies of those are not
+        bound to any name the patcher can follow (a lambda in a registry, a closure a factory returned)."""
+        if old_code is None:
+            return
+        old, new = _nested_codes(old_code), _nested_codes(new_code)
+        changed = {q: codes for q, codes in old.items()
+                   if any(not any(_same_code(c, n) for n in new.get(q, ())) for c in codes)}
+        if changed:
+            ns = vars(module)
+            self._changed_nested[id(ns)] = (ns, module.__name__, changed, new)
+
+    def find_live_stale(self, saved: list[dict], tracked: list[types.ModuleType]) -> None:
+        """Report what keeps running old code though nothing names it: live instances of a class whose
+        `__init__` changed, and live lambdas/nested functions whose code changed.
+
+        One heap scan (gc.get_referrers, ~10 ms with torch imported), and only when a reload changed an
+        `__init__` or an unnamed function: the common edit (a body of a named function) pays nothing.
+        """
+        if not self._init_changed and not self._changed_nested:
+            return
+        classes: dict[int, int] = {}  # id(class or subclass) -> index in _init_changed
+        for i, (cls, _, _) in enumerate(self._init_changed):
+            for c in _with_subclasses(cls):
+                classes.setdefault(id(c), i)
+        targets = [c for c, _, _ in self._init_changed] + [ns for ns, *_ in self._changed_nested.values()]
+        for cls, _, _ in self._init_changed:
+            targets += [c for c in _with_subclasses(cls) if c is not cls]
+        self._saved_values = {id(v) for ns in saved for v in ns.values()}
+        instances, functions = self._scan(targets, classes)
+        for (cls, name, added), found in zip(self._init_changed, instances):
+            if found:
+                reason = (f"{{n}} live instance(s) of {cls.__module__}.{cls.__qualname__} keep attributes set by "
+                          "the old __init__")
+                reason += f"; the new __init__ also sets {', '.join(added)}" if added else ""
+                # Only instances the old namespaces hold may be dead (freed at commit): check those few
+                # (gc.get_referrers costs heap size x number of objects asked about).
+                maybe = [o for o in found if id(o) in self._saved_values]
+                paths = _instance_paths(found, tracked)
+                if maybe:
+                    self._add_group(cls, maybe, name, reason, paths, len(found) - len(maybe))
+                else:
+                    self.stale.append({"name": name, "reason": reason.format(n=len(found)), "where": _where(cls),
+                                       "referrers": paths})
+        for (module, qualname), found in functions.items():
+            what = "lambda" if qualname.endswith("<lambda>") else "nested function"
+            self._add_group(found[0].__code__, found, f"{module}.{qualname}",
+                            f"{{n}} live {what}(s) created by the old code and held outside the module's names: "
+                            "cannot be patched (which new one replaces it is ambiguous)")
+
+    def _add_group(self, definition, found: list, name: str, reason: str, paths: list[str] | None = None,
+                   more: int = 0) -> None:
+        """A stale entry for objects that count only if something outside the old namespaces holds them
+        (plus `more` known to be live)."""
+        self.add_stale(definition, name, reason)
+        self._stale_objects[-1] = found
+        self._groups[len(self._stale_objects) - 1] = (reason, paths or [], more)
+
+    def _scan(self, targets: list, classes: dict[int, int]) -> tuple[list[list], dict]:
+        """The one heap scan: instances of the classes, functions over the namespaces."""
+        instances: list[list] = [[] for _ in self._init_changed]
+        functions: dict[tuple[str, str], list] = {}
+        fresh = self._fresh
+        for ref in gc.get_referrers(*targets):
+            i = classes.get(id(type(ref)))
+            if i is not None:
+                if id(ref) not in fresh:  # built by the new code during this reload: has the new attributes
+                    instances[i].append(ref)
+            elif isinstance(ref, types.FunctionType) and id(ref.__globals__) in self._changed_nested:
+                ns, module, changed, new = self._changed_nested[id(ref.__globals__)]
+                code = ref.__code__
+                if (code.co_qualname in changed and any(_same_code(code, c) for c in changed[code.co_qualname])
+                        and not any(_same_code(code, n) for n in new.get(code.co_qualname, ()))):
+                    functions.setdefault((module, code.co_qualname), []).append(ref)
+        return instances, functions
+
     def describe_stale(self, ignore: list) -> None:
-        """Fill each stale entry's `referrers`: who still holds the old object."""
+        """Fill each stale entry's `referrers`: who still holds the old object (one heap scan for all)."""
         if not self._stale_objects:
             return
-        ignore_ids = {id(x) for x in ignore} | {id(self._stale_objects), id(self.__dict__)}
+        groups = [obj if isinstance(obj, list) else [obj] for obj in self._stale_objects]
+        owner = {id(o): i for i, group in enumerate(groups) for o in group}
+        saved_ids = {id(x) for x in ignore}
+        ignore_ids = saved_ids | {id(self._stale_objects), id(self.__dict__), id(groups)}
+        ignore_ids |= {id(g) for g in groups}
         names = {id(vars(m)): m.__name__ for m in list(sys.modules.values()) if m is not None}
-        for entry, obj in zip(self.stale, self._stale_objects):
-            refs = []
-            for ref in gc.get_referrers(obj):
-                if id(ref) in ignore_ids or isinstance(ref, types.FrameType) or _is_args_of_call(ref, obj):
+        refs: list[set] = [set() for _ in groups]
+        objs = [o for group in groups for o in group]
+        saved_values = self._saved_values
+        live: set[int] = set()
+        pending = []  # containers of the old namespaces (undo log): count only if held elsewhere too
+
+        def note(ref):
+            for held in gc.get_referents(ref):
+                i = owner.get(id(held))
+                if i is not None and any(held is o for o in groups[i]):
+                    refs[i].add(_describe_referrer(ref, held, names))
+                    live.add(id(held))
+        ignore_ids.add(id(sys._getframe()))  # other frames count: a running loop's local keeps an object alive
+        old_only: set[int] = set()  # held by the old namespaces (the undo log)
+        for ref in gc.get_referrers(*objs):
+            if id(ref) in saved_ids:
+                old_only |= {id(x) for x in gc.get_referents(ref)}
+            if id(ref) in ignore_ids or ref is objs:
+                continue
+            if id(ref) in saved_values and isinstance(ref, (dict, list, tuple, set)):
+                pending.append(ref)
+            else:
+                note(ref)
+        if pending:  # a second scan, only when an old registry may hold old functions
+            held_elsewhere = set()
+            for ref in gc.get_referrers(*pending):
+                if id(ref) in ignore_ids or ref is pending:
                     continue
-                refs.append(_describe_referrer(ref, obj, names))
-            entry["referrers"] = sorted(set(refs))[:10]
+                held_elsewhere |= {id(x) for x in gc.get_referents(ref)}
+            for ref in pending:
+                if id(ref) in held_elsewhere:
+                    note(ref)
+                else:
+                    old_only |= {id(x) for x in gc.get_referents(ref)}
+        ref = pending = None
+        dropped = set()
+        for i, (index, found) in enumerate(zip(self._stale_index, refs)):
+            entry = self.stale[index]
+            entry["referrers"] = sorted(found)[:10]
+            if i in self._groups:
+                reason, paths, more = self._groups[i]
+                # Held by the old namespaces only: freed at commit. Held by nothing visible: a running
+                # frame's local (gc cannot see those), so live.
+                n = more + sum(id(o) in live or id(o) not in old_only for o in groups[i])
+                if not n:
+                    dropped.add(index)
+                entry["reason"] = reason.format(n=n)
+                entry["referrers"] = paths or entry["referrers"]
+        self.stale[:] = [e for i, e in enumerate(self.stale) if i not in dropped]
 
 
 # -- helpers ------------------------------------------------------------------
+_NOT_HELD = ("<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>", "<module>")
+
+
+def _nested_codes(code: types.CodeType) -> dict[str, list[types.CodeType]]:
+    """{qualname: codes} of the lambdas and nested functions under a module's code."""
+    found: dict[str, list] = {}
+    stack = [code]
+    while stack:
+        c = stack.pop()
+        for const in c.co_consts:
+            if isinstance(const, types.CodeType):
+                stack.append(const)
+                if const.co_name not in _NOT_HELD and (const.co_name == "<lambda>" or "<locals>" in const.co_qualname):
+                    found.setdefault(const.co_qualname, []).append(const)
+    return found
+
+
+def _same_code(a: types.CodeType, b: types.CodeType) -> bool:
+    """Same behaviour: equal bytecode, names and constants; line numbers may differ (an edit above moved it)."""
+    if a is b:
+        return True
+    if (a.co_code != b.co_code or a.co_names != b.co_names or a.co_varnames != b.co_varnames
+            or a.co_freevars != b.co_freevars or a.co_cellvars != b.co_cellvars or a.co_argcount != b.co_argcount
+            or a.co_kwonlyargcount != b.co_kwonlyargcount or a.co_flags != b.co_flags
+            or len(a.co_consts) != len(b.co_consts)):
+        return False
+    for x, y in zip(a.co_consts, b.co_consts):
+        if isinstance(x, types.CodeType) and isinstance(y, types.CodeType):
+            if not _same_code(x, y):
+                return False
+        elif type(x) is not type(y) or x != y:
+            return False
+    return True
+
+
+def _init_change(old, new) -> list[str] | None:
+    """None when `__init__` did not change; else the attributes the new one sets on self that the old did not."""
+    if old is new:
+        return None
+    old_fn, new_fn = _underlying(old), _underlying(new)
+    if not isinstance(old_fn, types.FunctionType) or not isinstance(new_fn, types.FunctionType):
+        return None if old is None and new is None else sorted(_self_attributes(new_fn) - _self_attributes(old_fn))
+    if (_same_code(old_fn.__code__, new_fn.__code__) and old_fn.__defaults__ == new_fn.__defaults__
+            and old_fn.__kwdefaults__ == new_fn.__kwdefaults__):
+        return None
+    return sorted(_self_attributes(new_fn) - _self_attributes(old_fn))
+
+
+def _self_attributes(fn) -> set[str]:
+    """Names assigned as `self.X = ...` in a method (from its bytecode: the source on disk may be newer)."""
+    code = getattr(fn, "__code__", None)
+    if code is None or not code.co_argcount:
+        return set()
+    self_name = code.co_varnames[0]
+    names, previous = set(), None
+    for ins in dis.get_instructions(code):
+        if ins.opname == "STORE_ATTR" and previous is not None and previous.opname == "LOAD_FAST" \
+                and previous.argval == self_name:
+            names.add(ins.argval)
+        previous = ins
+    return names
+
+
+def _with_subclasses(cls: type) -> list[type]:
+    """`cls` and every class under it (they inherit its `__init__`)."""
+    found, stack = [], [cls]
+    while stack:
+        c = stack.pop()
+        found.append(c)
+        try:
+            stack.extend(type.__subclasses__(c))
+        except TypeError:
+            pass
+    return found
+
+
+def _instance_paths(instances: list, modules: list[types.ModuleType], limit: int = 5) -> list[str]:
+    """Where some of `instances` live, found cheaply: module globals, their attributes, nn.Module children."""
+    wanted = {id(x) for x in instances}
+    paths: list[str] = []
+    for module in modules:
+        for key, value in list(vars(module).items()):
+            if isinstance(value, (types.ModuleType, type, types.FunctionType)) or key.startswith("__"):
+                continue
+            base = f"{module.__name__}.{key}"
+            if id(value) in wanted:
+                paths.append(base)
+            children = getattr(value, "_modules", None)
+            if isinstance(children, dict) and hasattr(value, "named_modules"):
+                paths += [f"{base}.{n}" for n, m in value.named_modules() if n and id(m) in wanted]
+            elif isinstance(getattr(value, "__dict__", None), dict):
+                paths += [f"{base}.{k}" for k, v in vars(value).items() if id(v) in wanted]
+            if len(paths) >= limit:
+                return sorted(paths)[:limit]
+    return sorted(paths)
+
+
 def defined_in(obj: Any, module: types.ModuleType) -> bool:
     """Whether `obj` is a definition made by `module`'s code (so it is ours to update)."""
     obj = _underlying(obj)
@@ -298,6 +540,8 @@ def _underlying(obj: Any) -> Any:
         return jit.base_function(obj)
     if isinstance(obj, _LRU):
         return obj.__wrapped__
+    if type(obj) is functools.partial:
+        return _underlying(obj.func)
     if isinstance(obj, _DESCRIPTORS):
         return next((f for a in _DESCRIPTOR_FUNCTIONS if (f := getattr(obj, a, None))), None)
     return obj
@@ -409,6 +653,9 @@ def _describe_referrer(ref, obj, module_names: dict) -> str:
         return f"a dict at key {key!r}"
     if isinstance(ref, types.CellType):
         return "a closure cell"
+    if isinstance(ref, types.FrameType):
+        return f"a local variable of {ref.f_code.co_qualname}"
     if isinstance(ref, types.MethodType):
         return f"a bound method {ref.__func__.__qualname__}"
     return f"a {type(ref).__name__}"
+

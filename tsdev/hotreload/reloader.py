@@ -137,7 +137,7 @@ class Reloader:
             timings["compile"] = self._compile_s
             timings["plan"] = time.perf_counter() - start - timings["read"] - self._compile_s
             previous = {m: self._ran[m][1].source for m in plan.order}
-            tx._apply(plan.order, code, running, previous, self._modules())
+            tx._apply(plan.order, code, running, previous, self._modules(), self._old_code(plan.order, previous))
         except BaseException as e:
             tx._fail(e, files)
             if not isinstance(e, Exception):
@@ -167,6 +167,16 @@ class Reloader:
             if name not in self._ran and (data := read(path)) is not None:
                 self._ran[name] = (path, _Source(data))
                 pin_lines(path, data)
+
+    def _old_code(self, order: list[str], previous: dict[str, bytes]) -> dict[str, types.CodeType | None]:
+        """The code each module last ran (compiled when the Reloader was built, or at the last commit)."""
+        found = {}
+        for name in order:
+            try:
+                found[name] = self._compile(name, previous[name]).code
+            except SyntaxError:
+                found[name] = None
+        return found
 
     def _modules(self) -> list[types.ModuleType]:
         return [sys.modules[m] for m in self._ran if m in sys.modules]

@@ -36,7 +36,7 @@ class Report:
     stale: list[dict] = field(default_factory=list)  # {name, reason, where, referrers}
     needs_restart: list[str] = field(default_factory=list)  # changed outside the reloadable packages
     jit_kernels: int = 0  # Triton kernels that will compile again on next launch
-    timings: dict[str, float] = field(default_factory=dict)  # seconds: read plan compile execute patch kernels total
+    timings: dict[str, float] = field(default_factory=dict)  # seconds: read plan compile execute patch kernels stale total
     error: str | None = None  # "file:line: Type: message"
 
     def to_dict(self) -> dict:
@@ -101,7 +101,8 @@ class Transaction:
 
     # -- used by Reloader ------------------------------------------------------
     def _apply(self, order: list[str], code: dict[str, types.CodeType], sources: dict[str, bytes],
-               previous: dict[str, bytes], tracked: list[types.ModuleType]) -> None:
+               previous: dict[str, bytes], tracked: list[types.ModuleType],
+               old_code: dict[str, types.CodeType | None] | None = None) -> None:
         patcher, timings = self._patcher, self.report.timings
         before = set(sys.modules)
         patcher.undo.append(lambda: _forget_new_modules(before, self._roots))
@@ -115,6 +116,7 @@ class Transaction:
             path = code[name].co_filename
             pin_lines(path, sources[name])
             patcher.undo.append(lambda path=path, src=previous[name]: pin_lines(path, src))
+            patcher.note_code(module, (old_code or {}).get(name), code[name])
             _clear(ns)
             start = time.perf_counter()
             exec(code[name], ns)
@@ -126,7 +128,10 @@ class Transaction:
         start = time.perf_counter()
         jit.refresh_callers(patcher, tracked)
         timings["kernels"] = time.perf_counter() - start
+        start = time.perf_counter()
+        patcher.find_live_stale(self._saved, tracked)  # a heap scan, only when an __init__ or a lambda changed
         patcher.describe_stale(ignore=self._saved)
+        timings["stale"] = time.perf_counter() - start
         self.report.patched = patcher.patched
         self.report.stale = patcher.stale
         self.report.jit_kernels = patcher.jit_kernels
