@@ -152,3 +152,45 @@ def test_reload_progress_on_a_terminal_is_one_live_line_that_goes_away():
     assert str(progress.status.status).startswith("draining 1.2 s: waiting for 3 running request(s) to finish")
     progress.event(ReloadStep(id="r", step="drain", state="done", seconds=1.3))
     assert progress.status is None and "drained" not in out.getvalue()  # plain lines are for non-terminals
+
+
+def _answering(status: int, body: bytes):
+    """A throwaway HTTP server on 127.0.0.1 that answers every request with `status` and `body`."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self):
+            self.rfile.read(int(self.headers.get("content-length") or 0))
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_reload_exit_status_1_for_a_server_error_and_2_for_a_server_that_is_not_tsdev():
+    from typer.testing import CliRunner
+
+    from tsdev.cli import app
+
+    cases = ((500, b'{"error": {"message": "internal error: boom", "type": "server_error", "param": null, '
+                   b'"code": 500}}', 1, "boom"),
+             (200, b'{"hello": "world"}', 2, "not a ReloadReply"))
+    for status, body, code, words in cases:
+        server = _answering(status, body)
+        try:
+            result = CliRunner().invoke(app, ["reload", "--url", f"http://127.0.0.1:{server.server_port}"])
+        finally:
+            server.shutdown()
+        assert result.exit_code == code and words in result.output, (status, result.output)
+        assert "Traceback" not in result.output

@@ -267,7 +267,7 @@ def reload(
     from rich.markup import escape
 
     from tsdev import outcome
-    from tsdev.client import reload_forward
+    from tsdev.client import ErrorReply, reload_forward
 
     console = Console(soft_wrap=True, highlight=False)
     if mode not in ("wait", "abort"):
@@ -287,13 +287,17 @@ def reload(
     try:
         reply = reload_forward(url, modules, mode, timeout_s, on_event=progress.event, on_tick=progress.tick,
                                api_key=api_key)
+    except httpx.TimeoutException:
+        console.print(f"[red]error:[/red] no reply from {url} within --timeout-s + 30 s: the reload may still be "
+                      "running; its outcome shows in the server's log and in `tsdev watch`")
+        raise typer.Exit(outcome.FAILED) from None
     except httpx.TransportError as exc:
         console.print(f"[red]error:[/red] cannot reach {url} ({exc}): is a server running there? Start one with "
                       "`tsdev watch` or `tsdev serve --allow-reload-forward`, or pass --url")
         raise typer.Exit(outcome.UNREACHABLE) from None
-    except RuntimeError as exc:  # 403 and other refusals
+    except ErrorReply as exc:  # 4xx: refused (403 without --allow-reload-forward, 401 without the key, ...)
         console.print(f"[red]error:[/red] {escape(str(exc))}")
-        raise typer.Exit(outcome.UNREACHABLE) from None
+        raise typer.Exit(outcome.FAILED if exc.status >= 500 else outcome.UNREACHABLE) from None
     finally:
         progress.close()
     for worker in reply.workers:

@@ -34,11 +34,24 @@ def error_message(response: httpx.Response) -> str:
         return response.text[:300]
 
 
+class ErrorReply(RuntimeError):
+    """A reply other than 200: str() is "status: the error's message"."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"{status}: {message}")
+        self.status = status
+
+
 def reply_or_raise(response: httpx.Response, model: type[Reply]) -> Reply:
-    """The reply of a 200 as `model`; RuntimeError("status: the error's message") otherwise."""
+    """The reply of a 200 as `model`; ErrorReply otherwise, and for a 200 that is not a `model` (not a tsdev
+    server at that URL?)."""
     if response.status_code != 200:
-        raise RuntimeError(f"{response.status_code}: {error_message(response)}")
-    return model.model_validate_json(response.content)
+        raise ErrorReply(response.status_code, error_message(response))
+    try:
+        return model.model_validate_json(response.content)
+    except ValidationError as exc:
+        raise ErrorReply(200, f"the reply is not a {model.__name__} (is a tsdev server at {response.url}?): "
+                              f"{response.text[:200]}") from exc
 
 
 def control_call(url: str, method: str, route: str, model: type[Reply], request: BaseModel | None = None,

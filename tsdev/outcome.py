@@ -14,7 +14,7 @@ KEEPS_SERVING = "the old code keeps serving"
 
 # `tsdev reload`'s exit status (editor hooks and scripts tell the outcomes apart by it)
 RELOADED = 0  # every worker reloaded, or there was nothing to reload
-FAILED = 1  # the reload failed and was rolled back: the old code keeps serving
+FAILED = 1  # the reload failed and was rolled back (or the server answered 5xx, or no reply came in time)
 UNREACHABLE = 2  # no server answers at the URL, or it refused (403 without --allow-reload-forward, ...)
 NEEDS_RESTART = 3  # an edit outside the reloadable packages needs a server restart (even if others reloaded)
 RESTART_HINT = "restart the server (`tsdev watch` restarts it by itself)"

@@ -3,6 +3,7 @@
 The first three are control calls over HTTP (with the API key, as `tsdev reload`); `tsdev weights drill` builds
 engines in-process, as `tsdev serve` does (docs/runtime.md, "Sleep, wake and weight reloads").
 """
+import os
 from typing import Annotated, Optional
 
 import typer
@@ -74,13 +75,17 @@ def wake(
 @weights_app.command("reload")
 def reload_weights(
     path: Annotated[Optional[str], typer.Argument(help="A checkpoint under the served model's directory or an "
-                                                  "--allowed-weight-dir; default: the served model's.")] = None,
+                                                  "--allowed-weight-dir (a relative path is taken from the current "
+                                                  "directory, as the server's machine sees it); default: the served "
+                                                  "model's.")] = None,
     url: Annotated[str, URL_OPTION] = "http://127.0.0.1:8000",
     api_key: Annotated[Optional[str], API_KEY] = None,
 ):
     """Reload the served weights from disk into the running server (POST /v1/rl/engine/reload_weights)."""
     from runtime.control_protocol import RELOAD_WEIGHTS_ROUTE, ReloadWeightsReply, ReloadWeightsRequest
 
+    if path is not None:
+        path = os.path.abspath(path)  # the server would take a relative one from the model's directory
     reply = _call(url, "POST", RELOAD_WEIGHTS_ROUTE, ReloadWeightsReply, ReloadWeightsRequest(path=path), api_key)
     typer.echo(f"reloaded {reply.path}: {reply.format}, {reply.nbytes / 1e9:.2f} GB in {reply.load_seconds:.2f} s "
                f"({reply.seconds:.2f} s with the drain)")

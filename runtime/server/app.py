@@ -280,12 +280,16 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReload
             return [(t, f.finish_reason, f, i) for t, f, i in zip(texts, finals, ids)]
 
         task = asyncio.create_task(run())
-        while not task.done():
-            await asyncio.wait({task}, timeout=0.5)
-            if not task.done() and await request.is_disconnected():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                raise APIError(499, "the client disconnected; the request was aborted", type_="client_closed_request")
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.5)
+                if not task.done() and await request.is_disconnected():
+                    raise APIError(499, "the client disconnected; the request was aborted",
+                                   type_="client_closed_request")
+        except BaseException:  # the client left, or this handler was cancelled (a forced shutdown): abort the
+            task.cancel()      # request's streams, which frees its KV pages, instead of orphaning them
+            await asyncio.gather(task, return_exceptions=True)
+            raise
         try:
             return task.result()
         except Unavailable as exc:
