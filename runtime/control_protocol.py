@@ -27,7 +27,11 @@ SLEEP_ROUTE = "/sleep"  # vLLM's sleep mode routes
 WAKE_UP_ROUTE = "/wake_up"
 IS_SLEEPING_ROUTE = "/is_sleeping"
 RELOAD_WEIGHTS_ROUTE = "/v1/rl/engine/reload_weights"
-UPDATE_WEIGHTS_FROM_DISK_ROUTE = "/update_weights_from_disk"  # SGLang's name for reload_weights
+UPDATE_WEIGHTS_FROM_DISK_ROUTE = "/update_weights_from_disk"  # SGLang's name (its body: model_path)
+UPDATE_WEIGHTS_ROUTE = "/v1/rl/engine/update_weights"
+WEIGHTS_CHECKSUM_ROUTE = "/v1/rl/engine/weights_checksum"
+UPDATE_MODES = ("direct", "full")  # direct: in place, graphs kept; full: graphs released and recaptured
+UpdateMode = Literal[UPDATE_MODES]
 SLEEP_TAGS = ("weights", "kv_cache")
 SleepTag = Literal[SLEEP_TAGS]
 
@@ -235,6 +239,12 @@ class ReloadWeightsRequest(_Message):
         return file_system_path(value)
 
 
+class UpdateWeightsRequest(ReloadWeightsRequest):
+    """POST /v1/rl/engine/update_weights; SGLang's /update_weights_from_disk body ({"model_path", ...}) too."""
+    mode: UpdateMode = "direct"
+    id: Text | None = None  # the caller's name for this update (a training step), echoed in the reply and event
+
+
 class ReloadWeightsReply(_Message):
     success: bool = True  # SGLang's key
     message: str = ""
@@ -243,6 +253,18 @@ class ReloadWeightsReply(_Message):
     nbytes: int
     load_seconds: float
     seconds: float  # drain included
+    mode: UpdateMode = "direct"
+    id: str | None = None
+    recapture_seconds: float = 0.0  # mode full: the graphs were recaptured; direct: 0 (addresses kept)
+
+
+class WeightsChecksumReply(_Message):
+    """GET /v1/rl/engine/weights_checksum: sha256 per parameter and persistent buffer (in its runtime layout: its
+    dtype, shape and bytes), and `overall`, the sha256 of the sorted `name digest` lines."""
+    algorithm: str = "sha256"
+    overall: str
+    tensors: dict[str, str]
+    seconds: float = 0.0
 
 
 # --- what the server is ---------------------------------------------------------------------------------------
@@ -265,6 +287,7 @@ class EngineInfo(_Message):
     decode_graph_sizes: list[int] = []  # batch sizes replayed from decode graphs ([]: none)
     prefill_graph_buckets: list[int] = []  # token counts of the prefill graphs ([]: none)
     prefill_graphs_failed: str | None = None  # why prefill runs eagerly after its graphs failed to capture
+    quantization: str | None = None  # e.g. fp8
 
 
 class ServerInfo(EngineInfo):
@@ -338,6 +361,8 @@ class WeightsReloaded(_Event):
     type: Literal["weights_reloaded"] = "weights_reloaded"
     path: str
     seconds: float
+    mode: UpdateMode = "direct"
+    id: str | None = None
 
 
 class ProfileStarted(ProfileRange, _Event):

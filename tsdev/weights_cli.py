@@ -1,7 +1,8 @@
-"""`tsdev sleep`, `tsdev wake` and `tsdev weights reload|drill`: a server's sleep mode and weight reloads.
+"""`tsdev sleep`, `tsdev wake` and `tsdev weights reload|update|verify|drill`: a server's sleep mode and weights.
 
-The first three are control calls over HTTP (with the API key, as `tsdev reload`); `tsdev weights drill` builds
-engines in-process, as `tsdev serve` does (docs/runtime.md, "Sleep, wake and weight reloads").
+sleep, wake, reload and update are control calls over HTTP (with the API key, as `tsdev reload`); `verify` asks a
+server for its checksums and compares them with a fresh in-process load; `drill` builds engines in-process, as
+`tsdev serve` does (docs/runtime.md, "Sleep, wake and weight reloads").
 """
 import os
 from typing import Annotated, Optional
@@ -15,7 +16,8 @@ UNREACHABLE, FAILED = 2, 1
 URL_OPTION = typer.Option(help="The server.")
 API_KEY = typer.Option("--api-key", envvar=list(API_KEY_ENV_VARS), metavar="KEY", show_default=False,
                        help="The server's API key (as `tsdev reload`). Default: $TSDEV_API_KEY, else $VLLM_API_KEY.")
-weights_app = typer.Typer(help="Reload a server's weights from disk; check sleep/wake/reload in-process (drill).",
+weights_app = typer.Typer(help="Reload or update a server's weights from disk, verify them against a checkpoint; "
+                          "check sleep/wake/reload in-process (drill).",
                           no_args_is_help=True)
 
 
@@ -89,6 +91,58 @@ def reload_weights(
     reply = _call(url, "POST", RELOAD_WEIGHTS_ROUTE, ReloadWeightsReply, ReloadWeightsRequest(path=path), api_key)
     typer.echo(f"reloaded {reply.path}: {reply.format}, {reply.nbytes / 1e9:.2f} GB in {reply.load_seconds:.2f} s "
                f"({reply.seconds:.2f} s with the drain)")
+
+
+@weights_app.command("update")
+def update_weights(
+    path: Annotated[str, typer.Argument(help="A checkpoint under the served model's directory or an "
+                                        "--allowed-weight-dir (as the server's machine sees it).")],
+    mode: Annotated[str, typer.Option(help="direct: in place, the CUDA graphs kept; full: graphs recaptured (repairs "
+                                      "a failed direct update).")] = "direct",
+    update_id: Annotated[Optional[str], typer.Option("--id", help="A name for this update, echoed back.")] = None,
+    url: Annotated[str, URL_OPTION] = "http://127.0.0.1:8000",
+    api_key: Annotated[Optional[str], API_KEY] = None,
+):
+    """Update the served weights from a checkpoint (POST /v1/rl/engine/update_weights)."""
+    from runtime.control_protocol import UPDATE_MODES, UPDATE_WEIGHTS_ROUTE, ReloadWeightsReply, UpdateWeightsRequest
+
+    if mode not in UPDATE_MODES:
+        raise typer.BadParameter(f"{mode}: use {' or '.join(UPDATE_MODES)}", param_hint="--mode")
+    request = UpdateWeightsRequest(path=os.path.abspath(path), mode=mode, id=update_id)
+    reply = _call(url, "POST", UPDATE_WEIGHTS_ROUTE, ReloadWeightsReply, request, api_key)
+    graphs = (f", graphs recaptured in {reply.recapture_seconds:.2f} s" if reply.mode == "full"
+              else ", in place (graphs kept)")
+    typer.echo(f"updated ({reply.mode}) from {reply.path}: {reply.format}, {reply.nbytes / 1e9:.2f} GB in "
+               f"{reply.load_seconds:.2f} s{graphs} ({reply.seconds:.2f} s with the drain)")
+
+
+@weights_app.command("verify")
+def verify(
+    against: Annotated[str, typer.Option("--against", help="The checkpoint directory the server should hold.")],
+    device: Annotated[Optional[str], typer.Option(help="Where to load it (default: the server's device).")] = None,
+    url: Annotated[str, URL_OPTION] = "http://127.0.0.1:8000",
+    api_key: Annotated[Optional[str], API_KEY] = None,
+):
+    """Compare a live server's weights (GET /v1/rl/engine/weights_checksum) with a fresh load of DIR in the server's
+    dtype and quantization; exit 1 naming the tensors that differ."""
+    import dataclasses
+
+    from runtime.config import EngineConfig
+    from runtime.control_protocol import SERVER_INFO_ROUTE, WEIGHTS_CHECKSUM_ROUTE, ServerInfo, WeightsChecksumReply
+    from runtime.engine.weights_drill import fresh_checksum
+
+    info = _call(url, "GET", SERVER_INFO_ROUTE, ServerInfo, None, api_key)
+    live = _call(url, "GET", WEIGHTS_CHECKSUM_ROUTE, WeightsChecksumReply, None, api_key)
+    config = dataclasses.replace(EngineConfig(model=os.path.abspath(against), device=device or info.device),
+                                 dtype=info.dtype, quantization=info.quantization)
+    fresh = fresh_checksum(config)
+    differ = sorted(n for n in live.tensors.keys() | fresh.keys() if live.tensors.get(n) != fresh.get(n))
+    if differ:
+        typer.echo(f"DIFFERENT: {len(differ)} of {len(fresh)} tensor(s) differ from a fresh load of {against}: "
+                   f"{', '.join(differ[:20])}{', ...' if len(differ) > 20 else ''}", err=True)
+        raise typer.Exit(FAILED)
+    typer.echo(f"identical: all {len(fresh)} tensor(s) match a fresh load of {against} (overall {live.overall[:16]}; "
+               f"the server took {live.seconds:.2f} s)")
 
 
 @weights_app.command("drill")

@@ -22,7 +22,9 @@ from runtime.engine.scheduler import ScheduledBatch, Scheduler
 from runtime.engine.sequence import PENDING, SamplingParams, Sequence
 from runtime.engine.sleep import (WEIGHTS, SleepState, device_free_bytes, free_cached_memory, model_tensors,
                                   weights_checksum)
-from runtime.weights.loader import LoadReport, check_checkpoint, load_weights
+from runtime.weights.loader import LoadReport, load_weights, prepare_update
+
+UPDATE_MODES = ("direct", "full")
 
 
 class WeightsAsleep(RuntimeError):
@@ -31,6 +33,15 @@ class WeightsAsleep(RuntimeError):
 
 class CheckpointRefused(ValueError):
     """A weight load refused before anything changed: no checkpoint there, or one that does not fit the model."""
+
+
+@dataclass(frozen=True)
+class WeightUpdate:
+    """What `update_weights` did: the load, the mode, tensors viewed back to their checkpoint layout, recapture."""
+    load: LoadReport
+    mode: str
+    relaid: int = 0
+    recapture_seconds: float = 0.0
 
 
 @dataclass
@@ -115,6 +126,7 @@ class LLMEngine:
         self.num_generated_tokens = self.num_prompt_tokens = 0
         self.num_steps = self.num_decode_steps = self.num_rows = self.num_decode_rows = 0
         self.sleep_state = SleepState()
+        self._graphs_released = False  # by a full weight update that has not recaptured yet
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         """Raise ValueError saying what to change if this prompt cannot be served."""
@@ -207,8 +219,9 @@ class LLMEngine:
             return (f"the server is sleeping (POST /sleep, level {state.level}; asleep: {', '.join(sorted(state.asleep))}): "
                     "POST /wake_up to serve again")
         if not state.weights_loaded:
-            return ("the weights were discarded (POST /sleep level 2, or a weight load that failed) and not loaded "
-                    "since: POST /v1/rl/engine/reload_weights to load them")
+            return ("the weights were discarded (POST /sleep level 2, or a weight update that failed between its begin "
+                    "and finish) and not loaded since: POST /v1/rl/engine/update_weights {\"mode\": \"full\"} (or "
+                    "/v1/rl/engine/reload_weights) to load them")
         return None
 
     def sleep(self, level: int) -> dict[str, int | None]:
@@ -238,27 +251,46 @@ class LLMEngine:
                       "serving eagerly", file=sys.stderr, flush=True)
         return woken, recapture
 
-    def reload_weights(self, path: Path | None = None) -> LoadReport:
-        """Load the checkpoint at `path` (default: the served model's) into the existing parameters and rerun the
-        post-load hooks: every derived tensor is refilled in the memory the graphs captured. A checkpoint that
-        does not fit fails before anything changes; a load that fails later leaves the weights marked not loaded."""
+    def update_weights(self, path: Path | None = None, mode: str = "direct") -> WeightUpdate:
+        """Load the checkpoint at `path` (default: the served model's) into the existing parameters.
+
+        begin: check that it fits and that every tensor's storage can hold its cold-start checkpoint layout (else
+        CheckpointRefused, nothing changed), view re-laid-out tensors back, flush the prefix cache; from here until
+        finish the engine refuses to step (`unavailable`). load: the loader (pinned on CUDA) writes in place.
+        finish: the post-load hooks rerun into the same storage (fp8 scales, rotary tables). `direct` keeps every
+        address, so the CUDA graphs stay as captured; `full` releases the graphs first and recaptures them after.
+        A load that fails after begin leaves the weights marked not loaded until an update succeeds."""
+        if mode not in UPDATE_MODES:
+            raise ValueError(f"mode {mode!r}: use {' or '.join(UPDATE_MODES)}")
         if WEIGHTS in self.sleep_state.asleep:
             raise WeightsAsleep(f"the weights are asleep (level {self.sleep_state.level}): POST /wake_up (tags "
-                                f"[\"{WEIGHTS}\"]) first, then reload them")
+                                f"[\"{WEIGHTS}\"]) first, then load them")
         model, path = self.runner.model, Path(path or self.model_dir)
         try:
-            check_checkpoint(model, path)
+            relaid = prepare_update(model, path)  # begin: refuses before touching anything
         except (OSError, ValueError) as exc:
             raise CheckpointRefused(f"{type(exc).__name__}: {exc}") from exc
         self.flush_prefix_cache()  # KV computed with other weights is not reused
-        self.sleep_state.weights_loaded = False
-        report = load_weights(model, path, self.config.load_format, self.config.load_memory_limit)
+        self.sleep_state.weights_loaded = False  # no step until finish succeeds
+        if mode == "full":
+            self.runner.release_graphs()
+            self._graphs_released = True
+        report = load_weights(model, path, self.config.load_format, self.config.load_memory_limit)  # load + finish
         self.sleep_state.weights_loaded = True
-        return report
+        recapture = 0.0
+        if self._graphs_released:  # this full update's, or a failed full update's before it
+            recapture = sum(sum(secs.values()) for secs in self.capture_graphs(strict=False).values())
+            self._graphs_released = False
+        return WeightUpdate(report, mode, relaid, recapture)
 
-    def weights_checksum(self) -> dict[str, str]:
-        """name -> sha256 of every parameter and buffer, derived ones included (the weights drill)."""
-        return weights_checksum(self.runner.model)
+    def reload_weights(self, path: Path | None = None) -> LoadReport:
+        """A direct `update_weights` (in place, no recapture) from `path`, default the served model's checkpoint."""
+        return self.update_weights(path, "direct").load
+
+    def weights_checksum(self, derived: bool = True) -> dict[str, str]:
+        """name -> sha256 of every parameter and buffer; `derived=False`: parameters and persistent buffers only
+        (what a checkpoint fills, in their runtime layout: GET /v1/rl/engine/weights_checksum)."""
+        return weights_checksum(self.runner.model, derived)
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
@@ -278,7 +310,7 @@ class LLMEngine:
             world_size=config.world_size, max_running=config.max_running, kv_pages=self.block_manager.num_pages,
             page_size=self.block_manager.page_size, decode_graph_sizes=list(decode.sizes) if decode else [],
             prefill_graph_buckets=list(prefill.buckets) if prefill else [],
-            prefill_graphs_failed=prefill.disabled if prefill else None)
+            prefill_graphs_failed=prefill.disabled if prefill else None, quantization=config.quantization)
 
     def step(self) -> list[RequestOutput]:
         """Schedule and launch a step, then read the previous one (async scheduling) or this one."""

@@ -19,6 +19,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from runtime.weights.layout import checkpoint_tensors
+
 WEIGHTS, KV_CACHE = "weights", "kv_cache"
 TAGS = (WEIGHTS, KV_CACHE)
 
@@ -47,11 +49,20 @@ def tensor_digest(t: torch.Tensor) -> str:
     return hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode() + data).hexdigest()
 
 
-def weights_checksum(model: nn.Module) -> dict[str, str]:
-    """name -> sha256 of every parameter and buffer, derived ones (rotary table, fp8 scales) included."""
-    named = dict(model.named_parameters())
-    named.update(model.named_buffers())
+def weights_checksum(model: nn.Module, derived: bool = True) -> dict[str, str]:
+    """name -> sha256 of every parameter and buffer, derived ones (rotary table, fp8 scales) included; with
+    `derived=False` of the parameters and persistent buffers only (what a checkpoint fills)."""
+    if derived:
+        named = dict(model.named_parameters())
+        named.update(model.named_buffers())
+    else:
+        named = checkpoint_tensors(model)
     return {name: tensor_digest(t) for name, t in sorted(named.items())}
+
+
+def overall_digest(checksums: dict[str, str]) -> str:
+    """One sha256 over the sorted `name digest` lines."""
+    return hashlib.sha256("".join(f"{n} {d}\n" for n, d in sorted(checksums.items())).encode()).hexdigest()
 
 
 class _Freed:

@@ -87,3 +87,21 @@ def drill_modes(config: EngineConfig, rounds: int, modes: tuple[str, ...] = ("ea
         reports.append(drill(engine, rounds, mode, (lambda n, t, m=mode: on_round(m, n, t)) if on_round else None))
         del engine
     return reports
+
+
+def fresh_checksum(config: EngineConfig, path: str | None = None) -> dict[str, str]:
+    """name -> sha256 of every parameter and persistent buffer of a fresh load of `path` (default: the config's
+    model) built as `config` says (device, dtype, quantization), without a KV pool or graphs: what
+    GET /v1/rl/engine/weights_checksum of a server on those weights answers (`tsdev weights verify`)."""
+    import torch
+
+    from runtime.engine.model_runner import Checkpoint
+    from runtime.engine.sleep import weights_checksum
+    from runtime.models import build_model
+    from runtime.weights.loader import load_weights
+
+    checkpoint = Checkpoint.open(dataclasses.replace(config, model=path or config.model))
+    model = build_model(checkpoint.config, torch.device(config.device), config.torch_dtype(checkpoint.config),
+                        config.quantization)
+    load_weights(model, checkpoint.dir, config.load_format, config.load_memory_limit)
+    return weights_checksum(model, derived=False)

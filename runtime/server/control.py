@@ -1,5 +1,5 @@
-"""Control routes: reload_forward, pause/continue, prefix-cache flush, profiling, sleep/wake and reload_weights,
-and the events stream (SSE).
+"""Control routes: reload_forward, pause/continue, prefix-cache flush, profiling, sleep/wake, reload_weights /
+update_weights / weights_checksum, and the events stream (SSE).
 
 Bodies, replies and events are runtime.control_protocol's models, which the clients parse too.
 """
@@ -9,7 +9,8 @@ import time
 
 from runtime.control_protocol import (CONTINUE_ROUTE, EVENTS_ROUTE, FLUSH_ROUTE, IS_SLEEPING_ROUTE, MODULES_ROUTE,
                                       PAUSE_ROUTE, RELOAD_ROUTE, RELOAD_WEIGHTS_ROUTE, SLEEP_ROUTE, START_PROFILE_ROUTE,
-                                      STOP_PROFILE_ROUTE, UPDATE_WEIGHTS_FROM_DISK_ROUTE, WAKE_UP_ROUTE, Awake,
+                                      STOP_PROFILE_ROUTE, UPDATE_WEIGHTS_FROM_DISK_ROUTE, UPDATE_WEIGHTS_ROUTE,
+                                      WAKE_UP_ROUTE, WEIGHTS_CHECKSUM_ROUTE, UpdateWeightsRequest, WeightsChecksumReply, Awake,
                                       Continued, ContinueReply, FlushReply, ModulesReply, Paused, PauseReply,
                                       PauseRequest, ProfileFinished, ProfileRequest, ProfileStarted, ReloadRequest,
                                       ReloadWeightsReply, ReloadWeightsRequest, Sleeping, SleepReply, SleepRequest,
@@ -17,6 +18,7 @@ from runtime.control_protocol import (CONTINUE_ROUTE, EVENTS_ROUTE, FLUSH_ROUTE,
 from runtime.engine.async_engine import AsyncEngine, Unavailable
 from runtime.engine.llm_engine import CheckpointRefused, WeightsAsleep
 from runtime.engine.profiler import RangeOpen
+from runtime.engine.sleep import overall_digest
 from runtime.engine.reload_forward import ReloadForward
 from runtime.server.security import PathNotAllowed, SecurityPolicy
 from runtime.server.sse import sse_response
@@ -150,32 +152,53 @@ def add_weight_routes(app: FastAPI, async_engine: AsyncEngine, api_error: type[E
     async def is_sleeping():
         return SleepStatus(**sleep_status(ae)).dump()
 
-    async def reload_weights(body: ReloadWeightsRequest | None = None):
-        body = body or ReloadWeightsRequest()
+    async def load(path_field: str | None, mode: str, update_id: str | None):
+        """reload_weights and update_weights: one engine method (`LLMEngine.update_weights`), drained first, in its
+        turn in the control lock."""
         try:
-            path = security.weight_path(body.path, engine.model_dir) if body.path else engine.model_dir
+            path = security.weight_path(path_field, engine.model_dir) if path_field else engine.model_dir
         except PathNotAllowed as exc:
             raise api_error(400, str(exc), exc.param, "invalid_request_error") from None
         start = time.perf_counter()
         async with ae.control_lock:
             await ae.drain()
             try:
-                report = await ae.run_on_engine_thread(engine.reload_weights, path)
+                update = await ae.run_on_engine_thread(engine.update_weights, path, mode)
             except WeightsAsleep as exc:
                 raise api_error(409, str(exc), None, "invalid_request_error") from None
             except CheckpointRefused as exc:  # before any weight changed
                 raise api_error(400, f"{path}: {exc}", "path", "invalid_request_error") from None
             except Exception as exc:
-                why = (f"loading {path} failed midway ({type(exc).__name__}: {exc}); requests get 503 until a "
-                       "reload_weights succeeds")
+                why = (f"loading {path} failed midway ({type(exc).__name__}: {exc}); the engine runs no step and "
+                       "requests get 503 until a weight load succeeds: the next full update (POST "
+                       f"{UPDATE_WEIGHTS_ROUTE} {{\"mode\": \"full\"}}, or reload_weights) repairs it")
                 # the engine steps no more until then: end the queued (or paused) requests instead of leaving them hung
                 await ae.between_steps(lambda: ae.fail_all(Unavailable(why)))
                 raise api_error(500, why, None, "server_error") from None
-        seconds = time.perf_counter() - start
-        ae.publish(WeightsReloaded(path=str(path), seconds=round(seconds, 6)))
-        return ReloadWeightsReply(message=f"reloaded {path}: {report}", path=str(path), format=report.format,
-                                  nbytes=report.nbytes, load_seconds=round(report.seconds, 6),
-                                  seconds=round(seconds, 6)).dump()
+        seconds, report = time.perf_counter() - start, update.load
+        ae.publish(WeightsReloaded(path=str(path), seconds=round(seconds, 6), mode=mode, id=update_id))
+        graphs = (f"; graphs recaptured in {update.recapture_seconds:.2f} s" if update.recapture_seconds
+                  else "" if mode == "full" else "; in place, graphs kept")
+        return ReloadWeightsReply(message=f"loaded {path} ({mode}): {report}{graphs}", path=str(path),
+                                  format=report.format, nbytes=report.nbytes, load_seconds=round(report.seconds, 6),
+                                  seconds=round(seconds, 6), mode=mode, id=update_id,
+                                  recapture_seconds=round(update.recapture_seconds, 6)).dump()
 
-    app.post(RELOAD_WEIGHTS_ROUTE)(reload_weights)
-    app.post(UPDATE_WEIGHTS_FROM_DISK_ROUTE)(reload_weights)
+    @app.post(RELOAD_WEIGHTS_ROUTE)
+    async def reload_weights(body: ReloadWeightsRequest | None = None):
+        return await load((body or ReloadWeightsRequest()).path, "direct", None)
+
+    async def update_weights(body: UpdateWeightsRequest | None = None):
+        body = body or UpdateWeightsRequest()
+        return await load(body.path, body.mode, body.id)
+
+    app.post(UPDATE_WEIGHTS_ROUTE)(update_weights)
+    app.post(UPDATE_WEIGHTS_FROM_DISK_ROUTE)(update_weights)  # SGLang's name and body ({"model_path"}); direct
+
+    @app.get(WEIGHTS_CHECKSUM_ROUTE)
+    async def weights_checksum():
+        start = time.perf_counter()
+        async with ae.control_lock:  # in its turn: after an update sent before it
+            tensors = await ae.run_on_engine_thread(engine.weights_checksum, False)
+        return WeightsChecksumReply(overall=overall_digest(tensors), tensors=tensors,
+                                    seconds=round(time.perf_counter() - start, 6)).dump()

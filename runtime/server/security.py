@@ -4,7 +4,7 @@ Every request is sorted by its path, before routing, so a route added later is c
 
 * open — `GET /health`, `GET /metrics` (unless `--metrics-require-api-key`): load balancers and Prometheus;
 * OpenAI — `/v1/completions`, `/v1/chat/completions`, `/v1/models`: anyone who reaches the port;
-* control — every other path (reload, pause, profile, events, server info, and wave 2's weight routes):
+* control — every other path (reload, pause, profile, events, server info, sleep/wake and the weight routes):
   only clients on this machine (loopback), unless an API key is set or `--allow-remote-control` is given.
 
 With an API key (`--api-key`, `TSDEV_API_KEY`), every path but the open ones needs `Authorization: Bearer KEY`.

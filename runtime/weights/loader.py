@@ -27,6 +27,7 @@ from safetensors import safe_open
 from torch import nn
 
 from runtime.config import LOAD_FORMATS, EngineConfig
+from runtime.weights import layout
 from runtime.weights.checkpoint import TensorEntry, checkpoint_files, read_entries
 from runtime.weights.pinned import PinningUnavailable, StagedLoad
 from runtime.weights.processing import Counts, LoadSession
@@ -51,16 +52,22 @@ class LoadReport:
 
 def load_weights(model: nn.Module, model_dir: Path, load_format: str = EngineConfig.load_format,
                  memory_limit: int = EngineConfig.load_memory_limit) -> LoadReport:
-    """Copy every checkpoint tensor into its parameter and run the post-load hooks."""
+    """Copy every checkpoint tensor into its parameter and run the post-load hooks. The first load records the
+    checkpoint layout (`layout.py`) and refuses hooks that replaced a parameter; a later one (a weight update)
+    expects every tensor in that layout (`prepare_update`)."""
     begin = time.perf_counter()
     entries = read_entries(checkpoint_files(model_dir))
     targets = _Targets(model)
+    cold = layout.recorded_layout(model) is None
+    before = layout.snapshot(model) if cold else None  # before any hook ran (LoadSession runs the ready ones)
     session = LoadSession(model, targets.expected_loads(entries, model_dir))
     device = next(model.parameters()).device
     with _tensor_source(entries, device, load_format, memory_limit) as (fmt, detail, tensors):
         for name, tensor in tensors:
             targets.load(name, tensor, session)
         session.finish()
+    if cold:
+        layout.record(model, before)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return LoadReport(fmt, sum(e.nbytes for e in entries), time.perf_counter() - begin, detail)
@@ -69,6 +76,17 @@ def load_weights(model: nn.Module, model_dir: Path, load_format: str = EngineCon
 def check_checkpoint(model: nn.Module, model_dir: Path) -> None:
     """Raise (as `load_weights` would, before reading any data) unless `model_dir`'s checkpoint fits `model`."""
     _Targets(model).expected_loads(read_entries(checkpoint_files(model_dir)), model_dir)
+
+
+def prepare_update(model: nn.Module, model_dir: Path) -> int:
+    """A weight update's `begin`: check that `model_dir`'s checkpoint fits the model and that every tensor's
+    storage can hold its cold-start checkpoint layout (raising before anything is touched), then view re-laid-out
+    tensors back into that layout, in place. `load_weights` then writes in place and reruns the hooks into the same
+    storage. Returns how many tensors were viewed back."""
+    relaid = layout.check(model)
+    _Targets(model).expected_loads(read_entries(checkpoint_files(model_dir)), model_dir)
+    layout.view_back(relaid)
+    return len(relaid)
 
 
 def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -135,7 +153,7 @@ class _Targets:
                 unexpected.append(entry.name)
                 continue
             name, param, module, shard = target
-            shape = tuple(param.shape) if shard is None else (module.shard_offsets[shard][1], *param.shape[1:])
+            shape = self.shape(name, param) if shard is None else (module.shard_offsets[shard][1], *param.shape[1:])
             if entry.shape != shape:
                 raise ValueError(f"{entry.path.name}: {entry.name} has shape {entry.shape}, the model expects "
                                  f"{shape}: config.json and weights disagree")
@@ -148,6 +166,11 @@ class _Targets:
             raise ValueError(f"{model_dir}: checkpoint has {len(unexpected)} tensor(s) this model does not use, "
                              f"e.g. {', '.join(unexpected[:5])}: is config.json's architecture right?")
         return counts
+
+    def shape(self, name: str, param: nn.Parameter) -> tuple[int, ...]:
+        """The checkpoint shape: the recorded one (a hook may have re-laid the tensor out), else the current one."""
+        recorded = layout.recorded_layout(self.model)
+        return recorded.tensors[name].shape if recorded and name in recorded.tensors else tuple(param.shape)
 
     def _needed(self) -> dict[str, list[str | None]]:
         needed = {}

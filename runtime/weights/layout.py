@@ -1,0 +1,114 @@
+"""The checkpoint layout of a model's tensors, recorded at cold start, and what a direct weight update needs of it.
+
+At the first `load_weights` every parameter and persistent buffer is recorded as the checkpoint laid it out
+(shape, stride, dtype, storage offset), before any post-load hook ran. A hook may derive into tensors of its own
+or rewrite a tensor's values in place, but one that *replaces* a parameter object registered under a checkpoint
+name is refused at cold start: a weight update loads into the objects (and the storage) the CUDA graphs
+captured, so a replaced one would be loaded in vain.
+
+A direct update (`begin`) checks, before anything is touched, that every tensor's storage can still hold its
+recorded layout, and views any tensor that a hook re-laid out back to it, in the same storage: the loader then
+writes in place and the hooks rerun into the same memory, so no address moves.
+"""
+import math
+from dataclasses import dataclass
+from weakref import WeakKeyDictionary
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int  # storage offset, in elements
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "TensorLayout":
+        return cls(tuple(t.shape), tuple(t.stride()), t.dtype, t.storage_offset())
+
+    @property
+    def nbytes_needed(self) -> int:
+        """Bytes of storage this layout reaches (0 for an empty tensor)."""
+        if math.prod(self.shape) == 0:
+            return 0
+        last = self.offset + sum((n - 1) * s for n, s in zip(self.shape, self.stride))
+        return (last + 1) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Layout:
+    """name -> layout, and the tensor object registered under each name at cold start."""
+    tensors: dict[str, TensorLayout]
+    objects: dict[str, int]  # name -> id() of the parameter / buffer object
+
+
+_RECORDED: "WeakKeyDictionary[nn.Module, Layout]" = WeakKeyDictionary()
+
+
+def checkpoint_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and persistent buffer (what a checkpoint may fill), by name."""
+    named = dict(model.named_parameters())
+    for module_name, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                named.setdefault(f"{module_name}.{name}" if module_name else name, buffer)
+    return named
+
+
+def snapshot(model: nn.Module) -> Layout:
+    tensors = checkpoint_tensors(model)
+    return Layout({n: TensorLayout.of(t) for n, t in tensors.items()}, {n: id(t) for n, t in tensors.items()})
+
+
+def recorded_layout(model: nn.Module) -> Layout | None:
+    return _RECORDED.get(model)
+
+
+def record(model: nn.Module, before: Layout) -> None:
+    """After the cold-start load's hooks: refuse hooks that replaced a registered tensor, else keep `before`."""
+    now = checkpoint_tensors(model)
+    replaced = sorted(n for n, ident in before.objects.items() if n not in now or id(now[n]) != ident)
+    if replaced:
+        raise RuntimeError(
+            f"post-load processing replaced {len(replaced)} parameter(s) or buffer(s) registered under a checkpoint "
+            f"name: {', '.join(replaced[:8])}. Weight updates load into the objects (and memory) CUDA graphs captured: "
+            "update in place instead (param.data.copy_(...), or derive into a buffer allocated at construction)")
+    _RECORDED[model] = before
+
+
+class LayoutRefused(ValueError):
+    """A direct update the model's storage cannot take (nothing was changed)."""
+
+
+def check(model: nn.Module) -> list[tuple[torch.Tensor, TensorLayout]]:
+    """Whether every registered tensor's storage can hold its cold-start checkpoint layout again; raise
+    LayoutRefused (nothing touched) if one cannot. Returns the tensors a hook re-laid out, to `view_back`."""
+    layout = recorded_layout(model)
+    if layout is None:
+        raise LayoutRefused("this model has no recorded checkpoint layout: load it with load_weights first")
+    now = checkpoint_tensors(model)
+    problems, relaid = [], []
+    for name, want in layout.tensors.items():
+        t = now.get(name)
+        if t is None or id(t) != layout.objects[name]:
+            problems.append(f"{name} is no longer the tensor registered at startup")
+        elif t.untyped_storage().nbytes() < want.nbytes_needed:
+            problems.append(f"{name}'s storage holds {t.untyped_storage().nbytes()} bytes, its checkpoint layout "
+                            f"needs {want.nbytes_needed}")
+        elif TensorLayout.of(t) != want:
+            relaid.append((t, want))
+    if problems:
+        raise LayoutRefused(f"{len(problems)} tensor(s) cannot take their checkpoint layout in place: "
+                            f"{'; '.join(problems[:5])}: restart the server on the new checkpoint")
+    return relaid
+
+
+def view_back(relaid: list[tuple[torch.Tensor, TensorLayout]]) -> None:
+    """View each re-laid-out tensor as its checkpoint layout, in the same storage (same address: the graphs'
+    pointers stay valid)."""
+    for t, want in relaid:
+        t.data = torch.empty(0, dtype=want.dtype, device=t.device).set_(
+            t.untyped_storage(), want.offset, want.shape, want.stride)
