@@ -41,7 +41,8 @@ STEPS = ("jit", "drain", "flush", "reload", "warm", "recapture")
 FAILING_STEPS = STEPS[1:]  # where a reload can fail
 GRAPH_KINDS = ("decode", "prefill")  # recapture is reported split by graph kind too: recapture_decode, ...
 # Every key a worker's timings may hold: the steps, the recapture split, the pause serving saw, the total.
-TIMINGS = (*STEPS, *(f"recapture_{kind}" for kind in GRAPH_KINDS), "pause", "total")
+# `rebuild`: the part of the reload step that rebuilt the model (a layer's __init__ or post-load hook changed).
+TIMINGS = (*STEPS, "rebuild", *(f"recapture_{kind}" for kind in GRAPH_KINDS), "pause", "total")
 TimingName = Literal[TIMINGS]
 StepName = Literal[STEPS]
 
@@ -115,6 +116,7 @@ class WorkerReport(_Message):
     patched: int = 0  # live objects updated in place or redirected
     stale: list[StaleDefinition] = []
     needs_restart: list[str] = []  # changed modules outside the reloadable packages
+    rebuilt: list[str] = []  # model modules rebuilt (their class's __init__ or post-load hook changed)
     jit_kernels: int = 0  # Triton kernels compiled ahead (or reset to compile on their next launch)
     warnings: list[str] = []
     timings: dict[TimingName, float] = {}  # seconds, in step order

@@ -9,8 +9,9 @@ from pathlib import Path
 import httpx
 
 from runtime.control_protocol import (EVENTS_ROUTE, MODULES_ROUTE, RELOAD_ROUTE, SERVER_INFO_ROUTE,
-                                      START_PROFILE_ROUTE, ErrorBody, ErrorDetail, Hello, ModulesReply, ProfileRange,
-                                      ProfileRequest, ReloadReply, ReloadRequest, ServerInfo, WorkerReport)
+                                      START_PROFILE_ROUTE, UPDATE_WEIGHTS_ROUTE, ErrorBody, ErrorDetail, Hello,
+                                      ModulesReply, ProfileRange, ProfileRequest, ReloadReply, ReloadRequest,
+                                      ReloadWeightsReply, ServerInfo, UpdateWeightsRequest, WorkerReport)
 from tsdev.watch.checks import prompt_ids
 
 URL = "http://fake-server"
@@ -47,6 +48,9 @@ class FakeServer:
         self.profiles: list[ProfileRequest] = []
         self.loaded: list[str] | None = None  # GET /v1/rl/engine/modules answers these (None: no such route)
         self.info: ServerInfo | None = INFO  # GET /server_info (None: no such route, as on an older server)
+        self.weight_updates: list[UpdateWeightsRequest] = []  # the update_weights calls, in order
+        self.weights_refusal: str | None = None  # answer update_weights with this 400 instead
+        self.weights_change_at = 3  # golden tokens differ from here on after each update (new weights)
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
@@ -70,6 +74,16 @@ class FakeServer:
             if worker.ok and worker.reloaded:
                 self._changed_at = self.output_changed_at
             return httpx.Response(200, json=ReloadReply.of(reload.id, [worker]).dump())
+        if path == UPDATE_WEIGHTS_ROUTE:
+            update = UpdateWeightsRequest.model_validate(body)
+            self.weight_updates.append(update)
+            if self.weights_refusal:
+                return httpx.Response(400, json=ErrorBody(error=ErrorDetail(message=self.weights_refusal,
+                                                                            code=400)).dump())
+            self._changed_at = self.weights_change_at
+            return httpx.Response(200, json=ReloadWeightsReply(
+                message=f"loaded {update.path}", path=update.path, format="plain", nbytes=1000, load_seconds=0.05,
+                seconds=0.06, mode=update.mode, id=update.id).dump())
         if path == EVENTS_ROUTE:
             events, self.pending_events = [Hello(paused=False), *self.pending_events], []
             return sse([event.dump() for event in events])

@@ -73,6 +73,7 @@ def test_edit_changes_output_and_revert_restores_it(server, project):
         worker = reply.workers[0]
         assert worker.reloaded == ["kernels.ops.activation"]
         assert "runtime.layers.activation" in worker.dependents and worker.patched > 0
+        assert worker.rebuilt == [] and "rebuild" not in worker.timings  # no __init__ changed
         assert set(worker.timings) >= {"drain", "flush", "reload", "warm", "recapture", "jit", "total", "pause",
                                           "recapture_decode", "recapture_prefill"}
         changed = complete(server)["text"]
@@ -111,6 +112,7 @@ def test_edit_outside_reloadable_packages_needs_restart(server, project):
 def test_forced_module_reloads_without_a_change(server):
     worker = reload(server, new_id(), modules=["kernels.ops.norm"]).workers[0]
     assert worker.ok and worker.reloaded == ["kernels.ops.norm"] and worker.dependents
+    assert "runtime.layers.norm" in worker.dependents and worker.rebuilt == []  # re-executed, same __init__
     bad = reload(server, new_id(), modules=["no.such.module"])
     assert bad.ok is False and "no.such.module" in bad.workers[0].error
 
@@ -324,3 +326,44 @@ def test_reload_shows_the_drain_waiting_for_running_requests(server):
     assert re.fullmatch(r"drained in \d+\.\d s", lines[-3]) and lines[-2].startswith("reloaded kernels.ops.norm")
     immediate = tsdev_reload(server, "--modules", "kernels.ops.norm")
     assert immediate.output.startswith("reloaded kernels.ops.norm")  # nothing extra when nothing waits
+
+
+NORM = "runtime/layers/norm.py"
+NORM_WEIGHT = "        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)\n"
+NORM_SCALED = NORM_WEIGHT + '        self.register_buffer("scale", torch.full((hidden_size,), 2.0), persistent=False)\n'
+NORM_FORWARD = "            return norm_ops.rms_norm(x, self.weight, self.eps)\n"
+
+
+def test_layer_init_edit_rebuilds_the_model_and_matches_a_fresh_server(server, project, tiny_model_dir):
+    """A buffer computed in __init__: the reload rebuilds the norms with the new code, loads the checkpoint again
+    and serves what a server started on the edited code serves; reverting rebuilds back."""
+    before = complete(server)["text"]
+    with edited(project, NORM, NORM_WEIGHT, NORM_SCALED), \
+            edited(project, NORM, NORM_FORWARD, "            return norm_ops.rms_norm(x, self.weight * self.scale, self.eps)\n"):
+        reply = reload(server, new_id())
+        assert reply.ok, reply
+        worker = reply.workers[0]
+        assert "model.norm" in worker.rebuilt and any(n.endswith("input_layernorm") for n in worker.rebuilt)
+        assert "rebuild" in worker.timings and worker.needs_restart == []
+        assert not [s for s in worker.stale if s.name == "runtime.layers.norm.RMSNorm"]
+        rebuilt = complete(server)["text"]
+        assert rebuilt != before
+        args = [str(tiny_model_dir), "--device", "cpu", "--max-model-len", "1024", "--cudagraph-capture-sizes", "1", "4"]
+        with serve(args, project / "fresh.log", cwd=project) as fresh:
+            assert complete(fresh)["text"] == rebuilt
+    reply = reload(server, new_id())
+    assert reply.ok and reply.workers[0].rebuilt, reply
+    assert complete(server)["text"] == before
+
+
+def test_layer_shape_edit_needs_restart_and_old_model_keeps_serving(server, project):
+    before = complete(server)["text"]
+    with edited(project, NORM, "torch.ones(hidden_size)", "torch.ones(hidden_size + 1)"):
+        reply = reload(server, new_id())
+        assert reply.ok is False
+        worker = reply.workers[0]
+        assert worker.needs_restart == ["runtime.layers.norm"]
+        assert "needs restart" in worker.error and "shape" in worker.error, worker.error
+        assert complete(server)["text"] == before
+    assert reload(server, new_id()).ok
+    assert complete(server)["text"] == before

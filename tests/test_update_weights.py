@@ -213,3 +213,16 @@ def test_fp8_direct_update_refreshes_the_derived_tensors_in_place(tiny_model_dir
     assert any("weight_scale" in n for n in engine.weights_checksum())
     assert engine.weights_checksum() == fresh.weights_checksum()  # fp8 values and scales, rotary table included
     assert addresses(engine) == before
+
+
+def test_a_model_rebuilt_after_an_update_loads_the_updated_weights_not_the_served_models(tiny_model_dir, checkpoints):
+    """A layer edit rebuilds the model from the checkpoint its weights last came from (reload_forward's rebuild)."""
+    engine = LLMEngine(config(tiny_model_dir))
+    original = engine.weights_checksum(derived=False)
+    engine.update_weights(checkpoints[1], "direct")
+    updated = engine.weights_checksum(derived=False)
+    assert updated != original and engine.weights_dir == checkpoints[1]
+    old = engine.rebuild_model()
+    assert engine.model is not old and engine.weights_checksum(derived=False) == updated
+    engine.restore_model(old)
+    assert engine.model is old

@@ -434,6 +434,7 @@ def watch(
     probe_steps: Annotated[int, typer.Option(help="Tokens per request of the decode probe.")] = 32,
     server_log: Annotated[Optional[Path], typer.Option(help="Where the child server's output goes; default $TMPDIR/tsdev-watch-PORT.log.")] = None,
     profile_each_reload: Annotated[bool, typer.Option("--profile-each-reload", help="Record every reload's decode probe in a profiler capture range (POST /start_profile), as `p` does for the next one.")] = False,
+    weights: Annotated[Optional[Path], typer.Option("--weights", metavar="DIR", help="Load each new complete checkpoint written into DIR (DIR itself, or its newest subdirectory such as DIR/step-123) with update_weights (direct), then run the checks; the server watch starts gets --allowed-weight-dir DIR.")] = None,
     api_key: Annotated[Optional[str], api_key_option(
         "An API key: the server watch starts requires it (passed in its environment, not its argv), and watch "
         "sends it. With --attach: the running server's key.")] = None,
@@ -457,6 +458,7 @@ def watch(
         config = WatchConfig(model=model, server_args=server_args, attach=attach, settle=settle_ms / 1000,
                              probe_batch=probe_batch, probe_steps=probe_steps, server_log=server_log,
                              profile_each_reload=profile_each_reload, api_key=api_key or None,
+                             weights=weights.resolve() if weights else None,
                              host=flag_value(server_args, "--host") or "127.0.0.1",
                              port=int(flag_value(server_args, "--port") or 8000))
         code = run(config, tui=not no_tui)

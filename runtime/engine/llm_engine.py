@@ -112,6 +112,7 @@ class LLMEngine:
         self.config = config
         checkpoint = Checkpoint.open(config)
         self.model_dir, self.model_config, self.max_model_len = checkpoint.dir, checkpoint.config, checkpoint.max_model_len
+        self.weights_dir = self.model_dir  # where the weights now served came from (an update changes it)
         tokenizer_file = self.model_dir / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise FileNotFoundError(f"{self.model_dir} has no tokenizer.json (a fast tokenizer is required)")
@@ -277,11 +278,26 @@ class LLMEngine:
             self._graphs_released = True
         report = load_weights(model, path, self.config.load_format, self.config.load_memory_limit)  # load + finish
         self.sleep_state.weights_loaded = True
+        self.weights_dir = path
         recapture = 0.0
         if self._graphs_released:  # this full update's, or a failed full update's before it
             recapture = sum(sum(secs.values()) for secs in self.capture_graphs(strict=False).values())
             self._graphs_released = False
         return WeightUpdate(report, mode, relaid, recapture)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model as it serves now (reload_forward compares its classes' code before and after a reload)."""
+        return self.runner.model
+
+    def rebuild_model(self) -> torch.nn.Module:
+        """Build the model anew with the code loaded now, load the weights served now (`weights_dir`: the last
+        update's checkpoint, else the served model's) and swap it in; returns the old model for `restore_model`.
+        ValueError when the checkpoint no longer fits the new code."""
+        return self.runner.rebuild_model(self.weights_dir)
+
+    def restore_model(self, old: torch.nn.Module) -> None:
+        self.runner.restore_model(old)
 
     def reload_weights(self, path: Path | None = None) -> LoadReport:
         """A direct `update_weights` (in place, no recapture) from `path`, default the served model's checkpoint."""

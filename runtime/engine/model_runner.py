@@ -96,6 +96,30 @@ class ModelRunner:
         """Pages the block manager may hand out (the scratch pages after them are for warm-up and padding)."""
         return self.kv_cache.shape[2] - len(self.scratch_pages)
 
+    def rebuild_model(self, model_dir: Path) -> torch.nn.Module:
+        """A reload changed a layer's `__init__` or post-load hook: build the model again with the code now
+        loaded (on the device, beside the old one: a second copy of the weights until the reload commits),
+        load `model_dir`'s checkpoint into it, run the post-load hooks, and serve it (same KV pool). Returns
+        the old model for `restore_model`. Raises ValueError, changing nothing, when the checkpoint no longer
+        fits the new code (a parameter's shape changed)."""
+        model = build_model(self.model_config, self.device, self.dtype, self.config.quantization)
+        load_weights(model, model_dir, self.config.load_format, self.config.load_memory_limit)
+        model.eval()
+        old = self.model
+        self.restore_model(model)
+        return old
+
+    def restore_model(self, model: torch.nn.Module) -> None:
+        """Serve `model`: its attention layers get the KV pool's views; the graphs run it (recapture them)."""
+        self.model = model
+        layers = [m for m in model.modules() if isinstance(m, Attention)]
+        for layer, layer_kv in zip(layers, self.kv_cache):
+            layer.k_cache, layer.v_cache = layer_kv[0], layer_kv[1]
+        if self.decode_graphs is not None:
+            self.decode_graphs.model = model
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.model, self.prefill_graphs.attention = model, layers
+
     def _allocate_kv_cache(self, max_model_len: int) -> torch.Tensor:
         c, page = self.model_config, self.config.page_size
         page_bytes = 2 * c.num_hidden_layers * page * c.num_key_value_heads * c.head_dim * self.dtype.itemsize

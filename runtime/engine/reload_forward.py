@@ -3,7 +3,8 @@
 Steps, each timed: jit (edited Triton kernels compiled ahead into Triton's disk cache while the old
 code still serves, when the reloader can), drain (new requests held, running ones finish or are aborted), flush (the prefix
 cache: KV computed by old code is not reused), reload (the reloader re-executes the edited modules and
-patches live objects), warm (the startup warm-up, while the old graphs still exist), recapture (the
+patches live objects; a layer whose class changed its `__init__` or post-load hook makes the runner rebuild
+the model with the new code and load the checkpoint into it, `rebuild`), warm (the startup warm-up, while the old graphs still exist), recapture (the
 decode graphs, then the prefill graphs; the reply's timings also carry recapture_decode and
 recapture_prefill); then serving resumes (not a timed step). Any failure rolls every change back and the
 old code keeps serving.
@@ -143,6 +144,7 @@ class ReloadForward:
             attempt.deadline = start + request.timeout_s
         ae.publish(ReloadStarted(id=request.id, n=self.count, modules=request.modules or []))
         tx, error, graphs_swapped = None, None, False
+        rebuilt, changed, old_model, needs_restart = [], set(), None, []
         try:
             sources = await ae.run_on_engine_thread(self.reloader.read_sources)
             plan = self.reloader.plan(sources=sources, modules=request.modules)
@@ -174,9 +176,22 @@ class ReloadForward:
             async with self._step(attempt, FLUSH):
                 await ae.between_steps(engine.flush_prefix_cache)
             async with self._step(attempt, RELOAD):
+                before = init_signatures(engine.model)
                 tx = await ae.run_on_engine_thread(lambda: self.reloader.reload(modules=request.modules, sources=sources))
                 if not tx.report.ok:
                     raise _ReportedFailure(tx.report.error or "the reload failed")
+                changed = changed_classes(before)
+                rebuilt = [name or "(model)" for name, m in engine.model.named_modules() if type(m) in changed]
+                if rebuilt:
+                    rebuild_start = time.perf_counter()
+                    try:
+                        old_model = await ae.run_on_engine_thread(engine.rebuild_model)
+                    except ValueError as exc:  # the checkpoint no longer fits the new code
+                        restart = sorted({cls.__module__ for cls in changed})
+                        raise _NeedsRestart(f"needs restart: the weights do not fit the new code of "
+                                            f"{', '.join(sorted(map(class_name, changed)))}: {exc}", restart) from exc
+                    finally:
+                        attempt.timings["rebuild"] = time.perf_counter() - rebuild_start
                 attempt.check_deadline()
             async with self._step(attempt, WARM):
                 await ae.run_on_engine_thread(engine.warmup)
@@ -188,6 +203,10 @@ class ReloadForward:
             tx.commit()
         except Exception as exc:
             error = str(exc) if isinstance(exc, (_ReportedFailure, StepTimeout)) else describe_error(exc)
+            if isinstance(exc, _NeedsRestart):
+                error, needs_restart = str(exc), exc.modules
+            if old_model is not None:  # the old model (and its weights) serve again
+                engine.restore_model(old_model)
             if tx is not None and tx.report.ok:
                 tx.rollback(error)
                 if graphs_swapped:
@@ -196,7 +215,15 @@ class ReloadForward:
             ae.hold(False)
             attempt.timings["pause"] = time.perf_counter() - pause_start
             attempt.timings["total"] = time.perf_counter() - start
+        old_model = None
         fields = reported(tx.report) if tx is not None else {}
+        if rebuilt:
+            fields["rebuilt"] = rebuilt
+            if error is None:  # the rebuilt instances ran the new __init__: not stale any more
+                classes = set(map(class_name, changed))
+                fields["stale"] = [s for s in fields["stale"] if s.name not in classes]
+        if needs_restart:
+            fields["needs_restart"] = sorted({*fields.get("needs_restart", []), *needs_restart})
         fields["jit_kernels"] = jit_kernels or fields.get("jit_kernels", 0)
         attempt.timings.setdefault(JIT, 0.0)
         return self._finish(request, self._worker(error, attempt.timings, warnings=warnings, **fields))
@@ -225,6 +252,48 @@ class ReloadForward:
 
 class _ReportedFailure(Exception):
     """A failure the reloader already described (with file:line) and rolled back."""
+
+
+class _NeedsRestart(Exception):
+    """The new code cannot run on this server's weights (a rebuilt module's shape no longer fits the
+    checkpoint): the reload rolls back and `modules` need a restart."""
+
+    def __init__(self, message: str, modules: list[str]):
+        super().__init__(message)
+        self.modules = modules
+
+
+def _init_signature(cls: type) -> tuple:
+    """What decides how an instance of `cls` is built and post-processed: its __init__'s and its post-load
+    hook's code and defaults (inherited ones included). The reloader patches these in place."""
+    parts = []
+    for attr in ("__init__", "process_weights_after_loading"):
+        fn = getattr(cls, attr, None)
+        code = getattr(fn, "__code__", None)
+        parts.append((_code_key(code), getattr(fn, "__defaults__", None), getattr(fn, "__kwdefaults__", None)))
+    return tuple(parts)
+
+
+def _code_key(code) -> tuple | None:
+    """A code object's content without its line numbers (an edit above it moves it, changing nothing)."""
+    if code is None:
+        return None
+    consts = tuple(_code_key(c) if hasattr(c, "co_code") else c for c in code.co_consts)
+    return code.co_code, code.co_names, code.co_varnames, code.co_freevars, consts
+
+
+def init_signatures(model) -> dict[type, tuple]:
+    """`_init_signature` of every module class in `model`, before a reload."""
+    return {cls: _init_signature(cls) for cls in {type(m) for m in model.modules()}}
+
+
+def changed_classes(before: dict[type, tuple]) -> set[type]:
+    """The module classes whose __init__ or post-load hook changed since `before`."""
+    return {cls for cls, signature in before.items() if _init_signature(cls) != signature}
+
+
+def class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 class _TimedStep:
@@ -257,6 +326,8 @@ def log_line(request_id: str, worker: WorkerReport) -> str:
                 f"paused {worker.step_seconds('pause'):.2f} s")
     else:
         what = "nothing changed"
+    if worker.rebuilt:
+        what += f"; rebuilt {len(worker.rebuilt)} module(s) in {worker.step_seconds('rebuild'):.2f} s"
     if worker.needs_restart:
         what += f"; needs restart: {', '.join(worker.needs_restart)}"
     return f"reload {request_id} ok: {what}"

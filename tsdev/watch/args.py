@@ -22,6 +22,7 @@ class WatchConfig:
     profile_each_reload: bool = False  # every reload's decode probe runs inside a capture range, not just after `p`
     server_log: Path | None = None
     startup_timeout: float = 600.0
+    weights: Path | None = None  # --weights DIR: new checkpoints written there are loaded (update_weights, direct)
     api_key: str | None = field(default=None, repr=False)  # sent on every call; the started server gets it too
 
     @property

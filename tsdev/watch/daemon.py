@@ -20,17 +20,18 @@ from collections.abc import Callable
 
 import httpx
 
-from runtime.control_protocol import Awake, Continued, Hello, Paused, ProfileFinished, Sleeping
+from runtime.control_protocol import Awake, Continued, Hello, Paused, ProfileFinished, Sleeping, WeightsReloaded
 from tsdev.outcome import outside
 from tsdev.server_process import ServerProcess
 from tsdev.watch.args import WatchConfig
 from tsdev.watch.checks import Checker
-from tsdev.watch.jobs import Batch, Bench, Jobs, ReloadAll, Restart, RetakeGolden, Saved
+from tsdev.watch.jobs import Batch, Bench, Jobs, NewWeights, ReloadAll, Restart, RetakeGolden, Saved
 from tsdev.watch.link import ServerLink
 from tsdev.watch.records import Event, ReloadRecord, RestartRecord
 from tsdev.watch.reloads import Reloads
 from tsdev.watch.restarts import Restarts
 from tsdev.watch.watcher import Packages, Watcher
+from tsdev.watch.weights import CheckpointWatcher, WeightUpdates
 
 
 class Daemon:
@@ -41,8 +42,14 @@ class Daemon:
         self.config, self.on_event = config, on_event
         self.packages = Packages.locate(default_packages(config.project), config.project)
         self.watcher = Watcher(self.packages, config.settle)
+        server_args = list(config.server_args)
+        self.weights: CheckpointWatcher | None = None
+        if config.weights is not None:
+            config.weights.mkdir(parents=True, exist_ok=True)
+            self.weights = CheckpointWatcher(config.weights, config.settle)
+            server_args += ["--allowed-weight-dir", str(self.weights.root)]  # the server loads only from allowed dirs
         self.server = None if config.attach else ServerProcess(
-            [*([config.model] if config.model else []), *config.server_args], config.port, allow_reload_forward=True,
+            [*([config.model] if config.model else []), *server_args], config.port, allow_reload_forward=True,
             cwd=config.project, log_path=config.log_path, api_key=config.api_key)
         self.info = {"state": "starting", "url": config.url, "model": None, "device": None, "pid": None,
                      "log": str(config.log_path) if self.server else None, "attach": bool(config.attach)}
@@ -51,6 +58,7 @@ class Daemon:
         self.jobs = Jobs()
         self.reloads = Reloads(self)
         self.restarts = Restarts(self)
+        self.weight_updates = WeightUpdates(self, self.weights) if self.weights else None
         self.paused = False  # generation paused by a client (pause_generation): the checks would wait forever
         self.sleeping = False  # put to sleep by a client (POST /sleep): requests get 503 until /wake_up
         self.down = False  # the server failed to start or exited, and no restart has brought it back yet
@@ -100,6 +108,8 @@ class Daemon:
     async def run(self) -> int:
         """Run until stop(); 2 when the first start fails, else 0."""
         tasks = [asyncio.create_task(self._watch(), name="watch")]  # saves during startup are not lost
+        if self.weights:
+            tasks.append(asyncio.create_task(self._watch_weights(), name="watch-weights"))
         try:
             first = asyncio.create_task(self.restarts.first())
             stopped = asyncio.create_task(self._stop.wait())
@@ -114,6 +124,11 @@ class Daemon:
             await self.watcher.ready.wait()
             roots = ", ".join(f"{self.packages.display(d)}/" for d in self.packages.dirs.values())
             self.message(f"watching {roots} (reloadable: {', '.join(self.packages.reloadable)})")
+            if self.weights:
+                await self.weights.ready.wait()
+                now = self.weights.display(self.weights.baseline) if self.weights.baseline else "no complete checkpoint"
+                self.message(f"watching {self.weights.root} for new checkpoints (now: {now}, not loaded): each one "
+                             "is loaded with update_weights (direct), checked, and becomes the golden reference")
             await self._stop.wait()
             return 0
         finally:
@@ -129,6 +144,10 @@ class Daemon:
         async for changes in self.watcher.batches(self._stop):
             self.jobs.put(Saved(changes))
 
+    async def _watch_weights(self) -> None:
+        async for path in self.weights.checkpoints(self._stop):
+            self.jobs.put(NewWeights(path))
+
     async def _listen(self) -> None:
         async for event in self.link.events():
             if isinstance(event, (Hello, Paused, Continued, Sleeping, Awake)):
@@ -143,6 +162,11 @@ class Daemon:
                                                                           ": weights not loaded (tsdev weights reload)"))
                 if self.info["state"] in ("serving", "paused", "sleeping"):
                     self.set_state("serving")
+            elif isinstance(event, WeightsReloaded):
+                if not (self.weight_updates and self.weight_updates.ours(event.id)):  # our own: its record says it
+                    self.message(f"weights updated by another client ({event.mode}, {event.path}): the golden "
+                                 "completion is taken again on them")
+                    self.jobs.put(RetakeGolden())
             elif isinstance(event, ProfileFinished) and event.error:
                 self.message(f"profile {event.name} not written: {event.error}", "error")
             elif isinstance(event, ProfileFinished):
@@ -176,6 +200,11 @@ class Daemon:
                              "restart it yourself", "warning")
             if changes.reload:
                 await self.reloads.run(self.reloads.new("save", changes.files, changes.reload))
+        if batch.weights is not None:
+            if self.down:
+                self.message(f"new checkpoint {batch.weights} not loaded: the server is down", "warning")
+            else:
+                await self.weight_updates.run(batch.weights)
         if ReloadAll in batch.keys and not self.down:
             modules = await self.link.loaded(self.packages.reloadable_modules())
             await self.reloads.run(self.reloads.new("reload all (r)", [], modules), forced=True)

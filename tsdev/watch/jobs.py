@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from functools import reduce
+from pathlib import Path
 
 from runtime.control_protocol import WorkerReport
 from tsdev.watch.records import ReloadRecord
@@ -44,7 +45,13 @@ class ForeignFinished:
     worker: WorkerReport
 
 
-Job = Saved | Restart | ReloadAll | RetakeGolden | Bench | ForeignFinished
+@dataclass
+class NewWeights:
+    """A complete checkpoint appeared in --weights DIR: update the served weights from it (direct)."""
+    path: Path
+
+
+Job = Saved | Restart | ReloadAll | RetakeGolden | Bench | ForeignFinished | NewWeights
 
 
 @dataclass
@@ -54,12 +61,14 @@ class Batch:
     restarts: list[Restart] = field(default_factory=list)
     foreign: list[ForeignFinished] = field(default_factory=list)
     keys: set[type] = field(default_factory=set)  # ReloadAll, RetakeGolden, Bench: each runs once
+    weights: Path | None = None  # the newest checkpoint that piled up (older ones are skipped)
 
     @classmethod
     def of(cls, jobs: list[Job]) -> Batch:
         return cls(reduce(Changes.merge, [j.changes for j in jobs if isinstance(j, Saved)], Changes()),
                    [j for j in jobs if isinstance(j, Restart)], [j for j in jobs if isinstance(j, ForeignFinished)],
-                   {type(j) for j in jobs if isinstance(j, (ReloadAll, RetakeGolden, Bench))})
+                   {type(j) for j in jobs if isinstance(j, (ReloadAll, RetakeGolden, Bench))},
+                   ([None] + [j.path for j in jobs if isinstance(j, NewWeights)])[-1])
 
 
 class Jobs:

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 import httpx
 
 from runtime.control_protocol import (EVENTS_ROUTE, MODULES_ROUTE, RELOAD_ROUTE, SERVER_INFO_ROUTE,
-                                      START_PROFILE_ROUTE, Event, ModulesReply, ProfileRequest, ReloadReply,
-                                      ServerInfo, parse_event)
+                                      START_PROFILE_ROUTE, UPDATE_WEIGHTS_ROUTE, Event, ModulesReply,
+                                      ProfileRequest, ReloadReply, ReloadWeightsReply, ServerInfo,
+                                      UpdateWeightsRequest, parse_event)
 from tsdev.client import aiter_sse_data, auth_headers, body, error_message, reload_request, reply_or_raise
 
 
@@ -57,6 +58,12 @@ class ServerLink:
         """Raises httpx errors, and RuntimeError for refusals."""
         request = reload_request(modules, request_id=request_id)
         return reply_or_raise(await self.client.post(self.url + RELOAD_ROUTE, json=body(request)), ReloadReply)
+
+    async def update_weights(self, path: str, update_id: str, mode: str = "direct") -> ReloadWeightsReply:
+        """Raises httpx errors, and ErrorReply (a RuntimeError, with .status) for refusals."""
+        request = UpdateWeightsRequest(path=path, mode=mode, id=update_id)
+        return reply_or_raise(await self.client.post(self.url + UPDATE_WEIGHTS_ROUTE, json=body(request)),
+                              ReloadWeightsReply)
 
     async def start_profile(self, name: str, num_steps: int) -> str | None:
         """Open a torch profiler range; None when it opened, else why not."""

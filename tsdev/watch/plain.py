@@ -15,7 +15,7 @@ from rich.markup import escape
 from tsdev import outcome
 from tsdev.watch.args import WatchConfig
 from tsdev.watch.daemon import Daemon
-from tsdev.watch.records import Event, ReloadRecord, RestartRecord
+from tsdev.watch.records import Event, ReloadRecord, RestartRecord, WeightsRecord
 
 
 def trigger_text(record: ReloadRecord) -> str:
@@ -28,13 +28,17 @@ def trigger_text(record: ReloadRecord) -> str:
 
 def checks_text(record: ReloadRecord | RestartRecord) -> list[str]:
     parts = []
-    if record.verdict is not None:
+    if isinstance(record, WeightsRecord) and record.verdict is not None:  # new weights: a change is information
+        parts.append(f"[cyan]{record.verdict.text()}{'' if record.verdict.same else ' (new weights)'}[/cyan]")
+    elif record.verdict is not None:
         color = "green" if record.verdict.same else "yellow"
         parts.append(f"[{color}]{record.verdict.text()}[/{color}]")
     if record.probe is not None:
         parts.append(record.probe.text())
     if record.note:
         parts.append(f"[dim]{escape(record.note)}[/dim]")
+    if isinstance(record, WeightsRecord) and record.retaken:
+        parts.append("golden retaken on the new weights")
     if isinstance(record, ReloadRecord) and record.worker and not record.error:
         parts += [f"[yellow]{escape(note)}[/yellow]" for note in outcome.notes(record.worker)]
     if isinstance(record, ReloadRecord) and record.restart:
@@ -47,7 +51,23 @@ def message_line(event: Event) -> str:
     return f"[{color}]{escape(event.text)}[/{color}]" if color else escape(event.text)
 
 
+def weights_steps(record: WeightsRecord) -> str:
+    parts = [f"{name} {record.steps[name]:.2f}" for name in ("load", "update", "check") if name in record.steps]
+    return " ".join(parts) + " s" if parts else ""
+
+
+def weights_line(record: WeightsRecord) -> str:
+    head, why = f"weights #{record.n}", escape(record.trigger)
+    if record.error:
+        tail = f" [dim]— {escape(record.note)}[/dim]" if record.note else ""
+        return f"{head} [red]FAILED[/red] ({why}): {escape(record.error)}{tail}"
+    return " | ".join([f"{head} [green]ok[/green] ({why}): update_weights direct", weights_steps(record),
+                       *checks_text(record)])
+
+
 def reload_line(record: ReloadRecord) -> str:
+    if isinstance(record, WeightsRecord):
+        return weights_line(record)
     head = f"reload #{record.n}"
     why = escape(trigger_text(record))
     if record.error:
@@ -79,6 +99,8 @@ def restart_line(record: RestartRecord, daemon: Daemon) -> str:
 
 def started_line(event: Event, daemon: Daemon) -> str | None:
     record = event.record
+    if isinstance(record, WeightsRecord):
+        return f"weights #{record.n}: new checkpoint {escape(record.path)} → update_weights (direct)"
     if isinstance(record, ReloadRecord):
         modules = ", ".join(record.modules) if record.trigger == "save" else ""
         return f"reload #{record.n}: {escape(trigger_text(record))}" + (f" → {escape(modules)}" if modules else "")

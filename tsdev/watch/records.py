@@ -57,6 +57,15 @@ class ReloadRecord:
 
 
 @dataclass
+class WeightsRecord(ReloadRecord):
+    """A checkpoint in `--weights DIR` applied with update_weights (direct): shown like a reload, numbered apart
+    ("weights #n"); `steps` holds its load and total seconds and the daemon's check."""
+    path: str = ""  # the checkpoint directory, as the server is asked to load it
+    message: str = ""  # the server's reply (format, bytes, seconds)
+    retaken: bool = False  # the golden completion was taken again on the new weights
+
+
+@dataclass
 class RestartRecord:
     n: int  # 0: the first start
     reason: str
@@ -72,7 +81,7 @@ class RestartRecord:
 
 @dataclass
 class Event:
-    kind: str  # state | message | reload_started | reload_step | reload_finished | restart_started | restart_finished
+    kind: str  # state | message | reload_started (a WeightsRecord too) | reload_step | reload_finished | restart_started | restart_finished
     record: ReloadRecord | RestartRecord | None = None
     text: str = ""
     level: str = "info"  # info | warning | error

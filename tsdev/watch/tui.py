@@ -19,8 +19,8 @@ from textual.widgets import DataTable, Footer, RichLog, Static
 from tsdev.outcome import KEEPS_SERVING, SHOWN_STEPS, graph_split, reloaded_text
 from tsdev.watch.args import WatchConfig
 from tsdev.watch.daemon import Daemon
-from tsdev.watch.records import Event, ReloadRecord, RestartRecord
-from tsdev.watch.plain import checks_text, message_line, restart_line, started_line, trigger_text
+from tsdev.watch.records import Event, ReloadRecord, RestartRecord, WeightsRecord
+from tsdev.watch.plain import checks_text, message_line, restart_line, started_line, trigger_text, weights_line
 
 WHERE = re.compile(r"(?P<path>[^\s:'\"]+\.py):(?P<line>\d+)")
 STATE_COLORS = {"serving": "green", "paused": "yellow", "sleeping": "yellow", "draining": "yellow", "reloading": "cyan",
@@ -144,6 +144,8 @@ class WatchApp(App):
             self.draw_row(record)
             if isinstance(record, RestartRecord):
                 self.log_line(restart_line(record, self.daemon))
+            elif isinstance(record, WeightsRecord):
+                self.log_line(weights_line(record))
                 if record.error and record.n == 0:
                     self.failure = record.error
             if record.error:
@@ -185,13 +187,16 @@ class WatchApp(App):
                 state = f"[yellow]{time.time() - record.started:.1f} s...[/yellow]"
             widget.update(Text.from_markup(f"{verb}  {state}"))
             return
-        head = f"[b]reload #{record.n}[/b]  {escape(trigger_text(record))}"
-        if record.reloaded:
+        weights = isinstance(record, WeightsRecord)
+        head = f"[b]{'weights' if weights else 'reload'} #{record.n}[/b]  {escape(trigger_text(record))}"
+        if weights:
+            head += "  →  update_weights (direct)"
+        elif record.reloaded:
             head += f"  →  {escape(reloaded_text(record.worker))}"
         elif record.modules and not record.done:
             head += f"  →  {escape(', '.join(record.modules[:6]))}{' ...' if len(record.modules) > 6 else ''}"
         chips = []
-        for name in (*record.step_order(), "check"):
+        for name in ("update", "check") if weights else (*record.step_order(), "check"):
             if name == record.failed:
                 chips.append(f"[red]✗ {name} {record.steps.get(name, 0):.2f} s[/red]")
             elif name in record.steps:
@@ -202,7 +207,10 @@ class WatchApp(App):
                 chips.append(f"[dim]· {name}[/dim]")
         lines = [head, "   ".join(chips)]
         if record.done:
-            outcome = f"[red]FAILED: {KEEPS_SERVING}[/red]" if record.error else " | ".join(checks_text(record))
+            if weights and record.error:
+                outcome = f"[red]FAILED: {escape(record.error)}[/red]"
+            else:
+                outcome = f"[red]FAILED: {KEEPS_SERVING}[/red]" if record.error else " | ".join(checks_text(record))
             lines.append(outcome or "[green]ok[/green]")
         widget.update(Text.from_markup("\n".join(lines)))
 
@@ -225,6 +233,9 @@ class WatchApp(App):
             cells.update({"#": f"R{record.n}" if record.n else "start",
                           "trigger": clip(f"restart: {record.reason}") if record.n else "start",
                           "total": f"{record.seconds:.2f}" if record.done else "…"})
+        elif isinstance(record, WeightsRecord):
+            cells.update({"#": f"W{record.n}", "trigger": clip(record.trigger), "reloaded": "new weights",
+                          "total": f"{record.steps['update']:.2f}" if "update" in record.steps else ""})
         else:
             cells.update({"#": str(record.n), "trigger": clip(trigger_text(record)),
                           "reloaded": clip(", ".join(record.reloaded or record.modules)),
@@ -232,7 +243,9 @@ class WatchApp(App):
             for name in (*SHOWN_STEPS, "total"):
                 if name in record.steps:
                     cells[name] = f"{record.steps[name]:.2f}"
-        if record.verdict is not None:
+        if isinstance(record, WeightsRecord) and record.verdict is not None and not record.verdict.same:
+            cells["golden"] = Text(f"new @{record.verdict.position}", "cyan")  # expected with new weights
+        elif record.verdict is not None:
             cells["golden"] = Text("same", "green") if record.verdict.same else Text(f"changed @{record.verdict.position}", "yellow")
         if record.probe is not None:
             delta = record.probe.delta
@@ -242,6 +255,8 @@ class WatchApp(App):
                 cells["outcome"] = Text("failed", "red")
             elif isinstance(record, ReloadRecord) and record.restart:
                 cells["outcome"] = Text("needs restart", "yellow")
+            elif isinstance(record, WeightsRecord):
+                cells["outcome"] = Text("weights", "green")
             elif isinstance(record, ReloadRecord) and not record.reloaded:
                 cells["outcome"] = Text("no change", "dim")
             else:

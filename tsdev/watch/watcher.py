@@ -161,32 +161,41 @@ class Watcher:
 
     async def batches(self, stop: asyncio.Event) -> AsyncIterator[Changes]:
         """Yield each settled burst of real changes until `stop` is set."""
-        raw: asyncio.Queue[set[str] | None] = asyncio.Queue()
+        async for paths in settled(list(self.packages.dirs.values()), self.settle, stop, self.ready, self.keep):
+            if changes := self.compare(paths):
+                yield changes
 
-        async def pump() -> None:
-            try:
-                async for changes in awatch(*self.packages.dirs.values(), watch_filter=self.keep, stop_event=stop):
-                    raw.put_nowait({path for _, path in changes})
-            finally:
-                raw.put_nowait(None)  # watching ended
 
-        task = asyncio.create_task(pump(), name="watchfiles")
-        await asyncio.sleep(0)  # the task runs until awatch's first wait: its OS watches exist by then
-        self.ready.set()
+async def settled(dirs: list[Path], settle: float, stop: asyncio.Event, ready: asyncio.Event | None = None,
+                  keep=None) -> AsyncIterator[set[str]]:
+    """The paths changed under `dirs` (watched with watchfiles, filtered by `keep`), one set per burst that has
+    been quiet for `settle` seconds, until `stop` is set; `ready` is set once the OS watches exist."""
+    raw: asyncio.Queue[set[str] | None] = asyncio.Queue()
+
+    async def pump() -> None:
         try:
-            ended = False
-            while not ended and (paths := await raw.get()) is not None:
-                while True:  # settle: each new raw batch restarts the quiet period
-                    try:
-                        more = await asyncio.wait_for(raw.get(), self.settle)
-                    except TimeoutError:
-                        break
-                    if more is None:
-                        ended = True
-                        break
-                    paths |= more
-                if changes := self.compare(paths):
-                    yield changes
+            async for changes in awatch(*dirs, watch_filter=keep, stop_event=stop):
+                raw.put_nowait({path for _, path in changes})
         finally:
-            stop.set()
-            await asyncio.gather(task, return_exceptions=True)
+            raw.put_nowait(None)  # watching ended
+
+    task = asyncio.create_task(pump(), name="watchfiles")
+    await asyncio.sleep(0)  # the task runs until awatch's first wait: its OS watches exist by then
+    if ready is not None:
+        ready.set()
+    try:
+        ended = False
+        while not ended and (paths := await raw.get()) is not None:
+            while True:  # settle: each new raw batch restarts the quiet period
+                try:
+                    more = await asyncio.wait_for(raw.get(), settle)
+                except TimeoutError:
+                    break
+                if more is None:
+                    ended = True
+                    break
+                paths |= more
+            yield paths
+    finally:
+        stop.set()
+        await asyncio.gather(task, return_exceptions=True)
