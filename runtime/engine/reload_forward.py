@@ -122,6 +122,7 @@ class ReloadForward:
                     reply = ReloadReply.of(request.id, [await self._run(request)])
         except BaseException as exc:
             outcome.set_exception(exc)
+            outcome.exception()  # retrieved: a repeat of this id re-raises it; nobody else needs to (no log noise)
             raise
         outcome.set_result(reply)
         return reply

@@ -261,8 +261,10 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReload
                            "model": served_model_name, "choices": [], "usage": usage(finals)}
             except Unavailable as exc:
                 yield error_body(503, str(exc), type_="server_error")
-            except (EngineError, ValueError) as exc:
+            except EngineError as exc:
                 yield error_body(500, str(exc), type_="server_error")
+            except ValueError as exc:  # the request itself (as a non-streaming one gets 400)
+                yield error_body(400, str(exc))
 
         return sse_response(events(), done=True)
 
