@@ -11,8 +11,8 @@ import typer
 
 from runtime.config import API_KEY_ENV_VARS
 from runtime.control_protocol import SLEEP_TAGS
+from tsdev.outcome import FAILED, UNREACHABLE  # the exit statuses tsdev reload documents
 
-UNREACHABLE, FAILED = 2, 1
 URL_OPTION = typer.Option(help="The server.")
 API_KEY = typer.Option("--api-key", envvar=list(API_KEY_ENV_VARS), metavar="KEY", show_default=False,
                        help="The server's API key (as `tsdev reload`). Default: $TSDEV_API_KEY, else $VLLM_API_KEY.")
