@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 
 def engine(**overrides) -> LLMEngine:
     # a KV pool of a few GB keeps the test quick and the accounting meaningful
-    return LLMEngine(EngineConfig(**{**dict(device="cuda", kv_pages=4096, max_running=64), **overrides}))
+    return LLMEngine(EngineConfig(**{**dict(model=None, device="cuda", kv_pages=4096, max_running=64), **overrides}))
 
 
 def test_level_2_gives_back_the_weights_and_kv_and_wake_recaptures():
