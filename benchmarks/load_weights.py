@@ -6,12 +6,15 @@ page-locked staging buffer, copied to the GPU asynchronously while the next part
     python3 benchmarks/load_weights.py --slot-mib 64 256 1024 --threads 4 8 16   # sweep the staging shape
 
 Each round loads plain, then pinned (once per staging shape), into the same model; the first round may
-read from disk, the later ones from the page cache. The pinned load is checked bit for bit against the
+read from disk, the later ones from the page cache (`--cold`: each load reads the disk). The pinned load is checked bit for bit against the
 plain one. Ratios are from the same run (docs/results.md's habit).
 """
 import argparse
+import cProfile
 import json
 import math
+import os
+import pstats
 import time
 import zlib
 from pathlib import Path
@@ -73,6 +76,16 @@ def write_synthetic(out: Path, shape: dict) -> None:
     (out / "config.json").write_text(json.dumps(config, indent=2))  # last: marks the checkpoint complete
 
 
+def evict_page_cache(model_dir: Path) -> None:
+    """Drop the checkpoint's clean pages from the page cache (no root needed), so the next load reads the disk."""
+    for path in model_dir.glob("*.safetensors"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def cuda_model(model_dir: Path):
     config = ModelConfig.from_dir(model_dir)
     return build_model(config, "cuda", getattr(torch, config.torch_dtype))
@@ -95,6 +108,9 @@ def main() -> None:
     parser.add_argument("--memory-limit", default="16GiB", help="--load-memory-limit")
     parser.add_argument("--slot-mib", type=int, nargs="*", default=[0], help="staging slot sizes; 0: the default")
     parser.add_argument("--threads", type=int, nargs="*", default=[pinned.READ_THREADS])
+    parser.add_argument("--profile", action="store_true", help="print cProfile's top functions of the last pinned load")
+    parser.add_argument("--cold", action="store_true",
+                        help="evict the checkpoint from the page cache before every load (posix_fadvise DONTNEED)")
     args = parser.parse_args()
     if args.synthetic_8b:
         begin = time.perf_counter()
@@ -106,7 +122,9 @@ def main() -> None:
     print(f"{model_dir}: {sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9:.2f} GB of parameters "
           f"on {torch.cuda.get_device_name()}", flush=True)
     reference, best = None, {}
+    cold = evict_page_cache if args.cold else lambda _: None
     for r in range(args.rounds):
+        cold(model_dir)
         report = load_weights(model, model_dir, "plain")
         print(f"round {r + 1} {report}", flush=True)
         best["plain"] = max(best.get("plain", 0.0), report.gb_per_s)
@@ -116,11 +134,16 @@ def main() -> None:
                 pinned.SLOT_BYTES, pinned.READ_THREADS = (slot_mib << 20) or DEFAULT_SLOT_BYTES, threads
                 for p in model.parameters():
                     p.data.zero_()
+                cold(model_dir)
                 report = load_weights(model, model_dir, "pinned", memory_limit=limit)
                 same = "identical" if identical(model, reference) else "DIFFERENT FROM PLAIN"
                 print(f"round {r + 1} {report}; {same}", flush=True)
                 key = f"pinned {pinned.SLOT_BYTES >> 20} MiB slots x {threads} threads"
                 best[key] = max(best.get(key, 0.0), report.gb_per_s)
+    if args.profile:
+        profiled = cProfile.Profile()
+        profiled.runcall(load_weights, model, model_dir, "pinned", memory_limit=limit)
+        pstats.Stats(profiled).sort_stats("tottime").print_stats(15)
     print("best of the rounds:")
     for key, gbps in best.items():
         print(f"  {key}: {gbps:.1f} GB/s ({gbps / best['plain']:.2f}x plain)")

@@ -37,10 +37,10 @@ def main() -> None:
     config = EngineConfig(model=None, device=args.device, quantization=args.quantization)
     times: dict[str, list[float]] = {"restart": [], "direct": [], "full": [], "checksum": []}
 
-    def record(kind: str, seconds: float) -> None:
+    def record(kind: str, seconds: float, detail: str = "") -> None:
         times[kind].append(seconds)
         print(json.dumps({"kind": kind, "seconds": round(seconds, 4), "device": args.device,
-                          "quantization": args.quantization}), flush=True)
+                          "quantization": args.quantization, **({"load": detail} if detail else {})}), flush=True)
 
     start = time.perf_counter()
     engine = LLMEngine(config)
@@ -54,9 +54,9 @@ def main() -> None:
         for _ in range(args.rounds):
             for target in (b, a):
                 start = time.perf_counter()
-                engine.update_weights(target, "direct")
+                update = engine.update_weights(target, "direct")
                 sync(args.device)
-                record("direct", time.perf_counter() - start)
+                record("direct", time.perf_counter() - start, str(update.load))
             assert [t.data_ptr() for t in [*model.parameters(), *model.buffers()]] == before, "an address moved"
             start = time.perf_counter()
             engine.update_weights(a, "full")

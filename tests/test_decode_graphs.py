@@ -1,4 +1,5 @@
 """The decode-graph path (on CPU the same padded static batch runs eagerly instead of replaying)."""
+import pytest
 import torch
 
 from batches import GREEDY, decode_batch
@@ -59,3 +60,15 @@ def test_a_one_token_prefill_chunk_that_samples_nothing_keeps_the_batch_off_the_
     graphed = make_engine(cudagraph_capture_sizes=[4], **kwargs).generate(prompts, params)
     eager = make_engine(enforce_eager=True, **kwargs).generate(prompts, params)
     assert [r["token_ids"] for r in graphed] == [r["token_ids"] for r in eager]
+
+
+def test_the_garbage_collector_is_off_while_capturing_and_back_after_a_failure():
+    import gc
+
+    from runtime.engine.cuda_graphs import collector_paused
+
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), collector_paused():
+        assert not gc.isenabled()  # a graph freed by the collector mid-capture would invalidate the capture
+        raise RuntimeError("capture failed")
+    assert gc.isenabled()

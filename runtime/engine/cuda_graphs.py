@@ -6,6 +6,8 @@ step overwrites. On CPU nothing is captured and `run` executes the same padded s
 so CPU tests exercise everything but the capture itself. A step under other capture-time properties
 (`graph_properties`) than the capture's runs eagerly rather than replaying the wrong kernels.
 """
+import contextlib
+import gc
 import os
 import time
 
@@ -17,6 +19,20 @@ from runtime.context import Context, set_context
 def graph_properties() -> tuple:
     """What a capture depends on besides the code: a forward under other properties runs eagerly."""
     return os.environ.get("TSDEV_KERNELS", "triton"), torch.is_inference_mode_enabled()
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Keep Python's cyclic garbage collector off while capturing: a CUDA graph in a garbage cycle (an earlier
+    engine's) freed mid-capture resets itself inside the capture and invalidates it (seen on the H200: "operation
+    not permitted when stream is capturing (function reset)", then a failed cuBLAS call). Collected after."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class DecodeGraphs:
@@ -51,7 +67,7 @@ class DecodeGraphs:
         (and the code they were captured from) keep serving.
         """
         graphs, timings = {}, {}
-        with torch.inference_mode():  # as the engine's steps run
+        with torch.inference_mode(), collector_paused():  # inference mode: as the engine's steps run
             properties = graph_properties()
             for size in reversed(self.sizes):
                 start = time.perf_counter()

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.context import Context, set_context
-from runtime.engine.cuda_graphs import graph_properties
+from runtime.engine.cuda_graphs import collector_paused, graph_properties
 from runtime.layers.attention import Attention, GraphCut
 
 LADDER_START, LADDER_MIN_STEP, LADDER_MAX_STEP = 16, 16, 512
@@ -169,10 +169,11 @@ class PrefillGraphs:
         """
         graphs, timings, error, out_of_memory = {}, {}, None, False
         try:
-            for size in reversed(self.buckets):
-                start = time.perf_counter()
-                graphs[size] = self._capture(size)
-                timings[size] = time.perf_counter() - start
+            with collector_paused():
+                for size in reversed(self.buckets):
+                    start = time.perf_counter()
+                    graphs[size] = self._capture(size)
+                    timings[size] = time.perf_counter() - start
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         except Exception as exc:

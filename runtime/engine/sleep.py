@@ -14,7 +14,9 @@ of CUDA virtual memory management; graphs captured after a wake read the new add
 loads write in place (no recapture).
 """
 import hashlib
+import os
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -57,7 +59,9 @@ def weights_checksum(model: nn.Module, derived: bool = True) -> dict[str, str]:
         named.update(model.named_buffers())
     else:
         named = checkpoint_tensors(model)
-    return {name: tensor_digest(t) for name, t in sorted(named.items())}
+    with ThreadPoolExecutor(min(16, os.cpu_count() or 1)) as pool:  # copies and sha256 release the GIL
+        digests = pool.map(tensor_digest, [t for _, t in sorted(named.items())])
+        return dict(zip(sorted(named), digests))
 
 
 def overall_digest(checksums: dict[str, str]) -> str:

@@ -62,10 +62,11 @@ def load_weights(model: nn.Module, model_dir: Path, load_format: str = EngineCon
     before = layout.snapshot(model) if cold else None  # before any hook ran (LoadSession runs the ready ones)
     session = LoadSession(model, targets.expected_loads(entries, model_dir))
     device = next(model.parameters()).device
-    with _tensor_source(entries, device, load_format, memory_limit) as (fmt, detail, tensors):
+    with _tensor_source(entries, device, load_format, memory_limit) as (fmt, describe, tensors):
         for name, tensor in tensors:
             targets.load(name, tensor, session)
         session.finish()
+        detail = describe()
     if cold:
         layout.record(model, before)
     if device.type == "cuda":
@@ -101,7 +102,8 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
 
 @contextlib.contextmanager
 def _tensor_source(entries: list[TensorEntry], device: torch.device, load_format: str, memory_limit: int):
-    """(format used, detail, iterator of (checkpoint name, tensor)), falling back from pinned to plain."""
+    """(format used, what it did (called after the load), iterator of (checkpoint name, tensor)), falling back
+    from pinned to plain."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format {load_format!r}: use {', '.join(LOAD_FORMATS)}")
     if load_format == "pinned" or (load_format == "auto" and device.type == "cuda"):
@@ -112,9 +114,9 @@ def _tensor_source(entries: list[TensorEntry], device: torch.device, load_format
                   file=sys.stderr)
         else:
             with staged:
-                yield "pinned", staged.describe(), iter(staged)
+                yield "pinned", staged.describe, iter(staged)
             return
-    yield "plain", "", _plain_tensors(entries)
+    yield "plain", str, _plain_tensors(entries)
 
 
 def _plain_tensors(entries: list[TensorEntry]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -11,8 +11,8 @@ steps, each testable on its own:
 * pin (`HostBuffer`): an anonymous mapping, pre-faulted from several threads (MADV_POPULATE_WRITE), then
   page-locked (`host_register`: cuMemHostRegister, or cudaHostRegister through torch), so copies from it
   are asynchronous DMA. Unregistered and unmapped after the load.
-* copy (`StagedLoad`): two slots; while a side stream copies chunk i to the device, the threads read
-  chunk i+1 into the other slot. Events order it: the host waits for a slot's previous upload before
+* copy (`StagedLoad`): two slots; while a side stream copies chunk i to the device and the loaders copy
+  its tensors into the parameters, the threads read chunk i+1 into the other slot. Events order it: the host waits for a slot's previous upload before
   refilling it; the side stream waits for the loaders (current stream) to be done with the device slot
   before overwriting it; the current stream waits for the upload before the loaders read it.
 
@@ -27,7 +27,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -107,16 +107,17 @@ def plan_chunks(entries: list[TensorEntry], slot_bytes: int) -> list[Chunk]:
     return chunks
 
 
-def read_chunk(chunk: Chunk, host: memoryview, fds: dict, pool: ThreadPoolExecutor, block: int = READ_BLOCK) -> None:
-    """Read every piece of `chunk` into `host` (a slot), in tasks of at most `block` bytes over the pool."""
+def read_chunk(chunk: Chunk, host: memoryview, fds: dict, pool: ThreadPoolExecutor,
+               block: int = READ_BLOCK) -> list[Future]:
+    """Start reading every piece of `chunk` into `host` (a slot), in tasks of at most `block` bytes over the
+    pool; wait for the returned futures before using the slot."""
     jobs = []
     for p in chunk.pieces:
         for b in range(0, p.nbytes, block):
             n = min(block, p.nbytes - b)
             jobs.append(pool.submit(read_into, fds[p.entry.path], host[p.at + b : p.at + b + n],
                                     p.entry.offset + p.start + b, f"{p.entry.path.name}: {p.entry.name}"))
-    for job in jobs:
-        job.result()
+    return jobs
 
 
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
@@ -224,11 +225,13 @@ class StagedLoad:
             raise
         self.partial: dict[str, torch.Tensor] = {}  # tensors split over chunks, being reassembled
         self.setup_seconds = time.perf_counter() - begin
+        self.read_wait = self.upload_wait = 0.0  # where the loading thread waited: the pipeline's bound
 
     def describe(self) -> str:
         size = f"{self.slot / 2**20:.0f} MiB" if self.slot >= 2**20 else f"{self.slot / 2**10:.0f} KiB"
         return (f"{len(self.device_slots)} x {size} staging, {len(self.chunks)} chunk(s), "
-                f"{READ_THREADS} reader threads, setup {self.setup_seconds * 1e3:.0f} ms")
+                f"{READ_THREADS} reader threads, setup {self.setup_seconds * 1e3:.0f} ms, waited on reads "
+                f"{self.read_wait * 1e3:.0f} ms, on uploads {self.upload_wait * 1e3:.0f} ms")
 
     def __enter__(self) -> "StagedLoad":
         return self
@@ -249,23 +252,44 @@ class StagedLoad:
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        uploaded: list[torch.cuda.Event | None] = [None] * len(self.device_slots)
+        self.uploaded: list[torch.cuda.Event | None] = [None] * len(self.device_slots)
         consumed = None  # current-stream event after the loaders of the last chunk
         fds = {path: os.open(path, os.O_RDONLY) for path in {e.path for e in self.entries}}
+        reading: list[Future] = []
         try:
+            reading = self._start_reading(0, fds)
             for i, chunk in enumerate(self.chunks):
                 s = i % len(self.device_slots)
-                if uploaded[s] is not None:
-                    uploaded[s].synchronize()  # the host slot's previous upload is done: refill it
-                read_chunk(chunk, self.host.view[s * self.slot : s * self.slot + chunk.nbytes], fds, self.pool,
-                           self.block)
-                uploaded[s] = self._upload(chunk, s, side, consumed)
+                self._wait_for(reading, "read_wait")
+                self.uploaded[s] = self._upload(chunk, s, side, consumed)
+                if i + 1 < len(self.chunks):  # read ahead while the loaders copy this chunk
+                    reading = self._start_reading(i + 1, fds)
                 yield from self._tensors(chunk, s)
                 if side is not None:
                     consumed = torch.cuda.current_stream(self.device).record_event()
         finally:
+            for job in reading:  # no reader may still use a descriptor we close
+                job.cancel()
+            wait(reading)
             for fd in fds.values():
                 os.close(fd)
+
+    def _start_reading(self, i: int, fds: dict) -> list[Future]:
+        """Read chunk i into its host slot once that slot's previous upload is done."""
+        s = i % len(self.device_slots)
+        if self.uploaded[s] is not None:
+            begin = time.perf_counter()
+            self.uploaded[s].synchronize()
+            self.upload_wait += time.perf_counter() - begin
+        chunk = self.chunks[i]
+        return read_chunk(chunk, self.host.view[s * self.slot : s * self.slot + chunk.nbytes], fds, self.pool,
+                          self.block)
+
+    def _wait_for(self, jobs: list[Future], counter: str) -> None:
+        begin = time.perf_counter()
+        for job in jobs:
+            job.result()
+        setattr(self, counter, getattr(self, counter) + time.perf_counter() - begin)
 
     def _upload(self, chunk: Chunk, s: int, side, consumed) -> "torch.cuda.Event | None":
         """Copy the host slot to the device slot and reassemble split tensors; on CUDA, on the side stream."""
