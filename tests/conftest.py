@@ -82,3 +82,19 @@ def tiny_server(tiny_model_dir, tiny_server_log, tiny_server_profile_dir):
             "--profile-dir", str(tiny_server_profile_dir)]
     with serve(args, tiny_server_log) as url:
         yield url
+
+
+@pytest.fixture(autouse=True)
+def allocator_still_returns_memory(request):
+    """After each GPU test, torch's caching allocator must still hand free memory back to the driver: a capture left
+    underway (begun, never ended) silently stops `empty_cache` from releasing anything, and sleep from freeing."""
+    yield
+    if request.node.get_closest_marker("gpu") is None or not torch.cuda.is_available():
+        return
+    torch.cuda.synchronize()
+    torch.empty(256 << 20, dtype=torch.uint8, device="cuda")  # freed at once: a cached block
+    before = torch.cuda.memory_reserved()
+    torch.cuda.empty_cache()
+    released = before - torch.cuda.memory_reserved()
+    assert released >= 256 << 20, (f"after this test empty_cache released {released >> 20} MiB of a free 256 MiB block: "
+                                   "a CUDA graph capture was begun and never ended")

@@ -12,6 +12,7 @@ from runtime.control_protocol import (ErrorBody, Hello, ReloadWeightsReply, Slee
                                       parse_event)
 import runtime.engine.llm_engine as llm_engine
 from runtime.engine.llm_engine import LLMEngine
+from runtime.engine.sleep import model_tensors
 from runtime.engine.weights_drill import DrillFailed, drill, greedy
 from runtime.server.app import build_app
 from runtime.server.security import SecurityPolicy
@@ -244,3 +245,14 @@ def test_cli_drill_passes_and_its_negative_control_fails(tiny_model_dir):
     assert result.exit_code == 0 and result.output.count("ok ") == 2, result.output
     result = CliRunner().invoke(app, argv, env={DEBUG_DERIVED_ENV: "skip"})
     assert result.exit_code == 1 and "differ from the fresh load" in result.output, result.output
+
+
+def test_sleeping_one_engine_leaves_another_in_the_process_whole(make_engine):
+    """Two engines in one process (tests, benchmarks, a rebuilt model) share no tensor: sleeping one at level 2
+    (which frees its storages) leaves the other's rotary table, weights and output as they were."""
+    first, second = make_engine(), make_engine()
+    expected = greedy(second)
+    assert all(a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+               for a in model_tensors(first.runner.model) for b in model_tensors(second.runner.model))
+    first.sleep(2)
+    assert greedy(second) == expected

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.context import Context, set_context
-from runtime.engine.cuda_graphs import collector_paused, graph_properties
+from runtime.engine.cuda_graphs import collector_paused, end_pool_routing, graph_properties
 from runtime.layers.attention import Attention, GraphCut
 
 LADDER_START, LADDER_MIN_STEP, LADDER_MAX_STEP = 16, 16, 512
@@ -98,7 +98,7 @@ class _Bucket:
             try:
                 self.current.capture_end()
             except Exception:
-                pass
+                end_pool_routing(self.pool, torch.cuda.current_device())
             self.current = None
 
 

@@ -1,5 +1,3 @@
-import functools
-
 import torch
 from torch import nn
 
@@ -23,13 +21,3 @@ class RotaryEmbedding(nn.Module):
         if q_norm is None:
             return rope_ops.apply_rope(q, k, positions, self.cos_sin_cache)
         return rope_ops.qk_norm_rope(q, k, q_norm.weight, k_norm.weight, q_norm.eps, positions, self.cos_sin_cache)
-
-
-def get_rope(head_dim: int, max_positions: int, theta: float) -> RotaryEmbedding:
-    """One rotary table per device shared by every layer (it is large: max_positions x head_dim floats)."""
-    return _rope(head_dim, max_positions, theta, torch.get_default_device())
-
-
-@functools.lru_cache
-def _rope(head_dim: int, max_positions: int, theta: float, device: torch.device) -> RotaryEmbedding:
-    return RotaryEmbedding(head_dim, max_positions, theta)

@@ -8,11 +8,11 @@ from runtime.layers.attention import Attention
 from runtime.layers.embedding import LMHead, VocabEmbedding
 from runtime.layers.linear import Linear, MergedLinear
 from runtime.layers.norm import RMSNorm
-from runtime.layers.rotary import get_rope
+from runtime.layers.rotary import RotaryEmbedding
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, rope: RotaryEmbedding):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             config.num_attention_heads, config.num_key_value_heads, config.head_dim)
@@ -22,7 +22,7 @@ class Qwen3Attention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.rotary_emb = get_rope(self.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.rotary_emb = rope
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -49,9 +49,9 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, rope: RotaryEmbedding):
         super().__init__()
-        self.self_attn = Qwen3Attention(config)
+        self.self_attn = Qwen3Attention(config, rope)
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -70,7 +70,10 @@ class Qwen3Model(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        # one rotary table for every layer of this model (it is large: max positions x head_dim floats); never
+        # shared between models, whose memory sleeps and wakes on its own
+        rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, rope) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
