@@ -1,7 +1,5 @@
 """Prefill graphs on CPU: the bucket ladder, the cut forward (run eagerly here), and capture failures."""
 import math
-import multiprocessing
-import socket
 
 import pytest
 import torch
@@ -9,7 +7,7 @@ import torch
 from batches import CASES, make_batch, written_slots
 from runtime.context import set_context
 from runtime.control_protocol import WorkerReport
-from runtime.engine.prefill_graphs import PrefillGraphs, all_ranks_agree, cut_at_attention, prefill_buckets
+from runtime.engine.prefill_graphs import PrefillGraphs, cut_at_attention, prefill_buckets
 from runtime.engine.sequence import SamplingParams
 from tsdev.cli import join_list_flags, parse_sizes, prefill_capture_sizes
 from tsdev.outcome import worker_text
@@ -204,29 +202,3 @@ def test_reload_line_shows_decode_and_prefill_recapture_apart():
                           timings={"reload": 0.01, "warm": 0.1, "recapture": 0.5, "recapture_decode": 0.2,
                                    "recapture_prefill": 0.3, "pause": 0.6})
     assert "recaptured in 0.50 s (decode 0.20, prefill 0.30)" in worker_text(worker)
-
-
-def _agree(rank: int, port: int, ok: bool, results) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        results.put((rank, all_ranks_agree(ok, torch.device("cpu"))))
-    finally:
-        dist.destroy_process_group()
-
-
-def test_ranks_agree_on_capture_success_by_a_min_reduction():
-    assert all_ranks_agree(True, torch.device("cpu")) and not all_ranks_agree(False, torch.device("cpu"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_agree, args=(rank, port, rank == 0, results)) for rank in (0, 1)]
-    for p in procs:
-        p.start()
-    outcome = dict(results.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-    assert outcome == {0: False, 1: False}  # rank 1 failed, so rank 0 must not use its graphs either

@@ -22,8 +22,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-import torch.distributed as dist
 
+from runtime import distributed
 from runtime.context import Context, set_context
 from runtime.engine.cuda_graphs import collector_paused, end_pool_routing, graph_properties
 from runtime.layers.attention import Attention, GraphCut
@@ -178,7 +178,7 @@ class PrefillGraphs:
                 torch.cuda.synchronize(self.device)
         except Exception as exc:
             error, out_of_memory = f"{type(exc).__name__}: {exc}", isinstance(exc, torch.cuda.OutOfMemoryError)
-        agreed = all_ranks_agree(error is None, self.device)  # every rank gets here, whatever failed
+        agreed = distributed.agree(error is None)  # every rank gets here, whatever failed
         if out_of_memory:
             raise RuntimeError(
                 f"out of memory capturing the prefill graphs (buckets up to {self.max_tokens} tokens): lower "
@@ -225,12 +225,3 @@ class PrefillGraphs:
                 set_context(None)
         bucket.hidden = _non_owning(hidden)
         return bucket
-
-
-def all_ranks_agree(ok: bool, device: torch.device) -> bool:
-    """True when every rank says ok (a MIN reduction); a single rank decides alone."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return ok
-    flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())

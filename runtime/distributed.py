@@ -1,0 +1,120 @@
+"""The ranks of one engine (tensor parallelism), on torch.distributed: NCCL between GPUs, gloo on the CPU (so
+CI runs the same code with two processes). One process per rank; rank 0 hosts HTTP and schedules.
+
+Two groups: the default one carries the model's collectives (on the device: NCCL on CUDA, gloo on the CPU);
+`control`, always gloo, carries rank 0's messages to the others (each step's batch, reload sources, calls)
+and the agreements (`agree`: a MIN over success flags), so a rank that fails or hangs is seen within the
+control group's timeout rather than the NCCL watchdog's.
+
+Nothing here is initialised in a single-process engine: `size()` is 1, `rank()` 0, and every collective is
+the identity, so the model code calls them unconditionally.
+"""
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# torchrun's variables; `tsdev serve --tp N` sets them for the ranks it spawns
+ENV_RANK, ENV_WORLD_SIZE, ENV_LOCAL_RANK = "RANK", "WORLD_SIZE", "LOCAL_RANK"
+ENV_MASTER_ADDR, ENV_MASTER_PORT = "MASTER_ADDR", "MASTER_PORT"
+DEFAULT_TIMEOUT_S = 60.0
+
+
+@dataclass
+class _State:
+    control: "dist.ProcessGroup | None" = None
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+
+_state = _State()
+
+
+def initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if initialized() else 0
+
+
+def size() -> int:
+    return dist.get_world_size() if initialized() else 1
+
+
+def init(rank: int, world_size: int, device: torch.device | str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Join the engine's ranks (MASTER_ADDR / MASTER_PORT from the environment, as torchrun sets them). On CUDA
+    each rank takes the GPU of its local rank (LOCAL_RANK, default `rank`)."""
+    device = torch.device(device)
+    for name in (ENV_MASTER_ADDR, ENV_MASTER_PORT):
+        if name not in os.environ:
+            raise RuntimeError(f"tensor parallelism needs {name} in the environment (as torchrun sets it); "
+                               f"`tsdev serve --tp N` sets it for the ranks it starts")
+    backend = "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get(ENV_LOCAL_RANK, rank)))
+        backend = "nccl"
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    _state.control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+    _state.timeout_s = timeout_s
+
+
+def shutdown() -> None:
+    if initialized():
+        dist.destroy_process_group()
+    _state.control = None
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum `x` over the ranks, in place (the row-parallel projections' partial sums); returns it."""
+    if size() > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def all_gather_last(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate every rank's `x` along the last dimension, in rank order (vocab-parallel logits)."""
+    n = size()
+    if n == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
+def broadcast(obj=None):
+    """Rank 0's `obj` on every rank (pickled over the control group)."""
+    if size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=_state.control)
+    return box[0]
+
+
+def gather(obj) -> list:
+    """Every rank's `obj`, in rank order, on every rank (the reply's per-rank reports)."""
+    if size() == 1:
+        return [obj]
+    out = [None] * size()
+    dist.all_gather_object(out, obj, group=_state.control)
+    return out
+
+
+def agree(ok: bool) -> bool:
+    """True when every rank says ok (a MIN over the control group); a single rank decides alone."""
+    if size() == 1:
+        return ok
+    flag = torch.tensor([int(ok)], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=_state.control)
+    return bool(flag.item())
+
+
+def shard(n: int, what: str) -> tuple[int, int]:
+    """(start, length) of this rank's part of `n` things split evenly; `n` must divide by the ranks."""
+    tp = size()
+    if n % tp:
+        raise ValueError(f"{what} ({n}) does not divide by the tensor-parallel size {tp}: choose a --tp that "
+                         f"divides it")
+    return rank() * (n // tp), n // tp
