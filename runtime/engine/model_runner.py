@@ -9,6 +9,7 @@ import nvtx
 import torch
 
 from kernels.ops import reference_families
+from runtime import distributed
 from runtime.config import EngineConfig, ModelConfig
 from runtime.context import Context, set_context
 from runtime.engine.cuda_graphs import DecodeGraphs
@@ -87,9 +88,9 @@ class ModelRunner:
         buckets = prefill_buckets(config.prefill_graph_max_tokens, config.max_batched_tokens,
                                   config.prefill_graph_capture_sizes)
         if buckets and not config.enforce_eager:
-            self.prefill_graphs = PrefillGraphs(self.model, buckets, model_config.hidden_size,
-                                                model_config.num_attention_heads, model_config.head_dim, self.dtype,
-                                                self.device)
+            _, heads = distributed.shard(model_config.num_attention_heads, "the attention heads")  # this rank's
+            self.prefill_graphs = PrefillGraphs(self.model, buckets, model_config.hidden_size, heads,
+                                                model_config.head_dim, self.dtype, self.device)
 
     @property
     def num_pages(self) -> int:
@@ -122,7 +123,8 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, max_model_len: int) -> torch.Tensor:
         c, page = self.model_config, self.config.page_size
-        page_bytes = 2 * c.num_hidden_layers * page * c.num_key_value_heads * c.head_dim * self.dtype.itemsize
+        _, kv_heads = distributed.shard(c.num_key_value_heads, "the key/value heads")  # this rank's
+        page_bytes = 2 * c.num_hidden_layers * page * kv_heads * c.head_dim * self.dtype.itemsize
         num_pages = self.config.kv_pages
         if num_pages is None:
             if self.device.type == "cuda":
@@ -139,7 +141,7 @@ class ModelRunner:
             )
         scratch = -(-min(self.config.max_batched_tokens, max_model_len) // page) + 1
         self.scratch_pages = list(range(num_pages, num_pages + scratch))
-        kv = torch.zeros(c.num_hidden_layers, 2, num_pages + scratch, page, c.num_key_value_heads, c.head_dim,
+        kv = torch.zeros(c.num_hidden_layers, 2, num_pages + scratch, page, kv_heads, c.head_dim,
                          dtype=self.dtype, device=self.device)
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer, layer_kv in zip(layers, kv):
