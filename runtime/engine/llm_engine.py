@@ -13,11 +13,13 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from runtime import distributed
 from runtime.config import EngineConfig
 from runtime.control_protocol import EngineInfo
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.detokenizer import Detokenizer
 from runtime.engine.model_runner import Checkpoint, ModelRunner, step_range
+from runtime.engine.ranks import DrivenRunner, RankLedger
 from runtime.engine.scheduler import ScheduledBatch, Scheduler
 from runtime.engine.sequence import PENDING, SamplingParams, Sequence
 from runtime.engine.sleep import (WEIGHTS, SleepState, device_free_bytes, free_cached_memory, model_tensors,
@@ -118,6 +120,10 @@ class LLMEngine:
             raise FileNotFoundError(f"{self.model_dir} has no tokenizer.json (a fast tokenizer is required)")
         self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
         self.runner = ModelRunner(config, checkpoint)
+        self.ranks: RankLedger | None = None  # tensor parallelism: every rank's outcome of the calls fanned out
+        if distributed.size() > 1:
+            self.ranks = RankLedger()
+            self.runner = DrivenRunner(self.runner, self.ranks)
         self.startup_timings = {"load": time.perf_counter() - start, **self.runner.start()}
         self.block_manager = BlockManager(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_running, config.max_batched_tokens, self.max_model_len)
@@ -128,6 +134,17 @@ class LLMEngine:
         self.num_steps = self.num_decode_steps = self.num_rows = self.num_decode_rows = 0
         self.sleep_state = SleepState()
         self._graphs_released = False  # by a full weight update that has not recaptured yet
+
+    def close(self) -> None:
+        """Let the other ranks of a tensor-parallel engine go (they exit); nothing to do with one rank."""
+        if self.ranks is not None:
+            self.runner.stop()
+            self.ranks = None
+
+    def _one_rank_only(self, what: str) -> None:
+        if self.ranks is not None:
+            raise NotImplementedError(f"{what} is not available with tensor parallelism (--tp "
+                                      f"{distributed.size()}) yet: serve with --tp 1 for it")
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         """Raise ValueError saying what to change if this prompt cannot be served."""
@@ -229,6 +246,7 @@ class LLMEngine:
         """Free the device memory of the weights (kept in host memory at level 1, discarded at level 2), the KV
         pool and the CUDA graphs. Nothing may be running. Returns bytes freed (`freed`), and device free memory
         before and after (`free_before`, `free_after`; None off CUDA)."""
+        self._one_rank_only("sleep")
         if not self.drained() or self.scheduler.waiting:
             raise RuntimeError("requests are still queued or running: drain them before sleeping")
         device = self.runner.device
@@ -242,6 +260,7 @@ class LLMEngine:
     def wake_up(self, tags: list[str] | None = None) -> tuple[list[str], dict[str, float]]:
         """Take back the memory of `tags` (weights, kv_cache; default both); once both are back, recapture the
         graphs (their addresses changed). Returns the tags woken and the recapture's seconds per graph kind."""
+        self._one_rank_only("wake_up")
         woken = self.sleep_state.wake(tags)
         recapture: dict[str, float] = {}
         if woken and not self.sleep_state.sleeping:
@@ -261,6 +280,7 @@ class LLMEngine:
         finish: the post-load hooks rerun into the same storage (fp8 scales, rotary tables). `direct` keeps every
         address, so the CUDA graphs stay as captured; `full` releases the graphs first and recaptures them after.
         A load that fails after begin leaves the weights marked not loaded until an update succeeds."""
+        self._one_rank_only("update_weights")
         if mode not in UPDATE_MODES:
             raise ValueError(f"mode {mode!r}: use {' or '.join(UPDATE_MODES)}")
         if WEIGHTS in self.sleep_state.asleep:
@@ -306,6 +326,7 @@ class LLMEngine:
     def weights_checksum(self, derived: bool = True) -> dict[str, str]:
         """name -> sha256 of every parameter and buffer; `derived=False`: parameters and persistent buffers only
         (what a checkpoint fills, in their runtime layout: GET /v1/rl/engine/weights_checksum)."""
+        self._one_rank_only("weights_checksum")
         return weights_checksum(self.runner.model, derived)
 
     def stats(self) -> EngineStats:

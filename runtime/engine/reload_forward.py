@@ -29,6 +29,7 @@ from typing import Protocol, runtime_checkable
 from runtime.control_protocol import (STEPS, ReloadFinished, ReloadReply, ReloadRequest, ReloadStarted, ReloadStep,
                                       StaleDefinition, WorkerReport)
 from runtime.engine.async_engine import AsyncEngine
+from runtime.engine.ranks import RankedReloader, rank_entries
 
 REMEMBERED_IDS = 256
 JIT, DRAIN, FLUSH, RELOAD, WARM, RECAPTURE = STEPS
@@ -98,7 +99,9 @@ class _Attempt:
 
 class ReloadForward:
     def __init__(self, async_engine: AsyncEngine, reloader: ForwardReloader, rank: int = 0):
-        self.async_engine, self.reloader, self.rank = async_engine, reloader, rank
+        ranks = async_engine.engine.ranks  # tensor parallelism: every rank reloads the bytes rank 0 read
+        self.reloader = RankedReloader(reloader, ranks) if ranks is not None else reloader
+        self.async_engine, self.rank = async_engine, rank
         self.outcomes: OrderedDict[str, asyncio.Future[ReloadReply]] = OrderedDict()
         self.cancel_epoch = 0
         self.count = 0
@@ -119,7 +122,7 @@ class ReloadForward:
                 elif why := self.async_engine.engine.unavailable():  # asleep: no memory to warm up or capture in
                     reply = ReloadReply.of(request.id, [self._worker(f"cannot reload the forward now: {why}")])
                 else:
-                    reply = ReloadReply.of(request.id, [await self._run(request)])
+                    reply = ReloadReply.of(request.id, [await self._run(request), *self._other_ranks()])
         except BaseException as exc:
             outcome.set_exception(exc)
             outcome.exception()  # retrieved: a repeat of this id re-raises it; nobody else needs to (no log noise)
@@ -131,6 +134,11 @@ class ReloadForward:
         """continue_generation: reloads still waiting for their turn give up."""
         self.cancel_epoch += 1
 
+    def _other_ranks(self) -> list[WorkerReport]:
+        """The entries of ranks 1.. (tensor parallelism): their outcome and seconds of the calls this reload made."""
+        ranks = self.async_engine.engine.ranks
+        return [WorkerReport(**entry) for entry in rank_entries(ranks)] if ranks is not None else []
+
     def _worker(self, error: str | None, timings: dict[str, float] | None = None, **fields) -> WorkerReport:
         """This rank's entry of the reply: ok when `error` is None; `fields` are WorkerReport's."""
         return WorkerReport(rank=self.rank, ok=error is None, error=error,
@@ -139,6 +147,8 @@ class ReloadForward:
     async def _run(self, request: ReloadRequest) -> WorkerReport:
         ae, engine = self.async_engine, self.async_engine.engine
         self.count += 1
+        if engine.ranks is not None:
+            engine.ranks.start()
         attempt = _Attempt(request)
         start = time.perf_counter()
         if request.timeout_s:

@@ -1,0 +1,135 @@
+"""An engine over two gloo ranks (separate processes, the CPU stand-in for two GPUs): rank 0 schedules and drives,
+rank 1 follows every call; greedy output equals one rank's, and a reload reaches both ranks or neither."""
+import asyncio
+
+import pytest
+
+from ranks import run_ranks
+from runtime.config import EngineConfig
+from runtime.engine.llm_engine import LLMEngine
+from runtime.engine.sequence import SamplingParams
+
+PACKAGES = ["kernels.ops", "runtime.layers", "runtime.models", "runtime.sampling"]
+PROMPTS = [[5, 17, 300, 42, 9, 77], list(range(3, 40)), [7, 8, 9]]
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+SILU_LINE = "    return F.silu(gate) * up\n"
+NEGATED = "    return -F.silu(gate) * up\n"
+RANK_1_REFUSES = ("import torch.distributed\nif torch.distributed.get_rank() == 1:\n"
+                  "    raise RuntimeError('rank 1 refuses this edit')\n")
+
+
+def config(model_dir: str, world_size: int) -> EngineConfig:
+    return EngineConfig(model=model_dir, device="cpu", dtype="float32", world_size=world_size, max_running=8,
+                        kv_pages=256, page_size=4, max_batched_tokens=128, cudagraph_capture_sizes=[1, 4])
+
+
+class EditedSources:
+    """Rank 0's reloader, its sources carrying an edit of `module` (as if saved); the other ranks get these bytes."""
+
+    def __init__(self, module: str, old: str, new: str):
+        from tsdev.hotreload import Reloader
+
+        self.reloader, self.module, self.old, self.new, self.active = Reloader(PACKAGES), module, old, new, True
+
+    def read_sources(self):
+        sources = self.reloader.read_sources()
+        if self.active:
+            sources[self.module] = sources[self.module].decode().replace(self.old, self.new, 1).encode()
+        return sources
+
+    def __getattr__(self, name):
+        return getattr(self.reloader, name)
+
+
+def generate(engine: LLMEngine) -> list[list[int]]:
+    return [r["token_ids"] for r in engine.generate(PROMPTS, GREEDY)]
+
+
+def on_rank(model_dir: str, world_size: int, scenario, *args):
+    """Rank 0 runs `scenario(engine, *args)` (a module-level function); the others follow (with their own reloader)
+    until the engine closes."""
+    from runtime import distributed
+    from runtime.engine.ranks import serve_rank
+    from tsdev.hotreload import Reloader
+
+    if distributed.rank() != 0:
+        serve_rank(config(model_dir, world_size), Reloader(PACKAGES))
+        return None
+    engine = LLMEngine(config(model_dir, world_size))
+    try:
+        return scenario(engine, *args)
+    finally:
+        engine.close()
+
+
+def greedy_scenario(engine):
+    return generate(engine)
+
+
+def test_two_ranks_generate_what_one_rank_generates(tiny_model_dir):
+    expected = generate(LLMEngine(config(str(tiny_model_dir), 1)))
+    tokens, follower = run_ranks(on_rank, 2, str(tiny_model_dir), 2, greedy_scenario)
+    assert tokens == expected and follower is None
+
+
+def reload_scenario(engine, edit_args):
+    from runtime.control_protocol import ReloadRequest
+    from runtime.engine.async_engine import AsyncEngine
+    from runtime.engine.reload_forward import ReloadForward
+
+    async def run():
+        ae = AsyncEngine(engine)
+        await ae.start()
+        edit = EditedSources(*edit_args)
+        reload = ReloadForward(ae, edit)
+        before = await tokens(ae, "a")
+        reply = await reload(ReloadRequest(id="r1"))
+        after = await tokens(ae, "b")
+        edit.active = False
+        back = await reload(ReloadRequest(id="r2"))
+        restored = await tokens(ae, "c")
+        await ae.stop()
+        return before, reply.model_dump(), after, back.model_dump(), restored
+
+    return asyncio.run(run())
+
+
+async def tokens(ae, rid: str) -> list[int]:
+    out = []
+    async for o in ae.generate(rid, PROMPTS[0], GREEDY):
+        out += o.new_token_ids
+    return out
+
+
+def test_a_reload_changes_the_output_on_both_ranks_and_the_reply_has_both(tiny_model_dir):
+    edit = ("kernels.ops.activation", SILU_LINE, NEGATED)
+    (before, reply, after, back, restored), _ = run_ranks(on_rank, 2, str(tiny_model_dir), 2, reload_scenario, edit)
+    assert reply["ok"], reply
+    assert [w["rank"] for w in reply["workers"]] == [0, 1]
+    assert reply["workers"][1]["reloaded"] == ["kernels.ops.activation"] and "warm" in reply["workers"][1]["timings"]
+    assert after != before  # both ranks run the edit (a rank without it would disagree in the all-reduce)
+    assert back["ok"] and restored == before
+
+
+def test_an_edit_that_fails_on_rank_1_only_rolls_rank_0_back_too(tiny_model_dir):
+    edit = ("kernels.ops.activation", SILU_LINE, SILU_LINE + RANK_1_REFUSES)
+    (before, reply, after, _, _), _ = run_ranks(on_rank, 2, str(tiny_model_dir), 2, reload_scenario, edit)
+    assert not reply["ok"]
+    rank0, rank1 = reply["workers"]
+    assert not rank1["ok"] and "rank 1 refuses this edit" in rank1["error"]
+    assert not rank0["ok"] and "rank 1" in rank0["error"]
+    assert after == before  # the old code keeps serving on both ranks
+
+
+def not_parallel_scenario(engine):
+    messages = []
+    for call in (lambda: engine.sleep(1), lambda: engine.update_weights(), lambda: engine.weights_checksum()):
+        with pytest.raises(NotImplementedError) as info:
+            call()
+        messages.append(str(info.value))
+    return messages
+
+
+def test_operations_not_yet_parallel_say_so(tiny_model_dir):
+    messages, _ = run_ranks(on_rank, 2, str(tiny_model_dir), 2, not_parallel_scenario)
+    assert all("--tp 2" in m and "--tp 1" in m for m in messages)
