@@ -1,10 +1,11 @@
 """The ranks of one engine (tensor parallelism), on torch.distributed: NCCL between GPUs, gloo on the CPU (so
 CI runs the same code with two processes). One process per rank; rank 0 hosts HTTP and schedules.
 
-Two groups: the default one carries the model's collectives (on the device: NCCL on CUDA, gloo on the CPU);
-`control`, always gloo, carries rank 0's messages to the others (each step's batch, reload sources, calls)
-and the agreements (`agree`: a MIN over success flags), so a rank that fails or hangs is seen within the
-control group's timeout rather than the NCCL watchdog's.
+Three groups: the default one carries the model's collectives (on the device: NCCL on CUDA, gloo on the CPU);
+`calls`, gloo without a practical timeout, carries rank 0's messages to the others (each step's batch, reload
+sources, calls: a rank waits there as long as the server is idle); `control`, gloo with the timeout, carries
+the outcomes and agreements (`gather`, `agree`: a MIN over success flags), so a rank that fails or hangs in a
+call is seen within that timeout rather than the NCCL watchdog's.
 
 Nothing here is initialised in a single-process engine: `size()` is 1, `rank()` 0, and every collective is
 the identity, so the model code calls them unconditionally.
@@ -20,11 +21,13 @@ import torch.distributed as dist
 ENV_RANK, ENV_WORLD_SIZE, ENV_LOCAL_RANK = "RANK", "WORLD_SIZE", "LOCAL_RANK"
 ENV_MASTER_ADDR, ENV_MASTER_PORT = "MASTER_ADDR", "MASTER_PORT"
 DEFAULT_TIMEOUT_S = 60.0
+IDLE_TIMEOUT = timedelta(days=365)  # a follower waits for rank 0's next call as long as the server is idle
 
 
 @dataclass
 class _State:
     control: "dist.ProcessGroup | None" = None
+    calls: "dist.ProcessGroup | None" = None
     timeout_s: float = DEFAULT_TIMEOUT_S
 
 
@@ -58,13 +61,14 @@ def init(rank: int, world_size: int, device: torch.device | str, timeout_s: floa
     timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     _state.control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+    _state.calls = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     _state.timeout_s = timeout_s
 
 
 def shutdown() -> None:
     if initialized():
         dist.destroy_process_group()
-    _state.control = None
+    _state.control = _state.calls = None
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -85,11 +89,11 @@ def all_gather_last(x: torch.Tensor) -> torch.Tensor:
 
 
 def broadcast(obj=None):
-    """Rank 0's `obj` on every rank (pickled over the control group)."""
+    """Rank 0's `obj` on every rank (pickled over the calls group: the others wait for it without a timeout)."""
     if size() == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0, group=_state.control)
+    dist.broadcast_object_list(box, src=0, group=_state.calls)
     return box[0]
 
 

@@ -133,3 +133,25 @@ def not_parallel_scenario(engine):
 def test_operations_not_yet_parallel_say_so(tiny_model_dir):
     messages, _ = run_ranks(on_rank, 2, str(tiny_model_dir), 2, not_parallel_scenario)
     assert all("--tp 2" in m and "--tp 1" in m for m in messages)
+
+
+def test_tsdev_serve_tp_2_serves_what_tp_1_serves_and_a_reload_reaches_both_ranks(tiny_model_dir, tmp_path):
+    import httpx
+
+    from serve_process import copy_project, serve
+    from test_reload_forward import ACTIVATION, complete, edited, new_id, reload
+
+    project = copy_project(tmp_path / "project")
+    args = [str(tiny_model_dir), "--device", "cpu", "--dtype", "float32", "--max-model-len", "1024",
+            "--cudagraph-capture-sizes", "1", "4"]
+    with serve(args, tmp_path / "tp1.log", cwd=project) as one:
+        expected = complete(one)["text"]
+    with serve([*args, "--tp", "2", "--allow-reload-forward"], tmp_path / "tp2.log", cwd=project) as two:
+        assert complete(two)["text"] == expected
+        assert httpx.get(two + "/server_info").json()["world_size"] == 2
+        with edited(project, ACTIVATION, SILU_LINE, NEGATED):
+            reply = reload(two, new_id())
+            assert reply.ok and [w.rank for w in reply.workers] == [0, 1], reply
+            assert complete(two)["text"] != expected
+        assert reload(two, new_id()).ok
+        assert complete(two)["text"] == expected

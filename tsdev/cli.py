@@ -193,6 +193,10 @@ def serve(
         "--allowed-weight-dir", metavar="DIR", help="A directory the weight routes may load checkpoints from, besides "
                                                     "the served model's. Repeatable.")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level (warning shows errors only).")] = "warning",
+    tp: Annotated[int, typer.Option(
+        "--tp", "--tensor-parallel-size", min=1, help="Tensor-parallel ranks: the heads, the MLP and the vocabulary "
+        "split over N GPUs (CPU: N processes over gloo), one process each, started by this command (or by torchrun: "
+        "docs/parallel.md). Sleep and weight updates need --tp 1 for now.")] = EngineConfig.world_size,
     max_request_body_bytes: Annotated[int, typer.Option(
         metavar="BYTES", help="Largest request body accepted (4 MiB by default); a larger one is answered 413 "
                               "before it is parsed.", min=1)] = ServerConfig.max_request_body_bytes,
@@ -225,7 +229,7 @@ def serve(
         max_batched_tokens=max_batched_tokens, max_model_len=max_model_len, page_size=page_size, kv_pages=kv_pages,
         gpu_memory_utilization=gpu_memory_utilization, seed=seed, enable_prefix_caching=not no_prefix_caching,
         enforce_eager=enforce_eager, prefill_graph_max_tokens=0 if disable_prefill_graph else prefill_graph_max_tokens,
-        load_format=load_format, load_memory_limit=load_memory_bytes, quantization=quantization,
+        load_format=load_format, load_memory_limit=load_memory_bytes, quantization=quantization, world_size=tp,
     )
     if cudagraph_capture_sizes:
         config.cudagraph_capture_sizes = parse_sizes("--cudagraph-capture-sizes", cudagraph_capture_sizes)

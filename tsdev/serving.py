@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from runtime.config import EngineConfig, ServerConfig
+from tsdev.ranks import follow, launched_rank, start_ranks, stop_ranks
 
 # uvicorn cancels what is still open this long after a stop; streams end by themselves well before.
 GRACEFUL_SHUTDOWN_S = 3
@@ -85,6 +86,9 @@ def run_server(config: EngineConfig, server: ServerConfig, console: Console | No
     from runtime.server.security import startup_refusal
 
     console = console or Console(stderr=True, soft_wrap=True)
+    rank = launched_rank()
+    if config.world_size > 1 and rank:  # torchrun started this process as a rank other than 0: it follows
+        return follow(config, server.allow_reload_forward, rank)
     if refusal := startup_refusal(server):
         console.print(f"[red]error:[/red] {escape(refusal)}")
         return 2
@@ -93,12 +97,21 @@ def run_server(config: EngineConfig, server: ServerConfig, console: Console | No
     except OSError as exc:
         console.print(f"[red]error:[/red] {bind_error(exc, server.host, server.port)}")
         return 2
+    children = []
+    if config.world_size > 1:
+        from runtime import distributed
+
+        if rank is None:  # not launched by torchrun: this command starts the other ranks
+            children = start_ranks(config, server.allow_reload_forward)
+        distributed.init(0, config.world_size, config.device)
     with sock:
         try:
             return _load_and_serve(config, server, sock, console)
         except KeyboardInterrupt:  # Ctrl-C while loading, before the server handles signals itself
             console.print("stopped before the server started")
             return 130
+        finally:
+            stop_ranks(children)
 
 
 def _load_and_serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, console: Console) -> int:
@@ -151,6 +164,7 @@ def _load_and_serve(config: EngineConfig, server: ServerConfig, sock: socket.soc
 
     uvicorn_config = uvicorn.Config(app, log_level=server.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     _server_class(uvicorn.Server)(uvicorn_config, started, app.state.async_engine.shutdown).run(sockets=[sock])
+    engine.close()  # the other ranks, if any, stop
     return 0
 
 

@@ -1,0 +1,82 @@
+"""`tsdev serve --tp N`: the ranks other than 0 as child processes, and what each of them runs.
+
+Rank 0 (the `tsdev serve` process) hosts HTTP and schedules; ranks 1..N-1 (`python -m tsdev.ranks`) each hold
+their shard of the model and follow rank 0 (`runtime.engine.ranks`). They meet through torchrun's environment
+(MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK): `tsdev serve` sets it for the children it starts, or
+torchrun / SLURM set it for every rank (then `tsdev serve` on a rank other than 0 follows instead of serving).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+
+from runtime import distributed
+from runtime.config import EngineConfig
+
+CONFIG_ENV = "TSDEV_RANK_CONFIG"  # the engine config and whether reloads are allowed, as JSON
+
+
+def launched_rank() -> int | None:
+    """This process's rank when a launcher (torchrun, SLURM through it) set RANK; None otherwise."""
+    rank = os.environ.get(distributed.ENV_RANK)
+    return int(rank) if rank is not None else None
+
+
+def start_ranks(config: EngineConfig, allow_reload_forward: bool) -> list[subprocess.Popen]:
+    """Rank 0 of a fresh launch: point the ranks at this machine and start ranks 1..N-1."""
+    os.environ.setdefault(distributed.ENV_MASTER_ADDR, "127.0.0.1")
+    if distributed.ENV_MASTER_PORT not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ[distributed.ENV_MASTER_PORT] = str(s.getsockname()[1])
+    payload = json.dumps({"config": dataclasses.asdict(config), "allow_reload_forward": allow_reload_forward})
+    children = []
+    for rank in range(1, config.world_size):
+        env = {**os.environ, distributed.ENV_RANK: str(rank), distributed.ENV_WORLD_SIZE: str(config.world_size),
+               distributed.ENV_LOCAL_RANK: str(rank), CONFIG_ENV: payload}
+        # a session of their own: Ctrl-C reaches rank 0 alone, which lets them go once the server has stopped
+        children.append(subprocess.Popen([sys.executable, "-m", "tsdev.ranks"], env=env, start_new_session=True))
+    return children
+
+
+def stop_ranks(children: list[subprocess.Popen], timeout_s: float = 5.0) -> None:
+    """After rank 0 let them go (or failed): wait for the children, then kill what is left."""
+    for child in children:
+        try:
+            child.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+def follow(config: EngineConfig, allow_reload_forward: bool, rank: int) -> int:
+    """A rank other than 0: join the others, load this rank's shard and follow rank 0 until it stops."""
+    from runtime.engine.ranks import serve_rank
+
+    distributed.init(rank, config.world_size, config.device)
+    reloader = None
+    if allow_reload_forward:
+        from tsdev.hotreload import Reloader, default_packages
+
+        reloader = Reloader(default_packages())
+    try:
+        serve_rank(config, reloader)
+    except RuntimeError as exc:  # rank 0 went away (it stopped or crashed): nothing left to follow
+        print(f"rank {rank}: lost rank 0 ({str(exc).splitlines()[0][:200]}); exiting", file=sys.stderr)
+        return 1
+    finally:
+        distributed.shutdown()
+    return 0
+
+
+def main() -> int:
+    payload = json.loads(os.environ[CONFIG_ENV])
+    return follow(EngineConfig(**payload["config"]), payload["allow_reload_forward"], launched_rank())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
