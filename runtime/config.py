@@ -97,6 +97,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     rank: int = 0
     world_size: int = 1
+    rank_timeout_s: float = 60.0  # how long rank 0 waits for another rank's outcome before it stops the server
     cudagraph_capture_sizes: list[int] = field(default_factory=lambda: list(DEFAULT_CAPTURE_SIZES))
     enforce_eager: bool = False  # no CUDA graphs
     async_scheduling: bool = True  # prepare step N+1 while the GPU computes step N

@@ -65,6 +65,11 @@ def init(rank: int, world_size: int, device: torch.device | str, timeout_s: floa
     _state.timeout_s = timeout_s
 
 
+def timeout_s() -> float:
+    """How long a rank waits for the others' outcome of a call (`init`'s timeout)."""
+    return _state.timeout_s
+
+
 def shutdown() -> None:
     if initialized():
         dist.destroy_process_group()

@@ -53,7 +53,7 @@ def on_rank(model_dir: str, world_size: int, scenario, *args):
     from tsdev.hotreload import Reloader
 
     if distributed.rank() != 0:
-        serve_rank(config(model_dir, world_size), Reloader(PACKAGES))
+        serve_rank(config(model_dir, world_size), lambda: Reloader(PACKAGES))
         return None
     engine = LLMEngine(config(model_dir, world_size))
     try:
@@ -149,9 +149,41 @@ def test_tsdev_serve_tp_2_serves_what_tp_1_serves_and_a_reload_reaches_both_rank
     with serve([*args, "--tp", "2", "--allow-reload-forward"], tmp_path / "tp2.log", cwd=project) as two:
         assert complete(two)["text"] == expected
         assert httpx.get(two + "/server_info").json()["world_size"] == 2
+        refused = httpx.post(two + "/sleep", json={"level": 1}, timeout=30)
+        assert refused.status_code == 501 and "--tp 1" in refused.json()["error"]["message"], refused.text
         with edited(project, ACTIVATION, SILU_LINE, NEGATED):
             reply = reload(two, new_id())
             assert reply.ok and [w.rank for w in reply.workers] == [0, 1], reply
             assert complete(two)["text"] != expected
         assert reload(two, new_id()).ok
         assert complete(two)["text"] == expected
+
+
+RANK_1_HANGS = "import time\nimport torch.distributed\nif torch.distributed.get_rank() == 1:\n    time.sleep(120)\n"
+
+
+def test_a_rank_that_hangs_in_a_reload_stops_the_server_within_the_timeout_naming_the_step(tiny_model_dir, tmp_path):
+    import time
+
+    import httpx
+
+    from serve_process import copy_project
+    from test_reload_forward import ACTIVATION, edited, new_id
+    from tsdev.server_process import ServerProcess
+
+    project = copy_project(tmp_path / "project")
+    args = [str(tiny_model_dir), "--device", "cpu", "--max-model-len", "1024", "--cudagraph-capture-sizes", "1",
+            "--tp", "2", "--rank-timeout", "3", "--allow-reload-forward"]
+    server = ServerProcess(args, cwd=project, pythonpath=project, log_path=tmp_path / "serve.log")
+    server.start()
+    try:
+        server.wait_healthy(90)
+        with edited(project, ACTIVATION, SILU_LINE, SILU_LINE + RANK_1_HANGS):
+            start = time.monotonic()
+            with pytest.raises(httpx.HTTPError):  # the server exits while the reload waits for rank 1
+                httpx.post(server.url + "/v1/rl/engine/reload_forward", json={"id": new_id()}, timeout=60)
+            assert server.proc.wait(30) == 70 and time.monotonic() - start < 30
+        log = server.output()
+        assert "FATAL: reload" in log and "step 'reload'" in log and "did not answer within 3 s" in log, log
+    finally:
+        server.stop()

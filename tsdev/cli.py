@@ -197,6 +197,10 @@ def serve(
         "--tp", "--tensor-parallel-size", min=1, help="Tensor-parallel ranks: the heads, the MLP and the vocabulary "
         "split over N GPUs (CPU: N processes over gloo), one process each, started by this command (or by torchrun: "
         "docs/parallel.md). Sleep and weight updates need --tp 1 for now.")] = EngineConfig.world_size,
+    rank_timeout: Annotated[float, typer.Option(
+        metavar="SECONDS", min=1, help="With --tp: how long rank 0 waits for another rank's outcome of a call (warm-up, "
+        "graph capture, a reload) before it takes that rank for wedged and stops the server (status 70; tsdev "
+        "watch restarts it).")] = EngineConfig.rank_timeout_s,
     max_request_body_bytes: Annotated[int, typer.Option(
         metavar="BYTES", help="Largest request body accepted (4 MiB by default); a larger one is answered 413 "
                               "before it is parsed.", min=1)] = ServerConfig.max_request_body_bytes,
@@ -230,6 +234,7 @@ def serve(
         gpu_memory_utilization=gpu_memory_utilization, seed=seed, enable_prefix_caching=not no_prefix_caching,
         enforce_eager=enforce_eager, prefill_graph_max_tokens=0 if disable_prefill_graph else prefill_graph_max_tokens,
         load_format=load_format, load_memory_limit=load_memory_bytes, quantization=quantization, world_size=tp,
+        rank_timeout_s=rank_timeout,
     )
     if cudagraph_capture_sizes:
         config.cudagraph_capture_sizes = parse_sizes("--cudagraph-capture-sizes", cudagraph_capture_sizes)

@@ -16,6 +16,7 @@ import sys
 
 from runtime import distributed
 from runtime.config import EngineConfig
+from tsdev.server_process import die_with_parent
 
 CONFIG_ENV = "TSDEV_RANK_CONFIG"  # the engine config and whether reloads are allowed, as JSON
 
@@ -38,8 +39,8 @@ def start_ranks(config: EngineConfig, allow_reload_forward: bool) -> list[subpro
     for rank in range(1, config.world_size):
         env = {**os.environ, distributed.ENV_RANK: str(rank), distributed.ENV_WORLD_SIZE: str(config.world_size),
                distributed.ENV_LOCAL_RANK: str(rank), CONFIG_ENV: payload}
-        # a session of their own: Ctrl-C reaches rank 0 alone, which lets them go once the server has stopped
-        children.append(subprocess.Popen([sys.executable, "-m", "tsdev.ranks"], env=env, start_new_session=True))
+        # Ctrl-C reaches rank 0 alone, which lets them go once the server has stopped; they die with it
+        children.append(subprocess.Popen([sys.executable, "-m", "tsdev.ranks"], env=env, preexec_fn=die_with_parent))
     return children
 
 
@@ -57,14 +58,15 @@ def follow(config: EngineConfig, allow_reload_forward: bool, rank: int) -> int:
     """A rank other than 0: join the others, load this rank's shard and follow rank 0 until it stops."""
     from runtime.engine.ranks import serve_rank
 
-    distributed.init(rank, config.world_size, config.device)
-    reloader = None
+    distributed.init(rank, config.world_size, config.device, config.rank_timeout_s)
+    make_reloader = None
     if allow_reload_forward:
         from tsdev.hotreload import Reloader, default_packages
 
-        reloader = Reloader(default_packages())
+        def make_reloader():
+            return Reloader(default_packages())
     try:
-        serve_rank(config, reloader)
+        serve_rank(config, make_reloader)
     except RuntimeError as exc:  # rank 0 went away (it stopped or crashed): nothing left to follow
         print(f"rank {rank}: lost rank 0 ({str(exc).splitlines()[0][:200]}); exiting", file=sys.stderr)
         return 1

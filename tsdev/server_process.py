@@ -65,7 +65,9 @@ def describe_exit(code: int) -> str:
     return f"exit status {code}"
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:
+    """`preexec_fn` of a child that must not outlive this process (runs between fork and exec): a session of its
+    own (Ctrl-C in a terminal reaches the parent alone), and SIGTERM when the parent dies, even by SIGKILL."""
     os.setsid()
     if _LIBC is not None:
         _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG (sent when the forking thread ends: fork from the main one)
@@ -120,7 +122,7 @@ class ServerProcess:
         try:
             self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=None if log is None else subprocess.STDOUT, cwd=self.cwd,
-                                         env=self.env, preexec_fn=_die_with_parent)
+                                         env=self.env, preexec_fn=die_with_parent)
         finally:
             if log is not None:
                 log.close()

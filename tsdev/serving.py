@@ -103,7 +103,7 @@ def run_server(config: EngineConfig, server: ServerConfig, console: Console | No
 
         if rank is None:  # not launched by torchrun: this command starts the other ranks
             children = start_ranks(config, server.allow_reload_forward)
-        distributed.init(0, config.world_size, config.device)
+        distributed.init(0, config.world_size, config.device, config.rank_timeout_s)
     with sock:
         try:
             return _load_and_serve(config, server, sock, console)

@@ -29,6 +29,11 @@ class RankFailed(RuntimeError):
     """A call failed on another rank (rank 0's own failures raise as they are)."""
 
 
+class RankLost(RuntimeError):
+    """Some rank did not answer within the control group's timeout: it is wedged (or gone), so the ranks can no
+    longer run in step and the server must stop."""
+
+
 @dataclass
 class RankOutcome:
     rank: int
@@ -62,7 +67,11 @@ def describe(exc: BaseException) -> str:
 
 def _settle(call: str, error: str | None, seconds: float, report: dict, ledger: RankLedger | None) -> None:
     """Every rank's outcome of `call`, everywhere; on rank 0, raise RankFailed if another rank failed."""
-    outcomes = distributed.gather(RankOutcome(distributed.rank(), call, error, seconds, report))
+    try:
+        outcomes = distributed.gather(RankOutcome(distributed.rank(), call, error, seconds, report))
+    except RuntimeError as exc:  # torch's DistBackendError: a timeout, or a peer that went away
+        raise RankLost(f"a rank did not answer within {distributed.timeout_s():.0f} s after '{call}' "
+                       f"(--rank-timeout): {str(exc).splitlines()[0][:300]}") from exc
     if ledger is not None:
         ledger.record(outcomes)
     failed = [o for o in outcomes[1:] if o.error is not None]
@@ -252,9 +261,11 @@ def follow(runner, reloader=None) -> None:
         _settle(call, error, time.perf_counter() - start, report, None)
 
 
-def serve_rank(config, reloader=None) -> None:
+def serve_rank(config, make_reloader=None) -> None:
     """What a rank other than 0 runs, once `distributed.init` joined it: its model runner (its shard of the
-    weights, its heads' KV pool), following rank 0 until the engine stops."""
+    weights, its heads' KV pool), following rank 0 until the engine stops. `make_reloader` builds this rank's
+    reloader once the model code is imported (a reloader tracks the modules loaded when it is made)."""
     from runtime.engine.model_runner import Checkpoint, ModelRunner
 
-    follow(ModelRunner(config, Checkpoint.open(config)), reloader)
+    runner = ModelRunner(config, Checkpoint.open(config))
+    follow(runner, make_reloader() if make_reloader else None)

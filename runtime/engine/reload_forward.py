@@ -18,6 +18,7 @@ library's may be. Requests, worker reports, the reply and the events are runtime
 """
 import asyncio
 import logging
+import os
 import sys
 import time
 import traceback
@@ -29,7 +30,7 @@ from typing import Protocol, runtime_checkable
 from runtime.control_protocol import (STEPS, ReloadFinished, ReloadReply, ReloadRequest, ReloadStarted, ReloadStep,
                                       StaleDefinition, WorkerReport)
 from runtime.engine.async_engine import AsyncEngine
-from runtime.engine.ranks import RankedReloader, rank_entries
+from runtime.engine.ranks import RankedReloader, RankLost, rank_entries
 
 REMEMBERED_IDS = 256
 JIT, DRAIN, FLUSH, RELOAD, WARM, RECAPTURE = STEPS
@@ -212,6 +213,9 @@ class ReloadForward:
                 for kind, seconds in graph_timings.items():
                     attempt.timings[f"recapture_{kind}"] = sum(seconds.values())
             tx.commit()
+        except RankLost as exc:  # a wedged rank cannot roll back: nothing can run in step any more
+            stop_server(f"FATAL: reload {request.id}, step '{attempt.step}': {exc}. The server stops (tsdev watch "
+                        "restarts it).")
         except Exception as exc:
             error = str(exc) if isinstance(exc, (_ReportedFailure, StepTimeout)) else describe_error(exc)
             if isinstance(exc, _NeedsRestart):
@@ -251,14 +255,21 @@ class ReloadForward:
             await self.async_engine.run_on_engine_thread(
                 lambda: self.async_engine.engine.capture_graphs(strict=False))  # prefill may fall back to eager
         except Exception as exc:
-            print(f"FATAL: after a failed reload ({why}), recapturing the CUDA graphs with the old code failed: "
-                  f"{describe_error(exc)}. The server cannot serve safely and stops.", file=sys.stderr, flush=True)
-            import os
-            os._exit(70)
+            stop_server(f"FATAL: after a failed reload ({why}), recapturing the CUDA graphs with the old code failed: "
+                        f"{describe_error(exc)}. The server cannot serve safely and stops.")
 
     def _step(self, attempt: _Attempt, name: str, **started):
         """A timed step; `started`: more fields of its ReloadStep "started" event."""
         return _TimedStep(self.async_engine, attempt, name, started)
+
+
+FATAL_EXIT_STATUS = 70
+
+
+def stop_server(message: str) -> None:
+    """The server cannot go on safely: say why and exit at once (tsdev watch restarts it; followers exit with it)."""
+    print(message, file=sys.stderr, flush=True)
+    os._exit(FATAL_EXIT_STATUS)
 
 
 class _ReportedFailure(Exception):

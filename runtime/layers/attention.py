@@ -13,7 +13,8 @@ GraphCut = Callable[["Attention", torch.Tensor, torch.Tensor, torch.Tensor], tor
 class Attention(nn.Module):
     """Writes this step's K/V into the paged cache, then attends over each sequence's pages.
 
-    k_cache / v_cache are views into the engine's KV pool, bound by the model runner.
+    k_cache / v_cache are views into the engine's KV pool, bound by the model runner. Under tensor parallelism
+    `num_heads` and `num_kv_heads` are this rank's (`runtime.distributed.shard`), and so is its pool.
 
     The one place where a forward may leave a CUDA graph: prefill graphs are captured in pieces cut at
     every attention call, since one bucket serves any mix of prompts, decodes and cached prefixes. While

@@ -1,18 +1,41 @@
+"""The token embedding and the logits, split over the tensor-parallel ranks by vocabulary rows.
+
+Each rank holds vocab/N consecutive rows, the vocabulary padded up to a multiple of the ranks (the padded rows
+are zeros, and never read: no id reaches them, and their logits are cut off). The embedding looks up the ids in
+this rank's range and sums the ranks' rows (each id is found on exactly one rank); the logits are every rank's
+columns gathered in rank order. With tied embeddings both modules share one parameter: the same rows.
+"""
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kernels.ops import linear as linear_ops
+from runtime import distributed
 from runtime.context import get_context
+from runtime.weights.layout import RankSlice
 
 
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.vocab_size = vocab_size
+        ranks = distributed.size()
+        self.vocab_start, rows = distributed.shard(-(-vocab_size // ranks) * ranks, "the padded vocabulary")
+        self.weight = nn.Parameter(torch.zeros(rows, hidden_size), requires_grad=False)
+        # the last rank's rows past the real vocabulary (padding) are not in the checkpoint
+        self.weight_slice = RankSlice((vocab_size, hidden_size), 0, self.vocab_start,
+                                      min(rows, vocab_size - self.vocab_start))
+
+    def checkpoint_slice(self, param: str, shard: str | None) -> RankSlice:
+        return self.weight_slice
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if distributed.size() == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        elsewhere = (local < 0) | (local >= self.weight.shape[0])  # ids another rank holds: zeros here
+        embeds = F.embedding(local.masked_fill(elsewhere, 0), self.weight)
+        return distributed.all_reduce(embeds.masked_fill_(elsewhere.unsqueeze(-1), 0))
 
 
 class LMHead(VocabEmbedding):
@@ -20,4 +43,5 @@ class LMHead(VocabEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden[get_context().logits_indices]
-        return linear_ops.linear(hidden, self.weight).float()
+        logits = distributed.all_gather_last(linear_ops.linear(hidden, self.weight))
+        return logits[..., : self.vocab_size].float().contiguous()

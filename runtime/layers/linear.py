@@ -5,13 +5,21 @@ parameter (so the checkpoint layout, weight updates and reloads are unchanged), 
 `process_weights_after_loading` derives, into buffers allocated once by `quantize`, the e4m3 weight and
 one float32 scale per output channel (`kernels.ops.fp8.quantize_fp8_rows`); the forward uses only those.
 The high-precision weight stays allocated: a weight update loads into it and reprocesses (a known cost:
-1.5x the projections' weight memory in bf16)."""
+1.5x the projections' weight memory in bf16).
+
+Tensor parallelism (`runtime.distributed`) splits the projections Megatron's way: the merged ones (q|k|v,
+gate|up) by output rows, each rank keeping its rows of every shard (its heads, its part of the MLP), so no
+collective is needed; o_proj and down_proj (`RowParallelLinear`) by input columns, matching the split of their
+input, and their partial outputs are summed over the ranks. Each rank loads only its slice of the checkpoint's
+full tensors (`checkpoint_slice`), and quantizes its own weight (fp8 scales per local output channel)."""
 import torch
 from torch import nn
 
 from kernels.ops import fp8 as fp8_ops
 from kernels.ops import linear as linear_ops
+from runtime import distributed
 from runtime.config import QUANTIZATIONS  # --quantization
+from runtime.weights.layout import RankSlice
 
 
 def check_quantization(method: str, device: torch.device | str) -> None:
@@ -48,23 +56,55 @@ class Linear(nn.Module):
             self.weight_scale.copy_(scales.view(-1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(x, self.bias)
+
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quantization == "fp8":
-            return fp8_ops.fp8_linear(x, self.weight_fp8, self.weight_scale, self.bias)
-        return linear_ops.linear(x, self.weight, self.bias)
+            return fp8_ops.fp8_linear(x, self.weight_fp8, self.weight_scale, bias)
+        return linear_ops.linear(x, self.weight, bias)
+
+
+class RowParallelLinear(Linear):
+    """A projection whose input features are split over the tensor-parallel ranks (o_proj after this rank's
+    heads, down_proj after its part of the MLP): each rank holds its columns of the weight, and the partial
+    outputs are summed over the ranks. The bias (whole on every rank) joins rank 0's partial sum only, so the
+    sum has it once and a single rank computes exactly what a plain Linear does."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        start, length = distributed.shard(in_features, "a row-parallel projection's input features")
+        super().__init__(length, out_features, bias)
+        self.weight_slice = RankSlice((out_features, in_features), 1, start, length)
+
+    def checkpoint_slice(self, param: str, shard: str | None) -> RankSlice | None:
+        """This rank's slice of the checkpoint's `param` (None: the whole tensor, as the bias)."""
+        return self.weight_slice if param == "weight" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return distributed.all_reduce(self.project(x, self.bias if distributed.rank() == 0 else None))
 
 
 class MergedLinear(Linear):
-    """Several projections of the same input stacked along the output dimension."""
+    """Several projections of the same input stacked along the output dimension, each split by rows over the
+    tensor-parallel ranks: this rank holds its rows of every shard, stacked in shard order (`shard_offsets`:
+    where each shard's rows start in this rank's weight, and how many), so its output is its part of each."""
 
     def __init__(self, in_features: int, shards: dict[str, int]):
-        super().__init__(in_features, sum(shards.values()))
+        slices = {name: RankSlice((size, in_features), 0, *distributed.shard(size, f"the {name} projection's rows"))
+                  for name, size in shards.items()}
+        super().__init__(in_features, sum(s.length for s in slices.values()))
+        self.shard_slices = slices
         self.shard_offsets: dict[str, tuple[int, int]] = {}
         offset = 0
-        for name, size in shards.items():
-            self.shard_offsets[name] = (offset, size)
-            offset += size
+        for name, part in slices.items():
+            self.shard_offsets[name] = (offset, part.length)
+            offset += part.length
+
+    def checkpoint_slice(self, param: str, shard: str | None) -> RankSlice | None:
+        """This rank's rows of the checkpoint tensor of `shard` (None: a tensor that is not one of the shards)."""
+        return self.shard_slices.get(shard)
 
     def load_shard(self, shard: str, tensor: torch.Tensor) -> None:
+        """Copy this rank's rows of `shard` (`tensor`, already sliced) into place."""
         offset, size = self.shard_offsets[shard]
         target = self.weight.data[offset : offset + size]
         if target.shape != tensor.shape:

@@ -11,7 +11,8 @@ MODELS = {"Qwen3ForCausalLM": Qwen3ForCausalLM}
 
 def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dtype,
                 quantization: str | None = None) -> nn.Module:
-    """The model of `config` with its parameters allocated (not loaded) on `device` in `dtype`.
+    """The model of `config` with its parameters allocated (not loaded) on `device` in `dtype`: under tensor
+    parallelism (`runtime.distributed` initialised), this rank's part of it.
 
     `quantization` ("fp8"): every projection (`Linear`: q|k|v, o, gate|up, down; not the embedding or the
     logits) derives quantized weights at each load and runs on them; a device that cannot run them fails

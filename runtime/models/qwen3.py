@@ -1,12 +1,16 @@
-"""Qwen3 (dense): attention with per-head q/k RMSNorm, SwiGLU MLP, optional tied embeddings."""
+"""Qwen3 (dense): attention with per-head q/k RMSNorm, SwiGLU MLP, optional tied embeddings.
+
+Under tensor parallelism each rank builds its part: its attention heads and key/value heads, its part of the MLP's
+intermediate features and of the vocabulary (`runtime.layers.linear`, `runtime.layers.embedding`)."""
 import torch
 from torch import nn
 
+from runtime import distributed
 from runtime.config import ModelConfig
 from runtime.layers.activation import SiluAndMul
 from runtime.layers.attention import Attention
 from runtime.layers.embedding import LMHead, VocabEmbedding
-from runtime.layers.linear import Linear, MergedLinear
+from runtime.layers.linear import MergedLinear, RowParallelLinear
 from runtime.layers.norm import RMSNorm
 from runtime.layers.rotary import RotaryEmbedding
 
@@ -14,12 +18,15 @@ from runtime.layers.rotary import RotaryEmbedding
 class Qwen3Attention(nn.Module):
     def __init__(self, config: ModelConfig, rope: RotaryEmbedding):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+        # this rank's heads; the projections take the model's sizes and keep this rank's part
+        _, self.num_heads = distributed.shard(config.num_attention_heads, "the attention heads")
+        _, self.num_kv_heads = distributed.shard(config.num_key_value_heads, "the key/value heads")
+        self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(config.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size})
-        self.o_proj = Linear(self.q_size, config.hidden_size)
+        all_q, all_kv = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
+        self.qkv_proj = MergedLinear(config.hidden_size, {"q": all_q, "k": all_kv, "v": all_kv})
+        self.o_proj = RowParallelLinear(all_q, config.hidden_size)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary_emb = rope
@@ -41,7 +48,7 @@ class Qwen3MLP(nn.Module):
         super().__init__()
         size = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size})
-        self.down_proj = Linear(size, config.hidden_size)
+        self.down_proj = RowParallelLinear(size, config.hidden_size)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -120,6 +120,10 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReload
         response.headers.update(exc.headers or {})
         return response
 
+    @app.exception_handler(NotImplementedError)
+    async def _not_implemented(request, exc: NotImplementedError):  # e.g. sleep under tensor parallelism
+        return error_response(501, str(exc), None, "not_implemented_error")
+
     @app.exception_handler(Exception)
     async def _internal_error(request, exc: Exception):
         log.exception("unhandled error in %s %s", request.method, request.url.path)

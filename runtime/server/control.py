@@ -168,6 +168,8 @@ def add_weight_routes(app: FastAPI, async_engine: AsyncEngine, api_error: type[E
                 raise api_error(409, str(exc), None, "invalid_request_error") from None
             except CheckpointRefused as exc:  # before any weight changed
                 raise api_error(400, f"{path}: {exc}", "path", "invalid_request_error") from None
+            except NotImplementedError:  # not with this server's parallelism: refused before anything changed
+                raise
             except Exception as exc:
                 why = (f"loading {path} failed midway ({type(exc).__name__}: {exc}); the engine runs no step and "
                        "requests get 503 until a weight load succeeds: the next full update (POST "

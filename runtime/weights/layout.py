@@ -9,6 +9,9 @@ captured, so a replaced one would be loaded in vain.
 A direct update (`begin`) checks, before anything is touched, that every tensor's storage can still hold its
 recorded layout, and views any tensor that a hook re-laid out back to it, in the same storage: the loader then
 writes in place and the hooks rerun into the same memory, so no address moves.
+
+Under tensor parallelism every rank records its own tensors: the layouts are of this rank's slices (`RankSlice`),
+while the checkpoint holds the full tensors.
 """
 import math
 from dataclasses import dataclass
@@ -46,6 +49,25 @@ class Layout:
 
 
 _RECORDED: "WeakKeyDictionary[nn.Module, Layout]" = WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class RankSlice:
+    """The part of a checkpoint tensor of full `shape` that this tensor-parallel rank holds: `length` entries from
+    `start` along `dim`. A module split over the ranks says it from `checkpoint_slice(param, shard)`; the loader
+    checks the checkpoint against the full shape and copies only the slice."""
+    shape: tuple[int, ...]
+    dim: int
+    start: int
+    length: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape) // self.shape[self.dim] * self.length
+
+    def of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the checkpoint tensor (a view)."""
+        return tensor.narrow(self.dim, self.start, self.length)
 
 
 def checkpoint_tensors(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -14,6 +14,11 @@ the other (`--load-format`):
 Either way every parameter is bit-identical, and each module's post-load hook runs once its parameters
 are complete (`runtime/weights/processing.py`). `load_tensors` loads into the existing parameters again
 (a weight update) and reruns the hooks in place.
+
+Under tensor parallelism the checkpoint still holds full tensors and every rank reads it: a module split over the
+ranks says, per parameter (and shard), which slice of the full tensor this rank holds (`checkpoint_slice`, a
+`layout.RankSlice`). The checkpoint is checked against the full shapes, each rank copies its slice only, and the
+loads are counted in the elements this rank receives.
 """
 import contextlib
 import sys
@@ -130,7 +135,7 @@ def _plain_tensors(entries: list[TensorEntry]) -> Iterator[tuple[str, torch.Tens
 
 
 class _Targets:
-    """Where each checkpoint tensor goes in one model: (parameter name, parameter, owning module, shard)."""
+    """Where each checkpoint tensor goes in one model (a `_Target`)."""
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -138,12 +143,15 @@ class _Targets:
         self.canonical = {id(p): name for name, p in model.named_parameters()}
         self.packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
 
-    def resolve(self, ckpt_name: str) -> tuple[str, nn.Parameter, nn.Module, str | None] | None:
+    def resolve(self, ckpt_name: str) -> "_Target | None":
         target, shard = _map_name(ckpt_name, self.packed)
         if target not in self.params:
             return None
         param = self.params[target]
-        return self.canonical[id(param)], param, self.model.get_submodule(target.rsplit(".", 1)[0]), shard
+        module_name, param_name = target.rsplit(".", 1)
+        module = self.model.get_submodule(module_name)
+        split = getattr(module, "checkpoint_slice", None)
+        return _Target(self.canonical[id(param)], param, module, shard, split(param_name, shard) if split else None)
 
     def expected_loads(self, entries: list[TensorEntry], model_dir: Path) -> Counts:
         """The loads each parameter gets from these tensors; fails naming what is mis-shaped, missing or extra."""
@@ -154,12 +162,12 @@ class _Targets:
             if target is None:
                 unexpected.append(entry.name)
                 continue
-            name, param, module, shard = target
-            shape = self.shape(name, param) if shard is None else (module.shard_offsets[shard][1], *param.shape[1:])
+            part = target.part
+            shape = part.shape if part else self.shape(target.name, target.param)
             if entry.shape != shape:
                 raise ValueError(f"{entry.path.name}: {entry.name} has shape {entry.shape}, the model expects "
                                  f"{shape}: config.json and weights disagree")
-            counts.setdefault(name, {})[shard] = entry.numel
+            counts.setdefault(target.name, {})[target.shard] = part.numel if part else entry.numel
         missing = [f"{name}#{shard}" if shard else name for name, shards in self._needed().items()
                    for shard in shards if shard not in counts.get(name, {})]
         if missing:
@@ -185,14 +193,30 @@ class _Targets:
         target = self.resolve(ckpt_name)
         if target is None:
             raise ValueError(f"{ckpt_name}: this model has no parameter for it")
-        name, param, module, shard = target
-        if shard is not None:
-            module.load_shard(shard, tensor)
-        elif param.shape != tensor.shape:
-            raise ValueError(f"{ckpt_name} has shape {tuple(tensor.shape)}, the model expects {tuple(param.shape)}")
+        param, part = target.param, target.part
+        shape = part.shape if part else tuple(param.shape)
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{ckpt_name} has shape {tuple(tensor.shape)}, the model expects {shape}")
+        if part:
+            tensor = part.of(tensor)
+        if target.shard is not None:
+            target.module.load_shard(target.shard, tensor)
+        elif part:  # a padded vocabulary's last rows are not in the checkpoint: the slice may be shorter
+            param.data.narrow(part.dim, 0, part.length).copy_(tensor)
         else:
             param.data.copy_(tensor)
-        session.loaded(param, shard, tensor.numel())
+        session.loaded(param, target.shard, tensor.numel())
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where one checkpoint tensor goes: the parameter (by its canonical name), its module, the shard of a fused
+    parameter (None: the whole parameter), and this rank's slice of the tensor (None: all of it)."""
+    name: str
+    param: nn.Parameter
+    module: nn.Module
+    shard: str | None
+    part: layout.RankSlice | None
 
 
 def _map_name(name: str, packed: dict[str, tuple[str, str]]) -> tuple[str, str | None]:

@@ -9,7 +9,7 @@ never rebound, because CUDA graphs captured their addresses; a rebinding hook fa
 
 "Complete" comes from the loads themselves, never from declared sizes. Each load into a parameter
 carries a key (its shard of a fused parameter: q, k or v of qkv_proj, gate or up of gate_up_proj; None
-for a whole tensor) and an element count. A disk load knows from the checkpoint's headers, before any
+for a whole tensor) and an element count (under tensor parallelism, of this rank's slice). A disk load knows from the checkpoint's headers, before any
 data is read, which loads each parameter will get; the first complete load records them per model, and
 a later session without headers (tensors streamed in) expects the recorded ones. A repeated load
 replaces its key's count instead of adding to it, so loads may arrive in any order and any number of
