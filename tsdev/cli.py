@@ -197,6 +197,10 @@ def serve(
         "--tp", "--tensor-parallel-size", min=1, help="Tensor-parallel ranks: the heads, the MLP and the vocabulary "
         "split over N GPUs (CPU: N processes over gloo), one process each, started by this command (or by torchrun: "
         "docs/parallel.md). Sleep and weight updates need --tp 1 for now.")] = EngineConfig.world_size,
+    dp: Annotated[int, typer.Option(
+        "--dp", "--data-parallel-size", min=1, help="Engine replicas (each with --tp ranks of its own, on its own "
+        "GPUs) behind one HTTP front: completions go to the least busy replica; reloads, weight loads and other "
+        "control calls reach every replica (docs/parallel.md).")] = 1,
     rank_timeout: Annotated[float, typer.Option(
         metavar="SECONDS", min=1, help="With --tp: how long rank 0 waits for another rank's outcome of a call (warm-up, "
         "graph capture, a reload) before it takes that rank for wedged and stops the server (status 70; tsdev "
@@ -244,6 +248,10 @@ def serve(
                           api_key=api_key or None, allow_remote_control=allow_remote_control,
                           metrics_require_api_key=metrics_require_api_key, profile_dir=profile_dir,
                           allowed_weight_dirs=list(allowed_weight_dir or []))
+    if dp > 1:
+        from tsdev.data_parallel import run_front
+
+        raise typer.Exit(run_front(server, dp, tp, sys.argv[sys.argv.index("serve") + 1 :], console))
     raise typer.Exit(run_server(config, server, console))
 
 

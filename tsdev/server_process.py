@@ -78,10 +78,11 @@ class ServerProcess:
 
     def __init__(self, args: Sequence[str] = (), port: int | None = None, *, allow_reload_forward: bool = False,
                  prefix: Sequence[str] = (), cwd: Path | None = None, pythonpath: Path | None = None,
-                 log_path: Path | None = None, api_key: str | None = None):
+                 log_path: Path | None = None, api_key: str | None = None, env: dict[str, str] | None = None):
         """`port` (default: a free one) is added unless ARGS carry --port; `prefix` wraps the command (nsys);
         `pythonpath` is searched first for imports (a copy of the project); `log_path` None: the terminal;
-        `api_key` reaches the server in its environment (TSDEV_API_KEY), never its argv, which `ps` shows."""
+        `api_key` reaches the server in its environment (TSDEV_API_KEY), never its argv, which `ps` shows; `env`:
+        more variables for it (e.g. CUDA_VISIBLE_DEVICES)."""
         args = list(args)
         if allow_reload_forward and "--allow-reload-forward" not in args:
             args.append("--allow-reload-forward")
@@ -91,7 +92,7 @@ class ServerProcess:
         self.argv = [*prefix, sys.executable, "-m", "tsdev", *self.serve_args]
         self.url = local_url(flag_value(args, "--host") or "127.0.0.1", int(flag_value(args, "--port")))
         self.cwd, self.log_path = cwd, log_path
-        extra = {}
+        extra = dict(env or {})
         if pythonpath is not None:
             extra["PYTHONPATH"] = f"{pythonpath}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
         if api_key:

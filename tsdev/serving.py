@@ -163,7 +163,7 @@ def _load_and_serve(config: EngineConfig, server: ServerConfig, sock: socket.soc
         console.print(f"listening on [bold]http://{server.host}:{port}[/bold] (OpenAI API under /v1)")
 
     uvicorn_config = uvicorn.Config(app, log_level=server.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-    _server_class(uvicorn.Server)(uvicorn_config, started, app.state.async_engine.shutdown).run(sockets=[sock])
+    quiet_server_class(uvicorn.Server)(uvicorn_config, started, app.state.async_engine.shutdown).run(sockets=[sock])
     engine.close()  # the other ranks, if any, stop
     return 0
 
@@ -179,7 +179,7 @@ def log_to_stderr() -> None:
         logger.propagate = False
 
 
-def _server_class(base: type) -> type:
+def quiet_server_class(base: type) -> type:
     """uvicorn's Server (imported late: it is part of the startup's imports), told when it accepts
     connections, stopping the app's streams on SIGINT/SIGTERM, and exiting quietly after such a stop
     (uvicorn re-raises the signal, which Ctrl-C turns into a KeyboardInterrupt traceback)."""

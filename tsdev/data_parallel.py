@@ -1,0 +1,251 @@
+"""`tsdev serve --dp N`: N engine replicas behind one HTTP front.
+
+Each replica is a `tsdev serve` of its own (with `--tp M`, M ranks of its own) on a free loopback port, given
+GPUs [i*M, (i+1)*M) of the visible ones. The front binds the public address, applies the same security policy
+as a single server, and:
+
+* sends each completion (and chat completion) to the replica with the fewest requests outstanding from the
+  front (ties: the lowest index), relaying the reply (a stream chunk by chunk) as it comes;
+* sends each control call (reload, pause/continue, flush, sleep/wake, weight loads, profiling) to every replica
+  at once. While a reload, a weight load or a sleep runs, new completions wait at the front: none reaches a
+  replica before every replica has the new code or weights. A reload's reply lists every replica's workers,
+  their `rank` numbered across replicas (replica * M + rank); another call answers with the first failure,
+  else replica 0's reply. `continue_generation` reaches every replica, so a reload that has not started yet is
+  cancelled everywhere;
+* answers /metrics with every replica's metrics, labelled `replica`, and /health with 200 only when every
+  replica is healthy; other GET routes (models, server info, events, checksums) are replica 0's.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Sequence
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
+from rich.markup import escape
+
+from runtime.control_protocol import (CONTINUE_ROUTE, FLUSH_ROUTE, PAUSE_ROUTE, RELOAD_ROUTE, RELOAD_WEIGHTS_ROUTE,
+                                      SLEEP_ROUTE, START_PROFILE_ROUTE, STOP_PROFILE_ROUTE,
+                                      UPDATE_WEIGHTS_FROM_DISK_ROUTE, UPDATE_WEIGHTS_ROUTE, WAKE_UP_ROUTE, ReloadReply)
+from runtime.config import ServerConfig
+from tsdev.server_process import PortInUse, ServerProcess, StartFailed
+from tsdev.serving import BACKLOG, GRACEFUL_SHUTDOWN_S, bind, bind_error, quiet_server_class
+
+COMPLETION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+HOLDING_ROUTES = (RELOAD_ROUTE, RELOAD_WEIGHTS_ROUTE, UPDATE_WEIGHTS_ROUTE, UPDATE_WEIGHTS_FROM_DISK_ROUTE, SLEEP_ROUTE)
+FAN_OUT_ROUTES = (*HOLDING_ROUTES, PAUSE_ROUTE, CONTINUE_ROUTE, FLUSH_ROUTE, WAKE_UP_ROUTE, START_PROFILE_ROUTE,
+                  STOP_PROFILE_ROUTE)
+FORWARDED_HEADERS = ("authorization", "content-type", "accept")
+FLAGS_WITH_VALUES = ("--dp", "--data-parallel-size", "--host", "--port")
+
+
+def replica_args(serve_args: Sequence[str]) -> list[str]:
+    """`tsdev serve`'s arguments for a replica: the front's, without the data parallelism and the address."""
+    out, skip = [], False
+    for arg in serve_args:
+        if skip:
+            skip = False
+        elif arg in FLAGS_WITH_VALUES:
+            skip = True
+        elif not arg.startswith(tuple(f"{flag}=" for flag in FLAGS_WITH_VALUES)):
+            out.append(arg)
+    return out
+
+
+def replica_gpus(replica: int, tp: int) -> dict[str, str]:
+    """The environment that gives replica `replica` its `tp` GPUs of those visible to the front."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(_device_count())]
+    mine = ids[replica * tp : (replica + 1) * tp]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(mine)} if mine else {}
+
+
+def _device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def merge_metrics(texts: Sequence[str]) -> bytes:
+    """Every replica's Prometheus exposition as one, each sample labelled with its replica."""
+    families: dict[str, Metric] = {}
+    for replica, text in enumerate(texts):
+        for family in text_string_to_metric_families(text):
+            merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type,
+                                                             family.unit))
+            for s in family.samples:
+                merged.add_sample(s.name, {**s.labels, "replica": str(replica)}, s.value, s.timestamp, s.exemplar)
+
+    class Merged:
+        def collect(self):
+            return families.values()
+
+    return generate_latest(Merged())
+
+
+def merge_reloads(replies: Sequence[ReloadReply], tp: int) -> ReloadReply:
+    """One reply: every replica's workers, ranks numbered across the replicas."""
+    workers = [w.model_copy(update={"rank": replica * tp + w.rank})
+               for replica, reply in enumerate(replies) for w in reply.workers]
+    return ReloadReply.of(replies[0].id, workers)
+
+
+def build_front(urls: Sequence[str], tp: int) -> FastAPI:
+    app = FastAPI(title="tsdev data-parallel front", docs_url=None, redoc_url=None)
+    client = httpx.AsyncClient(timeout=None)
+    outstanding = [0] * len(urls)
+    accepting = asyncio.Event()  # cleared while a reload, a weight load or a sleep runs on the replicas
+    accepting.set()
+    holders = 0
+    app.state.outstanding = outstanding  # for tests and introspection
+
+    def forwarded(request: Request) -> dict[str, str]:
+        return {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+
+    async def complete(request: Request):
+        await accepting.wait()
+        replica = min(range(len(urls)), key=lambda i: (outstanding[i], i))
+        outstanding[replica] += 1
+        try:
+            upstream = await client.send(client.build_request(
+                "POST", urls[replica] + request.url.path, content=await request.body(), headers=forwarded(request)),
+                stream=True)
+        except BaseException:
+            outstanding[replica] -= 1
+            raise
+
+        async def relay():
+            try:
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+            finally:
+                await upstream.aclose()
+                outstanding[replica] -= 1
+
+        return StreamingResponse(relay(), status_code=upstream.status_code,
+                                 media_type=upstream.headers.get("content-type"))
+
+    async def fan_out(request: Request):
+        nonlocal holders
+        body, headers, path = await request.body(), forwarded(request), request.url.path
+        holding = path in HOLDING_ROUTES
+        if holding:
+            holders += 1
+            accepting.clear()
+        try:
+            replies = await asyncio.gather(*(client.post(url + path, content=body, headers=headers, params=request.query_params)
+                                             for url in urls))
+        finally:
+            if holding:
+                holders -= 1
+                if holders == 0:
+                    accepting.set()
+        if path == RELOAD_ROUTE and all(r.status_code == 200 for r in replies):
+            merged = merge_reloads([ReloadReply.model_validate_json(r.content) for r in replies], tp)
+            return JSONResponse(merged.model_dump(mode="json"))
+        reply = next((r for r in replies if r.status_code >= 400), replies[0])
+        return Response(reply.content, reply.status_code, media_type=reply.headers.get("content-type"))
+
+    for path in COMPLETION_ROUTES:
+        app.add_api_route(path, complete, methods=["POST"])
+    for path in FAN_OUT_ROUTES:
+        app.add_api_route(path, fan_out, methods=["POST"])
+
+    @app.get("/health")
+    async def health():
+        replies = await asyncio.gather(*(client.get(url + "/health") for url in urls), return_exceptions=True)
+        down = [i for i, r in enumerate(replies) if isinstance(r, Exception) or r.status_code != 200]
+        if down:
+            return JSONResponse({"status": "unavailable", "replicas_down": down}, 503)
+        return {"status": "ok", "replicas": len(urls)}
+
+    @app.get("/metrics")
+    async def metrics():
+        replies = await asyncio.gather(*(client.get(url + "/metrics", headers=None) for url in urls))
+        return Response(merge_metrics([r.text for r in replies]), media_type=CONTENT_TYPE_LATEST)
+
+    @app.api_route("/{path:path}", methods=["GET", "POST"])
+    async def first_replica(request: Request, path: str):
+        """Routes that need no fan-out (models, server info, events, checksums): replica 0's, streamed."""
+        upstream = await client.send(client.build_request(
+            request.method, f"{urls[0]}/{path}", content=await request.body(), headers=forwarded(request),
+            params=request.query_params), stream=True)
+
+        async def relay():
+            try:
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+            finally:
+                await upstream.aclose()
+
+        return StreamingResponse(relay(), status_code=upstream.status_code,
+                                 media_type=upstream.headers.get("content-type"))
+
+    return app
+
+
+def run_front(server: ServerConfig, dp: int, tp: int, serve_args: Sequence[str], console: Console) -> int:
+    """Bind the front's address, start the replicas, serve until SIGINT/SIGTERM, stop the replicas. Exit status as
+    `tsdev serve`'s: 2 when the address or a replica cannot start."""
+    from runtime.server.body_limit import BodyLimit
+    from runtime.server.security import Guard, SecurityPolicy, startup_refusal
+
+    if refusal := startup_refusal(server):
+        console.print(f"[red]error:[/red] {escape(refusal)}")
+        return 2
+    try:
+        sock = bind(server.host, server.port)
+    except OSError as exc:
+        console.print(f"[red]error:[/red] {bind_error(exc, server.host, server.port)}")
+        return 2
+    args = replica_args(serve_args)
+    replicas = [ServerProcess(args, api_key=server.api_key, env=replica_gpus(i, tp)) for i in range(dp)]
+    with sock:
+        try:
+            with console.status(f"starting {dp} replicas..."):
+                for replica in replicas:
+                    replica.start(f"starting replica {replicas.index(replica)}")
+                asyncio.run(_all_healthy(replicas))
+        except (StartFailed, PortInUse) as exc:
+            console.print(f"[red]error:[/red] a replica did not start: {exc}")
+            _stop(replicas)
+            return 2
+        except KeyboardInterrupt:
+            _stop(replicas)
+            console.print("stopped before the server started")
+            return 130
+        app = build_front([r.url for r in replicas], tp)
+        app.add_middleware(BodyLimit, max_bytes=server.max_request_body_bytes)
+        app.add_middleware(Guard, policy=SecurityPolicy.of(server))
+        sock.listen(BACKLOG)
+        port = sock.getsockname()[1]
+
+        def started() -> None:
+            console.print(f"{dp} replicas at {', '.join(r.url for r in replicas)}\n"
+                          f"listening on [bold]http://{server.host}:{port}[/bold] (OpenAI API under /v1)")
+
+        async def nothing_to_stop() -> None:
+            pass
+
+        config = uvicorn.Config(app, log_level=server.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        try:
+            quiet_server_class(uvicorn.Server)(config, started, nothing_to_stop).run(sockets=[sock])
+        finally:
+            _stop(replicas)
+    return 0
+
+
+async def _all_healthy(replicas: Sequence[ServerProcess]) -> None:
+    await asyncio.gather(*(r.wait_healthy_async() for r in replicas))
+
+
+def _stop(replicas: Sequence[ServerProcess]) -> None:
+    for replica in replicas:
+        replica.stop()
