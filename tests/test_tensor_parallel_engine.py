@@ -121,18 +121,32 @@ def test_an_edit_that_fails_on_rank_1_only_rolls_rank_0_back_too(tiny_model_dir)
     assert after == before  # the old code keeps serving on both ranks
 
 
-def not_parallel_scenario(engine):
-    messages = []
-    for call in (lambda: engine.sleep(1), lambda: engine.update_weights(), lambda: engine.weights_checksum()):
-        with pytest.raises(NotImplementedError) as info:
-            call()
-        messages.append(str(info.value))
-    return messages
+def weights_scenario(engine, other_dir: str):
+    from pathlib import Path
+
+    before = generate(engine)
+    engine.sleep(2)
+    engine.wake_up()
+    engine.reload_weights()
+    after_sleep = generate(engine)
+    engine.update_weights(Path(other_dir), "direct")
+    on_other = generate(engine)
+    engine.update_weights(None, "full")
+    with pytest.raises(NotImplementedError, match="--tp 1"):
+        engine.weights_checksum()
+    return before, after_sleep, on_other, generate(engine)
 
 
-def test_operations_not_yet_parallel_say_so(tiny_model_dir):
-    messages, _ = run_ranks(on_rank, 2, str(tiny_model_dir), 2, not_parallel_scenario)
-    assert all("--tp 2" in m and "--tp 1" in m for m in messages)
+def test_sleep_wake_and_weight_updates_reach_every_rank(tiny_model_dir, tmp_path):
+    from runtime.weights.default_model import SHAPES, write_checkpoint
+
+    other = tmp_path / "other"
+    other.mkdir()
+    write_checkpoint(other, {**SHAPES["tiny"], "max_position_embeddings": 1024}, seed=2, std=0.2)
+    expected, expected_other = generate(LLMEngine(config(str(tiny_model_dir), 1))), generate(LLMEngine(config(str(other), 1)))
+    (before, after_sleep, on_other, back), _ = run_ranks(on_rank, 2, str(tiny_model_dir), 2, weights_scenario, str(other))
+    assert before == after_sleep == back == expected  # level 2 discarded every rank's weights; the reload refilled all
+    assert on_other == expected_other != expected
 
 
 def test_tsdev_serve_tp_2_serves_what_tp_1_serves_and_a_reload_reaches_both_ranks(tiny_model_dir, tmp_path):
@@ -149,7 +163,7 @@ def test_tsdev_serve_tp_2_serves_what_tp_1_serves_and_a_reload_reaches_both_rank
     with serve([*args, "--tp", "2", "--allow-reload-forward"], tmp_path / "tp2.log", cwd=project) as two:
         assert complete(two)["text"] == expected
         assert httpx.get(two + "/server_info").json()["world_size"] == 2
-        refused = httpx.post(two + "/sleep", json={"level": 1}, timeout=30)
+        refused = httpx.get(two + "/v1/rl/engine/weights_checksum", timeout=30)
         assert refused.status_code == 501 and "--tp 1" in refused.json()["error"]["message"], refused.text
         with edited(project, ACTIVATION, SILU_LINE, NEGATED):
             reply = reload(two, new_id())

@@ -196,7 +196,7 @@ def serve(
     tp: Annotated[int, typer.Option(
         "--tp", "--tensor-parallel-size", min=1, help="Tensor-parallel ranks: the heads, the MLP and the vocabulary "
         "split over N GPUs (CPU: N processes over gloo), one process each, started by this command (or by torchrun: "
-        "docs/parallel.md). Sleep and weight updates need --tp 1 for now.")] = EngineConfig.world_size,
+        "docs/parallel.md). Weight checksums (and tsdev weights verify) need --tp 1 for now.")] = EngineConfig.world_size,
     dp: Annotated[int, typer.Option(
         "--dp", "--data-parallel-size", min=1, help="Engine replicas (each with --tp ranks of its own, on its own "
         "GPUs) behind one HTTP front: completions go to the least busy replica; reloads, weight loads and other "

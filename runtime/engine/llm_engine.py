@@ -22,9 +22,8 @@ from runtime.engine.model_runner import Checkpoint, ModelRunner, step_range
 from runtime.engine.ranks import DrivenRunner, RankLedger
 from runtime.engine.scheduler import ScheduledBatch, Scheduler
 from runtime.engine.sequence import PENDING, SamplingParams, Sequence
-from runtime.engine.sleep import (WEIGHTS, SleepState, device_free_bytes, free_cached_memory, model_tensors,
-                                  weights_checksum)
-from runtime.weights.loader import LoadReport, load_weights, prepare_update
+from runtime.engine.sleep import WEIGHTS, SleepState, weights_checksum
+from runtime.weights.loader import LoadReport
 
 UPDATE_MODES = ("direct", "full")
 
@@ -132,8 +131,6 @@ class LLMEngine:
         self.eos = set(self.model_config.eos_token_ids)
         self.num_generated_tokens = self.num_prompt_tokens = 0
         self.num_steps = self.num_decode_steps = self.num_rows = self.num_decode_rows = 0
-        self.sleep_state = SleepState()
-        self._graphs_released = False  # by a full weight update that has not recaptured yet
 
     def close(self) -> None:
         """Let the other ranks of a tensor-parallel engine go (they exit); nothing to do with one rank."""
@@ -242,67 +239,51 @@ class LLMEngine:
                     "/v1/rl/engine/reload_weights) to load them")
         return None
 
+    @property
+    def sleep_state(self) -> SleepState:
+        """What is asleep, and whether the weights hold a load (rank 0's; every rank's is the same)."""
+        return self.runner.sleep_state
+
     def sleep(self, level: int) -> dict[str, int | None]:
         """Free the device memory of the weights (kept in host memory at level 1, discarded at level 2), the KV
-        pool and the CUDA graphs. Nothing may be running. Returns bytes freed (`freed`), and device free memory
-        before and after (`free_before`, `free_after`; None off CUDA)."""
-        self._one_rank_only("sleep")
+        pool and the CUDA graphs, on every rank. Nothing may be running. Returns bytes freed (`freed`), and device
+        free memory before and after (`free_before`, `free_after`; None off CUDA), rank 0's."""
         if not self.drained() or self.scheduler.waiting:
             raise RuntimeError("requests are still queued or running: drain them before sleeping")
-        device = self.runner.device
-        free_before = device_free_bytes(device)
         self.flush_prefix_cache()  # the KV pool is discarded
-        self.runner.release_graphs()
-        freed = self.sleep_state.sleep(level, model_tensors(self.runner.model), [self.runner.kv_cache])
-        free_cached_memory(device)
-        return {"freed": freed, "free_before": free_before, "free_after": device_free_bytes(device)}
+        return self.runner.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> tuple[list[str], dict[str, float]]:
         """Take back the memory of `tags` (weights, kv_cache; default both); once both are back, recapture the
         graphs (their addresses changed). Returns the tags woken and the recapture's seconds per graph kind."""
-        self._one_rank_only("wake_up")
-        woken = self.sleep_state.wake(tags)
-        recapture: dict[str, float] = {}
-        if woken and not self.sleep_state.sleeping:
-            try:
-                recapture = {kind: sum(secs.values()) for kind, secs in self.capture_graphs(strict=False).items()}
-            except Exception as exc:  # the released graphs stay released: steps run eagerly, correctly
-                print(f"warning: recapturing the CUDA graphs after waking failed ({type(exc).__name__}: {exc}); "
-                      "serving eagerly", file=sys.stderr, flush=True)
-        return woken, recapture
+        return self.runner.wake_up(tags)
 
     def update_weights(self, path: Path | None = None, mode: str = "direct") -> WeightUpdate:
-        """Load the checkpoint at `path` (default: the served model's) into the existing parameters.
+        """Load the checkpoint at `path` (default: the served model's) into the existing parameters, on every rank.
 
         begin: check that it fits and that every tensor's storage can hold its cold-start checkpoint layout (else
         CheckpointRefused, nothing changed), view re-laid-out tensors back, flush the prefix cache; from here until
         finish the engine refuses to step (`unavailable`). load: the loader (pinned on CUDA) writes in place.
         finish: the post-load hooks rerun into the same storage (fp8 scales, rotary tables). `direct` keeps every
         address, so the CUDA graphs stay as captured; `full` releases the graphs first and recaptures them after.
-        A load that fails after begin leaves the weights marked not loaded until an update succeeds."""
-        self._one_rank_only("update_weights")
+        A load that fails after begin (on any rank) leaves the weights marked not loaded until an update succeeds."""
         if mode not in UPDATE_MODES:
             raise ValueError(f"mode {mode!r}: use {' or '.join(UPDATE_MODES)}")
         if WEIGHTS in self.sleep_state.asleep:
             raise WeightsAsleep(f"the weights are asleep (level {self.sleep_state.level}): POST /wake_up (tags "
                                 f"[\"{WEIGHTS}\"]) first, then load them")
-        model, path = self.runner.model, Path(path or self.model_dir)
+        path = Path(path or self.model_dir)
         try:
-            relaid = prepare_update(model, path)  # begin: refuses before touching anything
+            relaid = self.runner.begin_update(path)  # refuses before touching anything
         except (OSError, ValueError) as exc:
             raise CheckpointRefused(f"{type(exc).__name__}: {exc}") from exc
         self.flush_prefix_cache()  # KV computed with other weights is not reused
-        self.sleep_state.weights_loaded = False  # no step until finish succeeds
-        if mode == "full":
-            self.runner.release_graphs()
-            self._graphs_released = True
-        report = load_weights(model, path, self.config.load_format, self.config.load_memory_limit)  # load + finish
-        self.sleep_state.weights_loaded = True
+        try:
+            report, recapture = self.runner.load_update(path, mode)
+        except Exception:
+            self.sleep_state.weights_loaded = False  # this rank's load may have succeeded, another's did not
+            raise
         self.weights_dir = path
-        recapture = 0.0
-        if self._graphs_released:  # this full update's, or a failed full update's before it
-            recapture = sum(sum(secs.values()) for secs in self.capture_graphs(strict=False).values())
-            self._graphs_released = False
         return WeightUpdate(report, mode, relaid, recapture)
 
     @property

@@ -1,6 +1,7 @@
 """Owns the model, the KV pool and the sampler; turns a scheduled batch into sampled tokens."""
 import contextlib
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,12 +16,13 @@ from runtime.context import Context, set_context
 from runtime.engine.cuda_graphs import DecodeGraphs
 from runtime.engine.prefill_graphs import PrefillGraphs, prefill_buckets
 from runtime.engine.scheduler import ScheduledBatch
+from runtime.engine.sleep import SleepState, device_free_bytes, free_cached_memory, model_tensors
 from runtime.engine.sequence import PENDING, SamplingParams, Sequence
 from runtime.layers.attention import Attention
 from runtime.models import build_model
 from runtime.sampling.sampler import Sampler
 from runtime.weights.default_model import default_model_dir
-from runtime.weights.loader import load_weights
+from runtime.weights.loader import LoadReport, load_weights, prepare_update
 
 CPU_KV_BYTES = 512 << 20
 NVTX_DOMAIN = "tsdev"
@@ -80,6 +82,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.kv_cache = self._allocate_kv_cache(max_model_len)
         self.rng = random.Random(config.seed)
+        self.sleep_state = SleepState()
+        self._graphs_released = False  # by a full weight update that has not recaptured yet
         self.decode_graphs = self.prefill_graphs = None
         sizes = [s for s in config.cudagraph_capture_sizes if s <= config.max_running]
         if sizes and not config.enforce_eager:
@@ -303,6 +307,47 @@ class ModelRunner:
         for graphs in (self.decode_graphs, self.prefill_graphs):
             if graphs is not None:
                 graphs.release()
+
+    def sleep(self, level: int) -> dict[str, int | None]:
+        """Free the device memory of the weights (kept in host memory at level 1), the KV pool and the graphs: the
+        bytes freed (`freed`) and the device's free memory before and after (`free_before`, `free_after`)."""
+        free_before = device_free_bytes(self.device)
+        self.release_graphs()
+        freed = self.sleep_state.sleep(level, model_tensors(self.model), [self.kv_cache])
+        free_cached_memory(self.device)
+        return {"freed": freed, "free_before": free_before, "free_after": device_free_bytes(self.device)}
+
+    def wake_up(self, tags: list[str] | None = None) -> tuple[list[str], dict[str, float]]:
+        """Take back the memory of `tags`; once all is back, recapture the graphs (their addresses changed)."""
+        woken = self.sleep_state.wake(tags)
+        recapture: dict[str, float] = {}
+        if woken and not self.sleep_state.sleeping:
+            try:
+                recapture = {kind: sum(secs.values()) for kind, secs in self.capture_graphs(strict=False).items()}
+            except Exception as exc:  # the released graphs stay released: steps run eagerly, correctly
+                print(f"warning: recapturing the CUDA graphs after waking failed ({type(exc).__name__}: {exc}); "
+                      "serving eagerly", file=sys.stderr, flush=True)
+        return woken, recapture
+
+    def begin_update(self, model_dir: Path) -> int:
+        """A weight update's begin (`prepare_update`): raises before touching anything if the checkpoint does not
+        fit; returns how many tensors were viewed back to their checkpoint layout."""
+        return prepare_update(self.model, model_dir)
+
+    def load_update(self, model_dir: Path, mode: str) -> tuple[LoadReport, float]:
+        """A weight update's load and finish, in place; `full` releases the graphs first and recaptures them after.
+        The load report and the recapture's seconds. Until it succeeds the weights are marked not loaded."""
+        self.sleep_state.weights_loaded = False
+        if mode == "full":
+            self.release_graphs()
+            self._graphs_released = True
+        report = load_weights(self.model, model_dir, self.config.load_format, self.config.load_memory_limit)
+        self.sleep_state.weights_loaded = True
+        recapture = 0.0
+        if self._graphs_released:  # this full update's, or a failed full update's before it
+            recapture = sum(sum(secs.values()) for secs in self.capture_graphs(strict=False).values())
+            self._graphs_released = False
+        return report, recapture
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]

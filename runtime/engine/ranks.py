@@ -6,7 +6,8 @@ control group, and makes the same call, so their forwards' collectives meet. A s
 pages) travels pickled with the call; every rank samples the same tokens (same logits, same seeds), so a step's
 still-pending tokens are on every rank's device for the next step.
 
-Calls that may fail (warm-up, graph capture, a model rebuild, a code reload and its commit or rollback) end
+Calls that may fail (warm-up, graph capture, a model rebuild, a code reload and its commit or rollback, sleep,
+wake-up, a weight update's begin and load) end
 with every rank's outcome (`gather`): a failure anywhere raises on rank 0 naming the rank, so rank 0 decides
 (e.g. rolls every rank back) and every rank stays in step. `RankLedger` keeps each rank's outcome and seconds
 per call, for the reload reply's per-rank entries. A rank that does not answer within the control group's
@@ -110,6 +111,18 @@ class DrivenRunner:
 
     def release_graphs(self):
         return self._everywhere("release_graphs")
+
+    def sleep(self, level: int):
+        return self._everywhere("sleep", level)
+
+    def wake_up(self, tags=None):
+        return self._everywhere("wake_up", tags)
+
+    def begin_update(self, model_dir):
+        return self._everywhere("begin_update", model_dir)
+
+    def load_update(self, model_dir, mode: str):
+        return self._everywhere("load_update", model_dir, mode)
 
     def rebuild_model(self, model_dir):
         return self._everywhere(REBUILD, model_dir)
