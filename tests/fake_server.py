@@ -41,7 +41,7 @@ class FakeServer:
     def __init__(self):
         self.reloads: list[ReloadRequest] = []  # the reload_forward calls, in order
         self.reload_delay = 0.0
-        self.answer = lambda request: ok_worker()  # the worker to reply with
+        self.answer = lambda request: ok_worker()  # the worker to reply with (a list: one per rank)
         self.output_changed_at: int | None = None  # golden tokens differ from here on, after the next reload
         self._changed_at = None
         self.pending_events: list = []  # control-protocol events delivered on the next events connection
@@ -70,10 +70,11 @@ class FakeServer:
             reload = ReloadRequest.model_validate(body)
             self.reloads.append(reload)
             await asyncio.sleep(self.reload_delay)
-            worker = self.answer(reload)
-            if worker.ok and worker.reloaded:
+            answer = self.answer(reload)
+            workers = answer if isinstance(answer, list) else [answer]  # a list: one per rank
+            if all(w.ok for w in workers) and workers[0].reloaded:
                 self._changed_at = self.output_changed_at
-            return httpx.Response(200, json=ReloadReply.of(reload.id, [worker]).dump())
+            return httpx.Response(200, json=ReloadReply.of(reload.id, workers).dump())
         if path == UPDATE_WEIGHTS_ROUTE:
             update = UpdateWeightsRequest.model_validate(body)
             self.weight_updates.append(update)

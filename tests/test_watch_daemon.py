@@ -190,6 +190,27 @@ def test_a_reload_line_carries_the_replys_warnings_and_stale_definitions():
     assert "stale (could not be patched): kernels.ops.act.Table" in line
 
 
+def test_a_reload_on_two_ranks_shows_a_line_per_rank(tmp_path):
+    from tsdev.watch.plain import reload_line
+
+    project, server, events = make_project(tmp_path), FakeServer(), []
+    server.answer = lambda request: [ok_worker(), failed_worker("rank 1 refuses this edit").model_copy(update={"rank": 1})]
+
+    async def main():
+        daemon, task = await running(project, server, events)
+        (project / "kernels/ops/act.py").write_text("def act(x):\n    return x + 1\n")
+        await until(lambda: len(finished(events)) == 1)
+        await stop(daemon, task)
+
+    asyncio.run(main())
+    record = finished(events)[0]
+    assert [w.rank for w in record.ranks] == [0, 1] and record.error == "rank 1 refuses this edit"
+    lines = reload_line(record).splitlines()
+    assert lines[0].startswith("reload #1 [red]FAILED[/red]")
+    assert lines[1].startswith("  [dim]rank 0:[/dim] [green]ok[/green] | jit 0.08")
+    assert lines[2] == "  [dim]rank 1:[/dim] [red]FAILED[/red]: rank 1 refuses this edit"
+
+
 @pytest.mark.parametrize("has_route", [True, False], ids=["server-info", "older-server-without-it"])
 def test_model_and_device_come_from_server_info_else_from_v1_models(tmp_path, has_route):
     project, server, events = make_project(tmp_path), FakeServer(), []

@@ -86,6 +86,16 @@ def worker_text(worker: WorkerReport) -> str:
     return rank + "\n".join(lines)
 
 
+def rank_lines(workers: Iterable[WorkerReport]) -> list[str]:
+    """One line per rank of a multi-rank reply ('rank 1: ok | reload 0.01 warm 0.19 recapture 0.02 s', or its
+    error); none for a single rank, whose outcome is the reload's."""
+    workers = list(workers)
+    if len(workers) < 2:
+        return []
+    return [f"[dim]rank {w.rank}:[/dim] " + ("[green]ok[/green] | " + steps_text(w.timings) if w.ok
+                                            else f"[red]FAILED[/red]: {escape(str(w.error))}") for w in workers]
+
+
 def step_progress(step: str, elapsed: float, running: int | None, mode: str) -> str:
     """What a reload is busy with, while `tsdev reload` waits (plain text)."""
     if step != "drain":

@@ -66,8 +66,13 @@ def weights_line(record: WeightsRecord) -> str:
 
 
 def reload_line(record: ReloadRecord) -> str:
+    """The reload's line, then one per rank when the server has several."""
     if isinstance(record, WeightsRecord):
         return weights_line(record)
+    return "\n".join([_reload_line(record), *(f"  {line}" for line in outcome.rank_lines(record.ranks))])
+
+
+def _reload_line(record: ReloadRecord) -> str:
     head = f"reload #{record.n}"
     why = escape(trigger_text(record))
     if record.error:

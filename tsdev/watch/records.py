@@ -23,6 +23,7 @@ class ReloadRecord:
     step_started: float = 0.0  # perf_counter() when it started
     failed: str | None = None  # the step that failed
     worker: WorkerReport | None = None  # the reply's worker (the first failing one, else rank 0)
+    ranks: list[WorkerReport] = field(default_factory=list)  # every rank's entry, when the server has several
     error: str | None = None
     verdict: Verdict | None = None
     probe: Probe | None = None

@@ -42,7 +42,8 @@ class Reloads:
         try:
             rid = f"{self.session}-{record.n}-{len(record.ids)}"
             record.ids.append(rid)
-            worker = (await daemon.link.reload(rid, list(record.modules) if forced else None)).first_failure
+            reply = await daemon.link.reload(rid, list(record.modules) if forced else None)
+            worker, record.ranks = reply.first_failure, list(reply.workers)
         except (httpx.HTTPError, RuntimeError) as exc:
             worker = WorkerReport(ok=False, error=f"the reload request failed: {exc}")
         self.current = None

@@ -16,7 +16,7 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.widgets import DataTable, Footer, RichLog, Static
 
-from tsdev.outcome import KEEPS_SERVING, SHOWN_STEPS, graph_split, reloaded_text
+from tsdev.outcome import KEEPS_SERVING, SHOWN_STEPS, graph_split, rank_lines, reloaded_text
 from tsdev.watch.args import WatchConfig
 from tsdev.watch.daemon import Daemon
 from tsdev.watch.records import Event, ReloadRecord, RestartRecord, WeightsRecord
@@ -212,6 +212,7 @@ class WatchApp(App):
             else:
                 outcome = f"[red]FAILED: {KEEPS_SERVING}[/red]" if record.error else " | ".join(checks_text(record))
             lines.append(outcome or "[green]ok[/green]")
+            lines += rank_lines(record.ranks)
         widget.update(Text.from_markup("\n".join(lines)))
 
     def draw_row(self, record: ReloadRecord | RestartRecord) -> None:
