@@ -201,3 +201,17 @@ def test_a_rank_that_hangs_in_a_reload_stops_the_server_within_the_timeout_namin
         assert "FATAL: reload" in log and "step 'reload'" in log and "did not answer within 3 s" in log, log
     finally:
         server.stop()
+
+
+def test_a_step_sends_the_other_ranks_only_the_tokens_not_computed_yet():
+    import pickle
+
+    from runtime.engine.sequence import Sequence
+
+    seq = Sequence("r", list(range(2000)), GREEDY)
+    seq.token_ids += [5, 6]
+    seq.num_computed_tokens, seq.pages = 2001, list(range(126))
+    view = pickle.loads(pickle.dumps(seq))
+    assert view.step_tokens(1) == seq.step_tokens(1) == [6]
+    assert (view.num_output_tokens, view.pages, view.params) == (2, seq.pages, seq.params)
+    assert len(pickle.dumps(seq)) < 1000  # not the 2000-token history

@@ -159,7 +159,7 @@ class ModelRunner:
         input_ids, positions, slots, cu, seq_lens, logits_indices, pending = [], [], [], [0], [], [], []
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            ids = seq.token_ids[start:end]
+            ids = seq.step_tokens(n)
             if ids[-1] == PENDING:  # only ever the last token
                 ids[-1] = 0
                 pending.append((len(input_ids) + n - 1, seq))

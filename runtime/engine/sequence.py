@@ -57,6 +57,17 @@ class Sequence:
     def __len__(self) -> int:
         return len(self.token_ids)
 
+    def step_tokens(self, n: int) -> list[int]:
+        """The `n` tokens a step computes: from the first whose KV is not in the cache yet."""
+        return self.token_ids[self.num_computed_tokens : self.num_computed_tokens + n]
+
+    def __reduce__(self):
+        """Pickled (a step's batch sent to the other tensor-parallel ranks) as what a step reads of it: its tokens
+        not computed yet rather than the whole history (a 256-sequence decode batch of 2000-token sequences:
+        1.6 MB and 7.6 ms to pickle whole)."""
+        return StepView, (self.token_ids[self.num_computed_tokens :], self.num_computed_tokens, self.pages,
+                          self.params, self.num_output_tokens)
+
     @property
     def num_output_tokens(self) -> int:
         """Output tokens including a PENDING one (the count the next step's seed and the limits use)."""
@@ -77,3 +88,16 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
+
+
+class StepView:
+    """A sequence as another tensor-parallel rank's runner sees it for one step: the tokens to compute, the pages,
+    the sampling parameters and the output count (the noise seed's input)."""
+
+    def __init__(self, uncomputed: list[int], num_computed_tokens: int, pages: list[int], params: SamplingParams,
+                 num_output_tokens: int):
+        self.uncomputed, self.num_computed_tokens, self.pages = uncomputed, num_computed_tokens, pages
+        self.params, self.num_output_tokens = params, num_output_tokens
+
+    def step_tokens(self, n: int) -> list[int]:
+        return self.uncomputed[:n]
