@@ -215,3 +215,28 @@ def test_a_step_sends_the_other_ranks_only_the_tokens_not_computed_yet():
     assert view.step_tokens(1) == seq.step_tokens(1) == [6]
     assert (view.num_output_tokens, view.pages, view.params) == (2, seq.pages, seq.params)
     assert len(pickle.dumps(seq)) < 1000  # not the 2000-token history
+
+
+def test_a_rank_that_dies_stops_the_server_at_the_next_step(tiny_model_dir, tmp_path):
+    import os
+    import signal
+
+    import httpx
+
+    from tsdev.server_process import ServerProcess
+
+    args = [str(tiny_model_dir), "--device", "cpu", "--max-model-len", "1024", "--cudagraph-capture-sizes", "1",
+            "--tp", "2", "--rank-timeout", "5"]
+    server = ServerProcess(args, log_path=tmp_path / "serve.log")
+    server.start()
+    try:
+        server.wait_healthy(90)
+        pid = server.proc.pid
+        follower = int(open(f"/proc/{pid}/task/{pid}/children").read().split()[0])
+        os.kill(follower, signal.SIGKILL)
+        with pytest.raises(httpx.HTTPError):
+            httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60)
+        assert server.proc.wait(30) == 70
+        assert "FATAL: an engine step failed with 2 tensor-parallel ranks" in server.output(), server.output()
+    finally:
+        server.stop()

@@ -8,6 +8,8 @@ finish, new ones wait in the queue without being admitted).
 """
 import asyncio
 import logging
+import os
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -216,6 +218,10 @@ class AsyncEngine:
             try:
                 outputs, closed_range = await self.run_on_engine_thread(self._step)
             except Exception as exc:  # keep serving: fail the requests in flight, not the server
+                if self.engine.ranks is not None:  # ranks that may have stopped at different points are out of step
+                    stop_server(f"FATAL: an engine step failed with {self.engine.config.world_size} tensor-parallel "
+                                f"ranks ({type(exc).__name__}: {exc}); they cannot be brought back in step, so the "
+                                "server stops (tsdev watch restarts it).")
                 log.exception("engine step failed; aborting the requests in flight")
                 self._fail_all(exc)
                 continue
@@ -241,3 +247,13 @@ class AsyncEngine:
         for request_id, queue in list(self._streams.items()):
             self.engine.abort(request_id)
             queue.put_nowait(exc)
+
+
+FATAL_EXIT_STATUS = 70
+
+
+def stop_server(message: str) -> None:
+    """The server cannot go on safely: say why and exit at once (tsdev watch restarts it; the other ranks exit
+    with it)."""
+    print(message, file=sys.stderr, flush=True)
+    os._exit(FATAL_EXIT_STATUS)

@@ -18,7 +18,6 @@ library's may be. Requests, worker reports, the reply and the events are runtime
 """
 import asyncio
 import logging
-import os
 import sys
 import time
 import traceback
@@ -29,7 +28,7 @@ from typing import Protocol, runtime_checkable
 
 from runtime.control_protocol import (STEPS, ReloadFinished, ReloadReply, ReloadRequest, ReloadStarted, ReloadStep,
                                       StaleDefinition, WorkerReport)
-from runtime.engine.async_engine import AsyncEngine
+from runtime.engine.async_engine import AsyncEngine, stop_server
 from runtime.engine.ranks import RankedReloader, RankLost, rank_entries
 
 REMEMBERED_IDS = 256
@@ -261,15 +260,6 @@ class ReloadForward:
     def _step(self, attempt: _Attempt, name: str, **started):
         """A timed step; `started`: more fields of its ReloadStep "started" event."""
         return _TimedStep(self.async_engine, attempt, name, started)
-
-
-FATAL_EXIT_STATUS = 70
-
-
-def stop_server(message: str) -> None:
-    """The server cannot go on safely: say why and exit at once (tsdev watch restarts it; followers exit with it)."""
-    print(message, file=sys.stderr, flush=True)
-    os._exit(FATAL_EXIT_STATUS)
 
 
 class _ReportedFailure(Exception):
