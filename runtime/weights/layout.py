@@ -65,6 +65,11 @@ class RankSlice:
     def numel(self) -> int:
         return math.prod(self.shape) // self.shape[self.dim] * self.length
 
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The slice's shape: `shape` with `length` along `dim`."""
+        return (*self.shape[: self.dim], self.length, *self.shape[self.dim + 1 :])
+
     def of(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the checkpoint tensor (a view)."""
         return tensor.narrow(self.dim, self.start, self.length)

@@ -21,6 +21,7 @@ ranks says, per parameter (and shard), which slice of the full tensor this rank 
 loads are counted in the elements this rank receives.
 """
 import contextlib
+import dataclasses
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -67,7 +68,8 @@ def load_weights(model: nn.Module, model_dir: Path, load_format: str = EngineCon
     before = layout.snapshot(model) if cold else None  # before any hook ran (LoadSession runs the ready ones)
     session = LoadSession(model, targets.expected_loads(entries, model_dir))
     device = next(model.parameters()).device
-    with _tensor_source(entries, device, load_format, memory_limit) as (fmt, describe, tensors):
+    ranges = targets.byte_ranges(entries)
+    with _tensor_source(ranges, device, load_format, memory_limit) as (fmt, describe, tensors):
         for name, tensor in tensors:
             targets.load(name, tensor, session)
         session.finish()
@@ -76,7 +78,8 @@ def load_weights(model: nn.Module, model_dir: Path, load_format: str = EngineCon
         layout.record(model, before)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return LoadReport(fmt, sum(e.nbytes for e in entries), time.perf_counter() - begin, detail)
+    read = sum(e.nbytes for e in (ranges if fmt == "pinned" else entries))
+    return LoadReport(fmt, read, time.perf_counter() - begin, detail)
 
 
 def check_checkpoint(model: nn.Module, model_dir: Path) -> None:
@@ -189,15 +192,34 @@ class _Targets:
             needed[name] = list(module.shard_offsets) if hasattr(module, "shard_offsets") else [None]
         return needed
 
+    def byte_ranges(self, entries: list[TensorEntry]) -> list[TensorEntry]:
+        """What this rank reads of each tensor: under tensor parallelism, its rows where its slice is along the
+        first dimension (one contiguous range of the file: q|k|v, gate|up, the vocabulary); whole tensors
+        otherwise (o_proj's and down_proj's columns are strided: read whole, then narrowed)."""
+        ranges = []
+        for entry in entries:
+            target = self.resolve(entry.name)
+            part = target.part if target else None
+            if part is None or part.dim != 0 or not entry.shape:
+                ranges.append(entry)
+                continue
+            row = entry.nbytes // entry.shape[0]
+            ranges.append(dataclasses.replace(entry, shape=part.local_shape, offset=entry.offset + part.start * row,
+                                              nbytes=part.length * row))
+        return ranges
+
     def load(self, ckpt_name: str, tensor: torch.Tensor, session: LoadSession) -> None:
+        """Copy `tensor` (the checkpoint's whole tensor, or this rank's slice of it read alone) into place."""
         target = self.resolve(ckpt_name)
         if target is None:
             raise ValueError(f"{ckpt_name}: this model has no parameter for it")
         param, part = target.param, target.part
         shape = part.shape if part else tuple(param.shape)
-        if tuple(tensor.shape) != shape:
+        if part and tuple(tensor.shape) == part.local_shape and part.local_shape != part.shape:
+            pass  # read as this rank's slice already
+        elif tuple(tensor.shape) != shape:
             raise ValueError(f"{ckpt_name} has shape {tuple(tensor.shape)}, the model expects {shape}")
-        if part:
+        elif part:
             tensor = part.of(tensor)
         if target.shard is not None:
             target.module.load_shard(target.shard, tensor)
