@@ -240,3 +240,19 @@ def test_a_rank_that_dies_stops_the_server_at_the_next_step(tiny_model_dir, tmp_
         assert "FATAL: an engine step failed with 2 tensor-parallel ranks" in server.output(), server.output()
     finally:
         server.stop()
+
+
+def test_the_tensor_parallel_benchmark_runs_and_compares_tp_1_with_tp_2():
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "benchmarks" / "tensor_parallel.py"
+    run = subprocess.run([sys.executable, str(script), "--device", "cpu", "--batch-sizes", "1", "2", "--steps", "2",
+                          "--reloads", "1"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads(run.stdout.strip().splitlines()[-1])["summary"]
+    assert set(summary["decode_ms"]) == {"1", "2"} and all(v["tp1"] > 0 and v["tp2"] > 0
+                                                          for v in summary["decode_ms"].values())
+    assert len(summary["reload_rank_seconds"]) == 2 and summary["build_s"]["tp2"] > 0

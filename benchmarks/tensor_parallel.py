@@ -1,0 +1,158 @@
+"""Tensor parallelism in one run (issue 17): the decode step at each batch size, the engine's build time (what a
+restart costs besides the process start) and the reload pause per rank, for --tp 1 and --tp N; ratios from the
+same run (docs/results.md's habit).
+
+    python3 benchmarks/tensor_parallel.py                      # CUDA: the default model, TP=1 vs TP=2 (two GPUs)
+    python3 benchmarks/tensor_parallel.py --device cpu --batch-sizes 1 4 --steps 3 --reloads 1   # gloo smoke run
+    nsys profile --trace=cuda,nvtx --sample=none -o tp python3 benchmarks/tensor_parallel.py --tp 2
+        # then `nsys stats --report cuda_gpu_kern_sum tp.nsys-rep`: the NCCL kernels' share of each
+        # "tp-decode-B" NVTX range is the all-reduce share
+
+Each configuration runs in fresh processes, one per rank (torchrun's environment): rank 0 builds the engine and
+measures; the others follow it (`runtime.engine.ranks.serve_rank`). Prints one JSON line per measurement, then a
+summary.
+"""
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import socket
+import statistics
+import time
+
+RELOADED = "kernels.ops.activation"  # forced: re-executed unchanged, so every reload does the same work
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_config(args, tp: int):
+    from runtime.config import EngineConfig
+
+    sizes = sorted({*args.batch_sizes, 1})
+    return EngineConfig(model=args.model, device=args.device, world_size=tp, max_running=max(sizes),
+                        cudagraph_capture_sizes=sizes, kv_pages=None if args.device.startswith("cuda") else 2048,
+                        prefill_graph_max_tokens=0 if args.device == "cpu" else 2048)
+
+
+def decode_ms(engine, batch: int, steps: int) -> float:
+    """Median wall time of one decode step with `batch` sequences running (prompts of 16 tokens, prefilled first)."""
+    import nvtx
+
+    from runtime.engine.sequence import SamplingParams
+
+    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"b{batch}-{i}", [(7 * i + j) % 1000 + 1 for j in range(16)], params)
+    while engine.stats().decode_steps == 0 or engine.stats().waiting:
+        engine.step()
+    times = []
+    with nvtx.annotate(f"tp-decode-{batch}"):
+        for _ in range(steps):
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+    engine.abort_all()
+    while engine.has_unfinished():
+        engine.step()
+    return statistics.median(times) * 1e3
+
+
+def reload_pauses(engine, reloads: int) -> list[dict]:
+    """Each forced reload's pause on rank 0 and every rank's reload + warm + recapture seconds."""
+    from runtime.control_protocol import ReloadRequest
+    from runtime.engine.async_engine import AsyncEngine
+    from runtime.engine.reload_forward import ReloadForward
+    from tsdev.hotreload import Reloader, default_packages
+
+    async def run():
+        ae = AsyncEngine(engine)
+        await ae.start()
+        reload = ReloadForward(ae, Reloader(default_packages()))
+        out = []
+        for n in range(reloads):
+            reply = await reload(ReloadRequest(id=f"bench-{n}", modules=[RELOADED]))
+            assert reply.ok, reply
+            out.append({"pause": reply.workers[0].timings["pause"],
+                        "ranks": [round(sum(w.timings.get(k, 0.0) for k in ("reload", "warm", "recapture")), 6)
+                                  for w in reply.workers]})
+        await ae.stop()
+        return out
+
+    return asyncio.run(run())
+
+
+def rank_main(args, tp: int, rank: int, port: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(tp),
+                      LOCAL_RANK=str(rank))
+    from runtime import distributed
+    from runtime.engine.llm_engine import LLMEngine
+    from runtime.engine.ranks import serve_rank
+    from tsdev.hotreload import Reloader, default_packages
+
+    config = engine_config(args, tp)
+    if tp > 1:
+        distributed.init(rank, tp, args.device)
+    try:
+        if rank:
+            serve_rank(config, lambda: Reloader(default_packages()))
+            return
+        start = time.perf_counter()
+        engine = LLMEngine(config)
+        out = {"tp": tp, "build_s": time.perf_counter() - start,
+               "decode_ms": {b: decode_ms(engine, b, args.steps) for b in args.batch_sizes},
+               "reloads": reload_pauses(engine, args.reloads)}
+        engine.close()
+        results.put(out)
+    finally:
+        distributed.shutdown()
+
+
+def measure(args, tp: int) -> dict:
+    ctx = multiprocessing.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=rank_main, args=(args, tp, r, port, results)) for r in range(tp)]
+    for p in procs:
+        p.start()
+    try:
+        return results.get(timeout=args.timeout)
+    finally:
+        for p in procs:
+            p.join(60)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="a checkpoint directory (default: the embedded model)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tp", type=int, default=2, help="compared with --tp 1")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--steps", type=int, default=50, help="decode steps timed per batch size")
+    parser.add_argument("--reloads", type=int, default=5)
+    parser.add_argument("--timeout", type=float, default=900)
+    args = parser.parse_args()
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    runs = {}
+    for tp in (1, args.tp):
+        runs[tp] = measure(args, tp)
+        print(json.dumps(runs[tp]), flush=True)
+    one, many = runs[1], runs[args.tp]
+    pause = {tp: statistics.median(r["pause"] for r in run["reloads"]) for tp, run in runs.items()}
+    summary = {
+        "decode_ms": {b: {"tp1": round(one["decode_ms"][b], 3), f"tp{args.tp}": round(many["decode_ms"][b], 3),
+                          "ratio": round(many["decode_ms"][b] / one["decode_ms"][b], 3)} for b in args.batch_sizes},
+        "build_s": {"tp1": round(one["build_s"], 3), f"tp{args.tp}": round(many["build_s"], 3)},
+        "reload_pause_s": {tp: round(p, 4) for tp, p in pause.items()},
+        "reload_rank_seconds": many["reloads"][-1]["ranks"],
+        f"build_over_pause_tp{args.tp}": round(many["build_s"] / pause[args.tp], 1),
+    }
+    print(json.dumps({"summary": summary}))
+
+
+if __name__ == "__main__":
+    main()
