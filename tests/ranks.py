@@ -11,13 +11,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn, rank: int, world_size: int, port: int, args: tuple, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+def _rank_main(fn, rank: int, world_size: int, port: int, args: tuple, results, device: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     from runtime import distributed
 
     try:
-        distributed.init(rank, world_size, "cpu", timeout_s=60)
+        distributed.init(rank, world_size, device, timeout_s=60)
         results.put((rank, "ok", fn(*args)))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
@@ -25,12 +27,12 @@ def _rank_main(fn, rank: int, world_size: int, port: int, args: tuple, results) 
         distributed.shutdown()
 
 
-def run_ranks(fn, world_size: int = 2, *args, timeout: float = 180) -> list:
+def run_ranks(fn, world_size: int = 2, *args, timeout: float = 180, device: str = "cpu") -> list:
     """fn(*args) on every rank (an importable, module-level function); its results in rank order. A rank's
-    exception fails the caller with that rank's traceback."""
+    exception fails the caller with that rank's traceback. `device` cuda: one GPU per rank, over NCCL."""
     ctx = multiprocessing.get_context("spawn")
     results, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, results)) for r in range(world_size)]
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, results, device)) for r in range(world_size)]
     for p in procs:
         p.start()
     try:

@@ -1,0 +1,50 @@
+"""Tensor parallelism on two GPUs over NCCL (on the H200 pair: `nvidia-h200-x2`): TP=2 greedy equals TP=1 in float32
+on the tests' checkpoint and stays close in bf16 on the default model, with CUDA graphs (NCCL captured in them)."""
+import pytest
+import torch
+
+from ranks import run_ranks
+from runtime.config import EngineConfig
+from runtime.engine.llm_engine import LLMEngine
+from runtime.engine.sequence import SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                                  reason="needs two GPUs (the nvidia-h200-x2 machine)")]
+PROMPTS = [[5, 17, 300, 42, 9, 77], list(range(3, 40))]
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+
+def config(model_dir: str | None, world_size: int, dtype: str) -> EngineConfig:
+    return EngineConfig(model=model_dir, device="cuda", dtype=dtype, world_size=world_size, kv_pages=1024,
+                        max_running=16, cudagraph_capture_sizes=[1, 2, 4])
+
+
+def on_rank(model_dir: str | None, dtype: str):
+    from runtime import distributed
+    from runtime.engine.ranks import serve_rank
+
+    if distributed.rank():
+        serve_rank(config(model_dir, 2, dtype))
+        return None
+    engine = LLMEngine(config(model_dir, 2, dtype))
+    try:
+        assert engine.describe().decode_graph_sizes == [1, 2, 4]
+        return [r["token_ids"] for r in engine.generate(PROMPTS, GREEDY)]
+    finally:
+        engine.close()
+
+
+def single(model_dir: str | None, dtype: str) -> list[list[int]]:
+    return [r["token_ids"] for r in LLMEngine(config(model_dir, 1, dtype)).generate(PROMPTS, GREEDY)]
+
+
+def test_two_gpus_generate_what_one_generates_in_float32(tiny_model_dir):
+    expected = single(str(tiny_model_dir), "float32")
+    assert run_ranks(on_rank, 2, str(tiny_model_dir), "float32", device="cuda")[0] == expected
+
+
+def test_two_gpus_stay_close_to_one_in_bf16_on_the_default_model():
+    expected = single(None, "bfloat16")
+    got = run_ranks(on_rank, 2, None, "bfloat16", device="cuda", timeout=600)[0]
+    agree = sum(a == b for e, g in zip(expected, got) for a, b in zip(e, g)) / sum(map(len, expected))
+    assert agree >= 0.75, (agree, expected, got)  # bf16 partial sums in another order: close, not identical
