@@ -63,13 +63,14 @@ def on_rank(model_dir: str, world_size: int, scenario, *args):
 
 
 def greedy_scenario(engine):
-    return generate(engine)
+    return generate(engine), engine.describe().parameters
 
 
 def test_two_ranks_generate_what_one_rank_generates(tiny_model_dir):
-    expected = generate(LLMEngine(config(str(tiny_model_dir), 1)))
-    tokens, follower = run_ranks(on_rank, 2, str(tiny_model_dir), 2, greedy_scenario)
-    assert tokens == expected and follower is None
+    one = LLMEngine(config(str(tiny_model_dir), 1))
+    (tokens, parameters), follower = run_ranks(on_rank, 2, str(tiny_model_dir), 2, greedy_scenario)
+    assert tokens == generate(one) and follower is None
+    assert parameters == one.describe().parameters  # the model's, not rank 0's part
 
 
 def reload_scenario(engine, edit_args):

@@ -23,6 +23,7 @@ from runtime.engine.ranks import DrivenRunner, RankLedger
 from runtime.engine.scheduler import ScheduledBatch, Scheduler
 from runtime.engine.sequence import PENDING, SamplingParams, Sequence
 from runtime.engine.sleep import WEIGHTS, SleepState, weights_checksum
+from runtime.weights.checkpoint import checkpoint_files, read_entries
 from runtime.weights.loader import LoadReport
 
 UPDATE_MODES = ("direct", "full")
@@ -310,6 +311,13 @@ class LLMEngine:
         self._one_rank_only("weights_checksum")
         return weights_checksum(self.runner.model, derived)
 
+    def _parameters(self) -> int:
+        """The model's parameter count: this process's parameters, or with several ranks (each holding a part)
+        the served checkpoint's, from its headers."""
+        if self.ranks is None:
+            return sum(p.numel() for p in self.runner.model.parameters())
+        return sum(e.numel for e in read_entries(checkpoint_files(self.weights_dir)))
+
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(
@@ -323,7 +331,7 @@ class LLMEngine:
         decode, prefill = runner.decode_graphs, runner.prefill_graphs
         return EngineInfo(
             model_dir=str(self.model_dir), architecture=self.model_config.architecture, device=config.device,
-            dtype=str(runner.dtype).removeprefix("torch."), parameters=sum(p.numel() for p in runner.model.parameters()),
+            dtype=str(runner.dtype).removeprefix("torch."), parameters=self._parameters(),
             max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size, rank=config.rank,
             world_size=config.world_size, max_running=config.max_running, kv_pages=self.block_manager.num_pages,
             page_size=self.block_manager.page_size, decode_graph_sizes=list(decode.sizes) if decode else [],
