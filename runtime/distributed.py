@@ -120,6 +120,15 @@ def agree(ok: bool) -> bool:
     return bool(flag.item())
 
 
+def minimum(n: int) -> int:
+    """The smallest of the ranks' `n` (e.g. the KV pages each rank's free memory allows: all must hold as many)."""
+    if size() == 1:
+        return n
+    value = torch.tensor([n], dtype=torch.int64)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=_state.control)
+    return int(value.item())
+
+
 def shard(n: int, what: str) -> tuple[int, int]:
     """(start, length) of this rank's part of `n` things split evenly; `n` must divide by the ranks."""
     tp = size()

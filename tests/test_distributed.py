@@ -12,7 +12,8 @@ def collectives(ok_on_rank_1: bool):
     gathered = distributed.all_gather_last(torch.full((2, 2), float(r)))
     return dict(rank=r, size=distributed.size(), summed=summed.tolist(), gathered=gathered.tolist(),
                 broadcast=distributed.broadcast({"from": r}), gather=distributed.gather(r * 10),
-                agree=distributed.agree(r == 0 or ok_on_rank_1), shard=distributed.shard(8, "heads"))
+                agree=distributed.agree(r == 0 or ok_on_rank_1), shard=distributed.shard(8, "heads"),
+                minimum=distributed.minimum(100 - r))
 
 
 def test_two_ranks_reduce_gather_broadcast_and_agree_by_a_min():
@@ -22,7 +23,7 @@ def test_two_ranks_reduce_gather_broadcast_and_agree_by_a_min():
         assert out["summed"] == [3.0] * 3 and out["gathered"] == [[0.0, 0.0, 1.0, 1.0]] * 2
         assert out["broadcast"] == {"from": 0} and out["gather"] == [0, 10]
         assert out["agree"] is False  # rank 1 failed: rank 0 must not go on either
-        assert out["shard"] == (4 * rank, 4)
+        assert out["shard"] == (4 * rank, 4) and out["minimum"] == 99  # e.g. KV pages: what every rank can hold
     assert [out["agree"] for out in fine] == [True, True]
 
 
@@ -32,7 +33,7 @@ def test_one_process_is_rank_0_of_1_and_every_collective_is_the_identity():
     assert distributed.all_reduce(x) is x and distributed.all_gather_last(x) is x
     assert distributed.agree(True) and not distributed.agree(False)
     assert distributed.broadcast("a") == "a" and distributed.gather(5) == [5]
-    assert distributed.shard(8, "heads") == (0, 8)
+    assert distributed.shard(8, "heads") == (0, 8) and distributed.minimum(7) == 7
 
 
 def test_a_shape_that_does_not_divide_says_which_tp_to_choose(monkeypatch):

@@ -238,7 +238,8 @@ def test_a_rank_that_dies_stops_the_server_at_the_next_step(tiny_model_dir, tmp_
         with pytest.raises(httpx.HTTPError):
             httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60)
         assert server.proc.wait(30) == 70
-        assert "FATAL: an engine step failed with 2 tensor-parallel ranks" in server.output(), server.output()
+        assert "FATAL: cannot send 'launch' to the other ranks" in server.output(), server.output()
+        assert "a rank is gone" in server.output()
     finally:
         server.stop()
 
@@ -257,3 +258,51 @@ def test_the_tensor_parallel_benchmark_runs_and_compares_tp_1_with_tp_2():
     assert set(summary["decode_ms"]) == {"1", "2"} and all(v["tp1"] > 0 and v["tp2"] > 0
                                                           for v in summary["decode_ms"].values())
     assert len(summary["reload_rank_seconds"]) == 2 and summary["build_s"]["tp2"] > 0
+
+
+FORWARD_RAISES_ON = ("    if {condition}:\n        raise RuntimeError('this edit fails in the forward')\n" + SILU_LINE)
+
+
+def tp_server(tiny_model_dir, tmp_path, *extra):
+    from serve_process import copy_project
+    from tsdev.server_process import ServerProcess
+
+    project = copy_project(tmp_path / "project")
+    args = [str(tiny_model_dir), "--device", "cpu", "--max-model-len", "1024", "--cudagraph-capture-sizes", "1",
+            "--tp", "2", "--allow-reload-forward", *extra]
+    return project, ServerProcess(args, cwd=project, pythonpath=project, log_path=tmp_path / "serve.log")
+
+
+def test_an_edit_that_fails_in_the_forward_on_every_rank_rolls_every_rank_back(tiny_model_dir, tmp_path):
+    from test_reload_forward import ACTIVATION, complete, edited, new_id, reload
+
+    project, server = tp_server(tiny_model_dir, tmp_path)
+    with server.running(90):
+        before = complete(server.url)["text"]
+        with edited(project, ACTIVATION, SILU_LINE, FORWARD_RAISES_ON.format(condition="True")):
+            reply = reload(server.url, new_id())
+            assert not reply.ok and reply.workers[0].failed_step == "warm", reply
+            assert "this edit fails in the forward" in reply.workers[0].error
+            assert complete(server.url)["text"] == before  # both ranks back on the old code, in step
+        assert reload(server.url, new_id()).ok and complete(server.url)["text"] == before
+
+
+def test_an_edit_that_fails_in_the_forward_on_one_rank_stops_the_server_naming_the_step(tiny_model_dir, tmp_path):
+    import httpx
+
+    from test_reload_forward import ACTIVATION, edited, new_id
+
+    project, server = tp_server(tiny_model_dir, tmp_path, "--rank-timeout", "3")
+    server.start()
+    try:
+        server.wait_healthy(90)
+        edit = FORWARD_RAISES_ON.format(condition="__import__('torch').distributed.get_rank() == 1")
+        with edited(project, ACTIVATION, SILU_LINE, edit):
+            with pytest.raises(httpx.HTTPError):
+                httpx.post(server.url + "/v1/rl/engine/reload_forward", json={"id": new_id()}, timeout=60)
+            assert server.proc.wait(30) == 70
+        log = server.output()
+        # rank 0 waited for rank 1 inside a collective until the timeout: the ranks are out of step
+        assert "FATAL: reload" in log and "step 'warm'" in log and "rank 1 stops" in log, log
+    finally:
+        server.stop()

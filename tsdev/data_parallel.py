@@ -33,7 +33,8 @@ from rich.markup import escape
 
 from runtime.control_protocol import (CONTINUE_ROUTE, FLUSH_ROUTE, PAUSE_ROUTE, RELOAD_ROUTE, RELOAD_WEIGHTS_ROUTE,
                                       SLEEP_ROUTE, START_PROFILE_ROUTE, STOP_PROFILE_ROUTE,
-                                      UPDATE_WEIGHTS_FROM_DISK_ROUTE, UPDATE_WEIGHTS_ROUTE, WAKE_UP_ROUTE, ReloadReply)
+                                      UPDATE_WEIGHTS_FROM_DISK_ROUTE, UPDATE_WEIGHTS_ROUTE, WAKE_UP_ROUTE, ErrorBody,
+                                      ErrorDetail, ReloadReply)
 from runtime.config import ServerConfig
 from tsdev.server_process import PortInUse, ServerProcess, StartFailed
 from tsdev.serving import BACKLOG, GRACEFUL_SHUTDOWN_S, bind, bind_error, quiet_server_class
@@ -97,6 +98,25 @@ def merge_reloads(replies: Sequence[ReloadReply], tp: int) -> ReloadReply:
     return ReloadReply.of(replies[0].id, workers)
 
 
+class Relayed(StreamingResponse):
+    """A replica's reply relayed as it comes (its status, type and Retry-After); `done` runs, and the upstream
+    connection is closed, however the relay ends: finished, failed, or the client gone before it began."""
+
+    def __init__(self, upstream: httpx.Response, done=None):
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() == "retry-after"}
+        super().__init__(upstream.aiter_raw(), status_code=upstream.status_code, headers=headers,
+                         media_type=upstream.headers.get("content-type"))
+        self.upstream, self.done = upstream, done
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.upstream.aclose()
+            if self.done is not None:
+                self.done()
+
+
 def build_front(urls: Sequence[str], tp: int) -> FastAPI:
     app = FastAPI(title="tsdev data-parallel front", docs_url=None, redoc_url=None)
     client = httpx.AsyncClient(timeout=None)
@@ -104,33 +124,27 @@ def build_front(urls: Sequence[str], tp: int) -> FastAPI:
     accepting = asyncio.Event()  # cleared while a reload, a weight load or a sleep runs on the replicas
     accepting.set()
     holders = 0
-    app.state.outstanding = outstanding  # for tests and introspection
 
     def forwarded(request: Request) -> dict[str, str]:
         return {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
 
     async def complete(request: Request):
+        body = await request.body()  # before waiting: a slow upload holds no replica's slot
         await accepting.wait()
         replica = min(range(len(urls)), key=lambda i: (outstanding[i], i))
         outstanding[replica] += 1
+
+        def done() -> None:
+            outstanding[replica] -= 1
+
         try:
             upstream = await client.send(client.build_request(
-                "POST", urls[replica] + request.url.path, content=await request.body(), headers=forwarded(request)),
-                stream=True)
+                "POST", urls[replica] + request.url.path, content=body, headers=forwarded(request),
+                params=request.query_params), stream=True)
         except BaseException:
-            outstanding[replica] -= 1
+            done()
             raise
-
-        async def relay():
-            try:
-                async for chunk in upstream.aiter_raw():
-                    yield chunk
-            finally:
-                await upstream.aclose()
-                outstanding[replica] -= 1
-
-        return StreamingResponse(relay(), status_code=upstream.status_code,
-                                 media_type=upstream.headers.get("content-type"))
+        return Relayed(upstream, done)
 
     async def fan_out(request: Request):
         nonlocal holders
@@ -140,13 +154,20 @@ def build_front(urls: Sequence[str], tp: int) -> FastAPI:
             holders += 1
             accepting.clear()
         try:
-            replies = await asyncio.gather(*(client.post(url + path, content=body, headers=headers, params=request.query_params)
-                                             for url in urls))
+            replies = await asyncio.gather(*(client.post(url + path, content=body, headers=headers,
+                                                         params=request.query_params) for url in urls),
+                                           return_exceptions=True)
         finally:
             if holding:
                 holders -= 1
                 if holders == 0:
                     accepting.set()
+        unreachable = [(i, r) for i, r in enumerate(replies) if isinstance(r, Exception)]
+        if unreachable:
+            message = "; ".join(f"replica {i} ({urls[i]}): {type(r).__name__}: {r}" for i, r in unreachable)
+            error = ErrorDetail(message=f"{path} did not reach every replica ({message}); the others answered",
+                                type="server_error", param=None, code=502)
+            return JSONResponse(ErrorBody(error=error).dump(), 502)
         if path == RELOAD_ROUTE and all(r.status_code == 200 for r in replies):
             merged = merge_reloads([ReloadReply.model_validate_json(r.content) for r in replies], tp)
             return JSONResponse(merged.model_dump(mode="json"))
@@ -167,8 +188,11 @@ def build_front(urls: Sequence[str], tp: int) -> FastAPI:
         return {"status": "ok", "replicas": len(urls)}
 
     @app.get("/metrics")
-    async def metrics():
-        replies = await asyncio.gather(*(client.get(url + "/metrics", headers=None) for url in urls))
+    async def metrics(request: Request):
+        replies = await asyncio.gather(*(client.get(url + "/metrics", headers=forwarded(request)) for url in urls))
+        failed = next((r for r in replies if r.status_code != 200), None)
+        if failed is not None:  # e.g. 401 under --metrics-require-api-key without the key
+            return Response(failed.content, failed.status_code, media_type=failed.headers.get("content-type"))
         return Response(merge_metrics([r.text for r in replies]), media_type=CONTENT_TYPE_LATEST)
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])
@@ -177,16 +201,7 @@ def build_front(urls: Sequence[str], tp: int) -> FastAPI:
         upstream = await client.send(client.build_request(
             request.method, f"{urls[0]}/{path}", content=await request.body(), headers=forwarded(request),
             params=request.query_params), stream=True)
-
-        async def relay():
-            try:
-                async for chunk in upstream.aiter_raw():
-                    yield chunk
-            finally:
-                await upstream.aclose()
-
-        return StreamingResponse(relay(), status_code=upstream.status_code,
-                                 media_type=upstream.headers.get("content-type"))
+        return Relayed(upstream)
 
     return app
 

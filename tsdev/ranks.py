@@ -67,8 +67,9 @@ def follow(config: EngineConfig, allow_reload_forward: bool, rank: int) -> int:
             return Reloader(default_packages())
     try:
         serve_rank(config, make_reloader)
-    except RuntimeError as exc:  # rank 0 went away (it stopped or crashed): nothing left to follow
-        print(f"rank {rank}: lost rank 0 ({str(exc).splitlines()[0][:200]}); exiting", file=sys.stderr)
+    except RuntimeError as exc:  # most often rank 0 went away (it stopped or crashed); or this rank failed
+        print(f"rank {rank} stops: {type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}",
+              file=sys.stderr)
         return 1
     finally:
         distributed.shutdown()

@@ -8,13 +8,12 @@ finish, new ones wait in the queue without being admitted).
 """
 import asyncio
 import logging
-import os
-import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from runtime.control_protocol import Event, Hello, ProfileFinished, ProfileRange
+from runtime.engine.fatal import stop_server
 from runtime.engine.llm_engine import LLMEngine, RequestOutput
 from runtime.engine.profiler import StepProfiler
 from runtime.engine.sequence import SamplingParams
@@ -247,13 +246,3 @@ class AsyncEngine:
         for request_id, queue in list(self._streams.items()):
             self.engine.abort(request_id)
             queue.put_nowait(exc)
-
-
-FATAL_EXIT_STATUS = 70
-
-
-def stop_server(message: str) -> None:
-    """The server cannot go on safely: say why and exit at once (tsdev watch restarts it; the other ranks exit
-    with it)."""
-    print(message, file=sys.stderr, flush=True)
-    os._exit(FATAL_EXIT_STATUS)

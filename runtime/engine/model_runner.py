@@ -138,6 +138,7 @@ class ModelRunner:
             else:
                 budget = CPU_KV_BYTES
             num_pages = min(int(budget // page_bytes), self.config.max_running * -(-max_model_len // page))
+        num_pages = distributed.minimum(num_pages)  # rank 0 hands out pages every rank must hold
         if num_pages * page < max_model_len:
             raise ValueError(
                 f"the KV pool ({num_pages} pages of {page} tokens) cannot hold one sequence of max_model_len "

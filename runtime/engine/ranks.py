@@ -7,18 +7,21 @@ pages) travels pickled with the call; every rank samples the same tokens (same l
 still-pending tokens are on every rank's device for the next step.
 
 Calls that may fail (warm-up, graph capture, a model rebuild, a code reload and its commit or rollback, sleep,
-wake-up, a weight update's begin and load) end
-with every rank's outcome (`gather`): a failure anywhere raises on rank 0 naming the rank, so rank 0 decides
-(e.g. rolls every rank back) and every rank stays in step. `RankLedger` keeps each rank's outcome and seconds
-per call, for the reload reply's per-rank entries. A rank that does not answer within the control group's
-timeout fails the call with a distributed error: the engine cannot go on in step, and the server stops naming
-the call (`tsdev watch` restarts it).
+wake-up, a weight update's begin and load) end with every rank's outcome (`gather`). A code reload that fails
+anywhere is rolled back everywhere (it runs no collective, so the ranks stay in step). A runner call that failed
+on every rank with the same error (a broken edit's warm-up, a checkpoint every rank refuses) raises on rank 0 as
+it is, and rank 0 decides (e.g. rolls every rank back). But a runner call that failed on some ranks only, or with
+different errors, may have left them at different points of their collectives, or in different states: the
+server stops (`runtime.engine.fatal`, status 70, naming the call and the ranks; `tsdev watch` restarts it). So
+does a rank that does not answer within the control group's timeout, or a message that cannot be sent (a rank
+is gone). `RankLedger` keeps each rank's outcome and seconds per call, for the reload reply's per-rank entries.
 """
 import time
 import traceback
 from dataclasses import dataclass, field
 
 from runtime import distributed
+from runtime.engine.fatal import stop_server
 
 STOP = "stop"
 LAUNCH = "launch"
@@ -66,15 +69,35 @@ def describe(exc: BaseException) -> str:
     return f"{where}{type(exc).__name__}: {exc}"
 
 
-def _settle(call: str, error: str | None, seconds: float, report: dict, ledger: RankLedger | None) -> None:
-    """Every rank's outcome of `call`, everywhere; on rank 0, raise RankFailed if another rank failed."""
+def _send(call: str, args: tuple = ()) -> None:
+    """Rank 0's call to the other ranks; one that cannot be sent means a rank is gone: the server stops."""
+    try:
+        distributed.broadcast((call, args))
+    except RuntimeError as exc:
+        stop_server(f"FATAL: cannot send '{call}' to the other ranks ({first_line(exc)}): a rank is gone. The "
+                    "server stops (tsdev watch restarts it).")
+
+
+def first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+
+
+def _gather(call: str, error: str | None, seconds: float, report: dict,
+            ledger: RankLedger | None) -> list[RankOutcome]:
+    """Every rank's outcome of `call`, everywhere (RankLost when one does not answer in time)."""
     try:
         outcomes = distributed.gather(RankOutcome(distributed.rank(), call, error, seconds, report))
     except RuntimeError as exc:  # torch's DistBackendError: a timeout, or a peer that went away
         raise RankLost(f"a rank did not answer within {distributed.timeout_s():.0f} s after '{call}' "
-                       f"(--rank-timeout): {str(exc).splitlines()[0][:300]}") from exc
+                       f"(--rank-timeout): {first_line(exc)}") from exc
     if ledger is not None:
         ledger.record(outcomes)
+    return outcomes
+
+
+def _settle(call: str, error: str | None, seconds: float, report: dict, ledger: RankLedger | None) -> None:
+    """Every rank's outcome of `call`, everywhere; on rank 0, raise RankFailed if another rank failed."""
+    outcomes = _gather(call, error, seconds, report, ledger)
     failed = [o for o in outcomes[1:] if o.error is not None]
     if distributed.rank() == 0 and failed and error is None:
         raise RankFailed("; ".join(f"rank {o.rank} failed in {call}: {o.error}" for o in failed))
@@ -93,7 +116,7 @@ class DrivenRunner:
     def launch(self, batch, in_flight=None, use_graphs: bool = True):
         # the sequence -> index map travels with the batch (one pickle keeps their identity); every rank uses
         # its own device tokens of the step in flight
-        distributed.broadcast((LAUNCH, (batch, in_flight[1] if in_flight else None, use_graphs)))
+        _send(LAUNCH, (batch, in_flight[1] if in_flight else None, use_graphs))
         return self._runner.launch(batch, in_flight, use_graphs)
 
     def run(self, batch, use_graphs: bool = True) -> list[int]:
@@ -128,24 +151,31 @@ class DrivenRunner:
         return self._everywhere(REBUILD, model_dir)
 
     def restore_model(self, model) -> None:
-        distributed.broadcast((RESTORE, ()))  # every other rank restores the model its rebuild kept
+        _send(RESTORE)  # every other rank restores the model its rebuild kept
         self._runner.restore_model(model)
 
     def stop(self) -> None:
         """The other ranks leave `follow` (the engine shuts down)."""
-        distributed.broadcast((STOP, ()))
+        _send(STOP)
 
     def _everywhere(self, call: str, *args):
-        distributed.broadcast((call, args))
-        start, error, result = time.perf_counter(), None, None
+        """`call` on every rank. A failure on every rank alike raises here as rank 0's; any other failure stops
+        the server (the ranks may be out of step: different collectives run, different states)."""
+        _send(call, args)
+        start, error, result, failure = time.perf_counter(), None, None, None
         try:
             result = getattr(self._runner, call)(*args)
         except Exception as exc:
-            error = describe(exc)
-            _settle(call, error, time.perf_counter() - start, {}, self.ledger)
-            raise
-        _settle(call, None, time.perf_counter() - start, {}, self.ledger)
-        return result
+            error, failure = describe(exc), exc
+        outcomes = _gather(call, error, time.perf_counter() - start, {}, self.ledger)
+        errors = {o.rank: o.error for o in outcomes if o.error is not None}
+        if not errors:
+            return result
+        if len(errors) < len(outcomes) or len(set(errors.values())) > 1:
+            stop_server(f"FATAL: '{call}' failed on rank(s) {', '.join(map(str, errors))} only, or differently "
+                        f"({'; '.join(f'rank {r}: {e}' for r, e in errors.items())}): the ranks may be out of "
+                        "step. The server stops (tsdev watch restarts it).")
+        raise failure
 
 
 class RankedReloader:
@@ -162,12 +192,12 @@ class RankedReloader:
         tx = self._reloader.reload(modules=modules, sources=sources)
         if not tx.report.ok:  # rolled back already; the other ranks never saw it
             return tx
-        distributed.broadcast((RELOAD, (modules, sources)))
+        _send(RELOAD, (modules, sources))
         try:
             _settle(RELOAD, None, 0.0, {}, self.ledger)
         except RankFailed as exc:
             tx.rollback(str(exc))
-            distributed.broadcast((ROLLBACK, (str(exc),)))  # ranks whose reload succeeded undo it
+            _send(ROLLBACK, (str(exc),))  # ranks whose reload succeeded undo it
             _settle(ROLLBACK, None, 0.0, {}, self.ledger)
             return _Failed(tx.report, str(exc))
         return _AllRanks(tx, self.ledger)
@@ -179,12 +209,12 @@ class _AllRanks:
 
     def commit(self) -> None:
         self.tx.commit()
-        distributed.broadcast((COMMIT, ()))
+        _send(COMMIT)
         _settle(COMMIT, None, 0.0, {}, self.ledger)
 
     def rollback(self, reason: str | None = None) -> None:
         self.tx.rollback(reason)
-        distributed.broadcast((ROLLBACK, (reason,)))
+        _send(ROLLBACK, (reason,))
         _settle(ROLLBACK, None, 0.0, {}, self.ledger)
 
 
@@ -216,13 +246,16 @@ def reload_fields(report) -> dict:
 STEP_OF_CALL = {RELOAD: "reload", REBUILD: "rebuild", "warmup": "warm", "capture_graphs": "recapture"}
 
 
-def rank_entries(ledger: RankLedger) -> list[dict]:
+def rank_entries(ledger: RankLedger, rank0_ok: bool) -> list[dict]:
     """WorkerReport fields of every rank but 0 for the calls in the ledger (a reload's): ok unless a call failed
-    there (its first error), seconds per reload step, and what its reloader reported."""
+    there (its first error), seconds per reload step, and what its reloader reported. A rank that was asked
+    nothing shares rank 0's outcome (nothing to reload), or says it did not run (rank 0 failed first)."""
     entries = []
     for rank in range(1, distributed.size()):
         outcomes = ledger.of(rank)
         errors = [f"{o.call}: {o.error}" for o in outcomes if o.error is not None]
+        if not outcomes and not rank0_ok:
+            errors = ["did not run: the reload failed on rank 0 before this rank was asked"]
         timings, fields = {}, {}
         for o in outcomes:
             if o.call in STEP_OF_CALL:
@@ -244,15 +277,15 @@ def follow(runner, reloader=None) -> None:
             batch, index, use_graphs = args
             tokens = runner.launch(batch, None if index is None else (tokens, index), use_graphs)
             continue
+        if call == RESTORE:  # rank 0 does not wait for it
+            if kept_model is not None:
+                runner.restore_model(kept_model)
+            kept_model = None
+            continue
         start, error, report = time.perf_counter(), None, {}
         try:
             if call == REBUILD:
                 kept_model = runner.rebuild_model(*args)
-            elif call == RESTORE:
-                if kept_model is not None:
-                    runner.restore_model(kept_model)
-                kept_model = None
-                continue  # rank 0 does not wait for it
             elif call == RELOAD:
                 modules, sources = args
                 tx = reloader.reload(modules=modules, sources=sources)

@@ -28,7 +28,8 @@ from typing import Protocol, runtime_checkable
 
 from runtime.control_protocol import (STEPS, ReloadFinished, ReloadReply, ReloadRequest, ReloadStarted, ReloadStep,
                                       StaleDefinition, WorkerReport)
-from runtime.engine.async_engine import AsyncEngine, stop_server
+from runtime.engine.async_engine import AsyncEngine
+from runtime.engine.fatal import stop_server
 from runtime.engine.ranks import RankedReloader, RankLost, rank_entries
 
 REMEMBERED_IDS = 256
@@ -122,7 +123,8 @@ class ReloadForward:
                 elif why := self.async_engine.engine.unavailable():  # asleep: no memory to warm up or capture in
                     reply = ReloadReply.of(request.id, [self._worker(f"cannot reload the forward now: {why}")])
                 else:
-                    reply = ReloadReply.of(request.id, [await self._run(request), *self._other_ranks()])
+                    first = await self._run(request)
+                    reply = ReloadReply.of(request.id, [first, *self._other_ranks(first.ok)])
         except BaseException as exc:
             outcome.set_exception(exc)
             outcome.exception()  # retrieved: a repeat of this id re-raises it; nobody else needs to (no log noise)
@@ -134,10 +136,10 @@ class ReloadForward:
         """continue_generation: reloads still waiting for their turn give up."""
         self.cancel_epoch += 1
 
-    def _other_ranks(self) -> list[WorkerReport]:
+    def _other_ranks(self, rank0_ok: bool) -> list[WorkerReport]:
         """The entries of ranks 1.. (tensor parallelism): their outcome and seconds of the calls this reload made."""
         ranks = self.async_engine.engine.ranks
-        return [WorkerReport(**entry) for entry in rank_entries(ranks)] if ranks is not None else []
+        return [WorkerReport(**entry) for entry in rank_entries(ranks, rank0_ok)] if ranks is not None else []
 
     def _worker(self, error: str | None, timings: dict[str, float] | None = None, **fields) -> WorkerReport:
         """This rank's entry of the reply: ok when `error` is None; `fields` are WorkerReport's."""
