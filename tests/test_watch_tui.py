@@ -63,3 +63,26 @@ def test_reload_row_with_timings_then_an_error_with_file_line_and_code(tmp_path)
     assert "2     return (2 * x" in second and "failed" in second and "✗ reload 0.02 s" in second
     assert "SyntaxError" not in cleared
     assert app.return_code == 0
+
+
+def test_a_reload_on_two_ranks_shows_each_ranks_line(tmp_path):
+    from fake_server import ok_worker
+
+    project, server = make_project(tmp_path), FakeServer()
+    server.answer = lambda request: [ok_worker(), ok_worker().model_copy(update={"rank": 1})]
+    app = WatchApp(WatchConfig(attach=URL, project=project, probe_batch=2, probe_steps=4), server.transport())
+
+    async def main():
+        async with app.run_test(size=(200, 48)) as pilot:
+            await until(lambda: app.daemon.watcher.ready.is_set() and app.daemon.info["state"] == "serving")
+            await pilot.pause(0.3)
+            (project / "kernels/ops/act.py").write_text("def act(x):\n    return 2 * x\n")
+            await until(lambda: app.daemon.reloads.records and app.daemon.reloads.records[-1].done)
+            await pilot.pause(0.2)
+            shown = screen_text(app)
+            await pilot.press("q")
+            await until(lambda: app.return_code is not None)
+            return shown
+
+    shown = asyncio.run(main())
+    assert "rank 0: ok | jit 0.08" in shown and "rank 1: ok | jit 0.08" in shown, shown
