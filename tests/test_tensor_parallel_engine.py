@@ -306,3 +306,14 @@ def test_an_edit_that_fails_in_the_forward_on_one_rank_stops_the_server_naming_t
         assert "FATAL: reload" in log and "step 'warm'" in log and "rank 1 stops" in log, log
     finally:
         server.stop()
+
+
+def test_a_tp_that_does_not_divide_the_heads_fails_with_one_line_per_rank_and_status_2(tiny_model_dir):
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "tsdev", "serve", str(tiny_model_dir), "--device", "cpu", "--tp", "3",
+                          "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert "error: the attention heads (4) does not divide by the tensor-parallel size 3" in run.stderr
+    assert "Traceback" not in run.stderr and run.stderr.count("rank 1 stops") == 1, run.stderr

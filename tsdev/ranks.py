@@ -67,7 +67,7 @@ def follow(config: EngineConfig, allow_reload_forward: bool, rank: int) -> int:
             return Reloader(default_packages())
     try:
         serve_rank(config, make_reloader)
-    except RuntimeError as exc:  # most often rank 0 went away (it stopped or crashed); or this rank failed
+    except Exception as exc:  # rank 0 went away (it stopped or crashed), or this rank failed (rank 0 says why too)
         print(f"rank {rank} stops: {type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}",
               file=sys.stderr)
         return 1
