@@ -31,3 +31,7 @@ device-prep:
 # on the H200 machine (after `source scripts/device-setup.sh`): the GPU tests
 device-test *ARGS:
     python3 -m pytest -q -m gpu {{ARGS}}
+
+# on the H200 machine (after `source scripts/device-setup.sh`): the GPU suite and the open issues' benchmarks
+device-check:
+    bash scripts/device-check.sh
