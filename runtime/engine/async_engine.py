@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from runtime.control_protocol import Event, Hello, ProfileFinished, ProfileRange
-from runtime.engine.fatal import stop_server
+from runtime.engine.errors import stop_server
 from runtime.engine.llm_engine import LLMEngine, RequestOutput
 from runtime.engine.profiler import StepProfiler
 from runtime.engine.sequence import SamplingParams

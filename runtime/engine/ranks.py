@@ -12,16 +12,15 @@ anywhere is rolled back everywhere (it runs no collective, so the ranks stay in 
 on every rank with the same error (a broken edit's warm-up, a checkpoint every rank refuses) raises on rank 0 as
 it is, and rank 0 decides (e.g. rolls every rank back). But a runner call that failed on some ranks only, or with
 different errors, may have left them at different points of their collectives, or in different states: the
-server stops (`runtime.engine.fatal`, status 70, naming the call and the ranks; `tsdev watch` restarts it). So
+server stops (`runtime.engine.errors.stop_server`, status 70, naming the call and the ranks; `tsdev watch` restarts it). So
 does a rank that does not answer within the control group's timeout, or a message that cannot be sent (a rank
 is gone). `RankLedger` keeps each rank's outcome and seconds per call, for the reload reply's per-rank entries.
 """
 import time
-import traceback
 from dataclasses import dataclass, field
 
 from runtime import distributed
-from runtime.engine.fatal import stop_server
+from runtime.engine.errors import describe_error, stop_server
 
 STOP = "stop"
 LAUNCH = "launch"
@@ -61,12 +60,6 @@ class RankLedger:
 
     def of(self, rank: int) -> list[RankOutcome]:
         return [o for o in self.outcomes if o.rank == rank]
-
-
-def describe(exc: BaseException) -> str:
-    frame = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
-    where = f"{frame[0].filename}:{frame[0].lineno}: " if frame else ""
-    return f"{where}{type(exc).__name__}: {exc}"
 
 
 def _send(call: str, args: tuple = ()) -> None:
@@ -166,7 +159,7 @@ class DrivenRunner:
         try:
             result = getattr(self._runner, call)(*args)
         except Exception as exc:
-            error, failure = describe(exc), exc
+            error, failure = describe_error(exc), exc
         outcomes = _gather(call, error, time.perf_counter() - start, {}, self.ledger)
         errors = {o.rank: o.error for o in outcomes if o.error is not None}
         if not errors:
@@ -303,7 +296,7 @@ def follow(runner, reloader=None) -> None:
             else:
                 getattr(runner, call)(*args)
         except Exception as exc:
-            error = describe(exc)
+            error = describe_error(exc)
         _settle(call, error, time.perf_counter() - start, report, None)
 
 

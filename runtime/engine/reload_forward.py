@@ -18,9 +18,7 @@ library's may be. Requests, worker reports, the reply and the events are runtime
 """
 import asyncio
 import logging
-import sys
 import time
-import traceback
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +27,7 @@ from typing import Protocol, runtime_checkable
 from runtime.control_protocol import (STEPS, ReloadFinished, ReloadReply, ReloadRequest, ReloadStarted, ReloadStep,
                                       StaleDefinition, WorkerReport)
 from runtime.engine.async_engine import AsyncEngine
-from runtime.engine.fatal import stop_server
+from runtime.engine.errors import describe_error, stop_server
 from runtime.engine.ranks import RankedReloader, RankLost, rank_entries
 
 REMEMBERED_IDS = 256
@@ -352,11 +350,3 @@ def reported(report: ReloadReport) -> dict:
     return dict(reloaded=list(report.reloaded), dependents=list(report.dependents), patched=report.patched,
                 stale=[StaleDefinition.model_validate(s) for s in report.stale],
                 needs_restart=list(report.needs_restart), jit_kernels=report.jit_kernels)
-
-
-def describe_error(exc: BaseException) -> str:
-    """'file:line: Type: message', pointing at the deepest frame of the project's own code."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "site-packages" not in f.filename
-              and not f.filename.startswith(sys.base_prefix)]
-    where = f"{frames[-1].filename}:{frames[-1].lineno}: " if frames else ""
-    return f"{where}{type(exc).__name__}: {exc}"
