@@ -145,14 +145,21 @@ class _Targets:
         self.params = dict(model.named_parameters(remove_duplicate=False))  # tied names too
         self.canonical = {id(p): name for name, p in model.named_parameters()}
         self.packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
+        self.modules = dict(model.named_modules(remove_duplicate=False))
+        self._resolved: dict[str, _Target | None] = {}  # each name is resolved three times per load
 
     def resolve(self, ckpt_name: str) -> "_Target | None":
+        if ckpt_name not in self._resolved:
+            self._resolved[ckpt_name] = self._resolve(ckpt_name)
+        return self._resolved[ckpt_name]
+
+    def _resolve(self, ckpt_name: str) -> "_Target | None":
         target, shard = _map_name(ckpt_name, self.packed)
         if target not in self.params:
             return None
         param = self.params[target]
         module_name, param_name = target.rsplit(".", 1)
-        module = self.model.get_submodule(module_name)
+        module = self.modules[module_name]
         split = getattr(module, "checkpoint_slice", None)
         return _Target(self.canonical[id(param)], param, module, shard, split(param_name, shard) if split else None)
 
@@ -188,7 +195,7 @@ class _Targets:
     def _needed(self) -> dict[str, list[str | None]]:
         needed = {}
         for name in self.canonical.values():
-            module = self.model.get_submodule(name.rsplit(".", 1)[0])
+            module = self.modules[name.rsplit(".", 1)[0]]
             needed[name] = list(module.shard_offsets) if hasattr(module, "shard_offsets") else [None]
         return needed
 

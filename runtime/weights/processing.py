@@ -82,12 +82,17 @@ class LoadSession:
         self._stale: set[int] = set()
         self._owners: dict[int, list[nn.Module]] = {}
         self._parents: dict[int, list[nn.Module]] = {}
-        for module in post_order(model):
+        self._own: dict[int, list[str]] = {}  # a module's parameters, by name, and its children: walked once
+        self._children: dict[int, list[int]] = {}
+        self._order = post_order(model)
+        for module in self._order:
+            self._own[id(module)] = [self._names[id(p)] for p in module.parameters(recurse=False)]
+            self._children[id(module)] = [id(child) for child in module.children()]
             for p in module.parameters(recurse=False):
                 self._owners.setdefault(id(p), []).append(module)
             for child in module.children():
                 self._parents.setdefault(id(child), []).append(module)
-        for module in post_order(model):
+        for module in self._order:
             self._try(module)
 
     def loaded(self, param: nn.Parameter, key: str | None, numel: int) -> None:
@@ -111,11 +116,11 @@ class LoadSession:
         if incomplete:
             raise ValueError(f"the load ended before {len(incomplete)} parameter(s) had all of their "
                              f"loads, e.g. {'; '.join(incomplete[:3])}")
-        for module in post_order(self.model):  # a stale module makes its ancestors stale too
+        for module in self._order:  # a stale module makes its ancestors stale too
             if id(module) in self._stale:
                 self._stale |= {id(parent) for parent in self._parents.get(id(module), [])}
                 self._run_hook(module)
-        assert len(self._done) == len(post_order(self.model)), "a module was never complete"
+        assert len(self._done) == len(self._order), "a module was never complete"
         if self.expected and not self.reprocessing:
             _RECORDED[self.model] = {n: dict(c) for n, c in self.received.items()}
         return self.received
@@ -126,9 +131,9 @@ class LoadSession:
     def _try(self, module: nn.Module) -> None:
         if id(module) in self._done:
             return
-        if not all(self._complete(self._names[id(p)]) for p in module.parameters(recurse=False)):
+        if not all(self._complete(name) for name in self._own[id(module)]):
             return
-        if not all(id(child) in self._done for child in module.children()):
+        if not all(child in self._done for child in self._children[id(module)]):
             return
         self._done.add(id(module))
         self._run_hook(module)
