@@ -17,17 +17,12 @@ import asyncio
 import json
 import multiprocessing
 import os
-import socket
 import statistics
 import time
 
+from tsdev.server_process import free_port
+
 RELOADED = "kernels.ops.activation"  # forced: re-executed unchanged, so every reload does the same work
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def engine_config(args, tp: int):

@@ -1,14 +1,9 @@
 """Run a function on N gloo ranks, each in its own spawned process (the CPU stand-in for N GPUs)."""
 import multiprocessing
 import os
-import socket
 import traceback
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tsdev.server_process import free_port
 
 
 def _rank_main(fn, rank: int, world_size: int, port: int, args: tuple, results, device: str) -> None:

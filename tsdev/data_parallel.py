@@ -29,7 +29,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
-from rich.markup import escape
 
 from runtime.control_protocol import (CONTINUE_ROUTE, FLUSH_ROUTE, PAUSE_ROUTE, RELOAD_ROUTE, RELOAD_WEIGHTS_ROUTE,
                                       SLEEP_ROUTE, START_PROFILE_ROUTE, STOP_PROFILE_ROUTE,
@@ -37,7 +36,7 @@ from runtime.control_protocol import (CONTINUE_ROUTE, FLUSH_ROUTE, PAUSE_ROUTE, 
                                       ErrorDetail, ReloadReply)
 from runtime.config import ServerConfig
 from tsdev.server_process import PortInUse, ServerProcess, StartFailed
-from tsdev.serving import BACKLOG, GRACEFUL_SHUTDOWN_S, bind, bind_error, quiet_server_class
+from tsdev.serving import BACKLOG, GRACEFUL_SHUTDOWN_S, claim_address, quiet_server_class
 
 COMPLETION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 HOLDING_ROUTES = (RELOAD_ROUTE, RELOAD_WEIGHTS_ROUTE, UPDATE_WEIGHTS_ROUTE, UPDATE_WEIGHTS_FROM_DISK_ROUTE, SLEEP_ROUTE)
@@ -210,15 +209,10 @@ def run_front(server: ServerConfig, dp: int, tp: int, serve_args: Sequence[str],
     """Bind the front's address, start the replicas, serve until SIGINT/SIGTERM, stop the replicas. Exit status as
     `tsdev serve`'s: 2 when the address or a replica cannot start."""
     from runtime.server.body_limit import BodyLimit
-    from runtime.server.security import Guard, SecurityPolicy, startup_refusal
+    from runtime.server.security import Guard, SecurityPolicy
 
-    if refusal := startup_refusal(server):
-        console.print(f"[red]error:[/red] {escape(refusal)}")
-        return 2
-    try:
-        sock = bind(server.host, server.port)
-    except OSError as exc:
-        console.print(f"[red]error:[/red] {bind_error(exc, server.host, server.port)}")
+    sock = claim_address(server, console)
+    if sock is None:
         return 2
     args = replica_args(serve_args)
     replicas = [ServerProcess(args, api_key=server.api_key, env=replica_gpus(i, tp)) for i in range(dp)]

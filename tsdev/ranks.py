@@ -10,13 +10,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 
 from runtime import distributed
 from runtime.config import EngineConfig
-from tsdev.server_process import die_with_parent
+from tsdev.server_process import die_with_parent, free_port
 
 CONFIG_ENV = "TSDEV_RANK_CONFIG"  # the engine config and whether reloads are allowed, as JSON
 
@@ -30,10 +29,7 @@ def launched_rank() -> int | None:
 def start_ranks(config: EngineConfig, allow_reload_forward: bool) -> list[subprocess.Popen]:
     """Rank 0 of a fresh launch: point the ranks at this machine and start ranks 1..N-1."""
     os.environ.setdefault(distributed.ENV_MASTER_ADDR, "127.0.0.1")
-    if distributed.ENV_MASTER_PORT not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ[distributed.ENV_MASTER_PORT] = str(s.getsockname()[1])
+    os.environ.setdefault(distributed.ENV_MASTER_PORT, str(free_port()))
     payload = json.dumps({"config": dataclasses.asdict(config), "allow_reload_forward": allow_reload_forward})
     children = []
     for rank in range(1, config.world_size):

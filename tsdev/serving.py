@@ -80,22 +80,30 @@ def describe_graphs(info, cuda: bool, timings: dict) -> str:
     return "; ".join(parts) or "CUDA graphs off"
 
 
+def claim_address(server: ServerConfig, console: Console) -> socket.socket | None:
+    """The server's bound socket, or None (the reason printed) when its security flags do not go together or the
+    address cannot be bound: `tsdev serve` (and the --dp front) then exit with status 2."""
+    from runtime.server.security import startup_refusal
+
+    if refusal := startup_refusal(server):
+        console.print(f"[red]error:[/red] {escape(refusal)}")
+        return None
+    try:
+        return bind(server.host, server.port)
+    except OSError as exc:
+        console.print(f"[red]error:[/red] {bind_error(exc, server.host, server.port)}")
+        return None
+
+
 def run_server(config: EngineConfig, server: ServerConfig, console: Console | None = None) -> int:
     """Bind, load the model, serve until SIGINT/SIGTERM. Returns the exit status: 0 once stopped, 2 when the
     security flags do not go together or the port or the model cannot be used, 130 for Ctrl-C during the load."""
-    from runtime.server.security import startup_refusal
-
     console = console or Console(stderr=True, soft_wrap=True)
     rank = launched_rank()
     if config.world_size > 1 and rank:  # torchrun started this process as a rank other than 0: it follows
         return follow(config, server.allow_reload_forward, rank)
-    if refusal := startup_refusal(server):
-        console.print(f"[red]error:[/red] {escape(refusal)}")
-        return 2
-    try:
-        sock = bind(server.host, server.port)
-    except OSError as exc:
-        console.print(f"[red]error:[/red] {bind_error(exc, server.host, server.port)}")
+    sock = claim_address(server, console)
+    if sock is None:
         return 2
     children = []
     if config.world_size > 1:
