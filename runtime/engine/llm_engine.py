@@ -124,6 +124,9 @@ class LLMEngine:
         if distributed.size() > 1:
             self.ranks = RankLedger()
             self.runner = DrivenRunner(self.runner, self.ranks)
+        # the model's size: this process's parameters, or with several ranks (each holding a part) the checkpoint's
+        self.num_parameters = (sum(p.numel() for p in self.runner.model.parameters()) if self.ranks is None
+                               else sum(e.numel for e in read_entries(checkpoint_files(self.model_dir))))
         self.startup_timings = {"load": time.perf_counter() - start, **self.runner.start()}
         self.block_manager = BlockManager(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_running, config.max_batched_tokens, self.max_model_len)
@@ -138,11 +141,6 @@ class LLMEngine:
         if self.ranks is not None:
             self.runner.stop()
             self.ranks = None
-
-    def _one_rank_only(self, what: str) -> None:
-        if self.ranks is not None:
-            raise NotImplementedError(f"{what} is not available with tensor parallelism (--tp "
-                                      f"{distributed.size()}) yet: serve with --tp 1 for it")
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         """Raise ValueError saying what to change if this prompt cannot be served."""
@@ -308,15 +306,10 @@ class LLMEngine:
     def weights_checksum(self, derived: bool = True) -> dict[str, str]:
         """name -> sha256 of every parameter and buffer; `derived=False`: parameters and persistent buffers only
         (what a checkpoint fills, in their runtime layout: GET /v1/rl/engine/weights_checksum)."""
-        self._one_rank_only("weights_checksum")
+        if self.ranks is not None:
+            raise NotImplementedError(f"weights_checksum is not available with tensor parallelism (--tp "
+                                      f"{distributed.size()}) yet: serve with --tp 1 for it")
         return weights_checksum(self.runner.model, derived)
-
-    def _parameters(self) -> int:
-        """The model's parameter count: this process's parameters, or with several ranks (each holding a part)
-        the served checkpoint's, from its headers."""
-        if self.ranks is None:
-            return sum(p.numel() for p in self.runner.model.parameters())
-        return sum(e.numel for e in read_entries(checkpoint_files(self.weights_dir)))
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
@@ -331,7 +324,7 @@ class LLMEngine:
         decode, prefill = runner.decode_graphs, runner.prefill_graphs
         return EngineInfo(
             model_dir=str(self.model_dir), architecture=self.model_config.architecture, device=config.device,
-            dtype=str(runner.dtype).removeprefix("torch."), parameters=self._parameters(),
+            dtype=str(runner.dtype).removeprefix("torch."), parameters=self.num_parameters,
             max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size, rank=config.rank,
             world_size=config.world_size, max_running=config.max_running, kv_pages=self.block_manager.num_pages,
             page_size=self.block_manager.page_size, decode_graph_sizes=list(decode.sizes) if decode else [],

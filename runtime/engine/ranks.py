@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from runtime import distributed
+from runtime.control_protocol import StaleDefinition
 from runtime.engine.errors import describe_error, stop_server
 
 STOP = "stop"
@@ -232,8 +233,11 @@ class _FailedReport:
         return getattr(self._report, name)
 
 
-def reload_fields(report) -> dict:
-    return dict(reloaded=list(report.reloaded), dependents=list(report.dependents), patched=report.patched)
+def reported(report) -> dict:
+    """The WorkerReport fields a reloader's report fills (on rank 0 for its entry, on the others for theirs)."""
+    return dict(reloaded=list(report.reloaded), dependents=list(report.dependents), patched=report.patched,
+                stale=[StaleDefinition.model_validate(s) for s in report.stale],
+                needs_restart=list(report.needs_restart), jit_kernels=report.jit_kernels)
 
 
 STEP_OF_CALL = {RELOAD: "reload", REBUILD: "rebuild", "warmup": "warm", "capture_graphs": "recapture"}
@@ -282,7 +286,7 @@ def follow(runner, reloader=None) -> None:
             elif call == RELOAD:
                 modules, sources = args
                 tx = reloader.reload(modules=modules, sources=sources)
-                report = reload_fields(tx.report)
+                report = reported(tx.report)
                 if not tx.report.ok:
                     error, tx = tx.report.error or "the reload failed", None
             elif call == COMMIT:

@@ -28,7 +28,7 @@ from runtime.control_protocol import (STEPS, ReloadFinished, ReloadReply, Reload
                                       StaleDefinition, WorkerReport)
 from runtime.engine.async_engine import AsyncEngine
 from runtime.engine.errors import describe_error, stop_server
-from runtime.engine.ranks import RankedReloader, RankLost, rank_entries
+from runtime.engine.ranks import RankedReloader, RankLost, rank_entries, reported
 
 REMEMBERED_IDS = 256
 JIT, DRAIN, FLUSH, RELOAD, WARM, RECAPTURE = STEPS
@@ -343,10 +343,3 @@ def log_line(request_id: str, worker: WorkerReport) -> str:
     if worker.needs_restart:
         what += f"; needs restart: {', '.join(worker.needs_restart)}"
     return f"reload {request_id} ok: {what}"
-
-
-def reported(report: ReloadReport) -> dict:
-    """The WorkerReport fields a reloader's report fills."""
-    return dict(reloaded=list(report.reloaded), dependents=list(report.dependents), patched=report.patched,
-                stale=[StaleDefinition.model_validate(s) for s in report.stale],
-                needs_restart=list(report.needs_restart), jit_kernels=report.jit_kernels)

@@ -260,7 +260,7 @@ class StagedLoad:
             reading = self._start_reading(0, fds)
             for i, chunk in enumerate(self.chunks):
                 s = i % len(self.device_slots)
-                self._wait_for(reading, "read_wait")
+                self.read_wait += _wait_for(reading)
                 self.uploaded[s] = self._upload(chunk, s, side, consumed)
                 if i + 1 < len(self.chunks):  # read ahead while the loaders copy this chunk
                     reading = self._start_reading(i + 1, fds)
@@ -284,12 +284,6 @@ class StagedLoad:
         chunk = self.chunks[i]
         return read_chunk(chunk, self.host.view[s * self.slot : s * self.slot + chunk.nbytes], fds, self.pool,
                           self.block)
-
-    def _wait_for(self, jobs: list[Future], counter: str) -> None:
-        begin = time.perf_counter()
-        for job in jobs:
-            job.result()
-        setattr(self, counter, getattr(self, counter) + time.perf_counter() - begin)
 
     def _upload(self, chunk: Chunk, s: int, side, consumed) -> "torch.cuda.Event | None":
         """Copy the host slot to the device slot and reassemble split tensors; on CUDA, on the side stream."""
@@ -324,3 +318,11 @@ class StagedLoad:
             else:
                 continue
             yield p.entry.name, data.view(p.entry.dtype).view(p.entry.shape)
+
+
+def _wait_for(jobs: list[Future]) -> float:
+    """Wait for every job (raising the first failure); the seconds waited."""
+    begin = time.perf_counter()
+    for job in jobs:
+        job.result()
+    return time.perf_counter() - begin
