@@ -16,3 +16,4 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, keep the log, s
 step gpu-suite 420 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE
 step update-weights 120 python3 benchmarks/update_weights.py
 step decode-step 120 python3 benchmarks/decode_step.py --batch-sizes 1 256
+step load-weights 90 python3 benchmarks/load_weights.py --rounds 2
