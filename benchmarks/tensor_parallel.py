@@ -1,8 +1,10 @@
 """Tensor parallelism in one run (issue 17): the decode step at each batch size, the engine's build time (what a
-restart costs besides the process start) and the reload pause per rank, for --tp 1 and --tp N; ratios from the
-same run (docs/results.md's habit).
+restart costs besides the process start) and the reload pause per rank, for --tp 1, for one rank through the
+distributed path ("tp1-group": a process group of one, every collective and the per-step broadcast run) and for
+--tp N; ratios to --tp 1 from the same run (docs/results.md's habit).
 
     python3 benchmarks/tensor_parallel.py                      # CUDA: the default model, TP=1 vs TP=2 (two GPUs)
+    python3 benchmarks/tensor_parallel.py --tp 1               # one GPU: TP=1 vs TP=1 through the distributed path
     python3 benchmarks/tensor_parallel.py --device cpu --batch-sizes 1 4 --steps 3 --reloads 1   # gloo smoke run
     nsys profile --trace=cuda,nvtx --sample=none -o tp python3 benchmarks/tensor_parallel.py --tp 2
         # then `nsys stats --report cuda_gpu_kern_sum tp.nsys-rep`: the NCCL kernels' share of each
@@ -81,7 +83,7 @@ def reload_pauses(engine, reloads: int) -> list[dict]:
     return asyncio.run(run())
 
 
-def rank_main(args, tp: int, rank: int, port: int, results) -> None:
+def rank_main(args, tp: int, grouped: bool, rank: int, port: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(tp),
                       LOCAL_RANK=str(rank))
     from runtime import distributed
@@ -90,7 +92,7 @@ def rank_main(args, tp: int, rank: int, port: int, results) -> None:
     from tsdev.hotreload import Reloader, default_packages
 
     config = engine_config(args, tp)
-    if tp > 1:
+    if grouped:
         distributed.init(rank, tp, args.device)
     try:
         if rank:
@@ -107,10 +109,10 @@ def rank_main(args, tp: int, rank: int, port: int, results) -> None:
         distributed.shutdown()
 
 
-def measure(args, tp: int) -> dict:
+def measure(args, tp: int, grouped: bool) -> dict:
     ctx = multiprocessing.get_context("spawn")
     results, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=rank_main, args=(args, tp, r, port, results)) for r in range(tp)]
+    procs = [ctx.Process(target=rank_main, args=(args, tp, grouped, r, port, results)) for r in range(tp)]
     for p in procs:
         p.start()
     try:
@@ -124,7 +126,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a checkpoint directory (default: the embedded model)")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--tp", type=int, default=2, help="compared with --tp 1")
+    parser.add_argument("--tp", type=int, default=2, help="compared with --tp 1 (1: only one rank, plain and grouped)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--steps", type=int, default=50, help="decode steps timed per batch size")
     parser.add_argument("--reloads", type=int, default=5)
@@ -132,19 +134,23 @@ def main() -> None:
     args = parser.parse_args()
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    configs = {"tp1": (1, False), "tp1-group": (1, True)}
+    if args.tp > 1:
+        configs[f"tp{args.tp}"] = (args.tp, True)
     runs = {}
-    for tp in (1, args.tp):
-        runs[tp] = measure(args, tp)
-        print(json.dumps(runs[tp]), flush=True)
-    one, many = runs[1], runs[args.tp]
-    pause = {tp: statistics.median(r["pause"] for r in run["reloads"]) for tp, run in runs.items()}
+    for name, (tp, grouped) in configs.items():
+        runs[name] = measure(args, tp, grouped)
+        print(json.dumps({"config": name, **runs[name]}), flush=True)
+    one, last = runs["tp1"], runs[list(configs)[-1]]
+    pause = {name: statistics.median(r["pause"] for r in run["reloads"]) for name, run in runs.items()}
     summary = {
-        "decode_ms": {b: {"tp1": round(one["decode_ms"][b], 3), f"tp{args.tp}": round(many["decode_ms"][b], 3),
-                          "ratio": round(many["decode_ms"][b] / one["decode_ms"][b], 3)} for b in args.batch_sizes},
-        "build_s": {"tp1": round(one["build_s"], 3), f"tp{args.tp}": round(many["build_s"], 3)},
-        "reload_pause_s": {tp: round(p, 4) for tp, p in pause.items()},
-        "reload_rank_seconds": many["reloads"][-1]["ranks"],
-        f"build_over_pause_tp{args.tp}": round(many["build_s"] / pause[args.tp], 1),
+        "decode_ms": {b: {**{name: round(run["decode_ms"][b], 3) for name, run in runs.items()},
+                          **{f"{name}/tp1": round(run["decode_ms"][b] / one["decode_ms"][b], 3)
+                             for name, run in runs.items() if name != "tp1"}} for b in args.batch_sizes},
+        "build_s": {name: round(run["build_s"], 3) for name, run in runs.items()},
+        "reload_pause_s": {name: round(p, 4) for name, p in pause.items()},
+        "reload_rank_seconds": last["reloads"][-1]["ranks"],
+        f"build_over_pause_{list(configs)[-1]}": round(last["build_s"] / pause[list(configs)[-1]], 1),
     }
     print(json.dumps({"summary": summary}))
 

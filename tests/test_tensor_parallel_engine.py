@@ -73,6 +73,48 @@ def test_two_ranks_generate_what_one_rank_generates(tiny_model_dir):
     assert parameters == one.describe().parameters  # the model's, not rank 0's part
 
 
+def test_one_rank_in_a_process_group_runs_every_collective_and_generates_what_a_plain_engine_does(tiny_model_dir):
+    one = LLMEngine(config(str(tiny_model_dir), 1))
+    (tokens, collectives, reply_ranks), = run_ranks(on_rank, 1, str(tiny_model_dir), 1, counted_scenario)
+    assert tokens == generate(one)
+    # one all-reduce per row-parallel projection (o_proj, down_proj) and the embedding per forward, the logits'
+    # all-gather; the reload's agreement and its per-rank reports
+    assert collectives["all_reduce"] > 0 and collectives["all_gather"] > 0 and collectives["broadcast_object_list"] > 0
+    assert reply_ranks == [0]
+
+
+def counted_scenario(engine):
+    import torch.distributed as dist
+
+    from runtime.control_protocol import ReloadRequest
+    from runtime.engine.async_engine import AsyncEngine
+    from runtime.engine.reload_forward import ReloadForward
+    from tsdev.hotreload import Reloader
+
+    counts = {}
+    for name in ("all_reduce", "all_gather", "broadcast_object_list"):
+        real = getattr(dist, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _real(*args, **kwargs)
+
+        setattr(dist, name, counted)
+    tokens = generate(engine)
+
+    async def reload():
+        ae = AsyncEngine(engine)
+        await ae.start()
+        try:
+            return await ReloadForward(ae, Reloader(PACKAGES))(ReloadRequest(id="one-rank", modules=["runtime.layers.activation"]))
+        finally:
+            await ae.stop()
+
+    reply = asyncio.run(reload())
+    assert reply.ok, reply
+    return tokens, counts, [w.rank for w in reply.workers]
+
+
 def reload_scenario(engine, edit_args):
     from runtime.control_protocol import ReloadRequest
     from runtime.engine.async_engine import AsyncEngine
@@ -255,9 +297,10 @@ def test_the_tensor_parallel_benchmark_runs_and_compares_tp_1_with_tp_2():
                           "--reloads", "1"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads(run.stdout.strip().splitlines()[-1])["summary"]
-    assert set(summary["decode_ms"]) == {"1", "2"} and all(v["tp1"] > 0 and v["tp2"] > 0
+    assert set(summary["decode_ms"]) == {"1", "2"} and all(v["tp1"] > 0 and v["tp1-group"] > 0 and v["tp2"] > 0
                                                           for v in summary["decode_ms"].values())
     assert len(summary["reload_rank_seconds"]) == 2 and summary["build_s"]["tp2"] > 0
+    assert set(summary["reload_pause_s"]) == {"tp1", "tp1-group", "tp2"}
 
 
 FORWARD_RAISES_ON = ("    if {condition}:\n        raise RuntimeError('this edit fails in the forward')\n" + SILU_LINE)

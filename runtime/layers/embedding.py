@@ -30,7 +30,7 @@ class VocabEmbedding(nn.Module):
         return self.weight_slice
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if distributed.size() == 1:
+        if not distributed.grouped():
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start
         elsewhere = (local < 0) | (local >= self.weight.shape[0])  # ids another rank holds: zeros here
