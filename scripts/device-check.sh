@@ -13,6 +13,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, keep the log, s
     echo "(exit $?)"
     tail -"${TAIL:-6}" "$out/$name.txt" | cut -c1-400
 }
+[ "${1:-}" = --steps-only ] && return 0  # sourced for `step` alone (device-speed.sh)
 step gpu-suite 420 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE
 step update-weights 120 python3 benchmarks/update_weights.py
 step decode-step 120 python3 benchmarks/decode_step.py --batch-sizes 1 256

@@ -170,7 +170,11 @@ def serve(
     prefill_graph_capture_sizes: Annotated[Optional[str], typer.Option(
         metavar="SIZES", help="Explicit prefill token buckets instead of the ladder, e.g. `--prefill-graph-capture-sizes 64 256 "
              "1024`; clamped to the largest, which is always captured. Default: the ladder; with "
-             "--allow-reload-forward, 256 1024 (every reload recaptures every bucket).")] = None,
+             "--allow-reload-forward, 256 1024 (fewer graphs to recapture after each reload).")] = None,
+    full_recapture: Annotated[bool, typer.Option(
+        "--full-recapture", help="A reload recaptures every CUDA graph before serving resumes. Default: only the "
+             "batch sizes and prefill buckets used since the last capture; the others are captured one at a time "
+             "between steps right after, and run eagerly until then (a shorter pause).")] = EngineConfig.full_recapture,
     allow_reload_forward: Annotated[bool, typer.Option(
         "--allow-reload-forward",
         help="Enable POST /v1/rl/engine/reload_forward, which re-executes edited model/kernel code from disk "
@@ -238,7 +242,7 @@ def serve(
         gpu_memory_utilization=gpu_memory_utilization, seed=seed, enable_prefix_caching=not no_prefix_caching,
         enforce_eager=enforce_eager, prefill_graph_max_tokens=0 if disable_prefill_graph else prefill_graph_max_tokens,
         load_format=load_format, load_memory_limit=load_memory_bytes, quantization=quantization, world_size=tp,
-        rank_timeout_s=rank_timeout,
+        rank_timeout_s=rank_timeout, full_recapture=full_recapture,
     )
     if cudagraph_capture_sizes:
         config.cudagraph_capture_sizes = parse_sizes("--cudagraph-capture-sizes", cudagraph_capture_sizes)

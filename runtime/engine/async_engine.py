@@ -49,6 +49,7 @@ class AsyncEngine:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._task: asyncio.Task | None = None
         self.profiler = StepProfiler(engine.config.device)
+        self._deferred_seconds, self._deferred_count = 0.0, 0  # graphs captured after a reload resumed serving
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -207,10 +208,13 @@ class AsyncEngine:
             commands, self._commands = self._commands, []
             for command in commands:
                 command()
+            capturing = self._can_capture()
+            if capturing:
+                await self.run_on_engine_thread(self._capture_next)  # one graph a turn: steps go on between them
             if not self._can_step():
                 self._stepped.set()
                 self._wake.clear()
-                if not self._commands:
+                if not self._commands and not capturing:
                     await self._wake.wait()
                 continue
             start = time.perf_counter()
@@ -231,6 +235,25 @@ class AsyncEngine:
             self._stepped.set()
             if self.on_step:
                 self.on_step(time.perf_counter() - start, outputs)
+
+    def _can_capture(self) -> bool:
+        return bool(self.engine.graphs_pending) and not self.paused and self.engine.unavailable() is None
+
+    def _capture_next(self) -> None:
+        """A graph a reload left to capture after serving resumed; the last one logs how long they all took."""
+        start = time.perf_counter()
+        try:
+            captured = self.engine.capture_next()
+        except Exception as exc:  # that size stays eager; serving goes on
+            log.warning("capturing a CUDA graph after the reload failed (%s: %s); that size runs eagerly",
+                        type(exc).__name__, exc)
+            captured = {}
+        self._deferred_seconds += time.perf_counter() - start
+        self._deferred_count += sum(map(len, captured.values()))
+        if not self.engine.graphs_pending:
+            log.info("captured the %d graph(s) a reload left for after it in %.2f s", self._deferred_count,
+                     self._deferred_seconds)
+            self._deferred_seconds, self._deferred_count = 0.0, 0
 
     def _step(self) -> tuple[list[RequestOutput], ProfileRange | None]:
         outputs = self.engine.step()

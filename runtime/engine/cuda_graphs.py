@@ -2,7 +2,9 @@
 
 A decode batch of n sequences runs the graph of the smallest captured size >= n; the extra rows are
 padding (slot -1: they write no KV; their logits are dropped). Inputs live in static buffers that each
-step overwrites. On CPU nothing is captured and `run` executes the same padded static batch eagerly,
+step overwrites. A reload captures only the sizes the steps used since the last capture (`capture(sizes)`); the
+others are pending, captured one at a time between steps right after serving resumes (`capture_next`), and run
+eagerly until then. On CPU nothing is captured and `run` executes the same padded static batch eagerly,
 so CPU tests exercise everything but the capture itself. A step under other capture-time properties
 (`graph_properties`) than the capture's runs eagerly rather than replaying the wrong kernels.
 """
@@ -63,6 +65,8 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.properties: tuple = ()
         self.pool = None
+        self.used: set[int] = set()  # sizes run since the last capture
+        self.pending: list[int] = []  # sizes left to capture (after a reload), largest first
         # The page table is updated incrementally: a host mirror, and which page list each row holds.
         self.host_table = torch.full((n, max_pages_per_seq), pad_page, dtype=torch.int32)
         self.row_pages: list[list[int] | None] = [None] * n
@@ -72,33 +76,53 @@ class DecodeGraphs:
     def max_size(self) -> int:
         return self.sizes[-1]
 
-    def capture(self) -> dict[int, float]:
-        """Capture every size, largest first (later ones reuse its pool). Returns seconds per size.
+    def capture(self, sizes: list[int] | None = None) -> dict[int, float]:
+        """Capture `sizes` (default every size), largest first (later ones reuse its pool); seconds per size.
 
-        The new graphs replace the old ones only when every size captured; on failure the old graphs
-        (and the code they were captured from) keep serving.
+        The new graphs replace every old one (they run the old code) only when all of `sizes` captured; on
+        failure the old graphs keep serving. The sizes not captured now are pending (`capture_next`).
         """
+        sizes = sorted(set(self.sizes if sizes is None else sizes) & set(self.sizes), reverse=True)
         graphs, timings = {}, {}
         with torch.inference_mode(), collector_paused():  # inference mode: as the engine's steps run
             properties = graph_properties()
-            for size in reversed(self.sizes):
+            for size in sizes:
                 start = time.perf_counter()
-                if self.device.type == "cuda":
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=self.pool):
-                        self._forward(size)
-                    self.pool = graph.pool()
-                    graphs[size] = graph
+                graphs[size] = self._capture(size)
                 timings[size] = time.perf_counter() - start
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.graphs, self.properties = graphs, properties
+        self.graphs, self.properties = {s: g for s, g in graphs.items() if g is not None}, properties
+        self.pending, self.used = [s for s in reversed(self.sizes) if s not in graphs], set()
         return timings
+
+    def capture_next(self) -> dict[int, float]:
+        """Capture the largest pending size: {size: seconds}. A failure raises and leaves that size eager."""
+        size = self.pending.pop(0)
+        start = time.perf_counter()
+        with torch.inference_mode(), collector_paused():
+            if self.properties != graph_properties():  # captured under other properties: none replays now
+                self.pending = []
+                return {}
+            graph = self._capture(size)
+        if graph is not None:
+            torch.cuda.synchronize(self.device)
+            self.graphs[size] = graph
+        return {size: time.perf_counter() - start}
+
+    def _capture(self, size: int) -> "torch.cuda.CUDAGraph | None":
+        if self.device.type != "cuda":
+            return None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._forward(size)
+        self.pool = graph.pool()
+        return graph
 
     def release(self) -> None:
         """Drop every graph and their pool (sleep): their memory goes back once the allocator's cache is emptied.
         Until `capture` runs again, `run` executes eagerly."""
-        self.graphs, self.properties, self.pool = {}, (), None
+        self.graphs, self.properties, self.pool, self.pending = {}, (), None, []
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
             page_table: list[list[int]], fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -106,6 +130,7 @@ class DecodeGraphs:
         device: inputs the previous step is still sampling, written in after the host's staged ids."""
         n = len(input_ids)
         size = next(s for s in self.sizes if s >= n)
+        self.used.add(size)
         pad = size - n
         staged = torch.tensor([input_ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad, seq_lens + [1] * pad])
         self.inputs[:, :size].copy_(staged, non_blocking=True)

@@ -219,10 +219,21 @@ class LLMEngine:
         """Run every kernel once on dummy batches (startup does; a reload's warm step does): seconds."""
         return self.runner.warmup()
 
-    def capture_graphs(self, strict: bool = True) -> dict[str, dict[int, float]]:
+    def capture_graphs(self, strict: bool = True, deferring: bool = False) -> dict[str, dict[int, float]]:
         """(Re)capture the decode, then the prefill graphs: seconds per batch size / token bucket, by kind.
-        `strict`: a prefill capture failure raises (a reload) instead of leaving prefill eager."""
-        return self.runner.capture_graphs(strict)
+        `strict`: a prefill capture failure raises (a reload) instead of leaving prefill eager. `deferring` (a
+        reload, unless --full-recapture): only the graphs the steps used since the last capture now; the others
+        are pending (`capture_next`, between steps once serving resumed) and run eagerly until captured."""
+        first = self.runner.used_graphs() if deferring and not self.config.full_recapture else None
+        return self.runner.capture_graphs(strict, first)
+
+    @property
+    def graphs_pending(self) -> int:
+        return self.runner.graphs_pending
+
+    def capture_next(self) -> dict[str, dict[int, float]]:
+        """Capture one pending graph (on every rank): {kind: {size: seconds}}."""
+        return self.runner.capture_next()
 
     # --- sleep, wake, weights (run between steps, on the engine's thread, with nothing running) --------
 

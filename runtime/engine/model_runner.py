@@ -296,12 +296,34 @@ class ModelRunner:
         graphs = self.capture_graphs(strict=False)
         return {"warm": warm, "capture": sum(graphs["decode"].values()), "capture_prefill": sum(graphs["prefill"].values())}
 
-    def capture_graphs(self, strict: bool = True) -> dict[str, dict[int, float]]:
+    def capture_graphs(self, strict: bool = True, first: tuple[list[int], list[int]] | None = None
+                       ) -> dict[str, dict[int, float]]:
         """(Re)capture the decode graphs, then the prefill graphs: seconds per batch size and per token
         bucket. A no-op per size on CPU. A prefill capture failure other than out-of-memory raises when
-        `strict` (a reload), else leaves prefill eager (startup)."""
-        return {"decode": self.decode_graphs.capture() if self.decode_graphs else {},
-                "prefill": self.prefill_graphs.capture(strict) if self.prefill_graphs else {}}
+        `strict` (a reload), else leaves prefill eager (startup). `first` (a reload: `used_graphs()`): only
+        these decode sizes and prefill buckets now; the others are pending, for `capture_next`."""
+        sizes, buckets = first or (None, None)
+        return {"decode": self.decode_graphs.capture(sizes) if self.decode_graphs else {},
+                "prefill": self.prefill_graphs.capture(strict, buckets) if self.prefill_graphs else {}}
+
+    def used_graphs(self) -> tuple[list[int], list[int]]:
+        """The decode sizes and prefill buckets the steps ran since the last capture (at least the smallest of
+        each: a reload captures one of each kind, which tests that the new code captures)."""
+        decode, prefill = self.decode_graphs, self.prefill_graphs
+        return (sorted(decode.used or decode.sizes[:1]) if decode else [],
+                sorted(prefill.used or prefill.buckets[:1]) if prefill else [])
+
+    @property
+    def graphs_pending(self) -> int:
+        """How many graphs `capture_next` has left to capture."""
+        return sum(len(g.pending) for g in (self.decode_graphs, self.prefill_graphs) if g is not None)
+
+    def capture_next(self) -> dict[str, dict[int, float]]:
+        """Capture one pending graph (decode sizes first): {kind: {size: seconds}}, empty dicts when that
+        capture failed (it stays eager)."""
+        if self.decode_graphs is not None and self.decode_graphs.pending:
+            return {"decode": self.decode_graphs.capture_next(), "prefill": {}}
+        return {"decode": {}, "prefill": self.prefill_graphs.capture_next()}
 
     def release_graphs(self) -> None:
         """Free the decode and prefill graphs and their pools (sleep); steps run eagerly until `capture_graphs`."""

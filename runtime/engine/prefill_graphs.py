@@ -11,7 +11,8 @@ model's `Attention` layers for one forward (see `Attention.graph_cut`); outside 
 Every piece of every bucket shares one private memory pool (never the decode graphs'). The tensors at
 a cut (q, k, v and the final hidden state) are kept as non-owning views, so their memory goes back to
 the pool and later pieces and buckets reuse it: a replay always writes them before reading them. The
-attention output goes to one static buffer that every bucket and layer shares.
+attention output goes to one static buffer that every bucket and layer shares. As with the decode graphs, a reload
+captures the buckets used since the last capture and leaves the rest pending (`capture_next`), eager until then.
 
 On CPU nothing is captured and `forward` runs the same padded, cut forward eagerly, so CPU tests
 exercise everything but the capture itself.
@@ -116,6 +117,8 @@ class PrefillGraphs:
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.disabled: str | None = None  # why prefill runs eagerly after a failed capture
+        self.used: set[int] = set()  # buckets run since the last capture
+        self.pending: list[int] = []  # buckets left to capture (after a reload), largest first
 
     @property
     def max_tokens(self) -> int:
@@ -129,6 +132,7 @@ class PrefillGraphs:
         the caller; attention reads it). Replays the bucket's graph when there is one."""
         num_tokens = input_ids.shape[0]
         size = self.bucket(num_tokens)
+        self.used.add(size)
         self.embeds[:num_tokens].copy_(self.model.embed(input_ids))
         self.positions[:num_tokens].copy_(positions)
         self.embeds[num_tokens:size].zero_()
@@ -157,20 +161,22 @@ class PrefillGraphs:
     def release(self) -> None:
         """Drop every bucket's graphs and their pool (sleep); the next `capture` uses a new pool. Until then
         `forward` runs eagerly."""
-        self.graphs = {}
+        self.graphs, self.pending = {}, []
         self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
 
-    def capture(self, strict: bool) -> dict[int, float]:
-        """Capture every bucket, largest first; seconds per bucket. A no-op per bucket on CPU.
+    def capture(self, strict: bool, buckets: list[int] | None = None) -> dict[int, float]:
+        """Capture `buckets` (default every bucket), largest first; seconds per bucket. A no-op per bucket on CPU.
+        The others are pending (`capture_next`).
 
         Out of memory raises, saying what to lower. Another failure raises when `strict` (a reload, which
         then rolls back), else prefill runs eagerly from now on, with a warning. Every rank must succeed
         for any to use the new graphs; they replace the old ones only then.
         """
+        buckets = sorted(set(self.buckets if buckets is None else buckets) & set(self.buckets), reverse=True)
         graphs, timings, error, out_of_memory = {}, {}, None, False
         try:
             with collector_paused():
-                for size in reversed(self.buckets):
+                for size in buckets:
                     start = time.perf_counter()
                     graphs[size] = self._capture(size)
                     timings[size] = time.perf_counter() - start
@@ -187,12 +193,33 @@ class PrefillGraphs:
             error = error or "another rank failed to capture its prefill graphs"
             if strict:
                 raise RuntimeError(f"capturing the prefill graphs failed: {error}")
-            self.graphs, self.disabled = {}, error
+            self.graphs, self.disabled, self.pending = {}, error, []
             print(f"warning: capturing the prefill graphs failed ({error}); prefill runs eagerly",
                   file=sys.stderr, flush=True)
             return {}
         self.graphs, self.disabled = {s: b for s, b in graphs.items() if b is not None}, None
+        self.pending, self.used = [b for b in reversed(self.buckets) if b not in graphs], set()
         return timings
+
+    def capture_next(self) -> dict[int, float]:
+        """Capture the largest pending bucket: {bucket: seconds}, or {} when it failed (on any rank: it stays
+        eager, with a warning)."""
+        size = self.pending.pop(0)
+        start, bucket, error = time.perf_counter(), None, None
+        try:
+            with collector_paused():
+                bucket = self._capture(size)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        if not distributed.agree(error is None):
+            print(f"warning: capturing the prefill graph of {size} tokens failed ({error or 'on another rank'}); "
+                  "that bucket runs eagerly", file=sys.stderr, flush=True)
+            return {}
+        if bucket is not None:
+            self.graphs[size] = bucket
+        return {size: time.perf_counter() - start}
 
     def _capture(self, size: int) -> _Bucket | None:
         if self.device.type != "cuda":

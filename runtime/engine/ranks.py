@@ -123,8 +123,11 @@ class DrivenRunner:
     def warmup(self):
         return self._everywhere("warmup")
 
-    def capture_graphs(self, strict: bool = True):
-        return self._everywhere("capture_graphs", strict)
+    def capture_graphs(self, strict: bool = True, first=None):
+        return self._everywhere("capture_graphs", strict, first)
+
+    def capture_next(self):
+        return self._everywhere("capture_next")
 
     def release_graphs(self):
         return self._everywhere("release_graphs")

@@ -208,7 +208,7 @@ class ReloadForward:
                 await ae.run_on_engine_thread(engine.warmup)
             async with self._step(attempt, RECAPTURE):
                 graphs_swapped = True  # the decode graphs may be new even when the prefill capture then fails
-                graph_timings = await ae.run_on_engine_thread(engine.capture_graphs)
+                graph_timings = await ae.run_on_engine_thread(lambda: engine.capture_graphs(deferring=True))
                 for kind, seconds in graph_timings.items():
                     attempt.timings[f"recapture_{kind}"] = sum(seconds.values())
             tx.commit()

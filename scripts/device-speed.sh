@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One device run for issue 18's numbers and issue 17's one-GPU measurement; each log under $OUT (default
+# /tmp/device-out), the tails printed. About 6 minutes on the H200.
+#   run: source scripts/device-setup.sh; bash scripts/device-speed.sh      (carry .whl and .debs)
+set -u
+out=${OUT:-/tmp/device-out}
+mkdir -p "$out"
+source "$(dirname "$0")/device-check.sh" --steps-only
+step speed 300 python3 benchmarks/speed.py --cycles 5
+step breakdown 90 python3 benchmarks/decode_step.py --batch-sizes 1 256 --breakdown --iters 50
+if command -v nsys > /dev/null; then
+    step nsys-decode 120 nsys profile --trace=cuda,nvtx --sample=none --cuda-graph-trace=node --force-overwrite=true \
+        -o "$out/decode" python3 benchmarks/decode_step.py --batch-sizes 1 --iters 50
+    step nsys-stats 60 nsys stats --report cuda_gpu_kern_sum --format csv -o "$out/decode" "$out/decode.nsys-rep"
+    rm -f "$out/decode.nsys-rep" "$out/decode.sqlite"
+fi
+step tensor-parallel 240 python3 benchmarks/tensor_parallel.py --tp 1

@@ -1,0 +1,82 @@
+"""A reload recaptures first only the graphs the steps used since the last capture; the others are captured one
+at a time between steps once serving resumed, and run eagerly until then (on CPU a capture runs nothing, but
+which sizes are captured when, and what the steps run meanwhile, is the same)."""
+import asyncio
+
+from runtime.control_protocol import ReloadRequest
+from runtime.engine.async_engine import AsyncEngine
+from runtime.engine.reload_forward import ReloadForward
+from runtime.engine.sequence import SamplingParams
+from tsdev.hotreload import Reloader
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+GRAPHS = dict(cudagraph_capture_sizes=[1, 2, 4, 8], prefill_graph_capture_sizes=[16, 32, 64])  # + 256, the top
+PACKAGES = ["kernels.ops", "runtime.layers", "runtime.models", "runtime.sampling"]
+
+
+def test_a_reload_captures_the_used_sizes_first_and_leaves_the_rest_pending(make_engine):
+    engine = make_engine(**GRAPHS)  # startup captures every size
+    assert engine.graphs_pending == 0
+    engine.generate([[5, 17, 300, 42, 9]], GREEDY)  # one 5-token prefill (bucket 16), then decodes at batch 1
+    timings = engine.capture_graphs(deferring=True)
+    assert sorted(timings["decode"]) == [1] and sorted(timings["prefill"]) == [16]
+    assert engine.runner.decode_graphs.pending == [8, 4, 2] and engine.runner.prefill_graphs.pending == [256, 64, 32]
+    captured = [engine.capture_next() for _ in range(engine.graphs_pending)]
+    assert [sorted(c["decode"]) for c in captured] == [[8], [4], [2], [], [], []]
+    assert [sorted(c["prefill"]) for c in captured] == [[], [], [], [256], [64], [32]]
+    assert engine.graphs_pending == 0
+
+
+def test_with_nothing_used_a_reload_still_captures_the_smallest_of_each_kind(make_engine):
+    engine = make_engine(**GRAPHS)
+    timings = engine.capture_graphs(deferring=True)
+    assert sorted(timings["decode"]) == [1] and sorted(timings["prefill"]) == [16]
+
+
+def test_full_recapture_captures_everything_before_serving_resumes(make_engine):
+    engine = make_engine(**GRAPHS, full_recapture=True)
+    engine.generate([[5, 17, 300]], GREEDY)
+    timings = engine.capture_graphs(deferring=True)
+    assert sorted(timings["decode"]) == [1, 2, 4, 8] and sorted(timings["prefill"]) == [16, 32, 64, 256]
+    assert engine.graphs_pending == 0
+
+
+def test_sleeping_drops_what_is_pending(make_engine):
+    engine = make_engine(**GRAPHS)
+    engine.capture_graphs(deferring=True)
+    assert engine.graphs_pending == 6
+    engine.runner.release_graphs()
+    assert engine.graphs_pending == 0
+
+
+def test_the_server_captures_the_pending_graphs_while_serving_after_the_reload_and_serves_the_same_tokens(make_engine):
+    engine = make_engine(**GRAPHS)
+    prompts = [[5, 17, 300, 42, 9], [7, 8, 9], list(range(3, 30))]
+    before = [r["token_ids"] for r in engine.generate(prompts, GREEDY)]
+
+    async def scenario():
+        ae = AsyncEngine(engine)
+        await ae.start()
+        try:
+            reply = await ReloadForward(ae, Reloader(PACKAGES))(ReloadRequest(id="r1", modules=["runtime.layers.activation"]))
+            assert reply.ok, reply
+            pending_after_reload = engine.graphs_pending
+            outputs = await asyncio.gather(*(collect(ae, f"q{i}", p) for i, p in enumerate(prompts)))
+            for _ in range(100):
+                if not engine.graphs_pending:
+                    break
+                await asyncio.sleep(0.01)
+            return reply, pending_after_reload, outputs
+        finally:
+            await ae.stop()
+
+    reply, pending_after_reload, outputs = asyncio.run(scenario())
+    assert pending_after_reload > 0 and engine.graphs_pending == 0
+    assert outputs == before  # eager until captured, replayed after: the same tokens
+
+
+async def collect(ae: AsyncEngine, request_id: str, prompt: list[int]) -> list[int]:
+    tokens = []
+    async for out in ae.generate(request_id, prompt, GREEDY):
+        tokens += out.new_token_ids
+    return tokens
