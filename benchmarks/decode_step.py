@@ -3,6 +3,9 @@
     python3 benchmarks/decode_step.py                       # Qwen3-0.6B shape, bf16, context 512
     python3 benchmarks/decode_step.py --batch-sizes 1 8 --context 2048
     python3 benchmarks/decode_step.py --batch-sizes 1 128 --breakdown   # + GPU time per kernel of a replay
+    nsys profile --trace=cuda,nvtx --sample=none --cuda-graph-trace=node --capture-range=nvtx \
+        --nvtx-capture=decode-replay-1 -e NSYS_NVTX_PROFILER_REGISTER_ONLY=0 -o decode \
+        python3 benchmarks/decode_step.py --batch-sizes 1        # the batch-1 replays alone (5 + --iters of them)
 
 The floor is the time to read every weight once plus each sequence's KV cache, at the copy bandwidth
 measured in the same run. "step" is what the runner pays per decode step (host prep, graph replay,
@@ -17,6 +20,7 @@ import argparse
 import gc
 import time
 
+import nvtx
 import torch
 
 from runtime.config import EngineConfig
@@ -102,7 +106,8 @@ def main() -> None:
         batch = ScheduledBatch(seqs, [1] * bs)
         step = time_cuda(lambda: runner.run(batch), args.iters)
         size = next(s for s in runner.decode_graphs.sizes if s >= bs) if runner.decode_graphs and bs <= runner.decode_graphs.max_size else None
-        graph = time_cuda(runner.decode_graphs.graphs[size].replay, args.iters) if size in (runner.decode_graphs.graphs if runner.decode_graphs else {}) else float("nan")
+        with nvtx.annotate(f"decode-replay-{bs}"):  # what an nsys capture range can select (docstring)
+            graph = time_cuda(runner.decode_graphs.graphs[size].replay, args.iters) if size in (runner.decode_graphs.graphs if runner.decode_graphs else {}) else float("nan")
         if args.breakdown and size in runner.decode_graphs.graphs:
             breakdown.append((bs, kernel_breakdown(runner.decode_graphs.graphs[size].replay, args.iters)))
         for seq in seqs:

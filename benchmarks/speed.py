@@ -1,11 +1,12 @@
 """Issue 18's numbers in one run, each next to its target: the reload pause (median of --cycles edit/revert
-cycles of a Triton kernel, each cycle two reloads) and a restart of the same server, the decode step at batch 1
-and 256 with its memory-bandwidth floor, and the offline workload's output tokens per second.
+cycles of a Triton kernel, each cycle two reloads) and a restart of the same server, save -> serving through
+`tsdev watch` (the same edits), the decode step at batch 1 and 256 with its memory-bandwidth floor, and the
+offline workload's output tokens per second.
 
     python3 benchmarks/speed.py                 # CUDA; about 3 minutes on the H200
     python3 benchmarks/speed.py --cycles 5 --skip offline
 
-Runs benchmarks/reload_vs_restart.py, decode_step.py and offline_throughput.py one after the other (each in its
+Runs benchmarks/reload_vs_restart.py, save_to_serving.py, decode_step.py and offline_throughput.py one after the other (each in its
 own process, its output shown as it comes), then prints the table.
 """
 import argparse
@@ -16,7 +17,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-TARGETS = {"pause_s": 0.25, "restart_over_pause": 30, "decode_1_ms": 0.8, "decode_256_ms": 5.5, "offline_tok_s": 30_000}
+TARGETS = {"pause_s": 0.25, "restart_over_pause": 30, "save_to_serving_s": 0.4, "decode_1_ms": 0.8, "decode_256_ms": 5.5, "offline_tok_s": 30_000}
 
 
 def run(script: str, *args: str) -> str:
@@ -45,7 +46,7 @@ def decode_rows(output: str) -> dict[int, dict[str, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cycles", type=int, default=5, help="edit/revert cycles of the reload (two reloads each)")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["reload", "decode", "offline"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["reload", "watch", "decode", "offline"])
     args = parser.parse_args()
     measured = {}
     if "reload" not in args.skip:
@@ -53,6 +54,9 @@ def main() -> None:
         summary = json.loads(out.strip().splitlines()[-1])["summary"]
         measured.update(pause_s=summary["pause"], restart_over_pause=summary["restart_over_pause"],
                         restart_s=summary["restart"], wall_s=summary["wall"])
+    if "watch" not in args.skip:
+        out = run("save_to_serving.py", "--cycles", str(args.cycles))
+        measured["save_to_serving_s"] = json.loads(out.strip().splitlines()[-1])["summary"]["median"]
     if "decode" not in args.skip:
         rows = decode_rows(run("decode_step.py", "--batch-sizes", "1", "256"))
         for batch in (1, 256):

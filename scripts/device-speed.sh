@@ -8,10 +8,11 @@ mkdir -p "$out"
 source "$(dirname "$0")/device-check.sh" --steps-only
 step speed 300 python3 benchmarks/speed.py --cycles 5
 step breakdown 90 python3 benchmarks/decode_step.py --batch-sizes 1 256 --breakdown --iters 50
-if command -v nsys > /dev/null; then
-    step nsys-decode 120 nsys profile --trace=cuda,nvtx --sample=none --cuda-graph-trace=node --force-overwrite=true \
+if [ -x "${NSYS:-}" ]; then
+    step nsys-decode 120 "$NSYS" profile --trace=cuda,nvtx --sample=none --cuda-graph-trace=node --force-overwrite=true \
+        --capture-range=nvtx --nvtx-capture=decode-replay-1 -e NSYS_NVTX_PROFILER_REGISTER_ONLY=0 \
         -o "$out/decode" python3 benchmarks/decode_step.py --batch-sizes 1 --iters 50
-    step nsys-stats 60 nsys stats --report cuda_gpu_kern_sum --format csv -o "$out/decode" "$out/decode.nsys-rep"
+    step nsys-stats 60 "$NSYS" stats --report cuda_gpu_kern_sum --format csv -o "$out/decode" "$out/decode.nsys-rep"
     rm -f "$out/decode.nsys-rep" "$out/decode.sqlite"
 fi
 step tensor-parallel 240 python3 benchmarks/tensor_parallel.py --tp 1

@@ -90,6 +90,8 @@ def test_layer_edit_gives_one_reload_line_with_step_timings_and_golden_verdict(w
     for step in ("drain", "flush", "reload", "warm", "recapture", "jit", "pause", "total"):
         assert re.search(rf"\b{step} \d+\.\d\d\b", line), (step, line)
     assert re.search(r"golden: output changed at token \d+ of 24 \| decode [\d.]+ ms/step at batch 4 \([+-]", line)
+    seconds = float(re.search(r"\| save → serving (\d+\.\d\d) s \|", line).group(1))
+    assert 0 < seconds < 60  # from the file's modification time to the reply
     time.sleep(1.5)
     assert len([x for x in out.since(start) if re.search(r"reload #\d+ (ok|FAILED)", x)]) == 1
 

@@ -25,10 +25,10 @@ def project(tmp_path):
     return tmp_path
 
 
-def batches_during(project: Path, save, quiet: float = 0.8) -> list:
+def batches_during(project: Path, save, quiet: float = 0.8, **watcher_args) -> list:
     """Run `save` (blocking file operations) while the watcher runs; every batch it yields until `quiet` after."""
     async def main():
-        watcher = Watcher(Packages.locate(["kernels.ops", "runtime.layers"], project))
+        watcher = Watcher(Packages.locate(["kernels.ops", "runtime.layers"], project), **watcher_args)
         stop, found = asyncio.Event(), []
 
         async def consume():
@@ -47,10 +47,12 @@ def batches_during(project: Path, save, quiet: float = 0.8) -> list:
     return asyncio.run(main())
 
 
-def test_plain_write_is_one_batch_with_the_module(project):
+def test_plain_write_is_one_batch_with_the_module_and_its_save_time(project):
+    before = time.time()
     found = batches_during(project, lambda: (project / ACT).write_text(SOURCE + "# edited\n"))
     assert len(found) == 1
     assert found[0].reload == ["kernels.ops.act"] and found[0].restart == [] and found[0].files == [ACT]
+    assert found[0].saved_at == (project / ACT).stat().st_mtime and found[0].saved_at >= before - 0.05
 
 
 def test_atomic_rename_does_not_leak_the_temp_name(project):
@@ -77,13 +79,13 @@ def test_vim_save_with_probe_file_and_delete_then_add(project):
     assert [(c.files, c.reload) for c in found] == [([ACT], ["kernels.ops.act"])]
 
 
-def test_formatter_writing_again_100ms_later_gives_one_batch(project):
+def test_formatter_writing_again_100ms_later_gives_one_batch_with_settle_ms_200(project):
     def save():
         (project / ACT).write_text(SOURCE + "#  unformatted\n")
         time.sleep(0.1)
         (project / ACT).write_text(SOURCE + "# formatted\n")
 
-    found = batches_during(project, save)
+    found = batches_during(project, save, settle=0.2)  # the default (50 ms) reloads sooner: twice here
     assert len(found) == 1 and found[0].reload == ["kernels.ops.act"]
 
 

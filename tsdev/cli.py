@@ -450,7 +450,8 @@ def watch(
     attach: Annotated[Optional[str], typer.Option(help="Watch for a server that is already running at this URL instead of starting one "
                                                        "(it cannot be restarted for you then).")] = None,
     no_tui: Annotated[bool, typer.Option("--no-tui", help="One plain line per event instead of the screen (CI, editors, logs).")] = False,
-    settle_ms: Annotated[int, typer.Option(help="Quiet time after the last file event before reloading (editors write in bursts).")] = 200,
+    settle_ms: Annotated[int, typer.Option(help="Quiet time after the last file event before reloading, on top of watchfiles' 50 ms "
+                                                "(editors write in bursts; raise it if a formatter rewrites the file after each save).")] = 50,
     probe_batch: Annotated[int, typer.Option(help="Batch size of the decode probe run after every reload.")] = 8,
     probe_steps: Annotated[int, typer.Option(help="Tokens per request of the decode probe.")] = 32,
     server_log: Annotated[Optional[Path], typer.Option(help="Where the child server's output goes; default $TMPDIR/tsdev-watch-PORT.log.")] = None,

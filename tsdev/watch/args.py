@@ -16,7 +16,7 @@ class WatchConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     project: Path = field(default_factory=Path.cwd)
-    settle: float = 0.2
+    settle: float = 0.05
     probe_batch: int = 8
     probe_steps: int = 32
     profile_each_reload: bool = False  # every reload's decode probe runs inside a capture range, not just after `p`

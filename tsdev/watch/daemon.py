@@ -33,6 +33,8 @@ from tsdev.watch.restarts import Restarts
 from tsdev.watch.watcher import Packages, Watcher
 from tsdev.watch.weights import CheckpointWatcher, WeightUpdates
 
+WEIGHTS_SETTLE = 0.2  # seconds: the least quiet time before a checkpoint directory is looked at
+
 
 class Daemon:
     def __init__(self, config: WatchConfig, on_event: Callable[[Event], None],
@@ -46,7 +48,8 @@ class Daemon:
         self.weights: CheckpointWatcher | None = None
         if config.weights is not None:
             config.weights.mkdir(parents=True, exist_ok=True)
-            self.weights = CheckpointWatcher(config.weights, config.settle)
+            # checkpoint writers pause longer between writes than editors: a window of 200 ms at least
+            self.weights = CheckpointWatcher(config.weights, max(config.settle, WEIGHTS_SETTLE))
             server_args += ["--allowed-weight-dir", str(self.weights.root)]  # the server loads only from allowed dirs
         self.server = None if config.attach else ServerProcess(
             [*([config.model] if config.model else []), *server_args], config.port, allow_reload_forward=True,
@@ -199,7 +202,7 @@ class Daemon:
                 self.message(f"needs a restart ({'; '.join(reasons)}), but tsdev watch did not start this server: "
                              "restart it yourself", "warning")
             if changes.reload:
-                await self.reloads.run(self.reloads.new("save", changes.files, changes.reload))
+                await self.reloads.run(self.reloads.new("save", changes.files, changes.reload, saved_at=changes.saved_at))
         if batch.weights is not None:
             if self.down:
                 self.message(f"new checkpoint {batch.weights} not loaded: the server is down", "warning")

@@ -29,6 +29,8 @@ class ReloadRecord:
     probe: Probe | None = None
     note: str = ""
     restart: str = ""  # what the reply's needs_restart leads to ("needs restart: ... → restarting the server")
+    saved_at: float | None = None  # a save's modification time: when the edit the reload serves was written
+    served_after_save: float | None = None  # seconds from that save to the reply (serving the new code)
     done: bool = False
 
     @property

@@ -29,8 +29,8 @@ class Reloads:
         self.foreign: dict[str, ReloadRecord] = {}  # other clients' reloads in flight, by id
 
     def new(self, trigger: str, files: Sequence[str] = (), modules: Sequence[str] = (),
-            ids: Sequence[str] = ()) -> ReloadRecord:
-        return ReloadRecord(next(self.numbers), trigger, list(files), list(modules), ids=list(ids))
+            ids: Sequence[str] = (), saved_at: float | None = None) -> ReloadRecord:
+        return ReloadRecord(next(self.numbers), trigger, list(files), list(modules), ids=list(ids), saved_at=saved_at)
 
     async def run(self, record: ReloadRecord, forced: bool = False) -> None:
         """Ask the server to reload (`forced`: the record's modules, changed or not) and check the result."""
@@ -44,6 +44,8 @@ class Reloads:
             record.ids.append(rid)
             reply = await daemon.link.reload(rid, list(record.modules) if forced else None)
             worker, record.ranks = reply.first_failure, list(reply.workers)
+            if record.saved_at and reply.ok:
+                record.served_after_save = time.time() - record.saved_at
         except (httpx.HTTPError, RuntimeError) as exc:
             worker = WorkerReport(ok=False, error=f"the reload request failed: {exc}")
         self.current = None

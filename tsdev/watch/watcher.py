@@ -110,6 +110,7 @@ class Changes:
     files: list[str] = field(default_factory=list)  # display paths
     reload: list[str] = field(default_factory=list)  # changed modules inside the reloadable packages
     restart: list[str] = field(default_factory=list)  # changed modules outside them: the server restarts
+    saved_at: float | None = None  # the newest change's modification time (time.time() clock)
 
     def __bool__(self) -> bool:
         return bool(self.files)
@@ -118,7 +119,7 @@ class Changes:
         def union(a, b):
             return sorted(set(a) | set(b))
         return Changes(union(self.files, other.files), union(self.reload, other.reload),
-                       union(self.restart, other.restart))
+                       union(self.restart, other.restart), max(filter(None, (self.saved_at, other.saved_at)), default=None))
 
 
 def _digest(path: Path) -> str | None:
@@ -128,8 +129,15 @@ def _digest(path: Path) -> str | None:
         return None
 
 
+def _modified(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
 class Watcher:
-    def __init__(self, packages: Packages, settle: float = 0.2):
+    def __init__(self, packages: Packages, settle: float = 0.05):
         self.packages, self.settle = packages, settle
         self.seen: dict[str, str] = {}
         self.ready = asyncio.Event()  # set once the OS watches exist (saves before that are missed)
@@ -155,6 +163,7 @@ class Watcher:
             if digest is None or self.seen.get(path) == digest:
                 continue
             self.seen[path] = digest
+            out.saved_at = max(out.saved_at or 0.0, _modified(p))
             out.files.append(self.packages.display(p))
             (out.reload if self.packages.is_reloadable(module) else out.restart).append(module)
         return out
