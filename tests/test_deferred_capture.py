@@ -80,3 +80,32 @@ async def collect(ae: AsyncEngine, request_id: str, prompt: list[int]) -> list[i
     async for out in ae.generate(request_id, prompt, GREEDY):
         tokens += out.new_token_ids
     return tokens
+
+
+def test_while_requests_run_a_deferred_graph_is_captured_at_most_once_every_32_steps(make_engine):
+    from runtime.engine.async_engine import STEPS_PER_DEFERRED_CAPTURE
+
+    engine = make_engine(**GRAPHS)
+    engine.capture_graphs(deferring=True)  # as a reload leaves them: 6 pending
+    busy_captures, steps = [], []
+    capture_next, step = engine.capture_next, engine.step
+    engine.capture_next = lambda: busy_captures.append(engine.has_unfinished()) or capture_next()
+    engine.step = lambda: steps.append(1) or step()
+    params = SamplingParams(max_tokens=70, temperature=0, ignore_eos=True)
+
+    async def scenario():
+        ae = AsyncEngine(engine)
+        await ae.start()
+        try:
+            async for _ in ae.generate("long", [5, 17, 300], params):
+                pass
+            for _ in range(100):  # idle now: the rest go back to back
+                if not engine.graphs_pending:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            await ae.stop()
+
+    asyncio.run(scenario())
+    assert len(steps) >= 70 and engine.graphs_pending == 0
+    assert 1 <= sum(busy_captures) <= len(steps) // STEPS_PER_DEFERRED_CAPTURE + 1
