@@ -34,6 +34,11 @@ def run(script: str, *args: str) -> str:
     return "".join(lines)
 
 
+def last_summary(output: str) -> dict:
+    """The script's JSON summary line (the server's log lines may follow it)."""
+    return json.loads([line for line in output.splitlines() if line.startswith('{"summary"')][-1])["summary"]
+
+
 def decode_rows(output: str) -> dict[int, dict[str, float]]:
     """decode_step.py's table: batch -> step, graph, engine and floor (ms)."""
     rows = {}
@@ -50,13 +55,11 @@ def main() -> None:
     args = parser.parse_args()
     measured = {}
     if "reload" not in args.skip:
-        out = run("reload_vs_restart.py", "--cycles", str(args.cycles))
-        summary = json.loads(out.strip().splitlines()[-1])["summary"]
+        summary = last_summary(run("reload_vs_restart.py", "--cycles", str(args.cycles)))
         measured.update(pause_s=summary["pause"], restart_over_pause=summary["restart_over_pause"],
                         restart_s=summary["restart"], wall_s=summary["wall"])
     if "watch" not in args.skip:
-        out = run("save_to_serving.py", "--cycles", str(args.cycles))
-        measured["save_to_serving_s"] = json.loads(out.strip().splitlines()[-1])["summary"]["median"]
+        measured["save_to_serving_s"] = last_summary(run("save_to_serving.py", "--cycles", str(args.cycles)))["median"]
     if "decode" not in args.skip:
         rows = decode_rows(run("decode_step.py", "--batch-sizes", "1", "256"))
         for batch in (1, 256):

@@ -55,6 +55,7 @@ class AsyncEngine:
         self.profiler = StepProfiler(engine.config.device)
         self._deferred_seconds, self._deferred_count = 0.0, 0  # graphs captured after a reload resumed serving
         self._steps_since_capture = 0
+        self.holding = False
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -153,8 +154,10 @@ class AsyncEngine:
     # --- gates -----------------------------------------------------------------------------------
 
     def hold(self, on: bool) -> None:
-        """While holding, waiting requests are not admitted (they stay queued, not rejected)."""
+        """While holding, waiting requests are not admitted (they stay queued, not rejected), and no deferred graph
+        is captured (a reload, a weight load or a sleep holds: the engine thread is theirs)."""
         self.engine.hold(on)
+        self.holding = on
         self._wake.set()
 
     def set_paused(self, paused: bool) -> None:
@@ -244,7 +247,8 @@ class AsyncEngine:
                 self.on_step(time.perf_counter() - start, outputs)
 
     def _can_capture(self) -> bool:
-        return bool(self.engine.graphs_pending) and not self.paused and self.engine.unavailable() is None
+        return (bool(self.engine.graphs_pending) and not self.paused and not self.holding
+                and self.engine.unavailable() is None)
 
     def _capture_next(self) -> None:
         """A graph a reload left to capture after serving resumed; the last one logs how long they all took."""
