@@ -71,10 +71,11 @@ def run_workload(engine: LLMEngine, prompts, params, device: str, label: str = "
     print(f"tsdev{label}: {len(prompts)} requests, {in_tokens} prompt + {out_tokens} output tokens in {seconds:.2f} s: "
           f"{out_tokens / seconds:,.0f} output tok/s, {(in_tokens + out_tokens) / seconds:,.0f} total tok/s "
           f"({device}, {engine.model_dir.name})")
-    for kind, (count, secs, rows) in steps.items():
+    for kind, (count, secs, rows, times) in steps.items():
         if count:
             print(f"  {kind} steps: {count}, {secs:.2f} s, {1e3 * secs / count:.2f} ms/step, "
                   f"{rows / count:.0f} sequences/step")
+            print(f"    {histogram(times)}")
     return out_tokens / seconds
 
 
@@ -82,7 +83,7 @@ def time_steps(engine: LLMEngine) -> dict[str, list]:
     """Wrap engine.step to sum wall time per kind of step. A step's time goes to the batch it read (with
     async scheduling, the one launched by the call before), since reading waits for the GPU. What each call
     launched shows in the engine's step counters (`stats()`)."""
-    totals = {"decode": [0, 0.0, 0], "prefill or mixed": [0, 0.0, 0]}
+    totals = {"decode": [0, 0.0, 0, []], "prefill or mixed": [0, 0.0, 0, []]}
     step = engine.step
     totals["_restore"] = step
     kind = []
@@ -101,11 +102,25 @@ def time_steps(engine: LLMEngine) -> dict[str, list]:
             totals[name][0] += 1
             totals[name][1] += seconds
             totals[name][2] += rows
+            totals[name][3].append(seconds)
             seconds = 0.0
         return out
 
     engine.step = timed_step
     return totals
+
+
+def histogram(times: list[float], bins: int = 8) -> str:
+    """Step times in ms: percentiles, then counts in `bins` equal-width bins from the fastest to the slowest."""
+    ms = sorted(t * 1e3 for t in times)
+    pick = [ms[min(len(ms) - 1, int(q * len(ms)))] for q in (0.1, 0.5, 0.9, 0.99)]
+    low, width = ms[0], (ms[-1] - ms[0]) / bins or 1.0
+    counts = [0] * bins
+    for t in ms:
+        counts[min(bins - 1, int((t - low) / width))] += 1
+    cells = " ".join(f"{low + i * width:.1f}:{n}" for i, n in enumerate(counts))
+    return (f"ms p10 {pick[0]:.2f} p50 {pick[1]:.2f} p90 {pick[2]:.2f} p99 {pick[3]:.2f} max {ms[-1]:.2f}; "
+            f"histogram (bin start ms:steps) {cells}")
 
 
 def transformers_throughput(model_dir, device: str, batch: int, length: int) -> float:
