@@ -20,9 +20,8 @@ from pathlib import Path
 import httpx
 
 from tsdev.client import reload_forward
-from tsdev.server_process import ServerProcess
+from tsdev.server_process import ServerProcess, copy_project
 
-ROOT = Path(__file__).resolve().parent.parent
 FILE = "kernels/ops/activation.py"
 OLD = "tl.store(OUT + row * I + cols, (act * up)"
 NEW = "tl.store(OUT + row * I + cols, (-act * up)"
@@ -37,10 +36,7 @@ def main() -> None:
     parser.add_argument("server_args", nargs="*", help="extra `tsdev serve` flags (after --)")
     args = parser.parse_args()
 
-    project = Path(tempfile.mkdtemp(prefix="tsdev-reload-"))
-    for name in ("runtime", "kernels", "tsdev"):
-        shutil.copytree(ROOT / name, project / name, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(ROOT / "pyproject.toml", project)
+    project = copy_project(Path(tempfile.mkdtemp(prefix="tsdev-reload-")))
     server = ServerProcess(args.server_args, args.port, allow_reload_forward=True, cwd=project, pythonpath=project)
     url = server.url
     start = time.perf_counter()

@@ -24,12 +24,9 @@ import threading
 import time
 from pathlib import Path
 
-from tsdev.server_process import free_port
+from reload_vs_restart import FILE, NEW, OLD  # the same edit of the same kernel
+from tsdev.server_process import copy_project, free_port
 
-ROOT = Path(__file__).resolve().parent.parent
-FILE = "kernels/ops/activation.py"
-OLD = "tl.store(OUT + row * I + cols, (act * up)"
-NEW = "tl.store(OUT + row * I + cols, (-act * up)"
 RELOAD = re.compile(r"reload #(\d+) (ok|FAILED).*")
 SECONDS = re.compile(r"save → serving (\d+\.\d+) s")
 
@@ -42,10 +39,7 @@ def main() -> None:
     parser.add_argument("watch_args", nargs="*", help="extra `tsdev watch` flags (after --)")
     args = parser.parse_args()
 
-    project = Path(tempfile.mkdtemp(prefix="tsdev-save-"))
-    for name in ("runtime", "kernels", "tsdev"):
-        shutil.copytree(ROOT / name, project / name, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(ROOT / "pyproject.toml", project)
+    project = copy_project(Path(tempfile.mkdtemp(prefix="tsdev-save-")))
     command = [sys.executable, "-m", "tsdev", "watch", "--no-tui", "--port", str(free_port()),
                "--server-log", str(project / "server.log"), *args.watch_args]
     if args.device:

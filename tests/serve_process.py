@@ -1,19 +1,8 @@
 """Start `tsdev serve` in a subprocess for tests, optionally from a temporary copy of the project."""
-import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
-from tsdev.server_process import ServerProcess
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def copy_project(dest: Path) -> Path:
-    """The packages and pyproject, so a test can edit sources without touching the checkout."""
-    for name in ("runtime", "kernels", "tsdev"):
-        shutil.copytree(ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(ROOT / "pyproject.toml", dest / "pyproject.toml")
-    return dest
+from tsdev.server_process import ServerProcess, copy_project  # noqa: F401 (the tests import it from here)
 
 
 @contextmanager

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -38,6 +39,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def copy_project(dest: Path) -> Path:
+    """This checkout's packages and pyproject.toml, copied into `dest` (caches left out): a project whose sources a
+    test or a benchmark edits, run with `cwd=dest, pythonpath=dest`, leaving the checkout untouched."""
+    root = Path(__file__).resolve().parent.parent
+    for name in ("runtime", "kernels", "tsdev"):
+        shutil.copytree(root / name, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(root / "pyproject.toml", dest / "pyproject.toml")
+    return dest
 
 
 def local_url(host: str, port: int) -> str:

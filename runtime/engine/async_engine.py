@@ -33,7 +33,7 @@ class ShuttingDown(Unavailable):
     """The server is stopping: the request was not started."""
 
 
-# A graph a reload left for after it (~15-25 ms on the H200) is captured whenever the engine is idle, and while it
+# A graph a reload left for after it (15-35 ms on the H200) is captured whenever the engine is idle, and while it
 # serves once every this many steps: the first requests after a reload run at full speed on the graphs it captured.
 STEPS_PER_DEFERRED_CAPTURE = 32
 

@@ -205,7 +205,7 @@ class WatchApp(App):
                 chips.append(f"[yellow]▶ {name} {time.perf_counter() - record.step_started:.1f} s[/yellow]")
             else:
                 chips.append(f"[dim]· {name}[/dim]")
-        if getattr(record, "served_after_save", None) is not None:
+        if record.served_after_save is not None:
             chips.append(f"[b]save → serving {record.served_after_save:.2f} s[/b]")
         lines = [head, "   ".join(chips)]
         if record.done:
