@@ -1,59 +1,29 @@
-"""Does programmatic dependent launch (PDL) shorten a captured decode step at batch 1? A probe on the
-Qwen3-0.6B projection shapes: 28 layers x (qkv, o, gate_up, down) one-row GEMVs chained as in a step, in a
-CUDA graph, with the runtime's GEMV against one that loads its first weight chunk before waiting on the
-previous kernel (`gdc_wait`) and is launched with `launch_pdl=True`; then a chain of 300 tiny row kernels
-with and without PDL (what a norm or an activation costs per launch).
+"""The batch-1 projections in a CUDA graph: programmatic dependent launch (PDL) on and off, the norm and the
+SwiGLU activation fused into the GEMV or run as kernels of their own, and a sweep of the GEMV's block sizes per
+Qwen3-0.6B projection shape (what kernels/ops/linear.py's GEMV_CONFIGS holds). Every timing is a graph of 28
+layers' launches, each layer's weights distinct (as in a decode step, nothing stays in L2), replayed.
 
-    python3 benchmarks/pdl_probe.py          # CUDA, Hopper or newer
+    python3 benchmarks/pdl_probe.py              # CUDA, Hopper or newer for PDL
+    python3 benchmarks/pdl_probe.py --no-sweep
 """
+import argparse
 import itertools
 import os
 import sys
 
 import torch
 import triton
-import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from kernels.ops import linear  # noqa: E402
+from kernels.ops import activation, linear, norm  # noqa: E402
 
 LAYERS, HIDDEN, INTER, Q, KV = 28, 1024, 3072, 2048, 1024
 SHAPES = {"qkv": (Q + 2 * KV, HIDDEN), "o": (HIDDEN, Q), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
-
-
-@triton.jit
-def _gemv_pdl(X, W, OUT, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EARLY: tl.constexpr):
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
-    col_ok = cols < N
-    rows = W + cols[:, None].to(tl.int64) * stride_wn
-    if EARLY:
-        gdc_launch_dependents()
-    w = tl.load(rows + ks[None, :], mask=col_ok[:, None] & (ks < K)[None, :], other=0.0)
-    gdc_wait()
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(X + k0 + ks, mask=(k0 + ks) < K, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        nk = k0 + BLOCK_K + ks
-        w = tl.load(rows + nk[None, :], mask=col_ok[:, None] & (nk < K)[None, :], other=0.0)
-    tl.store(OUT + cols, tl.sum(acc, axis=1).to(OUT.dtype.element_ty), mask=col_ok)
-
-
-@triton.jit
-def _row_kernel(X, OUT, N: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        gdc_wait()
-    i = tl.arange(0, N)
-    x = tl.load(X + i).to(tl.float32)
-    tl.store(OUT + i, (x / tl.sqrt(tl.sum(x * x) / N + 1e-6)).to(OUT.dtype.element_ty))
+BF16 = torch.bfloat16
 
 
 def graph_us(fn, iters=50) -> float:
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
+    fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -70,63 +40,70 @@ def graph_us(fn, iters=50) -> float:
     return start.elapsed_time(end) / iters * 1e3
 
 
+def set_pdl(on: bool) -> None:
+    os.environ["TSDEV_PDL"] = "1" if on else "0"
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--no-sweep", action="store_true")
+    args = parser.parse_args()
     torch.manual_seed(0)
-    weights = [{name: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for name, (n, k) in SHAPES.items()}
-               for _ in range(LAYERS)]
-    x = torch.randn(HIDDEN, device="cuda", dtype=torch.bfloat16)
-    outs = {name: torch.empty(n, device="cuda", dtype=torch.bfloat16) for name, (n, _) in SHAPES.items()}
-    inputs = {"qkv": x, "o": outs["qkv"][:Q], "gate_up": outs["o"], "down": outs["gate_up"][:INTER]}
-    gb = sum(w.numel() * 2 for layer in weights for w in layer.values()) / 1e9
+    layers = [{name: torch.randn(n, k, device="cuda", dtype=BF16) * k ** -0.5 for name, (n, k) in SHAPES.items()}
+              for _ in range(LAYERS)]
+    norms = [(torch.randn(HIDDEN, device="cuda", dtype=BF16), torch.randn(HIDDEN, device="cuda", dtype=BF16)) for _ in range(LAYERS)]
+    x = torch.randn(1, HIDDEN, device="cuda", dtype=BF16)
+    gb = sum(w.numel() * 2 for layer in layers for w in layer.values()) / 1e9
 
-    def chain(project):
-        def run():
-            for layer in weights:
-                for name in SHAPES:
-                    project(name, inputs[name], layer[name], outs[name])
-        return run
+    def plain():  # the four projections, the norms and the activation as kernels of their own
+        h, r = x, x
+        for w, (n1, n2) in zip(layers, norms):
+            h, r = norm.rms_norm_triton(h, n1, 1e-6, r)
+            h = linear.gemv_triton(linear.gemv_triton(h, w["qkv"])[:, :Q], w["o"])
+            h, r = norm.rms_norm_triton(h, n2, 1e-6, r)
+            h = linear.gemv_triton(activation.silu_and_mul_triton(linear.gemv_triton(h, w["gate_up"])), w["down"])
 
-    def base(name, x, w, out):
-        linear._gemv_kernel[(triton.cdiv(w.shape[0], 4),)](
-            x, w, w, w, out, w.shape[0], w.shape[1], w.stride(0), HAS_BIAS=False, HAS_SCALE=False, BLOCK_N=4,
-            BLOCK_K=min(1024, w.shape[1]), num_warps=2, num_stages=3)
+    def fused():  # the norms inside the q|k|v and gate|up GEMVs, the activation after gate|up's
+        h, r = x, x
+        for w, (n1, n2) in zip(layers, norms):
+            qkv, r = linear.gemv_triton(h, w["qkv"], residual=r, norm_weight=n1, eps=1e-6)
+            h = linear.gemv_triton(qkv[:, :Q], w["o"])
+            act, r = linear.gemv_triton(h, w["gate_up"], residual=r, norm_weight=n2, eps=1e-6, gated=True)
+            h = linear.gemv_triton(act, w["down"])
 
-    def pdl(block_n, block_k, warps, early, launch=True):
-        def project(name, x, w, out):
-            _gemv_pdl[(triton.cdiv(w.shape[0], block_n),)](x, w, out, w.shape[0], w.shape[1], w.stride(0),
-                                                            BLOCK_N=block_n, BLOCK_K=min(block_k, w.shape[1]),
-                                                            EARLY=early, num_warps=warps, launch_pdl=launch)
-        return project
-
-    # correctness of the probe kernel against torch, on this run's random inputs
+    for name, fn, launches in (("separate kernels", plain, 8), ("norm + activation fused", fused, 4)):
+        for on in (False, True):
+            set_pdl(on)
+            t = graph_us(fn)
+            print(f"{name:<24} pdl={on!s:<5}: {t:7.1f} us for {launches * LAYERS} launches ({gb:.2f} GB of weights, "
+                  f"{gb * 1e3 / t:.2f} TB/s)", flush=True)
+    set_pdl(True)
+    a, b = torch.randn(1, HIDDEN, device="cuda", dtype=BF16), torch.randn(HIDDEN, device="cuda", dtype=BF16)
+    for on in (False, True):
+        set_pdl(on)
+        print(f"300 rms_norm launches, pdl={on}: {graph_us(lambda: [norm.rms_norm_triton(a, b, 1e-6) for _ in range(300)]):.1f} us",
+              flush=True)
+    if args.no_sweep:
+        return
+    set_pdl(True)
+    inputs = {name: torch.randn(1, k, device="cuda", dtype=BF16) for name, (_, k) in SHAPES.items()}
+    best = {}
     for name, (n, k) in SHAPES.items():
-        w, xx = weights[0][name], torch.randn(k, device="cuda", dtype=torch.bfloat16)
-        out = torch.empty(n, device="cuda", dtype=torch.bfloat16)
-        pdl(4, 1024, 2, True)(name, xx, w, out)
-        torch.testing.assert_close(out.float(), (w.float() @ xx.float()), atol=0.5, rtol=2e-2)
-
-    t = graph_us(chain(base))
-    print(f"runtime GEMV chain (112 launches, {gb:.2f} GB): {t:.1f} us, {gb * 1e3 / t:.2f} TB/s", flush=True)
-    for (block_n, block_k, warps), early, launch in itertools.product(
-            [(4, 1024, 2), (2, 1024, 2), (8, 512, 4), (4, 512, 2), (8, 1024, 4), (16, 256, 4)], (False, True), (False, True)):
-        t = graph_us(chain(pdl(block_n, block_k, warps, early, launch)))
-        print(f"prefetch GEMV block_n={block_n} block_k={block_k} warps={warps} early_trigger={early} pdl={launch}: "
-              f"{t:.1f} us, {gb * 1e3 / t:.2f} TB/s", flush=True)
-    for name, (n, k) in SHAPES.items():
-        for block_n, block_k, warps in [(2, 1024, 2), (4, 1024, 2), (4, 1024, 4), (8, 1024, 4), (8, 512, 4), (16, 512, 8)]:
-            def one(name=name, block_n=block_n, block_k=block_k, warps=warps):
-                for layer in weights:
-                    pdl(block_n, block_k, warps, True)(name, inputs[name], layer[name], outs[name])
-            t = graph_us(one) / LAYERS
-            print(f"  {name} [{n}x{k}] block_n={block_n} block_k={block_k} warps={warps} pdl: {t:.2f} us "
-                  f"({n * k * 2 / t / 1e6:.2f} TB/s)", flush=True)
-    a, b = torch.randn(HIDDEN, device="cuda", dtype=torch.bfloat16), torch.empty(HIDDEN, device="cuda", dtype=torch.bfloat16)
-    for use in (False, True):
-        def tiny(use=use):
-            for i in range(300):
-                src, dst = (a, b) if i % 2 == 0 else (b, a)
-                _row_kernel[(1,)](src, dst, N=HIDDEN, PDL=use, num_warps=4, launch_pdl=use)
-        print(f"300 tiny row kernels, pdl={use}: {graph_us(tiny):.1f} us", flush=True)
+        fuse = name in ("qkv", "gate_up")
+        results = []
+        block_ks = [triton.next_power_of_2(k)] if fuse else [bk for bk in (512, 1024, 2048, 4096) if bk <= triton.next_power_of_2(k)]
+        for block_n, block_k, warps in itertools.product((1, 2, 4, 8, 16), block_ks, (1, 2, 4, 8)):
+            if block_n * block_k > 16384:
+                continue
+            kwargs = dict(residual=inputs[name], norm_weight=norms[0][0], eps=1e-6, gated=name == "gate_up") if fuse else {}
+            t = graph_us(lambda: [linear.gemv_triton(inputs[name], w[name], block_n=block_n, block_k=block_k, num_warps=warps, **kwargs)
+                                  for w in layers]) / LAYERS
+            results.append((t, block_n, block_k, warps))
+            print(f"  {name} [{n}x{k}]{' fused' if fuse else ''} block_n={block_n} block_k={block_k} warps={warps}: "
+                  f"{t:.2f} us ({n * k * 2 / t / 1e6:.2f} TB/s)", flush=True)
+        best[(n, k)] = min(results)[1:]
+        print(f"best {name}: {min(results)[0]:.2f} us with {min(results)[1:]}", flush=True)
+    print(f"GEMV_CONFIGS = {best}")
 
 
 if __name__ == "__main__":

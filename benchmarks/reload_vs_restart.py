@@ -23,8 +23,8 @@ from tsdev.client import reload_forward
 from tsdev.server_process import ServerProcess, copy_project
 
 FILE = "kernels/ops/activation.py"
-OLD = "tl.store(OUT + row * I + cols, (act * up)"
-NEW = "tl.store(OUT + row * I + cols, (-act * up)"
+OLD = "    return act * up\n"
+NEW = "    return -act * up\n"
 PROMPT = {"prompt": [5, 17, 300, 42, 9, 77, 123, 4], "max_tokens": 32, "temperature": 0, "ignore_eos": True,
           "return_token_ids": True}
 

@@ -105,6 +105,71 @@ def test_linear_picks_gemv_skinny_or_cublas_by_rows(dtype, N, K, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("residual", [False, True])
+def test_gemv_with_norm_and_activation(dtype, gated, residual):
+    """The one-row GEMV that normalises its input (and applies SwiGLU's activation to a gate|up output) against
+    the torch references, and against the separate kernels one after another."""
+    N = INTER if gated else (HQ + 2 * HK) * D
+    x, nw, w = rand(1, HIDDEN, dtype=dtype), rand(HIDDEN, dtype=dtype), rand(2 * N if gated else N, HIDDEN, dtype=dtype, scale=HIDDEN ** -0.5)
+    r = rand(1, HIDDEN, dtype=dtype) if residual else None
+    y, res = linear.gemv_triton(x, w, residual=r, norm_weight=nw, eps=1e-6, gated=gated)
+    normed, want_res = norm.fused_add_rms_norm_ref(x, r, nw, 1e-6) if residual else (norm.rms_norm_ref(x, nw, 1e-6), x)
+    ref = linear.linear_ref(normed, w)
+    torch.testing.assert_close(y, activation.silu_and_mul_ref(ref) if gated else ref, **tol(dtype, loose=True))
+    assert torch.equal(res, want_res)
+    separate = linear.gemv_triton(norm.rms_norm_triton(x, nw, 1e-6, r)[0] if residual else norm.rms_norm_triton(x, nw, 1e-6), w)
+    torch.testing.assert_close(y, activation.silu_and_mul_triton(separate) if gated else separate, **tol(dtype))
+
+
+def test_a_pdl_chain_in_a_graph_computes_what_it_computes_without_pdl(monkeypatch):
+    """28 layers of the batch-1 decode kernels, each reading what the one before wrote (and the KV cache the
+    layer's store wrote), captured in a CUDA graph: launched with programmatic dependent launch, where a
+    kernel starts before the one before it ends, the result is bit-identical to launching without it."""
+    dt, layers = torch.bfloat16, 28
+    q, kc, vc, cu, sl, pt = paged_batch([512], [1], 16, dt)
+    slots = (pt[0, 31].long() * 16 + 15).view(1)  # the sequence's last slot
+    cache = rope.rope_cos_sin_cache(D, 1024, 1e6).cuda()
+    weights = [dict(qkv=rand((HQ + 2 * HK) * D, HIDDEN, dtype=dt, scale=HIDDEN ** -0.5), o=rand(HIDDEN, HQ * D, dtype=dt, scale=0.1),
+                    gate_up=rand(2 * INTER, HIDDEN, dtype=dt, scale=HIDDEN ** -0.5), down=rand(HIDDEN, INTER, dtype=dt, scale=0.1),
+                    n1=rand(HIDDEN, dtype=dt), n2=rand(HIDDEN, dtype=dt), qn=rand(D, dtype=dt), kn=rand(D, dtype=dt))
+               for _ in range(layers)]
+    x, pos = rand(1, HIDDEN, dtype=dt), torch.tensor([511], device="cuda")
+
+    def step():
+        hidden, residual = x, None
+        for w in weights:
+            qkv, residual = linear.gemv_triton(hidden, w["qkv"], residual=residual, norm_weight=w["n1"], eps=1e-6)
+            qq, k, v = qkv.split([HQ * D, HK * D, HK * D], dim=-1)
+            qq, k = rope.qk_norm_rope(qq.view(1, HQ, D), k.view(1, HK, D), w["qn"], w["kn"], 1e-6, pos, cache)
+            attention.store_kvcache(k, v.view(1, HK, D), kc, vc, slots)
+            o = attention.paged_attention(qq, kc, vc, cu, sl, pt, D**-0.5, max_q_len=1)
+            hidden = linear.linear(o.flatten(1), w["o"])
+            act, residual = linear.gemv_triton(hidden, w["gate_up"], residual=residual, norm_weight=w["n2"], eps=1e-6, gated=True)
+            hidden = linear.linear(act, w["down"])
+        return norm.rms_norm(hidden + residual, weights[0]["n1"], 1e-6)
+
+    outs = {}
+    start_k, start_v = kc.clone(), vc.clone()
+    for flag in ("0", "1"):
+        monkeypatch.setenv("TSDEV_PDL", flag)
+        kc.copy_(start_k), vc.copy_(start_v)
+        step()  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        replays = []
+        for _ in range(3):
+            kc.copy_(start_k), vc.copy_(start_v)
+            graph.replay()
+            replays.append(out.clone())
+        assert all(torch.equal(r, replays[0]) for r in replays)
+        outs[flag] = replays[0]
+    assert outs["1"].float().std() > 0.1 and torch.equal(outs["1"], outs["0"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("page_size", [16, 24])
 def test_store_kvcache(dtype, page_size):
     T, pages = 300, 64
@@ -181,12 +246,14 @@ def test_decode_graph_replays_with_new_lengths_and_pages():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = run()
-    for _ in range(3):
+    for _ in range(10):
         sl.copy_(torch.randint(1, max_len + 1, (B,), device="cuda", dtype=torch.int32))
         pt.copy_(pt[torch.randperm(B, device="cuda")])
         q.copy_(torch.randn_like(q))
         graph.replay()
         torch.testing.assert_close(out, attention.paged_attention_ref(q, kc, vc, cu, sl, pt, D**-0.5), **tol(q.dtype))
+    # the splits' arrival counters are zero again after every launch (the last split of each head resets its own)
+    assert not attention.split_arrivals(q.device, B * HK).any()
 
 
 # --- sampling ---------------------------------------------------------------------------------------

@@ -68,6 +68,32 @@ def test_gemv(N, K, block_n, block_k, bias):
     torch.testing.assert_close(got, linear.linear_ref(x, w, b), **TOL)
 
 
+@pytest.mark.parametrize("N,K,block_n", [(40, 72, 4), (33, 100, 8), (6, 24, 16)])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_with_norm_and_activation_equals_the_ops_one_after_another(N, K, block_n, residual, gated, bias):
+    x, w, nw = torch.randn(1, K), torch.randn(2 * N if gated else N, K), torch.randn(K)
+    r = torch.randn(1, K) if residual else None
+    b = torch.randn(w.shape[0]) if bias else None
+    y, res = linear.gemv_triton(x, w, b, block_n=block_n, residual=r, norm_weight=nw, eps=1e-6, gated=gated)
+    normed, want_res = norm.rms_norm_triton(x, nw, 1e-6, r) if residual else (norm.rms_norm_triton(x, nw, 1e-6), x)
+    want = linear.gemv_triton(normed, w, b, block_n=block_n, block_k=1024)
+    want = activation.silu_and_mul_triton(want) if gated else want
+    assert torch.equal(y, want) and torch.equal(res, want_res)  # the same arithmetic, the same rounding
+    normed_ref, _ = norm.fused_add_rms_norm_ref(x, r, nw, 1e-6) if residual else (norm.rms_norm_ref(x, nw, 1e-6), x)
+    ref = linear.linear_ref(normed_ref, w, b)
+    torch.testing.assert_close(y, activation.silu_and_mul_ref(ref) if gated else ref, **TOL)
+
+
+def test_gemv_with_norm_and_activation_takes_fp8_weights():
+    x, r, nw, (w, s) = torch.randn(1, 72), torch.randn(1, 72), torch.randn(72), fp8_weight(2 * 40, 72)
+    y, res = linear.gemv_triton(x, w, weight_scale=s, residual=r, norm_weight=nw, eps=1e-6, gated=True)
+    normed, want_res = norm.fused_add_rms_norm_ref(x, r, nw, 1e-6)
+    torch.testing.assert_close(y, activation.silu_and_mul_ref(fp8.fp8_weight_only_ref(normed, w, s)), **TOL)
+    assert torch.equal(res, want_res)
+
+
 def test_gemv_keeps_leading_dims_and_refuses_several_rows():
     x, w = torch.randn(1, 1, 24), torch.randn(8, 24)
     assert linear.gemv_triton(x, w).shape == (1, 1, 8)

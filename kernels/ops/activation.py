@@ -1,13 +1,15 @@
 """Gated activations.
 
 SiLU-and-mul reads gate | up once and writes silu(gate) * up: one program per (row, block of columns).
+The arithmetic is `silu_and_mul_values`, which the one-row GEMV also runs on the gate_up projection's output
+(kernels/ops/linear.py, the decode step at batch 1): an edit there reaches both.
 """
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.ops import use_triton
+from kernels.ops import pdl, use_triton, wait_for_previous
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -17,15 +19,23 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_and_mul_kernel(X, OUT, stride_x, I, BLOCK: tl.constexpr):
+def silu_and_mul_values(gate, up, dt):
+    """silu(gate) * up in float32 from float32 gate and up (values of dtype dt), rounded to dt where the
+    reference rounds: silu's result (the caller rounds the product)."""
+    act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+    return act * up
+
+
+@triton.jit
+def _silu_and_mul_kernel(X, OUT, stride_x, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
     gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(X + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
-    # rounded where the reference rounds: silu's result, then the product
-    act = (gate / (1.0 + tl.exp(-gate))).to(OUT.dtype.element_ty).to(tl.float32)
-    tl.store(OUT + row * I + cols, (act * up).to(OUT.dtype.element_ty), mask=mask)
+    tl.store(OUT + row * I + cols, silu_and_mul_values(gate, up, OUT.dtype.element_ty).to(OUT.dtype.element_ty),
+             mask=mask)
 
 
 def silu_and_mul_triton(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
@@ -35,7 +45,9 @@ def silu_and_mul_triton(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
         x2 = x2.contiguous()
     out = torch.empty(*x.shape[:-1], I, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(I, block))](x2, out, x2.stride(0), I, BLOCK=block, num_warps=4)
+        use_pdl = pdl(x)
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(I, block))](x2, out, x2.stride(0), I, BLOCK=block, PDL=use_pdl,
+                                                                     num_warps=4, launch_pdl=use_pdl)
     return out
 
 

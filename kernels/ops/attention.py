@@ -11,7 +11,8 @@ Triton paths (CUDA), picked from host ints so no step waits on the GPU:
 * decode (max_q_len == 1): one program per (sequence, KV head, split). The query heads that share a
   KV head are packed into one tile, so each K/V row is read once for the whole group (GQA). Each
   sequence's KV length is cut into `num_splits` chunks (flash-decoding) so that batch 1 at a long
-  context still fills the GPU; a second small kernel merges the chunks by their log-sum-exp. The
+  context still fills the GPU; the last split of each (sequence, KV head) to finish merges the chunks by
+  their log-sum-exp (an atomic arrival count; no second kernel to launch). The
   grid depends only on the batch size and head counts, so a CUDA graph captured once replays
   correctly for any seq_lens and page tables.
 * prefill (max_q_len > 1): one program per (block of query rows, sequence, query head), streaming
@@ -24,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.ops import sm_count, use_triton
+from kernels.ops import pdl, sm_count, use_triton, wait_for_previous
 
 LOG2E = 1.4426950408889634
 
@@ -76,8 +77,9 @@ def paged_attention_ref(
 def _store_kvcache_kernel(
     K, V, K_CACHE, V_CACHE, SLOTS,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cp, stride_cs, stride_ch,
-    Hk, D, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    Hk, D, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     t = tl.program_id(0)
     slot = tl.load(SLOTS + t).to(tl.int64)
     if slot >= 0:  # -1: a padding row, writes nothing
@@ -100,11 +102,12 @@ def store_kvcache_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
     T, Hk, D = k.shape
     if T == 0:
         return
+    use_pdl = pdl(k)
     _store_kvcache_kernel[(T,)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), Hk, D,
         PAGE_SIZE=k_cache.shape[1], BLOCK_H=triton.next_power_of_2(Hk), BLOCK_D=triton.next_power_of_2(D),
-        num_warps=4,
+        PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
     )
 
 
@@ -114,13 +117,14 @@ def store_kvcache_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
 
 @triton.jit
 def _decode_kernel(
-    Q, K_CACHE, V_CACHE, O, PART_O, PART_LSE, CU, SEQ_LENS, PAGE_TABLE,
+    Q, K_CACHE, V_CACHE, O, PART_O, PART_LSE, ARRIVED, CU, SEQ_LENS, PAGE_TABLE,
     scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_cp, stride_cs, stride_ch, stride_pt,
-    Hq, num_splits,
+    Hq, Hk, num_splits,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -163,30 +167,45 @@ def _decode_kernel(
         tl.store(PART_O + part[:, None] * HEAD_DIM + d[None, :], acc / tl.maximum(l_i, 1e-30)[:, None], mask=hd_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
         tl.store(PART_LSE + part, lse, mask=h < GROUP * q_len)
+        # the last split of this (sequence, KV head) to arrive merges them all: every thread's partial is
+        # stored before the count is raised, and read after it (CUTLASS's split-K semaphore order)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(ARRIVED + b * Hk + kv_head, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:
+            tl.debug_barrier()
+            tl.store(ARRIVED + b * Hk + kv_head, 0)  # zero again for the next launch
+            if q_len > 0:
+                sp = tl.arange(0, BLOCK_S)
+                for g in tl.static_range(GROUP):
+                    part = (b * Hq + kv_head * GROUP + g) * num_splits + sp
+                    lse = tl.load(PART_LSE + part, mask=sp < num_splits, other=float("-inf"), cache_modifier=".cg")
+                    w = tl.exp2(lse - tl.max(lse, axis=0))  # empty splits: exp2(-inf) = 0
+                    o = tl.load(PART_O + part[:, None] * HEAD_DIM + d[None, :],
+                                mask=(sp < num_splits)[:, None] & (d < HEAD_DIM)[None, :], other=0.0,
+                                cache_modifier=".cg")
+                    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
+                    tl.store(O + row * stride_ot + (kv_head * GROUP + g) * stride_oh + d, out.to(O.dtype.element_ty),
+                             mask=d < HEAD_DIM)
     else:
         out = acc / l_i[:, None]
         tl.store(O + row * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty),
                  mask=hd_mask)
 
 
-@triton.jit
-def _decode_merge_kernel(
-    O, PART_O, PART_LSE, CU, stride_ot, stride_oh, Hq, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    b = tl.program_id(0)
-    head = tl.program_id(1)
-    row = tl.load(CU + b)
-    if tl.load(CU + b + 1) > row:
-        s = tl.arange(0, BLOCK_S)
-        d = tl.arange(0, BLOCK_D)
-        part = (b * Hq + head) * num_splits + s
-        lse = tl.load(PART_LSE + part, mask=s < num_splits, other=float("-inf"))
-        w = tl.exp2(lse - tl.max(lse, axis=0))  # empty splits: exp2(-inf) = 0
-        o = tl.load(PART_O + part[:, None] * HEAD_DIM + d[None, :], mask=(s < num_splits)[:, None] & (d < HEAD_DIM)[None, :],
-                    other=0.0)
-        out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
-        tl.store(O + row * stride_ot + head * stride_oh + d, out.to(O.dtype.element_ty), mask=d < HEAD_DIM)
+_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def split_arrivals(device: torch.device, count: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per (sequence, KV head), that the decode kernel's splits count their arrival
+    in; the merging split zeroes its own, so all are zero again after each launch. Kept for the process's life
+    (captured graphs hold their address); a larger batch adds a larger buffer, never inside a capture."""
+    buffers = _ARRIVALS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"decode attention needs {count} split counters while a CUDA graph is captured: "
+                               "run the batch size once eagerly before capturing it")
+        buffers.append(torch.zeros(max(count, 4096), dtype=torch.int32, device=device))
+    return buffers[-1]
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
@@ -213,19 +232,17 @@ def paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table,
     part_o = torch.empty((B, Hq, num_splits, D) if split else (1,), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((B, Hq, num_splits) if split else (1,), dtype=torch.float32, device=q.device)
     group = Hq // Hk
+    use_pdl = pdl(q)
     _decode_kernel[(B, Hk, num_splits)](
-        q, k_cache, v_cache, out, part_o, part_lse, cu_seqlens_q, seq_lens, page_table,
-        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0), Hq, num_splits,
+        q, k_cache, v_cache, out, part_o, part_lse, split_arrivals(q.device, B * Hk) if split else part_lse,
+        cu_seqlens_q, seq_lens, page_table, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0), Hq, Hk, num_splits,
         GROUP=group, PAGE_SIZE=k_cache.shape[1], HEAD_DIM=D,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=triton.next_power_of_2(D), BLOCK_N=block_n,
-        SPLIT=split, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
+        BLOCK_S=triton.next_power_of_2(num_splits), SPLIT=split,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=use_pdl, num_warps=4, num_stages=2,
+        launch_pdl=use_pdl,
     )
-    if split:
-        _decode_merge_kernel[(B, Hq)](
-            out, part_o, part_lse, cu_seqlens_q, out.stride(0), out.stride(1), Hq, num_splits,
-            HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=triton.next_power_of_2(D), num_warps=4,
-        )
     return out
 
 

@@ -14,7 +14,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.ops import use_triton
+from kernels.ops import pdl, use_triton, wait_for_previous
+from kernels.ops.activation import silu_and_mul_values
+from kernels.ops.norm import rms_norm_values
 
 SKINNY_ROWS = 8
 
@@ -24,49 +26,106 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 
 @triton.jit
-def _gemv_kernel(X, W, B, S, OUT, N, K, stride_wn,
-                 HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(X, R, NW, W, B, S, OUT, R_OUT, N, K, stride_wn, eps,
+                 NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    dt = OUT.dtype.element_ty
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     col_ok = cols < N
     rows = W + cols[:, None].to(tl.int64) * stride_wn
+    up_rows = rows + N * stride_wn  # GATED: the up projection's rows follow the gate's
+    # the first chunk of weights is read before waiting for the kernel that writes x (weights never change
+    # within a step)
+    w = tl.load(rows + ks[None, :], mask=col_ok[:, None] & (ks < K)[None, :], other=0.0)
+    if GATED:
+        u = tl.load(up_rows + ks[None, :], mask=col_ok[:, None] & (ks < K)[None, :], other=0.0)
+    wait_for_previous(PDL)
+    if NORM:  # x = rms_norm(x + residual) over the whole row (BLOCK_K >= K), rounded where norm.py rounds
+        k_ok = ks < K
+        x = tl.load(X + ks, mask=k_ok, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            x = (x + tl.load(R + ks, mask=k_ok, other=0.0).to(tl.float32)).to(dt)
+            if tl.program_id(0) == 0:
+                tl.store(R_OUT + ks, x, mask=k_ok)
+            x = x.to(tl.float32)
+        x = rms_norm_values(x, tl.load(NW + ks, mask=k_ok, other=0.0).to(tl.float32), K, eps, dt).to(dt).to(tl.float32)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_ok = (k0 + ks) < K
-        w = tl.load(rows + (k0 + ks)[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(X + k0 + ks, mask=k_ok, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    y = tl.sum(acc, axis=1)
+        if not NORM:
+            x = tl.load(X + k0 + ks, mask=(k0 + ks) < K, other=0.0).to(tl.float32)
+        acc += w.to(tl.float32) * x[None, :]
+        if GATED:
+            acc_up += u.to(tl.float32) * x[None, :]
+        nk = k0 + BLOCK_K + ks
+        w = tl.load(rows + nk[None, :], mask=col_ok[:, None] & (nk < K)[None, :], other=0.0)
+        if GATED:
+            u = tl.load(up_rows + nk[None, :], mask=col_ok[:, None] & (nk < K)[None, :], other=0.0)
+    y = _finish_row(tl.sum(acc, axis=1), cols, col_ok, B, S, HAS_BIAS, HAS_SCALE)
+    if GATED:  # silu(gate) * up, each rounded where activation.py rounds after the projection's rounding
+        gate = y.to(dt).to(tl.float32)
+        up = _finish_row(tl.sum(acc_up, axis=1), cols + N, col_ok, B, S, HAS_BIAS, HAS_SCALE).to(dt).to(tl.float32)
+        y = silu_and_mul_values(gate, up, dt)
+    tl.store(OUT + cols, y.to(dt), mask=col_ok)
+
+
+@triton.jit
+def _finish_row(y, cols, col_ok, B, S, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr):
     if HAS_SCALE:  # e4m3 weights: one float32 scale per output row (kernels/ops/fp8.py)
         y *= tl.load(S + cols, mask=col_ok, other=0.0)
     if HAS_BIAS:
         y += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
-    tl.store(OUT + cols, y.to(OUT.dtype.element_ty), mask=col_ok)
+    return y
 
 
-def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int = 4,
-                block_k: int = 1024, num_warps: int = 2, num_stages: int = 3,
-                weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+# (N, K) -> (block_n, block_k, num_warps): the best of `benchmarks/pdl_probe.py`'s sweep on the H200 for the
+# Qwen3-0.6B projections, one row, in a CUDA graph with PDL
+GEMV_CONFIGS: dict[tuple[int, int], tuple[int, int, int]] = {}
+GEMV_DEFAULT = (4, 1024, 2)
+
+
+def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int | None = None,
+                block_k: int | None = None, num_warps: int | None = None, num_stages: int = 3,
+                weight_scale: torch.Tensor | None = None, *, residual: torch.Tensor | None = None,
+                norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                gated: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] holding one row, weight [N, K] -> [..., N] in x's dtype. With weight_scale [N] float32 the
-    weight may be e4m3, multiplied by its row's scale after the float32 sum (kernels/ops/fp8.py)."""
+    weight may be e4m3, multiplied by its row's scale after the float32 sum (kernels/ops/fp8.py).
+
+    Fusions (the decode step at batch 1 pays per launch): with norm_weight [K] the input is first
+    rms_norm(x + residual) (norm.py's rounding; without residual rms_norm(x)) and the result is
+    (y, x + residual) (x itself without residual). gated: the weight holds gate rows then up rows
+    (a merged gate_up projection) and y = silu(gate) * up [..., N / 2] (activation.py's rounding).
+    Bit-identical to the unfused ops with the same block sizes. Block sizes default to GEMV_CONFIGS."""
     K, N = x.shape[-1], weight.shape[0]
     if x.numel() != K:
         raise ValueError(f"gemv_triton multiplies one row; x has shape {tuple(x.shape)}")
     x = x.contiguous()
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
-    out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(N, block_n),)](
-        x, weight, bias if bias is not None else weight, weight_scale if weight_scale is not None else weight, out,
-        N, K, weight.stride(0), HAS_BIAS=bias is not None, HAS_SCALE=weight_scale is not None, BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(K)),
-        num_warps=num_warps, num_stages=num_stages,
+    n_out = N // 2 if gated else N
+    norm = norm_weight is not None
+    default_n, default_k, default_warps = GEMV_CONFIGS.get((N, K), GEMV_DEFAULT)
+    block_k = triton.next_power_of_2(K) if norm else min(block_k or default_k, triton.next_power_of_2(K))
+    out = torch.empty(*x.shape[:-1], n_out, dtype=x.dtype, device=x.device)
+    r_out = torch.empty_like(x) if residual is not None else x
+    use_pdl = pdl(x)
+    _gemv_kernel[(triton.cdiv(n_out, block_n or default_n),)](
+        x, residual.contiguous() if residual is not None else x, norm_weight if norm else x, weight,
+        bias if bias is not None else weight, weight_scale if weight_scale is not None else weight, out, r_out,
+        n_out, K, weight.stride(0), eps, NORM=norm, HAS_RESIDUAL=residual is not None, GATED=gated,
+        HAS_BIAS=bias is not None, HAS_SCALE=weight_scale is not None, BLOCK_N=block_n or default_n, BLOCK_K=block_k,
+        PDL=use_pdl, num_warps=num_warps or default_warps, num_stages=num_stages, launch_pdl=use_pdl,
     )
-    return out
+    return (out, r_out) if norm else out
 
 
 @triton.jit
 def _skinny_kernel(X, W, B, S, OUT, M, N, K, stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr,
-                   HAS_SCALE: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   HAS_SCALE: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
@@ -104,11 +163,12 @@ def skinny_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         weight = weight.contiguous()
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M:
+        use_pdl = pdl(x)
         _skinny_kernel[(triton.cdiv(N, block_n),)](
             x2, weight, bias if bias is not None else weight, weight_scale if weight_scale is not None else weight,
             out, M, N, K, x2.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
             HAS_SCALE=weight_scale is not None, IEEE=x.dtype == torch.float32, BLOCK_M=16, BLOCK_N=block_n,
-            BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+            BLOCK_K=block_k, PDL=use_pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=use_pdl,
         )
     return out.reshape(*x.shape[:-1], N)
 

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.ops import use_triton
+from kernels.ops import pdl, use_triton, wait_for_previous
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -28,12 +28,22 @@ def fused_add_rms_norm_ref(
 
 
 @triton.jit
+def rms_norm_values(x, w, N, eps, dt):
+    """w * round(x * rsqrt(mean(x^2) + eps)) in float32, for one row x (float32 values of dtype dt, masked
+    lanes 0) and its weight w (float32): round to dt before the weight, as the reference does (the caller
+    rounds the product). The one-row GEMV runs it too, on the projection's input (kernels/ops/linear.py)."""
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+    return w * (x * rstd).to(dt).to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_kernel(
     X, R, W, OUT, R_OUT,
     inner, stride_x0, stride_x1, stride_r0, stride_r1,
     N, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     # rows are addressed as [outer, inner] so a strided 3-D view (q heads inside a fused qkv row) needs no copy
     row = tl.program_id(0)
     i, j = row // inner, row % inner
@@ -46,10 +56,10 @@ def _rms_norm_kernel(
         x = (x + r).to(R_OUT.dtype.element_ty)
         tl.store(R_OUT + row * N + cols, x, mask=mask)
         x = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    normed = (x * rstd).to(R_OUT.dtype.element_ty).to(tl.float32)  # R_OUT: the dtype x was in
-    tl.store(OUT + row * N + cols, (w * normed).to(OUT.dtype.element_ty), mask=mask)
+    # R_OUT: the dtype x was in
+    tl.store(OUT + row * N + cols, rms_norm_values(x, w, N, eps, R_OUT.dtype.element_ty).to(OUT.dtype.element_ty),
+             mask=mask)
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int]:
@@ -75,9 +85,11 @@ def rms_norm_triton(
         r_out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
         out = torch.empty(x.shape, dtype=torch.promote_types(r_out.dtype, weight.dtype), device=x.device)
     BLOCK = triton.next_power_of_2(N)
+    use_pdl = pdl(x)
     _rms_norm_kernel[(outer * inner,)](
         xr, rr, weight, out, r_out, inner, sx0, sx1, sr0, sr1, N, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=BLOCK, num_warps=min(max(BLOCK // 256, 1), 8),
+        HAS_RESIDUAL=residual is not None, BLOCK=BLOCK, PDL=use_pdl, num_warps=min(max(BLOCK // 256, 1), 8),
+        launch_pdl=use_pdl,
     )
     return out if residual is None else (out, r_out)
 

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.ops import use_triton
+from kernels.ops import pdl, use_triton, wait_for_previous
 from kernels.ops.norm import rms_norm_ref
 
 
@@ -75,8 +75,9 @@ def _rope_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
     Hq, Hk, eps,
     HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    NORM: tl.constexpr,
+    NORM: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     t = tl.program_id(0)
     cols = tl.arange(0, BLOCK_HALF)[None, :]
     pos = tl.load(POS + t).to(tl.int64)
@@ -106,11 +107,12 @@ def rope_triton(
     if T == 0:
         return q_out, k_out
     half = D // 2
+    use_pdl = pdl(q)
     _rope_kernel[(T,)](
         q, k, q_weight if norm else q, k_weight if norm else k, q_out, k_out, positions, cos_sin_cache,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0), Hq, Hk, eps,
         HALF=half, BLOCK_HQ=triton.next_power_of_2(Hq), BLOCK_HK=triton.next_power_of_2(Hk),
-        BLOCK_HALF=triton.next_power_of_2(half), NORM=norm, num_warps=4,
+        BLOCK_HALF=triton.next_power_of_2(half), NORM=norm, PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
     )
     return q_out, k_out
 

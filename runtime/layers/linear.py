@@ -17,8 +17,11 @@ from torch import nn
 
 from kernels.ops import fp8 as fp8_ops
 from kernels.ops import linear as linear_ops
+from kernels.ops import use_triton
 from runtime import distributed
 from runtime.config import QUANTIZATIONS  # --quantization
+from runtime.layers.activation import SiluAndMul
+from runtime.layers.norm import RMSNorm
 from runtime.weights.layout import RankSlice
 
 
@@ -62,6 +65,24 @@ class Linear(nn.Module):
         if self.quantization == "fp8":
             return fp8_ops.fp8_linear(x, self.weight_fp8, self.weight_scale, bias)
         return linear_ops.linear(x, self.weight, bias)
+
+    def project_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                       act: SiluAndMul | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(act(self(norm(x, residual))), x + residual); without residual (act(self(norm(x))), x); without act the
+        projection's output. A decode step at batch 1 on CUDA runs it all in one kernel: the GEMV normalises
+        its input and, for a gate|up projection, applies silu(gate) * up to its output, with the arithmetic of
+        the norm and activation kernels (an edit of their Triton code reaches both; the Python forwards of
+        RMSNorm and SiluAndMul are not called there). Other inputs run the modules one after another."""
+        families = ("norm", self.quantization or "linear", *(("activation",) if act is not None else ()))
+        if (x.numel() == x.shape[-1] and all(use_triton(x, f) for f in families) and type(norm) is RMSNorm
+                and (act is None or type(act) is SiluAndMul) and norm.weight.dtype == x.dtype
+                and (residual is None or residual.dtype == x.dtype)):
+            weight, scale = (self.weight_fp8, self.weight_scale) if self.quantization == "fp8" else (self.weight, None)
+            return linear_ops.gemv_triton(x, weight, self.bias, weight_scale=scale, residual=residual,
+                                          norm_weight=norm.weight, eps=norm.eps, gated=act is not None)
+        hidden, residual = (norm(x), x) if residual is None else norm(x, residual)
+        y = self(hidden)
+        return (y if act is None else act(y)), residual
 
 
 class RowParallelLinear(Linear):

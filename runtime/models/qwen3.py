@@ -32,15 +32,19 @@ class Qwen3Attention(nn.Module):
         self.rotary_emb = rope
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention over norm(hidden + residual); returns (its output, hidden + residual). The norm runs inside
+        the q|k|v projection (`Linear.project_normed`)."""
+        qkv, residual = self.qkv_proj.project_normed(hidden, residual, norm)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
         # the graph cut: under prefill graphs, everything above and below is captured and attention runs
         # outside the graph (Attention.graph_cut)
         o = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim))
-        return self.o_proj(o.flatten(1))
+        return self.o_proj(o.flatten(1)), residual
 
 
 class Qwen3MLP(nn.Module):
@@ -51,8 +55,11 @@ class Qwen3MLP(nn.Module):
         self.down_proj = RowParallelLinear(size, config.hidden_size)
         self.act = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """SwiGLU over norm(x + residual); returns (its output, x + residual). The norm and the activation run
+        inside the gate|up projection (`Linear.project_normed`)."""
+        act, residual = self.gate_up_proj.project_normed(x, residual, norm, self.act)
+        return self.down_proj(act), residual
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -64,13 +71,8 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions, hidden, residual):
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        hidden, residual = self.self_attn(positions, hidden, residual, self.input_layernorm)
+        return self.mlp(hidden, residual, self.post_attention_layernorm)
 
 
 class Qwen3Model(nn.Module):
