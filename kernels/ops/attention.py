@@ -177,15 +177,15 @@ def _decode_kernel(
             if q_len > 0:
                 sp = tl.arange(0, BLOCK_S)
                 for g in tl.static_range(GROUP):
-                    part = (b * Hq + kv_head * GROUP + g) * num_splits + sp
-                    lse = tl.load(PART_LSE + part, mask=sp < num_splits, other=float("-inf"), cache_modifier=".cg")
-                    w = tl.exp2(lse - tl.max(lse, axis=0))  # empty splits: exp2(-inf) = 0
-                    o = tl.load(PART_O + part[:, None] * HEAD_DIM + d[None, :],
+                    parts = (b * Hq + kv_head * GROUP + g) * num_splits + sp
+                    lses = tl.load(PART_LSE + parts, mask=sp < num_splits, other=float("-inf"), cache_modifier=".cg")
+                    w = tl.exp2(lses - tl.max(lses, axis=0))  # empty splits: exp2(-inf) = 0
+                    o = tl.load(PART_O + parts[:, None] * HEAD_DIM + d[None, :],
                                 mask=(sp < num_splits)[:, None] & (d < HEAD_DIM)[None, :], other=0.0,
                                 cache_modifier=".cg")
-                    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
-                    tl.store(O + row * stride_ot + (kv_head * GROUP + g) * stride_oh + d, out.to(O.dtype.element_ty),
-                             mask=d < HEAD_DIM)
+                    merged = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
+                    tl.store(O + row * stride_ot + (kv_head * GROUP + g) * stride_oh + d,
+                             merged.to(O.dtype.element_ty), mask=d < HEAD_DIM)
     else:
         out = acc / l_i[:, None]
         tl.store(O + row * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty),
