@@ -142,8 +142,7 @@ def test_a_pdl_chain_in_a_graph_computes_what_it_computes_without_pdl(monkeypatc
             qkv, residual = linear.gemv_triton(hidden, w["qkv"], residual=residual, norm_weight=w["n1"], eps=1e-6)
             qq, k, v = qkv.split([HQ * D, HK * D, HK * D], dim=-1)
             qq, k = rope.qk_norm_rope(qq.view(1, HQ, D), k.view(1, HK, D), w["qn"], w["kn"], 1e-6, pos, cache)
-            attention.store_kvcache(k, v.view(1, HK, D), kc, vc, slots)
-            o = attention.paged_attention(qq, kc, vc, cu, sl, pt, D**-0.5, max_q_len=1)
+            o = attention.paged_attention(qq, kc, vc, cu, sl, pt, D**-0.5, max_q_len=1, store=(k, v.view(1, HK, D), slots))
             hidden = linear.linear(o.flatten(1), w["o"])
             act, residual = linear.gemv_triton(hidden, w["gate_up"], residual=residual, norm_weight=w["n2"], eps=1e-6, gated=True)
             hidden = linear.linear(act, w["down"])
@@ -215,6 +214,17 @@ def test_decode_attention(case, page_size, dtype):
     q, kc, vc, cu, sl, pt = paged_batch(seq_lens, [1] * len(seq_lens), page_size, dtype)
     got = attention.paged_attention(q, kc, vc, cu, sl, pt, D**-0.5, max_q_len=1)
     torch.testing.assert_close(got, attention.paged_attention_ref(q, kc, vc, cu, sl, pt, D**-0.5), **tol(dtype, loose=True))
+    # with this step's keys and values stored by the kernel itself (one row a padding row: slot -1)
+    k, v = rand(len(seq_lens), HK, D, dtype=dtype), rand(len(seq_lens), HK, D, dtype=dtype)
+    last = (sl.long() - 1)
+    slots = pt[torch.arange(len(seq_lens), device="cuda"), last // page_size].long() * page_size + last % page_size
+    slots[len(seq_lens) // 2] = -1
+    want_k, want_v = kc.clone(), vc.clone()
+    attention.store_kvcache_ref(k, v, want_k, want_v, slots)
+    want = attention.paged_attention_ref(q, want_k, want_v, cu, sl, pt, D**-0.5)
+    got = attention.paged_attention(q, kc, vc, cu, sl, pt, D**-0.5, max_q_len=1, store=(k, v, slots))
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    torch.testing.assert_close(got, want, **tol(dtype, loose=True))
 
 
 PREFILL_CASES = {

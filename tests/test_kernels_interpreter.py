@@ -258,6 +258,22 @@ def test_decode_attention(num_splits, Hq, Hk, page_size):
     q, kc, vc, cu, sl, pt = paged_batch(seq_lens, [1] * 4, Hq, Hk, 16, page_size)
     got = attention.paged_decode_triton(q, kc, vc, cu, sl, pt, 0.3, num_splits=num_splits)
     torch.testing.assert_close(got, attention.paged_attention_ref(q, kc, vc, cu, sl, pt, 0.3), **TOL)
+    assert not attention.split_arrivals(q.device, 4 * Hk).any()  # each merge zeroed its counter
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_decode_attention_stores_the_steps_keys_and_values_itself(num_splits):
+    seq_lens, page_size, Hk = [1, 17, 40, 6], 5, 2
+    q, kc, vc, cu, sl, pt = paged_batch(seq_lens, [1] * 4, 4, Hk, 16, page_size)
+    k, v = torch.randn(4, Hk, 16), torch.randn(4, Hk, 16)
+    last = sl.long() - 1
+    slots = pt[torch.arange(4), last // page_size].long() * page_size + last % page_size
+    slots[2] = -1  # a padding row writes nothing
+    want_k, want_v = kc.clone(), vc.clone()
+    attention.store_kvcache_ref(k, v, want_k, want_v, slots)
+    got = attention.paged_decode_triton(q, kc, vc, cu, sl, pt, 0.3, num_splits=num_splits, store=(k, v, slots))
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    torch.testing.assert_close(got, attention.paged_attention_ref(q, want_k, want_v, cu, sl, pt, 0.3), **TOL)
 
 
 def test_decode_attention_skips_sequences_without_a_row():

@@ -117,12 +117,12 @@ def store_kvcache_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
 
 @triton.jit
 def _decode_kernel(
-    Q, K_CACHE, V_CACHE, O, PART_O, PART_LSE, ARRIVED, CU, SEQ_LENS, PAGE_TABLE,
+    Q, K_CACHE, V_CACHE, O, PART_O, PART_LSE, ARRIVED, CU, SEQ_LENS, PAGE_TABLE, K_NEW, V_NEW, SLOTS,
     scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_cp, stride_cs, stride_ch, stride_pt,
-    Hq, Hk, num_splits,
+    stride_kt, stride_kh, stride_vt, stride_vh, Hq, Hk, num_splits,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-    SPLIT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    SPLIT: tl.constexpr, STORE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
     b = tl.program_id(0)
@@ -138,6 +138,16 @@ def _decode_kernel(
 
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
+    if STORE:  # this step's key and value go to the cache from the split whose share holds their position
+        if (q_len > 0) & (seq_len - 1 >= start) & (seq_len - 1 < end):
+            slot = tl.load(SLOTS + row).to(tl.int64)
+            if slot >= 0:  # -1: a padding row, writes nothing
+                dst = (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_cs + kv_head * stride_ch + d
+                k_new = tl.load(K_NEW + row * stride_kt + kv_head * stride_kh + d, mask=d < HEAD_DIM)
+                v_new = tl.load(V_NEW + row * stride_vt + kv_head * stride_vh + d, mask=d < HEAD_DIM)
+                tl.store(K_CACHE + dst, k_new, mask=d < HEAD_DIM)
+                tl.store(V_CACHE + dst, v_new, mask=d < HEAD_DIM)
+        tl.debug_barrier()  # every thread of this program reads them back below
     heads = kv_head * GROUP + h  # the query heads that read this KV head, one tile
     hd_mask = (h < GROUP * q_len)[:, None] & (d < HEAD_DIM)[None, :]
     q = tl.load(Q + row * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=hd_mask, other=0.0)
@@ -176,13 +186,13 @@ def _decode_kernel(
             tl.store(ARRIVED + b * Hk + kv_head, 0)  # zero again for the next launch
             if q_len > 0:
                 sp = tl.arange(0, BLOCK_S)
+                filled = sp < tl.cdiv(seq_len, chunk)  # the splits past the sequence's end hold nothing
                 for g in tl.static_range(GROUP):
                     parts = (b * Hq + kv_head * GROUP + g) * num_splits + sp
-                    lses = tl.load(PART_LSE + parts, mask=sp < num_splits, other=float("-inf"), cache_modifier=".cg")
-                    w = tl.exp2(lses - tl.max(lses, axis=0))  # empty splits: exp2(-inf) = 0
+                    lses = tl.load(PART_LSE + parts, mask=filled, other=float("-inf"), cache_modifier=".cg")
+                    w = tl.exp2(lses - tl.max(lses, axis=0))
                     o = tl.load(PART_O + parts[:, None] * HEAD_DIM + d[None, :],
-                                mask=(sp < num_splits)[:, None] & (d < HEAD_DIM)[None, :], other=0.0,
-                                cache_modifier=".cg")
+                                mask=filled[:, None] & (d < HEAD_DIM)[None, :], other=0.0, cache_modifier=".cg")
                     merged = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
                     tl.store(O + row * stride_ot + (kv_head * GROUP + g) * stride_oh + d,
                              merged.to(O.dtype.element_ty), mask=d < HEAD_DIM)
@@ -217,7 +227,10 @@ def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> in
 
 
 def paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale,
-                        num_splits: int | None = None, block_n: int | None = None, out=None) -> torch.Tensor:
+                        num_splits: int | None = None, block_n: int | None = None, out=None,
+                        store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Decode attention; with store = (k, v, slot_mapping) this step's keys and values are written into the cache
+    first, by the kernel itself (each by the split that reads its position back)."""
     B = seq_lens.shape[0]
     T, Hq, D = q.shape
     Hk = k_cache.shape[2]
@@ -233,13 +246,15 @@ def paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table,
     part_lse = torch.empty((B, Hq, num_splits) if split else (1,), dtype=torch.float32, device=q.device)
     group = Hq // Hk
     use_pdl = pdl(q)
+    k, v, slots = store if store is not None else (q, q, cu_seqlens_q)
     _decode_kernel[(B, Hk, num_splits)](
         q, k_cache, v_cache, out, part_o, part_lse, split_arrivals(q.device, B * Hk) if split else part_lse,
-        cu_seqlens_q, seq_lens, page_table, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0), Hq, Hk, num_splits,
+        cu_seqlens_q, seq_lens, page_table, k, v, slots, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), Hq, Hk, num_splits,
         GROUP=group, PAGE_SIZE=k_cache.shape[1], HEAD_DIM=D,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=triton.next_power_of_2(D), BLOCK_N=block_n,
-        BLOCK_S=triton.next_power_of_2(num_splits), SPLIT=split,
+        BLOCK_S=triton.next_power_of_2(num_splits), SPLIT=split, STORE=store is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=use_pdl, num_warps=4, num_stages=2,
         launch_pdl=use_pdl,
     )
@@ -344,6 +359,7 @@ def paged_attention(
     *,
     max_q_len: int | None = None,
     out: torch.Tensor | None = None,
+    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of a mixed batch over the paged KV cache (this step's K/V already stored).
 
@@ -357,11 +373,18 @@ def paged_attention(
     waits on the GPU: max_q_len == 1 takes the decode kernel, whose grid depends only on the batch size
     and head counts (safe to capture once and replay with other seq_lens / page tables); otherwise the
     prefill kernel, whose grid covers max_q_len. Leaving max_q_len out costs one device->host sync to find it.
+
+    store = (k, v, slot_mapping): this step's keys and values, written into the cache first (`store_kvcache`'s
+    arguments); the decode kernel writes them itself, one launch fewer per layer.
     """
     if not use_triton(q, "attention"):
+        if store is not None:
+            store_kvcache(store[0], store[1], k_cache, v_cache, store[2])
         return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, out=out)
     if max_q_len is None:
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if seq_lens.numel() else 0
     if max_q_len == 1:
-        return paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, out=out)
+        return paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, out=out, store=store)
+    if store is not None:
+        store_kvcache(store[0], store[1], k_cache, v_cache, store[2])
     return paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, max_q_len, out=out)

@@ -6,8 +6,8 @@ always do at full speed (on the H200, o_proj at 1-4 rows reads at a third of the
 Both kernels give each program a block of BLOCK_N output columns and stream those weight rows once in
 BLOCK_K chunks, accumulating in float32 with one rounding at the end, as cuBLAS does. The GEMV multiplies
 elementwise and reduces once after the loop; the skinny kernel uses tl.dot (IEEE fp32 for fp32 inputs).
-The configurations are the best of `benchmarks/kernels_bench.py --only linear --sweep` on the H200 for the
-Qwen3-0.6B projections.
+The skinny kernel's configuration is the best of `benchmarks/kernels_bench.py --only linear --sweep` on the H200
+for the Qwen3-0.6B projections; the GEMV's, per shape, of `benchmarks/pdl_probe.py` (GEMV_CONFIGS).
 """
 import torch
 import torch.nn.functional as F
@@ -79,9 +79,11 @@ def _finish_row(y, cols, col_ok, B, S, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.con
     return y
 
 
-# (N, K) -> (block_n, block_k, num_warps): the best of `benchmarks/pdl_probe.py`'s sweep on the H200 for the
-# Qwen3-0.6B projections, one row, in a CUDA graph with PDL
-GEMV_CONFIGS: dict[tuple[int, int], tuple[int, int, int]] = {}
+# (N, K) -> (block_n, block_k, num_warps): the best of `benchmarks/pdl_probe.py`'s sweep on the H200 (2026-12-01)
+# for the Qwen3-0.6B projections, one row, in a CUDA graph with PDL: q|k|v and gate|up with the norm (and the
+# activation) fused, 3.53 and 4.88 us; o_proj 2.02 us and down_proj 2.62 us (2.84 and 3.70 with the default)
+GEMV_CONFIGS: dict[tuple[int, int], tuple[int, int, int]] = {
+    (4096, 1024): (4, 1024, 2), (1024, 2048): (2, 2048, 2), (6144, 1024): (4, 1024, 4), (1024, 3072): (2, 2048, 8)}
 GEMV_DEFAULT = (4, 1024, 2)
 
 

@@ -38,8 +38,7 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         ctx = get_context()
-        attn_ops.store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         return attn_ops.paged_attention(
             q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.seq_lens, ctx.page_table, self.scale,
-            max_q_len=ctx.max_q_len, out=out,
+            max_q_len=ctx.max_q_len, out=out, store=(k, v, ctx.slot_mapping),
         )

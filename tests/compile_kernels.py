@@ -1,0 +1,46 @@
+"""Compile every kernel on the decode path for the H200 (sm_90, through ptxas) without a GPU; prints one line per
+kernel compiled. Run by tests/test_kernels_compile.py in a process without TRITON_INTERPRET."""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels.ops import activation, attention, linear, norm, rope
+
+BF16, F32, I32, I64 = "*bf16", "*fp32", "*i32", "*i64"
+
+
+def compile_sm90(fn, pointers: dict[str, str], constants: dict, **options):
+    """Compile `fn` with every argument not named in `pointers` (or a float named eps/scale) an int32."""
+    signature = {name: pointers.get(name, "fp32" if name in ("eps", "scale_log2") else "i32") for name in fn.arg_names}
+    signature.update({name: "constexpr" for name in constants})
+    source = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
+    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": True, **options})
+    print("compiled", fn.__name__, flush=True)
+
+
+def main() -> None:
+    for split, store in ((True, True), (False, False)):
+        compile_sm90(attention._decode_kernel,
+                     dict(Q=BF16, K_CACHE=BF16, V_CACHE=BF16, O=BF16, PART_O=F32, PART_LSE=F32, ARRIVED=I32, CU=I32,
+                          SEQ_LENS=I32, PAGE_TABLE=I32, K_NEW=BF16, V_NEW=BF16, SLOTS=I64),
+                     dict(GROUP=2, PAGE_SIZE=16, HEAD_DIM=128, BLOCK_H=16, BLOCK_D=128, BLOCK_N=32, BLOCK_S=64,
+                          SPLIT=split, STORE=store, PRECISION="tf32", PDL=True), num_warps=4, num_stages=2)
+    for norm_in, gated, fp8 in ((True, True, False), (True, False, False), (False, False, True)):
+        compile_sm90(linear._gemv_kernel,
+                     dict(X=BF16, R=BF16, NW=BF16, W="*fp8e4nv" if fp8 else BF16, B=BF16, S=F32, OUT=BF16, R_OUT=BF16),
+                     dict(NORM=norm_in, HAS_RESIDUAL=norm_in, GATED=gated, HAS_BIAS=False, HAS_SCALE=fp8, BLOCK_N=4,
+                          BLOCK_K=1024, PDL=True), num_warps=2, num_stages=3)
+    compile_sm90(rope._rope_kernel, dict(Q=BF16, K=BF16, QW=BF16, KW=BF16, Q_OUT=BF16, K_OUT=BF16, POS=I64, COS_SIN=F32),
+                 dict(HALF=64, BLOCK_HQ=16, BLOCK_HK=8, BLOCK_HALF=64, NORM=True, PDL=True), num_warps=4)
+    compile_sm90(attention._store_kvcache_kernel, dict(K=BF16, V=BF16, K_CACHE=BF16, V_CACHE=BF16, SLOTS=I64),
+                 dict(PAGE_SIZE=16, BLOCK_H=8, BLOCK_D=128, PDL=True), num_warps=4)
+    compile_sm90(norm._rms_norm_kernel, dict(X=BF16, R=BF16, W=BF16, OUT=BF16, R_OUT=BF16),
+                 dict(HAS_RESIDUAL=True, BLOCK=1024, PDL=True), num_warps=4)
+    compile_sm90(activation._silu_and_mul_kernel, dict(X=BF16, OUT=BF16), dict(BLOCK=1024, PDL=True), num_warps=4)
+    compile_sm90(linear._skinny_kernel, dict(X=BF16, W=BF16, B=BF16, S=F32, OUT=BF16),
+                 dict(HAS_BIAS=False, HAS_SCALE=False, IEEE=False, BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, PDL=True),
+                 num_warps=2, num_stages=4)
+
+
+if __name__ == "__main__":
+    main()
