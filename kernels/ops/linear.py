@@ -99,10 +99,13 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     rms_norm(x + residual) (norm.py's rounding; without residual rms_norm(x)) and the result is
     (y, x + residual) (x itself without residual). gated: the weight holds gate rows then up rows
     (a merged gate_up projection) and y = silu(gate) * up [..., N / 2] (activation.py's rounding).
-    Bit-identical to the unfused ops with the same block sizes. Block sizes default to GEMV_CONFIGS."""
+    The same operations in the same order as the unfused ops with the same block sizes (the interpreter tests
+    check equality). Block sizes default to GEMV_CONFIGS."""
     K, N = x.shape[-1], weight.shape[0]
     if x.numel() != K:
         raise ValueError(f"gemv_triton multiplies one row; x has shape {tuple(x.shape)}")
+    if residual is not None and norm_weight is None:
+        raise ValueError("gemv_triton adds a residual only in front of its norm: pass norm_weight with it")
     x = x.contiguous()
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
