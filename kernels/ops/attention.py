@@ -208,7 +208,9 @@ _ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
 def split_arrivals(device: torch.device, count: int) -> torch.Tensor:
     """Zeroed int32 counters, one per (sequence, KV head), that the decode kernel's splits count their arrival
     in; the merging split zeroes its own, so all are zero again after each launch. Kept for the process's life
-    (captured graphs hold their address); a larger batch adds a larger buffer, never inside a capture."""
+    (captured graphs hold their address); a larger batch adds a larger buffer, never inside a capture. Shared by
+    every decode launch on the device: two of them running at once on two streams would mix their counts (the
+    engine steps one model at a time on one thread)."""
     buffers = _ARRIVALS.setdefault(device, [])
     if not buffers or buffers[-1].numel() < count:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
