@@ -6,6 +6,7 @@
     nsys profile --trace=cuda,nvtx --sample=none --cuda-graph-trace=node --capture-range=nvtx \
         --nvtx-capture=decode-replay-1 -e NSYS_NVTX_PROFILER_REGISTER_ONLY=0 -o decode \
         python3 benchmarks/decode_step.py --batch-sizes 1        # the batch-1 replays alone (5 + --iters of them)
+    (--nvtx-capture=engine-steps-256 takes the engine's timed steps at batch 256 instead: host and GPU together)
 
 The floor is the time to read every weight once plus each sequence's KV cache, at the copy bandwidth
 measured in the same run. "step" is what the runner pays per decode step (host prep, graph replay,
@@ -150,8 +151,9 @@ def engine_step_time(engine: LLMEngine, batch: int, context: int, iters: int, te
         engine.step()
     torch.cuda.synchronize()
     start = time.perf_counter()
-    for _ in range(iters):
-        engine.step()
+    with nvtx.annotate(f"engine-steps-{batch}"):  # an nsys capture range, as decode-replay-N
+        for _ in range(iters):
+            engine.step()
     seconds = (time.perf_counter() - start) / iters
     engine.abort_all()
     while engine.has_unfinished():

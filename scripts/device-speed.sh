@@ -14,5 +14,11 @@ if [ -x "${NSYS:-}" ]; then
         -o "$out/decode" python3 benchmarks/decode_step.py --batch-sizes 1 --iters 50
     step nsys-stats 60 "$NSYS" stats --report cuda_gpu_kern_sum --format csv -o "$out/decode" "$out/decode.nsys-rep"
     rm -f "$out/decode.nsys-rep" "$out/decode.sqlite"
+    # the engine's steps at batch 256 (host ranges tsdev:* and the GPU's kernels, gaps included)
+    step nsys-engine-256 150 "$NSYS" profile --trace=cuda,nvtx --sample=none --cuda-graph-trace=node --force-overwrite=true \
+        --capture-range=nvtx --nvtx-capture=engine-steps-256 -e NSYS_NVTX_PROFILER_REGISTER_ONLY=0 \
+        -o "$out/engine256" python3 benchmarks/decode_step.py --batch-sizes 256 --iters 30
+    step nsys-engine-stats 60 "$NSYS" stats --report nvtx_sum,cuda_gpu_kern_sum --format csv -o "$out/engine256" "$out/engine256.nsys-rep"
+    rm -f "$out/engine256.nsys-rep" "$out/engine256.sqlite"
 fi
 step tensor-parallel 240 python3 benchmarks/tensor_parallel.py --tp 1
