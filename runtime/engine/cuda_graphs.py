@@ -169,6 +169,6 @@ class DecodeGraphs:
         ))
         try:
             hidden = self.model(input_ids, positions)
-            self.logits[:size] = self.model.compute_logits(hidden)
+            self.model.compute_logits(hidden, out=self.logits[:size])
         finally:
             set_context(None)

@@ -41,7 +41,9 @@ class VocabEmbedding(nn.Module):
 class LMHead(VocabEmbedding):
     """Computes logits only for the rows the step samples from (the last token of each sequence)."""
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits [rows, vocab]; written into `out` when given (the decode graphs' static buffer: the
+        conversion to float32 then writes there directly, one pass over the logits instead of two)."""
         hidden = hidden[get_context().logits_indices]
-        logits = distributed.all_gather_last(linear_ops.linear(hidden, self.weight))
-        return logits[..., : self.vocab_size].float().contiguous()
+        logits = distributed.all_gather_last(linear_ops.linear(hidden, self.weight))[..., : self.vocab_size]
+        return logits.float().contiguous() if out is None else out.copy_(logits)

@@ -121,5 +121,5 @@ class Qwen3ForCausalLM(nn.Module):
         each layer's attention)."""
         return self.model.forward_embeds(embeds, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lm_head(hidden, out)
