@@ -15,6 +15,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from benchmarks.kernels_bench import graph_ms  # noqa: E402
 from kernels.ops import activation, linear, norm  # noqa: E402
 
 LAYERS, HIDDEN, INTER, Q, KV = 28, 1024, 3072, 2048, 1024
@@ -22,22 +23,9 @@ SHAPES = {"qkv": (Q + 2 * KV, HIDDEN), "o": (HIDDEN, Q), "gate_up": (2 * INTER, 
 BF16 = torch.bfloat16
 
 
-def graph_us(fn, iters=50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters * 1e3
+def graph_us(fn) -> float:
+    """Microseconds per replay of a graph of fn's launches."""
+    return graph_ms([fn], iters=50) * 1e3
 
 
 def set_pdl(on: bool) -> None:

@@ -261,6 +261,25 @@ def test_decode_attention(num_splits, Hq, Hk, page_size):
     assert not attention.split_arrivals(q.device, 4 * Hk).any()  # each merge zeroed its counter
 
 
+@pytest.mark.parametrize("q_lens", [[1, 1, 1], [1, 7, 1]], ids=["decode", "mixed"])
+def test_paged_attention_stores_then_attends_on_either_kernel(q_lens, monkeypatch):
+    """The public op given store=: the decode kernel stores itself, a mixed batch stores first; both as the
+    references do (store_kvcache_ref, then paged_attention_ref)."""
+    monkeypatch.setattr(attention, "use_triton", lambda x, family: True)  # the Triton paths, interpreted
+    seq_lens, page_size, Hk = [9, 20, 3], 4, 2
+    q, kc, vc, cu, sl, pt = paged_batch(seq_lens, q_lens, 4, Hk, 16, page_size)
+    T = sum(q_lens)
+    k, v = torch.randn(T, Hk, 16), torch.randn(T, Hk, 16)
+    positions = torch.cat([torch.arange(s - n, s) for s, n in zip(seq_lens, q_lens)])
+    seq = torch.repeat_interleave(torch.arange(3), torch.tensor(q_lens))
+    slots = pt[seq, positions // page_size].long() * page_size + positions % page_size
+    want_k, want_v = kc.clone(), vc.clone()
+    attention.store_kvcache_ref(k, v, want_k, want_v, slots)
+    got = attention.paged_attention(q, kc, vc, cu, sl, pt, 0.3, max_q_len=max(q_lens), store=(k, v, slots))
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    torch.testing.assert_close(got, attention.paged_attention_ref(q, want_k, want_v, cu, sl, pt, 0.3), **TOL)
+
+
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
 def test_decode_attention_stores_the_steps_keys_and_values_itself(num_splits):
     seq_lens, page_size, Hk = [1, 17, 40, 6], 5, 2

@@ -363,7 +363,8 @@ def paged_attention(
     out: torch.Tensor | None = None,
     store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Causal attention of a mixed batch over the paged KV cache (this step's K/V already stored).
+    """Causal attention of a mixed batch over the paged KV cache (this step's K/V stored first when `store` is
+    given, else already in it).
 
     q [T, Hq, D] (last dim contiguous); k_cache, v_cache [num_pages, page_size, Hk, D] with Hq % Hk == 0;
     cu_seqlens_q [B + 1] int32; seq_lens [B] int32 (KV length after this step, >= q_len);
@@ -379,14 +380,14 @@ def paged_attention(
     store = (k, v, slot_mapping): this step's keys and values, written into the cache first (`store_kvcache`'s
     arguments); the decode kernel writes them itself, one launch fewer per layer.
     """
-    if not use_triton(q, "attention"):
-        if store is not None:
-            store_kvcache(store[0], store[1], k_cache, v_cache, store[2])
-        return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, out=out)
-    if max_q_len is None:
+    triton_ok = use_triton(q, "attention")
+    if triton_ok and max_q_len is None:
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if seq_lens.numel() else 0
-    if max_q_len == 1:
+    if triton_ok and max_q_len == 1:
         return paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, out=out, store=store)
     if store is not None:
-        store_kvcache(store[0], store[1], k_cache, v_cache, store[2])
+        k, v, slot_mapping = store
+        store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    if not triton_ok:
+        return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, out=out)
     return paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, max_q_len, out=out)
