@@ -311,6 +311,21 @@ def test_greedy_ties_pick_the_lowest_column():
         assert got.tolist() == [70000] * 3
 
 
+def test_the_race_kernel_compiles_no_other_binary_for_other_row_counts():
+    """Its split count follows the rows (19 at one row, 16 at 33, 1 from 528): none of them may compile anew in
+    the middle of serving, after the warm-up's one row."""
+    def binaries():
+        return sum(len(cache[0]) for cache in sampling._race_kernel.device_caches.values())
+
+    logits, temps = rand(600, VOCAB, dtype=torch.float32), torch.full((600,), 0.7, device="cuda")
+    seeds = torch.randint(0, 2**62, (600,), device="cuda")
+    sampling.race_triton(logits[:1], temps[:1], seeds[:1])
+    before = binaries()
+    for rows in (33, 64, 600):
+        sampling.race_triton(logits[:rows], temps[:rows], seeds[:rows])
+    assert binaries() == before
+
+
 def test_sample_draws_from_the_distribution():
     n = 20000
     logits = torch.full((n, VOCAB), -30.0, device="cuda")

@@ -113,7 +113,7 @@ def sample_ref(
 # Triton: the race over the full vocabulary, each row split across programs
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # one binary whatever the rows (33 rows make 16 splits: no second one)
 def _race_kernel(
     LOGITS, TEMPS, SEEDS, BEST_VAL, BEST_IDX, V, stride_l, num_splits,
     SALT: tl.constexpr, BLOCK: tl.constexpr,
