@@ -11,7 +11,9 @@ import argparse
 import random
 import time
 
+import nvtx
 import torch
+from decode_step import collector_pauses
 
 from runtime.config import EngineConfig
 from runtime.engine.llm_engine import LLMEngine
@@ -60,17 +62,21 @@ def main() -> None:
 def run_workload(engine: LLMEngine, prompts, params, device: str, label: str = "") -> float:
     """Generate, print the throughput and the time per kind of step; returns output tokens per second."""
     steps = time_steps(engine)
-    start = time.perf_counter()
-    results = engine.generate(prompts, params)
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    pauses = []
+    with collector_pauses(pauses), nvtx.annotate("offline-workload"):  # an nsys capture range
+        start = time.perf_counter()
+        results = engine.generate(prompts, params)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
     engine.step = steps.pop("_restore")
     out_tokens = sum(len(r["token_ids"]) for r in results)
     in_tokens = sum(map(len, prompts))
     print(f"tsdev{label}: {len(prompts)} requests, {in_tokens} prompt + {out_tokens} output tokens in {seconds:.2f} s: "
           f"{out_tokens / seconds:,.0f} output tok/s, {(in_tokens + out_tokens) / seconds:,.0f} total tok/s "
           f"({device}, {engine.model_dir.name})")
+    print(f"  garbage collections: {len(pauses)}" + (f", {1e3 * sum(pauses):.1f} ms in all, longest "
+                                                       f"{1e3 * max(pauses):.1f} ms" if pauses else ""))
     for kind, (count, secs, rows, times) in steps.items():
         if count:
             print(f"  {kind} steps: {count}, {secs:.2f} s, {1e3 * secs / count:.2f} ms/step, "
