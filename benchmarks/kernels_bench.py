@@ -149,11 +149,13 @@ def bench_attention(bw: float, sweep: bool) -> None:
                 for kc, vc in caches], kv_bytes, bw, ref_capturable=False)
         if sweep:
             default = attention.decode_num_splits(B, HK, q.device)
-            for splits, block_n in itertools.product((1, 4, 8, 16, 32, 64) if B <= 8 else (default,), (16, 32, 64)):
-                t = graph_ms([lambda kc=kc, vc=vc: attention.paged_decode_triton(q, kc, vc, cu, sl, pt, scale, splits, block_n)
-                              for kc, vc in caches])
-                print(f"  sweep B={B} ctx={ctx} splits={splits} block_n={block_n}: {t * 1e3:.1f} us "
-                      f"({kv_bytes / (t * 1e-3) / bw:.0%} of copy bw)", flush=True)
+            for splits, block_n, warps, stages in itertools.product(
+                    (1, 4, 8, 16, 32, 64) if B <= 8 else (default,), (16, 32, 64) if B <= 8 else (32, 64, 128),
+                    (4,) if B <= 8 else (4, 8), (2, 3, 4)):
+                t = graph_ms([lambda kc=kc, vc=vc: attention.paged_decode_triton(
+                    q, kc, vc, cu, sl, pt, scale, splits, block_n, num_warps=warps, num_stages=stages) for kc, vc in caches])
+                print(f"  sweep B={B} ctx={ctx} splits={splits} block_n={block_n} warps={warps} stages={stages}: "
+                      f"{t * 1e3:.1f} us ({kv_bytes / (t * 1e-3) / bw:.0%} of copy bw)", flush=True)
     for name, seq_lens, q_lens in [("1 x 2048 fresh", [2048], [2048]), ("4 x 512 after 1024 cached", [1536] * 4, [512] * 4),
                                    ("16 x 128 fresh", [128] * 16, [128] * 16)]:
         q, caches, cu, sl, pt = layer_batches(seq_lens, q_lens, layers=4)
