@@ -18,7 +18,10 @@ if [ -x "${NSYS:-}" ]; then
     step nsys-engine-256 150 "$NSYS" profile --trace=cuda,nvtx --sample=none --cuda-graph-trace=node --force-overwrite=true \
         --capture-range=nvtx --nvtx-capture=engine-steps-256 -e NSYS_NVTX_PROFILER_REGISTER_ONLY=0 \
         -o "$out/engine256" python3 benchmarks/decode_step.py --batch-sizes 256 --iters 30
-    step nsys-engine-stats 60 "$NSYS" stats --report nvtx_sum,cuda_gpu_kern_sum --format csv -o "$out/engine256" "$out/engine256.nsys-rep"
-    rm -f "$out/engine256.nsys-rep" "$out/engine256.sqlite"
+    step nsys-engine-stats 60 "$NSYS" stats --report nvtx_sum,cuda_gpu_kern_sum,cuda_gpu_trace,nvtx_pushpop_trace \
+        --format csv -o "$out/engine256" "$out/engine256.nsys-rep"
+    TAIL=40 step nsys-engine-timeline 30 python3 benchmarks/nsys_timeline.py "$out/engine256_cuda_gpu_trace.csv" \
+        --nvtx "$out/engine256_nvtx_pushpop_trace.csv"
+    rm -f "$out/engine256.nsys-rep" "$out/engine256.sqlite" "$out"/engine256_*trace.csv
 fi
 step tensor-parallel 240 python3 benchmarks/tensor_parallel.py --tp 1
