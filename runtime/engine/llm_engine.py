@@ -33,9 +33,11 @@ UPDATE_MODES = ("direct", "full")
 
 def thaw_heap() -> None:
     """Hand what an earlier engine froze back to Python's cyclic collector, and collect: an engine that became
-    garbage (a test's, a benchmark's) is freed now, before a new one sizes its KV pool to the memory left."""
-    gc.unfreeze()
-    gc.collect()
+    garbage (a test's, a benchmark's) is freed now, before a new one sizes its KV pool to the memory left.
+    Nothing frozen (a server's first engine): nothing to do, `freeze_heap` collects at the end of startup."""
+    if gc.get_freeze_count():
+        gc.unfreeze()
+        gc.collect()
 
 
 def freeze_heap() -> None:
