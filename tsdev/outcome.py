@@ -77,13 +77,19 @@ def worker_text(worker: WorkerReport) -> str:
     if worker.reloaded:
         lines.append(f"reloaded [bold]{', '.join(worker.reloaded)}[/bold] and {len(worker.dependents)} dependent "
                      f"module(s), {worker.patched} object(s) patched in {t.get('reload', 0):.2f} s;\n"
-                     f"warmed in {t.get('warm', 0):.2f} s; recaptured in {t.get('recapture', 0):.2f} s{graph_split(t)}; "
+                     f"{warm_text(worker)}; recaptured in {t.get('recapture', 0):.2f} s{graph_split(t)}; "
                      f"JIT-compiled {worker.jit_kernels} kernel(s) in {t.get('jit', 0):.2f} s; "
                      f"serving paused {t.get('pause', 0):.2f} s")
     elif not worker.needs_restart:
         lines.append("nothing to reload: no source in the reloadable packages changed since the last reload")
     lines += [f"[yellow]{escape(note)}[/yellow]" for note in notes(worker)]
     return rank + "\n".join(lines)
+
+
+def warm_text(worker: WorkerReport) -> str:
+    if worker.kernels_only and not worker.rebuilt:
+        return "no warm-up needed (only kernel bodies changed: their binaries were loaded)"
+    return f"warmed in {worker.timings.get('warm', 0):.2f} s"
 
 
 def rank_lines(workers: Iterable[WorkerReport]) -> list[str]:

@@ -50,7 +50,7 @@ class AsyncEngine:
         self._commands: list[Callable[[], None]] = []
         self._wake: asyncio.Event | None = None
         self._stepped: asyncio.Event | None = None
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=engine.prepare_thread)
         self._task: asyncio.Task | None = None
         self.profiler = StepProfiler(engine.config.device)
         self._deferred_seconds, self._deferred_count = 0.0, 0  # graphs captured after a reload resumed serving

@@ -243,6 +243,10 @@ class LLMEngine:
         """Forget every cached prefix: KV computed by other code (or other weights) is not reused."""
         self.block_manager.flush()
 
+    def prepare_thread(self) -> None:
+        """Make the calling thread ready to capture graphs (its cuBLAS handles): the engine's thread runs it first."""
+        self.runner.prepare_thread()
+
     def warmup(self) -> float:
         """Run every kernel once on dummy batches (startup does; a reload's warm step does): seconds."""
         return self.runner.warmup()

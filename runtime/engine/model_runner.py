@@ -289,6 +289,22 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
 
+    def prepare_thread(self) -> None:
+        """Make the calling thread's cuBLAS and cuBLASLt handles. A graph capture cannot create them
+        (CUBLAS_STATUS_NOT_INITIALIZED), and the engine's thread may have only replayed graphs before a reload or a
+        wake-up captures on it. The forward's kinds of matmul on 16 x 16 inputs; no collective: each rank its own."""
+        if self.device.type != "cuda":
+            return
+        a = torch.ones(16, 16, dtype=self.dtype, device=self.device)
+        torch.nn.functional.linear(a, a, a[0])  # a bias epilogue: cuBLASLt
+        if self.dtype in (torch.bfloat16, torch.float16):
+            torch.mm(a, a, out_dtype=torch.float32)  # the logits' matmul
+        if self.config.quantization == "fp8":
+            from kernels.ops.fp8 import fp8_scaled_mm
+
+            fp8_scaled_mm(a, a.to(torch.float8_e4m3fn), torch.ones(16, device=self.device))
+        torch.cuda.synchronize(self.device)
+
     def start(self) -> dict[str, float]:
         """Warm up, then capture the graphs (a prefill capture failure leaves prefill eager): seconds of
         warm-up (`warm`), decode graphs (`capture`) and prefill graphs (`capture_prefill`)."""

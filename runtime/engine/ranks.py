@@ -240,7 +240,8 @@ def reported(report) -> dict:
     """The WorkerReport fields a reloader's report fills (on rank 0 for its entry, on the others for theirs)."""
     return dict(reloaded=list(report.reloaded), dependents=list(report.dependents), patched=report.patched,
                 stale=[StaleDefinition.model_validate(s) for s in report.stale],
-                needs_restart=list(report.needs_restart), jit_kernels=report.jit_kernels)
+                needs_restart=list(report.needs_restart), jit_kernels=report.jit_kernels,
+                kernels_only=getattr(report, "kernels_only", False))
 
 
 STEP_OF_CALL = {RELOAD: "reload", REBUILD: "rebuild", "warmup": "warm", "capture_graphs": "recapture"}

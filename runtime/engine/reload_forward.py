@@ -6,7 +6,9 @@ cache: KV computed by old code is not reused), reload (the reloader re-executes 
 patches live objects; a layer whose class changed its `__init__` or post-load hook makes the runner rebuild
 the model with the new code and load the checkpoint into it, `rebuild`), warm (the startup warm-up, while the old graphs still exist), recapture (the
 decode graphs, then the prefill graphs; the reply's timings also carry recapture_decode and
-recapture_prefill); then serving resumes (not a timed step). Any failure rolls every change back and the
+recapture_prefill); then serving resumes (not a timed step). The warm step runs nothing when the reloader reports
+`kernels_only` (every change inside Triton kernel bodies, their new binaries loaded for every specialisation the
+old ones had: the recapture is their first launch) and no layer was rebuilt. Any failure rolls every change back and the
 old code keeps serving.
 
 The reloader is anything that satisfies `ForwardReloader` below (a `typing.Protocol`: the runtime never
@@ -46,6 +48,7 @@ class ReloadReport(Protocol):
     stale: Sequence[Mapping]  # {name, reason, where, referrers}, as StaleDefinition reads them
     needs_restart: Sequence[str]
     jit_kernels: int
+    # optional: kernels_only (bool), true when the warm-up has nothing to run (see the module's docstring)
 
 
 @runtime_checkable
@@ -205,7 +208,8 @@ class ReloadForward:
                         attempt.timings["rebuild"] = time.perf_counter() - rebuild_start
                 attempt.check_deadline()
             async with self._step(attempt, WARM):
-                await ae.run_on_engine_thread(engine.warmup)
+                if rebuilt or not getattr(tx.report, "kernels_only", False):
+                    await ae.run_on_engine_thread(engine.warmup)
             async with self._step(attempt, RECAPTURE):
                 graphs_swapped = True  # the decode graphs may be new even when the prefill capture then fails
                 graph_timings = await ae.run_on_engine_thread(lambda: engine.capture_graphs(deferring=True))

@@ -86,7 +86,11 @@ def test_kernel_edit_recompiles(pkg, cuda):
     tx = r.reload()
     assert tx.report.ok, tx.report.error
     assert tx.report.jit_kernels == 1  # scale_kernel; bump_kernel is unchanged and keeps its binary
+    assert tx.report.kernels_only  # its new binary is loaded under the old key: the launch compiles nothing
+    loaded = dict(next(iter(kernel.device_caches.values()))[0])
+    assert len(loaded) == 1
     assert launch(kernel, cuda) == [1, 3, 5, 7, 9, 11, 13, 15]
+    assert next(iter(kernel.device_caches.values()))[0] == loaded
     assert next(iter(ops.bump_kernel.device_caches.values()))[0] == bump_binary
     tx.rollback()
     assert launch(kernel, cuda) == [0, 2, 4, 6, 8, 10, 12, 14]  # the old binary, restored
@@ -128,7 +132,7 @@ def test_helper_edit_invalidates_callers_everywhere(pkg, cuda):
     r = pkg.reloader("common", "ops")
     pkg.edit("common", COMMON.replace("x + 1", "x + 100"))
     report = pkg.reload(r)
-    assert report.dependents == pkg.full("ops") and report.jit_kernels == 2
+    assert report.dependents == pkg.full("ops") and report.jit_kernels == 2 and report.kernels_only
     assert ops.launch(ops.bump_kernel, cuda)[:2] == [100, 101]
     assert ops.launch(engine.engine_kernel, cuda)[:2] == [1000, 1010]
 

@@ -2,7 +2,9 @@
 on a GPU machine the same tests compile them. The compiled-kernel bookkeeping (binaries dropped,
 kept, callers invalidated) is also checked on CPU, on `JITFunction` objects with stand-in binaries
 (test_hotreload_gpu.py does it with real ones)."""
+import collections
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -44,6 +46,7 @@ def test_kernel_body_edit(pkg):
     assert run(X).tolist() == [0, 10, 20, 30]
     # the interpreter also caches each helper it ran; a GPU compiles helpers into their callers
     assert m.add_kernel is kernel and report.jit_kernels == (2 if INTERPRET else 1)
+    assert report.kernels_only is not INTERPRET  # the interpreter's kernels must run to be checked
 
 
 def test_helper_edit_seen_by_caller_in_dependent(pkg):
@@ -218,6 +221,7 @@ def test_compiled_kernels_drop_exactly_the_stale_binaries(pkg, monkeypatch):
     pkg.edit("kern", COMPILED.replace("return x + 1", "return x + 3"))
     tx = r.reload()
     assert tx.report.ok and tx.report.jit_kernels == 2
+    assert not tx.report.kernels_only  # stand-in binaries it cannot read: the warm-up runs instead
     uses_helper, independent, outside = kernels
     assert "x + 3" in kern.helper.src and kern.helper is pkg.mod("engine").helper
     assert dict(uses_helper.device_caches) == {} and uses_helper.cache_key != hashes[0]
@@ -226,6 +230,75 @@ def test_compiled_kernels_drop_exactly_the_stale_binaries(pkg, monkeypatch):
     tx.rollback()
     assert [k.hash for k in kernels] == hashes and "x + 1" in kern.helper.src
     assert all(k.device_caches[0][0] == {"spec": "binary"} for k in kernels)
+
+
+class StandInBinary:
+    """A compiled kernel as `jit.load_binaries` reads it: what it was built for (`src`) and its `metadata`."""
+
+    def __init__(self, fn):
+        self.src = SimpleNamespace(fn=fn, signature={"x_ptr": "*fp32"}, constants={(1,): 8}, attrs={(0,): [["tt.divisibility", 16]]})
+        self.metadata = collections.namedtuple("Metadata", "num_warps launch_pdl")(4, [True])
+        self.loaded = False
+
+    def _init_handles(self):
+        self.loaded = True
+
+
+class StandInBackend:
+    def parse_options(self, options):
+        return SimpleNamespace(**options)
+
+
+def compile_stand_ins(monkeypatch, *kernels):
+    """Give each kernel a readable stand-in binary under key "spec"; record what `_do_compile` is asked for."""
+    for kernel in kernels:
+        kernel.cache_key
+        kernel.device_caches[0] = ({"spec": StandInBinary(kernel)}, {}, None, StandInBackend(), None)
+    calls = []
+
+    def do_compile(self, key, signature, device, constexprs, options, attrs, warmup):
+        binary = StandInBinary(self)
+        vars(self)["device_caches"][device] = ({key: binary}, {}, None, StandInBackend(), None)
+        calls.append((self, key, signature, device, constexprs, vars(options), attrs, warmup, binary))
+        return binary
+    monkeypatch.setattr(type(kernels[0]), "_do_compile", do_compile, raising=False)
+    return calls
+
+
+def test_a_kernel_body_edit_loads_the_new_binaries_under_the_old_keys(pkg, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    pkg.write("kern", COMPILED)
+    kern = pkg.mod("kern")
+    calls = compile_stand_ins(monkeypatch, kern.uses_helper, kern.independent)
+    r = pkg.reloader()
+    pkg.edit("kern", COMPILED.replace("tl.load(x_ptr + offs) * 2", "tl.load(x_ptr + offs) * 3"))
+    tx = r.reload()
+    assert tx.report.ok and tx.report.kernels_only and tx.report.jit_kernels == 1
+    [(kernel, key, signature, device, constexprs, options, attrs, warmup, binary)] = calls  # uses_helper kept its own
+    assert kernel is kern.independent and "* 3" in kernel.src
+    assert (key, signature, device, constexprs, attrs, warmup) == (
+        "spec", {"x_ptr": "*fp32"}, 0, {(1,): 8}, {(0,): [["tt.divisibility", 16]]}, True)
+    assert options == {"num_warps": 4, "launch_pdl": (True,)} and binary.loaded  # lists back to tuples; loaded now
+    assert kern.independent.device_caches[0][0] == {"spec": binary}
+    tx.rollback()
+    assert kern.independent.device_caches[0][0]["spec"] is not binary and "* 2" in kern.independent.src
+
+
+@pytest.mark.parametrize("edit", [
+    ("def independent(x_ptr, BLOCK", "def independent(x_ptr, y_ptr, BLOCK"),  # the launches bind differently
+    ("@triton.jit\ndef independent", "@triton.jit(debug=True)\ndef independent"),  # the module's code changed
+    ("    return x + 1\n", "    return x + 1\n\nTHRESHOLD = 3\n"),  # so did this
+], ids=["parameter", "decorator", "module-level"])
+def test_anything_but_a_kernel_body_changed_loads_nothing_and_leaves_the_warm_up_to_run(pkg, monkeypatch, edit):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    pkg.write("kern", COMPILED)
+    kern = pkg.mod("kern")
+    calls = compile_stand_ins(monkeypatch, kern.independent)
+    r = pkg.reloader()
+    pkg.edit("kern", COMPILED.replace(*edit))
+    tx = r.reload()
+    assert tx.report.ok and not tx.report.kernels_only and calls == []
+    tx.rollback()
 
 
 def test_jit_options_change_drops_binary(pkg, monkeypatch):

@@ -9,8 +9,7 @@ compiling, and the serving pause excludes JIT time.
 
 Triton internals used (checked on 3.6 and 3.9): `device_caches[device]` is a tuple whose first item
 maps keys to compiled kernels and whose third-from-last and second-from-last items are the target and
-the backend; a compiled kernel keeps its `src` (signature, constexprs — `constants` on 3.6 —, attrs) and
-`metadata` (options; read back from the disk cache, its tuples are lists).
+the backend; what a compiled kernel was built for is read by `jit.specialisation`.
 """
 from __future__ import annotations
 
@@ -61,18 +60,12 @@ def _recompile(new_fn, compiled, target, backend) -> int:
     """Compile `new_fn` for the specialisation and options of a live binary; 1 if it did."""
     import triton
 
-    src = getattr(compiled, "src", None)
-    if src is None or not hasattr(compiled, "metadata"):
+    spec = jit.specialisation(compiled, backend)
+    if spec is None:
         return 0
-    options = backend.parse_options({k: _frozen(v) for k, v in compiled.metadata._asdict().items()})
-    constexprs = getattr(src, "constexprs", None) or getattr(src, "constants", None)  # 3.9 / 3.6
-    triton.compile(type(src)(new_fn, src.signature, constexprs, src.attrs), target=target, options=options.__dict__)
+    signature, constexprs, attrs, options = spec
+    triton.compile(type(compiled.src)(new_fn, signature, constexprs, attrs), target=target, options=options.__dict__)
     return 1
-
-
-def _frozen(value):
-    """Metadata read back from Triton's disk cache has lists where options need tuples (they are hashed)."""
-    return tuple(_frozen(v) for v in value) if isinstance(value, list) else value
 
 
 def _has_binaries(module: types.ModuleType) -> bool:

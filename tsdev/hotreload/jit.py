@@ -9,18 +9,31 @@ edited helper, wherever it lives) drops its binaries too. Kernels whose hash
 did not change keep theirs, and an autotuner whose configs and key did not
 change keeps its tuned choices.
 
+When every change of a reload lies inside kernel bodies, `load_binaries` gives each reset kernel its new
+binaries for every specialisation the old one had compiled, under the same cache keys, so the next launch
+(a graph capture's included) finds them: the server's warm-up has nothing left to run.
+
 Written against attribute names, not versions (checked on Triton 3.6 and 3.9):
 triton is never imported here; without it nothing is a kernel.
 """
 from __future__ import annotations
 
 import collections
+import inspect
 import sys
 import types
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 _CLASSES = (("triton.runtime.jit", "KernelInterface"), ("triton.runtime.jit", "JITCallable"),
             ("triton.runtime.interpreter", "InterpretedFunction"))
+
+
+class Reset(NamedTuple):
+    """A kernel whose binaries a reload dropped: its `device_caches` before, and whether its launches still bind
+    their arguments the same way (same parameters and specialisation options), so the old cache keys hold."""
+    kernel: Any
+    caches: Any
+    same_call: bool
 
 
 def kernel_types() -> tuple[type, ...]:
@@ -56,10 +69,14 @@ def merge(patcher, old: Any, new: Any, module: types.ModuleType, name: str) -> A
     if _unchanged(old, new):
         _set(patcher, old, used_global_vals=vars(new).get("used_global_vals", {}))
         return old
-    if "configs" in state and "cache" in state and _same_tuning(old, new):
-        state["cache"] = old.cache
+    if "configs" in state and "cache" in state:
+        if _same_tuning(old, new):
+            state["cache"] = old.cache
+        else:
+            patcher.retuned = True
     had_code = _has_code(old)
     saved = dict(vars(old))
+    same_call = _same_call(saved.get("fn"), state.get("fn")) and all(saved.get(k) == state.get(k) for k in _OPTIONS)
 
     def undo():
         vars(old).clear()
@@ -69,7 +86,7 @@ def merge(patcher, old: Any, new: Any, module: types.ModuleType, name: str) -> A
     vars(old).update(_rehome(state, new, old))
     _forget_interpreted(saved.get("fn"))
     _reregister(new, old)
-    patcher.kernels_reset.append(old)
+    patcher.kernels_reset.append(Reset(old, saved.get("device_caches"), same_call))
     patcher.jit_kernels += had_code
     patcher.patched += 1
     return old
@@ -84,7 +101,7 @@ def refresh_callers(patcher, modules: Iterable[types.ModuleType]) -> None:
     """
     if not patcher.kernels_reset:
         return
-    reset = {id(k) for k in patcher.kernels_reset}
+    reset = {id(r.kernel) for r in patcher.kernels_reset}
     candidates = {}
     for obj in _kernels_in(modules):
         for level in _stack(obj):
@@ -100,8 +117,59 @@ def refresh_callers(patcher, modules: Iterable[types.ModuleType]) -> None:
             changed = True
         if changed:
             patcher.jit_kernels += _has_code(k)
+            patcher.kernels_reset.append(Reset(k, vars(k)["device_caches"], True))
             _set(patcher, k, device_caches=collections.defaultdict(k.create_binder), hash=None)
-            patcher.kernels_reset.append(k)
+
+
+def load_binaries(patcher) -> bool:
+    """Compile (Triton's disk cache has them when compiled ahead) and load each reset kernel's binaries for every
+    specialisation its old version had compiled, under the old cache keys. False, loading nothing more, where
+    that cannot stand in for running the kernels: a changed autotuning (it must benchmark), a kernel run by
+    Triton's interpreter, a changed parameter list, a binary this code cannot read, or a specialisation on a
+    kernel passed as an argument (its key holds that kernel's hash)."""
+    if patcher.retuned:
+        return False
+    work = []
+    for kernel, caches, same_call in patcher.kernels_reset:
+        if "device_caches" not in vars(kernel):
+            if is_kernel(vars(kernel).get("fn")):
+                continue  # a wrapper (autotune, heuristics): its JIT layer is reset on its own
+            return False  # the interpreter's kernels hold no binaries: they must run to be checked
+        for device, cache in (caches or {}).items():
+            for key, compiled in cache[0].items():
+                spec = specialisation(compiled, cache[-2])
+                if spec is None or not same_call or not hasattr(kernel, "_do_compile"):
+                    return False
+                if any(is_kernel(v) for v in spec[1].values()):
+                    return False
+                work.append((kernel, device, key, spec))
+    for kernel, device, key, (signature, constexprs, attrs, options) in work:
+        kernel._do_compile(key, signature, device, constexprs, options, attrs, warmup=True)._init_handles()
+    return True
+
+
+def specialisation(compiled, backend) -> tuple | None:
+    """(signature, constexprs, attrs, options) a compiled kernel was built for, or None when it is not one
+    this code can read. A kernel keeps its `src` (`constants` on 3.6, `constexprs` on 3.9) and `metadata`
+    (read back from the disk cache, its tuples are lists: options need tuples, they are hashed)."""
+    src, metadata = getattr(compiled, "src", None), getattr(compiled, "metadata", None)
+    if src is None or not hasattr(metadata, "_asdict") or backend is None:
+        return None
+    constexprs = getattr(src, "constexprs", None) or getattr(src, "constants", None) or {}
+    options = backend.parse_options({k: _frozen(v) for k, v in metadata._asdict().items()})
+    return src.signature, constexprs, src.attrs, options
+
+
+def _frozen(value):
+    return tuple(_frozen(v) for v in value) if isinstance(value, list) else value
+
+
+def _same_call(old_fn, new_fn) -> bool:
+    """Two kernel functions whose launches bind arguments alike (names, kinds, defaults, annotations)."""
+    try:
+        return inspect.signature(old_fn) == inspect.signature(new_fn)
+    except (TypeError, ValueError):
+        return False
 
 
 # `@jit(...)` arguments that shape the binary but are not part of Triton's hash.

@@ -39,7 +39,8 @@ class Patcher:
         self.undo: list[Callable[[], None]] = []
         self.patched = 0
         self.stale: list[dict] = []
-        self.kernels_reset: list[Any] = []  # Triton kernels whose binaries were dropped
+        self.kernels_reset: list[jit.Reset] = []  # Triton kernels whose binaries were dropped
+        self.retuned = False  # an autotuner's configs or key changed: its choices start over
         self.jit_kernels = 0  # ... of which had compiled (or interpreted) code
         self._done: dict[int, Any] = {}  # id(old) -> what its name binds to now
         self._new_to_old: dict[int, tuple[Any, Any]] = {}  # id(new) -> (new, old merged into)
@@ -298,7 +299,7 @@ class Patcher:
             return
         old, new = _nested_codes(old_code), _nested_codes(new_code)
         changed = {q: codes for q, codes in old.items()
-                   if any(not any(_same_code(c, n) for n in new.get(q, ())) for c in codes)}
+                   if any(not any(same_code(c, n) for n in new.get(q, ())) for c in codes)}
         if changed:
             ns = vars(module)
             self._changed_nested[id(ns)] = (ns, module.__name__, changed, new)
@@ -362,8 +363,8 @@ class Patcher:
             elif isinstance(ref, types.FunctionType) and id(ref.__globals__) in self._changed_nested:
                 ns, module, changed, new = self._changed_nested[id(ref.__globals__)]
                 code = ref.__code__
-                if (code.co_qualname in changed and any(_same_code(code, c) for c in changed[code.co_qualname])
-                        and not any(_same_code(code, n) for n in new.get(code.co_qualname, ()))):
+                if (code.co_qualname in changed and any(same_code(code, c) for c in changed[code.co_qualname])
+                        and not any(same_code(code, n) for n in new.get(code.co_qualname, ()))):
                     functions.setdefault((module, code.co_qualname), []).append(ref)
         return instances, functions
 
@@ -446,8 +447,9 @@ def _nested_codes(code: types.CodeType) -> dict[str, list[types.CodeType]]:
     return found
 
 
-def _same_code(a: types.CodeType, b: types.CodeType) -> bool:
-    """Same behaviour: equal bytecode, names and constants; line numbers may differ (an edit above moved it)."""
+def same_code(a: types.CodeType, b: types.CodeType, skip: frozenset[str] = frozenset()) -> bool:
+    """Same behaviour: equal bytecode, names and constants; line numbers may differ (an edit above moved it).
+    Nested code objects whose qualname is in `skip` may differ (kernel bodies: Triton compiles their source)."""
     if a is b:
         return True
     if (a.co_code != b.co_code or a.co_names != b.co_names or a.co_varnames != b.co_varnames
@@ -457,7 +459,7 @@ def _same_code(a: types.CodeType, b: types.CodeType) -> bool:
         return False
     for x, y in zip(a.co_consts, b.co_consts):
         if isinstance(x, types.CodeType) and isinstance(y, types.CodeType):
-            if not _same_code(x, y):
+            if not ((x.co_qualname == y.co_qualname and x.co_qualname in skip) or same_code(x, y, skip)):
                 return False
         elif type(x) is not type(y) or x != y:
             return False
@@ -471,7 +473,7 @@ def _init_change(old, new) -> list[str] | None:
     old_fn, new_fn = _underlying(old), _underlying(new)
     if not isinstance(old_fn, types.FunctionType) or not isinstance(new_fn, types.FunctionType):
         return None if old is None and new is None else sorted(_self_attributes(new_fn) - _self_attributes(old_fn))
-    if (_same_code(old_fn.__code__, new_fn.__code__) and old_fn.__defaults__ == new_fn.__defaults__
+    if (same_code(old_fn.__code__, new_fn.__code__) and old_fn.__defaults__ == new_fn.__defaults__
             and old_fn.__kwdefaults__ == new_fn.__kwdefaults__):
         return None
     return sorted(_self_attributes(new_fn) - _self_attributes(old_fn))

@@ -14,7 +14,7 @@ import types
 from dataclasses import dataclass, field
 
 from . import jit
-from .patch import Patcher
+from .patch import Patcher, same_code
 from .snapshot import pin_lines, under
 
 # Names a re-executed module keeps: what the import system set, not what its code did.
@@ -36,6 +36,7 @@ class Report:
     stale: list[dict] = field(default_factory=list)  # {name, reason, where, referrers}
     needs_restart: list[str] = field(default_factory=list)  # changed outside the reloadable packages
     jit_kernels: int = 0  # Triton kernels that will compile again on next launch
+    kernels_only: bool = False  # only kernel bodies changed, and their new binaries are loaded: no warm-up needed
     timings: dict[str, float] = field(default_factory=dict)  # seconds: read plan compile execute patch kernels stale total
     error: str | None = None  # "file:line: Type: message"
 
@@ -104,6 +105,7 @@ class Transaction:
                previous: dict[str, bytes], tracked: list[types.ModuleType],
                old_code: dict[str, types.CodeType | None] | None = None) -> None:
         patcher, timings = self._patcher, self.report.timings
+        kernels_only = old_code is not None
         before = set(sys.modules)
         patcher.undo.append(lambda: _forget_new_modules(before, self._roots))
         patcher.undo.append(jit.snapshot_registry())
@@ -122,11 +124,13 @@ class Transaction:
             exec(code[name], ns)
             middle = time.perf_counter()
             patcher.module(module, saved)
+            kernels_only = kernels_only and _same_but_kernels((old_code or {}).get(name), code[name], ns)
             timings["execute"] = timings.get("execute", 0.0) + middle - start
             timings["patch"] = timings.get("patch", 0.0) + time.perf_counter() - middle
             self.executed[name] = sources[name]
         start = time.perf_counter()
         jit.refresh_callers(patcher, tracked)
+        self.report.kernels_only = kernels_only and jit.load_binaries(patcher)
         timings["kernels"] = time.perf_counter() - start
         start = time.perf_counter()
         patcher.find_live_stale(self._saved, tracked)  # a heap scan, only when an __init__ or a lambda changed
@@ -157,6 +161,12 @@ def describe_error(exc: BaseException, files: set[str]) -> str:
     where = (ours or frames or [None])[-1]
     location = f"{where.filename}:{where.lineno}: " if where else ""
     return f"{location}{type(exc).__name__}: {exc}"
+
+
+def _same_but_kernels(old: types.CodeType | None, new: types.CodeType, ns: dict) -> bool:
+    """A module's new code does what the old did but inside the bodies of its Triton kernels."""
+    bodies = frozenset(fn.__qualname__ for fn in map(jit.base_function, filter(jit.is_kernel, ns.values())) if fn)
+    return old is not None and same_code(old, new, bodies)
 
 
 def _clear(ns: dict) -> None:

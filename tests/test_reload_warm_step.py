@@ -1,0 +1,67 @@
+"""The reload's warm step runs the engine's warm-up unless the reloader reports `kernels_only` (every change inside
+Triton kernel bodies, their new binaries already loaded: tests/hotreload/test_hotreload_triton.py checks that
+report, tests/test_reload_gpu.py that nothing compiles after it on the GPU)."""
+import asyncio
+
+import pytest
+
+from runtime.control_protocol import ReloadRequest
+from runtime.engine.async_engine import AsyncEngine
+from runtime.engine.reload_forward import ReloadForward
+from runtime.engine.sequence import SamplingParams
+from tsdev.hotreload import Reloader
+
+PACKAGES = ["kernels.ops", "runtime.layers", "runtime.models", "runtime.sampling"]
+GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+
+
+class Reporting:
+    """The toolkit's reloader with its report's `kernels_only` set as told (on CPU Triton's interpreter runs the
+    kernels, which never qualify)."""
+
+    def __init__(self, kernels_only: bool):
+        self.reloader, self.kernels_only = Reloader(PACKAGES), kernels_only
+
+    def __getattr__(self, name):
+        return getattr(self.reloader, name)
+
+    def reload(self, modules=None, sources=None):
+        tx = self.reloader.reload(modules=modules, sources=sources)
+        tx.report.kernels_only = self.kernels_only
+        return tx
+
+
+@pytest.mark.parametrize("kernels_only", [True, False])
+def test_the_warm_step_runs_the_warm_up_only_when_more_than_kernel_bodies_changed(make_engine, kernels_only):
+    engine = make_engine(cudagraph_capture_sizes=[1, 2])
+    before = engine.generate([[5, 17, 300, 42]], GREEDY)[0]["token_ids"]
+    warmups = []
+    warmup = engine.warmup
+    engine.warmup = lambda: warmups.append(1) or warmup()
+
+    async def scenario():
+        ae = AsyncEngine(engine)
+        await ae.start()
+        try:
+            return await ReloadForward(ae, Reporting(kernels_only))(
+                ReloadRequest(id="r1", modules=["kernels.ops.activation"]))
+        finally:
+            await ae.stop()
+
+    reply = asyncio.run(scenario())
+    assert reply.ok, reply
+    worker = reply.workers[0]
+    assert worker.kernels_only is kernels_only and "warm" in worker.timings
+    assert len(warmups) == (0 if kernels_only else 1)
+    assert engine.generate([[5, 17, 300, 42]], GREEDY)[0]["token_ids"] == before
+
+
+def test_the_reload_line_says_when_no_warm_up_was_needed():
+    from runtime.control_protocol import WorkerReport
+    from tsdev.outcome import worker_text
+
+    timings = {"reload": 0.01, "warm": 0.0, "recapture": 0.05, "pause": 0.07}
+    skipped = WorkerReport(ok=True, reloaded=["kernels.ops.activation"], kernels_only=True, timings=timings)
+    ran = WorkerReport(ok=True, reloaded=["kernels.ops.activation"], timings={**timings, "warm": 0.12})
+    assert "no warm-up needed (only kernel bodies changed" in worker_text(skipped)
+    assert "warmed in 0.12 s" in worker_text(ran) and "no warm-up" not in worker_text(ran)
