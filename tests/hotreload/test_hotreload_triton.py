@@ -357,7 +357,7 @@ def test_compile_ahead_builds_the_edited_source_and_leaves_the_live_state_alone(
     r = pkg.reloader()
     pkg.edit("kern", COMPILED.replace("tl.load(x_ptr + offs) * 2", "tl.load(x_ptr + offs) * 5"))
     count, _ = r.compile_ahead()
-    assert count == 2 and {fn.__name__ for fn in built} == {"uses_helper", "independent"}  # not the dependent's
+    assert count == 1 and [fn.__name__ for fn in built] == ["independent"]  # unchanged ones keep their binaries
     assert "* 5" in next(fn for fn in built if fn.__name__ == "independent").src  # the new source, not the running one
     assert "* 2" in kern.independent.src and kern.independent.device_caches[0][0] == {"spec": "binary"}
     if before is not None:
@@ -365,3 +365,31 @@ def test_compile_ahead_builds_the_edited_source_and_leaves_the_live_state_alone(
     import linecache
 
     assert "* 2" in "".join(linecache.getlines(kern.__file__))  # tracebacks still show what runs
+
+
+def test_compile_ahead_also_builds_callers_of_an_edited_helper_elsewhere_against_the_new_helper(pkg, monkeypatch):
+    import sys
+
+    from tsdev.hotreload import ahead
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    pkg.write("kern", COMPILED)
+    pkg.write("user", CALLER)
+    kern, user = pkg.mod("kern"), pkg.mod("user")
+    for k in (kern.uses_helper, kern.independent, user.outside_caller):
+        fake_compile(k)
+    registry = sys.modules["triton.runtime.jit"]._triton_jit_function_registry
+    before = dict(registry)
+    built = []
+    monkeypatch.setattr(ahead, "_recompile", lambda new_fn, compiled, target, backend: built.append(new_fn) or 1)
+    r = pkg.reloader()
+    pkg.edit("kern", COMPILED.replace("return x + 1", "return x + 3"))
+    count, _ = r.compile_ahead()
+    assert count == 2 and sorted(fn.__name__ for fn in built) == ["outside_caller", "uses_helper"]
+    caller = next(fn for fn in built if fn.__name__ == "outside_caller")
+    assert caller is not user.outside_caller and "x + 3" in caller.fn.__globals__["helper"].src
+    assert user.outside_caller.fn.__globals__["helper"] is kern.helper and "x + 1" in kern.helper.src
+    assert dict(registry) == before
+    tx = r.reload()  # the reload's own version of the caller hashes as the one compiled ahead
+    assert tx.report.ok and user.outside_caller.cache_key == caller.cache_key
+    tx.rollback()

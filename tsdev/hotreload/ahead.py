@@ -1,11 +1,12 @@
 """Compile edited Triton kernels ahead of the reload, while the old code still serves.
 
-For every edited module that holds compiled kernels, the new source is executed into a scratch
+For every edited module that holds Triton kernels, the new source is executed into a scratch
 namespace (the live module, linecache and Triton's kernel registry are left as they were; the module's
-import-time side effects do run) and each new kernel is compiled for every specialisation
-its live counterpart has compiled. `triton.compile` stores the binaries in Triton's on-disk cache,
-keyed by source and specialisation, so the warm-up after the real reload loads them instead of
-compiling, and the serving pause excludes JIT time.
+import-time side effects do run) and each kernel whose hash changed is compiled for every specialisation
+its live counterpart has compiled; so is a copy of each compiled kernel elsewhere that calls an edited
+`@jit` helper by name, its globals pointing at the new helper. `triton.compile` stores the binaries in
+Triton's on-disk cache, keyed by source and specialisation, so the reload loads them instead of compiling,
+and the serving pause excludes JIT time.
 
 Triton internals used (checked on 3.6 and 3.9): `device_caches[device]` is a tuple whose first item
 maps keys to compiled kernels and whose third-from-last and second-from-last items are the target and
@@ -33,27 +34,68 @@ def compile_ahead(modules: list[str], sources: Mapping[str, bytes], paths: Mappi
         return 0, 0.0
     start, count, errors = time.perf_counter(), 0, []
     restore_registry = jit.snapshot_registry()  # the scratch decorators register themselves: undo that
+    edited, changed = set(), {}  # ids of the edited modules' kernels; id(live helper) -> (live, its new version)
     try:
         for name in modules:
             live = sys.modules.get(name)
-            if live is None or name not in sources or not _has_binaries(live):
+            if live is None or name not in sources or not any(map(_jit_function, vars(live).values())):
                 continue
             scratch = _execute_aside(name, sources[name], paths[name], running[name], live)
             for attr, old in vars(live).items():
                 new_fn, old_fn = _jit_function(scratch.get(attr)), _jit_function(old)
                 if new_fn is None or old_fn is None:
                     continue
-                for cache in list(vars(old_fn)["device_caches"].values()):
-                    for compiled in list(cache[0].values()):
-                        try:
-                            count += _recompile(new_fn, compiled, target=cache[-3], backend=cache[-2])
-                        except Exception as exc:  # the warm step compiles it (and reports a real error with file:line)
-                            errors.append(f"{attr}: {type(exc).__name__}: {exc}")
+                edited.add(id(old_fn))
+                if _hash_changed(old_fn, new_fn):  # unchanged kernels keep their binaries through the reload
+                    changed[id(old_fn)] = (old_fn, new_fn)
+                    count += _compile_like(new_fn, old_fn, attr, errors)
+        for live_fn, new_fn in _callers_aside(changed, edited):
+            count += _compile_like(new_fn, live_fn, live_fn.__name__, errors)
     finally:
         restore_registry()
     if errors and not count:
         raise RuntimeError("; ".join(errors[:3]))
     return count, time.perf_counter() - start
+
+
+def _compile_like(new_fn, old_fn, name: str, errors: list[str]) -> int:
+    """Compile `new_fn` for every specialisation `old_fn` has binaries for; the count compiled."""
+    count = 0
+    for cache in list(vars(old_fn)["device_caches"].values()):
+        for compiled in list(cache[0].values()):
+            try:
+                count += _recompile(new_fn, compiled, target=cache[-3], backend=cache[-2])
+            except Exception as exc:  # the reload compiles it (and reports a real error with file:line)
+                errors.append(f"{name}: {type(exc).__name__}: {exc}")
+    return count
+
+
+def _hash_changed(old_fn, new_fn) -> bool:
+    try:
+        return old_fn.cache_key != new_fn.cache_key
+    except Exception:  # a dependency the new source lacks: the reload reports it
+        return False
+
+
+def _callers_aside(changed: dict, edited: set[int]):
+    """(live kernel, a copy of it that calls the new helpers) for each compiled kernel outside the edited modules
+    that names an edited helper: the reload drops its binaries (`jit.refresh_callers`), so compile it ahead too.
+    Kernels that reach an edited helper only through another helper compile in the reload."""
+    registry = jit._registry() or {}
+    for kernel in list(registry.values()):
+        live = _jit_function(kernel)
+        fn = jit.base_function(live)
+        if live is None or fn is None or id(live) in edited or not jit._has_code(live):
+            continue
+        swaps = {name: changed[id(value)][1] for name, value in fn.__globals__.items()
+                 if name in fn.__code__.co_names and changed.get(id(value), (None,))[0] is value}
+        if not swaps:
+            continue
+        aside = types.FunctionType(fn.__code__, {**fn.__globals__, **swaps}, fn.__name__, fn.__defaults__,
+                                   fn.__closure__)
+        aside.__qualname__, aside.__kwdefaults__ = fn.__qualname__, fn.__kwdefaults__
+        aside.__annotations__ = dict(fn.__annotations__)
+        yield live, type(live)(aside, **{k: vars(live)[k] for k in jit.OPTIONS if k in vars(live)})
 
 
 def _recompile(new_fn, compiled, target, backend) -> int:
@@ -66,10 +108,6 @@ def _recompile(new_fn, compiled, target, backend) -> int:
     signature, constexprs, attrs, options = spec
     triton.compile(type(compiled.src)(new_fn, signature, constexprs, attrs), target=target, options=options.__dict__)
     return 1
-
-
-def _has_binaries(module: types.ModuleType) -> bool:
-    return any(jit._has_code(fn) for fn in map(_jit_function, vars(module).values()) if fn is not None)
 
 
 def _jit_function(obj):

@@ -76,7 +76,7 @@ def merge(patcher, old: Any, new: Any, module: types.ModuleType, name: str) -> A
             patcher.retuned = True
     had_code = _has_code(old)
     saved = dict(vars(old))
-    same_call = _same_call(saved.get("fn"), state.get("fn")) and all(saved.get(k) == state.get(k) for k in _OPTIONS)
+    same_call = _same_call(saved.get("fn"), state.get("fn")) and all(saved.get(k) == state.get(k) for k in OPTIONS)
 
     def undo():
         vars(old).clear()
@@ -173,7 +173,7 @@ def _same_call(old_fn, new_fn) -> bool:
 
 
 # `@jit(...)` arguments that shape the binary but are not part of Triton's hash.
-_OPTIONS = ("version", "do_not_specialize", "do_not_specialize_on_alignment", "debug", "noinline")
+OPTIONS = ("version", "do_not_specialize", "do_not_specialize_on_alignment", "debug", "noinline")
 
 
 def _unchanged(old, new) -> bool:
@@ -181,7 +181,7 @@ def _unchanged(old, new) -> bool:
     old_hash = vars(old).get("hash")
     if not old_hash or "device_caches" not in vars(old):
         return False
-    if any(vars(old).get(k) != vars(new).get(k) for k in _OPTIONS):
+    if any(vars(old).get(k) != vars(new).get(k) for k in OPTIONS):
         return False
     try:
         return new.cache_key == old_hash
