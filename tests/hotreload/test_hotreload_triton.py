@@ -284,6 +284,23 @@ def test_a_kernel_body_edit_loads_the_new_binaries_under_the_old_keys(pkg, monke
     assert kern.independent.device_caches[0][0]["spec"] is not binary and "* 2" in kern.independent.src
 
 
+def test_an_edited_kernel_that_does_not_compile_fails_the_reload_naming_the_kernel(pkg, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    path = pkg.write("kern", COMPILED)
+    kern = pkg.mod("kern")
+    compile_stand_ins(monkeypatch, kern.independent)
+
+    def fails(self, *args, **kwargs):
+        raise ValueError("at 3:4: unsupported operand")
+    monkeypatch.setattr(type(kern.independent), "_do_compile", fails)
+    r = pkg.reloader()
+    pkg.edit("kern", COMPILED.replace("tl.load(x_ptr + offs) * 2", "tl.load(x_ptr + offs) @ 2"))
+    tx = r.reload()
+    line = COMPILED.splitlines().index("def independent(x_ptr, BLOCK: tl.constexpr):")  # 1-based: the decorator's
+    assert not tx.report.ok and tx.report.error == f"{path}:{line}: ValueError: at 3:4: unsupported operand"
+    assert "* 2" in kern.independent.src  # rolled back
+
+
 @pytest.mark.parametrize("edit", [
     ("def independent(x_ptr, BLOCK", "def independent(x_ptr, y_ptr, BLOCK"),  # the launches bind differently
     ("@triton.jit\ndef independent", "@triton.jit(debug=True)\ndef independent"),  # the module's code changed

@@ -144,8 +144,17 @@ def load_binaries(patcher) -> bool:
                     return False
                 work.append((kernel, device, key, spec))
     for kernel, device, key, (signature, constexprs, attrs, options) in work:
-        kernel._do_compile(key, signature, device, constexprs, options, attrs, warmup=True)._init_handles()
+        try:
+            kernel._do_compile(key, signature, device, constexprs, options, attrs, warmup=True)._init_handles()
+        except Exception as exc:
+            code = base_function(kernel).__code__
+            raise KernelCompileError(f"{code.co_filename}:{code.co_firstlineno}: {type(exc).__name__}: {exc}") from exc
     return True
+
+
+class KernelCompileError(RuntimeError):
+    """An edited kernel did not compile; the message starts with the kernel's file:line (Triton's own frames
+    would say nothing about where to look)."""
 
 
 def specialisation(compiled, backend) -> tuple | None:

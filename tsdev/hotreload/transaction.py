@@ -152,7 +152,7 @@ class Transaction:
 
 def describe_error(exc: BaseException, files: set[str]) -> str:
     """`file:line: Type: message`, pointing into the reloaded code when the error came from there."""
-    if isinstance(exc, ReloadError):
+    if isinstance(exc, (ReloadError, jit.KernelCompileError)):
         return str(exc)
     if isinstance(exc, SyntaxError) and exc.filename:
         return f"{exc.filename}:{exc.lineno}: {type(exc).__name__}: {exc.msg}"
