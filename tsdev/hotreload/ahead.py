@@ -25,10 +25,11 @@ from .snapshot import pin_lines
 
 
 def compile_ahead(modules: list[str], sources: Mapping[str, bytes], paths: Mapping[str, str],
-                  running: Mapping[str, bytes]) -> tuple[int, float]:
+                  running: Mapping[str, bytes], tracked: list[types.ModuleType] = ()) -> tuple[int, float]:
     """Compile the new versions of the kernels in the edited `modules`; returns (binaries compiled, seconds).
 
     `running` is the source each module runs now: `linecache` shows the new source only while it executes.
+    `tracked`: the modules whose kernels may call an edited helper (with Triton's registry, where it has one).
     """
     if "triton" not in sys.modules:
         return 0, 0.0
@@ -49,7 +50,7 @@ def compile_ahead(modules: list[str], sources: Mapping[str, bytes], paths: Mappi
                 if _hash_changed(old_fn, new_fn):  # unchanged kernels keep their binaries through the reload
                     changed[id(old_fn)] = (old_fn, new_fn)
                     count += _compile_like(new_fn, old_fn, attr, errors)
-        for live_fn, new_fn in _callers_aside(changed, edited):
+        for live_fn, new_fn in _callers_aside(changed, edited, tracked):
             count += _compile_like(new_fn, live_fn, live_fn.__name__, errors)
     finally:
         restore_registry()
@@ -77,16 +78,17 @@ def _hash_changed(old_fn, new_fn) -> bool:
         return False
 
 
-def _callers_aside(changed: dict, edited: set[int]):
+def _callers_aside(changed: dict, edited: set[int], tracked: list[types.ModuleType]):
     """(live kernel, a copy of it that calls the new helpers) for each compiled kernel outside the edited modules
     that names an edited helper: the reload drops its binaries (`jit.refresh_callers`), so compile it ahead too.
     Kernels that reach an edited helper only through another helper compile in the reload."""
-    registry = jit._registry() or {}
-    for kernel in list(registry.values()):
+    seen = set(edited)
+    for kernel in list(jit._kernels_in(tracked)):
         live = _jit_function(kernel)
         fn = jit.base_function(live)
-        if live is None or fn is None or id(live) in edited or not jit._has_code(live):
+        if live is None or fn is None or id(live) in seen or not jit._has_code(live):
             continue
+        seen.add(id(live))
         swaps = {name: changed[id(value)][1] for name, value in fn.__globals__.items()
                  if name in fn.__code__.co_names and changed.get(id(value), (None,))[0] is value}
         if not swaps:

@@ -105,7 +105,7 @@ class Reloader:
         plan = self.plan(sources, modules)
         # Only the edited modules: a dependent executed aside would import the live (old) providers.
         return ahead.compile_ahead(plan.reloaded, sources, {m: self._ran[m][0] for m in plan.reloaded},
-                                   {m: self._ran[m][1].source for m in plan.reloaded})
+                                   {m: self._ran[m][1].source for m in plan.reloaded}, self._modules())
 
     def reload(self, modules: Iterable[str] | None = None, sources: Mapping[str, bytes] | None = None) -> Transaction:
         """Re-execute changed (and forced) modules and their dependents, patching live objects.
