@@ -118,7 +118,7 @@ class WorkerReport(_Message):
     needs_restart: list[str] = []  # changed modules outside the reloadable packages
     rebuilt: list[str] = []  # model modules rebuilt (their class's __init__ or post-load hook changed)
     jit_kernels: int = 0  # Triton kernels compiled ahead (or reset to compile on their next launch)
-    kernels_only: bool = False  # only Triton kernel bodies changed; their binaries were loaded: nothing to warm up
+    kernels_only: bool = False  # only Triton kernel bodies changed (binaries loaded): the warm step ran nothing
     warnings: list[str] = []
     timings: dict[TimingName, float] = {}  # seconds, in step order
 

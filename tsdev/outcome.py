@@ -87,7 +87,7 @@ def worker_text(worker: WorkerReport) -> str:
 
 
 def warm_text(worker: WorkerReport) -> str:
-    if worker.kernels_only and not worker.rebuilt:
+    if worker.kernels_only:
         return "no warm-up needed (only kernel bodies changed: their binaries were loaded)"
     return f"warmed in {worker.timings.get('warm', 0):.2f} s"
 

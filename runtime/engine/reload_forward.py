@@ -157,7 +157,7 @@ class ReloadForward:
         if request.timeout_s:
             attempt.deadline = start + request.timeout_s
         ae.publish(ReloadStarted(id=request.id, n=self.count, modules=request.modules or []))
-        tx, error, graphs_swapped = None, None, False
+        tx, error, graphs_swapped, warm_skipped = None, None, False, False
         rebuilt, changed, old_model, needs_restart = [], set(), None, []
         try:
             sources = await ae.run_on_engine_thread(self.reloader.read_sources)
@@ -208,7 +208,8 @@ class ReloadForward:
                         attempt.timings["rebuild"] = time.perf_counter() - rebuild_start
                 attempt.check_deadline()
             async with self._step(attempt, WARM):
-                if rebuilt or not getattr(tx.report, "kernels_only", False):
+                warm_skipped = not rebuilt and getattr(tx.report, "kernels_only", False)
+                if not warm_skipped:
                     await ae.run_on_engine_thread(engine.warmup)
             async with self._step(attempt, RECAPTURE):
                 graphs_swapped = True  # the decode graphs may be new even when the prefill capture then fails
@@ -243,6 +244,7 @@ class ReloadForward:
         if needs_restart:
             fields["needs_restart"] = sorted({*fields.get("needs_restart", []), *needs_restart})
         fields["jit_kernels"] = jit_kernels or fields.get("jit_kernels", 0)
+        fields["kernels_only"] = warm_skipped
         attempt.timings.setdefault(JIT, 0.0)
         return self._finish(request, self._worker(error, attempt.timings, warnings=warnings, **fields))
 

@@ -36,7 +36,7 @@ class Report:
     stale: list[dict] = field(default_factory=list)  # {name, reason, where, referrers}
     needs_restart: list[str] = field(default_factory=list)  # changed outside the reloadable packages
     jit_kernels: int = 0  # Triton kernels that will compile again on next launch
-    kernels_only: bool = False  # only kernel bodies changed, and their new binaries are loaded: no warm-up needed
+    kernels_only: bool = False  # only kernel bodies changed, their new binaries loaded: no warm-up needed
     timings: dict[str, float] = field(default_factory=dict)  # seconds: read plan compile execute patch kernels stale total
     error: str | None = None  # "file:line: Type: message"
 
