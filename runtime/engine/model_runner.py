@@ -296,7 +296,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             return
         a = torch.ones(16, 16, dtype=self.dtype, device=self.device)
-        torch.nn.functional.linear(a, a, a[0])  # a bias epilogue: cuBLASLt
+        torch.nn.functional.linear(a, a, a[0])  # with a bias: torch may take cuBLASLt for it
         if self.dtype in (torch.bfloat16, torch.float16):
             torch.mm(a, a, out_dtype=torch.float32)  # the logits' matmul
         if self.config.quantization == "fp8":
