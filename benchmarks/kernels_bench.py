@@ -156,6 +156,17 @@ def bench_attention(bw: float, sweep: bool) -> None:
                     q, kc, vc, cu, sl, pt, scale, splits, block_n, num_warps=warps, num_stages=stages) for kc, vc in caches])
                 print(f"  sweep B={B} ctx={ctx} splits={splits} block_n={block_n} warps={warps} stages={stages}: "
                       f"{t * 1e3:.1f} us ({kv_bytes / (t * 1e-3) / bw:.0%} of copy bw)", flush=True)
+    for B in (64, 139, 256):  # the offline workload's decode: contexts of 100-2048 tokens, admission order
+        lens = torch.randint(100, 2049, (B,), generator=torch.Generator().manual_seed(B)).tolist()
+        layers = max(1, min(LAYERS, (8 << 30) // (sum(lens) * HK * D * 4)))
+        q, caches, cu, sl, pt = layer_batches(lens, [1] * B, layers=layers)
+        order = torch.tensor(sorted(range(B), key=lens.__getitem__, reverse=True), dtype=torch.int64, device="cuda")
+        kv_bytes = sum(lens) * HK * D * 2 * 2
+        for label, o in (("admission order", None), ("longest first", order)):
+            t = graph_ms([lambda kc=kc, vc=vc: attention.paged_decode_triton(q, kc, vc, cu, sl, pt, scale, order=o)
+                          for kc, vc in caches])
+            print(f"  decode B={B} ctx 100-2048 (sum {sum(lens)}), {label}: {t * 1e3:.1f} us "
+                  f"({kv_bytes / (t * 1e-3) / bw:.0%} of copy bw)", flush=True)
     for name, seq_lens, q_lens in [("1 x 2048 fresh", [2048], [2048]), ("4 x 512 after 1024 cached", [1536] * 4, [512] * 4),
                                    ("16 x 128 fresh", [128] * 16, [128] * 16)]:
         q, caches, cu, sl, pt = layer_batches(seq_lens, q_lens, layers=4)

@@ -295,6 +295,23 @@ def test_decode_attention_stores_the_steps_keys_and_values_itself(num_splits):
     torch.testing.assert_close(got, attention.paged_attention_ref(q, want_k, want_v, cu, sl, pt, 0.3), **TOL)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_attention_in_any_start_order_gives_each_sequence_its_own_output(num_splits):
+    seq_lens, page_size, Hk = [1, 17, 40, 6], 5, 2
+    q, kc, vc, cu, sl, pt = paged_batch(seq_lens, [1] * 4, 4, Hk, 16, page_size)
+    k, v = torch.randn(4, Hk, 16), torch.randn(4, Hk, 16)
+    last = sl.long() - 1
+    slots = pt[torch.arange(4), last // page_size].long() * page_size + last % page_size
+    want_k, want_v = kc.clone(), vc.clone()
+    attention.store_kvcache_ref(k, v, want_k, want_v, slots)
+    order = attention.longest_first(seq_lens)
+    assert order == [2, 1, 3, 0]
+    got = attention.paged_decode_triton(q, kc, vc, cu, sl, pt, 0.3, num_splits=num_splits, store=(k, v, slots),
+                                        order=torch.tensor(order))
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    torch.testing.assert_close(got, attention.paged_attention_ref(q, want_k, want_v, cu, sl, pt, 0.3), **TOL)
+
+
 def test_decode_attention_skips_sequences_without_a_row():
     q, kc, vc, _, sl, pt = paged_batch([9, 14, 3], [1, 1, 1], 4, 2, 16, 4)
     cu = torch.tensor([0, 1, 1, 2], dtype=torch.int32)  # the middle sequence has no query row this step

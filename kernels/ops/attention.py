@@ -117,17 +117,19 @@ def store_kvcache_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
 
 @triton.jit
 def _decode_kernel(
-    Q, K_CACHE, V_CACHE, O, PART_O, PART_LSE, ARRIVED, CU, SEQ_LENS, PAGE_TABLE, K_NEW, V_NEW, SLOTS,
+    Q, K_CACHE, V_CACHE, O, PART_O, PART_LSE, ARRIVED, CU, SEQ_LENS, PAGE_TABLE, K_NEW, V_NEW, SLOTS, ORDER,
     scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_cp, stride_cs, stride_ch, stride_pt,
     stride_kt, stride_kh, stride_vt, stride_vh, Hq, Hk, num_splits,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-    SPLIT: tl.constexpr, STORE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    SPLIT: tl.constexpr, STORE: tl.constexpr, ORDERED: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    kv_head = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)  # programs start in this order: one sequence's heads and splits, then the next
+    if ORDERED:
+        b = tl.load(ORDER + b).to(tl.int32)
     row = tl.load(CU + b)
     q_len = tl.load(CU + b + 1) - row  # 1, or 0 for a sequence with no row this step
     seq_len = tl.load(SEQ_LENS + b)
@@ -228,12 +230,23 @@ def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> in
     return max(1, min(64, triton.cdiv(4 * sm_count(device.index or 0), batch * num_kv_heads)))
 
 
+def longest_first(seq_lens: list[int], size: int | None = None) -> list[int]:
+    """The decode kernel's `order`: sequence indices by KV length, longest first, then the padding rows up to
+    `size`. Programs start in grid order and take as long as their sequence, so
+    starting the longest first leaves the shortest for the end, where the last programs would otherwise
+    keep most SMs idle while a long one finishes."""
+    n = len(seq_lens)
+    return sorted(range(n), key=seq_lens.__getitem__, reverse=True) + list(range(n, size or n))
+
+
 def paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale,
                         num_splits: int | None = None, block_n: int | None = None, out=None,
                         store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                        num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+                        num_warps: int = 4, num_stages: int = 3, order: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention; with store = (k, v, slot_mapping) this step's keys and values are written into the cache
-    first, by the kernel itself (each by the split that reads its position back)."""
+    first, by the kernel itself (each by the split that reads its position back). order [B] (a permutation of
+    the sequences, longest first): the order their programs start in, so the last to start are the shortest
+    (`longest_first`)."""
     B = seq_lens.shape[0]
     T, Hq, D = q.shape
     Hk = k_cache.shape[2]
@@ -250,14 +263,14 @@ def paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table,
     group = Hq // Hk
     use_pdl = pdl(q)
     k, v, slots = store if store is not None else (q, q, cu_seqlens_q)
-    _decode_kernel[(B, Hk, num_splits)](
+    _decode_kernel[(Hk, num_splits, B)](
         q, k_cache, v_cache, out, part_o, part_lse, split_arrivals(q.device, B * Hk) if split else part_lse,
-        cu_seqlens_q, seq_lens, page_table, k, v, slots, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0),
+        cu_seqlens_q, seq_lens, page_table, k, v, slots, order if order is not None else seq_lens, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), Hq, Hk, num_splits,
         GROUP=group, PAGE_SIZE=k_cache.shape[1], HEAD_DIM=D,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=triton.next_power_of_2(D), BLOCK_N=block_n,
-        BLOCK_S=triton.next_power_of_2(num_splits), SPLIT=split, STORE=store is not None,
+        BLOCK_S=triton.next_power_of_2(num_splits), SPLIT=split, STORE=store is not None, ORDERED=order is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=use_pdl, num_warps=num_warps,
         num_stages=num_stages, launch_pdl=use_pdl,
     )
@@ -363,6 +376,7 @@ def paged_attention(
     max_q_len: int | None = None,
     out: torch.Tensor | None = None,
     store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    decode_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a mixed batch over the paged KV cache (this step's K/V stored first when `store` is
     given, else already in it).
@@ -379,13 +393,15 @@ def paged_attention(
     prefill kernel, whose grid covers max_q_len. Leaving max_q_len out costs one device->host sync to find it.
 
     store = (k, v, slot_mapping): this step's keys and values, written into the cache first (`store_kvcache`'s
-    arguments); the decode kernel writes them itself, one launch fewer per layer.
+    arguments); the decode kernel writes them itself, one launch fewer per layer. decode_order [B]: the order
+    the decode kernel starts the sequences in (`longest_first`); the prefill kernel ignores it.
     """
     triton_ok = use_triton(q, "attention")
     if triton_ok and max_q_len is None:
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if seq_lens.numel() else 0
     if triton_ok and max_q_len == 1:
-        return paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, out=out, store=store)
+        return paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, out=out, store=store,
+                                   order=decode_order)
     if store is not None:
         k, v, slot_mapping = store
         store_kvcache(k, v, k_cache, v_cache, slot_mapping)

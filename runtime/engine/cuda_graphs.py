@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from kernels.ops.attention import longest_first
 from runtime.context import Context, set_context
 
 
@@ -56,8 +57,9 @@ class DecodeGraphs:
         self.pad_page = pad_page
         n = self.sizes[-1]
         with device:
-            # rows: input ids, positions, KV slots, sequence lengths (one copy from the host per step)
-            self.inputs = torch.zeros(4, n, dtype=torch.int64)
+            # rows: input ids, positions, KV slots, sequence lengths, the order attention starts the sequences in
+            # (one copy from the host per step)
+            self.inputs = torch.zeros(5, n, dtype=torch.int64)
             self.page_table = torch.full((n, max_pages_per_seq), pad_page, dtype=torch.int32)
             self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32)
             self.rows = torch.arange(n, dtype=torch.int64)
@@ -132,7 +134,8 @@ class DecodeGraphs:
         size = next(s for s in self.sizes if s >= n)
         self.used.add(size)
         pad = size - n
-        staged = torch.tensor([input_ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad, seq_lens + [1] * pad])
+        staged = torch.tensor([input_ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad, seq_lens + [1] * pad,
+                               longest_first(seq_lens, size)])
         self.inputs[:, :size].copy_(staged, non_blocking=True)
         if fill is not None:
             self.inputs[0].index_copy_(0, *fill)
@@ -161,11 +164,11 @@ class DecodeGraphs:
         self.row_pages[row], self.row_filled[row] = pages, len(pages)
 
     def _forward(self, size: int) -> None:
-        input_ids, positions, slots, seq_lens = self.inputs[:, :size]
+        input_ids, positions, slots, seq_lens, order = self.inputs[:, :size]
         set_context(Context(
             cu_seqlens_q=self.cu_seqlens_q[: size + 1], seq_lens=seq_lens.to(torch.int32),
             page_table=self.page_table[:size], slot_mapping=slots,
-            logits_indices=self.rows[:size], max_q_len=1,
+            logits_indices=self.rows[:size], max_q_len=1, decode_order=order,
         ))
         try:
             hidden = self.model(input_ids, positions)
