@@ -17,8 +17,8 @@ class Context:
     slot_mapping: torch.Tensor  # [T] int64, -1 for padding rows
     logits_indices: torch.Tensor  # [S] int64: rows whose next token is sampled
     max_q_len: int  # longest query of the batch: 1 takes the decode kernel
-    # [B] int64, decode only: the order the decode kernel starts the sequences in (attention.longest_first)
-    decode_order: torch.Tensor | None = None
+    # [B] int64: the order the attention kernels start the sequences in (attention.longest_first)
+    order: torch.Tensor | None = None
 
 
 _context: Context | None = None

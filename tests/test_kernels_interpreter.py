@@ -243,6 +243,14 @@ def test_prefill_attention(Hq, Hk, page_size):
     torch.testing.assert_close(got, attention.paged_attention_ref(q, kc, vc, cu, sl, pt, 0.25), **TOL)
 
 
+def test_prefill_attention_in_any_start_order_gives_each_sequence_its_own_output():
+    seq_lens, q_lens = [37, 29, 12, 3], [37, 11, 1, 3]
+    q, kc, vc, cu, sl, pt = paged_batch(seq_lens, q_lens, 4, 2, 16, 4)
+    order = torch.tensor(attention.longest_first(seq_lens))
+    got = attention.paged_prefill_triton(q, kc, vc, cu, sl, pt, 0.25, max(q_lens), order=order)
+    torch.testing.assert_close(got, attention.paged_attention_ref(q, kc, vc, cu, sl, pt, 0.25), **TOL)
+
+
 def test_prefill_attention_odd_head_dim_and_blocks():
     seq_lens, q_lens = [20, 9], [13, 9]
     q, kc, vc, cu, sl, pt = paged_batch(seq_lens, q_lens, 4, 2, 24, 3)

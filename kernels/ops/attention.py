@@ -19,6 +19,8 @@ Triton paths (CUDA), picked from host ints so no step waits on the GPU:
   the sequence's pages in KV blocks with an online softmax and the causal mask offset by the cached
   prefix (query row j of a sequence sits at position seq_len - q_len + j).
 K/V rows are gathered token by token through the page table, so any page size works.
+Both kernels take an optional `order` of the sequences, longest first (`longest_first`): programs start in
+grid order, so the shortest start last instead of a long one holding the GPU at the end of the launch.
 """
 
 import torch
@@ -231,7 +233,7 @@ def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> in
 
 
 def longest_first(seq_lens: list[int], size: int | None = None) -> list[int]:
-    """The decode kernel's `order`: sequence indices by KV length, longest first, then the padding rows up to
+    """The attention kernels' `order`: sequence indices by KV length, longest first, then the padding rows up to
     `size`. Programs start in grid order and take as long as their sequence, so
     starting the longest first leaves the shortest for the end, where the last programs would otherwise
     keep most SMs idle while a long one finishes."""
@@ -265,8 +267,8 @@ def paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table,
     k, v, slots = store if store is not None else (q, q, cu_seqlens_q)
     _decode_kernel[(Hk, num_splits, B)](
         q, k_cache, v_cache, out, part_o, part_lse, split_arrivals(q.device, B * Hk) if split else part_lse,
-        cu_seqlens_q, seq_lens, page_table, k, v, slots, order if order is not None else seq_lens, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0),
-        out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
+        cu_seqlens_q, seq_lens, page_table, k, v, slots, order if order is not None else seq_lens, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), Hq, Hk, num_splits,
         GROUP=group, PAGE_SIZE=k_cache.shape[1], HEAD_DIM=D,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=triton.next_power_of_2(D), BLOCK_N=block_n,
@@ -283,14 +285,19 @@ def paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table,
 
 @triton.jit
 def _prefill_kernel(
-    Q, K_CACHE, V_CACHE, O, CU, SEQ_LENS, PAGE_TABLE,
+    Q, K_CACHE, V_CACHE, O, CU, SEQ_LENS, PAGE_TABLE, ORDER,
     scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_cp, stride_cs, stride_ch, stride_pt,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ORDERED: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    m_block = tl.program_id(0)
-    b = tl.program_id(1)
-    head = tl.program_id(2)
+    # programs start in this order: a sequence's last query blocks (the longest causal reach) first, and the
+    # query heads that share a KV head side by side, so the second reads its keys and values from L2
+    head = tl.program_id(0)
+    m_block = tl.num_programs(1) - 1 - tl.program_id(1)
+    b = tl.program_id(2)
+    if ORDERED:
+        b = tl.load(ORDER + b).to(tl.int32)
     q_start = tl.load(CU + b)
     q_len = tl.load(CU + b + 1) - q_start
     if m_block * BLOCK_M < q_len:  # the grid covers the longest query; shorter ones leave programs idle
@@ -329,7 +336,8 @@ def _prefill_kernel(
 
 def paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, max_q_len: int,
                          block_m: int | None = None, block_n: int | None = None, num_warps: int = 4,
-                         out=None) -> torch.Tensor:
+                         out=None, order: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of a mixed batch (prefill chunks and decode rows). order: as paged_decode_triton's."""
     B = seq_lens.shape[0]
     T, Hq, D = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
@@ -337,12 +345,12 @@ def paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table
         return out
     block_m = block_m or (64 if q.is_cuda else 16)
     block_n = block_n or (64 if q.is_cuda else 16)
-    _prefill_kernel[(triton.cdiv(max_q_len, block_m), B, Hq)](
-        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, page_table,
+    _prefill_kernel[(Hq, triton.cdiv(max_q_len, block_m), B)](
+        q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, page_table, order if order is not None else seq_lens,
         scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
         GROUP=Hq // k_cache.shape[2], PAGE_SIZE=k_cache.shape[1], HEAD_DIM=D,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(D), ORDERED=order is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=2,
     )
     return out
@@ -376,7 +384,7 @@ def paged_attention(
     max_q_len: int | None = None,
     out: torch.Tensor | None = None,
     store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    decode_order: torch.Tensor | None = None,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a mixed batch over the paged KV cache (this step's K/V stored first when `store` is
     given, else already in it).
@@ -393,18 +401,19 @@ def paged_attention(
     prefill kernel, whose grid covers max_q_len. Leaving max_q_len out costs one device->host sync to find it.
 
     store = (k, v, slot_mapping): this step's keys and values, written into the cache first (`store_kvcache`'s
-    arguments); the decode kernel writes them itself, one launch fewer per layer. decode_order [B]: the order
-    the decode kernel starts the sequences in (`longest_first`); the prefill kernel ignores it.
+    arguments); the decode kernel writes them itself, one launch fewer per layer. order [B]: the order the
+    kernels start the sequences' programs in (`longest_first`); the results do not depend on it.
     """
     triton_ok = use_triton(q, "attention")
     if triton_ok and max_q_len is None:
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if seq_lens.numel() else 0
     if triton_ok and max_q_len == 1:
         return paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, out=out, store=store,
-                                   order=decode_order)
+                                   order=order)
     if store is not None:
         k, v, slot_mapping = store
         store_kvcache(k, v, k_cache, v_cache, slot_mapping)
     if not triton_ok:
         return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, out=out)
-    return paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, max_q_len, out=out)
+    return paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, max_q_len, out=out,
+                                order=order)

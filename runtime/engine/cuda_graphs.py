@@ -168,7 +168,7 @@ class DecodeGraphs:
         set_context(Context(
             cu_seqlens_q=self.cu_seqlens_q[: size + 1], seq_lens=seq_lens.to(torch.int32),
             page_table=self.page_table[:size], slot_mapping=slots,
-            logits_indices=self.rows[:size], max_q_len=1, decode_order=order,
+            logits_indices=self.rows[:size], max_q_len=1, order=order,
         ))
         try:
             hidden = self.model(input_ids, positions)

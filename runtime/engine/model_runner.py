@@ -200,7 +200,7 @@ class ModelRunner:
             cu_seqlens_q=tensor(inputs["cu_seqlens_q"]), seq_lens=tensor(inputs["seq_lens"]), page_table=tensor(table),
             slot_mapping=tensor(inputs["slots"], torch.int64), logits_indices=tensor(inputs["logits_indices"], torch.int64),
             max_q_len=max(batch.num_tokens),
-            decode_order=tensor(longest_first(inputs["seq_lens"]), torch.int64) if max(batch.num_tokens) == 1 else None,
+            order=tensor(longest_first(inputs["seq_lens"]), torch.int64),
         ))
         input_ids = tensor(inputs["input_ids"], torch.int64)
         fill = self._pending_fill(inputs["pending"], in_flight)

@@ -40,5 +40,5 @@ class Attention(nn.Module):
         ctx = get_context()
         return attn_ops.paged_attention(
             q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.seq_lens, ctx.page_table, self.scale,
-            max_q_len=ctx.max_q_len, out=out, store=(k, v, ctx.slot_mapping), decode_order=ctx.decode_order,
+            max_q_len=ctx.max_q_len, out=out, store=(k, v, ctx.slot_mapping), order=ctx.order,
         )
