@@ -405,6 +405,8 @@ def paged_attention(
     kernels start the sequences' programs in (`longest_first`); the results do not depend on it.
     """
     triton_ok = use_triton(q, "attention")
+    if seq_lens.shape[0] == 1:  # one sequence: nothing to order, and reading the order costs a load per program
+        order = None
     if triton_ok and max_q_len is None:
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if seq_lens.numel() else 0
     if triton_ok and max_q_len == 1:
