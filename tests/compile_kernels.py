@@ -19,12 +19,13 @@ def compile_sm90(fn, pointers: dict[str, str], constants: dict, **options):
 
 
 def main() -> None:
-    for split, store in ((True, True), (False, False)):
+    for split, store, ordered in ((True, True, True), (False, False, False)):
         compile_sm90(attention._decode_kernel,
                      dict(Q=BF16, K_CACHE=BF16, V_CACHE=BF16, O=BF16, PART_O=F32, PART_LSE=F32, ARRIVED=I32, CU=I32,
-                          SEQ_LENS=I32, PAGE_TABLE=I32, K_NEW=BF16, V_NEW=BF16, SLOTS=I64),
+                          SEQ_LENS=I32, PAGE_TABLE=I32, K_NEW=BF16, V_NEW=BF16, SLOTS=I64, ORDER=I64),
                      dict(GROUP=2, PAGE_SIZE=16, HEAD_DIM=128, BLOCK_H=16, BLOCK_D=128, BLOCK_N=32, BLOCK_S=64,
-                          SPLIT=split, STORE=store, PRECISION="tf32", PDL=True), num_warps=4, num_stages=3)
+                          SPLIT=split, STORE=store, ORDERED=ordered, PRECISION="tf32", PDL=True), num_warps=4,
+                     num_stages=3)
     for norm_in, gated, fp8 in ((True, True, False), (True, False, False), (False, False, True)):
         compile_sm90(linear._gemv_kernel,
                      dict(X=BF16, R=BF16, NW=BF16, W="*fp8e4nv" if fp8 else BF16, B=BF16, S=F32, OUT=BF16, R_OUT=BF16),
