@@ -234,9 +234,8 @@ def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> in
 
 def longest_first(seq_lens: list[int], size: int | None = None) -> list[int]:
     """The attention kernels' `order`: sequence indices by KV length, longest first, then the padding rows up to
-    `size`. Programs start in grid order and take as long as their sequence, so
-    starting the longest first leaves the shortest for the end, where the last programs would otherwise
-    keep most SMs idle while a long one finishes."""
+    `size`. Programs start in grid order and take as long as their sequence: started longest first, the short
+    ones fill the end of the launch instead of a long one keeping most SMs idle while it finishes."""
     n = len(seq_lens)
     return sorted(range(n), key=seq_lens.__getitem__, reverse=True) + list(range(n, size or n))
 
@@ -268,8 +267,8 @@ def paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table,
     _decode_kernel[(Hk, num_splits, B)](
         q, k_cache, v_cache, out, part_o, part_lse, split_arrivals(q.device, B * Hk) if split else part_lse,
         cu_seqlens_q, seq_lens, page_table, k, v, slots, order if order is not None else seq_lens, scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), Hq, Hk, num_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), page_table.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), Hq, Hk, num_splits,
         GROUP=group, PAGE_SIZE=k_cache.shape[1], HEAD_DIM=D,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=triton.next_power_of_2(D), BLOCK_N=block_n,
         BLOCK_S=triton.next_power_of_2(num_splits), SPLIT=split, STORE=store is not None, ORDERED=order is not None,
