@@ -160,7 +160,7 @@ def bench_attention(bw: float, sweep: bool) -> None:
         lens = torch.randint(100, 2049, (B,), generator=torch.Generator().manual_seed(B)).tolist()
         layers = max(1, min(LAYERS, (8 << 30) // (sum(lens) * HK * D * 4)))
         q, caches, cu, sl, pt = layer_batches(lens, [1] * B, layers=layers)
-        order = torch.tensor(sorted(range(B), key=lens.__getitem__, reverse=True), dtype=torch.int64, device="cuda")
+        order = torch.tensor(attention.longest_first(lens), device="cuda")
         kv_bytes = sum(lens) * HK * D * 2 * 2
         for label, o in (("admission order", None), ("longest first", order)):
             t = graph_ms([lambda kc=kc, vc=vc: attention.paged_decode_triton(q, kc, vc, cu, sl, pt, scale, order=o)
