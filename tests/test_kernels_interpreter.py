@@ -289,7 +289,9 @@ def test_paged_attention_stores_then_attends_on_either_kernel(q_lens, monkeypatc
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
-def test_decode_attention_stores_the_steps_keys_and_values_itself(num_splits):
+@pytest.mark.parametrize("longest_first", [False, True], ids=["batch-order", "longest-first"])
+def test_decode_attention_stores_the_steps_keys_and_values_itself(num_splits, longest_first):
+    """In either start order (`order`), each sequence gets its own output and its own K/V row."""
     seq_lens, page_size, Hk = [1, 17, 40, 6], 5, 2
     q, kc, vc, cu, sl, pt = paged_batch(seq_lens, [1] * 4, 4, Hk, 16, page_size)
     k, v = torch.randn(4, Hk, 16), torch.randn(4, Hk, 16)
@@ -298,24 +300,11 @@ def test_decode_attention_stores_the_steps_keys_and_values_itself(num_splits):
     slots[2] = -1  # a padding row writes nothing
     want_k, want_v = kc.clone(), vc.clone()
     attention.store_kvcache_ref(k, v, want_k, want_v, slots)
-    got = attention.paged_decode_triton(q, kc, vc, cu, sl, pt, 0.3, num_splits=num_splits, store=(k, v, slots))
-    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
-    torch.testing.assert_close(got, attention.paged_attention_ref(q, want_k, want_v, cu, sl, pt, 0.3), **TOL)
-
-
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_attention_in_any_start_order_gives_each_sequence_its_own_output(num_splits):
-    seq_lens, page_size, Hk = [1, 17, 40, 6], 5, 2
-    q, kc, vc, cu, sl, pt = paged_batch(seq_lens, [1] * 4, 4, Hk, 16, page_size)
-    k, v = torch.randn(4, Hk, 16), torch.randn(4, Hk, 16)
-    last = sl.long() - 1
-    slots = pt[torch.arange(4), last // page_size].long() * page_size + last % page_size
-    want_k, want_v = kc.clone(), vc.clone()
-    attention.store_kvcache_ref(k, v, want_k, want_v, slots)
-    order = attention.longest_first(seq_lens)
-    assert order == [2, 1, 3, 0]
+    order = attention.longest_first(seq_lens) if longest_first else None
+    if longest_first:
+        assert order == [2, 1, 3, 0]
     got = attention.paged_decode_triton(q, kc, vc, cu, sl, pt, 0.3, num_splits=num_splits, store=(k, v, slots),
-                                        order=torch.tensor(order))
+                                        order=None if order is None else torch.tensor(order))
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
     torch.testing.assert_close(got, attention.paged_attention_ref(q, want_k, want_v, cu, sl, pt, 0.3), **TOL)
 
