@@ -79,7 +79,8 @@ def main() -> None:
                           max_model_len=max(2 * args.context, 1024), prefill_graph_max_tokens=args.prefill_graph_max_tokens,
                           quantization=args.quantization)
     engine = LLMEngine(config)  # first: built after a freed runner, its host step at 256 rows measured ~1 ms slower
-    engine_times = {bs: engine_step_time(engine, bs, args.context, args.iters, args.temperature) for bs in args.batch_sizes}
+    decoding = lambda iters: SamplingParams(max_tokens=iters, temperature=args.temperature, ignore_eos=True)
+    engine_times = {bs: engine_step_time(engine, bs, args.context, args.iters, decoding) for bs in args.batch_sizes}
     print("a full garbage collection: %.1f ms with the engine's startup heap frozen, %.1f ms thawed" % full_collection_ms())
     del engine  # the runner sizes its KV pool to the memory left
     thaw_heap()
@@ -143,18 +144,18 @@ def kernel_breakdown(replay, iters: int) -> dict[str, tuple[float, float]]:
     return kernels
 
 
-def engine_step_time(engine: LLMEngine, batch: int, context: int, iters: int, temperature: float) -> float:
+def engine_step_time(engine: LLMEngine, batch: int, context: int, iters: int, params) -> float:
     """Seconds per `engine.step()` while `batch` requests decode, their context `context` tokens on average over
     the timed steps, as the runner's graph is timed below; prints the collector's pauses during those steps.
+    `params(max_tokens)`: the requests' SamplingParams (ignore_eos, enough max_tokens for the timed steps).
     The prompts are computed once first, so that their pages are in the prefix cache and every request starts
     decoding within a step or two of the others (a chunked prefill of them all would start the first admitted
     ones ~60 steps ahead: at batch 256 and context 512 their mean context was ~600 tokens, 18 % more KV to read)."""
     prompt_len = max(1, context - 5 - iters // 2)  # 5 untimed steps, then iters timed ones: the mean context is `context`
     prompts = [[(i * 17 + j) % 1000 + 1 for j in range(prompt_len)] for i in range(batch)]
     engine.generate(prompts, SamplingParams(max_tokens=1))
-    params = SamplingParams(max_tokens=iters + 64, temperature=temperature, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"e{i}", prompt, params)
+        engine.add_request(f"e{i}", prompt, params(iters + 64))
     engine.prefill_all()
     for _ in range(5):
         engine.step()

@@ -31,6 +31,26 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def hf_written_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """A tiny Qwen3 checkpoint that transformers itself wrote (`save_pretrained` of a seeded random model, float32),
+    with the tiny model's tokenizer: the oracle for what the runtime computes from a Hugging Face directory."""
+    import shutil
+
+    import transformers
+
+    out = tmp_path_factory.mktemp("hf-qwen3")
+    config = transformers.Qwen3Config(vocab_size=1024, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=1024, tie_word_embeddings=True, eos_token_id=0,
+                                      initializer_range=0.2)
+    torch.manual_seed(3)
+    transformers.Qwen3ForCausalLM(config).to(torch.float32).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, out / name)
+    return out
+
+
 @pytest.fixture
 def make_engine(tiny_model_dir):
     """Engine on the tiny checkpoint with small pages (4 tokens) so sequences span many pages."""

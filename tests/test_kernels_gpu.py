@@ -282,6 +282,22 @@ def reference(logits, temps, top_ks, top_ps, seeds):
     return sampling.sample_ref(logits, temps, top_ks, top_ps, noise)
 
 
+@pytest.mark.parametrize("S", [1, 7, 256])
+def test_penalties_match_reference(S):
+    logits = rand(S, VOCAB, scale=3)
+    slots = torch.randint(0, 300, (S,), device="cuda")
+    slots[1::3] = -1
+    counts = torch.randint(0, 3, (300, VOCAB), device="cuda", dtype=torch.int32)
+    counts |= torch.where(torch.rand(300, VOCAB, device="cuda") < 0.05, sampling.PROMPT_BIT, 0).int()
+    params = [torch.rand(S, device="cuda") * 4 - 2, torch.rand(S, device="cuda") * 4 - 2,
+              torch.rand(S, device="cuda") * 1.9 + 0.1]
+    want, got = logits.clone(), logits.clone()
+    sampling.apply_penalties_ref(want, slots, counts, *params)
+    sampling.apply_penalties(got, slots, counts, *params)  # the Triton kernel on CUDA
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+    assert torch.equal(got[1::3], logits[1::3])
+
+
 @pytest.mark.parametrize("S", [1, 7, 64, 256])
 def test_sample_paths_match_reference(S):
     logits, temps, seeds = sampling_batch(S)

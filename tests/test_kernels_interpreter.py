@@ -397,11 +397,64 @@ def test_seeded_noise_draws_from_the_distribution():
     assert (freq - expected).abs().max() < 0.015 and tokens.max() < 4
 
 
+def penalties_batch(S: int, V: int, slots: int, generator: torch.Generator):
+    """Random logits, histories (counts up to 3, prompt tokens marked) and penalties; some rows without a slot."""
+    logits = torch.randn(S, V, generator=generator) * 3
+    counts = torch.randint(0, 4, (slots, V), generator=generator, dtype=torch.int32)
+    counts |= torch.where(torch.rand(slots, V, generator=generator) < 0.2, sampling.PROMPT_BIT, 0).int()
+    rows = torch.randint(0, slots, (S,), generator=generator)
+    rows[::3] = -1
+    params = [torch.rand(S, generator=generator) * 4 - 2, torch.rand(S, generator=generator) * 4 - 2,
+              torch.rand(S, generator=generator) * 1.9 + 0.1]
+    return logits, rows, counts, params
+
+
+def test_penalties_kernel_matches_the_reference():
+    generator = torch.Generator().manual_seed(5)
+    logits, slots, counts, (presence, frequency, repetition) = penalties_batch(7, 300, 4, generator)
+    want = logits.clone()
+    sampling.apply_penalties_ref(want, slots, counts, presence, frequency, repetition)
+    got = logits.clone()
+    sampling.apply_penalties_triton(got, slots, counts, presence, frequency, repetition)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[::3], logits[::3])  # rows without a slot are left as they are
+    assert not torch.equal(got[1], logits[1])
+
+
+def test_penalties_reference_follows_vllms_formula_entry_by_entry():
+    generator = torch.Generator().manual_seed(6)
+    logits, slots, counts, (presence, frequency, repetition) = penalties_batch(4, 12, 2, generator)
+    got = logits.clone()
+    sampling.apply_penalties_ref(got, slots, counts, presence, frequency, repetition)
+    for r in range(4):
+        for t in range(12):
+            x, slot = logits[r, t].item(), slots[r].item()
+            if slot >= 0:
+                history = counts[slot, t].item()
+                n = history & (sampling.PROMPT_BIT - 1)
+                if history:  # in the prompt or generated
+                    x = x / repetition[r].item() if x > 0 else x * repetition[r].item()
+                x -= frequency[r].item() * n + presence[r].item() * (n > 0)
+            assert abs(got[r, t].item() - x) < 1e-5, (r, t)
+
+
+def test_token_logprobs_are_log_softmax_and_its_top_n():
+    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(7))
+    tokens = torch.tensor([3, 0, 39, 17, 17])
+    chosen, values, ids = sampling.token_logprobs(logits, tokens, 4)
+    full = logits.log_softmax(-1)
+    torch.testing.assert_close(chosen, full.gather(1, tokens.unsqueeze(1)).squeeze(1))
+    want_values, want_ids = full.topk(4)
+    torch.testing.assert_close(values, want_values)
+    assert torch.equal(ids, want_ids)
+    assert sampling.token_logprobs(logits, tokens, 0)[1].shape == (5, 0)
+
+
 def test_public_ops_use_the_references_on_cpu(monkeypatch):
     def triton_called(*args, **kwargs):
         raise AssertionError("a Triton entry point ran for CPU tensors")
 
-    for module, name in ((sampling, "race_triton"), (sampling, "sample_top_k_triton"),
+    for module, name in ((sampling, "race_triton"), (sampling, "sample_top_k_triton"), (sampling, "apply_penalties_triton"),
                          (attention, "paged_decode_triton"), (attention, "paged_prefill_triton"),
                          (linear, "gemv_triton"), (linear, "skinny_triton"), (norm, "rms_norm_triton"),
                          (rope, "rope_triton"), (activation, "silu_and_mul_triton"),
@@ -412,6 +465,11 @@ def test_public_ops_use_the_references_on_cpu(monkeypatch):
     top_ks, top_ps = torch.zeros(8, dtype=torch.int64), torch.ones(8)
     want = sampling.sample_ref(logits, temps, top_ks, top_ps, sampling.exponential_noise(seeds, torch.arange(50)))
     assert torch.equal(sampling.sample(logits, temps, top_ks, top_ps, seeds, max_top_k=0), want)
+    penalised, slots, counts, params = penalties_batch(4, 50, 2, torch.Generator().manual_seed(8))
+    want = penalised.clone()
+    sampling.apply_penalties_ref(want, slots, counts, *params)
+    sampling.apply_penalties(penalised, slots, counts, *params)
+    assert torch.equal(penalised, want)
     q, kc, vc, cu, sl, pt = paged_batch([6, 3], [2, 1], 2, 1, 8, 4)
     assert torch.equal(attention.paged_attention(q, kc, vc, cu, sl, pt, 0.5, max_q_len=2),
                        attention.paged_attention_ref(q, kc, vc, cu, sl, pt, 0.5))

@@ -61,7 +61,7 @@ def test_chat_streaming_starts_with_the_role(client):
 
 
 @pytest.mark.parametrize("body, status, needle", [
-    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens 0 generates nothing"),
     ({"prompt": "hi", "max_tokens": "many"}, 400, "valid integer"),
     ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
     ({"max_tokens": 3}, 400, "prompt"),
@@ -71,8 +71,8 @@ def test_chat_streaming_starts_with_the_role(client):
     ({"prompt": "word " * 200}, 400, "maximum context length is 128"),
     ({"prompt": "hi", "max_tokens": 500}, 400, "maximum context length"),
     ({"prompt": [5, 99999]}, 400, "outside the vocabulary"),
-    ({"prompt": "hi", "n": 2}, 400, "n:"),
-    ({"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ({"prompt": "hi", "n": 17}, 400, "n: Input should be less than or equal to 16"),
+    ({"prompt": "hi", "logprobs": 21}, 400, "logprobs: Input should be less than or equal to 20"),
     # beyond int64 it failed the engine's step, aborting every request in flight (issue 19's fuzz)
     ({"prompt": "hi", "top_k": 2**64}, 400, "top_k: Input should be less than or equal to"),
 ])
@@ -237,7 +237,7 @@ LATENCY_HISTOGRAMS = ("tsdev_time_to_first_token_seconds", "tsdev_inter_token_la
 def test_latency_histograms_count_each_request(client):
     def counts() -> dict[str, float]:
         lines = client.get("/metrics").text.splitlines()
-        return {name: next(float(line.split()[1]) for line in lines if line.startswith(name + "_count "))
+        return {name: next(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "_count{"))
                 for name in LATENCY_HISTOGRAMS}
 
     before = counts()
@@ -246,3 +246,45 @@ def test_latency_histograms_count_each_request(client):
     assert {name: after[name] - before[name] for name in LATENCY_HISTOGRAMS} == {
         "tsdev_time_to_first_token_seconds": 1, "tsdev_inter_token_latency_seconds": 3,
         "tsdev_e2e_request_latency_seconds": 1, "tsdev_request_queue_time_seconds": 1}
+
+
+def metric_lines(client, name: str) -> dict[frozenset, float]:
+    """{frozenset of (label, value)}: value, for every sample of `name` on /metrics."""
+    samples = {}
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line[len(name) + 1 :].rsplit(" ", 1)
+            pairs = [pair.split("=", 1) for pair in labels.rstrip("}").split(",")]
+            samples[frozenset((k, v.strip('"')) for k, v in pairs)] = float(value)
+    return samples
+
+
+def labels(**pairs) -> frozenset:
+    return frozenset(pairs.items())
+
+
+def test_metrics_carry_the_model_name_and_count_finishes_by_reason_and_preemptions(tiny_model_dir):
+    from runtime.config import EngineConfig
+    from runtime.engine.llm_engine import LLMEngine
+
+    # 12 pages of 4 tokens: four 20-token requests do not fit at once, so some are preempted
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", max_model_len=32, kv_pages=12,
+                                    page_size=4, max_running=4))
+    import concurrent.futures
+
+    with TestClient(build_app(engine, "tiny-m")) as c:
+        def complete(body):
+            return c.post("/v1/completions", json={"prompt": [3, 4, 5, 6], **body})
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(complete, [{"max_tokens": 16, "ignore_eos": True}] * 4))
+        assert all(r.status_code == 200 for r in replies)
+        complete({"max_tokens": 8, "logit_bias": {"0": 100}})  # EOS at once: stop
+        finished = metric_lines(c, "tsdev_request_success_total")
+        assert finished[labels(model_name="tiny-m", finished_reason="length")] == 4
+        assert finished[labels(model_name="tiny-m", finished_reason="stop")] == 1
+        preempted = metric_lines(c, "tsdev_num_preemptions_total")[labels(model_name="tiny-m")]
+        assert preempted == engine.stats().preemptions > 0
+        text = c.get("/metrics").text
+        samples = [line for line in text.splitlines() if line and not line.startswith("#")]
+        assert all('model_name="tiny-m"' in line for line in samples), [l for l in samples if "tiny-m" not in l]

@@ -86,3 +86,44 @@ def test_a_reload_on_two_ranks_shows_each_ranks_line(tmp_path):
 
     shown = asyncio.run(main())
     assert "rank 0: ok | jit 0.08" in shown and "rank 1: ok | jit 0.08" in shown, shown
+
+
+def test_at_80_by_24_the_history_drops_columns_in_order_and_keeps_the_outcome(tmp_path):
+    from tsdev.watch.tui import DROP_ORDER, visible_columns
+
+    project, server = make_project(tmp_path), FakeServer()
+    server.output_changed_at = 3
+    app = WatchApp(WatchConfig(attach=URL, project=project, probe_batch=2, probe_steps=4), server.transport())
+
+    async def main():
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(lambda: app.daemon.watcher.ready.is_set() and app.daemon.info["state"] == "serving")
+            await pilot.pause(0.3)
+            (project / "kernels/ops/act.py").write_text("def act(x):\n    return 2 * x\n")
+            await until(lambda: app.daemon.reloads.records and app.daemon.reloads.records[-1].done)
+            await pilot.pause(0.3)
+            narrow = screen_text(app)
+            await pilot.resize_terminal(200, 48)
+            await pilot.pause(0.3)
+            wide = screen_text(app)
+            await pilot.press("q")
+            await until(lambda: app.return_code is not None)
+            return narrow, wide
+
+    narrow, wide = asyncio.run(main())
+    assert all(len(line) <= 80 for line in narrow.splitlines())
+    assert "✓ warm 0.12 s" in narrow and "✓ recapture 0.46 s (decode 0.30, prefill 0.16)" in narrow  # chips whole
+    header = next(line for line in narrow.splitlines() if "trigger" in line and "outcome" in line)
+    for column in ("#", "total", "golden", "ms/step", "outcome"):
+        assert column in header, header
+    row = next(line for line in narrow.splitlines() if re.search(r"│ *1 +save", line))
+    assert "changed @3" in row and "ok" in row and "0.64" in row, row
+    footer = narrow.splitlines()[-1]
+    for key in ("reload", "restart", "bench", "profile", "golden", "clear", "quit"):
+        assert key in footer, footer
+    assert "warm" in wide and "deps" in wide  # the wide screen shows every column again
+    columns, _ = visible_columns(80)
+    dropped = [c for c in DROP_ORDER if c not in columns]
+    assert dropped == list(DROP_ORDER[: len(dropped)])  # dropped in the stated order
+    assert visible_columns(400)[0] == tuple(c for c in visible_columns(400)[0])  # nothing dropped when wide
+    assert len(visible_columns(400)[0]) == len(DROP_ORDER) + len(columns)

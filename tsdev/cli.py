@@ -121,7 +121,7 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@app.command()
+@app.command(short_help="Serve a model over an OpenAI-compatible HTTP API.")
 def serve(
     model: Annotated[Optional[str], typer.Argument(help="Hugging Face checkpoint directory (Qwen3). "
                                                         "Omit it to serve the embedded default model.")] = None,
@@ -259,7 +259,7 @@ def serve(
     raise typer.Exit(run_server(config, server, console))
 
 
-@app.command()
+@app.command(short_help="Reload the server's forward pass after an edit.")
 def reload(
     url: Annotated[str, typer.Option(help="The server (started with --allow-reload-forward, or by `tsdev watch`).")] = "http://127.0.0.1:8000",
     modules: Annotated[Optional[list[str]], typer.Option("--modules", "-m", metavar="MODULE", help="Force these modules (and their dependents) to re-execute, changed or not. Repeat the flag for several.")] = None,
@@ -326,7 +326,7 @@ def reload(
     raise typer.Exit(outcome.exit_status(reply))
 
 
-@app.command()
+@app.command(short_help="Load-test a server: throughput, TTFT, TPOT, ITL.")
 def bench(
     url: Annotated[str, typer.Option("--url", "--base-url", help="Any OpenAI-compatible server.")] = "http://127.0.0.1:8000",
     endpoint: Annotated[str, typer.Option(
@@ -412,7 +412,9 @@ def bench(
     raise typer.Exit(1 if result["metrics"]["failed_requests"] else 0)
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command(short_help="Serve under Nsight Systems, one report per reload.",
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             options_metavar="[MODEL] [SERVER FLAGS] [OPTIONS]")
 def profile(
     ctx: typer.Context,
     out: Annotated[Optional[Path], typer.Option(help="Report folder; default profiles/<date-time>.")] = None,
@@ -443,7 +445,7 @@ def profile(
                                  api_key or None))
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+@app.command(short_help="Serve and reload on every save, with a live TUI.", context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
              options_metavar="[MODEL] [SERVER FLAGS] [OPTIONS]")
 def watch(
     ctx: typer.Context,
@@ -490,7 +492,7 @@ def watch(
     raise typer.Exit(code)
 
 
-@app.command()
+@app.command(short_help="Print or install an editor save hook.")
 def hook(
     editor: Annotated[str, typer.Argument(help="vscode, neovim, emacs or jetbrains.")],
     install: Annotated[bool, typer.Option("--install", help="Write it where the editor reads it (and say where) instead of printing it.")] = False,
@@ -516,11 +518,20 @@ def hook(
 
 from tsdev.weights_cli import sleep, wake, weights_app  # noqa: E402
 
-app.command()(sleep)
-app.command()(wake)
-app.add_typer(weights_app, name="weights")
+app.command(short_help="Put a server to sleep: its GPU memory freed.")(sleep)
+app.command(short_help="Wake a sleeping server.")(wake)
+app.add_typer(weights_app, name="weights", short_help="Reload, update or verify a server's weights.")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"tsdev {version('tsdev')}")
+        raise typer.Exit()
 
 
 @app.callback()
-def main() -> None:
+def main(version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                               help="Print tsdev's version and exit.")] = False) -> None:
     """tsdev: serve an LLM and hot-reload its forward pass while you edit its kernels."""

@@ -74,7 +74,7 @@ def wake(
     typer.echo(f"{_state(reply)}; woke {woken} in {reply.seconds:.2f} s (recapture {reply.recapture_seconds:.2f} s)")
 
 
-@weights_app.command("reload")
+@weights_app.command("reload", short_help="Reload the served checkpoint into the running server.")
 def reload_weights(
     path: Annotated[Optional[str], typer.Argument(help="A checkpoint under the served model's directory or an "
                                                   "--allowed-weight-dir (a relative path is taken from the current "
@@ -93,7 +93,7 @@ def reload_weights(
                f"({reply.seconds:.2f} s with the drain)")
 
 
-@weights_app.command("update")
+@weights_app.command("update", short_help="Load new weights from a checkpoint, in place.")
 def update_weights(
     path: Annotated[str, typer.Argument(help="A checkpoint under the served model's directory or an "
                                         "--allowed-weight-dir (as the server's machine sees it).")],
@@ -116,7 +116,7 @@ def update_weights(
                f"{reply.load_seconds:.2f} s{graphs} ({reply.seconds:.2f} s with the drain)")
 
 
-@weights_app.command("verify")
+@weights_app.command("verify", short_help="Compare a server's weights with a checkpoint.")
 def verify(
     against: Annotated[str, typer.Option("--against", help="The checkpoint directory the server should hold.")],
     device: Annotated[Optional[str], typer.Option(help="Where to load it (default: the server's device).")] = None,
@@ -145,7 +145,7 @@ def verify(
                f"the server took {live.seconds:.2f} s)")
 
 
-@weights_app.command("drill")
+@weights_app.command("drill", short_help="Check sleep, wake and reload rounds against a load.")
 def drill(
     model: Annotated[Optional[str], typer.Argument(help="A checkpoint directory; default: the embedded model.")] = None,
     rounds: Annotated[int, typer.Option(min=1, help="Rounds of sleep(2) -> wake_up -> reload_weights per mode.")] = 3,

@@ -293,3 +293,85 @@ def sample(
     scaled = apply_top_k_top_p(logits / temperatures.clamp(min=1e-5).unsqueeze(1), top_ks, top_ps)
     sampled = race_triton(scaled, torch.ones_like(temperatures), seeds)
     return torch.where(temperatures > 0, sampled, logits.argmax(dim=-1))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Penalties: what a request's own tokens do to its row before the draw (vLLM's repetition, frequency and
+# presence penalties). A row's history is one int32 row of `counts`: the number of times each token was
+# generated, with PROMPT_BIT set for the tokens of its prompt.
+
+PROMPT_BIT = 1 << 30
+
+
+def apply_penalties_ref(logits: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor,
+                        frequency: torch.Tensor, repetition: torch.Tensor) -> None:
+    """In place, for each row r with slots[r] >= 0 (history counts[slots[r]]): a token seen in the prompt or the
+    output has its logit divided by repetition[r] when positive, multiplied when not; then every logit drops by
+    frequency[r] x its output count and presence[r] once it was generated. Float32, in that order (vLLM's)."""
+    rows = (slots >= 0).nonzero().squeeze(1)
+    if not rows.numel():
+        return
+    history = counts[slots[rows]]
+    generated = (history & (PROMPT_BIT - 1)).float()
+    seen = (history != 0).float()
+    x = logits[rows]
+    rep = repetition[rows].unsqueeze(1)
+    x = torch.where(seen > 0, torch.where(x > 0, x / rep, x * rep), x)
+    x = x - frequency[rows].unsqueeze(1) * generated - presence[rows].unsqueeze(1) * (generated > 0).float()
+    logits[rows] = x
+
+
+@triton.jit(do_not_specialize=["V", "stride_l", "stride_c"])
+def _penalties_kernel(LOGITS, SLOTS, COUNTS, PRESENCE, FREQUENCY, REPETITION, V, stride_l, stride_c,
+                      PROMPT_BIT: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    slot = tl.load(SLOTS + row)
+    if slot >= 0:
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < V
+        history = tl.load(COUNTS + slot.to(tl.int64) * stride_c + cols, mask=mask, other=0)
+        generated = (history & (PROMPT_BIT - 1)).to(tl.float32)
+        x = tl.load(LOGITS + row.to(tl.int64) * stride_l + cols, mask=mask, other=0.0)
+        rep = tl.load(REPETITION + row)
+        x = tl.where(history != 0, tl.where(x > 0, x / rep, x * rep), x)
+        x = x - tl.load(FREQUENCY + row) * generated - tl.load(PRESENCE + row) * (generated > 0).to(tl.float32)
+        tl.store(LOGITS + row.to(tl.int64) * stride_l + cols, x, mask=mask)
+
+
+def apply_penalties_triton(logits: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor,
+                           frequency: torch.Tensor, repetition: torch.Tensor, block: int | None = None) -> None:
+    S, V = logits.shape
+    block = block or (4096 if logits.is_cuda else 128)
+    if S:
+        _penalties_kernel[(S, triton.cdiv(V, block))](
+            logits, slots, counts, presence, frequency, repetition, V, logits.stride(0), counts.stride(0),
+            PROMPT_BIT=PROMPT_BIT, BLOCK=block, num_warps=8 if block >= 4096 else 4,
+        )
+
+
+def apply_penalties(logits: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor,
+                    frequency: torch.Tensor, repetition: torch.Tensor) -> None:
+    """The penalties on logits [S, V] float32 in place (the vocab dim contiguous): slots [S] int64 (-1: leave the
+    row), counts [slots, V] int32 (see PROMPT_BIT), presence / frequency / repetition [S] float32. One pass over
+    the rows that have a slot: the rows without one cost a program that returns."""
+    if use_triton(logits, "sampling"):
+        apply_penalties_triton(logits, slots, counts, presence, frequency, repetition)
+    else:
+        apply_penalties_ref(logits, slots, counts, presence, frequency, repetition)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Logprobs: a token's log-probability and the top-N under the raw distribution (log-softmax of the logits)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For logits [R, V] float32 and tokens [R] int64: (logprob of each row's token [R], the top_n logprobs
+    [R, top_n] best first, their token ids [R, top_n]). Logprobs are logits minus the row's logsumexp, so the
+    top-N of the logits is the top-N of the logprobs: nothing of size [R, V] is written."""
+    lse = logits.logsumexp(dim=-1, keepdim=True)
+    chosen = logits.gather(1, tokens.unsqueeze(1)) - lse
+    if top_n:
+        values, ids = logits.topk(top_n, dim=-1)
+        return chosen.squeeze(1), values - lse, ids
+    return chosen.squeeze(1), logits.new_empty(logits.shape[0], 0), tokens.new_empty(logits.shape[0], 0)

@@ -84,8 +84,10 @@ class AsyncEngine:
 
     # --- requests --------------------------------------------------------------------------------
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs as they come; closing the iterator early aborts the request."""
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       after: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs as they come; closing the iterator early aborts the request. `after`: the
+        request whose prompt this one shares (LLMEngine.add_request)."""
         if self.stopping:
             raise ShuttingDown("the server is shutting down: the request was not started")
         if why := self.unavailable():
@@ -96,7 +98,7 @@ class AsyncEngine:
 
         def add() -> None:
             try:
-                self.engine.add_request(request_id, prompt_token_ids, params, arrival_time=arrival)
+                self.engine.add_request(request_id, prompt_token_ids, params, arrival_time=arrival, after=after)
             except ValueError as exc:
                 queue.put_nowait(exc)
 

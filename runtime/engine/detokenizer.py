@@ -10,8 +10,8 @@ held back from the stream until it is clear.
 
 
 class Detokenizer:
-    def __init__(self, stop: list[str]):
-        self.stop = stop
+    def __init__(self, stop: list[str], include_stop: bool = False):
+        self.stop, self.include_stop = stop, include_stop
         self.hold = max((len(s) - 1 for s in stop), default=0)  # tail that may still become a stop string
         self.ids: list[int] = []
         self.prefix_offset = self.read_offset = 0
@@ -22,8 +22,9 @@ class Detokenizer:
         """The two id windows whose decoded difference is the new text (decode many at once with decode_batch)."""
         return [self.ids[self.prefix_offset : self.read_offset], self.ids[self.prefix_offset :]]
 
-    def consume(self, before: str, now: str) -> bool:
-        """Take the decoded windows after an append; True if the text now contains a stop string."""
+    def consume(self, before: str, now: str, check_stop: bool = True) -> bool:
+        """Take the decoded windows after an append; True if the text now contains a stop string (looked for only
+        when `check_stop`: not before min_tokens). The text ends before it, or after it with `include_stop`."""
         if now == before:  # the new ids decode to nothing (skipped specials, ids the tokenizer lacks):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)  # keep the window short
             return False
@@ -32,9 +33,12 @@ class Detokenizer:
         checked_from = max(0, len(self.text) - self.hold)
         self.text += now[len(before) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        hits = [i for i in (self.text.find(s, checked_from) for s in self.stop) if i >= 0] if self.stop else None
+        if not self.stop or not check_stop:
+            return False
+        hits = [(i, len(s)) for i, s in ((self.text.find(s, checked_from), s) for s in self.stop) if i >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            at, length = min(hits)
+            self.text = self.text[: at + length * self.include_stop]
             return True
         return False
 

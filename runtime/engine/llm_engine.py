@@ -6,6 +6,7 @@ sampled tokens on the GPU (a PENDING placeholder on the host until N is read). A
 N (EOS, a stop string) has computed one token too many in N+1; that token is dropped.
 """
 import atexit
+import collections
 import gc
 import sys
 import time
@@ -23,8 +24,9 @@ from runtime.engine.detokenizer import Detokenizer
 from runtime.engine.model_runner import Checkpoint, ModelRunner, step_range
 from runtime.engine.ranks import DrivenRunner, RankLedger
 from runtime.engine.scheduler import ScheduledBatch, Scheduler
-from runtime.engine.sequence import PENDING, SamplingParams, Sequence
+from runtime.engine.sequence import PENDING, SamplingParams, Sequence, Status, TokenLogprob
 from runtime.engine.sleep import WEIGHTS, SleepState, weights_checksum
+from runtime.sampling.sampler import Sampled
 from runtime.weights.checkpoint import checkpoint_files, read_entries
 from runtime.weights.loader import LoadReport
 
@@ -87,6 +89,8 @@ class RequestOutput:
     first_scheduled_time: float | None = None  # first admitted by the scheduler (queue time: this - arrival)
     token_time: float | None = None  # when new_token_ids were read (None: no new token)
     previous_token_time: float | None = None  # when the request's previous token was read (None: none yet)
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for logprobs
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.., with the request's first output
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,8 @@ class EngineStats:
     decode_steps: int  # of those, steps in which every sequence computed one token
     rows: int  # sequences in the steps launched
     decode_rows: int  # sequences in the decode steps
+    preemptions: int  # running sequences whose pages were freed for others (recomputed later)
+    finished: dict[str, int]  # requests finished, by finish reason
 
 
 @dataclass
@@ -112,22 +118,35 @@ class _Launched:
     batch: ScheduledBatch
     sampling: list[Sequence]
     positions: list[int]  # where each sampling sequence's PENDING placeholder sits in its token_ids
-    tokens: torch.Tensor | None  # on the device
-    host: torch.Tensor | None = None  # pinned copy, complete once `ready` has passed (CUDA)
+    sampled: Sampled | None  # on the device
+    host: list[torch.Tensor] | None = None  # pinned copies of sampled.tensors(), complete once `ready` passed (CUDA)
     ready: object = None  # torch.cuda.Event
 
     @property
     def in_flight(self):
         """What the runner needs to feed these tokens to the next step."""
-        return None if self.tokens is None else (self.tokens, {s: i for i, s in enumerate(self.sampling)})
+        return None if self.sampled is None else (self.sampled.tokens, {s: i for i, s in enumerate(self.sampling)})
 
-    def read(self) -> list[int]:
-        if self.tokens is None:
-            return []
+    def read(self) -> tuple[list[int], list | None, list | None]:
+        """The tokens, and the (logprob, top values, top ids) lists of the drawn tokens and of the prompt rows."""
+        if self.sampled is None:
+            return [], None, None
         if self.ready is None:
-            return self.tokens.tolist()
-        self.ready.synchronize()
-        return self.host.tolist()
+            lists = [t.tolist() for t in self.sampled.tensors()]
+        else:
+            self.ready.synchronize()
+            lists = [t.tolist() for t in self.host]
+        tokens, rest = lists[0], lists[1:]
+        drawn = rest[:3] if self.sampled.logprobs is not None else None
+        prompt = rest[-3:] if self.sampled.prompt_logprobs is not None else None
+        return tokens, drawn, prompt
+
+
+def logprob_entries(lists: list, tokens: list[int], top_ns: list[int]) -> list[TokenLogprob]:
+    """TokenLogprobs from token_logprobs' (logprob, top values, top ids) lists; each keeps its own top-N."""
+    chosen, values, ids = lists
+    return [TokenLogprob(token, lp, list(zip(i[:n], v[:n])))
+            for token, lp, v, i, n in zip(tokens, chosen, values, ids, top_ns)]
 
 
 class LLMEngine:
@@ -159,8 +178,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_running, config.max_batched_tokens, self.max_model_len)
         self.in_flight: _Launched | None = None
         self.detokenizers: dict[Sequence, Detokenizer] = {}
+        self.free_slots = list(range(config.max_running))  # the sampler's state rows (penalties, logit_bias)
+        self.waiting_for: dict[Sequence, list[Sequence]] = {}  # a prompt's first request -> requests sharing it
         self.eos = set(self.model_config.eos_token_ids)
         self.num_generated_tokens = self.num_prompt_tokens = 0
+        self.num_finished: collections.Counter[str] = collections.Counter()
         self.num_steps = self.num_decode_steps = self.num_rows = self.num_decode_rows = 0
         freeze_heap()
 
@@ -184,25 +206,50 @@ class LLMEngine:
             raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
-        """Queue a request; `arrival_time` (time.monotonic(), default now) is when it reached the server."""
+                    arrival_time: float | None = None, after: str | None = None) -> None:
+        """Queue a request; `arrival_time` (time.monotonic(), default now) is when it reached the server. `after`:
+        a request with the same prompt (choices of one `n` request): this one is admitted once that one computed
+        the prompt, so that it finds the prompt's pages in the prefix cache instead of computing them again."""
         self.check_prompt(prompt_token_ids)
         seq = Sequence(request_id, prompt_token_ids, params, arrival_time)
-        self.detokenizers[seq] = Detokenizer(params.stop)
-        self.scheduler.add(seq)
+        self.detokenizers[seq] = Detokenizer(params.stop, params.include_stop_str_in_output)
+        lead = self.scheduler.find(after) if after is not None and self.config.enable_prefix_caching else None
+        if lead is not None and lead.num_computed_tokens < lead.num_prompt_tokens:
+            self.waiting_for.setdefault(lead, []).append(seq)
+        else:
+            self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its pages; returns its final output (finish_reason "abort"), or None."""
         seq = self.scheduler.find(request_id)
         if seq is None:
+            for lead, followers in self.waiting_for.items():
+                if seq := next((f for f in followers if f.request_id == request_id), None):
+                    followers.remove(seq)
+                    seq.status, seq.finish_reason = Status.FINISHED, "abort"
+                    self.num_finished["abort"] += 1
+                    return self._output(seq, [])
             return None
-        self.scheduler.finish(seq, "abort")
+        self._finish(seq, "abort")
         if seq.token_ids[-1] == PENDING:  # its in-flight token is dropped
             seq.token_ids.pop()
         return self._output(seq, [])
 
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        """End a scheduled sequence: its pages and sampler slot go back; requests waiting for its prompt go on."""
+        self.scheduler.finish(seq, reason)
+        self.num_finished[reason] += 1
+        if seq.sampler_slot is not None:
+            self.free_slots.append(seq.sampler_slot)
+            seq.sampler_slot = None
+        self._release_followers(seq)
+
+    def _release_followers(self, lead: Sequence) -> None:
+        for follower in reversed(self.waiting_for.pop(lead, [])):
+            self.scheduler.add(follower, first=True)
+
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self.in_flight is not None
+        return self.scheduler.has_unfinished() or self.in_flight is not None or bool(self.waiting_for)
 
     def discard_in_flight(self) -> None:
         """Forget the step in flight (after a failed step: its requests are aborted)."""
@@ -212,7 +259,10 @@ class LLMEngine:
         """Abort the running requests (and the waiting ones unless `running_only`); their final outputs."""
         sched = self.scheduler
         seqs = list(sched.running) if running_only else [*sched.running, *sched.waiting]
-        return [self.abort(seq.request_id) for seq in seqs]
+        outputs = [self.abort(seq.request_id) for seq in seqs]
+        if not running_only:
+            outputs += [self.abort(f.request_id) for followers in list(self.waiting_for.values()) for f in followers]
+        return outputs
 
     # --- what a server and a benchmark ask of the engine -------------------------------------------
 
@@ -357,10 +407,12 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(
-            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting), kv_pages_used=bm.num_used_pages,
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting) + sum(map(len, self.waiting_for.values())), kv_pages_used=bm.num_used_pages,
             kv_pages_total=bm.num_pages, prefix_cache_hits=bm.hits, prefix_cache_queries=bm.queries,
             prompt_tokens=self.num_prompt_tokens, generated_tokens=self.num_generated_tokens, steps=self.num_steps,
-            decode_steps=self.num_decode_steps, rows=self.num_rows, decode_rows=self.num_decode_rows)
+            decode_steps=self.num_decode_steps, rows=self.num_rows, decode_rows=self.num_decode_rows,
+            preemptions=self.scheduler.num_preemptions, finished=dict(self.num_finished))
 
     def describe(self) -> EngineInfo:
         runner, config = self.runner, self.config
@@ -395,15 +447,23 @@ class LLMEngine:
         if max(batch.num_tokens) == 1:
             self.num_decode_steps += 1
             self.num_decode_rows += len(batch.seqs)
-        tokens = self.runner.launch(batch, self.in_flight.in_flight if self.in_flight else None)
         sampling = batch.sampling
-        launched = _Launched(batch, sampling, [len(seq) for seq in sampling], tokens)
+        starting = [s for s in sampling if s.params.needs_state and s.sampler_slot is None]
+        for seq in starting:  # its first draw: the runner starts the slot's history from its prompt
+            seq.sampler_slot, seq.init_slot = self.free_slots.pop(), True
+        sampled = self.runner.launch(batch, self.in_flight.in_flight if self.in_flight else None)
+        for seq in starting:
+            seq.init_slot = False
+        for i, first, count in batch.prompt_rows:
+            batch.seqs[i].prompt_logprob_next = first + count
+        launched = _Launched(batch, sampling, [len(seq) for seq in sampling], sampled)
         for seq in sampling:
             seq.token_ids.append(PENDING)
         self.scheduler.advance(batch)
-        if tokens is not None and tokens.is_cuda:
-            launched.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            launched.host.copy_(tokens, non_blocking=True)
+        if sampled is not None and sampled.tokens.is_cuda:
+            launched.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in sampled.tensors()]
+            for host, device in zip(launched.host, sampled.tensors()):
+                host.copy_(device, non_blocking=True)
             launched.ready = torch.cuda.Event()
             launched.ready.record()
         return launched
@@ -411,41 +471,83 @@ class LLMEngine:
     def _read(self, launched: _Launched) -> list[RequestOutput]:
         """Wait for a launched step's tokens and turn them into outputs; sequences that finished (or were
         aborted) since it was launched drop theirs."""
-        tokens = launched.read()
-        live = [(seq, pos, token) for seq, pos, token in zip(launched.sampling, launched.positions, tokens)
+        tokens, drawn, prompt = launched.read()
+        if prompt is not None:
+            self._record_prompt_logprobs(launched.batch, prompt)
+        logprobs = {}
+        if drawn is not None:
+            rows = [i for i, s in enumerate(launched.sampling) if s.params.logprobs is not None]
+            entries = logprob_entries(drawn, [tokens[i] for i in rows],
+                                      [launched.sampling[i].params.logprobs for i in rows])
+            logprobs = dict(zip(rows, entries))
+        live = [(i, seq, pos, token) for i, (seq, pos, token) in enumerate(zip(launched.sampling, launched.positions, tokens))
                 if not seq.is_finished]
-        for seq, pos, token in live:
+        for _, seq, pos, token in live:
             seq.token_ids[pos] = token
         for seq in launched.batch.seqs:
             if not seq.is_finished:
                 self.block_manager.commit_full_pages(seq)
-        windows = []
-        for seq, _, token in live:
-            detok = self.detokenizers[seq]
-            detok.ids.append(token)
-            windows += detok.windows()
-        texts = self.tokenizer.decode_batch(windows) if windows else []
+                if seq in self.waiting_for and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                    self._release_followers(seq)  # its prompt's pages are in the prefix cache now
+        texts = self._decode([(seq, token) for _, seq, _, token in live])
         self.num_generated_tokens += len(live)
         now = time.monotonic()
         outputs = []
-        for i, (seq, pos, token) in enumerate(live):
-            stopped = self.detokenizers[seq].consume(texts[2 * i], texts[2 * i + 1])
+        for (i, seq, pos, token), (before, after) in zip(live, texts):
+            if seq.params.max_tokens == 0:  # the prompt's logprobs were all it asked for: the token is dropped
+                del seq.token_ids[pos:]
+                self._finish(seq, "length")
+                outputs.append(self._output(seq, [], now))
+                continue
+            detok = self.detokenizers[seq]
+            stopped = detok.consume(before, after, check_stop=pos + 1 - seq.num_prompt_tokens >= seq.params.min_tokens)
             reason = self._finish_reason(seq, token, stopped, length=pos + 1)
             if reason:
                 del seq.token_ids[pos + 1 :]  # a token the next step sampled for it is dropped
-                self.scheduler.finish(seq, reason)
-            outputs.append(self._output(seq, [token], now))
+                self._finish(seq, reason)
+            outputs.append(self._output(seq, [token], now, logprobs.get(i)))
         return outputs
+
+    def _decode(self, drawn: list[tuple[Sequence, int]]) -> list[tuple[str, str]]:
+        """Append each drawn token to its sequence's detokenizer and decode every window in one `decode_batch`
+        (two when some request keeps its special tokens): per sequence, the text before and after the token."""
+        windows, keep = [], []
+        for seq, token in drawn:
+            if seq.params.max_tokens == 0:
+                continue
+            detok = self.detokenizers[seq]
+            detok.ids.append(token)
+            (keep if not seq.params.skip_special_tokens else windows).extend(detok.windows())
+        if not windows and not keep:
+            return [("", "")] * len(drawn)
+        plain = iter(self.tokenizer.decode_batch(windows) if windows else [])
+        special = iter(self.tokenizer.decode_batch(keep, skip_special_tokens=False) if keep else [])
+        texts = []
+        for seq, _ in drawn:
+            source = special if not seq.params.skip_special_tokens else plain
+            texts.append(("", "") if seq.params.max_tokens == 0 else (next(source), next(source)))
+        return texts
+
+    def _record_prompt_logprobs(self, batch: ScheduledBatch, lists: list) -> None:
+        """Each prompt row's logprob of the next prompt token, onto its sequence (in batch.prompt_rows order)."""
+        r = 0
+        for i, first, count in batch.prompt_rows:
+            seq = batch.seqs[i]
+            targets = seq.token_ids[first + 1 : first + 1 + count]
+            part = [column[r : r + count] for column in lists]
+            seq.prompt_logprobs += logprob_entries(part, targets, [seq.params.prompt_logprobs] * count)
+            r += count
 
     def _finish_reason(self, seq: Sequence, token: int, stopped: bool, length: int) -> str | None:
         """Whether the sequence ends with `token`, its `length`-th token."""
-        if stopped or (token in self.eos and not seq.params.ignore_eos):
+        if stopped or (token in self.eos and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
             return "stop"
         if seq.at_length_limit(length, self.max_model_len):
             return "length"
         return None
 
-    def _output(self, seq: Sequence, new_tokens: list[int], now: float | None = None) -> RequestOutput:
+    def _output(self, seq: Sequence, new_tokens: list[int], now: float | None = None,
+                logprob: TokenLogprob | None = None) -> RequestOutput:
         """`now`: when new_tokens were read."""
         detok = self.detokenizers[seq]
         if seq.is_finished:
@@ -453,10 +555,13 @@ class LLMEngine:
         previous = seq.last_token_time
         if new_tokens:
             seq.last_token_time = now
+        first = previous is None and (new_tokens or seq.is_finished)  # the request's first output with a token
+        prompt_logprobs = seq.prompt_logprobs if first and seq.params.prompt_logprobs is not None else None
         return RequestOutput(seq.request_id, new_tokens, detok.delta(seq.is_finished), seq.is_finished,
                              seq.finish_reason, seq.num_prompt_tokens, seq.num_known_output_tokens,
                              seq.num_cached_tokens, seq.arrival_time, seq.first_scheduled_time,
-                             now if new_tokens else None, previous)
+                             now if new_tokens else None, previous,
+                             None if logprob is None else [logprob], prompt_logprobs)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[dict]:
         """Offline: run prompts (token ids) to completion; returns token ids and text per prompt, in order."""

@@ -21,7 +21,8 @@ from runtime.engine.sleep import SleepState, device_free_bytes, free_cached_memo
 from runtime.engine.sequence import PENDING, SamplingParams, Sequence
 from runtime.layers.attention import Attention
 from runtime.models import build_model
-from runtime.sampling.sampler import Sampler
+from kernels.ops.sampling import token_logprobs
+from runtime.sampling.sampler import Extras, Sampled, Sampler, SamplerState
 from runtime.weights.default_model import default_model_dir
 from runtime.weights.loader import LoadReport, load_weights, prepare_update
 
@@ -80,6 +81,9 @@ class ModelRunner:
         self.load_report = load_weights(self.model, checkpoint.dir, config.load_format, config.load_memory_limit)
         self.model.eval()
         self.sampler = Sampler()
+        # one slot per running request that uses penalties or logit_bias, and a scratch slot for the warm-up
+        self.sampler_state = SamplerState(config.max_running + 1, model_config.vocab_size, self.device)
+        self.eos_token_ids = list(model_config.eos_token_ids)
         self.max_model_len = max_model_len
         self.kv_cache = self._allocate_kv_cache(max_model_len)
         self.rng = random.Random(config.seed)
@@ -159,6 +163,7 @@ class ModelRunner:
         the rows whose token is still being sampled by the step in flight (their id is 0 here)."""
         page = self.config.page_size
         input_ids, positions, slots, cu, seq_lens, logits_indices, pending = [], [], [], [0], [], [], []
+        prompt_rows = {i: (first, count) for i, first, count in batch.prompt_rows}
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             ids = seq.step_tokens(n)
@@ -168,6 +173,9 @@ class ModelRunner:
             input_ids += ids
             positions += range(start, end)
             slots += [seq.pages[p // page] * page + p % page for p in range(start, end)]
+            if i in prompt_rows:  # the prompt positions whose logprobs it asked for, before its sampled row
+                first, count = prompt_rows[i]
+                logits_indices += range(cu[-1] + first - start, cu[-1] + first - start + count)
             cu.append(cu[-1] + n)
             seq_lens.append(end)
             if batch.sample_rows[i]:
@@ -238,20 +246,49 @@ class ModelRunner:
             set_context(None)
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch, in_flight=None, use_graphs: bool = True) -> torch.Tensor | None:
+    def launch(self, batch: ScheduledBatch, in_flight=None, use_graphs: bool = True) -> Sampled | None:
         """One forward + sampling, without waiting for the GPU: the sampled token ids [S] (on the device) of
-        the sequences that sample, in batch order; None if none does."""
+        the sequences that sample, in batch order, with the logprobs asked for; None if nothing is sampled."""
         logits = self.compute_logits(batch, use_graphs, in_flight)
         sampling = batch.sampling
-        if not sampling:
+        if not sampling and not batch.prompt_rows:
             return None
         with step_range("sample"):
-            return self.sample(logits, sampling)
+            prompt = None
+            if batch.prompt_rows:
+                logits, prompt = self.prompt_logprobs(batch, logits)
+            sampled = self.sample(logits, sampling) if sampling else Sampled(logits.new_empty(0, dtype=torch.int64))
+            sampled.prompt_logprobs = prompt
+            return sampled
+
+    def prompt_logprobs(self, batch: ScheduledBatch, logits: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        """Split the logits of a step with prompt rows (`host_inputs` puts each sequence's before its sampled
+        row) into the sampled rows' and the prompt positions' logprobs of the next prompt token (with the top-N
+        the requests asked for), in batch.prompt_rows order."""
+        prompt_rows = {i: (first, count) for i, first, count in batch.prompt_rows}
+        rows, targets, sampled, r = [], [], [], 0
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            if i in prompt_rows:
+                first, count = prompt_rows[i]
+                offset = first - seq.num_computed_tokens
+                rows += range(r, r + count)
+                targets += seq.step_tokens(n + 1)[offset + 1 : offset + 1 + count]
+                r += count
+            if batch.sample_rows[i]:
+                sampled.append(r)
+                r += 1
+        top_n = max(batch.seqs[i].params.prompt_logprobs for i, _, _ in batch.prompt_rows)
+
+        def index(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64).to(logits.device, non_blocking=True)
+
+        prompt = token_logprobs(logits[index(rows)], index(targets), top_n)
+        return logits[index(sampled)], prompt
 
     def run(self, batch: ScheduledBatch, use_graphs: bool = True) -> list[int]:
         """`launch`, then wait: the sampled tokens as a list."""
-        tokens = self.launch(batch, use_graphs=use_graphs)
-        return [] if tokens is None else tokens.tolist()
+        sampled = self.launch(batch, use_graphs=use_graphs)
+        return [] if sampled is None else sampled.tokens.tolist()
 
     @torch.inference_mode()
     def warmup(self) -> float:
@@ -286,7 +323,7 @@ class ModelRunner:
             batch = ScheduledBatch(seqs, [1] * size)
             logits = self.compute_logits(batch, use_graphs=False)
             self.sample(logits, seqs)
-        self.sampler.warm(logits[:1])
+        self.sampler.warm(logits[:1], self.sampler_state)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
@@ -390,10 +427,30 @@ class ModelRunner:
             self._graphs_released = False
         return report, recapture
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
         params = [s.params for s in seqs]
+        extras = self.extras(seqs) if any(p.extras for p in params) else None
         return self.sampler(logits, [p.temperature for p in params], [p.top_k for p in params],
-                            [p.top_p for p in params], [self._seed(s) for s in seqs])
+                            [p.top_p for p in params], [self._seed(s) for s in seqs], extras, self.sampler_state)
+
+    def extras(self, seqs: list[Sequence]) -> Extras:
+        """The rows' logprobs, penalties and min_tokens for the sampler; a request's first draw with penalties
+        or a bias starts its slot's history (its prompt, its bias)."""
+        params = [s.params for s in seqs]
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        slots = presence = frequency = repetition = None
+        if any(p.needs_state for p in params):
+            for seq in seqs:
+                if seq.init_slot:
+                    self.sampler_state.start(seq.sampler_slot, seq.prompt_token_ids, seq.params.logit_bias)
+            slots = [-1 if s.sampler_slot is None else s.sampler_slot for s in seqs]
+            presence = [p.presence_penalty for p in params]
+            frequency = [p.frequency_penalty for p in params]
+            repetition = [p.repetition_penalty for p in params]
+        suppress = [(i, t) for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens
+                    for t in (*self.eos_token_ids, *s.params.stop_token_ids)]
+        return Extras(logprob_rows, max((params[i].logprobs for i in logprob_rows), default=0), slots, presence,
+                      frequency, repetition, suppress)
 
     def _seed(self, seq: Sequence) -> int:
         """This step's noise seed: from the request's seed and its token count (reproducible), else random."""

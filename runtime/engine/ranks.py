@@ -114,8 +114,8 @@ class DrivenRunner:
         return self._runner.launch(batch, in_flight, use_graphs)
 
     def run(self, batch, use_graphs: bool = True) -> list[int]:
-        tokens = self.launch(batch, use_graphs=use_graphs)
-        return [] if tokens is None else tokens.tolist()
+        sampled = self.launch(batch, use_graphs=use_graphs)
+        return [] if sampled is None else sampled.tokens.tolist()
 
     def start(self):
         return self._everywhere("start")
@@ -276,7 +276,8 @@ def follow(runner, reloader=None) -> None:
             return
         if call == LAUNCH:
             batch, index, use_graphs = args
-            tokens = runner.launch(batch, None if index is None else (tokens, index), use_graphs)
+            sampled = runner.launch(batch, None if index is None else (tokens, index), use_graphs)
+            tokens = None if sampled is None else sampled.tokens
             continue
         if call == RESTORE:  # rank 0 does not wait for it
             if kept_model is not None:

@@ -21,10 +21,17 @@ class ScheduledBatch:
     # the batch is made: the step advances num_computed_tokens afterwards).
     sample_rows: list[bool] = field(init=False)
     sampling: list[Sequence] = field(init=False)  # the sequences that sample this step, in batch order
+    # (batch index, first position, count): prompt positions whose logits this step also returns, for the
+    # prompt logprobs a request asked for (each position's logits give the next prompt token's logprob)
+    prompt_rows: list[tuple[int, int, int]] = field(init=False)
 
     def __post_init__(self):
         self.sample_rows = [s.num_computed_tokens + n == len(s) for s, n in zip(self.seqs, self.num_tokens)]
         self.sampling = [s for s, samples in zip(self.seqs, self.sample_rows) if samples]
+        self.prompt_rows = [(i, first, last - first) for i, (s, n) in enumerate(zip(self.seqs, self.num_tokens))
+                            if s.params.prompt_logprobs is not None
+                            and (first := max(s.num_computed_tokens, s.prompt_logprob_next))
+                            < (last := min(s.num_computed_tokens + n, s.num_prompt_tokens - 1))]
 
     @property
     def total_tokens(self) -> int:
@@ -40,8 +47,12 @@ class Scheduler:
         self.num_preemptions = 0
         self.admit = True  # False while a reload drains: waiting sequences stay queued
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+    def add(self, seq: Sequence, first: bool = False) -> None:
+        """Queue `seq`; `first`: ahead of every waiting sequence (requests that waited for another's prompt)."""
+        if first:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -66,7 +77,7 @@ class Scheduler:
                 budget -= n
         while self.admit and self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            if not seq.pages:
+            if not seq.pages and seq.params.prompt_logprobs is None:  # those compute every prompt position
                 self.block_manager.match_prefix(seq)
             n = min(seq.num_uncomputed, budget)
             if not self.block_manager.allocate(seq, n):

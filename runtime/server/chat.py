@@ -21,8 +21,8 @@ class ChatTemplate:
         self.template = env.from_string(source)
         self.special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token")}
 
-    def render(self, messages: list[dict]) -> str:
-        return self.template.render(messages=messages, add_generation_prompt=True, **self.special)
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special)
 
 
 def _token_text(value) -> str:

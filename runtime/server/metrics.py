@@ -9,7 +9,7 @@ import time
 from bisect import bisect_left
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from runtime.engine.llm_engine import LLMEngine, RequestOutput
@@ -29,8 +29,9 @@ class CountedHistogram:
     inter-token latency, so a step costs one bucket search per distinct value, not one per token. Observed
     and collected on the event loop's thread."""
 
-    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...], registry: CollectorRegistry):
-        self.name, self.documentation, self.bounds = name, documentation, list(buckets)
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...], registry: CollectorRegistry,
+                 model_name: str):
+        self.name, self.documentation, self.bounds, self.model_name = name, documentation, list(buckets), model_name
         self.counts = [0] * (len(self.bounds) + 1)  # the last: above every bound
         self.sum = 0.0
         registry.register(self)
@@ -40,52 +41,81 @@ class CountedHistogram:
         self.sum += value * n
 
     def describe(self):
-        return [HistogramMetricFamily(self.name, self.documentation)]
+        return [HistogramMetricFamily(self.name, self.documentation, labels=["model_name"])]
 
     def collect(self):
-        family = HistogramMetricFamily(self.name, self.documentation)
+        family = HistogramMetricFamily(self.name, self.documentation, labels=["model_name"])
         cumulative, buckets = 0, []
         for bound, count in zip([*self.bounds, float("inf")], self.counts):
             cumulative += count
             buckets.append((floatToGoString(bound), cumulative))
-        family.add_metric([], buckets, self.sum)
+        family.add_metric([self.model_name], buckets, self.sum)
+        return [family]
+
+
+class FinishedRequests:
+    """vLLM's request_success_total: requests that finished, by finish reason (stop, length, abort), read from
+    the engine's own count at scrape time (aborts never pass through a step's outputs)."""
+
+    def __init__(self, engine: LLMEngine, model_name: str, registry: CollectorRegistry):
+        self.engine, self.model_name = engine, model_name
+        registry.register(self)
+
+    def describe(self):
+        return [CounterMetricFamily("tsdev_request_success", "Requests finished, by finish reason",
+                                    labels=["model_name", "finished_reason"])]
+
+    def collect(self):
+        family = self.describe()[0]
+        for reason, count in sorted(self.engine.stats().finished.items()):
+            family.add_metric([self.model_name, reason], count)
         return [family]
 
 
 class EngineMetrics:
-    def __init__(self, engine: LLMEngine):
+    """Every metric carries vLLM's `model_name` label (the served model's name)."""
+
+    def __init__(self, engine: LLMEngine, model_name: str):
         self.engine = engine
         self.registry = r = CollectorRegistry()
-        self.running = Gauge("tsdev_requests_running", "Requests being computed", registry=r)
-        self.waiting = Gauge("tsdev_requests_waiting", "Requests waiting for a slot or pages", registry=r)
-        self.kv_pages_used = Gauge("tsdev_kv_pages_used", "KV cache pages in use", registry=r)
-        self.kv_pages_total = Gauge("tsdev_kv_pages_total", "KV cache pages in the pool", registry=r)
-        self.prompt_tokens = Counter("tsdev_prompt_tokens", "Prompt tokens computed", registry=r)
-        self.generation_tokens = Counter("tsdev_generation_tokens", "Tokens generated", registry=r)
-        self.tokens_per_second = Gauge("tsdev_generation_tokens_per_second",
-                                       "Generated tokens per second over the last few seconds", registry=r)
-        self.step_seconds = Histogram("tsdev_step_seconds", "Engine step time", registry=r,
-                                      buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5))
+        label = dict(labelnames=["model_name"], registry=r)
+
+        def gauge(name: str, documentation: str) -> Gauge:
+            return Gauge(name, documentation, **label).labels(model_name)
+
+        self.running = gauge("tsdev_requests_running", "Requests being computed")
+        self.waiting = gauge("tsdev_requests_waiting", "Requests waiting for a slot or pages")
+        self.kv_pages_used = gauge("tsdev_kv_pages_used", "KV cache pages in use")
+        self.kv_pages_total = gauge("tsdev_kv_pages_total", "KV cache pages in the pool")
+        self.prompt_tokens = Counter("tsdev_prompt_tokens", "Prompt tokens computed", **label).labels(model_name)
+        self.generation_tokens = Counter("tsdev_generation_tokens", "Tokens generated", **label).labels(model_name)
+        self.preemptions = Counter("tsdev_num_preemptions", "Requests preempted (their pages freed, recomputed "
+                                   "later) because the KV pool ran out", **label).labels(model_name)
+        FinishedRequests(engine, model_name, r)
+        self.tokens_per_second = gauge("tsdev_generation_tokens_per_second",
+                                       "Generated tokens per second over the last few seconds")
+        self.step_seconds = Histogram("tsdev_step_seconds", "Engine step time", **label,
+                                      buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
+                                      ).labels(model_name)
         self.ttft = CountedHistogram("tsdev_time_to_first_token_seconds",
-                                     "Time from a request's arrival to its first token", TTFT_BUCKETS, r)
+                                     "Time from a request's arrival to its first token", TTFT_BUCKETS, r, model_name)
         self.itl = CountedHistogram("tsdev_inter_token_latency_seconds",
-                                    "Time between two consecutive tokens of a request", ITL_BUCKETS, r)
+                                    "Time between two consecutive tokens of a request", ITL_BUCKETS, r, model_name)
         self.e2e = CountedHistogram("tsdev_e2e_request_latency_seconds",
                                     "Time from a request's arrival to its last token (requests that finished "
-                                    "by stop or length)", REQUEST_BUCKETS, r)
+                                    "by stop or length)", REQUEST_BUCKETS, r, model_name)
         self.queue_time = CountedHistogram("tsdev_request_queue_time_seconds",
                                            "Time from a request's arrival until the scheduler first admitted it",
-                                           QUEUE_BUCKETS, r)
+                                           QUEUE_BUCKETS, r, model_name)
         # Read at scrape time, so they are right even while the engine is idle.
         self.running.set_function(lambda: engine.stats().running)
         self.waiting.set_function(lambda: engine.stats().waiting)
         self.kv_pages_used.set_function(lambda: engine.stats().kv_pages_used)
         self.kv_pages_total.set(engine.stats().kv_pages_total)
-        hit_rate = Gauge("tsdev_prefix_cache_hit_rate", "Full pages found in the prefix cache / pages looked up",
-                         registry=r)
+        hit_rate = gauge("tsdev_prefix_cache_hit_rate", "Full pages found in the prefix cache / pages looked up")
         hit_rate.set_function(lambda: (s := engine.stats()).prefix_cache_hits / max(s.prefix_cache_queries, 1))
         self._window_start, self._window_tokens = time.monotonic(), 0
-        self._seen_prompt = self._seen_generated = 0
+        self._seen_prompt = self._seen_generated = self._seen_preemptions = 0
 
     def on_step(self, seconds: float, outputs: list[RequestOutput]) -> None:
         stats = self.engine.stats()
@@ -94,7 +124,9 @@ class EngineMetrics:
         self.prompt_tokens.inc(stats.prompt_tokens - self._seen_prompt)
         generated = stats.generated_tokens - self._seen_generated
         self.generation_tokens.inc(generated)
+        self.preemptions.inc(stats.preemptions - self._seen_preemptions)
         self._seen_prompt, self._seen_generated = stats.prompt_tokens, stats.generated_tokens
+        self._seen_preemptions = stats.preemptions
         self._window_tokens += generated
         elapsed = time.monotonic() - self._window_start
         if elapsed >= 2.0:

@@ -27,9 +27,45 @@ STATE_COLORS = {"serving": "green", "paused": "yellow", "sleeping": "yellow", "d
                 "checking": "cyan", "starting": "cyan", "restarting": "magenta", "down": "red"}
 COLUMNS = ("#", "time", "trigger", "reloaded", "deps", *SHOWN_STEPS, "total", "golden", "decode ms/step", "outcome")
 HEADERS = {"recapture": "recap", "decode ms/step": "ms/step"}  # narrow enough for ~170 columns
+# The widest a cell of each column gets (trigger and reloaded are clipped to it); cells are padded by 1 each side.
+WIDTHS = {"#": 5, "time": 8, "trigger": 26, "reloaded": 26, "deps": 4, **dict.fromkeys(SHOWN_STEPS, 5), "total": 5,
+          "golden": 11, "decode ms/step": 14, "outcome": 13}
+# On a narrow screen the history drops columns in this order (the log and the current reload show every step), and
+# the trigger is clipped to what is left, down to MIN_TRIGGER characters.
+DROP_ORDER = ("deps", "flush", "drain", "jit", "reload", "warm", "recapture", "time", "reloaded", "pause")
+MIN_TRIGGER = 12
 
 
-def clip(text: str, width: int = 26) -> str:
+def visible_columns(width: int) -> tuple[tuple[str, ...], int]:
+    """The history's columns for a screen `width` cells wide, and the trigger's width."""
+    columns = list(COLUMNS)
+    room = width - 4  # the table's border and scroll bar
+
+    def needed() -> int:
+        return sum(WIDTHS[c] + 2 for c in columns)
+
+    for name in DROP_ORDER:
+        if needed() <= room:
+            break
+        columns.remove(name)
+    trigger = max(MIN_TRIGGER, min(WIDTHS["trigger"], WIDTHS["trigger"] - (needed() - room)))
+    return tuple(columns), trigger
+
+
+def chip_lines(chips: list[str], width: int, gap: str = "   ") -> list[str]:
+    """Markup chips joined into lines of at most `width` cells, each chip whole on one line."""
+    lines, line, used = [], [], 0
+    for chip in chips:
+        length = Text.from_markup(chip).cell_len
+        if line and used + len(gap) + length > width:
+            lines.append(gap.join(line))
+            line, used = [], 0
+        used += (len(gap) if line else 0) + length
+        line.append(chip)
+    return lines + ([gap.join(line)] if line else [])
+
+
+def clip_to(text: str, width: int) -> str:
     """Keep wide cells from pushing the timings off the screen (the log has the whole line)."""
     return text if len(text) <= width else text[: width - 1] + "…"
 
@@ -58,15 +94,17 @@ class WatchApp(App):
     #errors { height: auto; max-height: 20; border: round $error; padding: 0 1; display: none; }
     #log { height: 7; border: round $panel; }
     """
+    # Short labels: the footer holds all of them at 80 columns (the README lists what each does)
     BINDINGS = [
-        Binding("r", "reload_all", "reload all"),
+        Binding("r", "reload_all", "reload"),
         Binding("R", "restart", "restart"),
-        Binding("b", "bench", "quick bench"),
-        Binding("p", "profile", "profile next reload"),
-        Binding("g", "golden", "new golden"),
+        Binding("b", "bench", "bench"),
+        Binding("p", "profile", "profile"),
+        Binding("g", "golden", "golden"),
         Binding("c", "clear", "clear"),
         Binding("q", "quit", "quit"),
     ]
+    ENABLE_COMMAND_PALETTE = False  # every action has its key
 
     def __init__(self, config: WatchConfig, transport=None):
         super().__init__()
@@ -74,6 +112,9 @@ class WatchApp(App):
         self.errors: list[str] = []
         self.failure: str | None = None  # why the first start failed, printed after the screen closes
         self.live: ReloadRecord | RestartRecord | None = None
+        self.records: dict[str, ReloadRecord | RestartRecord] = {}  # the history's rows, by row key
+        self.columns: tuple[str, ...] = ()
+        self.trigger_width = WIDTHS["trigger"]
 
     def compose(self) -> ComposeResult:
         yield Static(id="header")
@@ -85,8 +126,7 @@ class WatchApp(App):
 
     def on_mount(self) -> None:
         table = self.query_one("#history", DataTable)
-        for name in COLUMNS:
-            table.add_column(HEADERS.get(name, name), key=name)
+        self.lay_out_history(self.size.width)
         self.query_one("#current").border_title = "current"
         table.border_title = "history"
         self.query_one("#errors").border_title = "errors (first first; kept until the next success)"
@@ -118,6 +158,7 @@ class WatchApp(App):
 
     def action_clear(self) -> None:
         self.query_one("#history", DataTable).clear()
+        self.records.clear()
         self.query_one("#log", RichLog).clear()
         self.errors.clear()
         self.draw_errors()
@@ -207,7 +248,7 @@ class WatchApp(App):
                 chips.append(f"[dim]· {name}[/dim]")
         if record.served_after_save is not None:
             chips.append(f"[b]save → serving {record.served_after_save:.2f} s[/b]")
-        lines = [head, "   ".join(chips)]
+        lines = [head, *chip_lines(chips, widget.content_region.width or 200)]
         if record.done:
             if weights and record.error:
                 outcome = f"[red]FAILED: {escape(record.error)}[/red]"
@@ -217,10 +258,28 @@ class WatchApp(App):
             lines += rank_lines(record.ranks)
         widget.update(Text.from_markup("\n".join(lines)))
 
+    def on_resize(self, event) -> None:
+        self.lay_out_history(event.size.width)
+
+    def lay_out_history(self, width: int) -> None:
+        """The history's columns for this width (visible_columns); its rows drawn again when they change."""
+        columns, trigger = visible_columns(width)
+        if (columns, trigger) == (self.columns, self.trigger_width):
+            return
+        self.columns, self.trigger_width = columns, trigger
+        table = self.query_one("#history", DataTable)
+        table.clear(columns=True)
+        for name in columns:
+            table.add_column(HEADERS.get(name, name), key=name)
+        for record in self.records.values():
+            self.draw_row(record)
+
     def draw_row(self, record: ReloadRecord | RestartRecord) -> None:
         table = self.query_one("#history", DataTable)
-        cells = self.cells(record)
+        cells = self.cells(record, self.trigger_width)
+        cells = {name: cells[name] for name in self.columns}
         key = f"{type(record).__name__}-{record.n}"
+        self.records[key] = record
         if key not in table.rows:
             table.add_row(*cells.values(), key=key)
             table.move_cursor(row=table.row_count - 1)
@@ -229,7 +288,10 @@ class WatchApp(App):
                 table.update_cell(key, column, value, update_width=True)
 
     @staticmethod
-    def cells(record: ReloadRecord | RestartRecord) -> dict:
+    def cells(record: ReloadRecord | RestartRecord, trigger_width: int = WIDTHS["trigger"]) -> dict:
+        def clip(text: str) -> str:
+            return clip_to(text, trigger_width)
+
         cells = dict.fromkeys(COLUMNS, "")
         cells["time"] = time.strftime("%H:%M:%S", time.localtime(record.started))
         if isinstance(record, RestartRecord):
@@ -241,7 +303,7 @@ class WatchApp(App):
                           "total": f"{record.steps['update']:.2f}" if "update" in record.steps else ""})
         else:
             cells.update({"#": str(record.n), "trigger": clip(trigger_text(record)),
-                          "reloaded": clip(", ".join(record.reloaded or record.modules)),
+                          "reloaded": clip_to(", ".join(record.reloaded or record.modules), WIDTHS["reloaded"]),
                           "deps": str(len(record.dependents)) if record.worker else ""})
             for name in (*SHOWN_STEPS, "total"):
                 if name in record.steps:
