@@ -10,7 +10,7 @@ rm -rf .whl && mkdir -p .whl .debs
 python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 --platform any -d .whl \
-  fastapi uvicorn watchfiles nvtx textual openai schemathesis  # schemathesis: tests/test_api_fuzz.py is collected by `pytest -m gpu` too
+  fastapi uvicorn watchfiles nvtx textual openai aiohttp schemathesis  # schemathesis: tests/test_api_fuzz.py is collected by `pytest -m gpu` too
 # torch, triton, numpy and friends are on the device machine already: never ship them.
 rm -f .whl/torch-* .whl/triton-* .whl/numpy-* .whl/nvidia_* 2>/dev/null || true
 if command -v apt-get >/dev/null && [ -z "$(ls .debs/*.deb 2>/dev/null)" ]; then

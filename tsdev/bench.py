@@ -3,6 +3,11 @@
 Metrics follow `vllm bench serve`: TTFT (request sent -> first token), TPOT ((latency - TTFT) /
 (output tokens - 1)), ITL (gaps between streamed chunks), end-to-end latency; throughput over the
 whole run's wall time. Output token counts come from the server's final `usage`.
+
+The client is aiohttp (as vLLM's benchmark's): on a 2-core machine the load generator shares the cores with
+the server it measures, so its own CPU per request counts, and is reported (`client_cpu_ms_per_request`).
+httpx, which the other clients use, spent 19 ms of CPU per streamed request with 400 at once (its connection
+pool's work grows with the connections open), aiohttp 2.0 and locust 1.9 (docs/results.md).
 """
 import asyncio
 import json
@@ -13,9 +18,10 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-import httpx
+import aiohttp
 
-from tsdev.client import aiter_sse_data, auth_headers, error_message
+from runtime.control_protocol import ErrorBody
+from tsdev.client import auth_headers
 
 WORDS = ("the quick brown fox jumps over a lazy dog while kernels run fast on every GPU in the rack").split()
 
@@ -130,40 +136,71 @@ def build_requests(config: BenchConfig, vocab: int, count: int, rng: random.Rand
     return bodies
 
 
-async def send(client: httpx.AsyncClient, config: BenchConfig, model: str, body: dict) -> RequestRecord:
+async def send(session: aiohttp.ClientSession, config: BenchConfig, model: str, body: dict) -> RequestRecord:
     path = ENDPOINTS[config.endpoint]
     payload = {"model": model, **body, "stream": True, "stream_options": {"include_usage": True},
                "ignore_eos": config.ignore_eos, "temperature": body.get("temperature", 0.0)}
     record = RequestRecord(ok=False, start=time.perf_counter())
     try:
-        async with client.stream("POST", config.url.rstrip("/") + path, json=payload) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                record.error = f"HTTP {response.status_code}: {text[:300]}"
+        async with session.post(config.url.rstrip("/") + path, json=payload) as response:
+            if response.status != 200:
+                record.error = f"HTTP {response.status}: {(await response.text(errors='replace'))[:300]}"
                 return record
-            async for event in aiter_sse_data(response):
-                if "error" in event:
-                    record.error = f"server error: {event['error'].get('message')}"
-                    return record
-                now = time.perf_counter() - record.start
-                for choice in event.get("choices") or []:
-                    text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
-                    if text is not None and (text or choice.get("finish_reason") is None):
-                        if record.ttft is None:
-                            record.ttft = now
-                        record.chunk_times.append(now)
-                if event.get("usage"):
-                    record.prompt_tokens = event["usage"]["prompt_tokens"]
-                    record.output_tokens = event["usage"]["completion_tokens"]
+            stream = EventStream()
+            async for chunk in response.content.iter_any():
+                for event in stream.feed(chunk):
+                    if not take_event(record, event):
+                        return record
+                if stream.done:
+                    break
         record.latency = time.perf_counter() - record.start
         if record.ttft is None:
             record.ttft = record.latency
         record.ok = record.output_tokens > 0
         if not record.ok:
             record.error = "the stream ended without usage or output tokens"
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
     return record
+
+
+def take_event(record: RequestRecord, event: dict) -> bool:
+    """Record one streamed event (a content chunk's arrival, the final usage); False for an error event."""
+    if "error" in event:
+        record.error = f"server error: {event['error'].get('message')}"
+        return False
+    now = time.perf_counter() - record.start
+    for choice in event.get("choices") or ():
+        text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+        if text is not None and (text or choice.get("finish_reason") is None):
+            if record.ttft is None:
+                record.ttft = now
+            record.chunk_times.append(now)
+    if usage := event.get("usage"):
+        record.prompt_tokens, record.output_tokens = usage["prompt_tokens"], usage["completion_tokens"]
+    return True
+
+
+class EventStream:
+    """An event stream's `data:` payloads, decoded, from the chunks as they arrive (lines of any length); `done`
+    once `[DONE]` came. Plain calls per chunk, not an async generator per event: the client's CPU is measured."""
+    decode = json.JSONDecoder().raw_decode
+
+    def __init__(self):
+        self.pending, self.done = b"", False
+
+    def feed(self, chunk: bytes) -> list[dict]:
+        *lines, self.pending = (self.pending + chunk).split(b"\n") if self.pending else chunk.split(b"\n")
+        events = []
+        for line in lines:
+            if line[:5] == b"data:":
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    self.done = True
+                    break
+                if data:
+                    events.append(self.decode(data.decode())[0])
+        return events
 
 
 def summarize(records: list[RequestRecord], duration: float) -> dict:
@@ -202,13 +239,18 @@ def percentile(ordered: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
-async def server_model(client: httpx.AsyncClient, url: str) -> tuple[str, int]:
+async def server_model(session: aiohttp.ClientSession, url: str) -> tuple[str, int]:
     """(first model id, a safe token-id range for random prompts)."""
-    response = await client.get(url.rstrip("/") + "/v1/models")
-    if response.status_code in (401, 403):
-        raise PermissionError(f"{url} refused the benchmark ({response.status_code}: {error_message(response)})")
-    response.raise_for_status()
-    first = response.json()["data"][0]
+    async with session.get(url.rstrip("/") + "/v1/models") as response:
+        text = await response.text(errors="replace")
+        if response.status in (401, 403):
+            try:
+                message = ErrorBody.model_validate_json(text).error.message
+            except ValueError:
+                message = text[:300]
+            raise PermissionError(f"{url} refused the benchmark ({response.status}: {message})")
+        response.raise_for_status()
+    first = json.loads(text)["data"][0]
     return first["id"], min(first.get("vocab_size") or 1000, 10_000)
 
 
@@ -217,11 +259,11 @@ async def run_bench(config: BenchConfig, progress=None, api_key: str | None = No
     `api_key`: the server's (sent as `Authorization: Bearer`), kept out of the config so that no result saves it."""
     config.check()
     rng = random.Random(config.seed)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=config.timeout_s, limits=limits, headers=auth_headers(api_key)) as client:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=auth_headers(api_key),
+                                     timeout=aiohttp.ClientTimeout(total=config.timeout_s)) as client:
         try:
             default_model, vocab = await server_model(client, config.url)
-        except httpx.HTTPError as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise ConnectionError(f"cannot reach an OpenAI-compatible server at {config.url} ({exc}): "
                                   "start one (tsdev serve) or pass --url") from None
         model = config.model or default_model
@@ -246,13 +288,15 @@ async def run_bench(config: BenchConfig, progress=None, api_key: str | None = No
             delays.append(t)
             if math.isfinite(config.request_rate):
                 t += rng.expovariate(config.request_rate)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         records = await asyncio.gather(*(one(b, d) for b, d in zip(bodies[config.warmup :], delays)))
-        duration = time.perf_counter() - start
+        duration, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     errors = [r.error for r in records if not r.ok]
+    metrics = summarize(records, duration)
+    # what the load generator itself cost (on a small machine it competes with the server for the cores)
+    metrics.update(client_cpu_s=cpu, client_cpu_ms_per_request=1e3 * cpu / len(records))
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": model, "config": asdict(config),
-            "metrics": summarize(records, duration), "errors": errors[:10],
-            "records": [asdict(r) for r in records]}
+            "metrics": metrics, "errors": errors[:10], "records": [asdict(r) for r in records]}
 
 
 def quick(url: str, api_key: str | None = None) -> dict:

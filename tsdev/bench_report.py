@@ -14,7 +14,9 @@ ROWS = [
     ("total_throughput", "Total token throughput", "tok/s", True),
 ] + [(f"{stat}_{name}", f"{stat.capitalize()} {label}", "ms", False)
      for name, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2E latency"))
-     for stat in ("mean", "median", "p90", "p99")]
+     for stat in ("mean", "median", "p90", "p99")] + [
+    ("client_cpu_ms_per_request", "Client CPU per request", "ms", False),
+]
 
 
 def render(result: dict, baseline: dict | None = None) -> Group:
