@@ -4,10 +4,10 @@ request using penalties and logprobs, in one run (ratios of times measured on on
     python3 benchmarks/request_features.py                    # default model (Qwen3-0.6B shape on a GPU)
     python3 benchmarks/request_features.py --batch 64 --rounds 3 --top-logprobs 20
 
-Each round times every case once, in turn (plain greedy, plain sampled, then the features), so that a drift of
-the machine shows in every case alike; the table reports each case's median over the rounds. The features case:
-repetition 1.1, frequency 0.2 and presence 0.3 penalties, a 4-entry logit_bias and logprobs with the top-N
-(`--top-logprobs`), at temperature 0.8 (compare with plain sampled). Target (issue 28): at most 10 % slower.
+Each round times every case once, in turn (plain greedy, plain sampled, logprobs, penalties, both, plain sampled
+again: a drift of the machine shows), and the table reports each case's median over the rounds. Penalties:
+repetition 1.1, frequency 0.2 and presence 0.3, a 4-entry logit_bias; logprobs with the top-N (`--top-logprobs`);
+all at temperature 0.8 (compare with plain sampled). Target (issue 28): penalties + logprobs at most 10 % slower.
 """
 import argparse
 import statistics
@@ -31,12 +31,18 @@ def main() -> None:
 
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, max_running=args.batch,
                                     max_model_len=max(2 * args.context, 1024)))
+    penalties = dict(repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.3,
+                     logit_bias={11: 1.0, 13: -1.0, 220: 0.5, 1000: -2.0})
     cases = {
         "plain greedy": lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
         "plain sampled": lambda n: SamplingParams(max_tokens=n, temperature=0.8, seed=1, ignore_eos=True),
-        "penalties+logprobs": lambda n: SamplingParams(
-            max_tokens=n, temperature=0.8, seed=1, ignore_eos=True, repetition_penalty=1.1, frequency_penalty=0.2,
-            presence_penalty=0.3, logit_bias={11: 1.0, 13: -1.0, 220: 0.5, 1000: -2.0}, logprobs=args.top_logprobs),
+        "logprobs only": lambda n: SamplingParams(max_tokens=n, temperature=0.8, seed=1, ignore_eos=True,
+                                                  logprobs=args.top_logprobs),
+        "penalties only": lambda n: SamplingParams(max_tokens=n, temperature=0.8, seed=1, ignore_eos=True,
+                                                   **penalties),
+        "penalties+logprobs": lambda n: SamplingParams(max_tokens=n, temperature=0.8, seed=1, ignore_eos=True,
+                                                       logprobs=args.top_logprobs, **penalties),
+        "plain sampled again": lambda n: SamplingParams(max_tokens=n, temperature=0.8, seed=1, ignore_eos=True),
     }
     times = {name: [] for name in cases}
     for _ in range(args.rounds):

@@ -283,19 +283,30 @@ def reference(logits, temps, top_ks, top_ps, seeds):
 
 
 @pytest.mark.parametrize("S", [1, 7, 256])
-def test_penalties_match_reference(S):
+def test_penalties_and_logprobs_match_reference(S):
     logits = rand(S, VOCAB, scale=3)
     slots = torch.randint(0, 300, (S,), device="cuda")
     slots[1::3] = -1
     counts = torch.randint(0, 3, (300, VOCAB), device="cuda", dtype=torch.int32)
     counts |= torch.where(torch.rand(300, VOCAB, device="cuda") < 0.05, sampling.PROMPT_BIT, 0).int()
-    params = [torch.rand(S, device="cuda") * 4 - 2, torch.rand(S, device="cuda") * 4 - 2,
-              torch.rand(S, device="cuda") * 1.9 + 0.1]
+    params = torch.stack([torch.rand(300, device="cuda") * 4 - 2, torch.rand(300, device="cuda") * 4 - 2,
+                          torch.rand(300, device="cuda") * 1.9 + 0.1], dim=1)
+    bias_ids = torch.stack([torch.randperm(VOCAB, device="cuda")[:300] for _ in range(300)]).int()
+    bias_values = torch.rand(300, 300, device="cuda") * 200 - 100
+    bias_count = torch.randint(0, 301, (300,), device="cuda", dtype=torch.int32)
+    tables = (counts, params, bias_ids, bias_values, bias_count)
     want, got = logits.clone(), logits.clone()
-    sampling.apply_penalties_ref(want, slots, counts, *params)
-    sampling.apply_penalties(got, slots, counts, *params)  # the Triton kernel on CUDA
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+    sampling.apply_penalties_ref(want, slots, *tables)
+    sampling.apply_penalties(got, slots, *tables)  # the Triton kernels on CUDA
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-4)
     assert torch.equal(got[1::3], logits[1::3])
+    tokens = torch.randint(0, VOCAB, (S,), device="cuda")
+    for top_n in (0, 5, 20):
+        chosen, values, ids = sampling.token_logprobs(logits, tokens, top_n)
+        want_chosen, want_values, want_ids = sampling.token_logprobs_ref(logits, tokens, top_n)
+        torch.testing.assert_close(chosen, want_chosen, rtol=0, atol=1e-5)
+        torch.testing.assert_close(values, want_values, rtol=0, atol=1e-5)
+        assert torch.equal(logits.gather(1, ids), logits.gather(1, want_ids))  # the same values (ties may swap ids)
 
 
 @pytest.mark.parametrize("S", [1, 7, 64, 256])

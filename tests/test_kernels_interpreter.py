@@ -398,56 +398,76 @@ def test_seeded_noise_draws_from_the_distribution():
 
 
 def penalties_batch(S: int, V: int, slots: int, generator: torch.Generator):
-    """Random logits, histories (counts up to 3, prompt tokens marked) and penalties; some rows without a slot."""
+    """Random logits, per-slot tables (counts up to 3 with prompt tokens marked, penalties, a few bias entries)
+    and a slot per row; some rows without one."""
     logits = torch.randn(S, V, generator=generator) * 3
     counts = torch.randint(0, 4, (slots, V), generator=generator, dtype=torch.int32)
     counts |= torch.where(torch.rand(slots, V, generator=generator) < 0.2, sampling.PROMPT_BIT, 0).int()
+    params = torch.stack([torch.rand(slots, generator=generator) * 4 - 2, torch.rand(slots, generator=generator) * 4 - 2,
+                          torch.rand(slots, generator=generator) * 1.9 + 0.1], dim=1)
+    bias_ids = torch.stack([torch.randperm(V, generator=generator)[:6] for _ in range(slots)]).int()
+    bias_values = torch.rand(slots, 6, generator=generator) * 200 - 100
+    bias_count = torch.randint(0, 7, (slots,), generator=generator, dtype=torch.int32)
     rows = torch.randint(0, slots, (S,), generator=generator)
     rows[::3] = -1
-    params = [torch.rand(S, generator=generator) * 4 - 2, torch.rand(S, generator=generator) * 4 - 2,
-              torch.rand(S, generator=generator) * 1.9 + 0.1]
-    return logits, rows, counts, params
+    return logits, rows, (counts, params, bias_ids, bias_values, bias_count)
 
 
-def test_penalties_kernel_matches_the_reference():
+def test_penalties_kernels_match_the_reference():
     generator = torch.Generator().manual_seed(5)
-    logits, slots, counts, (presence, frequency, repetition) = penalties_batch(7, 300, 4, generator)
+    logits, slots, tables = penalties_batch(7, 300, 4, generator)
     want = logits.clone()
-    sampling.apply_penalties_ref(want, slots, counts, presence, frequency, repetition)
+    sampling.apply_penalties_ref(want, slots, *tables)
     got = logits.clone()
-    sampling.apply_penalties_triton(got, slots, counts, presence, frequency, repetition)
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    sampling.apply_penalties_triton(got, slots, *tables)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
     assert torch.equal(got[::3], logits[::3])  # rows without a slot are left as they are
     assert not torch.equal(got[1], logits[1])
 
 
 def test_penalties_reference_follows_vllms_formula_entry_by_entry():
     generator = torch.Generator().manual_seed(6)
-    logits, slots, counts, (presence, frequency, repetition) = penalties_batch(4, 12, 2, generator)
+    logits, slots, (counts, params, bias_ids, bias_values, bias_count) = penalties_batch(4, 12, 2, generator)
+    bias_count[:] = 3
     got = logits.clone()
-    sampling.apply_penalties_ref(got, slots, counts, presence, frequency, repetition)
+    sampling.apply_penalties_ref(got, slots, counts, params, bias_ids, bias_values, bias_count)
     for r in range(4):
         for t in range(12):
             x, slot = logits[r, t].item(), slots[r].item()
             if slot >= 0:
+                presence, frequency, repetition = params[slot].tolist()
+                x += sum(v for i, v in zip(bias_ids[slot, :3].tolist(), bias_values[slot, :3].tolist()) if i == t)
                 history = counts[slot, t].item()
                 n = history & (sampling.PROMPT_BIT - 1)
                 if history:  # in the prompt or generated
-                    x = x / repetition[r].item() if x > 0 else x * repetition[r].item()
-                x -= frequency[r].item() * n + presence[r].item() * (n > 0)
-            assert abs(got[r, t].item() - x) < 1e-5, (r, t)
+                    x = x / repetition if x > 0 else x * repetition
+                x -= frequency * n + presence * (n > 0)
+            assert abs(got[r, t].item() - x) < 1e-4, (r, t)
 
 
-def test_token_logprobs_are_log_softmax_and_its_top_n():
-    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(7))
-    tokens = torch.tensor([3, 0, 39, 17, 17])
-    chosen, values, ids = sampling.token_logprobs(logits, tokens, 4)
+def test_count_kernel_adds_each_drawn_token_to_its_slot_only():
+    counts = torch.zeros(3, 20, dtype=torch.int32)
+    slots, tokens = torch.tensor([2, -1, 0, 2]), torch.tensor([5, 7, 19, 5])
+    sampling._count_kernel[(4,)](counts, slots, tokens, counts.stride(0))
+    want = torch.zeros(3, 20, dtype=torch.int32)
+    want[2, 5], want[0, 19] = 2, 1
+    assert torch.equal(counts, want)
+    again = torch.zeros(3, 20, dtype=torch.int32)
+    sampling.count_tokens(again, slots, tokens)  # CPU: the reference
+    assert torch.equal(again, want)
+
+
+@pytest.mark.parametrize("top_n", [0, 1, 5])
+def test_token_logprobs_kernel_is_log_softmax_and_its_top_n(top_n):
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(7)) * 4
+    tokens = torch.tensor([3, 0, 299, 17, 17])
     full = logits.log_softmax(-1)
-    torch.testing.assert_close(chosen, full.gather(1, tokens.unsqueeze(1)).squeeze(1))
-    want_values, want_ids = full.topk(4)
-    torch.testing.assert_close(values, want_values)
-    assert torch.equal(ids, want_ids)
-    assert sampling.token_logprobs(logits, tokens, 0)[1].shape == (5, 0)
+    for chosen, values, ids in (sampling.token_logprobs_triton(logits, tokens, top_n),
+                                sampling.token_logprobs(logits, tokens, top_n)):  # CPU: the reference
+        torch.testing.assert_close(chosen, full.gather(1, tokens.unsqueeze(1)).squeeze(1))
+        want_values, want_ids = full.topk(top_n)
+        torch.testing.assert_close(values, want_values)
+        assert torch.equal(ids, want_ids) and ids.dtype == torch.int64
 
 
 def test_public_ops_use_the_references_on_cpu(monkeypatch):
@@ -455,6 +475,7 @@ def test_public_ops_use_the_references_on_cpu(monkeypatch):
         raise AssertionError("a Triton entry point ran for CPU tensors")
 
     for module, name in ((sampling, "race_triton"), (sampling, "sample_top_k_triton"), (sampling, "apply_penalties_triton"),
+                         (sampling, "token_logprobs_triton"),
                          (attention, "paged_decode_triton"), (attention, "paged_prefill_triton"),
                          (linear, "gemv_triton"), (linear, "skinny_triton"), (norm, "rms_norm_triton"),
                          (rope, "rope_triton"), (activation, "silu_and_mul_triton"),
@@ -465,10 +486,10 @@ def test_public_ops_use_the_references_on_cpu(monkeypatch):
     top_ks, top_ps = torch.zeros(8, dtype=torch.int64), torch.ones(8)
     want = sampling.sample_ref(logits, temps, top_ks, top_ps, sampling.exponential_noise(seeds, torch.arange(50)))
     assert torch.equal(sampling.sample(logits, temps, top_ks, top_ps, seeds, max_top_k=0), want)
-    penalised, slots, counts, params = penalties_batch(4, 50, 2, torch.Generator().manual_seed(8))
+    penalised, slots, tables = penalties_batch(4, 50, 2, torch.Generator().manual_seed(8))
     want = penalised.clone()
-    sampling.apply_penalties_ref(want, slots, counts, *params)
-    sampling.apply_penalties(penalised, slots, counts, *params)
+    sampling.apply_penalties_ref(want, slots, *tables)
+    sampling.apply_penalties(penalised, slots, *tables)
     assert torch.equal(penalised, want)
     q, kc, vc, cu, sl, pt = paged_batch([6, 3], [2, 1], 2, 1, 8, 4)
     assert torch.equal(attention.paged_attention(q, kc, vc, cu, sl, pt, 0.5, max_q_len=2),

@@ -97,7 +97,7 @@ def test_prompt_logprobs_survive_chunked_prefill_and_a_warm_prefix_cache(hf_writ
     assert [e.token_id for e in first.prompt_logprobs] == PROMPT[1:]
     torch.testing.assert_close(torch.tensor([e.logprob for e in first.prompt_logprobs]),
                                expected.gather(1, torch.tensor(PROMPT[1:]).unsqueeze(1)).squeeze(1), rtol=0, atol=1e-4)
-    assert [e.top[0][0] for e in first.prompt_logprobs] == expected.argmax(-1).tolist()
+    assert [e.top_ids[0] for e in first.prompt_logprobs] == expected.argmax(-1).tolist()
     assert outputs[-1].finish_reason == "length" and outputs[-1].num_output_tokens == 0
 
 

@@ -296,33 +296,55 @@ def sample(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Penalties: what a request's own tokens do to its row before the draw (vLLM's repetition, frequency and
-# presence penalties). A row's history is one int32 row of `counts`: the number of times each token was
-# generated, with PROMPT_BIT set for the tokens of its prompt.
+# Penalties and logit_bias: what a request's own tokens and its bias do to its row before the draw (vLLM's
+# semantics). Each request that uses them holds a slot of per-request tables: `counts` [slots, V] int32 (the
+# times each token was generated, with PROMPT_BIT set for the tokens of its prompt), `params` [slots, 3]
+# float32 (presence, frequency, repetition) and its bias entries `bias_ids` / `bias_values` [slots, B] with
+# `bias_count` [slots] int32. A step passes one slot per row (-1: the row is left alone).
 
 PROMPT_BIT = 1 << 30
+BIAS_BLOCK = 512  # the bias kernel's lanes: at least sequence.MAX_LOGIT_BIAS entries
 
 
-def apply_penalties_ref(logits: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor,
-                        frequency: torch.Tensor, repetition: torch.Tensor) -> None:
-    """In place, for each row r with slots[r] >= 0 (history counts[slots[r]]): a token seen in the prompt or the
-    output has its logit divided by repetition[r] when positive, multiplied when not; then every logit drops by
-    frequency[r] x its output count and presence[r] once it was generated. Float32, in that order (vLLM's)."""
+def apply_penalties_ref(logits: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, params: torch.Tensor,
+                        bias_ids: torch.Tensor, bias_values: torch.Tensor, bias_count: torch.Tensor) -> None:
+    """In place, for each row r with slot s = slots[r] >= 0: logits[r, bias_ids[s, :n]] += bias_values[s, :n]
+    (n = bias_count[s]); then a token seen in the prompt or the output has its logit divided by the repetition
+    penalty when positive, multiplied when not; then every logit drops by frequency x its output count and by
+    presence once it was generated. Float32, in that order (vLLM's: the bias is a logits processor, before the
+    penalties)."""
     rows = (slots >= 0).nonzero().squeeze(1)
     if not rows.numel():
         return
-    history = counts[slots[rows]]
-    generated = (history & (PROMPT_BIT - 1)).float()
-    seen = (history != 0).float()
+    slot = slots[rows]
     x = logits[rows]
-    rep = repetition[rows].unsqueeze(1)
-    x = torch.where(seen > 0, torch.where(x > 0, x / rep, x * rep), x)
-    x = x - frequency[rows].unsqueeze(1) * generated - presence[rows].unsqueeze(1) * (generated > 0).float()
+    lanes = torch.arange(bias_ids.shape[1], device=logits.device)
+    entries = lanes < bias_count[slot].unsqueeze(1)
+    x.scatter_add_(1, bias_ids[slot].long(), torch.where(entries, bias_values[slot], 0.0))
+    history = counts[slot]
+    generated = (history & (PROMPT_BIT - 1)).float()
+    presence, frequency, repetition = params[slot].unbind(1)
+    rep = repetition.unsqueeze(1)
+    x = torch.where(history != 0, torch.where(x > 0, x / rep, x * rep), x)
+    x = x - frequency.unsqueeze(1) * generated - presence.unsqueeze(1) * (generated > 0).float()
     logits[rows] = x
 
 
+@triton.jit
+def _bias_kernel(LOGITS, SLOTS, BIAS_IDS, BIAS_VALUES, BIAS_COUNT, stride_l, stride_b, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    slot = tl.load(SLOTS + row)
+    if slot >= 0:
+        lanes = tl.arange(0, BLOCK)
+        mask = lanes < tl.load(BIAS_COUNT + slot)
+        ids = tl.load(BIAS_IDS + slot.to(tl.int64) * stride_b + lanes, mask=mask, other=0)
+        values = tl.load(BIAS_VALUES + slot.to(tl.int64) * stride_b + lanes, mask=mask, other=0.0)
+        where = LOGITS + row.to(tl.int64) * stride_l + ids
+        tl.store(where, tl.load(where, mask=mask, other=0.0) + values, mask=mask)  # a request's ids are distinct
+
+
 @triton.jit(do_not_specialize=["V", "stride_l", "stride_c"])
-def _penalties_kernel(LOGITS, SLOTS, COUNTS, PRESENCE, FREQUENCY, REPETITION, V, stride_l, stride_c,
+def _penalties_kernel(LOGITS, SLOTS, COUNTS, PARAMS, V, stride_l, stride_c,
                       PROMPT_BIT: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     slot = tl.load(SLOTS + row)
@@ -332,46 +354,114 @@ def _penalties_kernel(LOGITS, SLOTS, COUNTS, PRESENCE, FREQUENCY, REPETITION, V,
         history = tl.load(COUNTS + slot.to(tl.int64) * stride_c + cols, mask=mask, other=0)
         generated = (history & (PROMPT_BIT - 1)).to(tl.float32)
         x = tl.load(LOGITS + row.to(tl.int64) * stride_l + cols, mask=mask, other=0.0)
-        rep = tl.load(REPETITION + row)
+        presence, frequency, rep = tl.load(PARAMS + slot * 3), tl.load(PARAMS + slot * 3 + 1), tl.load(PARAMS + slot * 3 + 2)
         x = tl.where(history != 0, tl.where(x > 0, x / rep, x * rep), x)
-        x = x - tl.load(FREQUENCY + row) * generated - tl.load(PRESENCE + row) * (generated > 0).to(tl.float32)
+        x = x - frequency * generated - presence * (generated > 0).to(tl.float32)
         tl.store(LOGITS + row.to(tl.int64) * stride_l + cols, x, mask=mask)
 
 
-def apply_penalties_triton(logits: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor,
-                           frequency: torch.Tensor, repetition: torch.Tensor, block: int | None = None) -> None:
+def apply_penalties_triton(logits: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, params: torch.Tensor,
+                           bias_ids: torch.Tensor, bias_values: torch.Tensor, bias_count: torch.Tensor,
+                           block: int | None = None) -> None:
     S, V = logits.shape
     block = block or (4096 if logits.is_cuda else 128)
     if S:
+        _bias_kernel[(S,)](logits, slots, bias_ids, bias_values, bias_count, logits.stride(0), bias_ids.stride(0),
+                           BLOCK=BIAS_BLOCK)
         _penalties_kernel[(S, triton.cdiv(V, block))](
-            logits, slots, counts, presence, frequency, repetition, V, logits.stride(0), counts.stride(0),
+            logits, slots, counts, params, V, logits.stride(0), counts.stride(0),
             PROMPT_BIT=PROMPT_BIT, BLOCK=block, num_warps=8 if block >= 4096 else 4,
         )
 
 
-def apply_penalties(logits: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor,
-                    frequency: torch.Tensor, repetition: torch.Tensor) -> None:
-    """The penalties on logits [S, V] float32 in place (the vocab dim contiguous): slots [S] int64 (-1: leave the
-    row), counts [slots, V] int32 (see PROMPT_BIT), presence / frequency / repetition [S] float32. One pass over
-    the rows that have a slot: the rows without one cost a program that returns."""
+def apply_penalties(logits: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor, params: torch.Tensor,
+                    bias_ids: torch.Tensor, bias_values: torch.Tensor, bias_count: torch.Tensor) -> None:
+    """logit_bias and the penalties on logits [S, V] float32 in place (the vocab dim contiguous), for the rows
+    whose slot (slots [S] int64) is >= 0, from the slot tables described above. Two launches whatever the rows:
+    a row without a slot costs programs that return."""
     if use_triton(logits, "sampling"):
-        apply_penalties_triton(logits, slots, counts, presence, frequency, repetition)
+        apply_penalties_triton(logits, slots, counts, params, bias_ids, bias_values, bias_count)
     else:
-        apply_penalties_ref(logits, slots, counts, presence, frequency, repetition)
+        apply_penalties_ref(logits, slots, counts, params, bias_ids, bias_values, bias_count)
+
+
+@triton.jit
+def _count_kernel(COUNTS, SLOTS, TOKENS, stride_c):
+    row = tl.program_id(0)
+    slot = tl.load(SLOTS + row)
+    if slot >= 0:
+        tl.atomic_add(COUNTS + slot.to(tl.int64) * stride_c + tl.load(TOKENS + row), 1)
+
+
+def count_tokens(counts: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+    """counts[slots[r], tokens[r]] += 1 for every row with a slot (the drawn tokens join their histories)."""
+    if use_triton(counts, "sampling"):
+        if slots.numel():
+            _count_kernel[(slots.numel(),)](counts, slots, tokens, counts.stride(0))
+        return
+    rows = slots >= 0
+    counts.index_put_((slots[rows], tokens[rows]), torch.ones_like(tokens[rows], dtype=counts.dtype), accumulate=True)
 
 
 # ---------------------------------------------------------------------------------------------------
 # Logprobs: a token's log-probability and the top-N under the raw distribution (log-softmax of the logits)
 
 
+def token_logprobs_ref(logits: torch.Tensor, tokens: torch.Tensor, top_n: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    lse = logits.logsumexp(dim=-1, keepdim=True)
+    chosen = (logits.gather(1, tokens.unsqueeze(1)) - lse).squeeze(1)
+    values, ids = logits.topk(top_n, dim=-1)
+    return chosen, values - lse, ids
+
+
+@triton.jit(do_not_specialize=["V", "stride_l", "top_n"])
+def _logprobs_kernel(LOGITS, MAXES, SUMS, TOP_VALUES, TOP_IDS, V, stride_l, top_n, BLOCK: tl.constexpr):
+    """One (row, chunk): the chunk's max and sum of exp(x - max), and its top_n values and columns, best first
+    (ties: the lowest column, as torch.topk's order is not promised; the merge below picks among candidates)."""
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    chunks = tl.num_programs(1)
+    cols = chunk * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(LOGITS + row.to(tl.int64) * stride_l + cols, mask=cols < V, other=float("-inf"))
+    top = tl.max(x, axis=0)
+    out = row * chunks + chunk
+    tl.store(MAXES + out, top)
+    tl.store(SUMS + out, tl.sum(tl.exp(x - top), axis=0))
+    for i in range(top_n):
+        best = tl.max(x, axis=0)
+        col = tl.min(tl.where(x == best, cols, 2147483647), axis=0)
+        tl.store(TOP_VALUES + out * top_n + i, best)
+        tl.store(TOP_IDS + out * top_n + i, col)
+        x = tl.where(cols == col, float("-inf"), x)
+
+
+def token_logprobs_triton(logits: torch.Tensor, tokens: torch.Tensor, top_n: int, block: int | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    S, V = logits.shape
+    block = block or (4096 if logits.is_cuda else 64)
+    chunks = triton.cdiv(V, block)
+    maxes = torch.empty(S, chunks, dtype=torch.float32, device=logits.device)
+    sums = torch.empty_like(maxes)
+    values = torch.empty(S, chunks, top_n, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(S, chunks, top_n, dtype=torch.int32, device=logits.device)
+    if S:
+        _logprobs_kernel[(S, chunks)](logits, maxes, sums, values, ids, V, logits.stride(0), top_n, BLOCK=block,
+                                      num_warps=8 if block >= 4096 else 4)
+    top = maxes.max(dim=1, keepdim=True).values
+    lse = top + (sums * (maxes - top).exp()).sum(dim=1, keepdim=True).log()
+    chosen = (logits.gather(1, tokens.unsqueeze(1)) - lse).squeeze(1)
+    if not top_n:
+        return chosen, values.flatten(1), ids.flatten(1).long()
+    best, where = values.flatten(1).topk(top_n, dim=1)  # the top_n of every chunk's top_n
+    return chosen, best - lse, ids.flatten(1).gather(1, where).long()
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For logits [R, V] float32 and tokens [R] int64: (logprob of each row's token [R], the top_n logprobs
-    [R, top_n] best first, their token ids [R, top_n]). Logprobs are logits minus the row's logsumexp, so the
-    top-N of the logits is the top-N of the logprobs: nothing of size [R, V] is written."""
-    lse = logits.logsumexp(dim=-1, keepdim=True)
-    chosen = logits.gather(1, tokens.unsqueeze(1)) - lse
-    if top_n:
-        values, ids = logits.topk(top_n, dim=-1)
-        return chosen.squeeze(1), values - lse, ids
-    return chosen.squeeze(1), logits.new_empty(logits.shape[0], 0), tokens.new_empty(logits.shape[0], 0)
+    [R, top_n] best first, their token ids [R, top_n] int64). Logprobs are logits minus the row's logsumexp, so the
+    top-N of the logits is the top-N of the logprobs. On CUDA one pass over the logits (per chunk: max, sum of
+    exponentials, top-N) and a merge of the chunks' few candidates; nothing of size [R, V] is written."""
+    if use_triton(logits, "sampling"):
+        return token_logprobs_triton(logits, tokens, top_n)
+    return token_logprobs_ref(logits, tokens, top_n)

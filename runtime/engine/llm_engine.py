@@ -132,20 +132,17 @@ class _Launched:
         if self.sampled is None:
             return [], None, None
         if self.ready is None:
-            lists = [t.tolist() for t in self.sampled.tensors()]
-        else:
-            self.ready.synchronize()
-            lists = [t.tolist() for t in self.host]
-        tokens, rest = lists[0], lists[1:]
-        drawn = rest[:3] if self.sampled.logprobs is not None else None
-        prompt = rest[-3:] if self.sampled.prompt_logprobs is not None else None
-        return tokens, drawn, prompt
+            return self.sampled.unpack(self.sampled.tensors())
+        self.ready.synchronize()
+        return self.sampled.unpack(self.host)
 
 
 def logprob_entries(lists: list, tokens: list[int], top_ns: list[int]) -> list[TokenLogprob]:
-    """TokenLogprobs from token_logprobs' (logprob, top values, top ids) lists; each keeps its own top-N."""
+    """TokenLogprobs from token_logprobs' (logprob, top values, top ids) lists; each keeps its own top-N (the
+    lists hold the largest any row asked for)."""
     chosen, values, ids = lists
-    return [TokenLogprob(token, lp, list(zip(i[:n], v[:n])))
+    width = len(values[0]) if values else 0
+    return [TokenLogprob(token, lp, i, v) if n == width else TokenLogprob(token, lp, i[:n], v[:n])
             for token, lp, v, i, n in zip(tokens, chosen, values, ids, top_ns)]
 
 
@@ -461,8 +458,9 @@ class LLMEngine:
             seq.token_ids.append(PENDING)
         self.scheduler.advance(batch)
         if sampled is not None and sampled.tokens.is_cuda:
-            launched.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in sampled.tensors()]
-            for host, device in zip(launched.host, sampled.tensors()):
+            tensors = sampled.tensors()
+            launched.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for host, device in zip(launched.host, tensors):
                 host.copy_(device, non_blocking=True)
             launched.ready = torch.cuda.Event()
             launched.ready.record()

@@ -434,23 +434,21 @@ class ModelRunner:
                             [p.top_p for p in params], [self._seed(s) for s in seqs], extras, self.sampler_state)
 
     def extras(self, seqs: list[Sequence]) -> Extras:
-        """The rows' logprobs, penalties and min_tokens for the sampler; a request's first draw with penalties
-        or a bias starts its slot's history (its prompt, its bias)."""
+        """The rows' logprobs, slots and min_tokens for the sampler; a request's first draw with penalties or a
+        bias starts its slot (its prompt, its penalty values, its bias)."""
         params = [s.params for s in seqs]
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        slots = presence = frequency = repetition = None
+        slots = None
         if any(p.needs_state for p in params):
             for seq in seqs:
                 if seq.init_slot:
-                    self.sampler_state.start(seq.sampler_slot, seq.prompt_token_ids, seq.params.logit_bias)
+                    p = seq.params
+                    self.sampler_state.start(seq.sampler_slot, seq.prompt_token_ids, p.presence_penalty,
+                                             p.frequency_penalty, p.repetition_penalty, p.logit_bias)
             slots = [-1 if s.sampler_slot is None else s.sampler_slot for s in seqs]
-            presence = [p.presence_penalty for p in params]
-            frequency = [p.frequency_penalty for p in params]
-            repetition = [p.repetition_penalty for p in params]
         suppress = [(i, t) for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens
                     for t in (*self.eos_token_ids, *s.params.stop_token_ids)]
-        return Extras(logprob_rows, max((params[i].logprobs for i in logprob_rows), default=0), slots, presence,
-                      frequency, repetition, suppress)
+        return Extras(logprob_rows, max((params[i].logprobs for i in logprob_rows), default=0), slots, suppress)
 
     def _seed(self, seq: Sequence) -> int:
         """This step's noise seed: from the request's seed and its token count (reproducible), else random."""

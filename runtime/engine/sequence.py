@@ -15,10 +15,12 @@ PENDING = -1
 
 class TokenLogprob(NamedTuple):
     """A token's log-probability under the model's raw distribution (log-softmax of the logits, before
-    penalties, biases or temperature: vLLM's default) and the `top` most likely tokens there, best first."""
+    penalties, biases or temperature: vLLM's default) and the most likely tokens there, best first (ids and
+    logprobs: the request's top-N; None for an echoed prompt's first token)."""
     token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
+    logprob: float | None
+    top_ids: list[int] | None
+    top_logprobs: list[float] | None
 
 
 @dataclass

@@ -7,8 +7,9 @@ batch. Which path runs is decided from the requests' parameters on the host: the
 the GPU to find out, and a step whose rows ask for no extras runs exactly the plain path.
 
 The extras work on the device, batched. Logprobs are read from the raw logits (before anything changes
-them). Penalties read each request's history from `SamplerState`, one row of token counts per request
-slot, which the sampler itself keeps up to date on the device after every draw: no per-token host work.
+them). Penalties and biases read a request's own tables in `SamplerState` (one slot per request that uses
+them: its token counts, its penalty values, its bias), which the sampler keeps up to date on the device after
+every draw; a step sends only each row's slot. No per-token host work.
 """
 from dataclasses import dataclass
 
@@ -28,9 +29,6 @@ class Extras:
     logprob_rows: list[int]  # rows whose token's logprob is returned
     top_n: int  # top logprobs returned for each of those rows (the largest any of them asked for)
     slots: list[int] | None  # per row: its SamplerState slot (-1: none), or None when no row has one
-    presence: list[float] | None
-    frequency: list[float] | None
-    repetition: list[float] | None
     suppress: list[tuple[int, int]]  # (row, token id): tokens a row may not draw yet (min_tokens)
 
 
@@ -43,41 +41,61 @@ class Sampled:
     prompt_logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def tensors(self) -> list[torch.Tensor]:
-        """What the engine copies back to the host, in a fixed order (`unpack` reads the lists back)."""
-        return [self.tokens, *(self.logprobs or ()), *(self.prompt_logprobs or ())]
+        """What the engine copies back to the host: the tokens, then (when there are logprobs) every logprob
+        value and id in one float64 tensor (ids below 2**53 are exact), so that a step makes one more copy."""
+        parts = [t.flatten().double() for group in (self.logprobs, self.prompt_logprobs) if group for t in group]
+        return [self.tokens, torch.cat(parts)] if parts else [self.tokens]
+
+    def unpack(self, host: list[torch.Tensor]) -> tuple[list[int], list | None, list | None]:
+        """`tensors()` on the host, as lists: the tokens, and the drawn and prompt (logprob, top values, top ids)."""
+        flat, offset, groups = host[-1], 0, []
+        for group in (self.logprobs, self.prompt_logprobs):
+            if group is None:
+                groups.append(None)
+                continue
+            rows, n = group[1].shape
+            chosen = flat[offset : offset + rows].tolist()
+            values = flat[offset + rows : offset + rows + rows * n].view(rows, n).tolist()
+            ids = flat[offset + rows + rows * n : offset + rows + 2 * rows * n].view(rows, n).long().tolist()
+            groups.append([chosen, values, ids])
+            offset += rows + 2 * rows * n
+        return host[0].tolist(), groups[0], groups[1]
 
 
 class SamplerState:
-    """Per-request state the penalties and logit_bias read, on the device, one slot per request that uses them
-    (the engine hands slots out, at most max_running at once): `counts` [slots, V] int32, the times each token was
-    generated, with PROMPT_BIT on the prompt's tokens; the logit_bias entries, padded with zeros."""
+    """Per-request tables the penalties and logit_bias read, on the device, one slot per request that uses them
+    (the engine hands slots out, at most max_running at once; the last slot is the warm-up's): the token counts
+    (PROMPT_BIT on the prompt's tokens), the three penalty values and the bias entries (kernels.ops.sampling)."""
 
     def __init__(self, slots: int, vocab_size: int, device: torch.device):
         self.slots = slots
         self.counts = torch.zeros(slots, vocab_size, dtype=torch.int32, device=device)
-        self.bias_ids = torch.zeros(slots, MAX_LOGIT_BIAS, dtype=torch.int64, device=device)
+        self.params = torch.zeros(slots, 3, dtype=torch.float32, device=device)
+        self.bias_ids = torch.zeros(slots, MAX_LOGIT_BIAS, dtype=torch.int32, device=device)
         self.bias_values = torch.zeros(slots, MAX_LOGIT_BIAS, dtype=torch.float32, device=device)
+        self.bias_count = torch.zeros(slots, dtype=torch.int32, device=device)
 
-    def start(self, slot: int, prompt: list[int], logit_bias: dict[int, float]) -> None:
-        """A request takes `slot`: its prompt's tokens marked, no token generated yet, its bias."""
+    def start(self, slot: int, prompt: list[int], presence: float, frequency: float, repetition: float,
+              logit_bias: dict[int, float]) -> None:
+        """A request takes `slot`: its prompt's tokens marked, no token generated yet, its penalties and bias."""
         device = self.counts.device
         self.counts[slot].zero_()
         self.counts[slot].index_fill_(0, torch.tensor(prompt, dtype=torch.int64).to(device), sampling_ops.PROMPT_BIT)
-        self.bias_ids[slot].zero_()
-        self.bias_values[slot].zero_()
-        if logit_bias:
-            n = len(logit_bias)
-            self.bias_ids[slot, :n] = torch.tensor(list(logit_bias), dtype=torch.int64).to(device)
-            self.bias_values[slot, :n] = torch.tensor(list(logit_bias.values()), dtype=torch.float32).to(device)
+        self.params[slot] = torch.tensor([presence, frequency, repetition]).to(device, non_blocking=True)
+        n = len(logit_bias)
+        self.bias_count[slot] = n
+        if n:
+            self.bias_ids[slot, :n] = torch.tensor(list(logit_bias), dtype=torch.int32).to(device, non_blocking=True)
+            self.bias_values[slot, :n] = torch.tensor(list(logit_bias.values())).to(device, non_blocking=True)
 
-    def add_bias(self, logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        """logits[row, token] += bias for every entry of each row's slot (the zero padding adds nothing)."""
-        ids = self.bias_ids[slots]
-        logits.index_put_((rows.unsqueeze(1).expand_as(ids), ids), self.bias_values[slots], accumulate=True)
+    def process(self, logits: torch.Tensor, slots: torch.Tensor) -> None:
+        """The bias, then the penalties, in place, for the rows with a slot."""
+        sampling_ops.apply_penalties(logits, slots, self.counts, self.params, self.bias_ids, self.bias_values,
+                                     self.bias_count)
 
     def count(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """The drawn tokens join their requests' histories (stream-ordered: the next step's draw sees them)."""
-        self.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+        sampling_ops.count_tokens(self.counts, slots, tokens)
 
 
 class Sampler(nn.Module):
@@ -96,11 +114,17 @@ class Sampler(nn.Module):
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
-        raw = logits
+        raw, slots = logits, None
         if extras is not None and (extras.slots is not None or extras.suppress):
             if extras.logprob_rows:
                 logits = logits.clone()  # logprobs come from the raw logits
-            self.process(logits, extras, state, tensor)
+            if extras.suppress:  # min_tokens: before the penalties (-inf stays -inf through them)
+                rows, ids = zip(*extras.suppress)
+                logits.index_put_((tensor(rows, torch.int64), tensor(ids, torch.int64)),
+                                  torch.tensor(float("-inf"), device=device))
+            if extras.slots is not None:
+                slots = tensor(extras.slots, torch.int64)
+                state.process(logits, slots)
         sampled = [i for i, t in enumerate(temperatures) if t > 0]
         if not sampled:
             tokens = logits.argmax(dim=-1)
@@ -108,30 +132,16 @@ class Sampler(nn.Module):
             tokens = sampling_ops.sample(logits, tensor(temperatures, torch.float32), tensor(top_ks, torch.int64),
                                          tensor(top_ps, torch.float32), tensor(seeds, torch.int64),
                                          max_top_k=max_top_k([top_ks[i] for i in sampled], [top_ps[i] for i in sampled]))
-        if extras is None:
+        if slots is not None:
+            state.count(slots, tokens)
+        if extras is None or not extras.logprob_rows:
             return Sampled(tokens)
-        if extras.slots is not None:
-            rows = [i for i, s in enumerate(extras.slots) if s >= 0]
-            state.count(tensor([extras.slots[i] for i in rows], torch.int64), tokens[tensor(rows, torch.int64)])
-        if not extras.logprob_rows:
-            return Sampled(tokens)
-        rows = tensor(extras.logprob_rows, torch.int64)
-        return Sampled(tokens, sampling_ops.token_logprobs(raw[rows], tokens[rows], extras.top_n))
-
-    @staticmethod
-    def process(logits: torch.Tensor, extras: Extras, state: SamplerState, tensor) -> None:
-        """Bias, min_tokens, then the penalties, in place (vLLM's order)."""
-        if extras.slots is not None:
-            rows = [i for i, s in enumerate(extras.slots) if s >= 0]
-            state.add_bias(logits, tensor(rows, torch.int64), tensor([extras.slots[i] for i in rows], torch.int64))
-        if extras.suppress:
-            rows, ids = zip(*extras.suppress)
-            logits.index_put_((tensor(rows, torch.int64), tensor(ids, torch.int64)),
-                              torch.tensor(float("-inf"), device=logits.device))
-        if extras.slots is not None:
-            sampling_ops.apply_penalties(logits, tensor(extras.slots, torch.int64), state.counts,
-                                         tensor(extras.presence, torch.float32), tensor(extras.frequency, torch.float32),
-                                         tensor(extras.repetition, torch.float32))
+        if len(extras.logprob_rows) < len(temperatures):
+            rows = tensor(extras.logprob_rows, torch.int64)
+            raw, tokens_of_rows = raw[rows], tokens[rows]
+        else:
+            tokens_of_rows = tokens
+        return Sampled(tokens, sampling_ops.token_logprobs(raw, tokens_of_rows, extras.top_n))
 
     def warm(self, logits: torch.Tensor, state: SamplerState | None = None) -> None:
         """Run every sampling path a request can pick on these logits, so none compiles while serving
@@ -140,11 +150,10 @@ class Sampler(nn.Module):
             self(logits, [0.8], [block], [0.9], [0])
         self(logits, [0.8], [0], [1.0], [0])  # no filters
         self(logits, [0.8], [0], [0.9], [0])  # top-p alone: the full sort
-        if state is not None:  # the penalties kernel, the biases, min_tokens and logprobs, on the last slot
+        if state is not None:  # the penalties, bias, count and logprobs kernels, on the last slot
             slot = state.slots - 1  # (the engine hands out the others)
-            state.start(slot, [1, 2, 3], {5: 1.0})
-            extras = Extras([0], 5, [slot], [0.5], [0.5], [1.2], [(0, 1)])
-            self(logits.clone(), [0.8], [0], [1.0], [0], extras, state)
+            state.start(slot, [1, 2, 3], 0.5, 0.5, 1.2, {5: 1.0})
+            self(logits.clone(), [0.8], [0], [1.0], [0], Extras([0], 5, [slot], [(0, 1)]), state)
 
 
 def max_top_k(top_ks: list[int], top_ps: list[float]) -> int | None:

@@ -45,7 +45,7 @@ class Choice:
             if self.echo is not None:
                 prompt_text, prompt_ids = self.echo
                 text = prompt_text + text
-                entries = [TokenLogprob(prompt_ids[0], None, None), *(out.prompt_logprobs or [])]
+                entries = [TokenLogprob(prompt_ids[0], None, None, None), *(out.prompt_logprobs or [])]
         entries += out.logprobs or []
         return text, (self.format(entries) if self.top_n is not None else None)
 
@@ -58,19 +58,20 @@ class Choice:
             self.final = out
 
     def format(self, entries: list[TokenLogprob]) -> list | dict:
-        ids = [e.token_id for e in entries] + [t for e in entries for t, _ in (e.top or [])]
+        ids = [e.token_id for e in entries] + [t for e in entries for t in (e.top_ids or ())]
         strings = dict(zip(ids, self.engine.tokenizer.decode_batch([[t] for t in ids], skip_special_tokens=False)))
         if self.chat:
             return [{**token_entry(strings[e.token_id], e.logprob),
-                     "top_logprobs": [token_entry(strings[t], lp) for t, lp in e.top[: self.top_n]]} for e in entries]
+                     "top_logprobs": [token_entry(strings[t], lp) for t, lp in zip(e.top_ids, e.top_logprobs)]}
+                    for e in entries]
         offsets = []
         for e in entries:
             offsets.append(self.offset)
             self.offset += len(strings[e.token_id])
         return {"tokens": [strings[e.token_id] for e in entries],
                 "token_logprobs": [None if e.logprob is None else max(e.logprob, MIN_LOGPROB) for e in entries],
-                "top_logprobs": [None if e.top is None else
-                                 {**{strings[t]: max(lp, MIN_LOGPROB) for t, lp in e.top[: self.top_n]},
+                "top_logprobs": [None if e.top_ids is None else
+                                 {**{strings[t]: max(lp, MIN_LOGPROB) for t, lp in zip(e.top_ids, e.top_logprobs)},
                                   strings[e.token_id]: max(e.logprob, MIN_LOGPROB)} for e in entries],
                 "text_offset": offsets}
 
