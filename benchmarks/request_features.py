@@ -27,6 +27,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--top-logprobs", type=int, default=5)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--cases", nargs="+", default=None, help="only these cases (by name, e.g. 'penalties+logprobs')")
     args = parser.parse_args()
 
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, max_running=args.batch,
@@ -44,11 +45,13 @@ def main() -> None:
                                                        logprobs=args.top_logprobs, **penalties),
         "plain sampled again": lambda n: SamplingParams(max_tokens=n, temperature=0.8, seed=1, ignore_eos=True),
     }
+    if args.cases:
+        cases = {name: cases[name] for name in args.cases}
     times = {name: [] for name in cases}
     for _ in range(args.rounds):
         for name, params in cases.items():
             times[name].append(engine_step_time(engine, args.batch, args.context, args.iters, params))
-    base = statistics.median(times["plain sampled"])
+    base = statistics.median(times.get("plain sampled") or next(iter(times.values())))
     print(f"\nbatch {args.batch}, context {args.context}, {args.iters} steps x {args.rounds} rounds, "
           f"top logprobs {args.top_logprobs}")
     print(f"{'case':<20} {'ms/step':>8} {'vs plain sampled':>17}  rounds (ms)")
