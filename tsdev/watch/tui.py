@@ -28,8 +28,8 @@ STATE_COLORS = {"serving": "green", "paused": "yellow", "sleeping": "yellow", "d
 COLUMNS = ("#", "time", "trigger", "reloaded", "deps", *SHOWN_STEPS, "total", "golden", "decode ms/step", "outcome")
 HEADERS = {"recapture": "recap", "decode ms/step": "ms/step"}  # narrow enough for ~170 columns
 # The widest a cell of each column gets (trigger and reloaded are clipped to it); cells are padded by 1 each side.
-WIDTHS = {"#": 5, "time": 8, "trigger": 26, "reloaded": 26, "deps": 4, **dict.fromkeys(SHOWN_STEPS, 5), "total": 5,
-          "golden": 11, "decode ms/step": 14, "outcome": 13}
+WIDTHS = {"#": 5, "time": 8, "trigger": 24, "reloaded": 24, "deps": 4, **dict.fromkeys(SHOWN_STEPS, 5), "total": 5,
+          "golden": 11, "decode ms/step": 13, "outcome": 13}
 # On a narrow screen the history drops columns in this order (the log and the current reload show every step), and
 # the trigger is clipped to what is left, down to MIN_TRIGGER characters.
 DROP_ORDER = ("deps", "flush", "drain", "jit", "reload", "warm", "recapture", "time", "reloaded", "pause")
@@ -39,7 +39,7 @@ MIN_TRIGGER = 12
 def visible_columns(width: int) -> tuple[tuple[str, ...], int]:
     """The history's columns for a screen `width` cells wide, and the trigger's width."""
     columns = list(COLUMNS)
-    room = width - 4  # the table's border and scroll bar
+    room = width - 2  # the table's border
 
     def needed() -> int:
         return sum(WIDTHS[c] + 2 for c in columns)
