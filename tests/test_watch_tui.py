@@ -65,6 +65,15 @@ def test_reload_row_with_timings_then_an_error_with_file_line_and_code(tmp_path)
     assert app.return_code == 0
 
 
+async def one_save(app, pilot, project) -> None:
+    """Once the daemon serves: save an edit of act.py and wait for its reload to end."""
+    await until(lambda: app.daemon.watcher.ready.is_set() and app.daemon.info["state"] == "serving")
+    await pilot.pause(0.3)
+    (project / "kernels/ops/act.py").write_text("def act(x):\n    return 2 * x\n")
+    await until(lambda: app.daemon.reloads.records and app.daemon.reloads.records[-1].done)
+    await pilot.pause(0.3)
+
+
 def test_a_reload_on_two_ranks_shows_each_ranks_line(tmp_path):
     from fake_server import ok_worker
 
@@ -74,11 +83,7 @@ def test_a_reload_on_two_ranks_shows_each_ranks_line(tmp_path):
 
     async def main():
         async with app.run_test(size=(200, 48)) as pilot:
-            await until(lambda: app.daemon.watcher.ready.is_set() and app.daemon.info["state"] == "serving")
-            await pilot.pause(0.3)
-            (project / "kernels/ops/act.py").write_text("def act(x):\n    return 2 * x\n")
-            await until(lambda: app.daemon.reloads.records and app.daemon.reloads.records[-1].done)
-            await pilot.pause(0.2)
+            await one_save(app, pilot, project)
             shown = screen_text(app)
             await pilot.press("q")
             await until(lambda: app.return_code is not None)
@@ -97,11 +102,7 @@ def test_at_80_by_24_the_history_drops_columns_in_order_and_keeps_the_outcome(tm
 
     async def main():
         async with app.run_test(size=(80, 24)) as pilot:
-            await until(lambda: app.daemon.watcher.ready.is_set() and app.daemon.info["state"] == "serving")
-            await pilot.pause(0.3)
-            (project / "kernels/ops/act.py").write_text("def act(x):\n    return 2 * x\n")
-            await until(lambda: app.daemon.reloads.records and app.daemon.reloads.records[-1].done)
-            await pilot.pause(0.3)
+            await one_save(app, pilot, project)
             narrow = screen_text(app)
             await pilot.resize_terminal(200, 48)
             await pilot.pause(0.3)
