@@ -143,7 +143,8 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port (the listening line says which)
-    served_model_name: str | None = None  # default: the checkpoint directory's name
+    served_model_name: str | None = None  # default: the hub id, else the checkpoint directory's name
+    chat_template: str | None = None  # a jinja2 file; default: the checkpoint's own (runtime/server/chat.py)
     allow_reload_forward: bool = False
     log_level: str = "warning"  # uvicorn's
     max_request_body_bytes: int = 4 * 1024 * 1024  # larger bodies are answered 413 before they are parsed

@@ -123,9 +123,15 @@ def _default_device() -> str:
 
 @app.command(short_help="Serve a model over an OpenAI-compatible HTTP API.")
 def serve(
-    model: Annotated[Optional[str], typer.Argument(help="Hugging Face checkpoint directory (Qwen3). "
-                                                        "Omit it to serve the embedded default model.")] = None,
+    model: Annotated[Optional[str], typer.Argument(help="A Hugging Face checkpoint directory (Qwen3), or a hub id "
+                                                        "(ORG/NAME) found in the local Hugging Face cache (never "
+                                                        "downloaded). Omit it to serve the embedded default model.")] = None,
     model_opt: Annotated[Optional[str], typer.Option("--model", help="Same as the MODEL argument.")] = None,
+    revision: Annotated[Optional[str], typer.Option(help="The cached revision of a hub id: a branch or tag "
+                                                         "(refs/ in the cache) or a commit hash. Default: main.")] = None,
+    chat_template: Annotated[Optional[Path], typer.Option(metavar="FILE", help="A jinja2 chat template to render "
+                                                          "chat prompts with, instead of the checkpoint's own "
+                                                          "(chat_template.jinja, else tokenizer_config.json's).")] = None,
     device: Annotated[Optional[str], typer.Option(help="cuda or cpu; default: cuda when a GPU is visible.")] = None,
     host: Annotated[str, typer.Option(help="Address to bind. The default keeps the server private to this machine.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port for the HTTP API.")] = 8000,
@@ -236,8 +242,18 @@ def serve(
         load_memory_bytes = parse_size(load_memory_limit)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--load-memory-limit") from None
+    from runtime.weights.hub import is_hub_id, resolve_model
+
+    name = model or model_opt
+    try:
+        checkpoint = None if name is None else str(resolve_model(name, revision))
+    except (FileNotFoundError, ValueError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2)
+    if name is None and revision is not None:
+        raise typer.BadParameter("--revision needs a hub id (ORG/NAME) to apply to", param_hint="--revision")
     config = EngineConfig(
-        model=model or model_opt, device=device or _default_device(), dtype=dtype, max_running=max_running,
+        model=checkpoint, device=device or _default_device(), dtype=dtype, max_running=max_running,
         max_batched_tokens=max_batched_tokens, max_model_len=max_model_len, page_size=page_size, kv_pages=kv_pages,
         gpu_memory_utilization=gpu_memory_utilization, seed=seed, enable_prefix_caching=not no_prefix_caching,
         enforce_eager=enforce_eager, prefill_graph_max_tokens=0 if disable_prefill_graph else prefill_graph_max_tokens,
@@ -247,7 +263,10 @@ def serve(
     if cudagraph_capture_sizes:
         config.cudagraph_capture_sizes = parse_sizes("--cudagraph-capture-sizes", cudagraph_capture_sizes)
     config.prefill_graph_capture_sizes = prefill_capture_sizes(prefill_graph_capture_sizes, allow_reload_forward)
+    if served_model_name is None and name is not None and is_hub_id(name):
+        served_model_name = name  # the hub id, as vLLM serves it
     server = ServerConfig(host=host, port=port, served_model_name=served_model_name, log_level=log_level,
+                          chat_template=str(chat_template) if chat_template else None,
                           allow_reload_forward=allow_reload_forward, max_request_body_bytes=max_request_body_bytes,
                           api_key=api_key or None, allow_remote_control=allow_remote_control,
                           metrics_require_api_key=metrics_require_api_key, profile_dir=profile_dir,

@@ -142,6 +142,7 @@ def leave(status: int) -> int:
 def _load_and_serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, console: Console) -> int:
     imports_start = time.perf_counter()
     import uvicorn
+    from jinja2 import TemplateError
 
     from runtime.engine.llm_engine import LLMEngine
     from runtime.server.app import build_app
@@ -175,8 +176,12 @@ def _load_and_serve(config: EngineConfig, server: ServerConfig, sock: socket.soc
     if access := describe(server):
         console.print(access)
     log_to_stderr()
-    app = build_app(engine, name, reloader, max_request_body_bytes=server.max_request_body_bytes,
-                    security=SecurityPolicy.of(server))
+    try:
+        app = build_app(engine, name, reloader, max_request_body_bytes=server.max_request_body_bytes,
+                        security=SecurityPolicy.of(server), chat_template=server.chat_template)
+    except (FileNotFoundError, ValueError, TemplateError) as exc:  # --chat-template, or the checkpoint's template
+        console.print(f"[red]error:[/red] the chat template: {exc}")
+        return 2
     try:
         sock.listen(BACKLOG)  # another server may have bound the port meanwhile (SO_REUSEADDR): one listens
     except OSError as exc:

@@ -53,13 +53,14 @@ def server_version() -> str:
 
 def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReloader | None = None,
               max_request_body_bytes: int = ServerConfig.max_request_body_bytes,
-              security: SecurityPolicy | None = None) -> FastAPI:
+              security: SecurityPolicy | None = None, chat_template: str | None = None) -> FastAPI:
     """The app; `reloader` (a tsdev.hotreload.Reloader or alike) enables reload_forward, None refuses it (403).
     `security`: who may call what (API key, loopback-only control routes, profile and weight directories).
+    `chat_template`: a jinja2 file to render chat prompts with instead of the checkpoint's own.
     `app.state.async_engine.shutdown()` ends its requests and streams (what a server does on SIGTERM)."""
     metrics = EngineMetrics(engine, served_model_name)
     async_engine = AsyncEngine(engine, on_step=metrics.on_step)
-    chat_template = ChatTemplate(engine.model_dir)
+    chat_template = ChatTemplate(engine.model_dir, chat_template)
     created = int(time.time())
     # Tokenizing (and chat templates) run here, neither on the event loop nor on the engine's thread.
     tokenizer_pool = ThreadPoolExecutor(2, thread_name_prefix="tokenize")

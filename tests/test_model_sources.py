@@ -1,0 +1,143 @@
+"""Checkpoints as users have them: a hub id resolved from the local Hugging Face cache (offline, never downloaded),
+and chat prompts rendered from the checkpoint's own template as transformers renders them."""
+import json
+import shutil
+
+import pytest
+import transformers
+from fastapi.testclient import TestClient
+from typer.testing import CliRunner
+
+from runtime.config import EngineConfig
+from runtime.engine.llm_engine import LLMEngine
+from runtime.engine.sequence import SamplingParams
+from runtime.server.app import build_app
+from runtime.weights.hub import resolve_model
+
+COMMIT, OTHER = "a" * 40, "b" * 40
+
+
+def cache_with(tmp_path, checkpoint, repo="acme/tiny-chat", refs=None) -> tuple:
+    """The layout `huggingface-cli download` leaves: blobs, snapshots/<commit>/ of links into them, refs/<name>."""
+    root = tmp_path / "hub" / f"models--{repo.replace('/', '--')}"
+    (root / "blobs").mkdir(parents=True)
+    for commit in (COMMIT, OTHER):
+        snapshot = root / "snapshots" / commit
+        snapshot.mkdir(parents=True)
+        for f in checkpoint.iterdir():
+            blob = root / "blobs" / f"{commit[:4]}-{f.name}"
+            shutil.copy(f, blob)
+            (snapshot / f.name).symlink_to(blob)
+    (root / "refs").mkdir()
+    for name, commit in (refs or {"main": COMMIT, "v2": OTHER}).items():
+        (root / "refs" / name).write_text(commit)
+    return tmp_path / "hub", root
+
+
+def test_a_hub_id_resolves_to_its_cached_snapshot_and_serves(tmp_path, monkeypatch, tiny_model_dir):
+    cache, root = cache_with(tmp_path, tiny_model_dir)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    assert resolve_model("acme/tiny-chat") == root / "snapshots" / COMMIT
+    assert resolve_model("acme/tiny-chat", "v2") == root / "snapshots" / OTHER  # a branch or tag in refs/
+    assert resolve_model("acme/tiny-chat", OTHER) == root / "snapshots" / OTHER  # a commit hash
+    assert resolve_model(str(tiny_model_dir)) == tiny_model_dir  # a directory is itself
+    engine = LLMEngine(EngineConfig(model=str(resolve_model("acme/tiny-chat")), device="cpu", kv_pages=64))
+    served = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    direct = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", kv_pages=64))
+    assert served == direct.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+
+
+def test_hf_home_is_the_cache_when_hf_hub_cache_is_unset(tmp_path, monkeypatch, tiny_model_dir):
+    cache, root = cache_with(tmp_path, tiny_model_dir)
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    assert resolve_model("acme/tiny-chat") == root / "snapshots" / COMMIT
+
+
+@pytest.mark.parametrize("repo, revision, needle", [
+    ("acme/absent", None, "models--acme--absent/refs/main"),
+    ("acme/tiny-chat", "v9", f"cached snapshots: {COMMIT}, {OTHER} (pass one with --revision)"),
+    ("acme/tiny-chat", "c" * 40, "snapshots/" + "c" * 40),
+])
+def test_a_hub_id_not_in_the_cache_says_where_it_looked_and_what_to_run(tmp_path, monkeypatch, tiny_model_dir,
+                                                                        repo, revision, needle):
+    cache, _ = cache_with(tmp_path, tiny_model_dir)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    with pytest.raises(FileNotFoundError) as error:
+        resolve_model(repo, revision)
+    assert needle in str(error.value) and f"huggingface-cli download {repo}" in str(error.value)
+    assert "never downloads" in str(error.value)
+
+
+def test_serve_takes_a_hub_id_and_serves_it_under_that_name(tmp_path, monkeypatch, tiny_model_dir):
+    import tsdev.serving
+    from tsdev.cli import app
+
+    cache, root = cache_with(tmp_path, tiny_model_dir)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    seen = []
+    monkeypatch.setattr(tsdev.serving, "run_server", lambda config, server, console: seen.append((config, server)) or 0)
+    result = CliRunner().invoke(app, ["serve", "acme/tiny-chat", "--device", "cpu", "--revision", "v2"])
+    assert result.exit_code == 0, result.output
+    config, server = seen[0]
+    assert config.model == str(root / "snapshots" / OTHER) and server.served_model_name == "acme/tiny-chat"
+    missing = CliRunner().invoke(app, ["serve", "acme/absent", "--device", "cpu"])
+    assert missing.exit_code == 2 and "huggingface-cli download acme/absent" in " ".join(missing.output.split())
+    bad = CliRunner().invoke(app, ["serve", str(tiny_model_dir), "--device", "cpu", "--revision", "v2"])
+    assert bad.exit_code == 2 and "applies to a Hugging Face hub id" in " ".join(bad.output.split())
+
+
+# A Llama-3-style template: the date from strftime_now, a loop control, the bos token, a system message split off.
+LLAMA_STYLE = (
+    "{{- bos_token }}{%- if not date_string is defined %}{%- set date_string = strftime_now('%d %b %Y') %}{%- endif %}"
+    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] | trim %}"
+    "{%- set messages = messages[1:] %}{%- else %}{%- set system = '' %}{%- endif %}"
+    "{{- '<|im_start|>system\\nToday: ' + date_string + '\\n' + system + '<|im_end|>' }}"
+    "{%- for message in messages %}{%- if message['content'] == 'STOP' %}{%- break %}{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] | trim + '<|im_end|>' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+MESSAGES = [{"role": "system", "content": "Be brief. "}, {"role": "user", "content": "Hello there"},
+            {"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "And now?"},
+            {"role": "user", "content": "STOP"}, {"role": "user", "content": "never rendered"}]
+
+
+def with_template(tmp_path, tiny_model_dir, where: str):
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(tiny_model_dir, checkpoint)
+    config = json.loads((checkpoint / "tokenizer_config.json").read_text())
+    config["bos_token"] = "<|endoftext|>"
+    if where == "tokenizer_config":
+        config["chat_template"] = LLAMA_STYLE
+    else:  # transformers >= 4.43 writes chat_template.jinja beside the config
+        (checkpoint / "chat_template.jinja").write_text(LLAMA_STYLE)
+    (checkpoint / "tokenizer_config.json").write_text(json.dumps(config))
+    return checkpoint
+
+
+@pytest.mark.parametrize("where", ["tokenizer_config", "chat_template.jinja"])
+def test_chat_prompt_tokens_are_the_checkpoints_template_as_transformers_renders_it(tmp_path, tiny_model_dir, where):
+    checkpoint = with_template(tmp_path, tiny_model_dir, where)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    assert tokenizer.chat_template == LLAMA_STYLE  # transformers reads the template from the same place
+    want = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+    want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want
+    engine = LLMEngine(EngineConfig(model=str(checkpoint), device="cpu", kv_pages=64))
+    with TestClient(build_app(engine, "tiny")) as client:
+        tokens = client.post("/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+        chat = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1}).json()
+    assert tokens == list(want)
+    assert chat["usage"]["prompt_tokens"] == len(want)
+    assert "never rendered" not in engine.tokenizer.decode(tokens)  # the loop control stopped it
+
+
+def test_chat_template_flag_overrides_the_checkpoints(tmp_path, tiny_model_dir):
+    checkpoint = with_template(tmp_path, tiny_model_dir, "chat_template.jinja")
+    override = tmp_path / "plain.jinja"
+    override.write_text("{%- for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{%- endfor %}assistant:")
+    engine = LLMEngine(EngineConfig(model=str(checkpoint), device="cpu", kv_pages=64))
+    with TestClient(build_app(engine, "tiny", chat_template=str(override))) as client:
+        tokens = client.post("/tokenize", json={"messages": MESSAGES[1:2]}).json()["tokens"]
+    assert engine.tokenizer.decode(tokens) == "user: Hello thereassistant:"
+    with pytest.raises(FileNotFoundError, match="--chat-template"):
+        build_app(engine, "tiny", chat_template=str(tmp_path / "absent.jinja"))
