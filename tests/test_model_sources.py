@@ -85,6 +85,9 @@ def test_serve_takes_a_hub_id_and_serves_it_under_that_name(tmp_path, monkeypatc
     assert missing.exit_code == 2 and "huggingface-cli download acme/absent" in " ".join(missing.output.split())
     bad = CliRunner().invoke(app, ["serve", str(tiny_model_dir), "--device", "cpu", "--revision", "v2"])
     assert bad.exit_code == 2 and "applies to a Hugging Face hub id" in " ".join(bad.output.split())
+    no_template = CliRunner().invoke(app, ["serve", "--device", "cpu", "--chat-template", str(tmp_path / "x.jinja")])
+    assert no_template.exit_code == 2 and "no such file" in " ".join(no_template.output.split())
+    assert len(seen) == 1  # neither reached the server
 
 
 # A Llama-3-style template: the date from strftime_now, a loop control, the bos token, a system message split off.

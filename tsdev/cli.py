@@ -252,6 +252,9 @@ def serve(
         raise typer.Exit(2)
     if name is None and revision is not None:
         raise typer.BadParameter("--revision needs a hub id (ORG/NAME) to apply to", param_hint="--revision")
+    if chat_template is not None and not chat_template.is_file():  # before the model loads, not after
+        raise typer.BadParameter(f"{chat_template}: no such file (give a jinja2 template file)",
+                                 param_hint="--chat-template")
     config = EngineConfig(
         model=checkpoint, device=device or _default_device(), dtype=dtype, max_running=max_running,
         max_batched_tokens=max_batched_tokens, max_model_len=max_model_len, page_size=page_size, kv_pages=kv_pages,
