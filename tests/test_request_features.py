@@ -263,6 +263,13 @@ def test_an_unknown_field_lists_what_the_route_reads_and_harmless_values_pass(cl
     ok = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                                                    "response_format": {"type": "text"}, "tools": [], "user": "u1"})
     assert ok.status_code == 200, ok.text
+    # a reply's message sent back as history, with its empty fields
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "refusal": None,
+                                                   "tool_calls": [], "annotations": [], "audio": None}]
+    assert client.post("/v1/chat/completions", json={"messages": history, "max_tokens": 2}).status_code == 200
+    calls = [*history[:1], {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function"}]}]
+    refused = client.post("/v1/chat/completions", json={"messages": calls, "max_tokens": 2}).json()["error"]
+    assert "tool_calls are not supported" in refused["message"] and refused["param"] == "messages.tool_calls"
 
 
 def test_tokenize_and_detokenize_round_trip(client, engine):

@@ -171,6 +171,19 @@ class ChatMessage(Strict):
     role: str = Field(json_schema_extra={"enum": list(ROLES)})  # checked below, with a message that lists them
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
+    # what an OpenAI reply's message carries, when a client sends it back as history: refused unless empty
+    tool_calls: list | None = None
+    tool_call_id: Text | None = None
+    function_call: Any = None
+    refusal: Text | None = None
+    annotations: list | None = None
+    audio: Any = None
+
+    @field_validator("tool_calls", "tool_call_id", "function_call", "refusal", "annotations", "audio")
+    @classmethod
+    def _history_fields(cls, value: Any, info) -> Any:
+        return refuse_unless(value, (None, []), f"messages with {info.field_name} are not supported: this server "
+                             "has no tool calling or audio; send the message's text as content")
 
     @field_validator("role")
     @classmethod
