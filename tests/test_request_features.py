@@ -249,6 +249,7 @@ def test_streamed_logprobs_equal_the_unstreamed_ones(client):
      "messages.content.type", "content parts of type 'image_url' are not supported"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias", "keys are token ids"),
     ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+    ("/v1/completions", {"prompt": "hi", "user": "u1"}, "user", "neither recorded nor used"),
 ])
 def test_fields_the_server_does_not_implement_are_refused_naming_them(client, route, body, field, needle):
     r = client.post(route, json=body)
@@ -261,7 +262,7 @@ def test_an_unknown_field_lists_what_the_route_reads_and_harmless_values_pass(cl
     error = client.post("/v1/completions", json={"prompt": "hi", "foo": 1}).json()["error"]
     assert "logprobs" in error["message"] and "guided_json" not in error["message"]
     ok = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-                                                   "response_format": {"type": "text"}, "tools": [], "user": "u1"})
+                                                   "response_format": {"type": "text"}, "tools": [], "user": None})
     assert ok.status_code == 200, ok.text
     # a reply's message sent back as history, with its empty fields
     history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "refusal": None,

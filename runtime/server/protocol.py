@@ -32,7 +32,7 @@ GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "gui
           "guided_whitespace_pattern", "structured_outputs")
 # Declared only to be refused with a reason (their no-op values pass): not what a route "reads".
 REFUSED = {*GUIDED, "response_format", "prompt_logprobs", "suffix", "best_of", "tools", "tool_choice",
-           "parallel_tool_calls", "functions", "function_call"}
+           "parallel_tool_calls", "functions", "function_call", "user"}
 
 
 def supported_fields(model: type[BaseModel]) -> list[str]:
@@ -60,7 +60,6 @@ class SamplingRequest(Strict):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False  # vLLM extension: each choice also carries the generated token ids
-    user: Text | None = None  # OpenAI's end-user id: recorded by nobody here, it changes no output
     # declared to be refused with a reason (a value that asks for nothing passes)
     response_format: dict | None = None
     guided_json: Any = None
@@ -71,6 +70,7 @@ class SamplingRequest(Strict):
     guided_whitespace_pattern: Any = None
     structured_outputs: Any = None
     prompt_logprobs: Any = None
+    user: Any = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -94,6 +94,12 @@ class SamplingRequest(Strict):
     def _guided(cls, value: Any, info) -> Any:
         return refuse_unless(value, (None,), f"guided decoding ({info.field_name}) is not supported by this server: "
                              "constrain the output in the prompt and check the text")
+
+    @field_validator("user")
+    @classmethod
+    def _user(cls, value: Any) -> Any:
+        return refuse_unless(value, (None,), "user (an end-user id for abuse monitoring) is neither recorded nor "
+                             "used by this server, so it refuses it rather than ignore it: drop the field")
 
     @field_validator("prompt_logprobs")
     @classmethod
