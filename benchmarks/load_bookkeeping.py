@@ -29,17 +29,17 @@ def main() -> None:
         write_checkpoint(model_dir, {**SHAPES["tiny"], "num_hidden_layers": SHAPES["qwen3-0.6b"]["num_hidden_layers"],
                                      "max_position_embeddings": 1024}, seed=1)
         model = build_model(ModelConfig.from_dir(model_dir), "cpu", torch.float32)
-        load_weights(model, model_dir, "plain")  # the first load records the layout
+        weights = load_weights(model, model_dir, "plain")  # the first load records the layout
         times = []
         for _ in range(5):
             start = time.perf_counter()
-            load_weights(model, model_dir, "plain")
+            weights.load(model_dir, "plain")
             times.append(time.perf_counter() - start)
         print(f"{len(list(model.parameters()))} parameters: a load takes {statistics.median(times) * 1e3:.1f} ms "
               f"(median of 5; {', '.join(f'{t * 1e3:.1f}' for t in times)})")
         if args.profile:
             profile = cProfile.Profile()
-            profile.runcall(load_weights, model, model_dir, "plain")
+            profile.runcall(weights.load, model_dir, "plain")
             pstats.Stats(profile).sort_stats("cumtime").print_stats(15)
 
 

@@ -121,11 +121,15 @@ def main() -> None:
     model = cuda_model(model_dir)
     print(f"{model_dir}: {sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9:.2f} GB of parameters "
           f"on {torch.cuda.get_device_name()}", flush=True)
-    reference, best = None, {}
+    reference, best, weights = None, {}, None
     cold = evict_page_cache if args.cold else lambda _: None
     for r in range(args.rounds):
         cold(model_dir)
-        report = load_weights(model, model_dir, "plain")
+        if weights is None:
+            weights = load_weights(model, model_dir, "plain")
+            report = weights.report
+        else:
+            report = weights.load(model_dir, "plain")
         print(f"round {r + 1} {report}", flush=True)
         best["plain"] = max(best.get("plain", 0.0), report.gb_per_s)
         reference = reference or snapshot(model)
@@ -135,14 +139,14 @@ def main() -> None:
                 for p in model.parameters():
                     p.data.zero_()
                 cold(model_dir)
-                report = load_weights(model, model_dir, "pinned", memory_limit=limit)
+                report = weights.load(model_dir, "pinned", memory_limit=limit)
                 same = "identical" if identical(model, reference) else "DIFFERENT FROM PLAIN"
                 print(f"round {r + 1} {report}; {same}", flush=True)
                 key = f"pinned {pinned.SLOT_BYTES >> 20} MiB slots x {threads} threads"
                 best[key] = max(best.get(key, 0.0), report.gb_per_s)
     if args.profile:
         profiled = cProfile.Profile()
-        profiled.runcall(load_weights, model, model_dir, "pinned", memory_limit=limit)
+        profiled.runcall(weights.load, model_dir, "pinned", memory_limit=limit)
         pstats.Stats(profiled).sort_stats("tottime").print_stats(15)
     print("best of the rounds:")
     for key, gbps in best.items():

@@ -2,6 +2,7 @@
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -12,12 +13,13 @@ LOAD_FORMATS = ("auto", "pinned", "plain")  # --load-format; runtime/weights/loa
 # Where `tsdev serve` and tsdev's clients read the API key when --api-key is not given, the first set first
 # (VLLM_API_KEY: vLLM's, so a vLLM deployment's environment keeps its server closed). docs/security.md.
 API_KEY_ENV_VARS = ("TSDEV_API_KEY", "VLLM_API_KEY")
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 QUANTIZATIONS = ("fp8",)  # --quantization; runtime/layers/linear.py
 
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """What every served family has (the engine sizes its KV pool and graphs from it); `raw` is the whole
+    config.json, where a model file reads its own fields (rope scaling, biases: runtime/models/)."""
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -27,26 +29,23 @@ class ModelConfig:
     num_key_value_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
     torch_dtype: str = "bfloat16"
     eos_token_ids: tuple[int, ...] = ()
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def from_dir(cls, model_dir: Path) -> "ModelConfig":
+    def from_dir(cls, model_dir: Path, served: "Collection[str]" = ()) -> "ModelConfig":
+        """`served`: the architectures it may be (`runtime.models.MODELS`); empty: the first one listed."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"{model_dir} has no config.json: pass a Hugging Face checkpoint directory")
         raw = json.loads(path.read_text())
         archs = raw.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = next((a for a in archs if a in served), None) if served else next(iter(archs), None)
         if arch is None:
-            raise ValueError(
-                f"{path}: architectures {archs} not supported; tsdev serves {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        if raw.get("rope_scaling"):
-            raise ValueError(f"{path}: rope_scaling {raw['rope_scaling']} is not supported yet")
+            raise ValueError(f"{path}: architectures {archs} not supported; tsdev serves {', '.join(served)}")
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads", "rms_norm_eps") if k not in raw]
         if missing:
@@ -62,11 +61,11 @@ class ModelConfig:
             num_key_value_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
             head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
             rms_norm_eps=raw["rms_norm_eps"],
-            rope_theta=raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta", 1e6)),
             max_position_embeddings=raw.get("max_position_embeddings", 32768),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype") or "bfloat16",
             eos_token_ids=eos,
+            raw=raw,
         )
 
 
@@ -85,6 +84,7 @@ class EngineConfig:
     """What `tsdev serve` flags set. Rank and world size are here from the start for tensor parallelism."""
 
     model: str
+    tokenizer: str | None = None  # a directory with tokenizer.json (and the chat template); default: the model's
     device: str = "cpu"
     dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA, float32 on CPU
     max_running: int = 64

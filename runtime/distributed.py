@@ -142,3 +142,16 @@ def shard(n: int, what: str) -> tuple[int, int]:
         raise ValueError(f"{what} ({n}) does not divide by the tensor-parallel size {tp}: choose a --tp that "
                          f"divides it")
     return rank() * (n // tp), n // tp
+
+
+def shard_kv_heads(n: int) -> tuple[int, int]:
+    """(first, count) of this rank's key/value heads. Split like the query heads when there are at least as many
+    as ranks; fewer (Qwen2.5-1.5B's 2 under --tp 4) are replicated: each head on size()/n consecutive ranks, the
+    ranks whose query heads attend with it (vLLM's rule), so the KV pool holds one head per rank."""
+    tp = size()
+    if n >= tp:
+        return shard(n, "the key/value heads")
+    if tp % n:
+        raise ValueError(f"the key/value heads ({n}) does not divide by the tensor-parallel size {tp}, nor divide "
+                         f"it (to be replicated): choose a --tp that divides them or that they divide")
+    return rank() * n // tp, 1

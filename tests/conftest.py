@@ -51,6 +51,91 @@ def hf_written_dir(tiny_model_dir, tmp_path_factory) -> Path:
     return out
 
 
+def _randomize_norms_and_biases(model, seed: int) -> None:
+    """Give the RMSNorm weights (transformers initialises them to ones) and any biases (zeros) random values of a
+    visible scale, so a loader that skipped them, or a model that ignored them, computes other tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.2 * torch.randn(param.shape, generator=generator))
+            elif name.endswith(".bias"):
+                param.copy_(0.5 * torch.randn(param.shape, generator=generator))
+
+
+# A Llama-3-style chat template (header markers, <|eot_id|> after each turn, the bos token first): not ChatML. The
+# tiny byte-level tokenizer has none of these as special tokens, so they are text to it.
+LLAMA3_STYLE_TEMPLATE = (
+    "{{- bos_token }}{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] | trim %}"
+    "{%- set messages = messages[1:] %}{%- else %}{%- set system = 'You are a tiny model.' %}{%- endif %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\n\n' + system + '<|eot_id|>' }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"
+)
+# What the Llama checkpoint's generation_config.json lists as end-of-sequence (Llama 3 lists several too); its
+# config.json names only the first (as Llama 3's does).
+LLAMA_EOS_IDS = [2, 0]
+
+
+@pytest.fixture(scope="session")
+def hf_llama_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """A tiny LlamaForCausalLM that transformers wrote (`save_pretrained`, float32): llama3 rope scaling (factor 8
+    from 64 original positions, theta 5e5, 1024 positions), untied lm_head, 2 of 4 heads for key/value, no
+    head_dim in its config.json (64 / 4 = 16 is implied), random norm weights; the tiny tokenizer saved by
+    transformers with a Llama-3-style chat template (chat_template.jinja); a generation_config.json whose
+    eos_token_id is a list of two ids."""
+    import json
+
+    import transformers
+
+    out = tmp_path_factory.mktemp("hf-llama")
+    # rope_theta and rope_scaling as Llama 3.x's Hub configs have them: every transformers version reads these
+    # (transformers 5 turns them into its rope_parameters, and writes that)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    config = transformers.LlamaConfig(vocab_size=1024, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                      rope_theta=500000.0, rope_scaling=scaling, tie_word_embeddings=False,
+                                      bos_token_id=0, eos_token_id=LLAMA_EOS_IDS[0], initializer_range=0.2)
+    torch.manual_seed(5)
+    model = transformers.LlamaForCausalLM(config).to(torch.float32)
+    _randomize_norms_and_biases(model, 6)
+    model.save_pretrained(out)
+    written = json.loads((out / "config.json").read_text())
+    written.pop("head_dim", None)  # as older Llama checkpoints: the runtime must derive it
+    (out / "config.json").write_text(json.dumps(written, indent=2))
+    generation = json.loads((out / "generation_config.json").read_text())
+    (out / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": LLAMA_EOS_IDS}, indent=2))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.chat_template = LLAMA3_STYLE_TEMPLATE
+    tokenizer.bos_token = "<|endoftext|>"
+    tokenizer.save_pretrained(out)  # tokenizer.json, tokenizer_config.json, chat_template.jinja
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_qwen2_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """A tiny Qwen2ForCausalLM that transformers wrote (float32): random (non-zero) q/k/v biases, ONE key/value
+    head for 4 query heads (so --tp 2 must replicate it), tied embeddings, random norm weights; the tiny tokenizer."""
+    import shutil
+
+    import transformers
+
+    out = tmp_path_factory.mktemp("hf-qwen2")
+    config = transformers.Qwen2Config(vocab_size=1024, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=1024,
+                                      tie_word_embeddings=True, eos_token_id=0, initializer_range=0.2)
+    torch.manual_seed(7)
+    model = transformers.Qwen2ForCausalLM(config).to(torch.float32)
+    _randomize_norms_and_biases(model, 8)  # transformers initialises the q/k/v biases to zero
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, out / name)
+    return out
+
+
 @pytest.fixture
 def make_engine(tiny_model_dir):
     """Engine on the tiny checkpoint with small pages (4 tokens) so sequences span many pages."""

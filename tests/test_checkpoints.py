@@ -112,7 +112,7 @@ def test_broken_checkpoints_fail_with_a_clear_message(tiny_model_dir, tmp_path, 
         (ckpt / "tokenizer.json").unlink()
     elif breakage == "arch":
         config = json.loads((ckpt / "config.json").read_text())
-        (ckpt / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"]}))
+        (ckpt / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
     else:
         tensors = load_file(weights)
         if breakage == "missing-tensor":

@@ -17,7 +17,7 @@ from runtime.engine.sequence import SamplingParams, Sequence
 from runtime.layers.linear import Linear
 from runtime.models import build_model
 from runtime.weights.default_model import SHAPES, write_checkpoint
-from runtime.weights.loader import load_tensors, load_weights
+from runtime.weights.loader import load_weights
 
 
 @pytest.fixture(autouse=True)
@@ -80,7 +80,7 @@ def test_post_load_hook_fills_the_same_storage_on_every_load(tiny_model_dir):
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert len(linears) == 4 * 2 and all(m.quantization == "fp8" for m in linears)
     addresses = [(m.weight_fp8.data_ptr(), m.weight_scale.data_ptr()) for m in linears]
-    load_weights(model, tiny_model_dir)
+    weights = load_weights(model, tiny_model_dir)
     qkv = model.model.layers[0].self_attn.qkv_proj
 
     def derived_match(module):
@@ -92,7 +92,7 @@ def test_post_load_hook_fills_the_same_storage_on_every_load(tiny_model_dir):
     tensors = load_file(str(tiny_model_dir / "model.safetensors"))
     name = "model.layers.0.self_attn.k_proj.weight"
     tensors[name] = tensors[name] * 3 + 0.5  # an update of one shard of the fused q|k|v
-    load_tensors(model, tensors.items())
+    weights.load_tensors(tensors.items())
     assert [(m.weight_fp8.data_ptr(), m.weight_scale.data_ptr()) for m in linears] == addresses
     assert all(derived_match(m) for m in linears)
     k_rows = slice(*(lambda o, n: (o, o + n))(*qkv.shard_offsets["k"]))

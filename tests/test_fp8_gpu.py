@@ -109,8 +109,6 @@ def test_default_model_generates_with_fp8():
 def test_decode_graphs_with_fp8_equal_eager_and_follow_weight_updates(tiny_model_dir):
     from batches import decode_batch
 
-    from runtime.weights.loader import load_tensors
-
     eng = engine(tiny_model_dir, "fp8", dtype="float32", page_size=4, cudagraph_capture_sizes=[1, 4, 8, 16])
     assert set(eng.runner.decode_graphs.graphs) == {1, 4, 8, 16}
 
@@ -131,6 +129,6 @@ def test_decode_graphs_with_fp8_equal_eager_and_follow_weight_updates(tiny_model
     before = compare([5, 9, 14])
     tensors = load_file(str(tiny_model_dir / "model.safetensors"))
     tensors = {n: (t * 1.5 if "mlp.down_proj" in n else t) for n, t in tensors.items()}
-    load_tensors(eng.runner.model, ((n, t.cuda()) for n, t in tensors.items()))
+    eng.runner.weights.load_tensors((n, t.cuda()) for n, t in tensors.items())
     after = compare([5, 9, 14])  # the graphs read the reprocessed weights: they equal eager on the new ones
     assert not torch.allclose(after, before, rtol=1e-3, atol=1e-3)

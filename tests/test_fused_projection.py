@@ -1,6 +1,6 @@
 """The decode step at batch 1 runs each layer's norm inside the q|k|v and gate|up projections and SwiGLU's
-activation inside the gate|up one (`Linear.project_normed`). On the CPU the fused GEMV runs under the Triton
-interpreter when project_normed is told Triton may run: a greedy generation must then take the fused path at
+activation inside the gate|up one (`NormedProjection`, one module of the decoder layer). On the CPU the fused GEMV
+runs under the Triton interpreter when NormedProjection is told Triton may run: a greedy generation must then take the fused path at
 every decode step, only there (not in the prefill), and generate what the separate ops do; it must still after a
 reload of those layers, and never for an activation other than SwiGLU's."""
 
@@ -12,13 +12,13 @@ from kernels.ops import linear as linear_ops
 from runtime.config import EngineConfig, ModelConfig
 from runtime.engine.llm_engine import LLMEngine
 from runtime.engine.sequence import SamplingParams
-from runtime.layers.linear import MergedLinear
+from runtime.layers.linear import MergedLinear, NormedProjection
 from runtime.layers.norm import RMSNorm
 from tsdev.hotreload import Reloader
 
 
 def fused_calls(monkeypatch) -> list[tuple[bool, bool]]:
-    """Let project_normed fuse on the CPU; record (residual given, gated) of each fused GEMV."""
+    """Let NormedProjection fuse on the CPU; record (residual given, gated) of each fused GEMV."""
     calls, gemv = [], linear_ops.gemv_triton
 
     def recording(x, weight, *args, **kwargs):
@@ -51,7 +51,7 @@ def test_fused_decode_generates_what_the_ops_one_after_another_do(tiny_model_dir
 
 
 def test_the_fused_path_survives_a_reload_of_the_norm_and_activation_layers(tiny_model_dir, monkeypatch):
-    """project_normed fuses only for the stock RMSNorm and SiluAndMul classes (another activation must not get
+    """NormedProjection fuses only for the stock RMSNorm and SiluAndMul classes (another activation must not get
     SwiGLU's epilogue); a reload updates those classes in place, so the model's modules still qualify after it."""
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", max_running=1))
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -76,9 +76,9 @@ def test_another_activation_runs_after_the_projection_not_in_it(monkeypatch):
     nn.init.normal_(proj.weight), nn.init.normal_(norm.weight)
     x, residual = torch.randn(1, 16), torch.randn(1, 16)
     calls = fused_calls(monkeypatch)
-    y, new_residual = proj.project_normed(x, residual, norm, Gelu())
+    y, new_residual = NormedProjection(norm, proj, Gelu())(x, residual)
     assert calls == []
     normed, want_residual = norm(x, residual)
     assert torch.equal(y, nn.functional.gelu(proj(normed))) and torch.equal(new_residual, want_residual)
-    fused, _ = proj.project_normed(x, residual, norm)  # no activation: fused
+    fused, _ = NormedProjection(norm, proj)(x, residual)  # no activation: fused
     assert calls == [(True, False)] and torch.allclose(fused, proj(normed), atol=1e-5)

@@ -1,18 +1,17 @@
-"""Post-load processing: each module's hook runs once its parameters have every load the checkpoint
-provides (recorded element counts, not declared sizes), children before parents, and again into the same
+"""Post-load processing: each module's hook runs once its parameters have every key their module declares
+(runtime/weights/keys.py: never element counts or sizes), children before parents, and again into the same
 storage after a weight update."""
 import pytest
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from kernels.ops.rope import rope_cos_sin_cache
+from kernels.ops.rope import rope_cos_sin_cache, rope_settings
 from runtime.config import ModelConfig
 from runtime.layers.linear import MergedLinear
 from runtime.layers.rotary import RotaryEmbedding
 from runtime.models import MODELS
-from runtime.weights.loader import load_tensors, load_weights
-from runtime.weights.processing import process_weights_after_loading
+from runtime.weights.loader import load_weights
 
 SHARDS = {"q": 4, "k": 2, "v": 2}
 
@@ -41,8 +40,6 @@ class Block(nn.Module):
 
 
 class Toy(nn.Module):
-    packed_modules = {f"{s}_proj": ("qkv_proj", s) for s in SHARDS}
-
     def __init__(self):
         super().__init__()
         self.log: list[str] = []
@@ -59,10 +56,10 @@ def shard(i: int, s: str, value: float = 0.0, seed: int = 0) -> tuple[str, torch
 
 @pytest.fixture
 def toy(tmp_path):
-    """A Toy whose checkpoint was loaded once (so its loads are recorded), with its log cleared."""
+    """A Toy whose checkpoint was loaded once (`toy.weights`: what that load recorded), with its log cleared."""
     save_file(dict(shard(i, s) for i in range(2) for s in SHARDS), tmp_path / "model.safetensors")
     model = Toy()
-    load_weights(model, tmp_path)
+    model.weights = load_weights(model, tmp_path)
     assert model.log == ["qkv0", "block0", "qkv1", "block1", "model"]  # file order; children before parents
     model.log.clear()
     return model
@@ -75,28 +72,28 @@ def load_with_declared_size_trigger(model: Toy, loads) -> None:
     for name, tensor in loads:  # layers.{i}.{shard}_proj.weight
         _, i, proj, _ = name.split(".")
         module = model.layers[int(i)].qkv_proj
-        module.load_shard(proj.removesuffix("_proj"), tensor)
+        module.load_weight("weight", (proj.removesuffix("_proj"),), tensor)
         loaded[module] = loaded.get(module, 0) + tensor.numel()
         if module not in processed and loaded[module] >= module.weight.numel():
             module.process_weights_after_loading()
             processed.add(module)
 
 
-def test_a_repeated_load_reaches_the_declared_size_early_but_not_the_recorded_counts(toy, tmp_path):
+def test_a_repeated_load_reaches_the_declared_size_early_but_not_the_declared_keys(toy, tmp_path):
     """q (4x8) loaded twice makes 64 elements, qkv_proj's declared size: the declared-size trigger derives
-    amax before k and v arrive and leaves it stale; the recorded trigger waits for k and v."""
+    amax before k and v arrive and leaves it stale; the declared keys wait for k and v."""
     update = [shard(0, "q", seed=1), shard(0, "q", seed=1), shard(0, "k", seed=1), shard(0, "v", 100.0, seed=1),
               *(shard(1, s, seed=1) for s in SHARDS)]
     declared = Toy()
     declared.load_state_dict(toy.state_dict())
     load_with_declared_size_trigger(declared, update)
-    load_tensors(toy, update)
+    toy.weights.load_tensors(update)
     for model in (declared, toy):
         assert torch.equal(model.layers[0].qkv_proj.weight, toy.layers[0].qkv_proj.weight)
     fresh = toy.layers[0].qkv_proj.weight.abs().amax()
     assert fresh > 100
     assert declared.layers[0].qkv_proj.amax < 100  # derived from q and the old k, v: stale
-    assert toy.layers[0].qkv_proj.amax == fresh  # the recorded trigger
+    assert toy.layers[0].qkv_proj.amax == fresh  # the declared keys
 
 
 def test_hooks_run_as_modules_complete_out_of_order_and_repeated(toy):
@@ -108,7 +105,7 @@ def test_hooks_run_as_modules_complete_out_of_order_and_repeated(toy):
             before_each.append(list(toy.log))
             yield name, tensor
 
-    load_tensors(toy, stream())
+    toy.weights.load_tensors(stream())
     assert before_each[3] == ["qkv1", "block1"]  # layer 1 complete first
     assert before_each[6] == ["qkv1", "block1"]  # layer 0's q twice: not complete without k
     assert toy.log == ["qkv1", "block1", "qkv0", "block0", "model"]  # each parent after its children
@@ -116,16 +113,14 @@ def test_hooks_run_as_modules_complete_out_of_order_and_repeated(toy):
 
 def test_a_load_after_its_module_was_processed_reprocesses_it_and_its_ancestors(toy):
     late = shard(1, "q", 50.0, seed=2)
-    load_tensors(toy, [*(shard(i, s) for i in range(2) for s in SHARDS), late])
+    toy.weights.load_tensors([*(shard(i, s) for i in range(2) for s in SHARDS), late])
     assert toy.log == ["qkv0", "block0", "qkv1", "block1", "model", "qkv1", "block1", "model"]
     assert toy.layers[1].qkv_proj.amax == toy.layers[1].qkv_proj.weight.abs().amax() > 50
 
 
 def test_an_update_missing_a_load_fails_naming_it(toy):
     with pytest.raises(ValueError, match=r"layers.0.qkv_proj.weight \(has \['k', 'q'\], expects \['k', 'q', 'v'\]\)"):
-        load_tensors(toy, [shard(0, "q"), shard(0, "k"), *(shard(1, s) for s in SHARDS)])
-    with pytest.raises(ValueError, match="load its checkpoint first"):
-        load_tensors(Toy(), [shard(0, "q")])
+        toy.weights.load_tensors([shard(0, "q"), shard(0, "k"), *(shard(1, s) for s in SHARDS)])
 
 
 def test_a_hook_that_rebinds_a_derived_tensor_fails_on_reprocessing(toy, monkeypatch):
@@ -134,7 +129,7 @@ def test_a_hook_that_rebinds_a_derived_tensor_fails_on_reprocessing(toy, monkeyp
 
     monkeypatch.setattr(ScaledQKV, "process_weights_after_loading", rebind)
     with pytest.raises(RuntimeError, match="ScaledQKV.process_weights_after_loading rebound amax"):
-        process_weights_after_loading(toy)
+        toy.weights.reprocess()
 
 
 # --- the real model: the rotary table is a derived tensor --------------------------------------------------
@@ -145,21 +140,22 @@ def test_rotary_table_is_derived_after_loading_and_refreshed_in_place(tiny_model
     model = MODELS[config.architecture](config)
     rotary = model.model.layers[0].self_attn.rotary_emb
     assert isinstance(rotary, RotaryEmbedding) and rotary is model.model.layers[1].self_attn.rotary_emb
-    load_weights(model, tiny_model_dir)
-    expected = rope_cos_sin_cache(config.head_dim, config.max_position_embeddings, config.rope_theta)
+    weights = load_weights(model, tiny_model_dir)
+    theta, scaling = rope_settings(config.raw)
+    expected = rope_cos_sin_cache(config.head_dim, config.max_position_embeddings, theta, scaling=scaling)
     assert torch.equal(rotary.cos_sin_cache, expected)
     address = rotary.cos_sin_cache.data_ptr()
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
 
     rotary.cos_sin_cache.zero_()  # e.g. discarded by a deep sleep
-    process_weights_after_loading(model)
+    weights.reprocess()
     assert torch.equal(rotary.cos_sin_cache, expected) and rotary.cos_sin_cache.data_ptr() == address
 
     rotary.cos_sin_cache.zero_()
     from safetensors.torch import load_file
 
     tensors = sorted(load_file(tiny_model_dir / "model.safetensors").items(), reverse=True)
-    load_tensors(model, [*tensors, tensors[0], tensors[-1]])  # reversed, two repeated
+    weights.load_tensors([*tensors, tensors[0], tensors[-1]])  # reversed, two repeated
     assert torch.equal(rotary.cos_sin_cache, expected) and rotary.cos_sin_cache.data_ptr() == address
     for name, p in model.named_parameters():
         assert torch.equal(p, params[name]), name

@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from runtime.config import EngineConfig
 from runtime.control_protocol import (ErrorBody, Hello, ReloadWeightsReply, SleepReply, SleepStatus, WakeUpReply,
                                       parse_event)
-import runtime.engine.model_runner as model_runner
+from runtime.weights.loader import LoadedWeights
 from runtime.engine.llm_engine import LLMEngine
 from runtime.engine.sleep import model_tensors
 from runtime.engine.weights_drill import DrillFailed, drill, greedy
@@ -133,7 +133,7 @@ def test_a_reload_that_fails_midway_ends_queued_requests_with_503_instead_of_lea
         queued = pool.submit(client.post, "/v1/completions", json=COMPLETION)
         while not engine.scheduler.waiting:  # queued behind the pause
             pass
-        monkeypatch.setattr(model_runner, "load_weights", broken)
+        monkeypatch.setattr(LoadedWeights, "load", broken)  # every load after the first goes through it
         refused(client.post("/v1/rl/engine/reload_weights"), 500, "disk went away")
         assert client.post("/v1/rl/engine/continue_generation").status_code == 200
         refused(queued.result(timeout=30), 503, "reload_weights")

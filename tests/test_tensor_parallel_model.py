@@ -19,7 +19,7 @@ from runtime.engine.scheduler import ScheduledBatch
 from runtime.engine.sequence import SamplingParams, Sequence
 from runtime.models import build_model
 from runtime.weights.default_model import SHAPES, random_weights, write_checkpoint
-from runtime.weights.loader import check_checkpoint, load_tensors, prepare_update
+from runtime.weights.loader import check_checkpoint
 
 PROMPTS = [[(7 * j + 3) % 1000 + 1 for j in range(13)], [(11 * j + 5) % 1000 + 1 for j in range(6)]]
 DECODE_STEPS = 3
@@ -35,8 +35,8 @@ def generate(model_dir: str, update: str | None = None, quantization: str | None
                           quantization=quantization)
     runner = ModelRunner(config, Checkpoint.open(config))
     if update:
-        prepare_update(runner.model, Path(model_dir))
-        load_tensors(runner.model, load_file(update).items())
+        runner.weights.prepare_update(Path(model_dir))
+        runner.weights.load_tensors(load_file(update).items())
     blocks = BlockManager(runner.num_pages, config.page_size, True)
     seqs = [Sequence(f"s{i}", prompt, GREEDY) for i, prompt in enumerate(PROMPTS)]
     batch, logits, tokens = ScheduledBatch(seqs, [len(p) for p in PROMPTS]), [], []
@@ -162,7 +162,8 @@ def staged_slices_equal_plain(model_dir: str) -> dict:
     entries = read_entries(checkpoint_files(Path(model_dir)))
     targets = _Targets(staged)
     ranges = targets.byte_ranges(entries)
-    session = LoadSession(staged, targets.expected_loads(entries, Path(model_dir)))
+    targets.check(entries, Path(model_dir))
+    session = LoadSession(staged, targets.keys, reprocessing=False)
     with StagedLoad(ranges, torch.device("cpu"), 1 << 30, pin=False) as load:
         for name, tensor in load:
             targets.load(name, tensor, session)

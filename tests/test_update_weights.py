@@ -163,18 +163,17 @@ def test_a_post_load_hook_that_replaces_a_parameter_is_refused_at_start(tiny_mod
 def test_direct_update_views_re_laid_out_tensors_back_in_the_same_storage(tiny_model_dir, checkpoints):
     """A hook that re-lays a tensor out (a transposed view of the same storage) is viewed back before the load."""
     from runtime.weights import layout
-    from runtime.weights.loader import prepare_update
 
     engine = LLMEngine(config(tiny_model_dir))
     model = engine.runner.model
     name, param = next((n, p) for n, p in model.named_parameters() if n.endswith("o_proj.weight"))
     address, shape = param.data_ptr(), tuple(param.shape)
     param.data = param.data.t()  # re-laid out, same storage
-    assert prepare_update(model, checkpoints[1]) == 1
+    assert engine.runner.weights.prepare_update(checkpoints[1]) == 1
     assert tuple(param.shape) == shape and param.is_contiguous() and param.data_ptr() == address
     param.data = torch.empty(0)  # a storage that cannot hold it: refused before anything changes
     with pytest.raises(layout.LayoutRefused, match=name):
-        prepare_update(model, checkpoints[1])
+        engine.runner.weights.prepare_update(checkpoints[1])
 
 
 def test_cli_update_and_verify_against_a_live_server(tiny_model_dir, checkpoints, tmp_path):
@@ -225,4 +224,4 @@ def test_a_model_rebuilt_after_an_update_loads_the_updated_weights_not_the_serve
     old = engine.rebuild_model()
     assert engine.model is not old and engine.weights_checksum(derived=False) == updated
     engine.restore_model(old)
-    assert engine.model is old
+    assert engine.model is old.model

@@ -144,9 +144,9 @@ def test_pinned_staging_loads_the_same_bits_as_plain(tiny_model_dir, fake_pinnin
     buffers = []
     monkeypatch.setattr(pinned.HostBuffer, "pin", lambda self, pin=pinned.HostBuffer.pin: buffers.append(self) or pin(self))
     plain = tiny_model(tiny_model_dir)
-    assert load_weights(plain, tiny_model_dir, "plain").format == "plain"
+    assert load_weights(plain, tiny_model_dir, "plain").report.format == "plain"
     staged = tiny_model(tiny_model_dir)
-    report = load_weights(staged, tiny_model_dir, "pinned", memory_limit=16 << 10)  # 8 KiB slots: splits the embedding
+    report = load_weights(staged, tiny_model_dir, "pinned", memory_limit=16 << 10).report  # 8 KiB slots: splits the embedding
     assert report.format == "pinned" and "chunk(s)" in report.detail
     assert_identical(plain, staged)
     assert [c[0] for c in fake_pinning] == ["register", "unregister"]  # and the buffer is unmapped:
@@ -163,7 +163,7 @@ def test_a_failing_register_falls_back_to_plain_with_one_warning(tiny_model_dir,
     closed = []
     monkeypatch.setattr(pinned.HostBuffer, "close", lambda self, close=pinned.HostBuffer.close: closed.append(1) or close(self))
     fallback = tiny_model(tiny_model_dir)
-    assert load_weights(fallback, tiny_model_dir, "pinned").format == "plain"
+    assert load_weights(fallback, tiny_model_dir, "pinned").report.format == "plain"
     err = capsys.readouterr().err
     assert err.count("warning") == 1 and "simulated" in err and "--load-format plain" in err
     assert closed == [1]  # the staging buffer was unmapped
@@ -173,9 +173,9 @@ def test_a_failing_register_falls_back_to_plain_with_one_warning(tiny_model_dir,
 
 
 def test_on_cpu_auto_is_plain_and_pinned_falls_back_with_a_warning(tiny_model_dir, capsys):
-    assert load_weights(tiny_model(tiny_model_dir), tiny_model_dir).format == "plain"
+    assert load_weights(tiny_model(tiny_model_dir), tiny_model_dir).report.format == "plain"
     assert capsys.readouterr().err == ""
-    assert load_weights(tiny_model(tiny_model_dir), tiny_model_dir, "pinned").format == "plain"
+    assert load_weights(tiny_model(tiny_model_dir), tiny_model_dir, "pinned").report.format == "plain"
     err = capsys.readouterr().err
     assert err.count("warning") == 1 and "nothing to pin for" in err
     with pytest.raises(ValueError, match="auto, pinned, plain"):

@@ -123,12 +123,15 @@ def _default_device() -> str:
 
 @app.command(short_help="Serve a model over an OpenAI-compatible HTTP API.")
 def serve(
-    model: Annotated[Optional[str], typer.Argument(help="A Hugging Face checkpoint directory (Qwen3), or a hub id "
+    model: Annotated[Optional[str], typer.Argument(help="A Hugging Face checkpoint directory (Llama, Qwen2, Qwen3), or a hub id "
                                                         "(ORG/NAME) found in the local Hugging Face cache (never "
                                                         "downloaded). Omit it to serve the embedded default model.")] = None,
     model_opt: Annotated[Optional[str], typer.Option("--model", help="Same as the MODEL argument.")] = None,
     revision: Annotated[Optional[str], typer.Option(help="The cached revision of a hub id: a branch or tag "
                                                          "(refs/ in the cache) or a commit hash. Default: main.")] = None,
+    tokenizer: Annotated[Optional[str], typer.Option(metavar="DIR", help="Where tokenizer.json (and the chat "
+                                                     "template, tokenizer_config.json) come from, when not the "
+                                                     "model's directory: a directory or a cached hub id.")] = None,
     chat_template: Annotated[Optional[Path], typer.Option(metavar="FILE", help="A jinja2 chat template to render "
                                                           "chat prompts with, instead of the checkpoint's own "
                                                           "(chat_template.jinja, else tokenizer_config.json's).")] = None,
@@ -247,6 +250,7 @@ def serve(
     name = model or model_opt
     try:
         checkpoint = None if name is None else str(resolve_model(name, revision))
+        tokenizer_dir = None if tokenizer is None else str(resolve_model(tokenizer))
     except (FileNotFoundError, ValueError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2)
@@ -256,7 +260,7 @@ def serve(
         raise typer.BadParameter(f"{chat_template}: no such file (give a jinja2 template file)",
                                  param_hint="--chat-template")
     config = EngineConfig(
-        model=checkpoint, device=device or _default_device(), dtype=dtype, max_running=max_running,
+        model=checkpoint, tokenizer=tokenizer_dir, device=device or _default_device(), dtype=dtype, max_running=max_running,
         max_batched_tokens=max_batched_tokens, max_model_len=max_model_len, page_size=page_size, kv_pages=kv_pages,
         gpu_memory_utilization=gpu_memory_utilization, seed=seed, enable_prefix_caching=not no_prefix_caching,
         enforce_eager=enforce_eager, prefill_graph_max_tokens=0 if disable_prefill_graph else prefill_graph_max_tokens,

@@ -21,6 +21,19 @@ Triton paths (CUDA), picked from host ints so no step waits on the GPU:
 K/V rows are gathered token by token through the page table, so any page size works.
 Both kernels take an optional `order` of the sequences, longest first (`longest_first`): programs start in
 grid order, so the shortest start last instead of a long one holding the GPU at the end of the launch.
+
+Configurations follow the model's shapes (head_dim, KV heads per rank) and the SM count, never seq_lens:
+* decode (`decode_splits`, `decode_block_n`): splits for ~4 programs per SM, at most 64 (128 with few KV
+  heads); KV blocks of 32 rows (64 up to two splits) at head_dim 128, measured on the H200 with Qwen3-0.6B
+  (`benchmarks/kernels_bench.py --sweep`), as many bytes per block at other head_dims. 4 warps, 3 stages.
+* prefill (`prefill_blocks`): 64 x 64 tiles with 4 warps at head_dim 128 (measured likewise), 64 x 128
+  at head_dim <= 64 (the same bytes per K/V block).
+Every configuration the served shapes reach (Qwen3-0.6B; Llama-3.2-1B and Qwen2.5-1.5B, also at --tp 2)
+compiles for sm_90 without register spills (tests/test_kernel_configs.py). Neither kernel specialises the
+page table's width (`stride_pt`, the step's longest sequence in pages), nor decode its split count: Triton
+would make one binary each of == 1, a multiple of 16 and other values, and eager steps (a 100-token prompt,
+a batch size no graph has) would compile new ones while serving. So the warm-up and the graph captures
+compile every binary a step can launch.
 """
 
 import torch
@@ -117,7 +130,7 @@ def store_kvcache_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
 # Decode: one query row per sequence, KV split across programs, then merged
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pt", "num_splits"])  # see the module docstring
 def _decode_kernel(
     Q, K_CACHE, V_CACHE, O, PART_O, PART_LSE, ARRIVED, CU, SEQ_LENS, PAGE_TABLE, K_NEW, V_NEW, SLOTS, ORDER,
     scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_cp, stride_cs, stride_ch, stride_pt,
@@ -224,12 +237,36 @@ def split_arrivals(device: torch.device, count: int) -> torch.Tensor:
     return buffers[-1]
 
 
+def decode_splits(batch: int, num_kv_heads: int, sms: int) -> int:
+    """KV splits per sequence on a GPU of `sms` SMs: enough programs for ~4 per SM. Depends on shapes only
+    (graph-safe), never on seq_lens, so a captured graph and an eager step on the same batch run the same
+    arithmetic. At most 64 (on Qwen3-0.6B at batch 1, 4096 tokens of context, the best of the H200 sweep:
+    1-64 splits), or 128 where 64 would leave fewer than 2 programs per SM (few KV heads: Qwen2.5-1.5B's 2,
+    one per rank under tensor parallelism); the last split's merge tile, BLOCK_S x head_dim float32, compiles
+    for sm_90 without spills at 128 x 128 and 128 x 64."""
+    cap = 128 if batch * num_kv_heads * 64 < 2 * sms else 64
+    return max(1, min(cap, triton.cdiv(4 * sms, batch * num_kv_heads)))
+
+
 def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
-    """KV splits per sequence: enough programs for ~4 per SM. Depends on shapes only (graph-safe), never on
-    seq_lens, so a captured graph and an eager step on the same batch run the same arithmetic."""
+    """`decode_splits` for `device`'s SM count; 2 off CUDA (the interpreter tests)."""
     if device.type != "cuda":
         return 2
-    return max(1, min(64, triton.cdiv(4 * sm_count(device.index or 0), batch * num_kv_heads)))
+    return decode_splits(batch, num_kv_heads, sm_count(device.index or 0))
+
+
+def decode_block_n(num_splits: int, head_dim: int) -> int:
+    """KV rows per block of the decode kernel: measured on the H200 at head_dim 128 (Qwen3-0.6B), 32 with more
+    than two splits, else 64 (each program then walks a whole sequence or half: at batch 256 and 512 tokens,
+    131 vs 139 us with 3 stages); at other head_dims the same bytes per K/V block (head_dim 64: 64 / 128 rows)."""
+    return max(16, (32 if num_splits > 2 else 64) * 128 // triton.next_power_of_2(head_dim))
+
+
+def prefill_blocks(head_dim: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of the prefill kernel on CUDA (4 warps): 64 x 64 at head_dim 128, measured on the H200
+    (within 5 % of the best of 12 configurations in every case swept); at head_dim <= 64 KV blocks of 128 rows,
+    the same bytes per K/V block (not measured; compiles for sm_90 without spills, as 64 x 64 does at 128)."""
+    return 64, (128 if triton.next_power_of_2(head_dim) <= 64 else 64)
 
 
 def longest_first(seq_lens: list[int], size: int | None = None) -> list[int]:
@@ -257,8 +294,8 @@ def paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table,
     if num_splits is None:
         num_splits = decode_num_splits(B, Hk, q.device)
     split = num_splits > 1
-    if block_n is None:  # measured on H200: longer blocks pay off once each program walks a whole sequence or half
-        block_n = (32 if num_splits > 2 else 64) if q.is_cuda else 16  # (3 stages: 131 vs 139 us at B=256 ctx=512)
+    if block_n is None:
+        block_n = decode_block_n(num_splits, D) if q.is_cuda else 16
     part_o = torch.empty((B, Hq, num_splits, D) if split else (1,), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((B, Hq, num_splits) if split else (1,), dtype=torch.float32, device=q.device)
     group = Hq // Hk
@@ -282,7 +319,7 @@ def paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table,
 # Prefill: ragged query blocks over each sequence's pages, causal, cached prefix included
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pt"])  # see the module docstring
 def _prefill_kernel(
     Q, K_CACHE, V_CACHE, O, CU, SEQ_LENS, PAGE_TABLE, ORDER,
     scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_cp, stride_cs, stride_ch, stride_pt,
@@ -342,8 +379,9 @@ def paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     if B == 0 or max_q_len == 0:
         return out
-    block_m = block_m or (64 if q.is_cuda else 16)
-    block_n = block_n or (64 if q.is_cuda else 16)
+    cuda_m, cuda_n = prefill_blocks(D)
+    block_m = block_m or (cuda_m if q.is_cuda else 16)
+    block_n = block_n or (cuda_n if q.is_cuda else 16)
     _prefill_kernel[(Hq, triton.cdiv(max_q_len, block_m), B)](
         q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, page_table, order if order is not None else seq_lens,
         scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),

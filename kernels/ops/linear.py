@@ -6,8 +6,12 @@ always do at full speed (on the H200, o_proj at 1-4 rows reads at a third of the
 Both kernels give each program a block of BLOCK_N output columns and stream those weight rows once in
 BLOCK_K chunks, accumulating in float32 with one rounding at the end, as cuBLAS does. The GEMV multiplies
 elementwise and reduces once after the loop; the skinny kernel uses tl.dot (IEEE fp32 for fp32 inputs).
-The skinny kernel's configuration is the best of `benchmarks/kernels_bench.py --only linear --sweep` on the H200
-for the Qwen3-0.6B projections; the GEMV's, per shape, of `benchmarks/pdl_probe.py` (GEMV_CONFIGS).
+The GEMV's configuration comes from the projection's shape (`gemv_config`: a rule that reproduces the best of
+`benchmarks/pdl_probe.py`'s sweep for every Qwen3-0.6B projection and keeps other models' tiles free of
+register spills). The skinny kernel's is fixed, the best of `benchmarks/kernels_bench.py --only linear --sweep`
+on the H200 for the Qwen3-0.6B projections; its grid is one program per 16 columns (tl.dot's smallest tile),
+so o_proj and down_proj leave SMs idle (Qwen3-0.6B 64, Llama-3.2-1B 128, Qwen2.5-1.5B 96 programs on the
+H200's 132): only a split over K could fill them, which has not been measured.
 """
 import torch
 import torch.nn.functional as F
@@ -79,12 +83,39 @@ def _finish_row(y, cols, col_ok, B, S, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.con
     return y
 
 
-# (N, K) -> (block_n, block_k, num_warps): the best of `benchmarks/pdl_probe.py`'s sweep on the H200 (2026-12-01)
-# for the Qwen3-0.6B projections, one row, in a CUDA graph with PDL: q|k|v and gate|up with the norm (and the
-# activation) fused, 3.53 and 4.88 us; o_proj 2.02 us and down_proj 2.62 us (2.84 and 3.70 with the default)
-GEMV_CONFIGS: dict[tuple[int, int], tuple[int, int, int]] = {
-    (4096, 1024): (4, 1024, 2), (1024, 2048): (2, 2048, 2), (6144, 1024): (4, 1024, 4), (1024, 3072): (2, 2048, 8)}
-GEMV_DEFAULT = (4, 1024, 2)
+GEMV_PROGRAMS = 512  # ~4 programs per SM on the H200 (132 SMs)
+GEMV_ROW_BYTES = 4096  # bytes of each weight row a program loads per chunk (without the fused norm)
+GEMV_WEIGHTS_PER_THREAD = 64  # weight elements of a tile per thread (as many float32 accumulators)
+
+
+def gemv_config(n_out: int, k: int, fused_norm: bool, gated: bool, weight_bytes: int = 2) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) of the GEMV with n_out outputs over k inputs (gated: n_out gate|up row pairs;
+    weight_bytes: of one weight element, 2 for bf16, 1 for e4m3).
+
+    One row is a pure weight stream: HBM runs at full speed only with ~20-30 KB in flight per SM, i.e. several
+    programs per SM, each loading a few KB per step, none spilling registers (a spill turns the tile into
+    local-memory traffic: with the norm fused at K=2048 the old fixed 2 warps spilled 192 B per thread on q|k|v,
+    2576 B on gate|up).
+    * BLOCK_N: 4 rows per program, fewer where that leaves under GEMV_PROGRAMS programs.
+    * BLOCK_K: with the norm fused, the whole row (the kernel normalises its input first); else chunks of
+      GEMV_ROW_BYTES of each row (2048 bf16 or 4096 e4m3 elements), or the whole row if shorter.
+    * num_warps: enough that a thread holds at most GEMV_WEIGHTS_PER_THREAD weight elements of the tile (every
+      measured Qwen3-0.6B config holds 64 or fewer; the old default at K=2048 held 128, 256 gated), 2 to 8; 8
+      when a row takes several chunks (more loads in flight). BLOCK_N shrinks if even 8 warps are not enough
+      (a fused norm over a very long row).
+    This gives the best of `benchmarks/pdl_probe.py`'s sweep on the H200 (2026-12-01; one row, CUDA graph, PDL) for
+    each Qwen3-0.6B projection: q|k|v (4, 1024, 2) and gate|up (4, 1024, 4) with the norm fused, 3.53 and 4.88 us;
+    o_proj (2, 2048, 2) 2.02 us, down_proj (2, 2048, 8) 2.62 us (2.84 and 3.70 us with the old fixed (4, 1024, 2));
+    lm_head (4, 1024, 2). Other shapes' configurations follow from the rule: compiled for sm_90 without spills
+    (tests/test_kernel_configs.py), not measured."""
+    gates = 2 if gated else 1
+    block_k = triton.next_power_of_2(k) if fused_norm else min(triton.next_power_of_2(k), GEMV_ROW_BYTES // weight_bytes)
+    block_n = next(b for b in (4, 2, 1) if n_out >= b * GEMV_PROGRAMS or b == 1)
+    block_n = min(block_n, max(1, GEMV_WEIGHTS_PER_THREAD * 32 * 8 // (block_k * gates)))
+    num_warps = min(8, max(2, block_n * block_k * gates // (GEMV_WEIGHTS_PER_THREAD * 32)))
+    if k > block_k:
+        num_warps = 8
+    return block_n, block_k, num_warps
 
 
 def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int | None = None,
@@ -100,7 +131,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     (y, x + residual) (x itself without residual). gated: the weight holds gate rows then up rows
     (a merged gate_up projection) and y = silu(gate) * up [..., N / 2] (activation.py's rounding).
     The same operations in the same order as the unfused ops with the same block sizes (the interpreter tests
-    check equality). Block sizes default to GEMV_CONFIGS."""
+    check equality). Block sizes and warps default to `gemv_config`'s."""
     K, N = x.shape[-1], weight.shape[0]
     if x.numel() != K:
         raise ValueError(f"gemv_triton multiplies one row; x has shape {tuple(x.shape)}")
@@ -111,7 +142,7 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         weight = weight.contiguous()
     n_out = N // 2 if gated else N
     norm = norm_weight is not None
-    default_n, default_k, default_warps = GEMV_CONFIGS.get((N, K), GEMV_DEFAULT)
+    default_n, default_k, default_warps = gemv_config(n_out, K, norm, gated, weight.element_size())
     block_k = triton.next_power_of_2(K) if norm else min(block_k or default_k, triton.next_power_of_2(K))
     out = torch.empty(*x.shape[:-1], n_out, dtype=x.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else x

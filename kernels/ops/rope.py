@@ -5,7 +5,12 @@ One Triton program handles one token: all its q heads and k heads. Each head is 
 (x1 | x2), so rotate-half is two multiply-adds and the RMSNorm statistic is the sum over both halves.
 The kernel rounds to the input dtype where the references do (they compute in that dtype), so bf16
 results match Hugging Face's order of operations.
+
+Context-extension scaling (linear, llama3, yarn) lives entirely in the cos/sin table: it changes the inverse
+frequencies (and, for yarn, multiplies cos and sin by an attention factor) the way transformers computes them.
 """
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -13,12 +18,119 @@ import triton.language as tl
 from kernels.ops import pdl, use_triton, wait_for_previous
 from kernels.ops.norm import rms_norm_ref
 
+_REQUIRED_FIELDS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+}
 
-def rope_cos_sin_cache(head_dim: int, max_positions: int, theta: float, device=None) -> torch.Tensor:
-    """[max_positions, head_dim] float32: cos in the first half, sin in the second."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+
+def _rope_type(scaling: dict | None) -> str:
+    """Hugging Face's name for the variant; older configs spell the key `type`."""
+    if not scaling:
+        return "default"
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in _REQUIRED_FIELDS:
+        raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(_REQUIRED_FIELDS)}")
+    for field in _REQUIRED_FIELDS[rope_type]:
+        if scaling.get(field) is None:
+            raise ValueError(f"rope type {rope_type!r} needs the field {field!r}")
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0:  # the kernels rotate the whole head
+        raise ValueError(f"partial_rotary_factor {scaling['partial_rotary_factor']} is not supported")
+    return rope_type
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn(powers: torch.Tensor, head_dim: int, theta: float, s: dict) -> tuple[torch.Tensor, float]:
+    """YaRN: keep fast dimensions, interpolate slow ones, blend linearly between (corrections from the paper)."""
+    factor, original = s["factor"], s["original_max_position_embeddings"]
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = s.get("mscale"), s.get("mscale_all_dim")
+        if mscale and mscale_all_dim:  # DeepSeek's form; transformers ignores one given alone
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over the original context
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(s.get("beta_fast") or 32), dim_of(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device=powers.device) - low) / (high - low)).clamp(0, 1)
+    # same operations as transformers, so the blend is bit-identical (1 - (1 - r) need not equal r)
+    extrapolation = 1 - ramp
+    inv_freq = 1.0 / (factor * powers) * (1 - extrapolation) + 1.0 / powers * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None, device=None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim // 2] float32 and the factor cos/sin are multiplied by.
+
+    `scaling` is a Hugging Face `rope_scaling` / `rope_parameters` dict; its own `rope_theta`, if any, is ignored
+    (`theta` wins). The arithmetic follows transformers.modeling_rope_utils operation by operation, so the
+    frequencies equal transformers' bit for bit on the same device.
+    """
+    rope_type = _rope_type(scaling)
+    # an int64 arange cast to float, as transformers builds it
+    powers = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
+    inv_freq = 1.0 / powers
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"], 1.0
+    if rope_type == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        original = scaling["original_max_position_embeddings"]
+        # short wavelengths stay, long ones are divided by factor, the band between is interpolated
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+        smooth = (original / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= original / high) & (wavelen <= original / low)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if rope_type == "yarn":
+        return _yarn(powers, head_dim, theta, scaling)
+    return inv_freq, 1.0
+
+
+def rope_cos_sin_cache(head_dim: int, max_positions: int, theta: float, device=None,
+                       scaling: dict | None = None) -> torch.Tensor:
+    """[max_positions, head_dim] float32: cos in the first half, sin in the second.
+
+    `scaling`: see `rope_inv_freq`. Unknown rope types and missing fields raise ValueError.
+    """
+    inv_freq, attention_factor = rope_inv_freq(head_dim, theta, scaling, device)
     freqs = torch.outer(torch.arange(max_positions, dtype=torch.int64, device=device).float(), inv_freq)
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    return table if attention_factor == 1.0 else table * attention_factor
+
+
+def rope_settings(raw_config: dict) -> tuple[float, dict | None]:
+    """(rope theta, scaling dict or None) from a Hugging Face config.json dict, resolved as transformers does.
+
+    Hub checkpoints write `rope_theta` next to `rope_scaling` (often null); transformers 5 writes one
+    `rope_parameters` dict holding `rope_type`, `rope_theta` and the scaling fields. When both appear,
+    `rope_scaling` wins, as in transformers. The returned dict has `rope_type` (never the legacy `type`) and
+    no `rope_theta`.
+    """
+    params = dict(raw_config.get("rope_scaling") or raw_config.get("rope_parameters") or {})
+    theta = float(params.pop("rope_theta", None) or raw_config.get("rope_theta") or 10000.0)
+    legacy_type = params.pop("type", "default")
+    params.setdefault("rope_type", legacy_type)
+    if params["rope_type"] == "default" and params.get("partial_rotary_factor", 1.0) == 1.0:
+        return theta, None
+    # transformers fills the pretraining length from max_position_embeddings when a config leaves it out
+    if (params["rope_type"] in ("llama3", "yarn") and "original_max_position_embeddings" not in params
+            and "max_position_embeddings" in raw_config):
+        params["original_max_position_embeddings"] = raw_config["max_position_embeddings"]
+    return theta, params
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

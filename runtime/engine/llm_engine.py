@@ -28,7 +28,7 @@ from runtime.engine.sequence import PENDING, SamplingParams, Sequence, Status, T
 from runtime.engine.sleep import WEIGHTS, SleepState, weights_checksum
 from runtime.sampling.sampler import Sampled
 from runtime.weights.checkpoint import checkpoint_files, read_entries
-from runtime.weights.loader import LoadReport
+from runtime.weights.loader import LoadedWeights, LoadReport
 
 UPDATE_MODES = ("direct", "full")
 
@@ -158,9 +158,11 @@ class LLMEngine:
         checkpoint = Checkpoint.open(config)
         self.model_dir, self.model_config, self.max_model_len = checkpoint.dir, checkpoint.config, checkpoint.max_model_len
         self.weights_dir = self.model_dir  # where the weights now served came from (an update changes it)
-        tokenizer_file = self.model_dir / "tokenizer.json"
+        self.tokenizer_dir = Path(config.tokenizer) if config.tokenizer else self.model_dir  # and the chat template
+        tokenizer_file = self.tokenizer_dir / "tokenizer.json"
         if not tokenizer_file.is_file():
-            raise FileNotFoundError(f"{self.model_dir} has no tokenizer.json (a fast tokenizer is required)")
+            raise FileNotFoundError(f"{self.tokenizer_dir} has no tokenizer.json (a fast tokenizer is required): "
+                                    "give the directory of one with --tokenizer")
         self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
         self.runner = ModelRunner(config, checkpoint)
         self.ranks: RankLedger | None = None  # tensor parallelism: every rank's outcome of the calls fanned out
@@ -380,13 +382,14 @@ class LLMEngine:
         """The model as it serves now (reload_forward compares its classes' code before and after a reload)."""
         return self.runner.model
 
-    def rebuild_model(self) -> torch.nn.Module:
+    def rebuild_model(self) -> "LoadedWeights":
         """Build the model anew with the code loaded now, load the weights served now (`weights_dir`: the last
-        update's checkpoint, else the served model's) and swap it in; returns the old model for `restore_model`.
+        update's checkpoint, else the served model's) and swap it in; returns the old model's weights for
+        `restore_model`.
         ValueError when the checkpoint no longer fits the new code."""
         return self.runner.rebuild_model(self.weights_dir)
 
-    def restore_model(self, old: torch.nn.Module) -> None:
+    def restore_model(self, old: "LoadedWeights") -> None:
         self.runner.restore_model(old)
 
     def reload_weights(self, path: Path | None = None) -> LoadReport:

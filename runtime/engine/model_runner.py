@@ -20,11 +20,11 @@ from runtime.engine.scheduler import ScheduledBatch
 from runtime.engine.sleep import SleepState, device_free_bytes, free_cached_memory, model_tensors
 from runtime.engine.sequence import PENDING, SamplingParams, Sequence
 from runtime.layers.attention import Attention
-from runtime.models import build_model
+from runtime.models import MODELS, build_model
 from kernels.ops.sampling import token_logprobs
 from runtime.sampling.sampler import Extras, Sampled, Sampler, SamplerState
 from runtime.weights.default_model import default_model_dir
-from runtime.weights.loader import LoadReport, load_weights, prepare_update
+from runtime.weights.loader import LoadedWeights, LoadReport, load_weights
 
 CPU_KV_BYTES = 512 << 20
 NVTX_DOMAIN = "tsdev"
@@ -58,7 +58,7 @@ class Checkpoint:
         if not model_dir.is_dir():
             raise FileNotFoundError(f"model directory {model_dir} does not exist: pass a Hugging Face "
                                     "checkpoint directory, or no model for the embedded default")
-        model_config = ModelConfig.from_dir(model_dir)
+        model_config = ModelConfig.from_dir(model_dir, MODELS)
         max_model_len = config.max_model_len or min(model_config.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
         if max_model_len > model_config.max_position_embeddings:
             raise ValueError(f"--max-model-len {max_model_len} exceeds the model's "
@@ -78,7 +78,8 @@ class ModelRunner:
         self.dtype = config.torch_dtype(model_config)
         torch.manual_seed(config.seed)
         self.model = build_model(model_config, self.device, self.dtype, config.quantization)
-        self.load_report = load_weights(self.model, checkpoint.dir, config.load_format, config.load_memory_limit)
+        self.weights = load_weights(self.model, checkpoint.dir, config.load_format, config.load_memory_limit)
+        self.load_report = self.weights.report
         self.model.eval()
         self.sampler = Sampler()
         # one slot per running request that uses penalties or logit_bias, and a scratch slot for the warm-up
@@ -106,22 +107,23 @@ class ModelRunner:
         """Pages the block manager may hand out (the scratch pages after them are for warm-up and padding)."""
         return self.kv_cache.shape[2] - len(self.scratch_pages)
 
-    def rebuild_model(self, model_dir: Path) -> torch.nn.Module:
+    def rebuild_model(self, model_dir: Path) -> LoadedWeights:
         """A reload changed a layer's `__init__` or post-load hook: build the model again with the code now
         loaded (on the device, beside the old one: a second copy of the weights until the reload commits),
         load `model_dir`'s checkpoint into it, run the post-load hooks, and serve it (same KV pool). Returns
-        the old model for `restore_model`. Raises ValueError, changing nothing, when the checkpoint no longer
-        fits the new code (a parameter's shape changed)."""
+        the old model's weights for `restore_model`. Raises ValueError, changing nothing, when the checkpoint no
+        longer fits the new code (a parameter's shape changed)."""
         model = build_model(self.model_config, self.device, self.dtype, self.config.quantization)
-        load_weights(model, model_dir, self.config.load_format, self.config.load_memory_limit)
+        weights = load_weights(model, model_dir, self.config.load_format, self.config.load_memory_limit)
         model.eval()
-        old = self.model
-        self.restore_model(model)
+        old = self.weights
+        self.restore_model(weights)
         return old
 
-    def restore_model(self, model: torch.nn.Module) -> None:
-        """Serve `model`: its attention layers get the KV pool's views; the graphs run it (recapture them)."""
-        self.model = model
+    def restore_model(self, weights: LoadedWeights) -> None:
+        """Serve `weights`' model: its attention layers get the KV pool's views; the graphs run it (recapture them)."""
+        self.weights = weights
+        model = self.model = weights.model
         layers = [m for m in model.modules() if isinstance(m, Attention)]
         for layer, layer_kv in zip(layers, self.kv_cache):
             layer.k_cache, layer.v_cache = layer_kv[0], layer_kv[1]
@@ -132,7 +134,7 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, max_model_len: int) -> torch.Tensor:
         c, page = self.model_config, self.config.page_size
-        _, kv_heads = distributed.shard(c.num_key_value_heads, "the key/value heads")  # this rank's
+        _, kv_heads = distributed.shard_kv_heads(c.num_key_value_heads)  # this rank's
         page_bytes = 2 * c.num_hidden_layers * page * kv_heads * c.head_dim * self.dtype.itemsize
         num_pages = self.config.kv_pages
         if num_pages is None:
@@ -410,7 +412,7 @@ class ModelRunner:
     def begin_update(self, model_dir: Path) -> int:
         """A weight update's begin (`prepare_update`): raises before touching anything if the checkpoint does not
         fit; returns how many tensors were viewed back to their checkpoint layout."""
-        return prepare_update(self.model, model_dir)
+        return self.weights.prepare_update(model_dir)
 
     def load_update(self, model_dir: Path, mode: str) -> tuple[LoadReport, float]:
         """A weight update's load and finish, in place; `full` releases the graphs first and recaptures them after.
@@ -419,7 +421,7 @@ class ModelRunner:
         if mode == "full":
             self.release_graphs()
             self._graphs_released = True
-        report = load_weights(self.model, model_dir, self.config.load_format, self.config.load_memory_limit)
+        report = self.weights.load(model_dir, self.config.load_format, self.config.load_memory_limit)
         self.sleep_state.weights_loaded = True
         recapture = 0.0
         if self._graphs_released:  # this full update's, or a failed full update's before it

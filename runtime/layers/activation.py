@@ -6,7 +6,7 @@ from kernels.ops import activation as act_ops
 
 class SiluAndMul(nn.Module):
     """silu(gate) * up of a merged gate|up projection's output. At one row on CUDA the projection's GEMV runs
-    the activation kernel's arithmetic itself (`Linear.project_normed`) and this forward is not called."""
+    the activation kernel's arithmetic itself (`NormedProjection`) and this forward is not called."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return act_ops.silu_and_mul(x)

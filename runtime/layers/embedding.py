@@ -12,10 +12,11 @@ from torch import nn
 from kernels.ops import linear as linear_ops
 from runtime import distributed
 from runtime.context import get_context
+from runtime.weights.keys import DeclaredLoading, Key
 from runtime.weights.layout import RankSlice
 
 
-class VocabEmbedding(nn.Module):
+class VocabEmbedding(DeclaredLoading, nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
         self.vocab_size = vocab_size
@@ -23,11 +24,13 @@ class VocabEmbedding(nn.Module):
         self.vocab_start, rows = distributed.shard(-(-vocab_size // ranks) * ranks, "the padded vocabulary")
         self.weight = nn.Parameter(torch.zeros(rows, hidden_size), requires_grad=False)
         # the last rank's rows past the real vocabulary (padding) are not in the checkpoint
-        self.weight_slice = RankSlice((vocab_size, hidden_size), 0, self.vocab_start,
-                                      min(rows, vocab_size - self.vocab_start))
+        self.rows = RankSlice((vocab_size, hidden_size), 0, self.vocab_start, min(rows, vocab_size - self.vocab_start))
 
-    def checkpoint_slice(self, param: str, shard: str | None) -> RankSlice:
-        return self.weight_slice
+    def weight_slice(self, param: str, key: Key) -> RankSlice:
+        return self.rows
+
+    def load_weight(self, param: str, key: Key, tensor: torch.Tensor) -> None:
+        self.weight.data.narrow(0, 0, self.rows.length).copy_(tensor)  # the padded rows stay zeros
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not distributed.grouped():

@@ -11,7 +11,7 @@ Tensor parallelism (`runtime.distributed`) splits the projections Megatron's way
 gate|up) by output rows, each rank keeping its rows of every shard (its heads, its part of the MLP), so no
 collective is needed; o_proj and down_proj (`RowParallelLinear`) by input columns, matching the split of their
 input, and their partial outputs are summed over the ranks. Each rank loads only its slice of the checkpoint's
-full tensors (`checkpoint_slice`), and quantizes its own weight (fp8 scales per local output channel)."""
+full tensors (`weight_slice`, runtime/weights/keys.py), and quantizes its own weight (fp8 scales per local output channel)."""
 import torch
 from torch import nn
 
@@ -22,6 +22,7 @@ from runtime import distributed
 from runtime.config import QUANTIZATIONS  # --quantization
 from runtime.layers.activation import SiluAndMul
 from runtime.layers.norm import RMSNorm
+from runtime.weights.keys import DeclaredLoading, Key
 from runtime.weights.layout import RankSlice
 
 
@@ -34,7 +35,7 @@ def check_quantization(method: str, device: torch.device | str) -> None:
         raise ValueError(reason)
 
 
-class Linear(nn.Module):
+class Linear(DeclaredLoading, nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
@@ -66,24 +67,6 @@ class Linear(nn.Module):
             return fp8_ops.fp8_linear(x, self.weight_fp8, self.weight_scale, bias)
         return linear_ops.linear(x, self.weight, bias)
 
-    def project_normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
-                       act: SiluAndMul | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(act(self(norm(x, residual))), x + residual); without residual (act(self(norm(x))), x); without act the
-        projection's output. A decode step at batch 1 on CUDA runs it all in one kernel: the GEMV normalises
-        its input and, for a gate|up projection, applies silu(gate) * up to its output, with the arithmetic of
-        the norm and activation kernels (an edit of their Triton code reaches both; the Python forwards of
-        RMSNorm and SiluAndMul are not called there). Other inputs run the modules one after another."""
-        families = ("norm", self.quantization or "linear", *(("activation",) if act is not None else ()))
-        if (x.numel() == x.shape[-1] and all(use_triton(x, f) for f in families) and type(norm) is RMSNorm
-                and (act is None or type(act) is SiluAndMul) and norm.weight.dtype == x.dtype
-                and (residual is None or residual.dtype == x.dtype)):
-            weight, scale = (self.weight_fp8, self.weight_scale) if self.quantization == "fp8" else (self.weight, None)
-            return linear_ops.gemv_triton(x, weight, self.bias, weight_scale=scale, residual=residual,
-                                          norm_weight=norm.weight, eps=norm.eps, gated=act is not None)
-        hidden, residual = (norm(x), x) if residual is None else norm(x, residual)
-        y = self(hidden)
-        return (y if act is None else act(y)), residual
-
 
 class RowParallelLinear(Linear):
     """A projection whose input features are split over the tensor-parallel ranks (o_proj after this rank's
@@ -94,11 +77,11 @@ class RowParallelLinear(Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         start, length = distributed.shard(in_features, "a row-parallel projection's input features")
         super().__init__(length, out_features, bias)
-        self.weight_slice = RankSlice((out_features, in_features), 1, start, length)
+        self.columns = RankSlice((out_features, in_features), 1, start, length)
 
-    def checkpoint_slice(self, param: str, shard: str | None) -> RankSlice | None:
-        """This rank's slice of the checkpoint's `param` (None: the whole tensor, as the bias)."""
-        return self.weight_slice if param == "weight" else None
+    def weight_slice(self, param: str, key: Key) -> RankSlice | None:
+        """This rank's columns of the checkpoint's weight (None: the whole tensor, as the bias)."""
+        return self.columns if param == "weight" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return distributed.all_reduce(self.project(x, self.bias if distributed.rank() == 0 else None))
@@ -107,27 +90,74 @@ class RowParallelLinear(Linear):
 class MergedLinear(Linear):
     """Several projections of the same input stacked along the output dimension, each split by rows over the
     tensor-parallel ranks: this rank holds its rows of every shard, stacked in shard order (`shard_offsets`:
-    where each shard's rows start in this rank's weight, and how many), so its output is its part of each."""
+    where each shard's rows start in this rank's weight, and how many), so its output is its part of each.
 
-    def __init__(self, in_features: int, shards: dict[str, int]):
-        slices = {name: RankSlice((size, in_features), 0, *distributed.shard(size, f"the {name} projection's rows"))
+    `shards`: each shard's rows in the checkpoint, or this rank's `RankSlice` of them where the split is not an
+    even one (key/value heads replicated over more ranks than there are heads). With `bias` each shard has its
+    bias rows too (Qwen2's q|k|v), loaded and split like the weight's."""
+
+    def __init__(self, in_features: int, shards: dict[str, int | RankSlice], bias: bool = False,
+                 checkpoint_name: str = "{}_proj"):
+        slices = {name: size if isinstance(size, RankSlice) else
+                  RankSlice((size, in_features), 0, *distributed.shard(size, f"the {name} projection's rows"))
                   for name, size in shards.items()}
-        super().__init__(in_features, sum(s.length for s in slices.values()))
+        super().__init__(in_features, sum(s.length for s in slices.values()), bias)
         self.shard_slices = slices
+        self.checkpoint_name = checkpoint_name  # each shard's module in the checkpoint: q -> q_proj
         self.shard_offsets: dict[str, tuple[int, int]] = {}
         offset = 0
         for name, part in slices.items():
             self.shard_offsets[name] = (offset, part.length)
             offset += part.length
 
-    def checkpoint_slice(self, param: str, shard: str | None) -> RankSlice | None:
-        """This rank's rows of the checkpoint tensor of `shard` (None: a tensor that is not one of the shards)."""
-        return self.shard_slices.get(shard)
+    def checkpoint_names(self, attr: str) -> dict[str, tuple[str, Key]]:
+        """Each shard's own tensors, beside this module in the checkpoint: q_proj.weight -> (weight, (q,))."""
+        params = ["weight"] + (["bias"] if self.bias is not None else [])
+        return {f"{self.checkpoint_name.format(shard)}.{param}": (param, (shard,))
+                for shard in self.shard_slices for param in params}
 
-    def load_shard(self, shard: str, tensor: torch.Tensor) -> None:
-        """Copy this rank's rows of `shard` (`tensor`, already sliced) into place."""
-        offset, size = self.shard_offsets[shard]
-        target = self.weight.data[offset : offset + size]
+    def weight_slice(self, param: str, key: Key) -> RankSlice:
+        """This rank's rows of the checkpoint tensor of shard `key` (of the bias: the same rows)."""
+        part = self.shard_slices[key[0]]
+        return part if param == "weight" else RankSlice(part.shape[:1], 0, part.start, part.length)
+
+    def load_weight(self, param: str, key: Key, tensor: torch.Tensor) -> None:
+        """Copy this rank's rows of shard `key` into their place in `param` (weight or bias)."""
+        offset, size = self.shard_offsets[key[0]]
+        target = getattr(self, param).data[offset : offset + size]
         if target.shape != tensor.shape:
-            raise ValueError(f"shard {shard}: expected shape {tuple(target.shape)}, checkpoint has {tuple(tensor.shape)}")
+            raise ValueError(f"shard {key[0]}: expected shape {tuple(target.shape)}, checkpoint has {tuple(tensor.shape)}")
         target.copy_(tensor)
+
+
+class NormedProjection(nn.Module):
+    """An RMSNorm and the projection that reads its output (and, for gate|up, SwiGLU's activation after it), as
+    one module of the decoder layer: `(act(proj(norm(x + residual))), x + residual)`, without a residual
+    `(act(proj(norm(x))), x)`. The three modules stay where the checkpoint names them (this one refers to them).
+
+    Why one module: a decode step at batch 1 on CUDA runs it all in one kernel, the GEMV normalising its input
+    and, for gate|up, applying silu(gate) * up to its output, with the arithmetic of the norm and activation
+    kernels (an edit of their Triton code reaches both; the Python forwards of RMSNorm and SiluAndMul are not
+    called there). Other inputs run the three one after another."""
+
+    def __init__(self, norm: RMSNorm, proj: Linear, act: SiluAndMul | nn.Module | None = None):
+        super().__init__()
+        # shared, not owned (not registered as children): the layer owns them under their checkpoint names
+        for name, module in (("norm", norm), ("proj", proj), ("act", act)):
+            object.__setattr__(self, name, module)
+
+    def extra_repr(self) -> str:
+        return " -> ".join(type(m).__name__ for m in (self.norm, self.proj, self.act) if m is not None)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        norm, proj, act = self.norm, self.proj, self.act
+        families = ("norm", proj.quantization or "linear", *(("activation",) if act is not None else ()))
+        if (x.numel() == x.shape[-1] and all(use_triton(x, f) for f in families) and type(norm) is RMSNorm
+                and (act is None or type(act) is SiluAndMul) and norm.weight.dtype == x.dtype
+                and (residual is None or residual.dtype == x.dtype)):
+            weight, scale = (proj.weight_fp8, proj.weight_scale) if proj.quantization == "fp8" else (proj.weight, None)
+            return linear_ops.gemv_triton(x, weight, proj.bias, weight_scale=scale, residual=residual,
+                                          norm_weight=norm.weight, eps=norm.eps, gated=act is not None)
+        hidden, residual = (norm(x), x) if residual is None else norm(x, residual)
+        y = proj(hidden)
+        return (y if act is None else act(y)), residual

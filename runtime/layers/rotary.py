@@ -5,14 +5,15 @@ from kernels.ops import rope as rope_ops
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_positions: int, theta: float):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None):
         super().__init__()
-        self.head_dim, self.max_positions, self.theta = head_dim, max_positions, theta
+        self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
         # derived, not loaded: filled by process_weights_after_loading, in place (CUDA graphs read it)
         self.register_buffer("cos_sin_cache", torch.empty(max_positions, head_dim, dtype=torch.float32), persistent=False)
 
     def process_weights_after_loading(self) -> None:
-        table = rope_ops.rope_cos_sin_cache(self.head_dim, self.max_positions, self.theta, self.cos_sin_cache.device)
+        table = rope_ops.rope_cos_sin_cache(self.head_dim, self.max_positions, self.theta, self.cos_sin_cache.device,
+                                            scaling=self.scaling)
         self.cos_sin_cache.copy_(table)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

@@ -1,12 +1,15 @@
-"""Model definitions, by Hugging Face architecture name."""
+"""Model definitions, one file per family; each model class names the Hugging Face architectures it serves."""
 import torch
 from torch import nn
 
 from runtime.config import ModelConfig
 from runtime.layers.linear import Linear, check_quantization
+from runtime.models.llama import LlamaForCausalLM
+from runtime.models.qwen2 import Qwen2ForCausalLM
 from runtime.models.qwen3 import Qwen3ForCausalLM
 
-MODELS = {"Qwen3ForCausalLM": Qwen3ForCausalLM}
+MODELS: dict[str, type[nn.Module]] = {
+    arch: cls for cls in (Qwen3ForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM) for arch in cls.architectures}
 
 
 def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dtype,
@@ -23,7 +26,7 @@ def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dt
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = MODELS[config.architecture](config)
+            model = MODELS[config.architecture](config)  # Checkpoint.open checked it is served
             if quantization is not None:
                 for module in model.modules():
                     if isinstance(module, Linear):

@@ -60,7 +60,7 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReload
     `app.state.async_engine.shutdown()` ends its requests and streams (what a server does on SIGTERM)."""
     metrics = EngineMetrics(engine, served_model_name)
     async_engine = AsyncEngine(engine, on_step=metrics.on_step)
-    chat_template = ChatTemplate(engine.model_dir, chat_template)
+    chat_template = ChatTemplate(engine.tokenizer_dir, chat_template)
     created = int(time.time())
     # Tokenizing (and chat templates) run here, neither on the event loop nor on the engine's thread.
     tokenizer_pool = ThreadPoolExecutor(2, thread_name_prefix="tokenize")

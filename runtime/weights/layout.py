@@ -15,7 +15,6 @@ while the checkpoint holds the full tensors.
 """
 import math
 from dataclasses import dataclass
-from weakref import WeakKeyDictionary
 
 import torch
 from torch import nn
@@ -48,13 +47,10 @@ class Layout:
     objects: dict[str, int]  # name -> id() of the parameter / buffer object
 
 
-_RECORDED: "WeakKeyDictionary[nn.Module, Layout]" = WeakKeyDictionary()
-
-
 @dataclass(frozen=True)
 class RankSlice:
     """The part of a checkpoint tensor of full `shape` that this tensor-parallel rank holds: `length` entries from
-    `start` along `dim`. A module split over the ranks says it from `checkpoint_slice(param, shard)`; the loader
+    `start` along `dim`. A module split over the ranks says it from `weight_slice(param, key)`; the loader
     checks the checkpoint against the full shape and copies only the slice."""
     shape: tuple[int, ...]
     dim: int
@@ -90,12 +86,9 @@ def snapshot(model: nn.Module) -> Layout:
     return Layout({n: TensorLayout.of(t) for n, t in tensors.items()}, {n: id(t) for n, t in tensors.items()})
 
 
-def recorded_layout(model: nn.Module) -> Layout | None:
-    return _RECORDED.get(model)
-
-
-def record(model: nn.Module, before: Layout) -> None:
-    """After the cold-start load's hooks: refuse hooks that replaced a registered tensor, else keep `before`."""
+def record(model: nn.Module, before: Layout) -> Layout:
+    """After the cold-start load's hooks: refuse hooks that replaced a registered tensor, else return `before`
+    (kept by the load's `LoadedWeights`)."""
     now = checkpoint_tensors(model)
     replaced = sorted(n for n, ident in before.objects.items() if n not in now or id(now[n]) != ident)
     if replaced:
@@ -103,19 +96,16 @@ def record(model: nn.Module, before: Layout) -> None:
             f"post-load processing replaced {len(replaced)} parameter(s) or buffer(s) registered under a checkpoint "
             f"name: {', '.join(replaced[:8])}. Weight updates load into the objects (and memory) CUDA graphs captured: "
             "update in place instead (param.data.copy_(...), or derive into a buffer allocated at construction)")
-    _RECORDED[model] = before
+    return before
 
 
 class LayoutRefused(ValueError):
     """A direct update the model's storage cannot take (nothing was changed)."""
 
 
-def check(model: nn.Module) -> list[tuple[torch.Tensor, TensorLayout]]:
-    """Whether every registered tensor's storage can hold its cold-start checkpoint layout again; raise
+def check(model: nn.Module, layout: Layout) -> list[tuple[torch.Tensor, TensorLayout]]:
+    """Whether every registered tensor's storage can hold its cold-start checkpoint `layout` again; raise
     LayoutRefused (nothing touched) if one cannot. Returns the tensors a hook re-laid out, to `view_back`."""
-    layout = recorded_layout(model)
-    if layout is None:
-        raise LayoutRefused("this model has no recorded checkpoint layout: load it with load_weights first")
     now = checkpoint_tensors(model)
     problems, relaid = [], []
     for name, want in layout.tensors.items():

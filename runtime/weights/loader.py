@@ -12,13 +12,13 @@ the other (`--load-format`):
 * `auto` (the default): `pinned` on CUDA, `plain` on CPU (where the device is host memory already).
 
 Either way every parameter is bit-identical, and each module's post-load hook runs once its parameters
-are complete (`runtime/weights/processing.py`). `load_tensors` loads into the existing parameters again
-(a weight update) and reruns the hooks in place.
+have every key their modules declare (`runtime/weights/keys.py`, `runtime/weights/processing.py`). The first
+load returns a `LoadedWeights`, and every later load (a weight update from disk, streamed tensors, a rerun of
+the hooks) goes through it, into the same storage.
 
 Under tensor parallelism the checkpoint still holds full tensors and every rank reads it: a module split over the
-ranks says, per parameter (and shard), which slice of the full tensor this rank holds (`checkpoint_slice`, a
-`layout.RankSlice`). The checkpoint is checked against the full shapes, each rank copies its slice only, and the
-loads are counted in the elements this rank receives.
+ranks says, per parameter and key, which slice of the full tensor this rank holds (`weight_slice`, a
+`layout.RankSlice`). The checkpoint is checked against the full shapes and each rank copies its slice only.
 """
 import contextlib
 import dataclasses
@@ -36,7 +36,8 @@ from runtime.config import LOAD_FORMATS, EngineConfig
 from runtime.weights import layout
 from runtime.weights.checkpoint import TensorEntry, checkpoint_files, read_entries
 from runtime.weights.pinned import PinningUnavailable, StagedLoad
-from runtime.weights.processing import Counts, LoadSession
+from runtime.weights.keys import DeclaredLoading, Key, declared
+from runtime.weights.processing import Keys, LoadSession
 
 
 @dataclass(frozen=True)
@@ -57,55 +58,82 @@ class LoadReport:
 
 
 def load_weights(model: nn.Module, model_dir: Path, load_format: str = EngineConfig.load_format,
-                 memory_limit: int = EngineConfig.load_memory_limit) -> LoadReport:
-    """Copy every checkpoint tensor into its parameter and run the post-load hooks. The first load records the
-    checkpoint layout (`layout.py`) and refuses hooks that replaced a parameter; a later one (a weight update)
-    expects every tensor in that layout (`prepare_update`)."""
+                 memory_limit: int = EngineConfig.load_memory_limit) -> "LoadedWeights":
+    """The first load of `model`: copy every checkpoint tensor into its parameter, run the post-load hooks, and
+    return what it recorded (`LoadedWeights`: later updates go through it). Refuses hooks that replaced a
+    parameter (`layout.record`)."""
+    targets = _Targets(model)
+    before = layout.snapshot(model)  # before any hook ran (the session runs the ready ones at once)
+    report = _load(targets, model_dir, load_format, memory_limit, reprocessing=False)
+    targets.recorded = layout.record(model, before)
+    return LoadedWeights(targets, report)
+
+
+def check_checkpoint(model: nn.Module, model_dir: Path) -> None:
+    """Raise (as `load_weights` would, before reading any data) unless `model_dir`'s checkpoint fits `model`."""
+    _Targets(model).check(read_entries(checkpoint_files(model_dir)), model_dir)
+
+
+class LoadedWeights:
+    """What a model's first load recorded, and the way to every later load into the same storage.
+
+    It holds the checkpoint layout of every tensor before any hook ran (`layout`: what a direct update views
+    re-laid-out tensors back to), the keys each parameter's module declared (`keys`: what every later load must
+    bring, all of them), the derived tensors the hooks fill (`derived`: what a weight update refreshes in place),
+    and the first load's `report`."""
+
+    def __init__(self, targets: "_Targets", report: LoadReport):
+        self.model, self._targets, self.report = targets.model, targets, report
+        self.layout: layout.Layout = targets.recorded
+        self.keys: Keys = targets.keys
+        self.derived = sorted(set(dict(self.model.named_buffers())) - set(layout.checkpoint_tensors(self.model)))
+
+    def load(self, model_dir: Path, load_format: str = EngineConfig.load_format,
+             memory_limit: int = EngineConfig.load_memory_limit) -> LoadReport:
+        """A weight update from disk: every tensor again, in place (after `prepare_update`), hooks rerun into the
+        same storage."""
+        return _load(self._targets, model_dir, load_format, memory_limit, reprocessing=True)
+
+    def prepare_update(self, model_dir: Path) -> int:
+        """A weight update's `begin`: check that `model_dir`'s checkpoint fits the model and that every tensor's
+        storage can hold its cold-start checkpoint layout (raising before anything is touched), then view
+        re-laid-out tensors back into that layout, in place. Returns how many tensors were viewed back."""
+        relaid = layout.check(self.model, self.layout)
+        self._targets.check(read_entries(checkpoint_files(model_dir)), model_dir)
+        layout.view_back(relaid)
+        return len(relaid)
+
+    def load_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load checkpoint-named tensors into the existing parameters, in any order, repeats allowed (a streamed
+        weight update); each module's hook reruns, into the same storage, once it has every declared key. Ends
+        with an error if some parameter did not get all of them."""
+        session = LoadSession(self.model, self.keys, reprocessing=True)
+        for name, tensor in tensors:
+            self._targets.load(name, tensor, session)
+        session.finish()
+
+    def reprocess(self) -> None:
+        """Run every module's hook again, children first, into the same storage (after the weights changed
+        outside the loader, or derived tensors were discarded)."""
+        LoadSession(self.model, {}, reprocessing=True).finish()
+
+
+def _load(targets: "_Targets", model_dir: Path, load_format: str, memory_limit: int, reprocessing: bool) -> LoadReport:
     begin = time.perf_counter()
     entries = read_entries(checkpoint_files(model_dir))
-    targets = _Targets(model)
-    cold = layout.recorded_layout(model) is None
-    before = layout.snapshot(model) if cold else None  # before any hook ran (LoadSession runs the ready ones)
-    session = LoadSession(model, targets.expected_loads(entries, model_dir))
-    device = next(model.parameters()).device
+    targets.check(entries, model_dir)
+    session = LoadSession(targets.model, targets.keys, reprocessing)
+    device = next(targets.model.parameters()).device
     ranges = targets.byte_ranges(entries)
     with _tensor_source(ranges, device, load_format, memory_limit) as (fmt, describe, tensors):
         for name, tensor in tensors:
             targets.load(name, tensor, session)
         session.finish()
         detail = describe()
-    if cold:
-        layout.record(model, before)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     read = sum(e.nbytes for e in (ranges if fmt == "pinned" else entries))
     return LoadReport(fmt, read, time.perf_counter() - begin, detail)
-
-
-def check_checkpoint(model: nn.Module, model_dir: Path) -> None:
-    """Raise (as `load_weights` would, before reading any data) unless `model_dir`'s checkpoint fits `model`."""
-    _Targets(model).expected_loads(read_entries(checkpoint_files(model_dir)), model_dir)
-
-
-def prepare_update(model: nn.Module, model_dir: Path) -> int:
-    """A weight update's `begin`: check that `model_dir`'s checkpoint fits the model and that every tensor's
-    storage can hold its cold-start checkpoint layout (raising before anything is touched), then view re-laid-out
-    tensors back into that layout, in place. `load_weights` then writes in place and reruns the hooks into the same
-    storage. Returns how many tensors were viewed back."""
-    relaid = layout.check(model)
-    _Targets(model).expected_loads(read_entries(checkpoint_files(model_dir)), model_dir)
-    layout.view_back(relaid)
-    return len(relaid)
-
-
-def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Load checkpoint-named tensors into `model`'s existing parameters, in any order, repeats allowed (a
-    weight update); each module's hook reruns, into the same storage, once its parameters have every
-    load they had at the first `load_weights`. Ends with an error if some did not get all of them."""
-    targets, session = _Targets(model), LoadSession(model)
-    for name, tensor in tensors:
-        targets.load(name, tensor, session)
-    session.finish()
 
 
 @contextlib.contextmanager
@@ -138,66 +166,53 @@ def _plain_tensors(entries: list[TensorEntry]) -> Iterator[tuple[str, torch.Tens
 
 
 class _Targets:
-    """Where each checkpoint tensor goes in one model (a `_Target`)."""
+    """Where each checkpoint tensor goes in one model (a `_Target`), from what its modules declare."""
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.params = dict(model.named_parameters(remove_duplicate=False))  # tied names too
-        self.canonical = {id(p): name for name, p in model.named_parameters()}
-        self.packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
-        self.modules = dict(model.named_modules(remove_duplicate=False))
-        self._resolved: dict[str, _Target | None] = {}  # each name is resolved three times per load
+        self.recorded: layout.Layout | None = None  # the cold-start layout, once there is one
+        canonical = {id(p): name for name, p in model.named_parameters()}
+        self.index: dict[str, _Target] = {}
+        self.keys: Keys = {}
+        self.names: dict[tuple[str, Key], str] = {}  # (parameter, key) -> its checkpoint name, for errors
+        for path, module in model.named_modules(remove_duplicate=False):  # tied and shared modules under each name
+            parent, _, attr = path.rpartition(".")
+            spec = declared(module)
+            for name, (attr_name, key) in spec.checkpoint_names(attr).items():
+                param = getattr(module, attr_name)
+                canonical_name = canonical[id(param)]
+                full = f"{parent}.{name}" if parent else name
+                self.index.setdefault(full, _Target(canonical_name, param, spec, attr_name, key,
+                                                    spec.weight_slice(attr_name, key)))
+                self.keys[canonical_name] = self.keys.get(canonical_name, frozenset()) | {key}
+                self.names.setdefault((canonical_name, key), full)
 
-    def resolve(self, ckpt_name: str) -> "_Target | None":
-        if ckpt_name not in self._resolved:
-            self._resolved[ckpt_name] = self._resolve(ckpt_name)
-        return self._resolved[ckpt_name]
-
-    def _resolve(self, ckpt_name: str) -> "_Target | None":
-        target, shard = _map_name(ckpt_name, self.packed)
-        if target not in self.params:
-            return None
-        param = self.params[target]
-        module_name, param_name = target.rsplit(".", 1)
-        module = self.modules[module_name]
-        split = getattr(module, "checkpoint_slice", None)
-        return _Target(self.canonical[id(param)], param, module, shard, split(param_name, shard) if split else None)
-
-    def expected_loads(self, entries: list[TensorEntry], model_dir: Path) -> Counts:
-        """The loads each parameter gets from these tensors; fails naming what is mis-shaped, missing or extra."""
-        counts: Counts = {}
-        unexpected = []
+    def check(self, entries: list[TensorEntry], model_dir: Path) -> None:
+        """Fail, naming them, on tensors that are mis-shaped, missing (a declared key no tensor brings) or extra."""
+        provided, unexpected = set(), []
         for entry in entries:
-            target = self.resolve(entry.name)
+            target = self.index.get(entry.name)
             if target is None:
                 unexpected.append(entry.name)
                 continue
-            part = target.part
-            shape = part.shape if part else self.shape(target.name, target.param)
+            shape = target.part.shape if target.part else self.shape(target)
             if entry.shape != shape:
                 raise ValueError(f"{entry.path.name}: {entry.name} has shape {entry.shape}, the model expects "
                                  f"{shape}: config.json and weights disagree")
-            counts.setdefault(target.name, {})[target.shard] = part.numel if part else entry.numel
-        missing = [f"{name}#{shard}" if shard else name for name, shards in self._needed().items()
-                   for shard in shards if shard not in counts.get(name, {})]
+            provided.add((target.name, target.key))
+        missing = [name for pair, name in self.names.items() if pair not in provided]
         if missing:
             raise ValueError(f"{model_dir}: checkpoint lacks {len(missing)} tensor(s), e.g. {', '.join(missing[:5])}")
         if unexpected:
             raise ValueError(f"{model_dir}: checkpoint has {len(unexpected)} tensor(s) this model does not use, "
                              f"e.g. {', '.join(unexpected[:5])}: is config.json's architecture right?")
-        return counts
 
-    def shape(self, name: str, param: nn.Parameter) -> tuple[int, ...]:
-        """The checkpoint shape: the recorded one (a hook may have re-laid the tensor out), else the current one."""
-        recorded = layout.recorded_layout(self.model)
-        return recorded.tensors[name].shape if recorded and name in recorded.tensors else tuple(param.shape)
-
-    def _needed(self) -> dict[str, list[str | None]]:
-        needed = {}
-        for name in self.canonical.values():
-            module = self.modules[name.rsplit(".", 1)[0]]
-            needed[name] = list(module.shard_offsets) if hasattr(module, "shard_offsets") else [None]
-        return needed
+    def shape(self, target: "_Target") -> tuple[int, ...]:
+        """The checkpoint shape of a whole parameter: the recorded one (a hook may have re-laid the tensor out),
+        else the current one."""
+        if self.recorded and target.name in self.recorded.tensors:
+            return self.recorded.tensors[target.name].shape
+        return tuple(target.param.shape)
 
     def byte_ranges(self, entries: list[TensorEntry]) -> list[TensorEntry]:
         """What this rank reads of each tensor: under tensor parallelism, its rows where its slice is along the
@@ -205,7 +220,7 @@ class _Targets:
         otherwise (o_proj's and down_proj's columns are strided: read whole, then narrowed)."""
         ranges = []
         for entry in entries:
-            target = self.resolve(entry.name)
+            target = self.index.get(entry.name)
             part = target.part if target else None
             if part is None or part.dim != 0 or not entry.shape:
                 ranges.append(entry)
@@ -217,39 +232,29 @@ class _Targets:
 
     def load(self, ckpt_name: str, tensor: torch.Tensor, session: LoadSession) -> None:
         """Copy `tensor` (the checkpoint's whole tensor, or this rank's slice of it read alone) into place."""
-        target = self.resolve(ckpt_name)
+        target = self.index.get(ckpt_name)
         if target is None:
             raise ValueError(f"{ckpt_name}: this model has no parameter for it")
-        param, part = target.param, target.part
-        shape = part.shape if part else tuple(param.shape)
+        part = target.part
+        shape = part.shape if part else self.shape(target)
         if part and tuple(tensor.shape) == part.local_shape and part.local_shape != part.shape:
             pass  # read as this rank's slice already
         elif tuple(tensor.shape) != shape:
             raise ValueError(f"{ckpt_name} has shape {tuple(tensor.shape)}, the model expects {shape}")
         elif part:
             tensor = part.of(tensor)
-        if target.shard is not None:
-            target.module.load_shard(target.shard, tensor)
-        elif part:  # a padded vocabulary's last rows are not in the checkpoint: the slice may be shorter
-            param.data.narrow(part.dim, 0, part.length).copy_(tensor)
-        else:
-            param.data.copy_(tensor)
-        session.loaded(param, target.shard, tensor.numel())
+        target.module.load_weight(target.attr, target.key, tensor)
+        session.loaded(target.param, target.key)
 
 
 @dataclass(frozen=True)
 class _Target:
-    """Where one checkpoint tensor goes: the parameter (by its canonical name), its module, the shard of a fused
-    parameter (None: the whole parameter), and this rank's slice of the tensor (None: all of it)."""
+    """Where one checkpoint tensor goes: the parameter (by its canonical name), the module that declared it (its
+    protocol methods) and the parameter's name there, the key it fills, and this rank's slice of the tensor
+    (None: all of it)."""
     name: str
     param: nn.Parameter
-    module: nn.Module
-    shard: str | None
+    module: DeclaredLoading
+    attr: str
+    key: Key
     part: layout.RankSlice | None
-
-
-def _map_name(name: str, packed: dict[str, tuple[str, str]]) -> tuple[str, str | None]:
-    for fragment, (merged, shard) in packed.items():
-        if f".{fragment}." in name:
-            return name.replace(f".{fragment}.", f".{merged}."), shard
-    return name, None

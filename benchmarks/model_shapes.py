@@ -1,0 +1,152 @@
+"""The decode step of each model shape tsdev serves (random bf16 weights) against the time to read its weights once.
+
+    python3 benchmarks/model_shapes.py                     # llama-3.2-1b, qwen2.5-1.5b, qwen3-0.6b at batch 1 and 256
+    python3 benchmarks/model_shapes.py --shapes llama-3.2-1b --batch-sizes 1 8 --context 2048 --iters 50
+
+Each shape's checkpoint is written on first use under `--dir` in the Hugging Face layout: config.json with the
+model's `architectures`, a tokenizer of its vocabulary size (`build_tokenizer`), model.safetensors under the Hugging
+Face tensor names (Llama: no q_norm / k_norm; Qwen2: q/k/v biases; tied embeddings stored once as
+model.embed_tokens.weight), std 1/sqrt(fan_in) matrices as the default model's. qwen3-0.6b is the default model's
+own checkpoint. The engine is built on it (`LLMEngine(EngineConfig(model=DIR, device="cuda", ...))`) and its decode
+step timed as benchmarks/decode_step.py's "engine" column (`engine_step_time`): the steady-state `LLMEngine.step`
+while `batch` requests decode, CUDA graphs and async scheduling, `--context` tokens of context on average.
+
+floor: every weight read once per step (each parameter once: the tied embedding is the logits' weight) at 4.8 TB/s
+(H200 HBM) and at the copy bandwidth measured in the run (~4.3 TB/s achievable); "step / floor" is against the
+latter. "+ KV" adds each sequence's KV cache to the bytes read (what bounds batch 256). The replay alone and its
+kernels: `python3 benchmarks/decode_step.py --model DIR --breakdown` on the directory printed for the shape.
+Prints markdown rows for docs/results.md; a shape the runtime refuses gets a row saying why.
+"""
+import argparse
+import datetime
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+import triton
+from safetensors.torch import save_file
+
+from decode_step import copy_bandwidth, engine_step_time
+from runtime.config import EngineConfig
+from runtime.engine.llm_engine import LLMEngine, thaw_heap
+from runtime.engine.sequence import SamplingParams
+from runtime.weights.default_model import CHATML, build_tokenizer, cache_dir, default_model_dir, eos_token_ids, random_weights
+
+HBM_PEAK = 4.8e12  # bytes/s, H200
+VERSION = 1  # bump when what `write_checkpoint` writes changes: checkpoints are cached by this name
+# config.json of each shape but qwen3-0.6b (the default model's), with the published checkpoints' values
+CONFIGS = {
+    "llama-3.2-1b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=2048,
+        intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, attention_bias=False, mlp_bias=False,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192}),
+    "qwen2.5-1.5b": dict(
+        architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=151936, hidden_size=1536,
+        intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+        max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=None,
+        use_sliding_window=False),
+}
+SHAPES = [*CONFIGS, "qwen3-0.6b"]
+COLUMNS = ["shape", "batch", "ms/step", "weights GB", "floor ms @ 4.8 TB/s", "floor ms @ copy bw", "step / floor",
+           "KV GB", "floor ms + KV", "step / (floor + KV)"]
+
+
+def hf_weights(config: dict) -> dict[str, torch.Tensor]:
+    """A Llama or Qwen2 config's tensors: the default model's (Qwen3: `random_weights`) without q_norm / k_norm, and
+    for Qwen2 the q/k/v biases (zeros: their values do not change the timing)."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    weights = random_weights({**config, "head_dim": head_dim}, seed=0, std=None, dtype=torch.bfloat16)
+    weights = {name: w for name, w in weights.items() if not name.endswith(("q_norm.weight", "k_norm.weight"))}
+    if config["model_type"] == "qwen2":
+        sizes = dict(q=config["num_attention_heads"] * head_dim, k=config["num_key_value_heads"] * head_dim)
+        for n in range(config["num_hidden_layers"]):
+            for proj, size in (*sizes.items(), ("v", sizes["k"])):
+                weights[f"model.layers.{n}.self_attn.{proj}_proj.bias"] = torch.zeros(size, dtype=torch.bfloat16)
+    return weights
+
+
+def write_checkpoint(name: str, root: Path) -> Path:
+    """The shape's checkpoint directory, written unless it is there (config.json last: it marks a whole one); the
+    files as runtime.weights.default_model.write_checkpoint writes the default model's."""
+    if name == "qwen3-0.6b":
+        return default_model_dir("cuda")
+    out = root / f"{name}-v{VERSION}"
+    if (out / "config.json").is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    config = {**CONFIGS[name], "hidden_act": "silu", "tie_word_embeddings": True, "torch_dtype": "bfloat16"}
+    tokenizer = build_tokenizer(config["vocab_size"])
+    tokenizer.save(str(out / "tokenizer.json"))
+    eos = eos_token_ids(tokenizer)
+    save_file(hf_weights(config), str(out / "model.safetensors"), metadata={"format": "pt"})
+    files = {
+        "generation_config.json": {"eos_token_id": eos},
+        "tokenizer_config.json": {"chat_template": CHATML, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+                                  "model_max_length": config["max_position_embeddings"],
+                                  "tokenizer_class": "PreTrainedTokenizerFast"},
+        "config.json": {**config, "bos_token_id": None, "eos_token_id": eos[1]},
+    }
+    for file, content in files.items():
+        (out / file).write_text(json.dumps(content, indent=2))
+    return out
+
+
+def shape_rows(name: str, args, bandwidth: float) -> list[str]:
+    """Build the engine on the shape's checkpoint and time its decode step at each batch size: table rows."""
+    model_dir = write_checkpoint(name, args.dir)
+    try:
+        engine = LLMEngine(EngineConfig(model=str(model_dir), device="cuda", max_running=max(args.batch_sizes),
+                                        max_model_len=max(2 * args.context, 1024)))
+    except ValueError as exc:  # an architecture (or a config field) the runtime does not serve yet
+        reason = str(exc).replace("\n", " ").replace("|", "/")
+        return [f"| {name} | – | not served: {reason} |" + " |" * (len(COLUMNS) - 3)]
+    c = engine.model_config
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())  # a tied parameter counts once
+    itemsize = next(engine.model.parameters()).element_size()  # the KV pool's dtype: the weights'
+    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * itemsize
+    startup = ", ".join(f"{k} {v:.1f} s" for k, v in engine.startup_timings.items())
+    print(f"{name}: {model_dir}, {weights / 1e9:.2f} GB of weights; startup: {startup}", flush=True)
+    decoding = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    rows = []
+    for batch in args.batch_sizes:
+        step = engine_step_time(engine, batch, args.context, args.iters, decoding)
+        kv = batch * args.context * kv_per_token
+        floor, floor_kv = weights / bandwidth, (weights + kv) / bandwidth
+        values = [name, batch, f"{step * 1e3:.3f}", f"{weights / 1e9:.2f}", f"{weights / HBM_PEAK * 1e3:.3f}",
+                  f"{floor * 1e3:.3f}", f"{step / floor:.2f}", f"{kv / 1e9:.2f}", f"{floor_kv * 1e3:.3f}",
+                  f"{step / floor_kv:.2f}"]
+        rows.append("| " + " | ".join(map(str, values)) + " |")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=SHAPES)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 256])
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--dir", type=Path, default=cache_dir() / "model-shapes",
+                        help="where the checkpoints are written (default: %(default)s)")
+    args = parser.parse_args()
+
+    bandwidth = copy_bandwidth(torch.device("cuda"))
+    torch.cuda.empty_cache()
+    rows = []
+    for name in args.shapes:
+        rows += shape_rows(name, args, bandwidth)
+        thaw_heap()  # the shape's engine is garbage now: free it before the next one sizes its KV pool
+        torch.cuda.empty_cache()
+    print(f"\n{datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}, Triton "
+          f"{triton.__version__}; bf16, random weights, context {args.context}, greedy; copy bandwidth "
+          f"{bandwidth / 1e12:.2f} TB/s. Command: `python3 {shlex.join(sys.argv)}`\n")
+    print("| " + " | ".join(COLUMNS) + " |")
+    print("|---|" + "---:|" * (len(COLUMNS) - 1))
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
