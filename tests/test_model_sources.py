@@ -144,3 +144,25 @@ def test_chat_template_flag_overrides_the_checkpoints(tmp_path, tiny_model_dir):
     assert engine.tokenizer.decode(tokens) == "user: Hello thereassistant:"
     with pytest.raises(FileNotFoundError, match="--chat-template"):
         build_app(engine, "tiny", chat_template=str(tmp_path / "absent.jinja"))
+
+
+def test_tokenizer_dir_gives_the_tokenizer_and_chat_template_of_a_checkpoint_without_them(tmp_path, tiny_model_dir,
+                                                                                          monkeypatch):
+    from test_cli import engine_config
+
+    tokenizer_dir = with_template(tmp_path, tiny_model_dir, "chat_template.jinja")
+    weights_only = tmp_path / "weights-only"
+    weights_only.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(tiny_model_dir / name, weights_only / name)
+    with pytest.raises(FileNotFoundError, match="--tokenizer"):
+        LLMEngine(EngineConfig(model=str(weights_only), device="cpu", kv_pages=64))
+    assert engine_config(monkeypatch, str(weights_only), "--tokenizer", str(tokenizer_dir)).tokenizer == str(tokenizer_dir)
+    engine = LLMEngine(EngineConfig(model=str(weights_only), tokenizer=str(tokenizer_dir), device="cpu", kv_pages=64))
+    want = transformers.AutoTokenizer.from_pretrained(tokenizer_dir).apply_chat_template(
+        MESSAGES[1:2], add_generation_prompt=True, tokenize=True)
+    want = want["input_ids"] if hasattr(want, "keys") else want
+    with TestClient(build_app(engine, "tiny")) as client:
+        assert client.post("/tokenize", json={"messages": MESSAGES[1:2]}).json()["tokens"] == list(want)
+        text = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4}).json()["choices"][0]["text"]
+    assert isinstance(text, str) and text
