@@ -222,7 +222,7 @@ def serve(
         metavar="BYTES", help="Largest request body accepted (4 MiB by default); a larger one is answered 413 "
                               "before it is parsed.", min=1)] = ServerConfig.max_request_body_bytes,
 ):
-    """Serve a Qwen3 model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
+    """Serve a Llama 3.x, Qwen2.5 or Qwen3 model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
     from rich.console import Console
 
     from tsdev.serving import run_server  # what serving does: bind, load, serve, stop

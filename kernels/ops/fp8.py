@@ -19,8 +19,8 @@ Two numerics, chosen by the number of rows (x [..., K] flattened):
   scale_b [1, N], float32 accumulation, bf16 out) computes (xq @ wq.T) * sx * sw. Reference:
   `fp8_scaled_mm_ref` (the same quantization, a float32 matmul of the dequantized values).
 On CUDA both need compute capability >= 8.9 (e4m3 conversion in Triton, e4m3 matmul in cuBLASLt):
-`fp8_unsupported_reason` says why a device cannot run them. The kernels' configurations are linear.py's,
-tuned for bf16 weights (two bytes per element instead of one; not swept for e4m3 yet).
+`fp8_unsupported_reason` says why a device cannot run them. The kernels' configurations are linear.py's
+(`gemv_config` reads e4m3 rows in 4096-element chunks, 4 KB as for bf16; not swept for e4m3 yet).
 """
 import torch
 
