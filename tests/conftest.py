@@ -136,6 +136,34 @@ def hf_qwen2_dir(tiny_model_dir, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def hf_qwen3_moe_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """A tiny Qwen3MoeForCausalLM that transformers wrote (float32; it saves the experts per expert, under the hub's
+    names): 8 experts, top 2, renormalised; layer 1 dense (`mlp_only_layers`) between two sparse ones; random
+    router, experts and norms (so routing varies from token to token); untied; the tiny tokenizer."""
+    import shutil
+
+    import transformers
+
+    out = tmp_path_factory.mktemp("hf-qwen3-moe")
+    config = transformers.Qwen3MoeConfig(vocab_size=1024, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                                         decoder_sparse_step=1, mlp_only_layers=[1], max_position_embeddings=1024,
+                                         tie_word_embeddings=False, eos_token_id=0, initializer_range=0.2)
+    torch.manual_seed(11)
+    model = transformers.Qwen3MoeForCausalLM(config).to(torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".mlp.experts." in name or ".mlp.gate." in name:
+                param.normal_(0.0, 0.2)
+    _randomize_norms_and_biases(model, 12)
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, out / name)
+    return out
+
+
 @pytest.fixture
 def make_engine(tiny_model_dir):
     """Engine on the tiny checkpoint with small pages (4 tokens) so sequences span many pages."""

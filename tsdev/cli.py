@@ -125,7 +125,8 @@ def _default_device() -> str:
 def serve(
     model: Annotated[Optional[str], typer.Argument(help="A Hugging Face checkpoint directory (Llama, Qwen2, Qwen3), or a hub id "
                                                         "(ORG/NAME) found in the local Hugging Face cache (never "
-                                                        "downloaded). Omit it to serve the embedded default model.")] = None,
+                                                        "downloaded). Omit it to serve the embedded default model; default-moe serves the embedded "
+                                                        "mixture of experts (Qwen3-MoE).")] = None,
     model_opt: Annotated[Optional[str], typer.Option("--model", help="Same as the MODEL argument.")] = None,
     revision: Annotated[Optional[str], typer.Option(help="The cached revision of a hub id: a branch or tag "
                                                          "(refs/ in the cache) or a commit hash. Default: main.")] = None,
@@ -245,11 +246,12 @@ def serve(
         load_memory_bytes = parse_size(load_memory_limit)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--load-memory-limit") from None
+    from runtime.weights.default_model import DEFAULT_MOE
     from runtime.weights.hub import is_hub_id, resolve_model
 
     name = model or model_opt
     try:
-        checkpoint = None if name is None else str(resolve_model(name, revision))
+        checkpoint = name if name in (None, DEFAULT_MOE) else str(resolve_model(name, revision))
         tokenizer_dir = None if tokenizer is None else str(resolve_model(tokenizer))
     except (FileNotFoundError, ValueError) as exc:
         console.print(f"[red]error:[/red] {exc}")
@@ -270,7 +272,7 @@ def serve(
     if cudagraph_capture_sizes:
         config.cudagraph_capture_sizes = parse_sizes("--cudagraph-capture-sizes", cudagraph_capture_sizes)
     config.prefill_graph_capture_sizes = prefill_capture_sizes(prefill_graph_capture_sizes, allow_reload_forward)
-    if served_model_name is None and name is not None and is_hub_id(name):
+    if served_model_name is None and name is not None and (is_hub_id(name) or name == DEFAULT_MOE):
         served_model_name = name  # the hub id, as vLLM serves it
     server = ServerConfig(host=host, port=port, served_model_name=served_model_name, log_level=log_level,
                           chat_template=str(chat_template) if chat_template else None,

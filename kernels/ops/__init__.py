@@ -20,7 +20,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
-FAMILIES = ("norm", "rope", "activation", "linear", "fp8", "attention", "sampling")
+FAMILIES = ("norm", "rope", "activation", "linear", "fp8", "attention", "sampling", "moe")
 
 
 def reference_families() -> set[str]:

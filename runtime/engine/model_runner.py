@@ -23,7 +23,7 @@ from runtime.layers.attention import Attention
 from runtime.models import MODELS, build_model
 from kernels.ops.sampling import token_logprobs
 from runtime.sampling.sampler import Extras, Sampled, Sampler, SamplerState
-from runtime.weights.default_model import default_model_dir
+from runtime.weights.default_model import DEFAULT_MOE, default_model_dir
 from runtime.weights.loader import LoadedWeights, LoadReport, load_weights
 
 CPU_KV_BYTES = 512 << 20
@@ -54,7 +54,10 @@ class Checkpoint:
 
     @classmethod
     def open(cls, config: EngineConfig) -> "Checkpoint":
-        model_dir = Path(config.model) if config.model else default_model_dir(config.device)
+        if config.model in (None, DEFAULT_MOE):
+            model_dir = default_model_dir(config.device, moe=config.model == DEFAULT_MOE)
+        else:
+            model_dir = Path(config.model)
         if not model_dir.is_dir():
             raise FileNotFoundError(f"model directory {model_dir} does not exist: pass a Hugging Face "
                                     "checkpoint directory, or no model for the embedded default")

@@ -140,7 +140,7 @@ class NormedProjection(nn.Module):
     kernels (an edit of their Triton code reaches both; the Python forwards of RMSNorm and SiluAndMul are not
     called there). Other inputs run the three one after another."""
 
-    def __init__(self, norm: RMSNorm, proj: Linear, act: SiluAndMul | nn.Module | None = None):
+    def __init__(self, norm: RMSNorm, proj: Linear | None = None, act: SiluAndMul | nn.Module | None = None):
         super().__init__()
         # shared, not owned (not registered as children): the layer owns them under their checkpoint names
         for name, module in (("norm", norm), ("proj", proj), ("act", act)):
@@ -151,6 +151,8 @@ class NormedProjection(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         norm, proj, act = self.norm, self.proj, self.act
+        if proj is None:  # the norm alone (before a mixture of experts, whose router reads the normed input)
+            return (norm(x), x) if residual is None else norm(x, residual)
         families = ("norm", proj.quantization or "linear", *(("activation",) if act is not None else ()))
         if (x.numel() == x.shape[-1] and all(use_triton(x, f) for f in families) and type(norm) is RMSNorm
                 and (act is None or type(act) is SiluAndMul) and norm.weight.dtype == x.dtype

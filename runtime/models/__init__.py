@@ -7,9 +7,10 @@ from runtime.layers.linear import Linear, check_quantization
 from runtime.models.llama import LlamaForCausalLM
 from runtime.models.qwen2 import Qwen2ForCausalLM
 from runtime.models.qwen3 import Qwen3ForCausalLM
+from runtime.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODELS: dict[str, type[nn.Module]] = {
-    arch: cls for cls in (Qwen3ForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM) for arch in cls.architectures}
+    arch: cls for cls in (Qwen3ForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3MoeForCausalLM) for arch in cls.architectures}
 
 
 def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dtype,

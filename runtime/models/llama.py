@@ -71,15 +71,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rope: RotaryEmbedding, attention: type[LlamaAttention]):
+    def __init__(self, config: ModelConfig, rope: RotaryEmbedding, attention: type[LlamaAttention], mlp: nn.Module):
         super().__init__()
         self.self_attn = attention(config, rope)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # each norm with the projection after it, fused into one kernel where that pays (decode at batch 1)
         self.attn_input = NormedProjection(self.input_layernorm, self.self_attn.qkv_proj)
-        self.mlp_input = NormedProjection(self.post_attention_layernorm, self.mlp.gate_up_proj, self.mlp.act_fn)
+        self.mlp_input = (NormedProjection(self.post_attention_layernorm, mlp.gate_up_proj, mlp.act_fn)
+                          if isinstance(mlp, LlamaMLP) else NormedProjection(self.post_attention_layernorm))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,14 +92,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, attention: type[LlamaAttention]):
+    def __init__(self, config: ModelConfig, family: type["LlamaForCausalLM"]):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         # one rotary table for every layer of this model (it is large: max positions x head_dim floats); never
         # shared between models, whose memory sleeps and wakes on its own
         theta, scaling = rope_settings(config.raw)
         rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, theta, scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rope, attention) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rope, family.attention, family.mlp(config, i))
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -111,11 +113,16 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     architectures = ("LlamaForCausalLM",)  # the Hugging Face names this class serves (runtime/models/__init__.py)
-    attention = LlamaAttention  # what a family changes (qwen2.py, qwen3.py)
+    attention = LlamaAttention  # what a family changes (qwen2.py, qwen3.py), with `mlp` (qwen3_moe.py)
+
+    @staticmethod
+    def mlp(config: ModelConfig, layer: int) -> nn.Module:
+        """Layer `layer`'s MLP."""
+        return LlamaMLP(config)
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.model = LlamaModel(config, self.attention)
+        self.model = LlamaModel(config, type(self))
         self.lm_head = LMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -32,7 +32,17 @@ SHAPES = {
     "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                        max_position_embeddings=40960, torch_dtype="bfloat16"),
+    # `tsdev serve --model default-moe`: Qwen3-MoE, a dense layer (`mlp_only_layers`) between sparse ones
+    "tiny-moe": dict(vocab_size=1024, hidden_size=64, intermediate_size=192, num_hidden_layers=3,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1],
+                     torch_dtype="float32"),
+    "qwen3-moe-small": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
+                            num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                            num_experts=32, num_experts_per_tok=4, moe_intermediate_size=512, mlp_only_layers=[],
+                            torch_dtype="bfloat16"),
 }
+DEFAULT_MOE = "default-moe"  # the model name that serves the embedded mixture of experts
 
 
 def cache_dir() -> Path:
@@ -40,9 +50,10 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def default_model_dir(device: str) -> Path:
-    """The default checkpoint for this device, created (once, atomically) if it is not there yet."""
-    shape = "qwen3-0.6b" if device.startswith("cuda") else "tiny"
+def default_model_dir(device: str, moe: bool = False) -> Path:
+    """The default checkpoint for this device (`moe`: the mixture of experts), created (once, atomically) if it
+    is not there yet."""
+    shape = ("qwen3-moe-small" if moe else "qwen3-0.6b") if device.startswith("cuda") else ("tiny-moe" if moe else "tiny")
     final = cache_dir() / f"default-{shape}-v{VERSION}"
     if (final / "config.json").is_file():
         return final
@@ -69,7 +80,10 @@ def write_checkpoint(out: Path, shape: dict, seed: int = 0, std: float | None = 
     tokenizer = build_tokenizer(shape["vocab_size"])
     tokenizer.save(str(out / "tokenizer.json"))
     eos = eos_token_ids(tokenizer)
-    config = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", attention_bias=False,
+    moe = "num_experts" in shape
+    config = dict(architectures=["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"],
+                  model_type="qwen3_moe" if moe else "qwen3", attention_bias=False,
+                  **(dict(decoder_sparse_step=1, norm_topk_prob=True) if moe else {}),
                   hidden_act="silu", rms_norm_eps=1e-6, rope_theta=1_000_000.0, rope_scaling=None,
                   tie_word_embeddings=True, bos_token_id=None, eos_token_id=eos[1], **shape)
     (out / "config.json").write_text(json.dumps(config, indent=2))
@@ -97,11 +111,24 @@ def random_weights(shape: dict, seed: int, std: float | None, dtype: torch.dtype
             p + "self_attn.q_proj.weight": normal(q, h), p + "self_attn.k_proj.weight": normal(kv, h),
             p + "self_attn.v_proj.weight": normal(kv, h), p + "self_attn.o_proj.weight": normal(h, q),
             p + "self_attn.q_norm.weight": torch.ones(d, dtype=dtype), p + "self_attn.k_norm.weight": torch.ones(d, dtype=dtype),
-            p + "mlp.gate_proj.weight": normal(i, h), p + "mlp.up_proj.weight": normal(i, h),
-            p + "mlp.down_proj.weight": normal(h, i),
+            **_mlp_weights(shape, n, normal),
             p + "input_layernorm.weight": torch.ones(h, dtype=dtype),
             p + "post_attention_layernorm.weight": torch.ones(h, dtype=dtype),
         }
+    return weights
+
+
+def _mlp_weights(shape: dict, layer: int, normal) -> dict[str, torch.Tensor]:
+    """A dense MLP's three projections, or (a sparse layer of a mixture of experts) the router and each expert's."""
+    p, h = f"model.layers.{layer}.mlp.", shape["hidden_size"]
+    if "num_experts" not in shape or layer in shape["mlp_only_layers"]:
+        i = shape["intermediate_size"]
+        return {p + "gate_proj.weight": normal(i, h), p + "up_proj.weight": normal(i, h),
+                p + "down_proj.weight": normal(h, i)}
+    i, weights = shape["moe_intermediate_size"], {p + "gate.weight": normal(shape["num_experts"], h)}
+    for e in range(shape["num_experts"]):
+        weights |= {f"{p}experts.{e}.gate_proj.weight": normal(i, h), f"{p}experts.{e}.up_proj.weight": normal(i, h),
+                    f"{p}experts.{e}.down_proj.weight": normal(h, i)}
     return weights
 
 

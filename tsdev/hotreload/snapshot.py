@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 from types import ModuleType
 
-DEFAULT_PACKAGES = ("runtime.models", "runtime.layers", "runtime.sampling", "kernels.ops")
+DEFAULT_PACKAGES = ("runtime.models", "runtime.layers", "runtime.moe", "runtime.sampling", "kernels.ops")
 
 
 def default_packages(project_root: str | Path | None = None) -> list[str]:

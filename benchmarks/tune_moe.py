@@ -1,0 +1,97 @@
+"""Tune kernels/ops/moe.py's block sizes for one MoE shape on this GPU and write the file `moe_config` reads.
+
+    python3 benchmarks/tune_moe.py --experts 128 --intermediate 768 --hidden 2048      # Qwen3-30B-A3B, one rank
+    python3 benchmarks/tune_moe.py --experts 128 --intermediate 384 --hidden 2048      # the same at --tp 2
+
+For each token bucket (1, 16, 64, 256, 1024 by default) it times `fused_moe_triton` (alignment, both GEMMs, the sum)
+on random routings, replayed from a CUDA graph (triton.testing.do_bench_cudagraph), for every config of a small
+grid, and keeps the fastest: kernels/moe_configs/E=..,I=..,H=..,dtype=..,device=...json (--out to write elsewhere).
+--intermediate is one rank's share of moe_intermediate_size under tensor parallelism.
+"""
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from kernels.ops import moe
+
+GRID = dict(BLOCK_M=(16, 32, 64, 128), BLOCK_N=(32, 64, 128), BLOCK_K=(64, 128, 256), num_warps=(4, 8),
+            num_stages=(2, 3, 4))
+
+
+def candidates(tokens: int, topk: int, num_experts: int):
+    """The grid, without BLOCK_M far above the slots an expert gets on average (most of such a block is padding)."""
+    per_expert = tokens * topk / num_experts
+    for values in itertools.product(*GRID.values()):
+        config = dict(zip(GRID, values))
+        if config["BLOCK_M"] > 16 and config["BLOCK_M"] > 4 * per_expert:
+            continue
+        yield config
+
+
+def inputs(tokens: int, args, dtype: torch.dtype, generator: torch.Generator):
+    E, I, H, K = args.experts, args.intermediate, args.hidden, args.topk
+    x = torch.randn(tokens, H, generator=generator, device="cuda").to(dtype)
+    w13 = (torch.randn(E, 2 * I, H, generator=generator, device="cuda") * 0.02).to(dtype)
+    w2 = (torch.randn(E, H, I, generator=generator, device="cuda") * 0.02).to(dtype)
+    probs = torch.randn(tokens, E, generator=generator, device="cuda").softmax(-1)
+    weights, ids = probs.topk(K, dim=-1)
+    return x, w13, w2, (weights / weights.sum(-1, keepdim=True)).float(), ids.int()
+
+
+def time_ms(config: dict, rep: int, x, w13, w2, weights, ids) -> float | None:
+    import triton.testing
+
+    def call():
+        moe.fused_moe_triton(x, w13, w2, weights, ids, config=config)
+
+    try:
+        call()
+        torch.cuda.synchronize()
+        return triton.testing.do_bench_cudagraph(call, rep=rep)
+    except Exception as exc:  # out of shared memory / registers: not a candidate
+        print(f"  skip {config}: {type(exc).__name__}", file=sys.stderr)
+        torch.cuda.synchronize()
+        return None
+
+
+def main(args: argparse.Namespace) -> None:
+    dtype = getattr(torch, args.dtype)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    name = torch.cuda.get_device_name()
+    path = args.out or moe.moe_config_path(args.experts, args.intermediate, args.hidden, dtype, name)
+    best_of = {}
+    for tokens in args.tokens:
+        data = inputs(tokens, args, dtype, generator)
+        default = time_ms(moe.default_moe_config(tokens), args.rep, *data)
+        timed = [(ms, config) for config in candidates(tokens, args.topk, args.experts)
+                 if (ms := time_ms(config, args.rep, *data)) is not None]
+        ms, config = min(timed, key=lambda pair: pair[0])
+        best_of[str(tokens)] = config
+        print(f"T={tokens:5d}: {ms * 1e3:8.1f} us  (default {default * 1e3:8.1f} us)  {config}", flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(best_of, f, indent=2)
+        f.write("\n")
+    print(f"wrote {path}")
+
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--experts", type=int, required=True, help="E, experts of a sparse layer")
+parser.add_argument("--intermediate", type=int, required=True, help="I, one expert's (one rank's) intermediate size")
+parser.add_argument("--hidden", type=int, required=True, help="H, the model's hidden size")
+parser.add_argument("--topk", type=int, default=8, help="experts per token (Qwen3-MoE: 8)")
+parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+parser.add_argument("--tokens", type=int, nargs="+", default=list(moe.TOKEN_BUCKETS), help="token buckets")
+parser.add_argument("--rep", type=int, default=50, help="ms of replays per measurement")
+parser.add_argument("--out", help="where to write the JSON (default: the file moe_config reads)")
+
+if __name__ == "__main__":
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("tune_moe.py times kernels on a CUDA GPU; none is visible")
+    main(args)

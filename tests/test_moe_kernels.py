@@ -1,0 +1,313 @@
+"""kernels/ops/moe.py on CPU: the Triton path (alignment, both grouped GEMMs, the sum over k) in the interpreter
+against the reference; the reference against a naive per-token loop and transformers' Qwen3-MoE block; the
+config lookup. Tiny shapes: the interpreter runs one program at a time."""
+import json
+import logging
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.ops import moe
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests are for CPU machines")
+
+TOL = dict(atol=2e-5, rtol=2e-5)
+# a block of 16 slots, 16 columns, 16 of H per step: several blocks per expert, several column tiles and K steps
+SMALL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=2)
+H, I = 32, 24  # I not a multiple of BLOCK_N
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    torch.manual_seed(zlib.crc32(request.node.name.encode()))
+
+
+def experts(E, dtype=torch.float32):
+    return (torch.randn(E, 2 * I, H) * 0.3).to(dtype), (torch.randn(E, H, I) * 0.3).to(dtype)
+
+
+def routing(T, E, K=2, kind="random"):
+    """(weights [T, K] float32, ids [T, K] int32): distinct experts per token, as top-k gives."""
+    if kind == "random":
+        ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    elif kind == "few":  # only K experts get tokens (1, E - 1 and, for K > 2, from 3 up): 0 and 2 get none
+        pool = torch.tensor([1, E - 1] + [e for e in range(3, E - 1)][:K - 2])
+        ids = torch.stack([pool[torch.randperm(K)] for _ in range(T)])
+    elif kind == "one":  # every token's first choice is expert 2; the rest spread
+        ids = torch.stack([torch.cat([torch.tensor([2]), torch.randperm(E - 1)[:K - 1] + 3]) % E for _ in range(T)])
+    weights = torch.rand(T, K) + 0.05
+    return weights / weights.sum(-1, keepdim=True), ids.int()
+
+
+def naive_moe(x, w13, w2, weights, ids):
+    """Per token, per chosen expert, the dense MLP, float32 throughout."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = ids[t, k].item()
+            gate, up = w13[e, :I].double() @ x[t].double(), w13[e, I:].double() @ x[t].double()
+            out[t] += weights[t, k].item() * (w2[e].double() @ (F.silu(gate) * up))
+    return out
+
+
+# --- alignment ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T,K,E,block_m", [(1, 2, 4, 16), (5, 2, 8, 16), (17, 2, 4, 16), (17, 4, 8, 32), (3, 1, 6, 16),
+                                           (40, 2, 8, 16), (150, 2, 8, 16)])
+@pytest.mark.parametrize("kind", ["random", "few", "one"])
+def test_align_kernel_matches_reference_and_its_contract(T, K, E, block_m, kind):
+    _, ids = routing(T, E, K, kind)
+    if kind == "random" and T > 1:
+        ids = ids.long()  # int64 ids too
+    want = moe.moe_align_ref(ids, E, block_m)
+    for chunk in (None, 16):  # one program (every case here fits one chunk), and 16-slot chunks (three launches)
+        got = moe.moe_align_triton(ids, E, block_m, chunk)
+        for g, w in zip(got, want):
+            assert g.dtype == torch.int32 and torch.equal(g, w), chunk
+    sorted_ids, expert_ids, num_padded = got
+    S = T * K
+    max_slots, max_blocks = moe.moe_align_sizes(S, E, block_m)
+    assert sorted_ids.shape == (max_slots,) and expert_ids.shape == (max_blocks,) and num_padded.shape == (1,)
+    flat = ids.reshape(-1).long()
+    counts = torch.bincount(flat, minlength=E)
+    padded = (counts + block_m - 1) // block_m * block_m
+    assert num_padded.item() == padded.sum().item()
+    used = num_padded.item() // block_m
+    assert (expert_ids[used:] == -1).all() and (sorted_ids[num_padded.item():] == S).all()
+    real = sorted_ids[sorted_ids < S].long()
+    assert sorted(real.tolist()) == list(range(S))  # every (token, k) slot exactly once
+    start = 0
+    for e in range(E):  # each expert's slots contiguous from its start, in slot order, then its padding
+        run = sorted_ids[start:start + padded[e]].long()
+        assert run[:counts[e]].tolist() == (flat == e).nonzero().squeeze(1).tolist()
+        assert (run[counts[e]:] == S).all()
+        assert (expert_ids[start // block_m:(start + padded[e]) // block_m] == e).all()
+        start += padded[e].item()
+
+
+def test_align_sizes_bound_every_routing():
+    """The allocation holds the worst case: as many experts as possible with one slot each, the rest on one."""
+    for S, E, bm in [(1, 4, 16), (16, 4, 16), (17, 4, 16), (64, 128, 16), (1000, 8, 64), (7, 3, 16)]:
+        n = min(E, S)
+        worst = (n - 1) + -(-(S - n + 1) // bm)  # n - 1 experts with a slot, one with the rest
+        _, blocks = moe.moe_align_sizes(S, E, bm)
+        assert blocks >= worst
+        ids = torch.cat([torch.arange(n - 1), torch.full((S - n + 1,), n - 1)])[torch.randperm(S)]
+        num_padded = moe.moe_align_ref(ids.view(S, 1), E, bm)[2]
+        assert num_padded.item() <= blocks * bm and num_padded.item() == worst * bm
+
+
+# --- the fused op ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T", [1, 3, 5, 17])
+@pytest.mark.parametrize("kind", ["random", "few", "one"])
+def test_triton_matches_reference_fp32(T, kind):
+    E = 8 if kind == "random" else 4
+    x, (w13, w2) = torch.randn(T, H), experts(E)
+    weights, ids = routing(T, E, 2, kind)
+    want = moe.fused_moe_ref(x, w13, w2, weights, ids)
+    got = moe.fused_moe_triton(x, w13, w2, weights, ids, config=SMALL)
+    assert got.dtype == torch.float32 and got.shape == (T, H)
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_triton_default_config_and_larger_k():
+    """moe_config's CPU default (BLOCK_K past H, BLOCK_N past I), K = 4, int64 ids, T*K = 20 (not a multiple)."""
+    T, E = 5, 6
+    x, (w13, w2) = torch.randn(T, H), experts(E)
+    weights, ids = routing(T, E, 4)
+    got = moe.fused_moe_triton(x, w13, w2, weights, ids.long())
+    torch.testing.assert_close(got, moe.fused_moe_ref(x, w13, w2, weights, ids), **TOL)
+
+
+def test_triton_is_reproducible_bit_for_bit():
+    x, (w13, w2) = torch.randn(17, H), experts(4)
+    weights, ids = routing(17, 4)
+    first = moe.fused_moe_triton(x, w13, w2, weights, ids, config=SMALL)
+    assert torch.equal(first, moe.fused_moe_triton(x, w13, w2, weights, ids, config=SMALL))
+
+
+def truncate_bf16(t):
+    """float32 -> bf16 as the interpreter casts: the low 16 bits dropped (a GPU rounds to nearest)."""
+    return (t.float().view(torch.int32) & -65536).view(torch.float32).bfloat16()
+
+
+def rounded_moe(x, w13, w2, weights, ids, rnd):
+    """The reference's arithmetic slot by slot, with rnd as the kernels' rounding to bf16 (the sum over k, in torch
+    on both paths, rounds to nearest)."""
+    T, K = ids.shape
+    per_slot = torch.zeros(T, K, H)
+    for t in range(T):
+        for k in range(K):
+            e = ids[t, k].item()
+            gu = rnd(x[t].float() @ w13[e].float().T).float()
+            h = rnd(rnd(F.silu(gu[:I])).float() * gu[I:]).float()
+            per_slot[t, k] = rnd(rnd(w2[e].float() @ h).float() * weights[t, k]).float()
+    return per_slot.sum(1).bfloat16()
+
+
+@pytest.mark.parametrize("T,kind", [(3, "random"), (17, "one")])
+def test_triton_bf16(T, kind):
+    """bf16 in, float32 inside, rounded to bf16 where the reference rounds. The interpreter truncates its casts to
+    bf16 (docs/kernels.md) where a GPU rounds to nearest, so the kernels are checked against the same arithmetic
+    truncating (a float32 sum in another order may still cross a truncation point: an ulp here and there), and that
+    arithmetic rounding to nearest against the reference."""
+    E = 4
+    x, (w13, w2) = torch.randn(T, H).bfloat16(), experts(E, torch.bfloat16)
+    weights, ids = routing(T, E, 2, kind)
+    weights = weights.bfloat16().float()  # as the router rounds them
+    got = moe.fused_moe_triton(x, w13, w2, weights, ids, config=SMALL)
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    # (bit for bit on every seed tried; a few elements an ulp apart would still be right)
+    nearest = rounded_moe(x, w13, w2, weights, ids, lambda t: t.bfloat16())
+    for want, have in ((rounded_moe(x, w13, w2, weights, ids, truncate_bf16), got),
+                       (moe.fused_moe_ref(x, w13, w2, weights, ids), nearest)):
+        assert torch.isclose(have.float(), want.float(), atol=1e-3, rtol=8e-3).all()  # at most an ulp
+        assert (have == want).float().mean() > 0.95
+
+
+def test_gemm_skips_unused_blocks_and_writes_only_real_slots():
+    """The gated GEMM writes every slot's row once and nothing for pad entries (NaN-filled output stays NaN
+    nowhere; pad slot id = T*K would be out of bounds)."""
+    T, E, K = 5, 8, 2
+    x, (w13, _) = torch.randn(T, H), experts(E)
+    _, ids = routing(T, E, K, "few")
+    sorted_ids, expert_ids, _ = moe.moe_align_triton(ids, E, 16)
+    assert (expert_ids == -1).any()  # the allocation's spare blocks
+    inter = torch.full((T * K, I), float("nan"))
+    moe._moe_gemm[(expert_ids.numel(), 2)](x, w13, inter, sorted_ids, expert_ids, x, I, H, T * K, K, x.stride(0),
+                                           w13.stride(0), w13.stride(1), inter.stride(0), GATED=True,
+                                           MUL_WEIGHT=False, F32_DOT=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16,
+                                           PDL=False)
+    flat = ids.reshape(-1).long()
+    gu = torch.einsum("sh,sih->si", x[torch.arange(T * K) // K], w13[flat])
+    torch.testing.assert_close(inter, F.silu(gu[:, :I]) * gu[:, I:], **TOL)
+
+
+def test_public_op_uses_the_reference_on_cpu(monkeypatch):
+    def triton_called(*args, **kwargs):
+        raise AssertionError("a Triton entry point ran for CPU tensors")
+
+    monkeypatch.setattr(moe, "fused_moe_triton", triton_called)
+    monkeypatch.setattr(moe, "moe_align_triton", triton_called)
+    x, (w13, w2) = torch.randn(3, H), experts(4)
+    weights, ids = routing(3, 4)
+    assert torch.equal(moe.fused_moe(x, w13, w2, weights, ids), moe.fused_moe_ref(x, w13, w2, weights, ids))
+    for got, want in zip(moe.moe_align(ids, 4, 16), moe.moe_align_ref(ids, 4, 16)):
+        assert torch.equal(got, want)
+
+
+# --- the reference -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["random", "few", "one"])
+def test_reference_matches_a_naive_per_token_loop(kind):
+    T, E = 7, 6
+    x, (w13, w2) = torch.randn(T, H), experts(E)
+    weights, ids = routing(T, E, 2, kind)
+    got = moe.fused_moe_ref(x, w13, w2, weights, ids)
+    torch.testing.assert_close(got.double(), naive_moe(x, w13, w2, weights, ids), atol=1e-5, rtol=1e-5)
+    # the masked form (what runs inside a CUDA graph capture) gives the same
+    torch.testing.assert_close(moe.fused_moe_ref(x, w13, w2, weights, ids, masked=True), got, atol=1e-6, rtol=1e-6)
+    xb, w13b, w2b, wb = x.bfloat16(), w13.bfloat16(), w2.bfloat16(), weights.bfloat16().float()
+    torch.testing.assert_close(moe.fused_moe_ref(xb, w13b, w2b, wb, ids, masked=True),
+                               moe.fused_moe_ref(xb, w13b, w2b, wb, ids), atol=1e-2, rtol=1e-2)
+
+
+def hf_block(E, K, norm_topk_prob, implementation):
+    import transformers
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    config = transformers.Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=K,
+                                         norm_topk_prob=norm_topk_prob)
+    config._experts_implementation = implementation
+    block = Qwen3MoeSparseMoeBlock(config)
+    with torch.no_grad():
+        block.gate.weight.normal_()
+        block.experts.gate_up_proj.normal_(std=0.3)
+        block.experts.down_proj.normal_(std=0.3)
+    return block
+
+
+def hf_routing(block, x, norm_topk_prob):
+    """transformers' router, as its code reads: softmax (float32) over all experts, top-k, renormalised if
+    norm_topk_prob, rounded to x's dtype."""
+    probs = torch.softmax(F.linear(x, block.gate.weight), dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, block.gate.top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights.to(x.dtype).float(), ids.int()
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
+def test_reference_matches_transformers_qwen3_moe_block(norm_topk_prob, implementation):
+    E, K, T = 8, 2, 9
+    block = hf_block(E, K, norm_topk_prob, implementation)
+    x = torch.randn(T, H)
+    with torch.no_grad():
+        want = block(x.view(1, T, H)).view(T, H)
+        _, hf_weights, hf_ids = block.gate(x)
+    weights, ids = hf_routing(block, x, norm_topk_prob)
+    assert torch.equal(hf_ids.int(), ids) and torch.equal(hf_weights.float(), weights)
+    w13, w2 = block.experts.gate_up_proj.data, block.experts.down_proj.data  # [E, 2I, H] gate rows first, [E, H, I]
+    torch.testing.assert_close(moe.fused_moe_ref(x, w13, w2, weights, ids), want, **TOL)
+    torch.testing.assert_close(moe.fused_moe_triton(x, w13, w2, weights, ids, config=SMALL), want, **TOL)
+
+
+def test_reference_is_transformers_default_experts_bit_for_bit_in_bf16():
+    """bf16, K = 4: the reference rounds where transformers' default (grouped_mm) experts do, and sums over k in
+    float32 as they do (its eager loop adds in bf16, one rounding per expert: it differs from K = 3 on)."""
+    E, K, T = 8, 4, 9
+    block = hf_block(E, K, True, "grouped_mm").to(torch.bfloat16)
+    x = torch.randn(T, H).bfloat16()
+    with torch.no_grad():
+        want = block(x.view(1, T, H)).view(T, H)
+    weights, ids = hf_routing(block, x, True)
+    got = moe.fused_moe_ref(x, block.experts.gate_up_proj.data, block.experts.down_proj.data, weights, ids)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+# --- configs -----------------------------------------------------------------------------------
+
+
+def test_config_file_nearest_bucket_and_one_warning_when_missing(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(moe, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(moe, "_device_name", lambda device: "NVIDIA H200")
+    tuned = {str(t): dict(BLOCK_M=16 if t < 64 else 64, BLOCK_N=32 + t, BLOCK_K=64, num_warps=4, num_stages=3)
+             for t in (1, 16, 64, 256)}
+    path = moe.moe_config_path(8, 24, 32, torch.bfloat16, "NVIDIA H200")
+    assert path.name == "E=8,I=24,H=32,dtype=bfloat16,device=NVIDIA_H200.json"
+    path.write_text(json.dumps(tuned))
+    with caplog.at_level(logging.WARNING, logger=moe.log.name):
+        for tokens, bucket in [(1, 1), (7, 1), (9, 16), (40, 16), (41, 64), (100, 64), (5000, 256)]:
+            assert moe.moe_config(8, 24, 32, torch.bfloat16, tokens) == tuned[str(bucket)], tokens
+        assert not caplog.records
+        for tokens in (1, 16, 500):  # no file for this shape: defaults, one warning naming the file and the command
+            assert moe.moe_config(4, 24, 32, torch.bfloat16, tokens) == moe.default_moe_config(tokens)
+    assert len(caplog.records) == 1
+    message = caplog.records[0].getMessage()
+    assert "E=4,I=24,H=32,dtype=bfloat16,device=NVIDIA_H200.json" in message
+    assert "python3 benchmarks/tune_moe.py --experts 4 --intermediate 24 --hidden 32" in message
+
+
+def test_config_on_cpu_is_the_default_without_a_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger=moe.log.name):
+        assert moe.moe_config(128, 768, 2048, torch.bfloat16, 1, device="cpu") == moe.default_moe_config(1)
+        assert moe.moe_config(128, 768, 2048, torch.bfloat16, 512, device="cpu")["BLOCK_M"] == 64
+    assert not caplog.records
+
+
+def test_tuner_imports_and_prints_help():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "tune_moe.py"
+    result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    assert "--experts" in result.stdout and "--intermediate" in result.stdout and "--hidden" in result.stdout

@@ -1,0 +1,194 @@
+"""Qwen3-MoE on a tiny checkpoint that transformers itself wrote (per-expert tensor names, a dense layer between two
+sparse ones) computes what transformers computes (float32, CPU): greedy tokens alone, batched and under --tp 2 on
+gloo (the experts split on their intermediate features); its stacked experts load per expert through the declared
+keys, and a layer's expert tensors streamed out of file order are processed exactly once, after the last key."""
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ranks import run_ranks
+from runtime.engine.llm_engine import LLMEngine
+from runtime.engine.sequence import SamplingParams
+from runtime.moe.experts import StackedExperts
+from runtime.moe.layer import SparseMoeBlock
+from test_model_families import engine_config, hf_greedy, hf_model
+
+PROMPTS = [[5, 17, 300, 42, 9, 77, 123, 4, 8, 15, 16, 23], [200, 201, 202], [(13 * j + 1) % 1000 + 3 for j in range(40)]]
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def expected(hf_qwen3_moe_dir) -> list[list[int]]:
+    model = hf_model(hf_qwen3_moe_dir)
+    return [hf_greedy(model, p, GREEDY.max_tokens) for p in PROMPTS]
+
+
+def test_the_layers_are_sparse_dense_sparse_and_the_experts_stacked(hf_qwen3_moe_dir):
+    engine = LLMEngine(engine_config(hf_qwen3_moe_dir))
+    layers = engine.model.model.layers
+    assert [isinstance(layer.mlp, SparseMoeBlock) for layer in layers] == [True, False, True]
+    experts = layers[0].mlp.experts
+    assert tuple(experts.w13.shape) == (8, 64, 64) and tuple(experts.w2.shape) == (8, 64, 32)
+    tensors = load_file(hf_qwen3_moe_dir / "model.safetensors")
+    for e in (0, 5):
+        prefix = f"model.layers.2.mlp.experts.{e}"
+        w13 = layers[2].mlp.experts.w13[e]
+        assert torch.equal(w13[:32], tensors[f"{prefix}.gate_proj.weight"])
+        assert torch.equal(w13[32:], tensors[f"{prefix}.up_proj.weight"])
+        assert torch.equal(layers[2].mlp.experts.w2[e], tensors[f"{prefix}.down_proj.weight"])
+
+
+def test_greedy_tokens_equal_transformers_alone_and_batched(hf_qwen3_moe_dir, expected):
+    assert len({tuple(e) for e in expected}) == len(expected)
+    engine = LLMEngine(engine_config(hf_qwen3_moe_dir))
+    for prompt, want in zip(PROMPTS, expected):
+        assert engine.generate([prompt], GREEDY)[0]["token_ids"] == want
+    assert [r["token_ids"] for r in engine.generate(PROMPTS, GREEDY)] == expected
+
+
+def tp_rank(model_dir: str) -> dict:
+    from runtime import distributed
+    from runtime.engine.ranks import serve_rank
+
+    config = engine_config(model_dir, world_size=2, cudagraph_capture_sizes=[1, 4])
+    if distributed.rank() != 0:
+        serve_rank(config)
+        return {}
+    engine = LLMEngine(config)
+    try:
+        experts = engine.model.model.layers[0].mlp.experts
+        return dict(tokens=[r["token_ids"] for r in engine.generate(PROMPTS, GREEDY)],
+                    w13=tuple(experts.w13.shape), w2=tuple(experts.w2.shape))
+    finally:
+        engine.close()
+
+
+def test_two_ranks_split_the_experts_and_serve_the_greedy_tokens_of_transformers(hf_qwen3_moe_dir, expected):
+    rank0, _ = run_ranks(tp_rank, 2, str(hf_qwen3_moe_dir), timeout=240)
+    assert (rank0["w13"], rank0["w2"]) == ((8, 32, 64), (8, 64, 16))  # half of each expert's 32 features
+    assert rank0["tokens"] == expected
+
+
+# --- completion by declared keys: one stacked parameter, many loads, out of file order --------------------------
+
+
+class ScaledExperts(StackedExperts):
+    """Stacked experts with a derived tensor (as fp8 experts have their scales): each expert's w13 amax."""
+
+    def __init__(self, log: list):
+        super().__init__(4, 8, 6)
+        self.log = log
+        self.register_buffer("amax", torch.zeros(4), persistent=False)
+
+    def process_weights_after_loading(self) -> None:
+        self.amax.copy_(self.w13.abs().amax(dim=(1, 2)))
+        self.log.append("processed")
+
+
+class OneLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.log: list[str] = []
+        self.experts = ScaledExperts(self.log)
+
+
+def expert_tensor(e: int, proj: str, value: float = 0.0) -> tuple[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(10 * e + len(proj))
+    shape = (8, 6) if proj == "down" else (6, 8)
+    return f"experts.{e}.{proj}_proj.weight", torch.rand(shape, generator=g) + value
+
+
+def test_expert_tensors_out_of_order_and_repeated_process_the_layer_once_after_its_last_key(tmp_path):
+    from safetensors.torch import save_file
+
+    from runtime.weights.loader import load_weights
+
+    save_file(dict(expert_tensor(e, p) for e in range(4) for p in ("gate", "up", "down")), tmp_path / "model.safetensors")
+    layer = OneLayer()
+    weights = load_weights(layer, tmp_path)
+    assert set(weights.keys["experts.w13"]) == {(e, p) for e in range(4) for p in ("gate", "up")}  # E x 2 keys
+    layer.log.clear()
+    # expert 0's gate three times first, then every other tensor out of file order, expert 3's up last (large)
+    stream = [expert_tensor(0, "gate")] * 3 + [expert_tensor(e, p) for e in (2, 1, 0, 3) for p in ("down", "gate", "up")
+                                               if (e, p) != (3, "up")] + [expert_tensor(3, "up", 100.0)]
+    seen = []
+
+    def tensors():
+        for name, tensor in stream:
+            seen.append(list(layer.log))
+            yield name, tensor
+
+    weights.load_tensors(tensors())
+    assert all(log == [] for log in seen)  # never processed before the last key arrived
+    assert layer.log == ["processed"]  # exactly once
+    assert layer.experts.amax[3] > 100 and torch.equal(layer.experts.amax, layer.experts.w13.abs().amax(dim=(1, 2)))
+
+
+def test_a_trigger_on_element_counts_processes_the_experts_early_and_leaves_the_derived_tensor_stale(tmp_path):
+    """The negative control: the trigger vLLM's layerwise reload used (process once the elements loaded reach the
+    parameter's size) fires after repeated calls for one expert, before expert 3's last tensor arrives."""
+    layer = OneLayer()
+    experts = layer.experts
+    experts.w13.data.zero_()  # the weights before this load (an update's old ones): small
+    loaded, processed = 0, False
+    stream = [expert_tensor(0, "gate")] * 7 + [expert_tensor(e, p) for e in range(4) for p in ("gate", "up")
+                                               if (e, p) != (3, "up")] + [expert_tensor(3, "up", 100.0)]
+    for name, tensor in stream:
+        _, e, proj, _ = name.split(".")
+        experts.load_weight("w13", (int(e), proj.removesuffix("_proj")), tensor)
+        loaded += tensor.numel()
+        if not processed and loaded >= experts.w13.numel():
+            experts.process_weights_after_loading()
+            processed = True
+    assert processed and experts.amax[3] < 100  # derived before expert 3's up arrived: stale
+    assert experts.w13.abs().amax(dim=(1, 2))[3] > 100
+
+
+# --- an edit of the MoE layer reloads in place ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("module, old, new", [
+    # the router forgets to renormalise its top k
+    ("runtime.moe.router", "weights = weights / weights.sum(dim=-1, keepdim=True)", "weights = weights * 1.0"),
+    # the kernel module halves silu(gate) * up (its reference: what the CPU runs)
+    ("kernels.ops.moe", "h = (F.silu(gate.float()).to(dt).float() * up.float()).to(dt)",
+     "h = (F.silu(gate.float()).to(dt).float() * up.float() * 0.5).to(dt)"),
+])
+def test_an_edit_of_the_moe_code_changes_the_output_and_its_revert_restores_it_bit_for_bit(hf_qwen3_moe_dir, module,
+                                                                                            old, new):
+    import importlib
+    import inspect
+
+    from test_model_families import teacher_forced_logits
+    from tsdev.hotreload import Reloader
+
+    engine = LLMEngine(engine_config(hf_qwen3_moe_dir))
+    source = inspect.getsource(importlib.import_module(module))
+    assert old in source
+    prompt, feed = PROMPTS[0], [7, 8, 9]
+    before = teacher_forced_logits(engine, prompt, feed)
+    reloader = Reloader(["runtime.models", "runtime.layers", "runtime.moe", "kernels.ops"])
+    tx = reloader.reload(sources={module: source.replace(old, new).encode()})
+    assert tx.report.ok, tx.report.error
+    tx.commit()
+    try:
+        edited = teacher_forced_logits(engine, prompt, feed)
+    finally:  # the revert, as a user's undo and save: the file's old source again
+        back = reloader.reload(sources={module: source.encode()})
+        assert back.report.ok, back.report.error
+        back.commit()
+    assert not torch.allclose(edited, before, atol=1e-3)
+    assert torch.equal(teacher_forced_logits(engine, prompt, feed), before)
+
+
+def test_the_embedded_moe_default_serves_without_a_checkpoint(monkeypatch, tmp_path):
+    from test_cli import engine_config as serve_config
+
+    monkeypatch.setenv("TSDEV_CACHE_DIR", str(tmp_path))
+    assert serve_config(monkeypatch, "--model", "default-moe").model == "default-moe"
+    engine = LLMEngine(engine_config("default-moe", max_model_len=256))
+    assert engine.model_config.architecture == "Qwen3MoeForCausalLM" and engine.model_dir.parent == tmp_path
+    layers = engine.model.model.layers
+    assert [isinstance(layer.mlp, SparseMoeBlock) for layer in layers] == [True, False, True]
+    tokens = engine.generate([PROMPTS[0]], GREEDY)[0]["token_ids"]
+    assert len(tokens) == GREEDY.max_tokens and len(set(tokens)) > 2
