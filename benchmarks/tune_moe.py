@@ -21,13 +21,14 @@ from kernels.ops import moe
 
 GRID = dict(BLOCK_M=(16, 32, 64, 128), BLOCK_N=(32, 64, 128), BLOCK_K=(64, 128, 256), num_warps=(4, 8),
             num_stages=(2, 3, 4))
+QUICK_GRID = dict(BLOCK_M=(16, 64), BLOCK_N=(64, 128), BLOCK_K=(64, 128), num_warps=(4, 8), num_stages=(3,))
 
 
-def candidates(tokens: int, topk: int, num_experts: int):
+def candidates(tokens: int, topk: int, num_experts: int, grid: dict):
     """The grid, without BLOCK_M far above the slots an expert gets on average (most of such a block is padding)."""
     per_expert = tokens * topk / num_experts
-    for values in itertools.product(*GRID.values()):
-        config = dict(zip(GRID, values))
+    for values in itertools.product(*grid.values()):
+        config = dict(zip(grid, values))
         if config["BLOCK_M"] > 16 and config["BLOCK_M"] > 4 * per_expert:
             continue
         yield config
@@ -68,7 +69,7 @@ def main(args: argparse.Namespace) -> None:
     for tokens in args.tokens:
         data = inputs(tokens, args, dtype, generator)
         default = time_ms(moe.default_moe_config(tokens), args.rep, *data)
-        timed = [(ms, config) for config in candidates(tokens, args.topk, args.experts)
+        timed = [(ms, config) for config in candidates(tokens, args.topk, args.experts, QUICK_GRID if args.quick else GRID)
                  if (ms := time_ms(config, args.rep, *data)) is not None]
         ms, config = min(timed, key=lambda pair: pair[0])
         best_of[str(tokens)] = config
@@ -88,6 +89,7 @@ parser.add_argument("--topk", type=int, default=8, help="experts per token (Qwen
 parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
 parser.add_argument("--tokens", type=int, nargs="+", default=list(moe.TOKEN_BUCKETS), help="token buckets")
 parser.add_argument("--rep", type=int, default=50, help="ms of replays per measurement")
+parser.add_argument("--quick", action="store_true", help="a 16-config grid (minutes, not an hour)")
 parser.add_argument("--out", help="where to write the JSON (default: the file moe_config reads)")
 
 if __name__ == "__main__":
