@@ -192,3 +192,60 @@ def test_the_embedded_moe_default_serves_without_a_checkpoint(monkeypatch, tmp_p
     assert [isinstance(layer.mlp, SparseMoeBlock) for layer in layers] == [True, False, True]
     tokens = engine.generate([PROMPTS[0]], GREEDY)[0]["token_ids"]
     assert len(tokens) == GREEDY.max_tokens and len(set(tokens)) > 2
+
+
+# --- the weight paths on an MoE model: sleep/wake + reload_weights, a direct update, the checksum, pinned staging --
+
+
+def test_sleep_level_2_and_reload_weights_restore_the_moe_models_checksum_and_tokens(hf_qwen3_moe_dir, expected):
+    engine = LLMEngine(engine_config(hf_qwen3_moe_dir))
+    checksum = engine.weights_checksum()
+    assert any(name.endswith("experts.w13") for name in checksum) and any(".mlp.gate." in n for n in checksum)
+    engine.sleep(2)
+    engine.wake_up()
+    assert not engine.sleep_state.weights_loaded
+    engine.reload_weights()
+    assert engine.weights_checksum() == checksum
+    assert [r["token_ids"] for r in engine.generate(PROMPTS, GREEDY)] == expected
+
+
+def test_a_direct_update_of_every_expert_serves_transformers_tokens_of_the_new_weights(hf_qwen3_moe_dir, expected,
+                                                                                        tmp_path):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    b = shutil.copytree(hf_qwen3_moe_dir, tmp_path / "B")
+    tensors = load_file(hf_qwen3_moe_dir / "model.safetensors")
+    generator = torch.Generator().manual_seed(30)
+    save_file({n: t + 0.05 * torch.randn(t.shape, generator=generator) for n, t in sorted(tensors.items())},
+              b / "model.safetensors", metadata={"format": "pt"})
+    on_b = [hf_greedy(hf_model(b), p, GREEDY.max_tokens) for p in PROMPTS]
+    assert on_b != expected
+    engine = LLMEngine(engine_config(hf_qwen3_moe_dir))
+    model = engine.runner.model
+    addresses = {n: t.data_ptr() for n, t in model.named_parameters()}
+    original = engine.weights_checksum()
+    assert engine.update_weights(b, "direct").mode == "direct"
+    assert {n: t.data_ptr() for n, t in model.named_parameters()} == addresses
+    assert engine.weights_checksum() == LLMEngine(engine_config(b)).weights_checksum() != original
+    assert [r["token_ids"] for r in engine.generate(PROMPTS, GREEDY)] == on_b
+    engine.update_weights(hf_qwen3_moe_dir, "direct")
+    assert engine.weights_checksum() == original
+
+
+def test_pinned_staging_loads_the_experts_bit_identical_to_plain(hf_qwen3_moe_dir, monkeypatch):
+    from runtime.config import ModelConfig
+    from runtime.models import MODELS, build_model
+    from runtime.weights import pinned
+    from runtime.weights.loader import load_weights
+
+    monkeypatch.setattr(pinned, "check_pinnable", lambda device: None)  # the staged path on the CPU, unpinned
+    monkeypatch.setattr(pinned, "host_register", lambda ptr, n: (lambda: None))
+    config = ModelConfig.from_dir(hf_qwen3_moe_dir, MODELS)
+    plain, staged = (build_model(config, "cpu", torch.float32) for _ in range(2))
+    load_weights(plain, hf_qwen3_moe_dir, "plain")
+    report = load_weights(staged, hf_qwen3_moe_dir, "pinned", memory_limit=64 << 10).report  # small slots: splits
+    assert report.format == "pinned"
+    for (name, a), (_, b) in zip(plain.named_parameters(), staged.named_parameters()):
+        assert torch.equal(a, b), name
