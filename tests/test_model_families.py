@@ -20,10 +20,10 @@ from kernels.ops import fp8
 from ranks import run_ranks
 from runtime.config import EngineConfig, ModelConfig
 from runtime.engine.llm_engine import LLMEngine
-from runtime.engine.scheduler import ScheduledBatch
-from runtime.engine.sequence import SamplingParams, Sequence
+from runtime.engine.sequence import SamplingParams
 from runtime.layers.linear import Linear
 from runtime.server.app import build_app
+from test_fp8 import prefill_and_decode_logits as teacher_forced_logits
 
 FAMILIES = {"llama": "hf_llama_dir", "qwen2": "hf_qwen2_dir", "qwen3": "hf_written_dir"}
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -281,22 +281,6 @@ def test_a_chat_requests_prompt_is_the_checkpoints_template_as_transformers_rend
     body = chat.json()
     assert body["usage"]["prompt_tokens"] == len(want)
     assert body["choices"][0]["token_ids"] == reply
-
-
-def teacher_forced_logits(engine: LLMEngine, prompt: list[int], feed: list[int]) -> torch.Tensor:
-    """Logits of the prompt's last row (one prefill), then of one-row decodes of `feed` (both engines see the
-    same inputs)."""
-    seq = Sequence("tf", list(prompt), SamplingParams(max_tokens=len(feed) + 1, temperature=0, ignore_eos=True))
-    engine.block_manager.allocate(seq, len(prompt))
-    out = [engine.runner.compute_logits(ScheduledBatch([seq], [len(prompt)]))[0].clone()]
-    seq.num_computed_tokens = len(prompt)
-    for token in feed:
-        seq.token_ids.append(token)
-        engine.block_manager.allocate(seq, 1)
-        out.append(engine.runner.compute_logits(ScheduledBatch([seq], [1]))[0].clone())
-        seq.num_computed_tokens += 1
-    engine.block_manager.free_pages(seq)
-    return torch.stack(out)
 
 
 def hf_fp8_model(model_dir) -> transformers.PreTrainedModel:

@@ -10,14 +10,9 @@ from runtime.config import EngineConfig
 from runtime.engine.llm_engine import LLMEngine
 from runtime.engine.sequence import SamplingParams
 
+from test_model_families import FAMILIES, PROMPTS  # the CPU test's checkpoints and prompts (two cross position 64)
+
 pytestmark = pytest.mark.gpu
-FAMILIES = {"llama": "hf_llama_dir", "qwen2": "hf_qwen2_dir", "qwen3": "hf_written_dir"}
-PROMPTS = [
-    [5, 17, 300, 42, 9, 77, 123, 4, 8, 15, 16, 23],
-    [200, 201, 202],
-    [(13 * j + 1) % 1000 + 3 for j in range(58)],  # its decode steps cross position 64
-    [(7 * j + 5) % 1000 + 3 for j in range(70)],  # its prefill does
-]
 MAX_TOKENS = 16
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 

@@ -98,7 +98,7 @@ def write_checkpoint(out: Path, shape: dict, seed: int = 0, std: float | None = 
 
 def random_weights(shape: dict, seed: int, std: float | None, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    h, i, d = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
+    h, d = shape["hidden_size"], shape["head_dim"]
     q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
 
     def normal(rows: int, fan_in: int) -> torch.Tensor:

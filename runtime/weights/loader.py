@@ -79,14 +79,12 @@ class LoadedWeights:
 
     It holds the checkpoint layout of every tensor before any hook ran (`layout`: what a direct update views
     re-laid-out tensors back to), the keys each parameter's module declared (`keys`: what every later load must
-    bring, all of them), the derived tensors the hooks fill (`derived`: what a weight update refreshes in place),
-    and the first load's `report`."""
+    bring, all of them), and the first load's `report`."""
 
     def __init__(self, targets: "_Targets", report: LoadReport):
         self.model, self._targets, self.report = targets.model, targets, report
         self.layout: layout.Layout = targets.recorded
         self.keys: Keys = targets.keys
-        self.derived = sorted(set(dict(self.model.named_buffers())) - set(layout.checkpoint_tensors(self.model)))
 
     def load(self, model_dir: Path, load_format: str = EngineConfig.load_format,
              memory_limit: int = EngineConfig.load_memory_limit) -> LoadReport:
