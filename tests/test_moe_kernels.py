@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.ops import moe
+from kernels.ops import fp8, moe
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests are for CPU machines")
 
@@ -131,6 +131,60 @@ def test_triton_is_reproducible_bit_for_bit():
     assert torch.equal(first, moe.fused_moe_triton(x, w13, w2, weights, ids, config=SMALL))
 
 
+@pytest.mark.parametrize("T", [1, 2, 4])
+@pytest.mark.parametrize("kind, K", [("random", 2), ("few", 2), ("one", 4)])
+def test_the_gemv_path_for_few_tokens_matches_reference_fp32(T, kind, K):
+    """Decode's path (no alignment; the sum over k inside the down kernel), also when tokens share experts."""
+    E = 8 if kind == "random" else 6
+    x, (w13, w2) = torch.randn(T, H), experts(E)
+    weights, ids = routing(T, E, K, kind)
+    got = moe.fused_moe_gemv_triton(x, w13, w2, weights, ids)
+    assert got.dtype == torch.float32 and got.shape == (T, H)
+    torch.testing.assert_close(got, moe.fused_moe_ref(x, w13, w2, weights, ids), **TOL)
+
+
+def test_few_tokens_take_the_gemv_path_and_more_the_aligned_gemms(monkeypatch):
+    aligned = []
+    align = moe.moe_align_triton
+    monkeypatch.setattr(moe, "moe_align_triton", lambda *a, **k: aligned.append(1) or align(*a, **k))
+    for T in (1, moe.GEMV_MAX_TOKENS, moe.GEMV_MAX_TOKENS + 1):
+        x, (w13, w2) = torch.randn(T, H), experts(4)
+        weights, ids = routing(T, 4)
+        torch.testing.assert_close(moe.fused_moe_triton(x, w13, w2, weights, ids),
+                                   moe.fused_moe_ref(x, w13, w2, weights, ids), **TOL)
+    assert len(aligned) == 1
+
+
+def fp8_experts(E):
+    """e4m3 experts with one scale per (expert, row), from random float32 ones (kernels/ops/fp8.py's quantizer)."""
+    w13, w2 = experts(E)
+    (q13, s13), (q2, s2) = fp8.quantize_fp8_rows(w13), fp8.quantize_fp8_rows(w2)
+    return q13, s13.squeeze(-1), q2, s2.squeeze(-1)
+
+
+@pytest.mark.parametrize("T, kind", [(1, "random"), (3, "one"), (9, "random")])
+def test_fp8_experts_are_the_dequantized_experts_on_both_paths(T, kind):
+    """Weight-only FP8: e4m3 tiles converted exactly, each GEMM's sum times its (expert, row) scale, the input not
+    quantized -- so the same as float32 experts holding the dequantized values (up to the order of float32 sums),
+    on the GEMV path, the aligned GEMMs and the reference."""
+    E = 6
+    q13, s13, q2, s2 = fp8_experts(E)
+    x = torch.randn(T, H)
+    weights, ids = routing(T, E, 2, kind)
+    scales = dict(w13_scale=s13, w2_scale=s2)
+    dequantized = moe.fused_moe_ref(x, fp8.dequantize_fp8_rows(q13, s13), fp8.dequantize_fp8_rows(q2, s2), weights,
+                                    ids)
+    want = moe.fused_moe_ref(x, q13, q2, weights, ids, **scales)
+    torch.testing.assert_close(want, dequantized, **TOL)
+    got = {"gemm": moe.fused_moe_triton(x, q13, q2, weights, ids, config=SMALL, **scales)}
+    if T <= moe.GEMV_MAX_TOKENS:
+        got["gemv"] = moe.fused_moe_gemv_triton(x, q13, q2, weights, ids, **scales)
+    for path, out in got.items():
+        torch.testing.assert_close(out, want, **TOL, msg=path)
+    unscaled = moe.fused_moe_ref(x, q13.float(), q2.float(), weights, ids)
+    assert (want - unscaled).abs().max() > 0.1  # the scales matter
+
+
 def truncate_bf16(t):
     """float32 -> bf16 as the interpreter casts: the low 16 bits dropped (a GPU rounds to nearest)."""
     return (t.float().view(torch.int32) & -65536).view(torch.float32).bfloat16()
@@ -179,10 +233,10 @@ def test_gemm_skips_unused_blocks_and_writes_only_real_slots():
     sorted_ids, expert_ids, _ = moe.moe_align_triton(ids, E, 16)
     assert (expert_ids == -1).any()  # the allocation's spare blocks
     inter = torch.full((T * K, I), float("nan"))
-    moe._moe_gemm[(expert_ids.numel(), 2)](x, w13, inter, sorted_ids, expert_ids, x, I, H, T * K, K, x.stride(0),
-                                           w13.stride(0), w13.stride(1), inter.stride(0), GATED=True,
-                                           MUL_WEIGHT=False, F32_DOT=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16,
-                                           PDL=False)
+    moe._moe_gemm[(expert_ids.numel(), 2)](x, w13, x, inter, sorted_ids, expert_ids, x, I, H, T * K, K, x.stride(0),
+                                           w13.stride(0), w13.stride(1), 0, inter.stride(0), GATED=True,
+                                           MUL_WEIGHT=False, HAS_SCALE=False, F32_DOT=True, BLOCK_M=16, BLOCK_N=16,
+                                           BLOCK_K=16, PDL=False)
     flat = ids.reshape(-1).long()
     gu = torch.einsum("sh,sih->si", x[torch.arange(T * K) // K], w13[flat])
     torch.testing.assert_close(inter, F.silu(gu[:, :I]) * gu[:, I:], **TOL)

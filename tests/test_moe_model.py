@@ -6,6 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from kernels.ops import fp8
 from ranks import run_ranks
 from runtime.engine.llm_engine import LLMEngine
 from runtime.engine.sequence import SamplingParams
@@ -249,3 +250,82 @@ def test_pinned_staging_loads_the_experts_bit_identical_to_plain(hf_qwen3_moe_di
     assert report.format == "pinned"
     for (name, a), (_, b) in zip(plain.named_parameters(), staged.named_parameters()):
         assert torch.equal(a, b), name
+
+
+# --- FP8 experts: weight-only e4m3, one kernel configuration refreshed in place ------------------------------------
+
+
+def hf_fp8_moe_model(model_dir):
+    """transformers' Qwen3-MoE with `--quantization fp8`'s numerics: every projection through fp8_linear (as
+    test_model_families' oracle: the attention's and the dense layer's), the router untouched, and the experts
+    holding their dequantized e4m3 values (weight-only FP8: the input is not quantized)."""
+    from test_model_families import hf_fp8_model
+
+    model = hf_fp8_model(model_dir)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".mlp.experts." in name:  # gate_up_proj [E, 2I, H], down_proj [E, H, I]: a scale per expert and row
+                param.copy_(fp8.dequantize_fp8_rows(*fp8.quantize_fp8_rows(param)))
+    return model
+
+
+def test_fp8_experts_are_transformers_with_dequantized_experts_and_fp8_projections(hf_qwen3_moe_dir, expected):
+    """Fed the same tokens, the logits of each step (the prefill, then one-row decodes) are those of the oracle
+    above, and so are the greedy tokens; unquantized they would differ."""
+    from test_model_families import teacher_forced_logits
+
+    oracle = hf_fp8_moe_model(hf_qwen3_moe_dir)
+    engine = LLMEngine(engine_config(hf_qwen3_moe_dir, quantization="fp8", enforce_eager=True))
+    experts = engine.model.model.layers[0].mlp.experts
+    assert experts.fp8 is not None and experts.fp8.w13.dtype == fp8.FP8_DTYPE
+    assert engine.model.model.layers[0].mlp.gate.weight.dtype == torch.float32  # the router is never quantized
+    theirs = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        out = oracle.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GREEDY.max_tokens,
+                              do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
+                              return_dict_in_generate=True)
+        theirs.append(out.sequences[0, len(prompt):].tolist())
+        torch.testing.assert_close(teacher_forced_logits(engine, prompt, theirs[-1][:-1]), torch.cat(out.logits),
+                                   rtol=1e-4, atol=1e-4)
+    assert theirs != expected  # quantizing changed something
+    # one prompt at a time: the dense projections' fp8 numerics follow the step's row count (kernels/ops/fp8.py)
+    assert [engine.generate([prompt], GREEDY)[0]["token_ids"] for prompt in PROMPTS] == theirs
+
+
+def test_a_weight_update_refreshes_the_fp8_kernel_configuration_in_place(hf_qwen3_moe_dir, tmp_path):
+    """The object the kernels read and its tensors stay the same (CUDA graphs captured their addresses); their
+    values become the new weights' quantization; the checksum sees them."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    b = shutil.copytree(hf_qwen3_moe_dir, tmp_path / "B")
+    tensors = load_file(hf_qwen3_moe_dir / "model.safetensors")
+    save_file({n: t * 1.5 if ".experts." in n else t for n, t in tensors.items()}, b / "model.safetensors",
+              metadata={"format": "pt"})
+    engine = LLMEngine(engine_config(hf_qwen3_moe_dir, quantization="fp8"))
+    experts = engine.model.model.layers[2].mlp.experts
+    config, addresses = experts.fp8, [t.data_ptr() for t in vars(experts.fp8).values()]
+    checksum = engine.weights_checksum()
+    assert "model.layers.2.mlp.experts.fp8_w13_scale" in checksum
+    engine.update_weights(b, "direct")
+    assert experts.fp8 is config and [t.data_ptr() for t in vars(config).values()] == addresses
+    for weight, values, scales in ((experts.w13, config.w13, config.w13_scale), (experts.w2, config.w2, config.w2_scale)):
+        q, s = fp8.quantize_fp8_rows(weight)
+        assert torch.equal(values.float(), q.float()) and torch.equal(scales, s.squeeze(-1))
+    changed = {n for n in checksum if engine.weights_checksum()[n] != checksum[n]}
+    assert {"model.layers.2.mlp.experts.fp8_w13_scale", "model.layers.2.mlp.experts.w13"} <= changed
+
+
+def test_the_drill_holds_on_fp8_experts_and_fails_when_their_configuration_is_rebuilt(hf_qwen3_moe_dir, monkeypatch):
+    """sleep(2) -> wake -> reload_weights leaves every tensor as the fresh load had it, the FP8 experts' derived ones
+    included; the negative control derives into a new kernel-configuration object at each reload (as the fused-MoE
+    kernel object once was rebuilt), leaving the tensors the layer registered -- and graphs captured -- stale."""
+    from runtime.engine.weights_drill import DrillFailed, drill
+    from runtime.weights.processing import DEBUG_DERIVED_ENV
+
+    assert drill(LLMEngine(engine_config(hf_qwen3_moe_dir, quantization="fp8")), rounds=2).rounds == 2
+    monkeypatch.setenv(DEBUG_DERIVED_ENV, "rebuild")
+    with pytest.raises(DrillFailed, match="fp8_w13"):
+        drill(LLMEngine(engine_config(hf_qwen3_moe_dir, quantization="fp8")), rounds=1)

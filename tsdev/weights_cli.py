@@ -154,7 +154,8 @@ def drill(
     quantization: Annotated[Optional[str], typer.Option(help="e.g. fp8.")] = None,
 ):
     """Check that every round leaves every tensor (derived ones too) as a fresh load does, and greedy output the
-    same; exit 1 naming what differs. TSDEV_DEBUG_DERIVED=skip (or rebind) is its negative control: it must fail."""
+    same; exit 1 naming what differs. TSDEV_DEBUG_DERIVED=skip (or rebind; rebuild for FP8 experts) is its
+    negative control: it must fail."""
     import dataclasses
 
     from runtime.config import EngineConfig

@@ -4,8 +4,9 @@ by the router and summed.
 Layout: x [T, H]; w13 [E, 2*I, H], each expert's gate rows then its up rows; w2 [E, H, I]; topk_weights [T, K]
 float32; topk_ids [T, K] int32 or int64, every id in [0, E). The T*K (token, k) pairs are "slots", slot = t*K + k.
 
-The Triton path is the alignment (one launch, three for many slots), two GEMM launches and a sum, none of which
-syncs with the host; every size follows from (T*K, E, BLOCK_M), so CUDA graphs capture it:
+The Triton path, for more than GEMV_MAX_TOKENS tokens, is the alignment (one launch, three for many slots), two
+GEMM launches and a sum, none of which syncs with the host; every size follows from (T*K, E, BLOCK_M), so CUDA graphs
+capture it:
 1. `moe_align`: counts each expert's slots, pads each count up to a multiple of BLOCK_M, and writes the slots
    sorted by expert (stable: in slot order within an expert; pad entries = T*K), each block's expert (-1 for the
    unused blocks at the end) and the number of padded slots used. One program when the slots fit one register tile
@@ -17,6 +18,12 @@ syncs with the host; every size follows from (T*K, E, BLOCK_M), so CUDA graphs c
 3. `_moe_gemm` again, over those rows and w2: times the slot's router weight, written per slot [T*K, H].
 4. The sum over K in float32 (`view(T, K, H).sum(1)`), one rounding: deterministic, bit for bit run to run (no
    atomics).
+Up to GEMV_MAX_TOKENS tokens (decode) two launches do it all, with no alignment (`fused_moe_gemv_triton`): a GEMV
+per (slot, features) for gate|up with the activation, and one per (token, outputs) that runs the token's K experts
+over w2 and sums them in the kernel, in slot order, in float32.
+FP8 experts (`--quantization fp8`) are weight-only: e4m3 weights with one float32 scale per (expert, output row),
+converted exactly to x's dtype in the kernels; each GEMM's float32 sum is multiplied by its row's scale, then
+rounds where the bf16 path rounds.
 Rounding, on both paths: to x's dtype after each GEMM, after the SiLU, after silu * up, after the router weight
 multiply, and after the float32 sum over K -- where transformers' Qwen3-MoE (its default grouped_mm experts)
 rounds, given router weights already rounded to x's dtype as it rounds them (runtime/moe/router.py).
@@ -36,6 +43,7 @@ import triton.language as tl
 
 from kernels.ops import pdl, use_triton, wait_for_previous
 from kernels.ops.activation import silu_and_mul_values
+from kernels.ops.linear import gemv_config
 
 log = logging.getLogger(__name__)
 
@@ -217,11 +225,13 @@ def _dot(a, w, acc, F32_DOT: tl.constexpr):
 
 
 @triton.jit
-def _moe_gemm(A, W, OUT, SORTED, EXPERT_IDS, TOPK_W, N, K, num_slots, a_div, stride_am, stride_we, stride_wn,
-              stride_om, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _moe_gemm(A, W, S, OUT, SORTED, EXPERT_IDS, TOPK_W, N, K, num_slots, a_div, stride_am, stride_we, stride_wn,
+              stride_se, stride_om, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr,
+              F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              PDL: tl.constexpr):
     """OUT[slot, n] for the block's slots and BLOCK_N columns: A's row slot // a_div @ W[expert].T, float32 sums.
     GATED: W's rows n (gate) and N + n (up), written as silu(gate) * up. MUL_WEIGHT: times TOPK_W[slot].
+    HAS_SCALE: W is e4m3, converted exactly to A's dtype for tl.dot; each sum times S[expert, row].
     F32_DOT: the tiles go to tl.dot as float32 (IEEE), for float32 inputs and under the interpreter, whose bf16
     tl.dot returns garbage (~1e10); a bf16 product is exact in float32, so only the order of the sums differs."""
     wait_for_previous(PDL)
@@ -246,10 +256,19 @@ def _moe_gemm(A, W, OUT, SORTED, EXPERT_IDS, TOPK_W, N, K, num_slots, a_div, str
         w = tl.load(w_rows + (k0 + ks)[None, :], mask=w_mask, other=0.0)
         if F32_DOT:
             a = a.to(tl.float32)
+        if HAS_SCALE:
+            w = w.to(a.dtype)
         acc = _dot(a, w, acc, F32_DOT)
         if GATED:
             u = tl.load(w_rows + N * stride_wn + (k0 + ks)[None, :], mask=w_mask, other=0.0)
+            if HAS_SCALE:
+                u = u.to(a.dtype)
             acc_up = _dot(a, u, acc_up, F32_DOT)
+    if HAS_SCALE:
+        scales = S + expert.to(tl.int64) * stride_se + cols
+        acc *= tl.load(scales, mask=col_ok, other=0.0)[None, :]
+        if GATED:
+            acc_up *= tl.load(scales + N, mask=col_ok, other=0.0)[None, :]
     y = acc.to(dt).to(tl.float32)
     if GATED:
         y = silu_and_mul_values(y, acc_up.to(dt).to(tl.float32), dt)
@@ -257,6 +276,70 @@ def _moe_gemm(A, W, OUT, SORTED, EXPERT_IDS, TOPK_W, N, K, num_slots, a_div, str
         y = y * tl.load(TOPK_W + slots, mask=row_ok, other=0.0)[:, None]
     tl.store(OUT + slots[:, None].to(tl.int64) * stride_om + cols[None, :], y.to(dt),
              mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _moe_up_gemv(X, W, S, OUT, IDS, N, K, top_k, stride_xm, stride_we, stride_wn, stride_se, stride_om,
+                 HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """silu(gate) * up of one slot (program 0) for BLOCK_N of its expert's features (program 1): x's row
+    slot // top_k against the expert's gate rows n and up rows N + n, multiplied elementwise and summed once after
+    the loop in float32 (times S[expert, row] for e4m3 weights), rounded where `_moe_gemm` rounds."""
+    wait_for_previous(PDL)
+    slot = tl.program_id(0)
+    expert = tl.load(IDS + slot).to(tl.int64)
+    dt = OUT.dtype.element_ty
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    rows = W + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
+    x_row = X + (slot // top_k).to(tl.int64) * stride_xm
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + ks) < K
+        x = tl.load(x_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        mask = col_ok[:, None] & k_ok[None, :]
+        acc += tl.load(rows + (k0 + ks)[None, :], mask=mask, other=0.0).to(tl.float32) * x
+        acc_up += tl.load(rows + N * stride_wn + (k0 + ks)[None, :], mask=mask, other=0.0).to(tl.float32) * x
+    gate, up = tl.sum(acc, axis=1), tl.sum(acc_up, axis=1)
+    if HAS_SCALE:
+        scales = S + expert * stride_se + cols
+        gate *= tl.load(scales, mask=col_ok, other=0.0)
+        up *= tl.load(scales + N, mask=col_ok, other=0.0)
+    y = silu_and_mul_values(gate.to(dt).to(tl.float32), up.to(dt).to(tl.float32), dt)
+    tl.store(OUT + slot.to(tl.int64) * stride_om + cols, y.to(dt), mask=col_ok)
+
+
+@triton.jit
+def _moe_down_gemv(A, W, S, OUT, IDS, TOPK_W, N, K, stride_am, stride_we, stride_wn, stride_se, stride_om,
+                   TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PDL: tl.constexpr):
+    """One token's (program 0) BLOCK_N output features (program 1): for each of its TOP_K slots in order, the slot's
+    row of A against its expert's down rows (float32, rounded), times the router weight (rounded), added to a
+    float32 sum rounded once at the end: the sum over k inside the kernel, deterministic, no per-slot buffer."""
+    wait_for_previous(PDL)
+    token = tl.program_id(0)
+    dt = OUT.dtype.element_ty
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    out = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        slot = token * TOP_K + k
+        expert = tl.load(IDS + slot).to(tl.int64)
+        rows = W + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
+        a_row = A + slot.to(tl.int64) * stride_am
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = (k0 + ks) < K
+            a = tl.load(a_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(rows + (k0 + ks)[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * a
+        y = tl.sum(acc, axis=1)
+        if HAS_SCALE:
+            y *= tl.load(S + expert * stride_se + cols, mask=col_ok, other=0.0)
+        y = y.to(dt).to(tl.float32) * tl.load(TOPK_W + slot)
+        out += y.to(dt).to(tl.float32)
+    tl.store(OUT + token.to(tl.int64) * stride_om + cols, out.to(dt), mask=col_ok)
 
 
 # --- configurations ------------------------------------------------------------------------------
@@ -327,20 +410,26 @@ def moe_config(num_experts: int, intermediate: int, hidden: int, dtype: torch.dt
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, masked: bool | None = None) -> torch.Tensor:
+                  topk_ids: torch.Tensor, masked: bool | None = None, *, w13_scale: torch.Tensor | None = None,
+                  w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Per chosen expert: its slots' rows through the MLP (float32 GEMMs; the module docstring's rounding), each
     slot's result put in place (index_add into zeros), then the float32 sum over K. masked (default: while a CUDA
     graph is being captured, as under TSDEV_KERNELS=ref:moe): every expert over every slot instead, each slot
-    keeping its own expert's result (no host sync, E times the work)."""
+    keeping its own expert's result (no host sync, E times the work). With scales the weights are e4m3 and each
+    GEMM's float32 result is multiplied by its (expert, row) scale before rounding."""
     T, H = x.shape
     K, dt, E = topk_ids.shape[1], x.dtype, w13.shape[0]
     flat_ids, flat_w = topk_ids.reshape(-1).long(), topk_weights.reshape(-1).float()
     per_slot = torch.zeros(T * K, H, dtype=dt, device=x.device)
 
+    def project(rows: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, e: int) -> torch.Tensor:
+        y = F.linear(rows.float(), w[e].float())
+        return (y if scale is None else y * scale[e]).to(dt)
+
     def expert_mlp(e: int, rows: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(rows.float(), w13[e].float()).to(dt).chunk(2, dim=-1)
+        gate, up = project(rows, w13, w13_scale, e).chunk(2, dim=-1)
         h = (F.silu(gate.float()).to(dt).float() * up.float()).to(dt)
-        return F.linear(h.float(), w2[e].float()).to(dt).float()
+        return project(h, w2, w2_scale, e).float()
 
     if masked is None:
         masked = x.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -357,17 +446,57 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     return per_slot.view(T, K, H).sum(1, dtype=torch.float32).to(dt)
 
 
-def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                     topk_ids: torch.Tensor, config: dict | None = None) -> torch.Tensor:
-    """The Triton path (module docstring); config: `moe_config`'s keys, default `moe_config`'s choice."""
+GEMV_MAX_TOKENS = 4  # up to this many tokens the GEMV path (no alignment): each slot reads its expert's rows itself
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def fused_moe_gemv_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                          topk_ids: torch.Tensor, *, w13_scale: torch.Tensor | None = None,
+                          w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The path for a few tokens (decode): two launches and no alignment. `_moe_up_gemv` writes each slot's
+    silu(gate) * up, one program per (slot, a few features); `_moe_down_gemv` one program per (token, a few
+    outputs) runs the token's K experts and sums them. A slot reads its expert's rows itself, so tokens that share
+    an expert read it twice (from L2 when close in time): the aligned GEMMs win once tokens share experts often."""
     T, H = x.shape
-    E, I, K = w13.shape[0], w13.shape[1] // 2, topk_ids.shape[1]
-    cfg = config or moe_config(E, I, H, x.dtype, T, device=x.device)
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
-    w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
+    I, K = w13.shape[1] // 2, topk_ids.shape[1]
+    x, w13, w2 = _last_dim_contiguous(x), _last_dim_contiguous(w13), _last_dim_contiguous(w2)
+    ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).float().contiguous()
+    inter = torch.empty(T * K, I, dtype=x.dtype, device=x.device)
+    out = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    fp8 = w13_scale is not None
+    s13, s2 = (w13_scale, w2_scale) if fp8 else (weights, weights)  # not read without scales
+    use_pdl = pdl(x)
+    bn, bk, warps = gemv_config(T * K * I, H, False, True, w13.element_size())
+    _moe_up_gemv[(T * K, triton.cdiv(I, bn))](
+        x, w13, s13, inter, ids, I, H, K, x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), inter.stride(0),
+        HAS_SCALE=fp8, BLOCK_N=bn, BLOCK_K=bk, PDL=use_pdl, num_warps=warps, launch_pdl=use_pdl)
+    bn, bk, warps = gemv_config(T * H, I, False, False, w2.element_size())
+    _moe_down_gemv[(T, triton.cdiv(H, bn))](
+        inter, w2, s2, out, ids, weights, H, I, inter.stride(0), w2.stride(0), w2.stride(1), s2.stride(0),
+        out.stride(0), TOP_K=K, HAS_SCALE=fp8, BLOCK_N=bn, BLOCK_K=bk, PDL=use_pdl, num_warps=warps,
+        launch_pdl=use_pdl)
+    return out
+
+
+def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, config: dict | None = None, *, w13_scale: torch.Tensor | None = None,
+                     w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton path (module docstring): up to GEMV_MAX_TOKENS tokens `fused_moe_gemv_triton`, else the aligned
+    grouped GEMMs; config (`moe_config`'s keys, default `moe_config`'s choice) forces the GEMMs."""
+    T, H = x.shape
+    if config is None and T <= GEMV_MAX_TOKENS:
+        return fused_moe_gemv_triton(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale, w2_scale=w2_scale)
+    E, I, K = w13.shape[0], w13.shape[1] // 2, topk_ids.shape[1]
+    cfg = config or moe_config(E, I, H, w13.dtype, T, device=x.device)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    x, w13, w2 = _last_dim_contiguous(x), _last_dim_contiguous(w13), _last_dim_contiguous(w2)
+    weights = topk_weights.reshape(-1).float().contiguous()
+    fp8 = w13_scale is not None
+    s13, s2 = (w13_scale, w2_scale) if fp8 else (weights, weights)  # not read without scales
     num_slots = T * K
     sorted_ids, expert_ids, _ = moe_align_triton(topk_ids, E, bm)
     blocks = expert_ids.numel()
@@ -375,23 +504,29 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     per_slot = torch.empty(num_slots, H, dtype=x.dtype, device=x.device)
     if blocks:
         use_pdl = pdl(x)
-        launch = dict(F32_DOT=x.dtype == torch.float32 or not x.is_cuda, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                      PDL=use_pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=use_pdl)
+        launch = dict(HAS_SCALE=fp8, F32_DOT=x.dtype == torch.float32 or not x.is_cuda, BLOCK_M=bm, BLOCK_N=bn,
+                      BLOCK_K=bk, PDL=use_pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                      launch_pdl=use_pdl)
         _moe_gemm[(blocks, triton.cdiv(I, bn))](
-            x, w13, inter, sorted_ids, expert_ids, weights, I, H, num_slots, K, x.stride(0), w13.stride(0),
-            w13.stride(1), inter.stride(0), GATED=True, MUL_WEIGHT=False, **launch)
+            x, w13, s13, inter, sorted_ids, expert_ids, weights, I, H, num_slots, K, x.stride(0), w13.stride(0),
+            w13.stride(1), s13.stride(0), inter.stride(0), GATED=True, MUL_WEIGHT=False, **launch)
         _moe_gemm[(blocks, triton.cdiv(H, bn))](
-            inter, w2, per_slot, sorted_ids, expert_ids, weights, H, I, num_slots, 1, inter.stride(0), w2.stride(0),
-            w2.stride(1), per_slot.stride(0), GATED=False, MUL_WEIGHT=True, **launch)
+            inter, w2, s2, per_slot, sorted_ids, expert_ids, weights, H, I, num_slots, 1, inter.stride(0),
+            w2.stride(0), w2.stride(1), s2.stride(0), per_slot.stride(0), GATED=False, MUL_WEIGHT=True, **launch)
     return per_slot.view(T, K, H).sum(1, dtype=torch.float32).to(x.dtype)
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
+              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """sum over k of topk_weights[t, k] * MLP_{topk_ids[t, k]}(x[t]), MLP_e(v) = (silu(v @ gate_e.T) * (v @ up_e.T))
     @ w2[e].T with gate_e = w13[e, :I], up_e = w13[e, I:]. x [T, H]; w13 [E, 2*I, H]; w2 [E, H, I]; topk_weights
-    [T, K] float32; topk_ids [T, K] int32/int64 in [0, E). Returns [T, H] in x's dtype, rounded as the module
-    docstring says. Triton on CUDA (no host sync, capturable), the reference elsewhere."""
+    [T, K] float32; topk_ids [T, K] int32/int64 in [0, E). FP8 experts: w13 and w2 in e4m3 with w13_scale [E, 2*I]
+    and w2_scale [E, H] float32, one per (expert, output row): weight-only, x is not quantized (each e4m3 tile is
+    converted exactly to x's dtype and each GEMM's float32 sum multiplied by its row's scale before it rounds).
+    Returns [T, H] in x's dtype, rounded as the module docstring says. Triton on CUDA (no host sync, capturable),
+    the reference elsewhere."""
+    scales = dict(w13_scale=w13_scale, w2_scale=w2_scale)
     if use_triton(x, "moe"):
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
-    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, **scales)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, **scales)

@@ -8,6 +8,7 @@ from runtime.models.llama import LlamaForCausalLM
 from runtime.models.qwen2 import Qwen2ForCausalLM
 from runtime.models.qwen3 import Qwen3ForCausalLM
 from runtime.models.qwen3_moe import Qwen3MoeForCausalLM
+from runtime.moe.experts import StackedExperts
 
 MODELS: dict[str, type[nn.Module]] = {
     arch: cls for cls in (Qwen3ForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3MoeForCausalLM) for arch in cls.architectures}
@@ -18,9 +19,9 @@ def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dt
     """The model of `config` with its parameters allocated (not loaded) on `device` in `dtype`: under tensor
     parallelism (`runtime.distributed` initialised), this rank's part of it.
 
-    `quantization` ("fp8"): every projection (`Linear`: q|k|v, o, gate|up, down; not the embedding or the
-    logits) derives quantized weights at each load and runs on them; a device that cannot run them fails
-    here, before any weight loads."""
+    `quantization` ("fp8"): every projection (`Linear`: q|k|v, o, gate|up, down; not the embedding, the logits or
+    a router) and the experts (`StackedExperts`) derive quantized weights at each load and run on them; a device
+    that cannot run them fails here, before any weight loads."""
     if quantization is not None:
         check_quantization(quantization, device)
     default_dtype = torch.get_default_dtype()
@@ -30,7 +31,7 @@ def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dt
             model = MODELS[config.architecture](config)  # Checkpoint.open checked it is served
             if quantization is not None:
                 for module in model.modules():
-                    if isinstance(module, Linear):
+                    if isinstance(module, (Linear, StackedExperts)):
                         module.quantize(quantization)
             return model
     finally:

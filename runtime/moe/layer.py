@@ -18,5 +18,9 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        out = moe_ops.fused_moe(x, self.experts.w13, self.experts.w2, weights, ids)
+        experts, fp8 = self.experts, self.experts.fp8
+        if fp8 is None:
+            out = moe_ops.fused_moe(x, experts.w13, experts.w2, weights, ids)
+        else:
+            out = moe_ops.fused_moe(x, fp8.w13, fp8.w2, weights, ids, fp8.w13_scale, fp8.w2_scale)
         return distributed.all_reduce(out)

@@ -19,7 +19,8 @@ from torch import nn
 from runtime.weights.keys import Key, key_text
 
 # Negative control of the weights drill (tsdev weights drill, tests/test_sleep.py), never for serving: on a reload,
-# "skip" leaves every derived tensor as it was (stale), "rebind" derives into new memory (the guard below refuses it).
+# "skip" leaves every derived tensor as it was (stale), "rebind" derives into new memory (the guard below refuses it),
+# "rebuild" makes the FP8 experts derive into a new kernel-configuration object (runtime/moe/experts.py).
 DEBUG_DERIVED_ENV = "TSDEV_DEBUG_DERIVED"
 
 Keys = dict[str, frozenset[Key]]  # parameter name -> the keys its module declared
