@@ -2,6 +2,7 @@
 
     python3 benchmarks/model_shapes.py                     # llama-3.2-1b, qwen2.5-1.5b, qwen3-0.6b at batch 1 and 256
     python3 benchmarks/model_shapes.py --shapes llama-3.2-1b --batch-sizes 1 8 --context 2048 --iters 50
+    python3 benchmarks/model_shapes.py --shapes qwen3-30b-a3b-4l --batch-sizes 1 64 256   # MoE: 4 of 48 layers
 
 Each shape's checkpoint is written on first use under `--dir` in the Hugging Face layout: config.json with the
 model's `architectures`, a tokenizer of its vocabulary size (`build_tokenizer`), model.safetensors under the Hugging
@@ -13,7 +14,11 @@ while `batch` requests decode, CUDA graphs and async scheduling, `--context` tok
 
 floor: every weight read once per step (each parameter once: the tied embedding is the logits' weight) at 4.8 TB/s
 (H200 HBM) and at the copy bandwidth measured in the run (~4.3 TB/s achievable); "step / floor" is against the
-latter. "+ KV" adds each sequence's KV cache to the bytes read (what bounds batch 256). The replay alone and its
+latter. A mixture of experts reads only the experts its tokens chose: its floor counts, per sparse layer, the experts
+a uniform routing of `batch` tokens touches on average, E * (1 - (1 - k/E)^batch) (8 at batch 1, ~124 of 128 at 64
+for Qwen3-30B-A3B). qwen3-30b-a3b-4l is Qwen3-30B-A3B's shape (hidden 2048, 128 experts top 8, expert intermediate
+768, 32/4 heads of 128) with 4 of its 48 layers and tied embeddings (6.1 GB to write): per-layer numbers are what
+matter. "+ KV" adds each sequence's KV cache to the bytes read (what bounds batch 256). The replay alone and its
 kernels: `python3 benchmarks/decode_step.py --model DIR --breakdown` on the directory printed for the shape.
 Prints markdown rows for docs/results.md; a shape the runtime refuses gets a row saying why.
 """
@@ -49,18 +54,26 @@ CONFIGS = {
         intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
         max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=None,
         use_sliding_window=False),
+    "qwen3-30b-a3b-4l": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+        intermediate_size=6144, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, rope_scaling=None,
+        attention_bias=False, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True),
 }
 SHAPES = [*CONFIGS, "qwen3-0.6b"]
-COLUMNS = ["shape", "batch", "ms/step", "weights GB", "floor ms @ 4.8 TB/s", "floor ms @ copy bw", "step / floor",
+COLUMNS = ["shape", "batch", "ms/step", "weights read GB", "floor ms @ 4.8 TB/s", "floor ms @ copy bw", "step / floor",
            "KV GB", "floor ms + KV", "step / (floor + KV)"]
 
 
 def hf_weights(config: dict) -> dict[str, torch.Tensor]:
-    """A Llama or Qwen2 config's tensors: the default model's (Qwen3: `random_weights`) without q_norm / k_norm, and
-    for Qwen2 the q/k/v biases (zeros: their values do not change the timing)."""
+    """A config's tensors: the default model's (Qwen3: `random_weights`; Qwen3-MoE's experts one by one), for Llama
+    and Qwen2 without q_norm / k_norm, and for Qwen2 the q/k/v biases (zeros: their values do not change the
+    timing)."""
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     weights = random_weights({**config, "head_dim": head_dim}, seed=0, std=None, dtype=torch.bfloat16)
-    weights = {name: w for name, w in weights.items() if not name.endswith(("q_norm.weight", "k_norm.weight"))}
+    if not config["model_type"].startswith("qwen3"):
+        weights = {name: w for name, w in weights.items() if not name.endswith(("q_norm.weight", "k_norm.weight"))}
     if config["model_type"] == "qwen2":
         sizes = dict(q=config["num_attention_heads"] * head_dim, k=config["num_key_value_heads"] * head_dim)
         for n in range(config["num_hidden_layers"]):
@@ -106,6 +119,10 @@ def shape_rows(name: str, args, bandwidth: float) -> list[str]:
         return [f"| {name} | – | not served: {reason} |" + " |" * (len(COLUMNS) - 3)]
     c = engine.model_config
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())  # a tied parameter counts once
+    raw = c.raw
+    experts, top_k = raw.get("num_experts", 0), raw.get("num_experts_per_tok", 0)
+    expert_bytes = sum(p.numel() * p.element_size() for n, p in engine.model.named_parameters()
+                       if ".experts." in n) / max(experts, 1)  # one expert of every sparse layer
     itemsize = next(engine.model.parameters()).element_size()  # the KV pool's dtype: the weights'
     kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * itemsize
     startup = ", ".join(f"{k} {v:.1f} s" for k, v in engine.startup_timings.items())
@@ -115,8 +132,9 @@ def shape_rows(name: str, args, bandwidth: float) -> list[str]:
     for batch in args.batch_sizes:
         step = engine_step_time(engine, batch, args.context, args.iters, decoding)
         kv = batch * args.context * kv_per_token
-        floor, floor_kv = weights / bandwidth, (weights + kv) / bandwidth
-        values = [name, batch, f"{step * 1e3:.3f}", f"{weights / 1e9:.2f}", f"{weights / HBM_PEAK * 1e3:.3f}",
+        read = weights - (experts - experts * (1 - (1 - top_k / experts) ** batch)) * expert_bytes if experts else weights
+        floor, floor_kv = read / bandwidth, (read + kv) / bandwidth
+        values = [name, batch, f"{step * 1e3:.3f}", f"{read / 1e9:.2f}", f"{read / HBM_PEAK * 1e3:.3f}",
                   f"{floor * 1e3:.3f}", f"{step / floor:.2f}", f"{kv / 1e9:.2f}", f"{floor_kv * 1e3:.3f}",
                   f"{step / floor_kv:.2f}"]
         rows.append("| " + " | ".join(map(str, values)) + " |")

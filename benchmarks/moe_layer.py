@@ -5,8 +5,10 @@ over k: `kernels.ops.moe.fused_moe_triton`) against its weight-read floor and ag
     python3 benchmarks/moe_layer.py --tokens 1 16 64 256 --experts 128 --intermediate 768 --hidden 2048
 
 floor: the bytes of the experts the routing touched (w13 and w2 of each, once) at the copy bandwidth measured in the
-run. The Triton layer is replayed from a CUDA graph (triton.testing.do_bench_cudagraph), as serving replays it; the
-reference (a loop over the chosen experts, with a host sync) runs eagerly. Configurations: `moe_config` (the tuned
+run. The Triton layer is replayed from a CUDA graph (triton.testing.do_bench_cudagraph), as serving replays it: as
+`fused_moe_triton` dispatches (the GEMV path up to GEMV_MAX_TOKENS tokens), and each of its two paths forced (the
+GEMV path up to 16 tokens), so the threshold can be read off; the same with FP8 experts (e4m3 + a scale per row,
+floor = their bytes). The reference (a loop over the chosen experts, with a host sync) runs eagerly. Configurations: `moe_config` (the tuned
 file for this shape and GPU when there is one: benchmarks/tune_moe.py). Random bf16 weights and routings.
 """
 import argparse
@@ -19,16 +21,18 @@ import triton
 import triton.testing
 
 from decode_step import copy_bandwidth
-from kernels.ops import moe
+from kernels.ops import fp8, moe
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256])
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--intermediate", type=int, default=768)
     parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--sweep-gemv", action="store_true",
+                        help="time the GEMV path's two kernels over a grid of block sizes and warps at each --tokens")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("moe_layer.py times kernels on a CUDA GPU; none is visible")
@@ -41,20 +45,70 @@ def main() -> None:
     print(f"{datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}, Triton "
           f"{triton.__version__}; E {E}, top {K}, I {I}, H {H}, bf16; copy bandwidth {bandwidth / 1e12:.2f} TB/s. "
           f"Command: `python3 benchmarks/moe_layer.py {shlex.join(sys.argv[1:])}`\n")
-    print("| tokens | experts touched | floor us | triton us | triton / floor | torch ref us | ref / triton | max rel err |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    if args.sweep_gemv:
+        return sweep_gemv(args, w13, w2, g)
+    print("| tokens | experts touched | floor us | layer us | layer / floor | aligned GEMMs us | GEMV path us | "
+          "fp8 floor us | fp8 layer us | fp8 / its floor | torch ref us | ref / layer | max rel err | fp8 max rel err |")
+    print("|" + "---:|" * 14)
+    (q13, s13), (q2, s2) = fp8.quantize_fp8_rows(w13), fp8.quantize_fp8_rows(w2)
+    scales = dict(w13_scale=s13.squeeze(-1), w2_scale=s2.squeeze(-1))
+    fp8_bytes = expert_bytes // 2 + (w13.shape[1] + w2.shape[1]) * 4  # e4m3 values and a float32 scale per row
     for T in args.tokens:
         x = torch.randn(T, H, generator=g, device="cuda").bfloat16()
         weights, ids = torch.randn(T, E, generator=g, device="cuda").softmax(-1).topk(K, dim=-1)
         weights, ids = (weights / weights.sum(-1, keepdim=True)).float(), ids.int()
         touched = int(ids.unique().numel())
-        floor_us = touched * expert_bytes / bandwidth * 1e6
-        triton_us = triton.testing.do_bench_cudagraph(lambda: moe.fused_moe_triton(x, w13, w2, weights, ids)) * 1e3
+        floor_us, fp8_floor_us = (touched * b / bandwidth * 1e6 for b in (expert_bytes, fp8_bytes))
+        graphed = lambda fn: triton.testing.do_bench_cudagraph(fn) * 1e3  # noqa: E731
+        layer_us = graphed(lambda: moe.fused_moe_triton(x, w13, w2, weights, ids))
+        config = moe.moe_config(E, I, H, x.dtype, T)
+        gemm_us = graphed(lambda: moe.fused_moe_triton(x, w13, w2, weights, ids, config=config))
+        gemv_us = graphed(lambda: moe.fused_moe_gemv_triton(x, w13, w2, weights, ids)) if T <= 16 else float("nan")
+        fp8_us = graphed(lambda: moe.fused_moe_triton(x, q13, q2, weights, ids, **scales))
         ref_us = triton.testing.do_bench(lambda: moe.fused_moe_ref(x, w13, w2, weights, ids)) * 1e3
-        ours, ref = moe.fused_moe_triton(x, w13, w2, weights, ids).float(), moe.fused_moe_ref(x, w13, w2, weights, ids).float()
-        err = ((ours - ref).abs().max() / ref.abs().max()).item()
-        print(f"| {T} | {touched} | {floor_us:.1f} | {triton_us:.1f} | {triton_us / floor_us:.2f} | {ref_us:.1f} | "
-              f"{ref_us / triton_us:.1f} | {err:.1e} |", flush=True)
+        errors = []
+        for a, b, extra in ((w13, w2, {}), (q13, q2, scales)):
+            ours, ref = (f(x, a, b, weights, ids, **extra).float() for f in (moe.fused_moe_triton, moe.fused_moe_ref))
+            errors.append(((ours - ref).abs().max() / ref.abs().max()).item())
+        print(f"| {T} | {touched} | {floor_us:.1f} | {layer_us:.1f} | {layer_us / floor_us:.2f} | {gemm_us:.1f} | "
+              f"{gemv_us:.1f} | {fp8_floor_us:.1f} | {fp8_us:.1f} | {fp8_us / fp8_floor_us:.2f} | {ref_us:.1f} | "
+              f"{ref_us / layer_us:.1f} | {errors[0]:.1e} | {errors[1]:.1e} |", flush=True)
+
+
+def sweep_gemv(args, w13, w2, g) -> None:
+    """The GEMV path at each token count with its up and down kernels' (BLOCK_N, BLOCK_K, num_warps) swept (the
+    other kernel at its current config, moe.GEMV_CONFIGS), then the best pair together, against the current pair and
+    the aligned GEMMs."""
+    import itertools
+
+    E, K, I, H = args.experts, args.topk, args.intermediate, args.hidden
+    grid = list(itertools.product((2, 4, 8, 16), (512, 1024, 2048), (4, 8)))
+    for T in args.tokens:
+        x = torch.randn(T, H, generator=g, device="cuda").bfloat16()
+        weights, ids = torch.randn(T, E, generator=g, device="cuda").softmax(-1).topk(K, dim=-1)
+        weights, ids = (weights / weights.sum(-1, keepdim=True)).float(), ids.int()
+        rule = moe.GEMV_CONFIGS
+
+        def timed(configs):
+            fn = lambda: moe.fused_moe_gemv_triton(x, w13, w2, weights, ids, configs=configs)  # noqa: E731
+            try:
+                fn()
+                return triton.testing.do_bench_cudagraph(fn) * 1e3
+            except Exception:  # out of registers / shared memory
+                return float("inf")
+
+        best = []
+        for which in (0, 1):
+            times = {c: timed((c, rule[1]) if which == 0 else (rule[0], c)) for c in grid}
+            c = min(times, key=times.get)
+            best.append(c)
+            top = sorted(times.items(), key=lambda kv: kv[1])[:5]
+            print(f"T={T} {'up' if which == 0 else 'down'}: current {rule[which]} {times.get(rule[which], float('nan')):.1f} "
+                  f"us; best {', '.join(f'{k} {v:.1f}' for k, v in top)}", flush=True)
+        gemm = triton.testing.do_bench_cudagraph(lambda: moe.fused_moe_triton(
+            x, w13, w2, weights, ids, config=moe.moe_config(E, I, H, x.dtype, T))) * 1e3
+        print(f"T={T}: GEMV current {timed(rule):.1f} us, best pair {tuple(best)} {timed(tuple(best)):.1f} us, aligned "
+              f"GEMMs {gemm:.1f} us", flush=True)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,11 @@
 
     python3 benchmarks/reload_vs_restart.py                 # default model and decode capture sizes
     python3 benchmarks/reload_vs_restart.py --cycles 5 -- --cudagraph-capture-sizes 1 16 64
+    python3 benchmarks/reload_vs_restart.py --edit moe -- --model default-moe   # the fused-MoE kernels' edit
 
 Runs a copy of the project in a temporary folder: starts the server (restart time = process start to
-the end of the first 32-token completion), then edits the SiLU-and-mul Triton kernel (negates its output) and
-reverts it, `--cycles` times, reloading after each save. Prints every step's time, the serving pause,
+the end of the first 32-token completion), then edits the SiLU-and-mul Triton kernel (negates its output; `--edit
+moe`: the fused-MoE kernels negate the router weights, on the decode path and the prefill path) and reverts it, `--cycles` times, reloading after each save. Prints every step's time, the serving pause,
 the ratio to the restart, and checks that outputs change with the edit and come back after the revert.
 """
 import argparse
@@ -25,6 +26,13 @@ from tsdev.server_process import ServerProcess, copy_project
 FILE = "kernels/ops/activation.py"
 OLD = "    return act * up\n"
 NEW = "    return -act * up\n"
+EDITS = {  # name -> (file, [(old, new), ...])
+    "activation": (FILE, [(OLD, NEW)]),
+    "moe": ("kernels/ops/moe.py", [("y = y.to(dt).to(tl.float32) * tl.load(TOPK_W + slot)",
+                                    "y = y.to(dt).to(tl.float32) * -tl.load(TOPK_W + slot)"),
+                                   ("y = y * tl.load(TOPK_W + slots, mask=row_ok, other=0.0)[:, None]",
+                                    "y = y * -tl.load(TOPK_W + slots, mask=row_ok, other=0.0)[:, None]")]),
+}
 PROMPT = {"prompt": [5, 17, 300, 42, 9, 77, 123, 4], "max_tokens": 32, "temperature": 0, "ignore_eos": True,
           "return_token_ids": True}
 
@@ -33,6 +41,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cycles", type=int, default=3)
     parser.add_argument("--port", type=int, default=8321)
+    parser.add_argument("--edit", choices=EDITS, default="activation", help="which kernel to edit and revert")
     parser.add_argument("server_args", nargs="*", help="extra `tsdev serve` flags (after --)")
     args = parser.parse_args()
 
@@ -46,12 +55,15 @@ def main() -> None:
         baseline = timed_request(url)[0]
         restart = time.perf_counter() - start
         steady = timed_request(url)[1]
-        source = project / FILE
-        original = source.read_text()
-        assert OLD in original, f"{FILE} no longer contains {OLD!r}: update the benchmark's edit"
+        file, replacements = EDITS[args.edit]
+        source = project / file
+        original = edited = source.read_text()
+        for old, new in replacements:
+            assert old in original, f"{file} no longer contains {old!r}: update the benchmark's edit"
+            edited = edited.replace(old, new)
         rows = []
         for cycle in range(args.cycles):
-            for label, text in (("edit", original.replace(OLD, NEW)), ("revert", original)):
+            for label, text in (("edit", edited), ("revert", original)):
                 source.write_text(text)
                 t = time.perf_counter()
                 try:

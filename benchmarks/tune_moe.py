@@ -2,11 +2,13 @@
 
     python3 benchmarks/tune_moe.py --experts 128 --intermediate 768 --hidden 2048      # Qwen3-30B-A3B, one rank
     python3 benchmarks/tune_moe.py --experts 128 --intermediate 384 --hidden 2048      # the same at --tp 2
+    python3 benchmarks/tune_moe.py --experts 128 --intermediate 768 --hidden 2048 --fp8  # FP8 experts' file
 
 For each token bucket (1, 16, 64, 256, 1024 by default) it times `fused_moe_triton` (alignment, both GEMMs, the sum)
 on random routings, replayed from a CUDA graph (triton.testing.do_bench_cudagraph), for every config of a small
 grid, and keeps the fastest: kernels/moe_configs/E=..,I=..,H=..,dtype=..,device=...json (--out to write elsewhere).
---intermediate is one rank's share of moe_intermediate_size under tensor parallelism.
+--intermediate is one rank's share of moe_intermediate_size under tensor parallelism. --fp8 tunes FP8 experts (e4m3
+weights, a scale per row; activations in --dtype) into their own file (dtype=float8_e4m3fn).
 """
 import argparse
 import itertools
@@ -17,7 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from kernels.ops import moe
+from kernels.ops import fp8, moe
 
 GRID = dict(BLOCK_M=(16, 32, 64, 128), BLOCK_N=(32, 64, 128), BLOCK_K=(64, 128, 256), num_warps=(4, 8),
             num_stages=(2, 3, 4))
@@ -41,14 +43,18 @@ def inputs(tokens: int, args, dtype: torch.dtype, generator: torch.Generator):
     w2 = (torch.randn(E, H, I, generator=generator, device="cuda") * 0.02).to(dtype)
     probs = torch.randn(tokens, E, generator=generator, device="cuda").softmax(-1)
     weights, ids = probs.topk(K, dim=-1)
-    return x, w13, w2, (weights / weights.sum(-1, keepdim=True)).float(), ids.int()
+    scales = {}
+    if args.fp8:
+        (w13, s13), (w2, s2) = fp8.quantize_fp8_rows(w13), fp8.quantize_fp8_rows(w2)
+        scales = dict(w13_scale=s13.squeeze(-1), w2_scale=s2.squeeze(-1))
+    return x, w13, w2, (weights / weights.sum(-1, keepdim=True)).float(), ids.int(), scales
 
 
-def time_ms(config: dict, rep: int, x, w13, w2, weights, ids) -> float | None:
+def time_ms(config: dict, rep: int, x, w13, w2, weights, ids, scales) -> float | None:
     import triton.testing
 
     def call():
-        moe.fused_moe_triton(x, w13, w2, weights, ids, config=config)
+        moe.fused_moe_triton(x, w13, w2, weights, ids, config=config, **scales)
 
     try:
         call()
@@ -64,7 +70,8 @@ def main(args: argparse.Namespace) -> None:
     dtype = getattr(torch, args.dtype)
     generator = torch.Generator(device="cuda").manual_seed(0)
     name = torch.cuda.get_device_name()
-    path = args.out or moe.moe_config_path(args.experts, args.intermediate, args.hidden, dtype, name)
+    weight_dtype = fp8.FP8_DTYPE if args.fp8 else dtype  # moe_config looks the file up by the weights' dtype
+    path = args.out or moe.moe_config_path(args.experts, args.intermediate, args.hidden, weight_dtype, name)
     best_of = {}
     for tokens in args.tokens:
         data = inputs(tokens, args, dtype, generator)
@@ -90,6 +97,7 @@ parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16
 parser.add_argument("--tokens", type=int, nargs="+", default=list(moe.TOKEN_BUCKETS), help="token buckets")
 parser.add_argument("--rep", type=int, default=50, help="ms of replays per measurement")
 parser.add_argument("--quick", action="store_true", help="a 16-config grid (minutes, not an hour)")
+parser.add_argument("--fp8", action="store_true", help="FP8 experts (e4m3 weights): their own file")
 parser.add_argument("--out", help="where to write the JSON (default: the file moe_config reads)")
 
 if __name__ == "__main__":

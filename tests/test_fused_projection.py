@@ -18,13 +18,15 @@ from tsdev.hotreload import Reloader
 
 
 def fused_calls(monkeypatch) -> list[tuple[bool, bool]]:
-    """Let NormedProjection fuse on the CPU; record (residual given, gated) of each fused GEMV."""
+    """Let NormedProjection fuse on the CPU; record (residual given, gated) of each fused GEMV. Each program takes 64
+    rows (the rule gives the tiny model's projections one row a program): the interpreter runs programs one by one, and
+    rows are independent, so only the number of programs changes."""
     calls, gemv = [], linear_ops.gemv_triton
 
     def recording(x, weight, *args, **kwargs):
         if kwargs.get("norm_weight") is not None:
             calls.append((kwargs["residual"] is not None, kwargs["gated"]))
-        return gemv(x, weight, *args, **kwargs)
+        return gemv(x, weight, *args, **{"block_n": 64, **kwargs})
 
     monkeypatch.setattr(layers_linear, "use_triton", lambda x, family: True)
     monkeypatch.setattr(linear_ops, "gemv_triton", recording)

@@ -1,13 +1,17 @@
 """The fused MoE on the H200 (`pytest -m gpu`): the Triton layer against its torch reference at Qwen3-30B-A3B's layer
-shape in bf16 on fresh random routings, the same inside a CUDA graph, and MoE models served with graphs: the
-transformers-written tiny Qwen3-MoE equal to transformers in float32, the embedded default-moe graphed equal eager."""
+shape in bf16 on fresh random routings (the GEMV path of a few tokens and the aligned GEMMs; bf16 and FP8 experts),
+the same inside a CUDA graph, and MoE models served with graphs: the transformers-written tiny Qwen3-MoE equal to
+transformers in float32, the embedded default-moe graphed equal eager, and its FP8 weights drill (10 rounds of
+sleep(2) -> wake -> reload_weights with graphs) with the negative control that rebuilds the kernel configuration."""
 import pytest
 import torch
 
-from kernels.ops import moe
+from kernels.ops import fp8, moe
 from runtime.config import EngineConfig
 from runtime.engine.llm_engine import LLMEngine
 from runtime.engine.sequence import SamplingParams
+from runtime.engine.weights_drill import DrillFailed, drill
+from runtime.weights.processing import DEBUG_DERIVED_ENV
 
 pytestmark = pytest.mark.gpu
 E, K, I, H = 128, 8, 768, 2048
@@ -22,24 +26,41 @@ def layer_inputs(tokens: int, seed: int):
     return x, w13, w2, (weights / weights.sum(-1, keepdim=True)).float(), ids.int()
 
 
-@pytest.mark.parametrize("tokens", [1, 5, 16, 64, 256, 1000])
-def test_the_triton_layer_equals_the_reference_in_bf16(tokens):
-    args = layer_inputs(tokens, tokens)
-    ours, ref = moe.fused_moe_triton(*args).float(), moe.fused_moe_ref(*args).float()
+def assert_close_in_bf16(ours: torch.Tensor, ref: torch.Tensor) -> None:
     assert ours.isfinite().all() and ref.abs().max() > 0.1
     # bf16 operands, float32 accumulation in both: the two round after each GEMM at the same points, and differ
     # by the summation order of the GEMMs (a few bf16 ulps of a value)
-    torch.testing.assert_close(ours, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    torch.testing.assert_close(ours.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.abs().max().item())
 
 
-def test_the_layer_replays_from_a_cuda_graph_with_new_inputs():
-    x, w13, w2, weights, ids = layer_inputs(16, 0)
+@pytest.mark.parametrize("tokens", [1, 2, 4, 5, 16, 64, 256, 1000])
+def test_the_triton_layer_equals_the_reference_in_bf16(tokens):
+    args = layer_inputs(tokens, tokens)
+    assert_close_in_bf16(moe.fused_moe_triton(*args), moe.fused_moe_ref(*args))
+    if tokens <= moe.GEMV_MAX_TOKENS:  # the aligned GEMMs too, which more tokens take
+        config = moe.moe_config(E, I, H, torch.bfloat16, tokens)
+        assert_close_in_bf16(moe.fused_moe_triton(*args, config=config), moe.fused_moe_ref(*args))
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 16, 256])
+def test_fp8_experts_equal_their_reference_in_bf16(tokens):
+    x, w13, w2, weights, ids = layer_inputs(tokens, 100 + tokens)
+    (q13, s13), (q2, s2) = fp8.quantize_fp8_rows(w13), fp8.quantize_fp8_rows(w2)
+    args, scales = (x, q13, q2, weights, ids), dict(w13_scale=s13.squeeze(-1), w2_scale=s2.squeeze(-1))
+    ref = moe.fused_moe_ref(*args, **scales)
+    assert_close_in_bf16(moe.fused_moe_triton(*args, **scales), ref)
+    assert (ref.float() - moe.fused_moe_ref(x, w13, w2, weights, ids).float()).abs().max() > 0  # quantized
+
+
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_the_layer_replays_from_a_cuda_graph_with_new_inputs(tokens):
+    x, w13, w2, weights, ids = layer_inputs(tokens, 0)
     moe.fused_moe_triton(x, w13, w2, weights, ids)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = moe.fused_moe_triton(x, w13, w2, weights, ids)
     for seed in (1, 2):
-        nx, _, _, nweights, nids = layer_inputs(16, seed)
+        nx, _, _, nweights, nids = layer_inputs(tokens, seed)
         x.copy_(nx), weights.copy_(nweights), ids.copy_(nids)
         graph.replay()
         assert torch.equal(out, moe.fused_moe_triton(x, w13, w2, weights, ids))
@@ -74,3 +95,21 @@ def test_the_embedded_moe_default_graphed_generates_what_it_generates_eagerly():
         del engine
         torch.cuda.empty_cache()
     assert out[False] == out[True] and len(set(out[False][0])) > 2
+
+
+def test_the_fp8_moe_drill_holds_ten_rounds_with_graphs_and_catches_a_rebuilt_configuration(monkeypatch):
+    """Issue 30's failure, reproduced and ruled out: after sleep(2) + reload_weights an FP8 MoE whose kernel
+    configuration was rebuilt (not refreshed) serves graphs reading the old tensors. Ten rounds with every tensor
+    (the experts' e4m3 weights and scales too) equal to the fresh load and greedy output unchanged; then the same
+    drill with TSDEV_DEBUG_DERIVED=rebuild must fail."""
+    def fp8_moe() -> LLMEngine:
+        return LLMEngine(EngineConfig(model="default-moe", device="cuda", kv_pages=1024, max_model_len=1024,
+                                      max_running=16, quantization="fp8"))
+
+    engine = fp8_moe()
+    assert engine.runner.decode_graphs is not None and engine.model.model.layers[0].mlp.experts.fp8 is not None
+    print(f"\n{drill(engine, rounds=10)}")
+    del engine
+    monkeypatch.setenv(DEBUG_DERIVED_ENV, "rebuild")
+    with pytest.raises(DrillFailed, match="fp8_w"):
+        drill(fp8_moe(), rounds=1)

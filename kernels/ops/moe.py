@@ -18,7 +18,7 @@ capture it:
 3. `_moe_gemm` again, over those rows and w2: times the slot's router weight, written per slot [T*K, H].
 4. The sum over K in float32 (`view(T, K, H).sum(1)`), one rounding: deterministic, bit for bit run to run (no
    atomics).
-Up to GEMV_MAX_TOKENS tokens (decode) two launches do it all, with no alignment (`fused_moe_gemv_triton`): a GEMV
+Up to GEMV_MAX_TOKENS tokens (decode at batch 1) two launches do it all, with no alignment (`fused_moe_gemv_triton`): a GEMV
 per (slot, features) for gate|up with the activation, and one per (token, outputs) that runs the token's K experts
 over w2 and sums them in the kernel, in slot order, in float32.
 FP8 experts (`--quantization fp8`) are weight-only: e4m3 weights with one float32 scale per (expert, output row),
@@ -43,7 +43,6 @@ import triton.language as tl
 
 from kernels.ops import pdl, use_triton, wait_for_previous
 from kernels.ops.activation import silu_and_mul_values
-from kernels.ops.linear import gemv_config
 
 log = logging.getLogger(__name__)
 
@@ -446,7 +445,11 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     return per_slot.view(T, K, H).sum(1, dtype=torch.float32).to(dt)
 
 
-GEMV_MAX_TOKENS = 4  # up to this many tokens the GEMV path (no alignment): each slot reads its expert's rows itself
+GEMV_MAX_TOKENS = 1  # up to this many tokens the GEMV path (no alignment): each slot reads its expert's rows itself
+# (BLOCK_N, BLOCK_K, num_warps) of the GEMV path's up and down kernels: the best of `benchmarks/moe_layer.py
+# --sweep-gemv` at one token on the H200 for Qwen3-30B-A3B's layer (28.4 us against 35.1 us for linear.py's dense GEMV
+# rule; at 4 tokens the best pair took 84.0 us, the aligned GEMMs 76.7 us: hence one token)
+GEMV_CONFIGS = ((8, 1024, 4), (2, 1024, 4))
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -455,7 +458,7 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 def fused_moe_gemv_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                           topk_ids: torch.Tensor, *, w13_scale: torch.Tensor | None = None,
-                          w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+                          w2_scale: torch.Tensor | None = None, configs: tuple | None = None) -> torch.Tensor:
     """The path for a few tokens (decode): two launches and no alignment. `_moe_up_gemv` writes each slot's
     silu(gate) * up, one program per (slot, a few features); `_moe_down_gemv` one program per (token, a few
     outputs) runs the token's K experts and sums them. A slot reads its expert's rows itself, so tokens that share
@@ -470,11 +473,12 @@ def fused_moe_gemv_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     fp8 = w13_scale is not None
     s13, s2 = (w13_scale, w2_scale) if fp8 else (weights, weights)  # not read without scales
     use_pdl = pdl(x)
-    bn, bk, warps = gemv_config(T * K * I, H, False, True, w13.element_size())
+    up, down = configs or GEMV_CONFIGS
+    bn, bk, warps = up
     _moe_up_gemv[(T * K, triton.cdiv(I, bn))](
         x, w13, s13, inter, ids, I, H, K, x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), inter.stride(0),
         HAS_SCALE=fp8, BLOCK_N=bn, BLOCK_K=bk, PDL=use_pdl, num_warps=warps, launch_pdl=use_pdl)
-    bn, bk, warps = gemv_config(T * H, I, False, False, w2.element_size())
+    bn, bk, warps = down
     _moe_down_gemv[(T, triton.cdiv(H, bn))](
         inter, w2, s2, out, ids, weights, H, I, inter.stride(0), w2.stride(0), w2.stride(1), s2.stride(0),
         out.stride(0), TOP_K=K, HAS_SCALE=fp8, BLOCK_N=bn, BLOCK_K=bk, PDL=use_pdl, num_warps=warps,

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The whole GPU suite in one device call of a few minutes: four pytest-xdist workers, one test file each at a time
+# (a fresh machine compiles every kernel: one process would need two calls), then tests/test_sleep_gpu.py alone --
+# it measures the device's free memory (cudaMemGetInfo), which other workers' allocations move.
+# run: source scripts/device-setup.sh; bash scripts/device-suite.sh      (carry .whl .debs)
+set -u
+source "$(dirname "$0")/device-check.sh" --steps-only
+TAIL=15 step suite-parallel 420 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE -n 4 --dist loadfile \
+  --deselect tests/test_sleep_gpu.py --ignore tests/test_sleep_gpu.py
+TAIL=8 step suite-sleep 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE -s tests/test_sleep_gpu.py
