@@ -158,8 +158,8 @@ def serve(
         metavar="SIZE", help="Most host memory the pinned staging buffer may take: bytes, or e.g. 16GiB, "
                              "512MB.")] = f"{EngineConfig.load_memory_limit >> 30}GiB",
     quantization: Annotated[Optional[str], typer.Option(
-        "--quantization", "-q", metavar="fp8", help="fp8: projections in e4m3 with per-output-channel scales derived "
-             "from the checkpoint's weights at load (which stay loaded too); CUDA needs compute capability >= 8.9, "
+        "--quantization", "-q", metavar="fp8", help="fp8: projections and MoE experts in e4m3 with per-output-channel "
+             "scales derived from the checkpoint's weights at load (which stay loaded too); CUDA needs compute capability >= 8.9, "
              "CPU runs the torch references.")] = EngineConfig.quantization,
     no_prefix_caching: Annotated[bool, typer.Option(
         "--no-prefix-caching/--enable-prefix-caching", "--no-enable-prefix-caching", show_default=False,
