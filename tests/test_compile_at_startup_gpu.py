@@ -66,6 +66,8 @@ def test_serving_compiles_no_triton_kernel_after_startup():
     greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     sampled = SamplingParams(max_tokens=6, temperature=0.8, top_k=20, top_p=0.9, seed=1, ignore_eos=True)
     seeds = iter(range(1, 10_000))
+    counted = engine.jit_compiles()
+    assert sum(counted.values()) > 0  # startup's compiles, counted (tsdev_jit_compiles_total)
     with triton_compiles() as compiled:
         # decode at 1, 17 and 35 sequences outside the graphs (the engine steps eagerly e.g. with a prompt chunk
         # in the batch, or before the graphs are recaptured) and in them (padded to captured sizes); the cached
@@ -96,3 +98,4 @@ def test_serving_compiles_no_triton_kernel_after_startup():
             engine.generate([prompt(20 + 7 * i, next(seeds)) for i in range(size)], [greedy, sampled] * (size // 2) + [greedy])
         torch.cuda.synchronize()
     assert not compiled, "Triton compiled while serving:\n" + "\n".join(compiled)
+    assert engine.jit_compiles() == counted

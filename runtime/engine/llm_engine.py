@@ -19,6 +19,7 @@ from tokenizers import Tokenizer
 from runtime import distributed
 from runtime.config import EngineConfig
 from runtime.control_protocol import EngineInfo
+from runtime.engine import compiles
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.detokenizer import Detokenizer
 from runtime.engine.model_runner import Checkpoint, ModelRunner, step_range
@@ -172,7 +173,8 @@ class LLMEngine:
         # the model's size: this process's parameters, or with several ranks (each holding a part) the checkpoint's
         self.num_parameters = (sum(p.numel() for p in self.runner.model.parameters()) if self.ranks is None
                                else sum(e.numel for e in read_entries(checkpoint_files(self.model_dir))))
-        self.startup_timings = {"load": time.perf_counter() - start, **self.runner.start()}
+        with compiles.install().expected():  # startup compiles every specialisation serving reaches
+            self.startup_timings = {"load": time.perf_counter() - start, **self.runner.start()}
         self.block_manager = BlockManager(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_running, config.max_batched_tokens, self.max_model_len)
         self.in_flight: _Launched | None = None
@@ -184,6 +186,10 @@ class LLMEngine:
         self.num_finished: collections.Counter[str] = collections.Counter()
         self.num_steps = self.num_decode_steps = self.num_rows = self.num_decode_rows = 0
         freeze_heap()
+
+    def jit_compiles(self) -> dict[str, int]:
+        """Triton compiles in this process so far, per kernel (runtime/engine/compiles.py)."""
+        return dict(compiles.COMPILES.counts)
 
     def close(self) -> None:
         """Let the other ranks of a tensor-parallel engine go (they exit); nothing to do with one rank."""

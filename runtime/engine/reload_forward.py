@@ -28,6 +28,7 @@ from typing import Protocol, runtime_checkable
 
 from runtime.control_protocol import (STEPS, ReloadFinished, ReloadReply, ReloadRequest, ReloadStarted, ReloadStep,
                                       StaleDefinition, WorkerReport)
+from runtime.engine.compiles import COMPILES
 from runtime.engine.async_engine import AsyncEngine
 from runtime.engine.errors import describe_error, stop_server
 from runtime.engine.ranks import RankedReloader, RankLost, rank_entries, reported
@@ -124,7 +125,8 @@ class ReloadForward:
                 elif why := self.async_engine.engine.unavailable():  # asleep: no memory to warm up or capture in
                     reply = ReloadReply.of(request.id, [self._worker(f"cannot reload the forward now: {why}")])
                 else:
-                    first = await self._run(request)
+                    with COMPILES.expected():  # compiling is what a reload does
+                        first = await self._run(request)
                     reply = ReloadReply.of(request.id, [first, *self._other_ranks(first.ok)])
         except BaseException as exc:
             outcome.set_exception(exc)

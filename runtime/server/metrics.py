@@ -72,6 +72,25 @@ class FinishedRequests:
         return [family]
 
 
+class JitCompiles:
+    """Triton compiles in the engine's process, by kernel: startup's, reloads', and any while serving (each of those
+    also logged as a warning: runtime/engine/compiles.py)."""
+
+    def __init__(self, engine: LLMEngine, model_name: str, registry: CollectorRegistry):
+        self.engine, self.model_name = engine, model_name
+        registry.register(self)
+
+    def describe(self):
+        return [CounterMetricFamily("tsdev_jit_compiles", "Triton kernel compiles in this process, by kernel",
+                                    labels=["model_name", "kernel"])]
+
+    def collect(self):
+        family = self.describe()[0]
+        for kernel, count in sorted(self.engine.jit_compiles().items()):
+            family.add_metric([self.model_name, kernel], count)
+        return [family]
+
+
 class EngineMetrics:
     """Every metric carries vLLM's `model_name` label (the served model's name)."""
 
@@ -92,6 +111,7 @@ class EngineMetrics:
         self.preemptions = Counter("tsdev_num_preemptions", "Requests preempted (their pages freed, recomputed "
                                    "later) because the KV pool ran out", **label).labels(model_name)
         FinishedRequests(engine, model_name, r)
+        JitCompiles(engine, model_name, r)
         self.tokens_per_second = gauge("tsdev_generation_tokens_per_second",
                                        "Generated tokens per second over the last few seconds")
         self.step_seconds = Histogram("tsdev_step_seconds", "Engine step time", **label,
