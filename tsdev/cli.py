@@ -190,6 +190,10 @@ def serve(
         help="Enable POST /v1/rl/engine/reload_forward, which re-executes edited model/kernel code from disk "
              "in this process. For development only (`tsdev watch` turns it on); without it the route answers 403. "
              "With a --host other than loopback it needs --api-key.")] = False,
+    compile_workers: Annotated[int, typer.Option(
+        min=0, metavar="N", help="With --allow-reload-forward on a GPU: N processes that compile an edit's Triton "
+             "kernels side by side while the old code serves, Triton and the kernels imported at startup. 0: one "
+             "after another in the server. Off by default until measured on the H200 (issue 31).")] = 0,
     api_key: Annotated[Optional[str], api_key_option(
         "Require `Authorization: Bearer KEY` on every route but /health and /metrics (401 otherwise); "
         "docs/security.md.")] = None,
@@ -276,7 +280,8 @@ def serve(
         served_model_name = name  # the hub id, as vLLM serves it
     server = ServerConfig(host=host, port=port, served_model_name=served_model_name, log_level=log_level,
                           chat_template=str(chat_template) if chat_template else None,
-                          allow_reload_forward=allow_reload_forward, max_request_body_bytes=max_request_body_bytes,
+                          allow_reload_forward=allow_reload_forward, compile_workers=compile_workers,
+                          max_request_body_bytes=max_request_body_bytes,
                           api_key=api_key or None, allow_remote_control=allow_remote_control,
                           metrics_require_api_key=metrics_require_api_key, profile_dir=profile_dir,
                           allowed_weight_dirs=list(allowed_weight_dir or []))

@@ -78,12 +78,17 @@ def worker_text(worker: WorkerReport) -> str:
         lines.append(f"reloaded [bold]{', '.join(worker.reloaded)}[/bold] and {len(worker.dependents)} dependent "
                      f"module(s), {worker.patched} object(s) patched in {t.get('reload', 0):.2f} s;\n"
                      f"{warm_text(worker)}; recaptured in {t.get('recapture', 0):.2f} s{graph_split(t)}; "
-                     f"JIT-compiled {worker.jit_kernels} kernel(s) in {t.get('jit', 0):.2f} s; "
+                     f"JIT-compiled {worker.jit_kernels} kernel(s) in {t.get('jit', 0):.2f} s{slowest(t)}; "
                      f"serving paused {t.get('pause', 0):.2f} s")
     elif not worker.needs_restart:
         lines.append("nothing to reload: no source in the reloadable packages changed since the last reload")
     lines += [f"[yellow]{escape(note)}[/yellow]" for note in notes(worker)]
     return rank + "\n".join(lines)
+
+
+def slowest(timings: dict[str, float]) -> str:
+    """The slowest single compile, when the compile-ahead reports it (side by side, it bounds the JIT step)."""
+    return f" (slowest {timings['jit_slowest']:.2f} s)" if timings.get("jit_slowest") else ""
 
 
 def warm_text(worker: WorkerReport) -> str:

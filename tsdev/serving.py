@@ -167,12 +167,20 @@ def _load_and_serve(config: EngineConfig, server: ServerConfig, sock: socket.soc
         f"warmed in {engine.startup_timings['warm']:.2f} s; {graphs}\n"
         f"{describe_startup(imports, engine.startup_timings)}"
     )
-    reloader = None
+    reloader = pool = None
     if server.allow_reload_forward:
         from tsdev.hotreload import Reloader, default_packages
 
-        reloader = Reloader(default_packages())  # snapshots the sources the server is running now
-        console.print(f"reload_forward enabled for {', '.join(reloader.packages)}")
+        workers = ""
+        if server.compile_workers and config.device.startswith("cuda"):
+            from tsdev.hotreload.pool import CompilePool
+
+            pool = CompilePool(default_packages(), server.compile_workers)  # warming up while the server starts
+            workers = f"; {server.compile_workers} compile worker(s)"
+        elif server.compile_workers:
+            workers = "; no compile workers on the CPU (Triton's interpreter compiles no binaries)"
+        reloader = Reloader(default_packages(), pool=pool)  # snapshots the sources the server is running now
+        console.print(f"reload_forward enabled for {', '.join(reloader.packages)}{workers}")
     if access := describe(server):
         console.print(access)
     log_to_stderr()
@@ -195,6 +203,8 @@ def _load_and_serve(config: EngineConfig, server: ServerConfig, sock: socket.soc
     uvicorn_config = uvicorn.Config(app, log_level=server.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     quiet_server_class(uvicorn.Server)(uvicorn_config, started, app.state.async_engine.shutdown).run(sockets=[sock])
     engine.close()  # the other ranks, if any, stop
+    if pool is not None:
+        pool.close()
     return 0
 
 

@@ -15,7 +15,7 @@ The reloader is anything that satisfies `ForwardReloader` below (a `typing.Proto
 imports the toolkit): `read_sources()`, `plan(sources=, modules=)` (what changed: `reloaded`,
 `needs_restart`), `reload(modules=, sources=)` returning a transaction (its `report`, `commit()`,
 `rollback(reason)`), and `modules()` (what a reload may force); optionally `compile_ahead(sources=,
-modules=)`. tsdev's `tsdev.hotreload.Reloader` is one (tests/test_reloader_protocol.py checks it), another
+modules=)` returning (binaries compiled, seconds[, seconds of the slowest compile]). tsdev's `tsdev.hotreload.Reloader` is one (tests/test_reloader_protocol.py checks it), another
 library's may be. Requests, worker reports, the reply and the events are runtime.control_protocol's models.
 """
 import asyncio
@@ -174,7 +174,9 @@ class ReloadForward:
         if compile_ahead is not None:  # old code keeps serving meanwhile
             async with self._step(attempt, JIT):
                 try:
-                    jit_kernels, _ = await asyncio.to_thread(compile_ahead, sources, request.modules)
+                    jit_kernels, _, *slowest = await asyncio.to_thread(compile_ahead, sources, request.modules)
+                    if slowest:
+                        attempt.timings["jit_slowest"] = slowest[0]
                 except Exception as exc:  # only an optimisation: the warm step compiles what is missing
                     warnings.append(f"compiling ahead failed, kernels compile during the warm step: {describe_error(exc)}")
         ae.hold(True)

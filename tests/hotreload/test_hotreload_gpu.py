@@ -105,7 +105,7 @@ def test_compile_ahead_works_for_binaries_loaded_from_the_disk_cache(pkg, cuda):
     assert ops.launch(ops.scale_kernel, cuda)[1] == 2
     r = pkg.reloader()
     pkg.edit("ops", OPS.replace("* SCALE, mask=mask)", "* SCALE + 3, mask=mask)"))
-    compiled, _ = r.compile_ahead()
+    compiled, *_ = r.compile_ahead()
     assert compiled == 1
     assert pkg.reload(r).ok
     assert ops.launch(ops.scale_kernel, cuda)[1] == 5

@@ -373,7 +373,7 @@ def test_compile_ahead_builds_the_edited_source_and_leaves_the_live_state_alone(
     monkeypatch.setattr(ahead, "_recompile", lambda new_fn, compiled, target, backend: built.append(new_fn) or 1)
     r = pkg.reloader()
     pkg.edit("kern", COMPILED.replace("tl.load(x_ptr + offs) * 2", "tl.load(x_ptr + offs) * 5"))
-    count, _ = r.compile_ahead()
+    count, *_ = r.compile_ahead()
     assert count == 1 and [fn.__name__ for fn in built] == ["independent"]  # unchanged ones keep their binaries
     assert "* 5" in next(fn for fn in built if fn.__name__ == "independent").src  # the new source, not the running one
     assert "* 2" in kern.independent.src and kern.independent.device_caches[0][0] == {"spec": "binary"}
@@ -405,7 +405,7 @@ def test_compile_ahead_also_builds_callers_of_an_edited_helper_elsewhere_against
     monkeypatch.setattr(ahead, "_recompile", lambda new_fn, compiled, target, backend: built.append(new_fn) or 1)
     r = pkg.reloader()
     pkg.edit("kern", COMPILED.replace("return x + 1", "return x + 3"))
-    count, _ = r.compile_ahead()
+    count, *_ = r.compile_ahead()
     assert count == 2 and sorted(fn.__name__ for fn in built) == ["outside_caller", "uses_helper"]
     caller = next(fn for fn in built if fn.__name__ == "outside_caller")
     assert caller is not user.outside_caller and "x + 3" in caller.fn.__globals__["helper"].src

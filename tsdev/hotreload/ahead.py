@@ -6,7 +6,9 @@ import-time side effects do run) and each kernel whose hash changed is compiled 
 its live counterpart has compiled; so is a copy of each compiled kernel elsewhere that calls an edited
 `@jit` helper by name, its globals pointing at the new helper. `triton.compile` stores the binaries in
 Triton's on-disk cache, keyed by source and specialisation, so the reload loads them instead of compiling,
-and the serving pause excludes JIT time.
+and the serving pause excludes JIT time. With a `CompilePool` (tsdev/hotreload/pool.py) the compiles run side by
+side in its processes, which apply the same sources to their own copies of the modules; without one, here, one after
+another.
 
 Triton internals used (checked on 3.6 and 3.9): `device_caches[device]` is a tuple whose first item
 maps keys to compiled kernels and whose third-from-last and second-from-last items are the target and
@@ -21,21 +23,26 @@ import types
 from collections.abc import Mapping
 
 from . import jit
+from .pool import CompilePool, Compiled, Job
 from .snapshot import pin_lines
 
 
 def compile_ahead(modules: list[str], sources: Mapping[str, bytes], paths: Mapping[str, str],
-                  running: Mapping[str, bytes], tracked: list[types.ModuleType] = ()) -> tuple[int, float]:
-    """Compile the new versions of the kernels in the edited `modules`; returns (binaries compiled, seconds).
+                  running: Mapping[str, bytes], tracked: list[types.ModuleType] = (),
+                  pool: CompilePool | None = None) -> tuple[int, float, float]:
+    """Compile the new versions of the kernels in the edited `modules`; returns (binaries compiled, seconds, seconds
+    of the slowest compile).
 
     `running` is the source each module runs now: `linecache` shows the new source only while it executes.
     `tracked`: the modules whose kernels may call an edited helper (with Triton's registry, where it has one).
+    `pool`: compile in its processes, side by side (they apply `sources` themselves); else one after another here.
     """
     if "triton" not in sys.modules:
-        return 0, 0.0
-    start, count, errors = time.perf_counter(), 0, []
+        return 0, 0.0, 0.0
+    start = time.perf_counter()
     restore_registry = jit.snapshot_registry()  # the scratch decorators register themselves: undo that
     edited, changed = set(), {}  # ids of the edited modules' kernels; id(live helper) -> (live, its new version)
+    work = []  # (live kernel, its new version, module, attribute)
     try:
         for name in modules:
             live = sys.modules.get(name)
@@ -49,26 +56,51 @@ def compile_ahead(modules: list[str], sources: Mapping[str, bytes], paths: Mappi
                 edited.add(id(old_fn))
                 if _hash_changed(old_fn, new_fn):  # unchanged kernels keep their binaries through the reload
                     changed[id(old_fn)] = (old_fn, new_fn)
-                    count += _compile_like(new_fn, old_fn, attr, errors)
+                    work.append((old_fn, new_fn, name, attr))
         for live_fn, new_fn in _callers_aside(changed, edited, tracked):
-            count += _compile_like(new_fn, live_fn, live_fn.__name__, errors)
+            fn = jit.base_function(live_fn)
+            work.append((live_fn, new_fn, fn.__module__, fn.__name__))
     finally:
         restore_registry()
+    compiled = _compile_in(pool, work, sources) if pool is not None else _compile_here(work)
+    errors = [c.error for c in compiled if c.error]
+    count = len(compiled) - len(errors)
     if errors and not count:
         raise RuntimeError("; ".join(errors[:3]))
-    return count, time.perf_counter() - start
+    return count, time.perf_counter() - start, max((c.seconds for c in compiled), default=0.0)
 
 
-def _compile_like(new_fn, old_fn, name: str, errors: list[str]) -> int:
-    """Compile `new_fn` for every specialisation `old_fn` has binaries for; the count compiled."""
-    count = 0
-    for cache in list(vars(old_fn)["device_caches"].values()):
+def _specialisations(live_fn):
+    """(spec, target, backend) of every binary the live kernel holds; spec None where it cannot be read."""
+    for cache in list(vars(live_fn)["device_caches"].values()):
         for compiled in list(cache[0].values()):
+            yield compiled, cache[-3], cache[-2]
+
+
+def _compile_here(work) -> list[Compiled]:
+    results = []
+    for live_fn, new_fn, module, attr in work:
+        for compiled, target, backend in _specialisations(live_fn):
+            job, start = Job(module, attr, (), target), time.perf_counter()
             try:
-                count += _recompile(new_fn, compiled, target=cache[-3], backend=cache[-2])
+                if not _recompile(new_fn, compiled, target, backend):
+                    continue
             except Exception as exc:  # the reload compiles it (and reports a real error with file:line)
-                errors.append(f"{name}: {type(exc).__name__}: {exc}")
-    return count
+                results.append(Compiled(job, time.perf_counter() - start, f"{attr}: {type(exc).__name__}: {exc}"))
+                continue
+            results.append(Compiled(job, time.perf_counter() - start))
+    return results
+
+
+def _compile_in(pool: CompilePool, work, sources: Mapping[str, bytes]) -> list[Compiled]:
+    jobs = []
+    for live_fn, _, module, attr in work:
+        for compiled, target, backend in _specialisations(live_fn):
+            spec = jit.specialisation(compiled, backend)
+            if spec is not None:
+                signature, constexprs, attrs, options = spec
+                jobs.append(Job(module, attr, (signature, constexprs, attrs, options.__dict__), target))
+    return pool.compile(sources, jobs)
 
 
 def _hash_changed(old_fn, new_fn) -> bool:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 from . import ahead, graph
+from .pool import CompilePool
 from .snapshot import default_packages, loaded_modules, pin_lines, read, under
 from .transaction import ReloadError, Transaction
 
@@ -43,8 +44,9 @@ class Reloader:
     one thread while the program is quiescent (the engine drains first).
     """
 
-    def __init__(self, packages: Sequence[str] | None = None) -> None:
+    def __init__(self, packages: Sequence[str] | None = None, pool: "CompilePool | None" = None) -> None:
         self.packages = tuple(packages) if packages else tuple(default_packages())
+        self.pool = pool  # compile_ahead's processes (tsdev/hotreload/pool.py); None: in this process
         self.roots = tuple(sorted({p.split(".")[0] for p in self.packages}))
         self._ran: dict[str, tuple[str, _Source]] = {}  # module -> (path, source it last ran)
         self._latest: dict[str, _Source] = {}  # module -> newest source seen, compiled
@@ -96,16 +98,18 @@ class Reloader:
         return {m: sorted(self._providers(m, None)) for m in self._ran if self.reloadable(m)}
 
     def compile_ahead(self, sources: Mapping[str, bytes] | None = None,
-                      modules: Iterable[str] | None = None) -> tuple[int, float]:
-        """Compile the edited Triton kernels into Triton's disk cache before `reload` (safe while serving).
+                      modules: Iterable[str] | None = None) -> tuple[int, float, float]:
+        """Compile the edited Triton kernels into Triton's disk cache before `reload` (safe while serving), in
+        `pool`'s processes side by side when there is one.
 
-        Returns (binaries compiled, seconds). The warm-up after the reload then loads instead of compiling.
+        Returns (binaries compiled, seconds, seconds of the slowest compile). The warm-up after the reload then
+        loads instead of compiling.
         """
         sources = self.read_sources() if sources is None else sources
         plan = self.plan(sources, modules)
         # Only the edited modules: a dependent executed aside would import the live (old) providers.
         return ahead.compile_ahead(plan.reloaded, sources, {m: self._ran[m][0] for m in plan.reloaded},
-                                   {m: self._ran[m][1].source for m in plan.reloaded}, self._modules())
+                                   {m: self._ran[m][1].source for m in plan.reloaded}, self._modules(), self.pool)
 
     def reload(self, modules: Iterable[str] | None = None, sources: Mapping[str, bytes] | None = None) -> Transaction:
         """Re-execute changed (and forced) modules and their dependents, patching live objects.

@@ -1,0 +1,100 @@
+"""The compile pool (tsdev/hotreload/pool.py) on a machine without a GPU: its workers compile real binaries for the
+H200 (sm_90, through ptxas; they never run Triton's interpreter) into Triton's disk cache, where a process of its own
+then finds them instead of compiling; a kernel that does not compile comes back naming its file:line and leaves the
+worker usable; a worker that dies is replaced. Each test has its own Triton cache directory."""
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tsdev.hotreload.pool import CompilePool, Job
+
+KERNEL = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def scale(helper_x):
+    return helper_x * 2.0
+
+
+@triton.jit
+def kernel(X, N, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(X + offs, scale(tl.load(X + offs, mask=offs < N)), mask=offs < N)
+"""
+
+
+def sm90_job(module: str, block: int = 16) -> Job:
+    from triton.backends.compiler import GPUTarget
+
+    spec = ({"X": "*fp32", "N": "i32", "BLOCK": "constexpr"}, {(2,): block}, {}, {"num_warps": 4})
+    return Job(module, "kernel", spec, GPUTarget("cuda", 90, 32))
+
+
+def cubins(cache: Path) -> set[str]:
+    return {str(p.relative_to(cache)) for p in cache.rglob("*.cubin")}
+
+
+@pytest.fixture
+def pool(pkg, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))  # the workers inherit it
+    pkg.write("ops", KERNEL)
+    pkg.mod("ops")
+    pool = CompilePool([pkg.name], workers=2)
+    pool.wait_ready()
+    yield pool
+    pool.close()
+
+
+def sources(pkg, **edits: str) -> dict[str, bytes]:
+    return {f"{pkg.name}.{rel}": Path(pkg.path(rel)).read_bytes() if rel not in edits else edits[rel].encode()
+            for rel in ("ops",)}
+
+
+def test_a_worker_compiles_the_edited_kernel_into_the_cache_where_another_process_finds_it(pkg, pool, tmp_path):
+    cache = tmp_path / "triton-cache"
+    edited = KERNEL.replace("helper_x * 2.0", "helper_x * 3.0")  # an edit of the inlined helper
+    [done] = pool.compile(sources(pkg, ops=edited), [sm90_job(f"{pkg.name}.ops")])
+    assert done.error is None and done.seconds > 0
+    assert len(cubins(cache)) == 1
+    Path(pkg.path("ops")).write_text(textwrap.dedent(edited))  # as the user saved it: what the server then loads
+    before = cubins(cache)
+    load = textwrap.dedent(f"""
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from {pkg.name} import ops
+        triton.compile(ASTSource(ops.kernel, {{"X": "*fp32", "N": "i32", "BLOCK": "constexpr"}}, {{(2,): 16}}, {{}}),
+                       target=GPUTarget("cuda", 90, 32), options={{"num_warps": 4}})
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", load], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert cubins(cache) == before  # a cache hit: the worker's binary, not a second compile
+    [again] = pool.compile(sources(pkg, ops=KERNEL), [sm90_job(f"{pkg.name}.ops")])  # the revert: another binary
+    assert again.error is None and len(cubins(cache)) == 2
+
+
+def test_a_kernel_that_does_not_compile_names_its_file_and_line_and_the_worker_stays_usable(pkg, pool, tmp_path):
+    broken = KERNEL.replace("offs = tl.arange(0, BLOCK)", "offs = tl.arange(0, BLOCK + 1)")  # not a power of 2
+    results = pool.compile(sources(pkg, ops=broken), [sm90_job(f"{pkg.name}.ops")] * 2)
+    assert all(r.error and f"{pkg.path('ops')}:" in r.error for r in results), results
+    assert not cubins(tmp_path / "triton-cache")
+    [fixed] = pool.compile(sources(pkg), [sm90_job(f"{pkg.name}.ops")])
+    assert fixed.error is None
+
+
+def test_a_worker_that_dies_is_replaced(pkg, pool):
+    import signal
+
+    first = set(pool.pids())
+    os.kill(next(iter(first)), signal.SIGKILL)
+    [done] = pool.compile(sources(pkg), [sm90_job(f"{pkg.name}.ops", block=32)])
+    assert done.error is None and pool.restarts == 1
+    assert len(pool.pids()) == 2 and not first & set(pool.pids())
