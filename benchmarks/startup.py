@@ -3,8 +3,10 @@
     python3 benchmarks/startup.py                  # default model, default flags, 3 starts
     python3 benchmarks/startup.py -- --max-running 256
 
-The split comes from the server's `startup:` line: imports (torch, triton, the runtime, the HTTP stack),
-load (model, weights, KV pool, first CUDA use), warm-up, capture (decode + prefill graphs). The first start
+The split comes from the server's `startup:` line: the process's age, split into python and the CLI (the
+interpreter, the CLI's imports and checks), imports (the runtime, the HTTP stack), checkpoint (the default model's,
+written on first use), load (model, weights, KV pool, first CUDA use), warm-up, capture (decode + prefill graphs),
+the Triton compiles of the warm-up and capture, and what none of them holds (other). The first start
 may create the default checkpoint; the later ones reuse it (and Triton's disk cache).
 """
 import argparse

@@ -41,8 +41,13 @@ def test_serve_banner_names_the_graphs_and_the_startup_phases(make_engine):
     engine = make_engine(cudagraph_capture_sizes=[1, 4], max_batched_tokens=64)
     graphs = describe_graphs(engine.describe(), False, engine.startup_timings)
     assert graphs.startswith("2 decode graph(s) prepared") and "4 prefill graph(s) (16..64 tokens)" in graphs
-    startup = describe_startup(1.5, engine.startup_timings)
-    assert startup.startswith("startup: imports 1.50 s, load ") and "warm-up" in startup and "prefill" in startup
+    t = engine.startup_timings
+    startup = describe_startup(0.8, 1.5, t, 3, 10.0)
+    assert startup.startswith("startup: 10.00 s since the process began = python and the CLI 0.80 s, imports 1.50 s, "
+                              "checkpoint ") and "warm-up" in startup and "prefill" in startup and "3 Triton" in startup
+    accounted = 0.8 + 1.5 + t["checkpoint"] + t["load"] + t["warm"] + t["capture"] + t["capture_prefill"]
+    assert startup.endswith(f"; other {10.0 - accounted:.2f} s")  # every second of the start is somewhere
+    assert describe_startup(None, 1.5, t, 0, None).startswith("startup: imports 1.50 s, checkpoint ")
     assert describe_graphs(make_engine(enforce_eager=True).describe(), False, {}) == "CUDA graphs off"
 
 
@@ -194,3 +199,30 @@ def test_reload_exit_status_1_for_a_server_error_and_2_for_a_server_that_is_not_
             server.shutdown()
         assert result.exit_code == code and words in result.output, (status, result.output)
         assert "Traceback" not in result.output
+
+
+def test_a_slow_start_shows_what_it_is_doing_instead_of_waiting_silently(monkeypatch, tiny_model_dir):
+    """Off a terminal, a line every few seconds naming the current step (on a terminal, the spinner's text): the
+    engine's phases and each kernel compiled come from the runtime's `runtime.startup` log."""
+    import io
+    import time
+
+    from rich.console import Console
+
+    from runtime.config import EngineConfig
+    from runtime.engine.llm_engine import LLMEngine
+    from tsdev.serving import StartupProgress
+
+    monkeypatch.setattr(StartupProgress, "PROGRESS_S", 0.05)
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=False)
+    seen = []
+    with StartupProgress(console, status=None) as progress:
+        original = progress.emit
+        monkeypatch.setattr(progress, "emit", lambda record: seen.append(record.getMessage()) or original(record))
+        LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", max_model_len=128, kv_pages=64))
+        time.sleep(0.2)
+    lines = out.getvalue().splitlines()
+    assert any(m.startswith("building Qwen3ForCausalLM") for m in seen) and any("warm-up" in m for m in seen)
+    assert any(m.startswith("capturing ") for m in seen) and lines
+    assert all(line.startswith("starting (") for line in lines) and lines[-1].endswith(seen[-1])

@@ -61,9 +61,69 @@ def bind_error(exc: OSError, host: str, port: int) -> str:
     return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
 
 
-def describe_startup(imports: float, t: dict) -> str:
-    return (f"startup: imports {imports:.2f} s, load {t['load']:.2f} s, warm-up {t['warm']:.2f} s, capture "
-            f"{t['capture'] + t['capture_prefill']:.2f} s (decode {t['capture']:.2f}, prefill {t['capture_prefill']:.2f})")
+def process_age() -> float | None:
+    """Seconds since this process began (Linux: /proc), None elsewhere."""
+    try:
+        started = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, clock ticks
+        return float(Path("/proc/uptime").read_text().split()[0]) - started / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def describe_startup(before: float | None, imports: float, t: dict, compiles: int, total: float | None) -> str:
+    """Where every second of the start went: `before` (the interpreter, the CLI's imports, its checks: the
+    process's age when serving began), the runtime's imports, then the engine's phases; `other` is what none of
+    them holds, so the parts add up to `total`, the process's age now (both None where it cannot be read)."""
+    parts = {"python and the CLI": before or 0.0, "imports": imports, "checkpoint": t.get("checkpoint", 0.0),
+             "load": t["load"], "warm-up": t["warm"], "capture": t["capture"] + t["capture_prefill"]}
+    text = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in parts.items() if name != "python and the CLI"
+                     or before is not None)
+    text += (f" (decode {t['capture']:.2f}, prefill {t['capture_prefill']:.2f}); {compiles} Triton compile(s) in the "
+             f"warm-up and capture")
+    if total is None or before is None:
+        return f"startup: {text}"
+    return f"startup: {total:.2f} s since the process began = {text}; other {max(total - sum(parts.values()), 0):.2f} s"
+
+
+class StartupProgress(logging.Handler):
+    """What the engine is doing while it starts (the runtime's `runtime.startup` log: the default checkpoint
+    written, the model built, the weights loaded, warm-up, each kernel compiled, the captures): the spinner's text
+    on a terminal, else a line every PROGRESS_S seconds, so a first start on a fresh machine (tens of seconds of
+    compiles) never waits silently."""
+
+    PROGRESS_S = 5.0
+
+    def __init__(self, console: Console, status):
+        super().__init__(logging.INFO)
+        self.console, self.status, self.message = console, status, "starting"
+        self.start, self._done = time.perf_counter(), threading.Event()
+        self._ticker = None if console.is_terminal else threading.Thread(target=self._tick, daemon=True)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.message = record.getMessage()
+        if self.console.is_terminal:
+            self.status.update(f"{escape(self.message)} ({time.perf_counter() - self.start:.0f} s)")
+
+    def _tick(self) -> None:
+        while not self._done.wait(self.PROGRESS_S):
+            self.console.print(f"starting ({time.perf_counter() - self.start:.0f} s): {self.message}", markup=False,
+                               highlight=False, soft_wrap=True)
+
+    def __enter__(self) -> "StartupProgress":
+        logger = logging.getLogger("runtime.startup")
+        self._saved = logger.level, logger.propagate
+        logger.addHandler(self)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+        if self._ticker:
+            self._ticker.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        logger = logging.getLogger("runtime.startup")
+        logger.removeHandler(self)
+        logger.level, logger.propagate = self._saved
 
 
 def describe_graphs(info, cuda: bool, timings: dict) -> str:
@@ -140,6 +200,7 @@ def leave(status: int) -> int:
 
 
 def _load_and_serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, console: Console) -> int:
+    before = process_age()
     imports_start = time.perf_counter()
     import uvicorn
     from jinja2 import TemplateError
@@ -150,7 +211,8 @@ def _load_and_serve(config: EngineConfig, server: ServerConfig, sock: socket.soc
 
     imports = time.perf_counter() - imports_start
     start = time.perf_counter()
-    with console.status("loading the model (the first run creates the default checkpoint)..."):
+    with console.status("loading the model (the first run creates the default checkpoint)...") as status, \
+            StartupProgress(console, status):
         try:
             engine = LLMEngine(config)
         except (FileNotFoundError, ValueError) as exc:
@@ -165,7 +227,7 @@ def _load_and_serve(config: EngineConfig, server: ServerConfig, sock: socket.soc
         f"KV pool: {info.kv_pages} pages x {info.page_size} tokens; context length {info.max_model_len}; "
         f"up to {info.max_running} requests at once\n"
         f"warmed in {engine.startup_timings['warm']:.2f} s; {graphs}\n"
-        f"{describe_startup(imports, engine.startup_timings)}"
+        f"{describe_startup(before, imports, engine.startup_timings, sum(engine.jit_compiles().values()), process_age())}"
     )
     reloader = pool = None
     if server.allow_reload_forward:

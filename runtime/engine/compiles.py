@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 log = logging.getLogger("runtime.server")
+progress = logging.getLogger("runtime.startup")  # what a start is doing now (tsdev serve shows it while it waits)
 
 
 class JitCompiles:
@@ -37,8 +38,10 @@ class JitCompiles:
     def record(self, kernel: str, specialisation: str) -> None:
         with self._lock:
             self.counts[kernel] += 1
-            expected = self._expected > 0
-        if not expected:
+            expected, total = self._expected > 0, sum(self.counts.values())
+        if expected:
+            progress.info("compiled %s (%d Triton compile(s) in this process)", kernel, total)
+        else:
             log.warning("Triton compiled %s while serving (%s): a specialisation startup did not warm; the step "
                         "waited for it", kernel, specialisation)
 

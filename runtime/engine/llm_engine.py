@@ -157,6 +157,7 @@ class LLMEngine:
         thaw_heap()
         self.config = config
         checkpoint = Checkpoint.open(config)
+        opened = time.perf_counter() - start  # the first use of the default model writes it
         self.model_dir, self.model_config, self.max_model_len = checkpoint.dir, checkpoint.config, checkpoint.max_model_len
         self.weights_dir = self.model_dir  # where the weights now served came from (an update changes it)
         self.tokenizer_dir = Path(config.tokenizer) if config.tokenizer else self.model_dir  # and the chat template
@@ -174,7 +175,8 @@ class LLMEngine:
         self.num_parameters = (sum(p.numel() for p in self.runner.model.parameters()) if self.ranks is None
                                else sum(e.numel for e in read_entries(checkpoint_files(self.model_dir))))
         with compiles.install().expected():  # startup compiles every specialisation serving reaches
-            self.startup_timings = {"load": time.perf_counter() - start, **self.runner.start()}
+            self.startup_timings = {"checkpoint": opened, "load": time.perf_counter() - start - opened,
+                                    **self.runner.start()}
         self.block_manager = BlockManager(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_running, config.max_batched_tokens, self.max_model_len)
         self.in_flight: _Launched | None = None

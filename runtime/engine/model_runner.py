@@ -1,5 +1,6 @@
 """Owns the model, the KV pool and the sampler; turns a scheduled batch into sampled tokens."""
 import contextlib
+import logging
 import random
 import sys
 import time
@@ -69,6 +70,8 @@ class Checkpoint:
         return cls(model_dir, model_config, max_model_len)
 
 
+progress = logging.getLogger("runtime.startup")  # runtime/engine/compiles.py: what a start is doing
+
 class ModelRunner:
     """Benchmarks that time the runner alone build their own: `ModelRunner(config, Checkpoint.open(config))`,
     then `start()`; the engine builds one the same way."""
@@ -80,7 +83,9 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype(model_config)
         torch.manual_seed(config.seed)
+        progress.info("building %s on %s", model_config.architecture, self.device)
         self.model = build_model(model_config, self.device, self.dtype, config.quantization)
+        progress.info("loading the weights from %s", checkpoint.dir)
         self.weights = load_weights(self.model, checkpoint.dir, config.load_format, config.load_memory_limit)
         self.load_report = self.weights.report
         self.model.eval()
@@ -352,7 +357,11 @@ class ModelRunner:
     def start(self) -> dict[str, float]:
         """Warm up, then capture the graphs (a prefill capture failure leaves prefill eager): seconds of
         warm-up (`warm`), decode graphs (`capture`) and prefill graphs (`capture_prefill`)."""
+        progress.info("warm-up: running every kernel serving reaches (a fresh machine compiles them now)")
         warm = self.warmup()
+        progress.info("capturing %d decode and %d prefill graph(s)",
+                      len(self.decode_graphs.sizes) if self.decode_graphs else 0,
+                      len(self.prefill_graphs.buckets) if self.prefill_graphs else 0)
         graphs = self.capture_graphs(strict=False)
         return {"warm": warm, "capture": sum(graphs["decode"].values()), "capture_prefill": sum(graphs["prefill"].values())}
 

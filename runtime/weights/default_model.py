@@ -7,6 +7,7 @@ filled with generated merges up to exactly the model's vocabulary, so every id t
 to text (see `build_tokenizer`).
 """
 import json
+import logging
 import os
 import re
 import shutil
@@ -58,6 +59,7 @@ def default_model_dir(device: str, moe: bool = False) -> Path:
     if (final / "config.json").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
+    logging.getLogger("runtime.startup").info("writing the default checkpoint %s (once, on first use)", final)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     try:
         write_checkpoint(tmp, SHAPES[shape])
