@@ -4,12 +4,14 @@ and stop a server (`tsdev watch` from asyncio, `tsdev profile` under nsys, the r
 The child runs in its own session (Ctrl-C reaches the parent, which stops the server itself) and, on
 Linux, gets SIGTERM when its parent dies, so that a killed parent leaves no server holding the GPU or the
 port. Its output goes to a log file (or the parent's terminal when there is none); a failed start shows
-the log's last lines.
+the log's last lines. With `standby=True` (tsdev watch) a standby process (tsdev/standby.py: the interpreter up,
+torch, Triton and the HTTP stack imported) waits beside the running server and takes the next start.
 """
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -89,11 +91,13 @@ class ServerProcess:
 
     def __init__(self, args: Sequence[str] = (), port: int | None = None, *, allow_reload_forward: bool = False,
                  prefix: Sequence[str] = (), cwd: Path | None = None, pythonpath: Path | None = None,
-                 log_path: Path | None = None, api_key: str | None = None, env: dict[str, str] | None = None):
+                 log_path: Path | None = None, api_key: str | None = None, env: dict[str, str] | None = None,
+                 standby: bool = False):
         """`port` (default: a free one) is added unless ARGS carry --port; `prefix` wraps the command (nsys);
         `pythonpath` is searched first for imports (a copy of the project); `log_path` None: the terminal;
         `api_key` reaches the server in its environment (TSDEV_API_KEY), never its argv, which `ps` shows; `env`:
-        more variables for it (e.g. CUDA_VISIBLE_DEVICES)."""
+        more variables for it (e.g. CUDA_VISIBLE_DEVICES); `standby`: keep a started process for the next start
+        (started once the server is healthy, so that it never slows a start down; not with a `prefix`)."""
         args = list(args)
         if allow_reload_forward and "--allow-reload-forward" not in args:
             args.append("--allow-reload-forward")
@@ -111,6 +115,9 @@ class ServerProcess:
         self.env = {**os.environ, **extra} if extra else None
         self.proc: subprocess.Popen | None = None  # None once stop() was called
         self._offset = 0  # where the current run's output starts in the log
+        self.keep_standby = standby and not prefix
+        self.standby: subprocess.Popen | None = None  # the process the next start() hands its arguments to
+        self.handed_over = False  # the current run is a standby that took over
 
     @property
     def command_line(self) -> str:
@@ -132,12 +139,42 @@ class ServerProcess:
             log.flush()
             self._offset = log.tell()
         try:
-            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=None if log is None else subprocess.STDOUT, cwd=self.cwd,
-                                         env=self.env, preexec_fn=die_with_parent)
+            standby, self.standby = self.standby, None
+            self.handed_over = standby is not None and standby.poll() is None
+            if self.handed_over:
+                standby.stdin.write((json.dumps(self.serve_args) + "\n").encode())
+                standby.stdin.flush()
+                self.proc = standby
+            else:  # none yet, or it died: an ordinary start (the next standby replaces it)
+                self.proc = self._spawn(self.argv, log, subprocess.DEVNULL)
         finally:
             if log is not None:
                 log.close()
+
+    def _spawn(self, argv: list[str], log, stdin) -> subprocess.Popen:
+        return subprocess.Popen(argv, stdin=stdin, stdout=log, stderr=None if log is None else subprocess.STDOUT,
+                                cwd=self.cwd, env=self.env, preexec_fn=die_with_parent)
+
+    def start_standby(self) -> None:
+        """Start the process the next start() takes over, unless one waits already (its output: the log's)."""
+        if not self.keep_standby or (self.standby is not None and self.standby.poll() is None):
+            return
+        log = open(self.log_path, "a") if self.log_path is not None else None
+        try:
+            self.standby = self._spawn([sys.executable, "-m", "tsdev.standby"], log, subprocess.PIPE)
+        finally:
+            if log is not None:
+                log.close()
+
+    def dismiss_standby(self) -> None:
+        standby, self.standby = self.standby, None
+        if standby is not None and standby.poll() is None:
+            standby.stdin.close()  # it exits on an empty stdin
+            try:
+                standby.wait(5)
+            except subprocess.TimeoutExpired:
+                standby.kill()
+                standby.wait()
 
     async def wait_healthy_async(self, timeout: float = 600) -> None:
         """Until GET /health answers 200; StartFailed (with the log's last lines) when the child exits first
@@ -149,6 +186,7 @@ class ServerProcess:
                     raise StartFailed(f"the server exited during startup ({describe_exit(code)}):\n{self.tail()}")
                 try:
                     if (await client.get(self.url + "/health", timeout=2)).status_code == 200:
+                        self.start_standby()
                         return
                 except httpx.TransportError:
                     pass
@@ -191,6 +229,7 @@ class ServerProcess:
             yield self
         finally:
             self.stop(stop_timeout)
+            self.dismiss_standby()
 
     def output(self) -> str:
         """What the current run printed so far (into the log)."""

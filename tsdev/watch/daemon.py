@@ -53,7 +53,7 @@ class Daemon:
             server_args += ["--allowed-weight-dir", str(self.weights.root)]  # the server loads only from allowed dirs
         self.server = None if config.attach else ServerProcess(
             [*([config.model] if config.model else []), *server_args], config.port, allow_reload_forward=True,
-            cwd=config.project, log_path=config.log_path, api_key=config.api_key)
+            cwd=config.project, log_path=config.log_path, api_key=config.api_key, standby=True)
         self.info = {"state": "starting", "url": config.url, "model": None, "device": None, "pid": None,
                      "log": str(config.log_path) if self.server else None, "attach": bool(config.attach)}
         self.link = ServerLink(config.url, transport, config.api_key)
@@ -141,6 +141,7 @@ class Daemon:
             await asyncio.gather(*tasks, return_exceptions=True)
             if self.server:
                 await self.server.stop_async(15)
+                await asyncio.to_thread(self.server.dismiss_standby)
             await self.link.aclose()
 
     async def _watch(self) -> None:

@@ -1,0 +1,48 @@
+"""A restart of `tsdev watch`'s server is handed to a standby process (tsdev/standby.py) that already runs the
+interpreter with torch, Triton and the HTTP stack imported: it serves after the restart, a new standby is started
+for the next one, and a standby that died is replaced by an ordinary start and a new standby."""
+import os
+import signal
+
+import httpx
+
+from tsdev.server_process import ServerProcess
+
+REQUEST = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+
+
+def served(server: ServerProcess) -> list[int]:
+    reply = httpx.post(server.url + "/v1/completions", json=REQUEST, timeout=60)
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]["token_ids"]
+
+
+def restart(server: ServerProcess) -> None:
+    server.stop()
+    server.start("restart")
+    server.wait_healthy(120)
+
+
+def test_a_restart_is_served_by_the_standby_and_a_dead_standby_is_replaced(tiny_model_dir, tmp_path):
+    server = ServerProcess([str(tiny_model_dir), "--device", "cpu", "--max-model-len", "128"], standby=True,
+                           log_path=tmp_path / "serve.log")
+    try:
+        server.start()
+        server.wait_healthy(120)
+        assert not server.handed_over and server.standby is not None  # started once the server was healthy
+        first, standby = served(server), server.standby
+        restart(server)
+        assert server.handed_over and server.proc is standby  # the standby became the server
+        assert served(server) == first
+        dead = server.standby
+        assert dead is not None and dead is not standby  # the next one waits already
+        os.kill(dead.pid, signal.SIGKILL)
+        dead.wait(10)
+        restart(server)
+        assert not server.handed_over and served(server) == first  # an ordinary start
+        assert server.standby is not None and server.standby.poll() is None and server.standby is not dead
+    finally:
+        server.stop()
+        replacement = server.standby
+        server.dismiss_standby()
+    assert standby.poll() is not None and replacement.poll() is not None  # nothing left running

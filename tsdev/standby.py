@@ -1,0 +1,36 @@
+"""A `tsdev serve` started ahead of need: the interpreter up and the heavy libraries imported (torch, Triton, the HTTP
+stack), waiting for its arguments on stdin. `ServerProcess` keeps one beside a running server (`standby=True`, as
+`tsdev watch` does) and hands it the next start, so a restart pays neither the interpreter nor those imports.
+
+It imports nothing of the project before the hand-off: the edit that made the restart necessary (an engine file, say)
+is read from disk then, like any start. It holds no GPU memory (CUDA is not initialised) and, like a server, dies with
+its parent. An empty stdin (the parent closed it or died) ends it quietly.
+
+    python -m tsdev.standby        # then one line on stdin: the JSON list of `tsdev` arguments, e.g. ["serve", ...]
+"""
+import json
+import sys
+
+
+def main() -> int:
+    import fastapi  # noqa: F401  what every start imports first, and the slow part of it
+    import safetensors.torch  # noqa: F401
+    import tokenizers  # noqa: F401
+    import torch  # noqa: F401
+    import uvicorn  # noqa: F401
+
+    try:
+        import triton  # noqa: F401
+    except ImportError:  # a platform without it: the server says what it needs
+        pass
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0
+    from tsdev.cli import app
+
+    app(args=json.loads(line), prog_name="tsdev")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
