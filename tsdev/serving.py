@@ -62,7 +62,12 @@ def bind_error(exc: OSError, host: str, port: int) -> str:
 
 
 def process_age() -> float | None:
-    """Seconds since this process began (Linux: /proc), None elsewhere."""
+    """Seconds since this process began (Linux: /proc), None elsewhere; for a standby that took a start
+    (tsdev/standby.py), since it took it."""
+    from tsdev.standby import HANDED_OVER_ENV
+
+    if handed_over := os.environ.get(HANDED_OVER_ENV):
+        return time.time() - float(handed_over)
     try:
         started = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, clock ticks
         return float(Path("/proc/uptime").read_text().split()[0]) - started / os.sysconf("SC_CLK_TCK")
@@ -82,7 +87,10 @@ def describe_startup(before: float | None, imports: float, t: dict, compiles: in
              f"warm-up and capture")
     if total is None or before is None:
         return f"startup: {text}"
-    return f"startup: {total:.2f} s since the process began = {text}; other {max(total - sum(parts.values()), 0):.2f} s"
+    from tsdev.standby import HANDED_OVER_ENV
+
+    since = "a standby took the start" if os.environ.get(HANDED_OVER_ENV) else "the process began"
+    return f"startup: {total:.2f} s since {since} = {text}; other {max(total - sum(parts.values()), 0):.2f} s"
 
 
 class StartupProgress(logging.Handler):

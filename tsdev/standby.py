@@ -9,7 +9,11 @@ its parent. An empty stdin (the parent closed it or died) ends it quietly.
     python -m tsdev.standby        # then one line on stdin: the JSON list of `tsdev` arguments, e.g. ["serve", ...]
 """
 import json
+import os
 import sys
+import time
+
+HANDED_OVER_ENV = "TSDEV_HANDED_OVER_AT"
 
 
 def main() -> int:
@@ -26,6 +30,7 @@ def main() -> int:
     line = sys.stdin.readline()
     if not line.strip():
         return 0
+    os.environ[HANDED_OVER_ENV] = repr(time.time())  # the server's startup line counts from here, not the wait
     from tsdev.cli import app
 
     app(args=json.loads(line), prog_name="tsdev")

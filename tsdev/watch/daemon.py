@@ -197,7 +197,7 @@ class Daemon:
             reasons.append(f"{', '.join(changes.files)} changed after the server failed")
         if reasons and self.server is not None:  # a restart runs every change: no reload first
             by_user = any(job.by_user for job in batch.restarts) or bool(changes)
-            await self.restarts.restart("; ".join(reasons), by_user)
+            await self.restarts.restart("; ".join(reasons), by_user, saved_at=changes.saved_at if changes else None)
         else:
             if reasons:
                 self.message(f"needs a restart ({'; '.join(reasons)}), but tsdev watch did not start this server: "

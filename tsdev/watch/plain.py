@@ -100,7 +100,10 @@ def restart_line(record: RestartRecord, daemon: Daemon) -> str:
         if daemon.checker.golden:
             head += f"; golden completion: {len(daemon.checker.golden)} tokens"
     else:
-        head = f"restart #{record.n}: {escape(record.reason)} → restarted in {record.seconds:.1f} s ({where})"
+        head = (f"restart #{record.n}: {escape(record.reason)} → restarted in {record.seconds:.1f} s"
+                f"{' by the standby' if record.standby else ''} ({where})")
+        if record.served_after_save is not None:
+            head += f" | save → serving again {record.served_after_save:.2f} s"
     return " | ".join([head, *checks_text(record)])
 
 

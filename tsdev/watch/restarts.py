@@ -40,12 +40,14 @@ class Restarts:
             await self._after_start(record, take_golden=True)
         return record
 
-    async def restart(self, reason: str, by_user: bool) -> None:
+    async def restart(self, reason: str, by_user: bool, saved_at: float | None = None) -> None:
         self.count += 1
         record = RestartRecord(self.count, reason)
         await self.daemon.server.stop_async(15)
         self.after_exit = 0 if by_user else self.after_exit + 1
         await self._start(record)
+        if saved_at and not record.error:
+            record.served_after_save = time.time() - saved_at
         if not record.error:
             await self._after_start(record, take_golden=self.daemon.checker.golden is None)
 
@@ -69,6 +71,7 @@ class Restarts:
             daemon.emit("restart_finished", record)
             return
         record.seconds, record.pid = time.perf_counter() - start, server.proc.pid
+        record.standby = server.handed_over
         daemon.down = False
         daemon.info.update(pid=record.pid)
         self._exit_task = asyncio.create_task(self._watch_exit(), name="exit")
