@@ -99,3 +99,33 @@ def test_serving_compiles_no_triton_kernel_after_startup():
         torch.cuda.synchronize()
     assert not compiled, "Triton compiled while serving:\n" + "\n".join(compiled)
     assert engine.jit_compiles() == counted
+
+
+def random_params(rng) -> SamplingParams:
+    """Greedy or sampled, and now and then logprobs, penalties or a bias: each takes its own kernels."""
+    extra = rng.choice([{}, {}, {"logprobs": rng.randint(0, 5)}, {"presence_penalty": 0.5, "repetition_penalty": 1.1},
+                        {"logit_bias": {rng.randint(0, 1000): 2.0}}])
+    sampled = rng.random() < 0.5
+    return SamplingParams(max_tokens=rng.randint(1, 40), temperature=0.8 if sampled else 0, top_k=rng.choice([0, 20]),
+                          top_p=rng.choice([1.0, 0.9]), seed=rng.randint(0, 99), ignore_eos=True, **extra)
+
+
+def test_randomized_requests_after_startup_compile_nothing():
+    """Issue 31, point 3: after startup, batches of random sizes with random prompt and output lengths and random
+    sampling options compile no Triton kernel -- the engine's own counter (tsdev_jit_compiles_total, every compile
+    in the process) does not move. The seed is printed (`-s`) so a failure can be replayed."""
+    import random
+
+    seed = random.SystemRandom().randrange(1 << 30)
+    print(f"\nseed {seed}")
+    rng = random.Random(seed)
+    engine = LLMEngine(EngineConfig(model=str(default_model_dir("cuda")), device="cuda"))
+    before = engine.jit_compiles()
+    seeds = iter(range(20_000, 40_000))
+    for _ in range(8):
+        size = rng.choice([1, 2, 3, 5, 8, 13, 17, 31, 48, 64, 100, 150])
+        budget = 60_000 // size  # tokens a round may prefill: a few seconds at most
+        prompts = [prompt(rng.randint(1, min(1500, budget)), next(seeds)) for _ in range(size)]
+        engine.generate(prompts, [random_params(rng) for _ in range(size)])
+    after = engine.jit_compiles()
+    assert after == before, {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
