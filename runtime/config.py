@@ -104,6 +104,10 @@ class EngineConfig:
     full_recapture: bool = False  # a reload recaptures every graph before serving resumes (else the used ones)
     prefill_graph_max_tokens: int = 2048  # largest prefill graph bucket (clamped to max_batched_tokens); 0: off
     prefill_graph_capture_sizes: list[int] | None = None  # explicit buckets instead of the ladder
+    # Capture only these before serving, the other sizes and buckets between steps after (a restart by tsdev watch:
+    # what the server it replaces had used); None: all before serving.
+    cudagraph_capture_first: list[int] | None = None
+    prefill_graph_capture_first: list[int] | None = None
     load_format: str = "auto"  # pinned: staged through a page-locked buffer; plain: safetensors; auto: pinned on CUDA
     load_memory_limit: int = 16 << 30  # bytes of host memory the pinned staging buffer may take
     quantization: str | None = None  # "fp8": e4m3 projections with per-channel scales derived at load (docs/runtime.md)

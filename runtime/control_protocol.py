@@ -291,6 +291,8 @@ class EngineInfo(_Message):
     decode_graph_sizes: list[int] = []  # batch sizes replayed from decode graphs ([]: none)
     prefill_graph_buckets: list[int] = []  # token counts of the prefill graphs ([]: none)
     prefill_graphs_failed: str | None = None  # why prefill runs eagerly after its graphs failed to capture
+    decode_graphs_used: list[int] = []  # batch sizes the steps replayed since the last capture
+    prefill_graphs_used: list[int] = []  # prefill buckets the steps replayed since the last capture
     quantization: str | None = None  # e.g. fp8
 
 

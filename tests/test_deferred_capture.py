@@ -109,3 +109,31 @@ def test_while_requests_run_a_deferred_graph_is_captured_at_most_once_every_32_s
     asyncio.run(scenario())
     assert len(steps) >= 70 and engine.graphs_pending == 0
     assert 1 <= sum(busy_captures) <= len(steps) // STEPS_PER_DEFERRED_CAPTURE + 1
+
+
+def test_a_start_told_what_to_capture_first_captures_the_rest_while_serving(make_engine):
+    """A restart by tsdev watch: the new server captures before serving only the graphs the old one had used (from
+    its /server_info), the others between steps after, as a reload does."""
+    used = make_engine(**GRAPHS)
+    used.generate([[5, 17, 300, 42, 9]], GREEDY)
+    info = used.describe()
+    assert (info.decode_graphs_used, info.prefill_graphs_used) == ([1], [16])
+    engine = make_engine(**GRAPHS, cudagraph_capture_first=info.decode_graphs_used,
+                         prefill_graph_capture_first=info.prefill_graphs_used)
+    assert engine.runner.decode_graphs.pending == [8, 4, 2] and engine.runner.prefill_graphs.pending == [256, 64, 32]
+    want = [r["token_ids"] for r in used.generate([[7, 8, 9], list(range(3, 40))], GREEDY)]
+
+    async def scenario():
+        ae = AsyncEngine(engine)
+        await ae.start()
+        try:
+            got = await asyncio.gather(*(collect(ae, f"s{i}", p) for i, p in enumerate(([7, 8, 9], list(range(3, 40))))))
+            for _ in range(100):
+                if not engine.graphs_pending:
+                    break
+                await asyncio.sleep(0.01)
+            return got
+        finally:
+            await ae.stop()
+
+    assert asyncio.run(scenario()) == want and engine.graphs_pending == 0

@@ -46,3 +46,26 @@ def test_a_restart_is_served_by_the_standby_and_a_dead_standby_is_replaced(tiny_
         replacement = server.standby
         server.dismiss_standby()
     assert standby.poll() is not None and replacement.poll() is not None  # nothing left running
+
+
+def test_a_restart_asks_the_old_server_which_graphs_to_capture_before_serving(make_engine):
+    """What tsdev watch passes the start that replaces a server: the graphs it used since its last capture (from
+    /server_info), else the smallest of each kind (tests/test_deferred_capture.py: the rest are captured after)."""
+    import asyncio
+
+    from runtime.engine.sequence import SamplingParams
+    from runtime.server.app import build_app
+    from tsdev.watch.link import ServerLink
+
+    engine = make_engine(cudagraph_capture_sizes=[1, 2, 4, 8], prefill_graph_capture_sizes=[16, 32, 64])
+
+    async def flags() -> list[str]:
+        link = ServerLink("http://127.0.0.1", httpx.ASGITransport(build_app(engine, "tiny")))
+        try:
+            return await link.capture_first()
+        finally:
+            await link.aclose()
+
+    assert asyncio.run(flags()) == ["--cudagraph-capture-first", "1", "--prefill-graph-capture-first", "16"]
+    engine.generate([[5, 17, 300] * 12, [4, 5]], SamplingParams(max_tokens=3, ignore_eos=True))  # 38 tokens, then 2
+    assert asyncio.run(flags()) == ["--cudagraph-capture-first", "2", "--prefill-graph-capture-first", "64"]

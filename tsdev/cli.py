@@ -181,6 +181,12 @@ def serve(
         metavar="SIZES", help="Explicit prefill token buckets instead of the ladder, e.g. `--prefill-graph-capture-sizes 64 256 "
              "1024`; clamped to the largest, which is always captured. Default: the ladder; with "
              "--allow-reload-forward, 256 1024 (fewer graphs to recapture after each reload).")] = None,
+    cudagraph_capture_first: Annotated[Optional[str], typer.Option(
+        metavar="SIZES", help="Capture only these decode batch sizes before serving, the others between steps after "
+             "(eager until then): a shorter start. tsdev watch passes, on a restart, the sizes the server it replaces "
+             "had used.")] = None,
+    prefill_graph_capture_first: Annotated[Optional[str], typer.Option(
+        metavar="SIZES", help="The same for the prefill token buckets.")] = None,
     full_recapture: Annotated[bool, typer.Option(
         "--full-recapture", help="A reload recaptures every CUDA graph before serving resumes. Default: only the "
              "batch sizes and prefill buckets used since the last capture; the others are captured one at a time "
@@ -276,6 +282,10 @@ def serve(
     if cudagraph_capture_sizes:
         config.cudagraph_capture_sizes = parse_sizes("--cudagraph-capture-sizes", cudagraph_capture_sizes)
     config.prefill_graph_capture_sizes = prefill_capture_sizes(prefill_graph_capture_sizes, allow_reload_forward)
+    if cudagraph_capture_first:
+        config.cudagraph_capture_first = parse_sizes("--cudagraph-capture-first", cudagraph_capture_first)
+    if prefill_graph_capture_first:
+        config.prefill_graph_capture_first = parse_sizes("--prefill-graph-capture-first", prefill_graph_capture_first)
     if served_model_name is None and name is not None and (is_hub_id(name) or name == DEFAULT_MOE):
         served_model_name = name  # the hub id, as vLLM serves it
     server = ServerConfig(host=host, port=port, served_model_name=served_model_name, log_level=log_level,

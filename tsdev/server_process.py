@@ -123,8 +123,9 @@ class ServerProcess:
     def command_line(self) -> str:
         return " ".join(["tsdev", *self.serve_args])
 
-    def start(self, header: str = "starting the server") -> None:
-        """Start the child (returns at once); PortInUse when something already answers on the port."""
+    def start(self, header: str = "starting the server", extra_args: Sequence[str] = ()) -> None:
+        """Start the child (returns at once), with `extra_args` for this run only; PortInUse when something
+        already answers on the port."""
         try:
             httpx.get(self.url + "/health", timeout=1)
         except httpx.TransportError:
@@ -135,18 +136,18 @@ class ServerProcess:
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             log = open(self.log_path, "a")
-            log.write(f"\n--- {time.strftime('%H:%M:%S')} {header}: {self.command_line}\n")
+            log.write(f"\n--- {time.strftime('%H:%M:%S')} {header}: {' '.join([self.command_line, *extra_args])}\n")
             log.flush()
             self._offset = log.tell()
         try:
             standby, self.standby = self.standby, None
             self.handed_over = standby is not None and standby.poll() is None
             if self.handed_over:
-                standby.stdin.write((json.dumps(self.serve_args) + "\n").encode())
+                standby.stdin.write((json.dumps([*self.serve_args, *extra_args]) + "\n").encode())
                 standby.stdin.flush()
                 self.proc = standby
             else:  # none yet, or it died: an ordinary start (the next standby replaces it)
-                self.proc = self._spawn(self.argv, log, subprocess.DEVNULL)
+                self.proc = self._spawn([*self.argv, *extra_args], log, subprocess.DEVNULL)
         finally:
             if log is not None:
                 log.close()

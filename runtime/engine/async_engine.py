@@ -253,18 +253,19 @@ class AsyncEngine:
                 and self.engine.unavailable() is None)
 
     def _capture_next(self) -> None:
-        """A graph a reload left to capture after serving resumed; the last one logs how long they all took."""
+        """A graph left to capture after serving (re)started (by a reload, or a start told to capture some first);
+        the last one logs how long they all took."""
         start = time.perf_counter()
         try:
             captured = self.engine.capture_next()
         except Exception as exc:  # that size stays eager; serving goes on
-            log.warning("capturing a CUDA graph after the reload failed (%s: %s); that size runs eagerly",
+            log.warning("capturing a deferred CUDA graph failed (%s: %s); that size runs eagerly",
                         type(exc).__name__, exc)
             captured = {}
         self._deferred_seconds += time.perf_counter() - start
         self._deferred_count += sum(map(len, captured.values()))
         if not self.engine.graphs_pending:
-            log.info("captured the %d graph(s) a reload left for after it in %.2f s", self._deferred_count,
+            log.info("captured the %d graph(s) left for after serving resumed in %.2f s", self._deferred_count,
                      self._deferred_seconds)
             self._deferred_seconds, self._deferred_count = 0.0, 0
 

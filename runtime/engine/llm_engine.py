@@ -432,7 +432,9 @@ class LLMEngine:
             world_size=config.world_size, max_running=config.max_running, kv_pages=self.block_manager.num_pages,
             page_size=self.block_manager.page_size, decode_graph_sizes=list(decode.sizes) if decode else [],
             prefill_graph_buckets=list(prefill.buckets) if prefill else [],
-            prefill_graphs_failed=prefill.disabled if prefill else None, quantization=config.quantization)
+            prefill_graphs_failed=prefill.disabled if prefill else None, quantization=config.quantization,
+            decode_graphs_used=sorted(decode.used) if decode else [],
+            prefill_graphs_used=sorted(prefill.used) if prefill else [])
 
     def step(self) -> list[RequestOutput]:
         """Schedule and launch a step, then read the previous one (async scheduling) or this one."""

@@ -362,8 +362,20 @@ class ModelRunner:
         progress.info("capturing %d decode and %d prefill graph(s)",
                       len(self.decode_graphs.sizes) if self.decode_graphs else 0,
                       len(self.prefill_graphs.buckets) if self.prefill_graphs else 0)
-        graphs = self.capture_graphs(strict=False)
+        config = self.config
+        first = None
+        if config.cudagraph_capture_first is not None or config.prefill_graph_capture_first is not None:
+            first = (self._first(self.decode_graphs and self.decode_graphs.sizes, config.cudagraph_capture_first),
+                     self._first(self.prefill_graphs and self.prefill_graphs.buckets, config.prefill_graph_capture_first))
+        graphs = self.capture_graphs(strict=False, first=first)
         return {"warm": warm, "capture": sum(graphs["decode"].values()), "capture_prefill": sum(graphs["prefill"].values())}
+
+    @staticmethod
+    def _first(sizes: list[int] | None, wanted: list[int] | None) -> list[int] | None:
+        """Of `sizes`, those `wanted` (at least the smallest, which shows the code captures); all when None."""
+        if not sizes or wanted is None:
+            return None
+        return sorted(set(sizes) & set(wanted)) or sizes[:1]
 
     def capture_graphs(self, strict: bool = True, first: tuple[list[int], list[int]] | None = None
                        ) -> dict[str, dict[int, float]]:

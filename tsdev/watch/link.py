@@ -43,6 +43,23 @@ class ServerLink:
         first = (await self.client.get(self.url + "/v1/models")).json()["data"][0]
         return Described(first.get("id"), None, int(first.get("vocab_size") or 256))
 
+    async def capture_first(self) -> list[str]:
+        """`tsdev serve` flags for a restart that captures before serving only the graphs this server has used
+        since its last capture (the rest after); [] when it cannot say (it died, or lacks /server_info)."""
+        try:
+            response = await self.client.get(self.url + SERVER_INFO_ROUTE, timeout=5)
+            info = ServerInfo.model_validate_json(response.content) if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return []
+        if info is None:
+            return []
+        flags = []
+        for flag, sizes, used in (("--cudagraph-capture-first", info.decode_graph_sizes, info.decode_graphs_used),
+                                  ("--prefill-graph-capture-first", info.prefill_graph_buckets, info.prefill_graphs_used)):
+            if sizes:
+                flags += [flag, ",".join(map(str, used or sizes[:1]))]
+        return flags
+
     async def loaded(self, on_disk: list[str]) -> list[str]:
         """Of the modules on disk, those the server has imported (a reload can force only those)."""
         try:

@@ -43,15 +43,16 @@ class Restarts:
     async def restart(self, reason: str, by_user: bool, saved_at: float | None = None) -> None:
         self.count += 1
         record = RestartRecord(self.count, reason)
+        first = [] if self.daemon.down else await self.daemon.link.capture_first()  # graphs it used: before serving
         await self.daemon.server.stop_async(15)
         self.after_exit = 0 if by_user else self.after_exit + 1
-        await self._start(record)
+        await self._start(record, first)
         if saved_at and not record.error:
             record.served_after_save = time.time() - saved_at
         if not record.error:
             await self._after_start(record, take_golden=self.daemon.checker.golden is None)
 
-    async def _start(self, record: RestartRecord) -> None:
+    async def _start(self, record: RestartRecord, extra_args: list[str] = ()) -> None:
         daemon, server, url = self.daemon, self.daemon.server, self.daemon.config.url
         daemon.emit("restart_started", record)
         daemon.set_state("restarting" if record.n else "starting", pid=None)
@@ -59,7 +60,7 @@ class Restarts:
         daemon.watcher.rescan()  # before the child imports the sources: later saves count as changes
         try:
             try:
-                server.start(f"tsdev watch: starting the server ({record.reason})")
+                server.start(f"tsdev watch: starting the server ({record.reason})", extra_args)
             except PortInUse:
                 raise StartFailed(f"something already answers on {url}: stop it, pass --port, or attach to it "
                                   f"with `tsdev watch --attach {url}`") from None
