@@ -6,6 +6,7 @@ offline workload's output tokens per second.
 
     python3 benchmarks/speed.py                 # CUDA; about 3 minutes on the H200
     python3 benchmarks/speed.py --cycles 5 --skip offline
+    python3 benchmarks/speed.py --compile-workers 8 --skip decode offline   # the edit loop with the compile pool
 
 Runs benchmarks/reload_vs_restart.py, save_to_serving.py, decode_step.py and offline_throughput.py one after the other (each in its
 own process, its output shown as it comes), then prints the table.
@@ -53,15 +54,18 @@ def decode_rows(output: str) -> dict[int, dict[str, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cycles", type=int, default=5, help="edit/revert cycles of the reload (two reloads each)")
+    parser.add_argument("--compile-workers", type=int, default=None,
+                        help="the servers' --compile-workers (the compile pool; default: the server's default)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["reload", "watch", "decode", "offline"])
     args = parser.parse_args()
     measured = {}
+    pool = ["--", "--compile-workers", str(args.compile_workers)] if args.compile_workers is not None else []
     if "reload" not in args.skip:
-        summary = last_summary(run("reload_vs_restart.py", "--cycles", str(args.cycles)))
+        summary = last_summary(run("reload_vs_restart.py", "--cycles", str(args.cycles), *pool))
         measured.update(pause_s=summary["pause"], restart_over_pause=summary["restart_over_pause"],
                         restart_s=summary["restart"], wall_s=summary["wall"])
     if "watch" not in args.skip:
-        watch = last_summary(run("save_to_serving.py", "--cycles", str(2 * args.cycles)))  # >= 10 fresh edits
+        watch = last_summary(run("save_to_serving.py", "--cycles", str(2 * args.cycles), *pool))  # >= 10 fresh edits
         measured.update(save_to_serving_fresh_s=watch["fresh"]["median"],
                         save_to_serving_repeated_s=watch["repeated"]["median"], watch_restart_s=watch["restart"]["median"])
     if "decode" not in args.skip:
