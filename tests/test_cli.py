@@ -226,3 +226,8 @@ def test_a_slow_start_shows_what_it_is_doing_instead_of_waiting_silently(monkeyp
     assert any(m.startswith("building Qwen3ForCausalLM") for m in seen) and any("warm-up" in m for m in seen)
     assert any(m.startswith("capturing ") for m in seen) and lines
     assert all(line.startswith("starting (") for line in lines) and lines[-1].endswith(seen[-1])
+
+
+def test_compile_workers_without_reloads_are_refused():
+    result = CliRunner().invoke(app, ["serve", "--device", "cpu", "--port", "0", "--compile-workers", "2"])
+    assert result.exit_code == 2 and "--allow-reload-forward" in result.output

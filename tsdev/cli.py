@@ -282,6 +282,9 @@ def serve(
     if cudagraph_capture_sizes:
         config.cudagraph_capture_sizes = parse_sizes("--cudagraph-capture-sizes", cudagraph_capture_sizes)
     config.prefill_graph_capture_sizes = prefill_capture_sizes(prefill_graph_capture_sizes, allow_reload_forward)
+    if compile_workers and not allow_reload_forward:
+        raise typer.BadParameter("compile workers serve reloads: add --allow-reload-forward (tsdev watch does)",
+                                 param_hint="--compile-workers")
     if cudagraph_capture_first:
         config.cudagraph_capture_first = parse_sizes("--cudagraph-capture-first", cudagraph_capture_first)
     if prefill_graph_capture_first:

@@ -79,12 +79,13 @@ def describe_startup(before: float | None, imports: float, t: dict, compiles: in
     """Where every second of the start went: `before` (the interpreter, the CLI's imports, its checks: the
     process's age when serving began), the runtime's imports, then the engine's phases; `other` is what none of
     them holds, so the parts add up to `total`, the process's age now (both None where it cannot be read)."""
-    parts = {"python and the CLI": before or 0.0, "imports": imports, "checkpoint": t.get("checkpoint", 0.0),
-             "load": t["load"], "warm-up": t["warm"], "capture": t["capture"] + t["capture_prefill"]}
-    text = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in parts.items() if name != "python and the CLI"
-                     or before is not None)
-    text += (f" (decode {t['capture']:.2f}, prefill {t['capture_prefill']:.2f}); {compiles} Triton compile(s) in the "
-             f"warm-up and capture")
+    parts = {"imports": imports, "checkpoint": t.get("checkpoint", 0.0), "load": t["load"], "warm-up": t["warm"],
+             "capture": t["capture"] + t["capture_prefill"]}
+    if before is not None:
+        parts = {"python and the CLI": before, **parts}
+    text = (", ".join(f"{name} {seconds:.2f} s" for name, seconds in parts.items())
+            + f" (decode {t['capture']:.2f}, prefill {t['capture_prefill']:.2f}); {compiles} Triton compile(s) in the "
+              "warm-up and capture")
     if total is None or before is None:
         return f"startup: {text}"
     from tsdev.standby import HANDED_OVER_ENV

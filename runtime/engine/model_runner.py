@@ -72,6 +72,7 @@ class Checkpoint:
 
 progress = logging.getLogger("runtime.startup")  # runtime/engine/compiles.py: what a start is doing
 
+
 class ModelRunner:
     """Benchmarks that time the runner alone build their own: `ModelRunner(config, Checkpoint.open(config))`,
     then `start()`; the engine builds one the same way."""
@@ -359,14 +360,12 @@ class ModelRunner:
         warm-up (`warm`), decode graphs (`capture`) and prefill graphs (`capture_prefill`)."""
         progress.info("warm-up: running every kernel serving reaches (a fresh machine compiles them now)")
         warm = self.warmup()
-        progress.info("capturing %d decode and %d prefill graph(s)",
-                      len(self.decode_graphs.sizes) if self.decode_graphs else 0,
-                      len(self.prefill_graphs.buckets) if self.prefill_graphs else 0)
-        config = self.config
-        first = None
-        if config.cudagraph_capture_first is not None or config.prefill_graph_capture_first is not None:
-            first = (self._first(self.decode_graphs and self.decode_graphs.sizes, config.cudagraph_capture_first),
-                     self._first(self.prefill_graphs and self.prefill_graphs.buckets, config.prefill_graph_capture_first))
+        sizes = self.decode_graphs.sizes if self.decode_graphs else []
+        buckets = self.prefill_graphs.buckets if self.prefill_graphs else []
+        first = (self._first(sizes, self.config.cudagraph_capture_first),
+                 self._first(buckets, self.config.prefill_graph_capture_first))  # None: all of them
+        progress.info("capturing %d decode and %d prefill graph(s) before serving",
+                      *(len(all_ if now is None else now) for all_, now in zip((sizes, buckets), first)))
         graphs = self.capture_graphs(strict=False, first=first)
         return {"warm": warm, "capture": sum(graphs["decode"].values()), "capture_prefill": sum(graphs["prefill"].values())}
 

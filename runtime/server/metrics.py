@@ -6,6 +6,7 @@ arrival to the first time the scheduler admitted it. They are taken from the sta
 carries, as the engine's steps return (`on_step`).
 """
 import time
+from collections.abc import Callable
 from bisect import bisect_left
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -53,41 +54,23 @@ class CountedHistogram:
         return [family]
 
 
-class FinishedRequests:
-    """vLLM's request_success_total: requests that finished, by finish reason (stop, length, abort), read from
-    the engine's own count at scrape time (aborts never pass through a step's outputs)."""
+class CountsAtScrape:
+    """A counter family by one label, read from the engine's own counts at scrape time (nothing to keep in step):
+    vLLM's request_success_total by finish reason (aborts never pass through a step's outputs), Triton compiles
+    by kernel (startup's, reloads', and any while serving, each of those also a warning: runtime/engine/compiles.py)."""
 
-    def __init__(self, engine: LLMEngine, model_name: str, registry: CollectorRegistry):
-        self.engine, self.model_name = engine, model_name
+    def __init__(self, name: str, documentation: str, label: str, read: Callable[[], dict[str, int]],
+                 model_name: str, registry: CollectorRegistry):
+        self.name, self.documentation, self.label, self.read, self.model_name = name, documentation, label, read, model_name
         registry.register(self)
 
     def describe(self):
-        return [CounterMetricFamily("tsdev_request_success", "Requests finished, by finish reason",
-                                    labels=["model_name", "finished_reason"])]
+        return [CounterMetricFamily(self.name, self.documentation, labels=["model_name", self.label])]
 
     def collect(self):
         family = self.describe()[0]
-        for reason, count in sorted(self.engine.stats().finished.items()):
-            family.add_metric([self.model_name, reason], count)
-        return [family]
-
-
-class JitCompiles:
-    """Triton compiles in the engine's process, by kernel: startup's, reloads', and any while serving (each of those
-    also logged as a warning: runtime/engine/compiles.py)."""
-
-    def __init__(self, engine: LLMEngine, model_name: str, registry: CollectorRegistry):
-        self.engine, self.model_name = engine, model_name
-        registry.register(self)
-
-    def describe(self):
-        return [CounterMetricFamily("tsdev_jit_compiles", "Triton kernel compiles in this process, by kernel",
-                                    labels=["model_name", "kernel"])]
-
-    def collect(self):
-        family = self.describe()[0]
-        for kernel, count in sorted(self.engine.jit_compiles().items()):
-            family.add_metric([self.model_name, kernel], count)
+        for value, count in sorted(self.read().items()):
+            family.add_metric([self.model_name, value], count)
         return [family]
 
 
@@ -110,8 +93,10 @@ class EngineMetrics:
         self.generation_tokens = Counter("tsdev_generation_tokens", "Tokens generated", **label).labels(model_name)
         self.preemptions = Counter("tsdev_num_preemptions", "Requests preempted (their pages freed, recomputed "
                                    "later) because the KV pool ran out", **label).labels(model_name)
-        FinishedRequests(engine, model_name, r)
-        JitCompiles(engine, model_name, r)
+        CountsAtScrape("tsdev_request_success", "Requests finished, by finish reason", "finished_reason",
+                       lambda: engine.stats().finished, model_name, r)
+        CountsAtScrape("tsdev_jit_compiles", "Triton kernel compiles in this process, by kernel", "kernel",
+                       engine.jit_compiles, model_name, r)
         self.tokens_per_second = gauge("tsdev_generation_tokens_per_second",
                                        "Generated tokens per second over the last few seconds")
         self.step_seconds = Histogram("tsdev_step_seconds", "Engine step time", **label,
