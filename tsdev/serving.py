@@ -211,6 +211,24 @@ def leave(status: int) -> int:
 def _load_and_serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, console: Console) -> int:
     before = process_age()
     imports_start = time.perf_counter()
+    import jinja2  # noqa: F401  the startup's imports, timed here (_serve names what it uses)
+    import uvicorn  # noqa: F401
+
+    import runtime.engine.llm_engine  # noqa: F401
+    import runtime.server.app  # noqa: F401
+
+    imports = time.perf_counter() - imports_start
+    start = time.perf_counter()
+    pool = start_compile_pool(config, server)  # its workers import and warm up while the model loads
+    try:
+        return _serve(config, server, sock, console, pool, before, imports, start)
+    finally:
+        if pool is not None:
+            pool.close()
+
+
+def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, console: Console, pool,
+           before: float | None, imports: float, start: float) -> int:
     import uvicorn
     from jinja2 import TemplateError
 
@@ -218,8 +236,6 @@ def _load_and_serve(config: EngineConfig, server: ServerConfig, sock: socket.soc
     from runtime.server.app import build_app
     from runtime.server.security import SecurityPolicy, describe
 
-    imports = time.perf_counter() - imports_start
-    start = time.perf_counter()
     with console.status("loading the model (the first run creates the default checkpoint)...") as status, \
             StartupProgress(console, status):
         try:
@@ -238,15 +254,12 @@ def _load_and_serve(config: EngineConfig, server: ServerConfig, sock: socket.soc
         f"warmed in {engine.startup_timings['warm']:.2f} s; {graphs}\n"
         f"{describe_startup(before, imports, engine.startup_timings, sum(engine.jit_compiles().values()), process_age())}"
     )
-    reloader = pool = None
+    reloader = None
     if server.allow_reload_forward:
         from tsdev.hotreload import Reloader, default_packages
 
         workers = ""
-        if server.compile_workers and config.device.startswith("cuda"):
-            from tsdev.hotreload.pool import CompilePool
-
-            pool = CompilePool(default_packages(), server.compile_workers)  # warming up while the server starts
+        if pool is not None:
             workers = f"; {server.compile_workers} compile worker(s)"
         elif server.compile_workers:
             workers = "; no compile workers on the CPU (Triton's interpreter compiles no binaries)"
@@ -274,9 +287,21 @@ def _load_and_serve(config: EngineConfig, server: ServerConfig, sock: socket.soc
     uvicorn_config = uvicorn.Config(app, log_level=server.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     quiet_server_class(uvicorn.Server)(uvicorn_config, started, app.state.async_engine.shutdown).run(sockets=[sock])
     engine.close()  # the other ranks, if any, stop
-    if pool is not None:
-        pool.close()
     return 0
+
+
+def start_compile_pool(config: EngineConfig, server: ServerConfig):
+    """The compile workers of --compile-workers (reloads on CUDA only), started for the serving device's target."""
+    if not (server.compile_workers and server.allow_reload_forward and config.device.startswith("cuda")):
+        return None
+    import torch
+    from triton.backends.compiler import GPUTarget
+
+    from tsdev.hotreload import default_packages
+    from tsdev.hotreload.pool import CompilePool
+
+    major, minor = torch.cuda.get_device_capability(torch.device(config.device))
+    return CompilePool(default_packages(), server.compile_workers, GPUTarget("cuda", major * 10 + minor, 32))
 
 
 def log_to_stderr() -> None:

@@ -29,11 +29,15 @@ def kernel(X, N, BLOCK: tl.constexpr):
 """
 
 
-def sm90_job(module: str, block: int = 16) -> Job:
+def sm90():
     from triton.backends.compiler import GPUTarget
 
+    return GPUTarget("cuda", 90, 32)
+
+
+def sm90_job(module: str, block: int = 16) -> Job:
     spec = ({"X": "*fp32", "N": "i32", "BLOCK": "constexpr"}, {(2,): block}, {}, {"num_warps": 4})
-    return Job(module, "kernel", spec, GPUTarget("cuda", 90, 32))
+    return Job(module, "kernel", spec, sm90())
 
 
 def cubins(cache: Path) -> set[str]:
@@ -45,7 +49,7 @@ def pool(pkg, tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))  # the workers inherit it
     pkg.write("ops", KERNEL)
     pkg.mod("ops")
-    pool = CompilePool([pkg.name], workers=2)
+    pool = CompilePool([pkg.name], workers=2, target=sm90())  # each worker warms its compiler in a scratch cache
     pool.wait_ready()
     yield pool
     pool.close()
@@ -98,3 +102,32 @@ def test_a_worker_that_dies_is_replaced(pkg, pool):
     [done] = pool.compile(sources(pkg), [sm90_job(f"{pkg.name}.ops", block=32)])
     assert done.error is None and pool.restarts == 1
     assert len(pool.pids()) == 2 and not first & set(pool.pids())
+    workers = pool.pids()
+    pool.close()
+    assert not any(map(alive, workers))
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"  # a zombie has ended
+
+
+def test_workers_end_with_a_server_that_exits_without_closing_the_pool(pkg, tmp_path):
+    """They share its output: a reader of that pipe (a benchmark, the daemon) would wait on them for ever."""
+    pkg.write("ops", KERNEL)
+    server = textwrap.dedent(f"""
+        import os
+        from tsdev.hotreload.pool import CompilePool
+        pool = CompilePool(["{pkg.name}"], workers=2)
+        pool.wait_ready()
+        print(*pool.pids(), flush=True)
+        os._exit(0)  # as a killed server: no close()
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-c", server], env=env, stdout=subprocess.PIPE, text=True)
+    output, _ = proc.communicate(timeout=120)  # the pipe closes once the workers are gone too
+    workers = list(map(int, output.split()))
+    assert len(workers) == 2 and not any(map(alive, workers))

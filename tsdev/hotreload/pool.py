@@ -6,16 +6,23 @@ disk cache, keyed by source, specialisation and target, where the reload's `jit.
 kernels of an edit compile side by side instead of one after another on the serving process's thread.
 
 Workers compile for an explicit target (no GPU context: they hold no device memory) and never run Triton's
-interpreter (TRITON_INTERPRET is dropped before they import Triton: the interpreter has no binaries). A worker that
-dies breaks the pool (`concurrent.futures`' rule); the next call starts a new pool and runs again once.
+interpreter (TRITON_INTERPRET is dropped before they import Triton: the interpreter has no binaries). Given the
+target, each worker compiles a throwaway kernel as it starts (into a scratch cache): a process's first compile pays
+about a second of backend set-up that an edit should not wait for. A worker that dies breaks the pool
+(`concurrent.futures`' rule); the next call starts a new pool and runs again once. Workers ignore Ctrl-C (the server
+ends them) and exit when the server does, however it ends: they share its output, which a reader waits on.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import multiprocessing
 import os
 import pkgutil
+import signal
 import sys
+import tempfile
+import threading
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -41,8 +48,9 @@ class Compiled:
 
 
 class CompilePool:
-    def __init__(self, packages: Sequence[str], workers: int):
-        self.packages, self.workers = tuple(packages), workers
+    def __init__(self, packages: Sequence[str], workers: int, target: Any = None):
+        """`target` (Triton's GPUTarget of the serving device): warm each worker's compiler for it."""
+        self.packages, self.workers, self.target = tuple(packages), workers, target
         self.restarts = 0
         self._executor: ProcessPoolExecutor | None = None
         self._start()
@@ -50,7 +58,7 @@ class CompilePool:
     def _start(self) -> None:
         context = multiprocessing.get_context("spawn")  # never fork a process that may hold a CUDA context
         self._executor = ProcessPoolExecutor(self.workers, mp_context=context, initializer=_init_worker,
-                                             initargs=(self.packages,))
+                                             initargs=(self.packages, _plain(self.target), os.getpid()))
         for _ in range(self.workers):  # start every worker now: importing Triton and torch takes seconds
             self._executor.submit(_ready)
 
@@ -83,12 +91,16 @@ class CompilePool:
         return [future.result() for future in futures]
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            for process in list((getattr(self._executor, "_processes", None) or {}).values()):
-                if process.is_alive():
-                    process.terminate()
-            self._executor = None
+        if self._executor is None:
+            return
+        processes = list((getattr(self._executor, "_processes", None) or {}).values())  # shutdown() forgets them
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+        for process in processes:
+            process.join(5)
+        self._executor = None
 
 
 # --- in the worker ------------------------------------------------------------------------------------------------
@@ -96,8 +108,16 @@ class CompilePool:
 _reloader = None
 
 
-def _init_worker(packages: tuple[str, ...]) -> None:
+def _plain(target: Any) -> tuple | None:
+    """A GPUTarget as plain values: unpickling the object would import Triton before the worker drops
+    TRITON_INTERPRET."""
+    return None if target is None else (target.backend, target.arch, target.warp_size)
+
+
+def _init_worker(packages: tuple[str, ...], target: tuple | None, server_pid: int) -> None:
     global _reloader
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the terminal's whole process group
+    threading.Thread(target=_exit_with, args=(server_pid,), daemon=True).start()
     os.environ.pop("TRITON_INTERPRET", None)  # binaries, not the interpreter's rewritten Python
     import triton  # noqa: F401
 
@@ -108,6 +128,46 @@ def _init_worker(packages: tuple[str, ...]) -> None:
         for info in pkgutil.walk_packages(getattr(module, "__path__", []), package + "."):
             importlib.import_module(info.name)
     _reloader = Reloader(packages)
+    if target is not None:
+        from triton.backends.compiler import GPUTarget
+
+        _warm_compiler(GPUTarget(*target))
+
+
+def _exit_with(server_pid: int) -> None:
+    """End this worker once the server is gone (then this process is re-parented)."""
+    while os.getppid() == server_pid:
+        time.sleep(1.0)
+    os._exit(0)
+
+
+def _warm_compiler(target: Any) -> None:
+    """Compile a throwaway kernel for `target` into a scratch cache: the first compile in a process loads and sets up
+    the backend (about a second); later ones take what their kernel takes."""
+    import triton
+    import triton.language as tl
+    from triton.compiler import ASTSource
+
+    @triton.jit
+    def touch(X):
+        tl.store(X, tl.load(X) + 1)
+
+    with tempfile.TemporaryDirectory() as scratch, _environ(TRITON_CACHE_DIR=scratch):
+        triton.compile(ASTSource(touch, {"X": "*fp32"}, {}, {}), target=target, options={"num_warps": 1})
+
+
+@contextlib.contextmanager
+def _environ(**values: str):
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _ready() -> int:
