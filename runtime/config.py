@@ -150,7 +150,8 @@ class ServerConfig:
     served_model_name: str | None = None  # default: the hub id, else the checkpoint directory's name
     chat_template: str | None = None  # a jinja2 file; default: the checkpoint's own (runtime/server/chat.py)
     allow_reload_forward: bool = False
-    compile_workers: int = 0  # processes compiling an edit's kernels side by side (tsdev/hotreload/pool.py); 0: none
+    # processes compiling an edit's kernels side by side (tsdev/hotreload/pool.py); 0: none; None: the default
+    compile_workers: int | None = None
     log_level: str = "warning"  # uvicorn's
     max_request_body_bytes: int = 4 * 1024 * 1024  # larger bodies are answered 413 before they are parsed
     # Who may call what (runtime/server/security.py, docs/security.md):

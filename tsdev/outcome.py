@@ -39,7 +39,8 @@ def steps_text(timings: Mapping[str, float], order: Iterable[str] = SHOWN_STEPS,
     parts = [f"{name} {timings[name]:.2f}{graph_split(timings, name)}" for name in (*order, "total")
              if name in timings]
     text = " ".join(parts) + " s" if parts else ""
-    return text + (f" ({jit_kernels} kernel(s) compiled)" if jit_kernels else "")
+    slowest = f", slowest {timings['jit_slowest']:.2f} s" if timings.get("jit_slowest") else ""
+    return text + (f" ({jit_kernels} kernel(s) compiled{slowest})" if jit_kernels else "")
 
 
 def outside(modules: Iterable[str]) -> str:

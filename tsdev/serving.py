@@ -260,7 +260,7 @@ def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, cons
 
         workers = ""
         if pool is not None:
-            workers = f"; {server.compile_workers} compile worker(s)"
+            workers = f"; {pool.workers} compile worker(s)"
         elif server.compile_workers:
             workers = "; no compile workers on the CPU (Triton's interpreter compiles no binaries)"
         reloader = Reloader(default_packages(), pool=pool)  # snapshots the sources the server is running now
@@ -292,7 +292,8 @@ def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, cons
 
 def start_compile_pool(config: EngineConfig, server: ServerConfig):
     """The compile workers of --compile-workers (reloads on CUDA only), started for the serving device's target."""
-    if not (server.compile_workers and server.allow_reload_forward and config.device.startswith("cuda")):
+    workers = default_compile_workers() if server.compile_workers is None else server.compile_workers
+    if not (workers and server.allow_reload_forward and config.device.startswith("cuda")):
         return None
     import torch
     from triton.backends.compiler import GPUTarget
@@ -301,7 +302,12 @@ def start_compile_pool(config: EngineConfig, server: ServerConfig):
     from tsdev.hotreload.pool import CompilePool
 
     major, minor = torch.cuda.get_device_capability(torch.device(config.device))
-    return CompilePool(default_packages(), server.compile_workers, GPUTarget("cuda", major * 10 + minor, 32))
+    return CompilePool(default_packages(), workers, GPUTarget("cuda", major * 10 + minor, 32))
+
+
+def default_compile_workers() -> int:
+    """Half the cores, at most 8: an edit compiles a handful of kernels; the rest of the host serves."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 def log_to_stderr() -> None:

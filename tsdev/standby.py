@@ -18,9 +18,14 @@ HANDED_OVER_ENV = "TSDEV_HANDED_OVER_AT"
 
 def main() -> int:
     import fastapi  # noqa: F401  what every start imports first, and the slow part of it
+    import httpx  # noqa: F401  the CLI's, the server's and the chat template's libraries, not the project's
+    import jinja2.sandbox  # noqa: F401
+    import prometheus_client  # noqa: F401
+    import rich.console  # noqa: F401
     import safetensors.torch  # noqa: F401
     import tokenizers  # noqa: F401
     import torch  # noqa: F401
+    import typer  # noqa: F401
     import uvicorn  # noqa: F401
 
     try:
