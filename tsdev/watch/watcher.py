@@ -20,6 +20,8 @@ from watchfiles import awatch
 
 from tsdev.hotreload.snapshot import under
 
+DEBOUNCE_MS = 1600  # the longest burst of saves gathered into one batch (watchfiles' default)
+
 
 def module_name(path: str | Path) -> str | None:
     """The dotted name of a `.py` file inside regular packages (`__init__.py` up the tree), else None."""
@@ -178,12 +180,14 @@ class Watcher:
 async def settled(dirs: list[Path], settle: float, stop: asyncio.Event, ready: asyncio.Event | None = None,
                   keep=None) -> AsyncIterator[set[str]]:
     """The paths changed under `dirs` (watched with watchfiles, filtered by `keep`), one set per burst that has
-    been quiet for `settle` seconds, until `stop` is set; `ready` is set once the OS watches exist."""
+    been quiet for `settle` seconds (watchfiles' `step`: each new change restarts the quiet period, for at most
+    DEBOUNCE_MS), until `stop` is set; `ready` is set once the OS watches exist."""
     raw: asyncio.Queue[set[str] | None] = asyncio.Queue()
 
     async def pump() -> None:
         try:
-            async for changes in awatch(*dirs, watch_filter=keep, stop_event=stop):
+            async for changes in awatch(*dirs, watch_filter=keep, stop_event=stop, debounce=DEBOUNCE_MS,
+                                        step=max(1, round(settle * 1000))):
                 raw.put_nowait({path for _, path in changes})
         finally:
             raw.put_nowait(None)  # watching ended
@@ -193,17 +197,7 @@ async def settled(dirs: list[Path], settle: float, stop: asyncio.Event, ready: a
     if ready is not None:
         ready.set()
     try:
-        ended = False
-        while not ended and (paths := await raw.get()) is not None:
-            while True:  # settle: each new raw batch restarts the quiet period
-                try:
-                    more = await asyncio.wait_for(raw.get(), settle)
-                except TimeoutError:
-                    break
-                if more is None:
-                    ended = True
-                    break
-                paths |= more
+        while (paths := await raw.get()) is not None:
             yield paths
     finally:
         stop.set()
