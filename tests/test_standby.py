@@ -3,6 +3,8 @@ interpreter with torch, Triton and the HTTP stack imported: it serves after the 
 for the next one, and a standby that died is replaced by an ordinary start and a new standby."""
 import os
 import signal
+import subprocess
+import sys
 
 import httpx
 
@@ -31,6 +33,7 @@ def test_a_restart_is_served_by_the_standby_and_a_dead_standby_is_replaced(tiny_
         server.wait_healthy(120)
         assert not server.handed_over and server.standby is not None  # started once the server was healthy
         first, standby = served(server), server.standby
+        server.prepare_standby()  # as tsdev watch does: it imports the project while the old server stops
         restart(server)
         assert server.handed_over and server.proc is standby  # the standby became the server
         assert served(server) == first
@@ -69,3 +72,13 @@ def test_a_restart_asks_the_old_server_which_graphs_to_capture_before_serving(ma
     assert asyncio.run(flags()) == ["--cudagraph-capture-first", "1", "--prefill-graph-capture-first", "16"]
     engine.generate([[5, 17, 300] * 12, [4, 5]], SamplingParams(max_tokens=3, ignore_eos=True))  # 38 tokens, then 2
     assert asyncio.run(flags()) == ["--cudagraph-capture-first", "2", "--prefill-graph-capture-first", "64"]
+
+
+def test_a_standby_prepared_before_a_broken_edit_reports_it_when_it_starts(tmp_path):
+    """The `prepare` line imports the project ahead; an error there is left to the start, which reports it."""
+    (tmp_path / "runtime").mkdir()
+    (tmp_path / "runtime" / "__init__.py").write_text("raise RuntimeError('broken on purpose')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    standby = subprocess.run([sys.executable, "-m", "tsdev.standby"], input='prepare\n["serve", "--device", "cpu", "--port", "0"]\n',
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert standby.returncode != 0 and "broken on purpose" in standby.stderr

@@ -167,6 +167,17 @@ class ServerProcess:
             if log is not None:
                 log.close()
 
+    def prepare_standby(self) -> None:
+        """Let the standby import the project now, while the current run stops (tsdev/standby.py)."""
+        from tsdev.standby import PREPARE
+
+        if self.standby is not None and self.standby.poll() is None:
+            try:
+                self.standby.stdin.write(f"{PREPARE}\n".encode())
+                self.standby.stdin.flush()
+            except OSError:  # it just died: start() makes an ordinary start
+                pass
+
     def dismiss_standby(self) -> None:
         standby, self.standby = self.standby, None
         if standby is not None and standby.poll() is None:

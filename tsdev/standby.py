@@ -2,11 +2,13 @@
 stack), waiting for its arguments on stdin. `ServerProcess` keeps one beside a running server (`standby=True`, as
 `tsdev watch` does) and hands it the next start, so a restart pays neither the interpreter nor those imports.
 
-It imports nothing of the project before the hand-off: the edit that made the restart necessary (an engine file, say)
-is read from disk then, like any start. It holds no GPU memory (CUDA is not initialised) and, like a server, dies with
+It imports nothing of the project until the restart begins: the edit that made the restart necessary (an engine file,
+say) is read from disk then. A `prepare` line (sent as the old server is told to stop) imports the CLI and the runtime
+while the old server stops; the arguments follow once it has exited (the GPU and the port are free). It holds no GPU memory (CUDA is not initialised) and, like a server, dies with
 its parent. An empty stdin (the parent closed it or died) ends it quietly.
 
     python -m tsdev.standby        # then one line on stdin: the JSON list of `tsdev` arguments, e.g. ["serve", ...]
+                                   # (optionally after a line `prepare`)
 """
 import json
 import os
@@ -14,6 +16,19 @@ import sys
 import time
 
 HANDED_OVER_ENV = "TSDEV_HANDED_OVER_AT"
+PREPARE = "prepare"  # a line before the arguments: import the project now (the old server is stopping meanwhile)
+
+
+def prepare() -> None:
+    """Import the CLI and the runtime as they are on disk now (after the save that restarts the server), while the
+    old server stops: the start then pays neither. An error is left to the start, which imports again and reports
+    it as any start does."""
+    try:
+        import runtime.engine.llm_engine  # noqa: F401
+        import runtime.server.app  # noqa: F401
+        import tsdev.cli  # noqa: F401
+    except BaseException:  # noqa: BLE001  (SystemExit included: the start reports it)
+        pass
 
 
 def main() -> int:
@@ -33,6 +48,9 @@ def main() -> int:
     except ImportError:  # a platform without it: the server says what it needs
         pass
     line = sys.stdin.readline()
+    if line.strip() == PREPARE:
+        prepare()
+        line = sys.stdin.readline()
     if not line.strip():
         return 0
     os.environ[HANDED_OVER_ENV] = repr(time.time())  # the server's startup line counts from here, not the wait

@@ -35,6 +35,7 @@ class Restarts:
                 record.error, record.done = f"cannot reach {daemon.config.url} ({exc}): is the server running?", True
                 daemon.emit("restart_finished", record)
         else:
+            daemon.watcher.rescan()  # before the child imports the sources: later saves count as changes
             await self._start(record)
         if not record.error:
             await self._after_start(record, take_golden=True)
@@ -44,6 +45,8 @@ class Restarts:
         self.count += 1
         record = RestartRecord(self.count, reason)
         first = [] if self.daemon.down else await self.daemon.link.capture_first()  # graphs it used: before serving
+        self.daemon.watcher.rescan()  # before the standby imports the sources: later saves count as changes
+        self.daemon.server.prepare_standby()  # it imports the project while the old server stops
         await self.daemon.server.stop_async(15)
         self.after_exit = 0 if by_user else self.after_exit + 1
         await self._start(record, first)
@@ -57,7 +60,6 @@ class Restarts:
         daemon.emit("restart_started", record)
         daemon.set_state("restarting" if record.n else "starting", pid=None)
         start = time.perf_counter()
-        daemon.watcher.rescan()  # before the child imports the sources: later saves count as changes
         try:
             try:
                 server.start(f"tsdev watch: starting the server ({record.reason})", extra_args)
