@@ -14,6 +14,7 @@ LOAD_FORMATS = ("auto", "pinned", "plain")  # --load-format; runtime/weights/loa
 # (VLLM_API_KEY: vLLM's, so a vLLM deployment's environment keeps its server closed). docs/security.md.
 API_KEY_ENV_VARS = ("TSDEV_API_KEY", "VLLM_API_KEY")
 QUANTIZATIONS = ("fp8",)  # --quantization; runtime/layers/linear.py
+KERNEL_CHECK_MODES = ("report", "strict", "off")  # --kernel-check; runtime/engine/kernel_checks.py
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,9 @@ class EngineConfig:
     load_format: str = "auto"  # pinned: staged through a page-locked buffer; plain: safetensors; auto: pinned on CUDA
     load_memory_limit: int = 16 << 30  # bytes of host memory the pinned staging buffer may take
     quantization: str | None = None  # "fp8": e4m3 projections with per-channel scales derived at load (docs/runtime.md)
+    # a reload checks the kernels it changed against their references (runtime/engine/kernel_checks.py): report,
+    # strict (a failure rolls the reload back) or off
+    kernel_check: str = "report"
 
     def torch_dtype(self, model_config: ModelConfig) -> "torch.dtype":
         import torch  # here, so that the CLI and clients read the defaults without loading torch

@@ -42,8 +42,10 @@ FAILING_STEPS = STEPS[1:]  # where a reload can fail
 GRAPH_KINDS = ("decode", "prefill")  # recapture is reported split by graph kind too: recapture_decode, ...
 # Every key a worker's timings may hold: the steps, the recapture split, the pause serving saw, the total.
 # `rebuild`: the part of the reload step that rebuilt the model (a layer's __init__ or post-load hook changed);
-# `jit_slowest`: the slowest single compile of the jit step (compiled side by side, it bounds that step).
-TIMINGS = (*STEPS, "jit_slowest", "rebuild", *(f"recapture_{kind}" for kind in GRAPH_KINDS), "pause", "total")
+# `jit_slowest`: the slowest single compile of the jit step (compiled side by side, it bounds that step);
+# `kernel_check`: the part of the pause that checked the changed kernels against their references (kernel_checks).
+TIMINGS = (*STEPS, "jit_slowest", "rebuild", "kernel_check", *(f"recapture_{kind}" for kind in GRAPH_KINDS), "pause",
+           "total")
 TimingName = Literal[TIMINGS]
 StepName = Literal[STEPS]
 
@@ -107,6 +109,23 @@ class StaleDefinition(_Message):
     referrers: list[str] = []
 
 
+class KernelCheckResult(_Message):
+    """One changed op at one serving shape against its torch reference (kernels/checks.py), on fresh random inputs."""
+    op: str
+    shape: list[int]
+    dtype: str
+    max_abs: float | None  # the largest |kernel - reference|; None: not finite (NaN or Inf in the output)
+    max_rel: float | None  # relative to |reference| where that exceeds atol
+    atol: float
+    rtol: float
+    ok: bool  # |kernel - reference| <= atol + rtol * |reference| everywhere, all finite
+    seed: int  # the inputs' (drawn fresh for every check)
+    error: str | None = None  # the kernel raised, or its output's shape or dtype is not the reference's
+    us_before: float | None = None  # median µs per call of the old code (None: not measured)
+    us_after: float | None = None  # of the new code (None: not measured: requests were running)
+    before_fresh: bool = False  # us_before was measured just before this reload (else at an earlier one)
+
+
 class WorkerReport(_Message):
     """One rank's outcome of a reload: ok only when it reloaded (or had nothing to reload)."""
     rank: int = 0
@@ -120,6 +139,7 @@ class WorkerReport(_Message):
     rebuilt: list[str] = []  # model modules rebuilt (their class's __init__ or post-load hook changed)
     jit_kernels: int = 0  # Triton kernels compiled ahead (or reset to compile on their next launch)
     kernels_only: bool = False  # only Triton kernel bodies changed (binaries loaded): the warm step ran nothing
+    kernel_checks: list[KernelCheckResult] = []  # the changed ops against their references, per serving shape
     warnings: list[str] = []
     timings: dict[TimingName, float] = {}  # seconds, in step order
 

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from runtime.config import API_KEY_ENV_VARS, LOAD_FORMATS, QUANTIZATIONS, EngineConfig, ServerConfig, parse_size  # no torch: serve's defaults are the configs'
+from runtime.config import API_KEY_ENV_VARS, KERNEL_CHECK_MODES, LOAD_FORMATS, QUANTIZATIONS, EngineConfig, ServerConfig, parse_size  # no torch: serve's defaults are the configs'
 
 LIST_FLAGS = ("--cudagraph-capture-sizes", "--prefill-graph-capture-sizes")
 # Every reload recaptures every prefill bucket: the ladder (40 buckets up to 2048 tokens) takes 1.2-1.7 s of
@@ -196,6 +196,12 @@ def serve(
         help="Enable POST /v1/rl/engine/reload_forward, which re-executes edited model/kernel code from disk "
              "in this process. For development only (`tsdev watch` turns it on); without it the route answers 403. "
              "With a --host other than loopback it needs --api-key.")] = False,
+    kernel_check: Annotated[str, typer.Option(
+        metavar="report|strict|off",
+        help="With --allow-reload-forward: a reload that changes a Triton kernel (or an @jit helper it calls) checks "
+             "each changed op against its torch reference at the serving shapes, on fresh random inputs, and times "
+             "it before and after (the reply's kernel_checks, the reload line). report: say so; strict: a check that "
+             "fails rolls the reload back; off: no checks.")] = EngineConfig.kernel_check,
     compile_workers: Annotated[Optional[int], typer.Option(
         min=0, metavar="N", show_default=False,
         help="With --allow-reload-forward on a GPU: N processes that compile an edit's Triton kernels side by side "
@@ -279,11 +285,13 @@ def serve(
         gpu_memory_utilization=gpu_memory_utilization, seed=seed, enable_prefix_caching=not no_prefix_caching,
         enforce_eager=enforce_eager, prefill_graph_max_tokens=0 if disable_prefill_graph else prefill_graph_max_tokens,
         load_format=load_format, load_memory_limit=load_memory_bytes, quantization=quantization, world_size=tp,
-        rank_timeout_s=rank_timeout, full_recapture=full_recapture,
+        rank_timeout_s=rank_timeout, full_recapture=full_recapture, kernel_check=kernel_check,
     )
     if cudagraph_capture_sizes:
         config.cudagraph_capture_sizes = parse_sizes("--cudagraph-capture-sizes", cudagraph_capture_sizes)
     config.prefill_graph_capture_sizes = prefill_capture_sizes(prefill_graph_capture_sizes, allow_reload_forward)
+    if kernel_check not in KERNEL_CHECK_MODES:
+        raise typer.BadParameter(f"use one of {', '.join(KERNEL_CHECK_MODES)}", param_hint="--kernel-check")
     if compile_workers and not allow_reload_forward:
         raise typer.BadParameter("compile workers serve reloads: add --allow-reload-forward (tsdev watch does)",
                                  param_hint="--compile-workers")

@@ -1,6 +1,7 @@
 """How a reload's outcome is worded. `tsdev reload`'s lines, `tsdev watch --no-tui`'s lines and the watch
 screen take their words from here, so the three say the same thing the same way. Texts are rich markup:
 what comes from the server is escaped. Also `tsdev reload`'s exit status and what it shows while it waits."""
+import statistics
 import time
 from collections.abc import Iterable, Mapping
 
@@ -43,6 +44,29 @@ def steps_text(timings: Mapping[str, float], order: Iterable[str] = SHOWN_STEPS,
     return text + (f" ({jit_kernels} kernel(s) compiled{slowest})" if jit_kernels else "")
 
 
+def kernel_checks_text(worker: WorkerReport | None) -> list[str]:
+    """One summary per checked op: 'silu_and_mul: err 2e-03 ok · 4.1 → 3.6 µs (-12%) at 4 shapes' (the largest
+    error over the shapes; the median times over the shapes timed both before and after; '*' marks a time from an
+    earlier reload)."""
+    by_op: dict[str, list] = {}
+    for check in worker.kernel_checks if worker is not None else []:
+        by_op.setdefault(check.op, []).append(check)
+    texts = []
+    for op, found in by_op.items():
+        failed = [c for c in found if not c.ok]
+        errors = [c.max_abs for c in found if c.max_abs is not None]
+        text = f"{op}: " + (f"err {max(errors):.0e} " if errors else "") + ("ok" if not failed else
+                                                                             f"FAILED at {len(failed)} shape(s)")
+        timed = [c for c in found if c.us_before and c.us_after]
+        if timed:
+            before = statistics.median(c.us_before for c in timed)
+            after = statistics.median(c.us_after for c in timed)
+            stale = "" if all(c.before_fresh for c in timed) else "*"
+            text += f" · {before:.1f}{stale} → {after:.1f} µs ({(after / before - 1) * 100:+.0f}%)"
+        texts.append(f"{text} at {len(found)} shape(s)")
+    return texts
+
+
 def outside(modules: Iterable[str]) -> str:
     """Why a restart is needed."""
     return f"{', '.join(modules)} changed outside the reloadable packages"
@@ -83,6 +107,7 @@ def worker_text(worker: WorkerReport) -> str:
                      f"serving paused {t.get('pause', 0):.2f} s")
     elif not worker.needs_restart:
         lines.append("nothing to reload: no source in the reloadable packages changed since the last reload")
+    lines += [f"kernel check {escape(text)}" for text in kernel_checks_text(worker)]
     lines += [f"[yellow]{escape(note)}[/yellow]" for note in notes(worker)]
     return rank + "\n".join(lines)
 

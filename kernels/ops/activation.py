@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.checks import KernelCheck, Tolerance
 from kernels.ops import pdl, use_triton, wait_for_previous
 
 
@@ -59,3 +60,19 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if use_triton(x, "activation"):
         return silu_and_mul_triton(x)
     return silu_and_mul_ref(x)
+
+
+def _check_inputs(shape, dtype, device, generator):
+    return (torch.randn(shape, generator=generator, device=device).to(dtype),)
+
+
+CHECKS = [
+    KernelCheck(
+        op="silu_and_mul", kernels=("_silu_and_mul_kernel",),
+        shapes=lambda serving: [(tokens, 2 * serving.intermediate) for tokens in serving.tokens],
+        inputs=_check_inputs, kernel=silu_and_mul_triton, reference=silu_and_mul_ref,
+        tolerance={torch.bfloat16: Tolerance(1e-2, 1.6e-2, "bf16 output: the kernel rounds where the reference "
+                                             "does, exp in float32 may differ by an ulp, then one bf16 rounding"),
+                   torch.float16: Tolerance(1e-3, 2e-3, "fp16 output, as bf16 with 3 more mantissa bits"),
+                   torch.float32: Tolerance(1e-5, 1e-5, "float32 throughout: exp's last bits")}),
+]

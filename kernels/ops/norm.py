@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.checks import KernelCheck, Tolerance
 from kernels.ops import pdl, use_triton, wait_for_previous
 
 
@@ -117,3 +118,35 @@ def fused_add_rms_norm(
     if use_triton(x, "norm"):
         return rms_norm_triton(x, weight, eps, residual)
     return fused_add_rms_norm_ref(x, residual, weight, eps)
+
+
+NORM_TOLERANCE = {
+    torch.bfloat16: Tolerance(1e-2, 1.6e-2, "bf16 output: float32 statistics in another summation order, then the "
+                              "reference's two bf16 roundings (~2-4 ulps)"),
+    torch.float16: Tolerance(1e-3, 2e-3, "fp16 output, as bf16 with 3 more mantissa bits"),
+    torch.float32: Tolerance(1e-5, 1e-5, "float32 throughout: the summation order"),
+}
+
+
+def _rows_of_hidden(serving):
+    return [(tokens, serving.hidden) for tokens in serving.tokens]
+
+
+def _norm_inputs(shape, dtype, device, generator):
+    x, weight = (torch.randn(n, generator=generator, device=device).to(dtype) for n in (shape, shape[-1:]))
+    return x, weight, 1e-6
+
+
+def _add_norm_inputs(shape, dtype, device, generator):
+    x, residual, weight = (torch.randn(n, generator=generator, device=device).to(dtype)
+                           for n in (shape, shape, shape[-1:]))
+    return x, residual, weight, 1e-6
+
+
+CHECKS = [
+    KernelCheck(op="rms_norm", kernels=("_rms_norm_kernel",), shapes=_rows_of_hidden, inputs=_norm_inputs,
+                kernel=rms_norm_triton, reference=rms_norm_ref, tolerance=NORM_TOLERANCE),
+    KernelCheck(op="fused_add_rms_norm", kernels=("_rms_norm_kernel",), shapes=_rows_of_hidden,
+                inputs=_add_norm_inputs, kernel=lambda x, r, w, eps: rms_norm_triton(x, w, eps, r),
+                reference=fused_add_rms_norm_ref, tolerance=NORM_TOLERANCE),
+]

@@ -31,6 +31,7 @@ from runtime.control_protocol import (STEPS, ReloadFinished, ReloadReply, Reload
 from runtime.engine.compiles import COMPILES
 from runtime.engine.async_engine import AsyncEngine
 from runtime.engine.errors import describe_error, stop_server
+from runtime.engine.kernel_checks import KernelChecker, describe_failure, reported as reported_checks, serving_of
 from runtime.engine.ranks import RankedReloader, RankLost, rank_entries, reported
 
 REMEMBERED_IDS = 256
@@ -105,6 +106,7 @@ class ReloadForward:
         ranks = async_engine.engine.ranks  # tensor parallelism: every rank reloads the bytes rank 0 read
         self.reloader = RankedReloader(reloader, ranks) if ranks is not None else reloader
         self.async_engine, self.rank = async_engine, rank
+        self.checker = KernelChecker(async_engine.engine.config.kernel_check)
         self.outcomes: OrderedDict[str, asyncio.Future[ReloadReply]] = OrderedDict()
         self.cancel_epoch = 0
         self.count = 0
@@ -179,6 +181,10 @@ class ReloadForward:
                         attempt.timings["jit_slowest"] = slowest[0]
                 except Exception as exc:  # only an optimisation: the warm step compiles what is missing
                     warnings.append(f"compiling ahead failed, kernels compile during the warm step: {describe_error(exc)}")
+        checker, serving, kernel_checks = self.checker, serving_of(engine), []
+        if checker.on:  # the old code's times, while it still serves (if nothing runs on the GPU now)
+            await ae.run_on_engine_thread(lambda: checker.time_old(serving, idle=self._idle()))
+        before_edit = checker.fingerprints()
         ae.hold(True)
         pause_start = time.perf_counter()
         try:
@@ -215,6 +221,15 @@ class ReloadForward:
                 warm_skipped = not rebuilt and getattr(tx.report, "kernels_only", False)
                 if not warm_skipped:
                     await ae.run_on_engine_thread(engine.warmup)
+            if checker.on:
+                check_start = time.perf_counter()
+                try:
+                    kernel_checks = await ae.run_on_engine_thread(lambda: checker.check(before_edit, serving))
+                finally:
+                    attempt.timings["kernel_check"] = time.perf_counter() - check_start
+                failed = next((r for r in kernel_checks if not r.ok), None)
+                if failed is not None and checker.mode == "strict":
+                    raise _ReportedFailure(describe_failure(failed))
             async with self._step(attempt, RECAPTURE):
                 graphs_swapped = True  # the decode graphs may be new even when the prefill capture then fails
                 graph_timings = await ae.run_on_engine_thread(lambda: engine.capture_graphs(deferring=True))
@@ -237,7 +252,9 @@ class ReloadForward:
         finally:
             ae.hold(False)
             attempt.timings["pause"] = time.perf_counter() - pause_start
-            attempt.timings["total"] = time.perf_counter() - start
+        if error is None and kernel_checks:  # the new code's times, serving resumed (if nothing runs yet)
+            await ae.run_on_engine_thread(lambda: checker.time_new(kernel_checks, serving, idle=self._idle()))
+        attempt.timings["total"] = time.perf_counter() - start
         old_model = None
         fields = reported(tx.report) if tx is not None else {}
         if rebuilt:
@@ -249,8 +266,14 @@ class ReloadForward:
             fields["needs_restart"] = sorted({*fields.get("needs_restart", []), *needs_restart})
         fields["jit_kernels"] = jit_kernels or fields.get("jit_kernels", 0)
         fields["kernels_only"] = warm_skipped
+        fields["kernel_checks"] = reported_checks(kernel_checks)
         attempt.timings.setdefault(JIT, 0.0)
         return self._finish(request, self._worker(error, attempt.timings, warnings=warnings, **fields))
+
+    def _idle(self) -> bool:
+        """Nothing runs on the GPU: no request, no step in flight (on the engine thread)."""
+        engine = self.async_engine.engine
+        return engine.num_running == 0 and engine.in_flight is None
 
     def _finish(self, request: ReloadRequest, worker: WorkerReport) -> WorkerReport:
         log.info(log_line(request.id, worker))

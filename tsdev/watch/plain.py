@@ -83,7 +83,7 @@ def _reload_line(record: ReloadRecord) -> str:
     if record.served_after_save is not None:
         steps += f" | save → serving {record.served_after_save:.2f} s"
     return " | ".join([f"{head} [green]ok[/green] ({why}): {escape(outcome.summary(record.worker))}", steps,
-                       *checks_text(record)])
+                       *map(escape, outcome.kernel_checks_text(record.worker)), *checks_text(record)])
 
 
 def restart_line(record: RestartRecord, daemon: Daemon) -> str:

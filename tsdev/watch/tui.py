@@ -16,7 +16,7 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.widgets import DataTable, Footer, RichLog, Static
 
-from tsdev.outcome import KEEPS_SERVING, SHOWN_STEPS, graph_split, rank_lines, reloaded_text
+from tsdev.outcome import KEEPS_SERVING, SHOWN_STEPS, graph_split, kernel_checks_text, rank_lines, reloaded_text
 from tsdev.watch.args import WatchConfig
 from tsdev.watch.daemon import Daemon
 from tsdev.watch.records import Event, ReloadRecord, RestartRecord, WeightsRecord
@@ -253,7 +253,8 @@ class WatchApp(App):
             if weights and record.error:
                 outcome = f"[red]FAILED: {escape(record.error)}[/red]"
             else:
-                outcome = f"[red]FAILED: {KEEPS_SERVING}[/red]" if record.error else " | ".join(checks_text(record))
+                outcome = (f"[red]FAILED: {KEEPS_SERVING}[/red]" if record.error else
+                           " | ".join([*map(escape, kernel_checks_text(record.worker)), *checks_text(record)]))
             lines.append(outcome or "[green]ok[/green]")
             lines += rank_lines(record.ranks)
         widget.update(Text.from_markup("\n".join(lines)))

@@ -1,0 +1,217 @@
+"""What an edit did to a kernel: its error against the torch reference, and its time per call, at the shapes serving
+uses.
+
+Each op family declares its checks beside its kernels (`CHECKS` in kernels/ops/<family>.py, a list of
+`KernelCheck`): the Triton entry point and its reference, fresh random inputs for a shape (never zeros), the shapes
+serving reaches (from `Serving`: the token counts of the captured decode batches and prefill buckets and the model's
+dimensions), and a stated tolerance per dtype. `changed(before)` tells which checks' kernels an edit changed -- the
+kernel itself or an `@jit` helper it calls, in any module -- by a fingerprint of their code; `run` checks one
+shape, `time_call` times one.
+
+This module is not reloadable (kernels.ops is): what it keeps (the last time per shape) outlives reloads.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import statistics
+import sys
+import time
+import types
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+OPS_PACKAGE = "kernels.ops"
+TIMED_CALLS = 20  # per shape: the median of these
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """|kernel - reference| <= atol + rtol * |reference| everywhere, and why that much."""
+    atol: float
+    rtol: float
+    why: str
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What a server serves: the rows an op sees per step (captured decode batch sizes, prefill buckets) and the
+    model's dimensions the checks draw their shapes from."""
+    tokens: tuple[int, ...]
+    hidden: int
+    intermediate: int
+    dtype: torch.dtype
+    eps: float = 1e-6
+    device: str = "cuda"
+
+
+@dataclass(frozen=True)
+class KernelCheck:
+    """One op's check. `kernels`: the Triton kernels the op launches (names in the declaring module), whose code
+    decides whether an edit changed the op; `shapes(serving)`: the shapes to check; `inputs(shape, dtype,
+    device, generator)`: fresh random arguments; `kernel(*args)` and `reference(*args)`: the outputs to compare
+    (a tensor or a tuple of them); `tolerance`: per dtype."""
+    op: str
+    kernels: tuple[str, ...]
+    shapes: Callable[[Serving], Iterable[tuple[int, ...]]]
+    inputs: Callable[[tuple[int, ...], torch.dtype, str, torch.Generator], tuple]
+    kernel: Callable
+    reference: Callable
+    tolerance: Mapping[torch.dtype, Tolerance]
+    module: str = field(default="", compare=False)  # the declaring module (set by `declared`)
+
+
+@dataclass
+class Result:
+    op: str
+    shape: tuple[int, ...]
+    dtype: str
+    max_abs: float  # the largest |kernel - reference|
+    max_rel: float  # the largest |kernel - reference| / |reference| where |reference| > atol
+    atol: float
+    rtol: float
+    ok: bool
+    seed: int  # of the inputs (drawn fresh for every check)
+    error: str | None = None  # the kernel raised, or its output's shape or dtype differs from the reference's
+    us: float | None = None  # median time per call after the edit
+    us_before: float | None = None  # before it (the last time measured for this shape, `before_fresh` says when)
+    before_fresh: bool = False  # measured in this reload, before the new code ran (else: at an earlier one)
+
+
+def declared() -> list[KernelCheck]:
+    """Every check of the loaded op families (their CHECKS lists, as the modules are now)."""
+    found = []
+    for name, module in sorted(sys.modules.items()):
+        if name.startswith(OPS_PACKAGE + ".") and module is not None:
+            for check in vars(module).get("CHECKS", ()):
+                found.append(KernelCheck(**{**vars(check), "module": name}))
+    return found
+
+
+def fingerprints(checks: Sequence[KernelCheck]) -> dict[str, str]:
+    """op -> a digest of the code of its kernels and of every `@jit` helper they reach."""
+    return {check.op: _digest(check) for check in checks}
+
+
+def changed(before: Mapping[str, str], checks: Sequence[KernelCheck]) -> list[KernelCheck]:
+    """The checks whose kernels' code differs from `before` (fingerprints taken before the edit); new ops too."""
+    now = fingerprints(checks)
+    return [check for check in checks if before.get(check.op) != now[check.op]]
+
+
+def runnable(device: str) -> bool:
+    """Triton kernels run on CUDA, or anywhere under Triton's interpreter (TRITON_INTERPRET=1)."""
+    return device.startswith("cuda") or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def run(check: KernelCheck, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> Result:
+    """The kernel against the reference at `shape` on fresh random inputs; NaN or Inf in the kernel's output never
+    pass."""
+    seed = int.from_bytes(os.urandom(6), "little")
+    generator = torch.Generator(device=device).manual_seed(seed)
+    tol = check.tolerance[dtype]
+    result = Result(check.op, tuple(shape), str(dtype).removeprefix("torch."), math.inf, math.inf, tol.atol, tol.rtol,
+                    False, seed)
+    args = check.inputs(tuple(shape), dtype, device, generator)
+    want = _tensors(check.reference(*args))
+    try:
+        got = _tensors(check.kernel(*args))
+    except Exception as exc:  # a kernel that no longer runs at this shape: reported, not raised
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    if [(g.shape, g.dtype) for g in got] != [(w.shape, w.dtype) for w in want]:
+        result.error = (f"output {[(tuple(g.shape), g.dtype) for g in got]} where the reference gives "
+                        f"{[(tuple(w.shape), w.dtype) for w in want]}")
+        return result
+    max_abs, max_rel, ok = 0.0, 0.0, True
+    for g, w in zip(got, want):
+        g, w = g.float(), w.float()
+        if not bool(torch.isfinite(g).all()):
+            ok = False
+            max_abs = max_rel = math.inf
+            break
+        diff = (g - w).abs()
+        max_abs = max(max_abs, float(diff.max()) if diff.numel() else 0.0)
+        big = w.abs() > tol.atol
+        if bool(big.any()):
+            max_rel = max(max_rel, float((diff[big] / w.abs()[big]).max()))
+        ok = ok and bool((diff <= tol.atol + tol.rtol * w.abs()).all())
+    result.max_abs, result.max_rel, result.ok = max_abs, max_rel, ok
+    return result
+
+
+def time_call(check: KernelCheck, shape: tuple[int, ...], dtype: torch.dtype, device: str,
+              calls: int = TIMED_CALLS) -> float:
+    """Median microseconds per call of the kernel at `shape` (CUDA events on a GPU, else the wall clock)."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    args = check.inputs(tuple(shape), dtype, device, generator)
+    check.kernel(*args)  # loaded and launched once before timing
+    times = []
+    if device.startswith("cuda"):
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
+        for start, end in events:
+            start.record()
+            check.kernel(*args)
+            end.record()
+        torch.cuda.synchronize()
+        times = [start.elapsed_time(end) * 1e3 for start, end in events]
+    else:
+        for _ in range(calls):
+            begin = time.perf_counter()
+            check.kernel(*args)
+            times.append((time.perf_counter() - begin) * 1e6)
+    return statistics.median(times)
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+# --- what decides whether an edit changed an op ----------------------------------------------------------------
+
+
+def _digest(check: KernelCheck) -> str:
+    module = sys.modules.get(check.module)
+    digest, seen = hashlib.sha256(), set()
+    for name in check.kernels:
+        _hash_function(getattr(module, name, None), digest, seen)
+    return digest.hexdigest()
+
+
+def _python_function(obj) -> types.FunctionType | None:
+    """The Python function under Triton's layers (JITFunction, the interpreter's, autotune/heuristics)."""
+    for _ in range(8):
+        if isinstance(obj, types.FunctionType):
+            return obj
+        obj = getattr(obj, "fn", None)
+    return None
+
+
+def _is_kernel_code(obj) -> bool:
+    return not isinstance(obj, types.FunctionType) and _python_function(obj) is not None
+
+
+def _hash_function(obj, digest, seen: set[int]) -> None:
+    fn = _python_function(obj)
+    if fn is None or id(fn) in seen:
+        digest.update(b"-")
+        return
+    seen.add(id(fn))
+    digest.update(repr(_code_key(fn.__code__)).encode())
+    for name in fn.__code__.co_names:  # the helpers it calls, by name or as module attributes
+        value = fn.__globals__.get(name)
+        if _is_kernel_code(value):
+            _hash_function(value, digest, seen)
+        elif isinstance(value, types.ModuleType):
+            for attr in fn.__code__.co_names:
+                if _is_kernel_code(inner := vars(value).get(attr)):
+                    _hash_function(inner, digest, seen)
+
+
+def _code_key(code: types.CodeType) -> tuple:
+    """A code object's content without its line numbers (an edit above a kernel moves it, changing nothing)."""
+    consts = tuple(_code_key(c) if isinstance(c, types.CodeType) else c for c in code.co_consts)
+    return code.co_code, code.co_names, code.co_varnames, code.co_freevars, consts

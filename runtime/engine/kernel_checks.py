@@ -1,0 +1,116 @@
+"""The per-kernel check of a reload (kernels/checks.py): which ops an edit changed, their error against the
+reference at the serving shapes (inside the pause, before the reload commits: `strict` rolls it back), and their time
+per call before and after (never while requests run: the old binaries are timed while the jit step waits and the
+engine is idle, the new ones after serving resumes, if it is idle then; a time this reload could not take comes from
+the last one taken for that code, marked not fresh, or is missing). Times on CUDA only: Triton's interpreter, which
+runs the checks on the CPU, says nothing of a kernel's speed.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from kernels import checks
+from runtime.config import KERNEL_CHECK_MODES
+from runtime.control_protocol import KernelCheckResult
+
+MAX_SHAPES = 6  # per op: the pause grows with each
+
+
+def serving_tokens(decode_sizes: list[int], prefill_buckets: list[int], max_running: int) -> tuple[int, ...]:
+    """Rows an op sees per step: the smallest, a middle and the largest captured decode batch, and each prefill
+    bucket (eager serving: 1 and max_running), at most MAX_SHAPES."""
+    decode = sorted(decode_sizes) or [1, max_running]
+    picked = {decode[0], decode[len(decode) // 2], decode[-1], *sorted(prefill_buckets)}
+    return tuple(sorted(picked)[:MAX_SHAPES])
+
+
+class KernelChecker:
+    def __init__(self, mode: str = "report"):
+        if mode not in KERNEL_CHECK_MODES:
+            raise ValueError(f"kernel check mode {mode!r}: expected one of {', '.join(KERNEL_CHECK_MODES)}")
+        self.mode = mode
+        self.times: dict[tuple, tuple[str, float]] = {}  # (op, shape, dtype) -> (the code's fingerprint, µs)
+        self.timed_now: set[tuple] = set()  # the keys time_old measured for the reload under way
+
+    @property
+    def on(self) -> bool:
+        return self.mode != "off"
+
+    def fingerprints(self) -> dict[str, str]:
+        return checks.fingerprints(checks.declared()) if self.on else {}
+
+    def time_old(self, serving: checks.Serving, idle: bool) -> None:
+        """Time every op whose current code has no time yet (before an edit replaces it), if the engine is idle."""
+        self.timed_now = set()
+        if not (self.on and idle and serving.device.startswith("cuda")):
+            return
+        declared = checks.declared()
+        now = checks.fingerprints(declared)
+        for check in declared:
+            for shape in check.shapes(serving):
+                key = (check.op, tuple(shape), serving.dtype)
+                if self.times.get(key, ("",))[0] != now[check.op]:
+                    self.times[key] = (now[check.op], checks.time_call(check, shape, serving.dtype, serving.device))
+                    self.timed_now.add(key)
+
+    def check(self, before: Mapping[str, str], serving: checks.Serving) -> list[checks.Result]:
+        """The changed ops against their references at the serving shapes (the new code, in the pause)."""
+        if not (self.on and before and checks.runnable(serving.device)):
+            return []
+        results = []
+        for check in checks.changed(before, checks.declared()):
+            if serving.dtype not in check.tolerance:
+                continue
+            for shape in check.shapes(serving):
+                result = checks.run(check, shape, serving.dtype, serving.device)
+                key = (check.op, result.shape, serving.dtype)
+                old = self.times.get(key)
+                if old is not None and old[0] == before.get(check.op):  # the old code's time
+                    result.us_before, result.before_fresh = old[1], key in self.timed_now
+                results.append(result)
+        return results
+
+    def time_new(self, results: list[checks.Result], serving: checks.Serving, idle: bool) -> None:
+        """Time the new code of the checked ops (after serving resumed, if idle), and keep it as their next
+        'before'."""
+        if not (results and idle and serving.device.startswith("cuda")):
+            return
+        declared = {c.op: c for c in checks.declared()}
+        now = checks.fingerprints(list(declared.values()))
+        for result in results:
+            check = declared.get(result.op)
+            if check is None or result.error:
+                continue
+            result.us = checks.time_call(check, result.shape, serving.dtype, serving.device)
+            self.times[(result.op, result.shape, serving.dtype)] = (now[result.op], result.us)
+
+
+def reported(results: list[checks.Result]) -> list[KernelCheckResult]:
+    return [KernelCheckResult(op=r.op, shape=list(r.shape), dtype=r.dtype, max_abs=_finite(r.max_abs),
+                              max_rel=_finite(r.max_rel), atol=r.atol, rtol=r.rtol, ok=r.ok, seed=r.seed,
+                              error=r.error, us_before=r.us_before, us_after=r.us, before_fresh=r.before_fresh)
+            for r in results]
+
+
+def describe_failure(result: checks.Result) -> str:
+    shape = "x".join(map(str, result.shape))
+    if result.error:
+        return f"kernel check failed: {result.op} at {shape} {result.dtype}: {result.error}"
+    return (f"kernel check failed: {result.op} at {shape} {result.dtype}: max error {result.max_abs:.3g} "
+            f"(relative {result.max_rel:.3g}) beyond atol {result.atol:g} + rtol {result.rtol:g} (inputs seed "
+            f"{result.seed}); the edit was rolled back (--kernel-check strict)")
+
+
+def _finite(value: float) -> float | None:
+    return None if value != value or value in (float("inf"), float("-inf")) else value
+
+
+def serving_of(engine) -> checks.Serving:
+    """The shapes and dtype engine `engine` serves, for the checks."""
+    info, config = engine.describe(), engine.model_config
+    world = max(engine.config.world_size, 1)  # tensor parallelism: each rank's part
+    return checks.Serving(tokens=serving_tokens(info.decode_graph_sizes, info.prefill_graph_buckets,
+                                                engine.config.max_running),
+                          hidden=config.hidden_size, intermediate=max(config.intermediate_size // world, 1),
+                          dtype=engine.runner.dtype, eps=config.rms_norm_eps, device=str(engine.runner.device))
+

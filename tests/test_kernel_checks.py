@@ -1,0 +1,122 @@
+"""The per-kernel check of a reload (kernels/checks.py, runtime/engine/kernel_checks.py) on the CPU, under Triton's
+interpreter: a kernel against its reference on fresh random inputs (NaN never passes, a wrong result is reported with
+its error), which ops an edit changed (through an inlined helper too), and a server whose reload checks the changed
+ops: a harmless edit reports ok, a wrong one reports not ok, and under --kernel-check strict rolls the reload back
+naming the op and the shape."""
+import math
+import time
+from dataclasses import replace
+
+import httpx
+import pytest
+import torch
+
+from kernels import checks
+from kernels.ops import activation, norm  # noqa: F401  (their CHECKS are declared)
+from runtime.control_protocol import KernelCheckResult, ReloadReply, WorkerReport
+from runtime.engine.kernel_checks import serving_tokens
+from serve_process import copy_project, serve
+from tsdev.outcome import kernel_checks_text
+
+SILU = next(c for c in checks.declared() if c.op == "silu_and_mul")
+HELPER_LINE = "    return act * up\n"
+
+
+def test_a_kernel_matches_its_reference_on_fresh_inputs_and_two_checks_draw_different_ones():
+    first, second = (checks.run(SILU, (5, 96), torch.float32, "cpu") for _ in range(2))
+    assert first.ok and second.ok and first.error is None
+    assert 0 < first.max_abs <= 1e-5 and first.seed != second.seed
+    inputs = [SILU.inputs((5, 96), torch.float32, "cpu", torch.Generator().manual_seed(r.seed)) for r in (first, second)]
+    assert not torch.equal(inputs[0][0], inputs[1][0]) and bool(inputs[0][0].abs().min() > 0)  # never zeros
+
+
+def test_a_wrong_kernel_is_reported_with_its_error_and_nan_never_passes():
+    wrong = replace(SILU, kernel=lambda x: activation.silu_and_mul_triton(x) * 1.01)
+    result = checks.run(wrong, (3, 64), torch.float32, "cpu")
+    assert not result.ok and 1e-3 < result.max_rel < 0.02
+    nan = replace(SILU, kernel=lambda x: activation.silu_and_mul_triton(x) * math.nan)
+    result = checks.run(nan, (3, 64), torch.float32, "cpu")
+    assert not result.ok and result.max_abs == math.inf
+    wrong_shape = replace(SILU, kernel=lambda x: activation.silu_and_mul_triton(x)[:, :-1])
+    result = checks.run(wrong_shape, (3, 64), torch.float32, "cpu")
+    assert not result.ok and "output" in result.error
+
+
+def test_an_edit_of_an_inlined_helper_changes_the_fingerprint_of_the_ops_whose_kernels_call_it():
+    declared = checks.declared()
+    before = checks.fingerprints(declared)
+    kernel = activation._silu_and_mul_kernel
+    helper = checks._python_function(activation.silu_and_mul_values)
+    original = helper.__code__
+    try:
+        helper.__code__ = compile("def f(gate, up, dt):\n    return gate * up\n", "<edit>", "exec").co_consts[0]
+        assert [c.op for c in checks.changed(before, declared)] == ["silu_and_mul"]
+    finally:
+        helper.__code__ = original
+    assert checks.changed(before, declared) == [] and kernel is activation._silu_and_mul_kernel
+
+
+def test_serving_shapes_take_the_ends_and_middle_of_the_decode_graphs_and_every_prefill_bucket():
+    assert serving_tokens([1, 2, 4, 8, 16, 32], [256, 1024, 2048], 64) == (1, 8, 32, 256, 1024, 2048)
+    assert serving_tokens([], [], 16) == (1, 16)
+
+
+def test_the_summary_gives_the_largest_error_and_the_median_times_per_op():
+    def result(shape, err, before, after, ok=True):
+        return KernelCheckResult(op="silu_and_mul", shape=shape, dtype="bfloat16", max_abs=err, max_rel=err, atol=1e-2,
+                                 rtol=1.6e-2, ok=ok, seed=1, us_before=before, us_after=after, before_fresh=True)
+
+    worker = WorkerReport(ok=True, kernel_checks=[result([1, 6144], 2e-3, 4.0, 3.6), result([8, 6144], 1e-3, 4.2, 3.6)])
+    assert kernel_checks_text(worker) == ["silu_and_mul: err 2e-03 ok · 4.1 → 3.6 µs (-12%) at 2 shape(s)"]
+    worker.kernel_checks[1].ok = False
+    assert "FAILED at 1 shape(s)" in kernel_checks_text(worker)[0]
+
+
+# --- a server's reloads ------------------------------------------------------------------------------------------
+
+PROMPT = {"prompt": [5, 17, 300, 42], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def strict_server(tmp_path_factory, tiny_model_dir):
+    project = copy_project(tmp_path_factory.mktemp("project"))
+    args = [str(tiny_model_dir), "--device", "cpu", "--max-model-len", "256", "--max-running", "8",
+            "--allow-reload-forward", "--kernel-check", "strict"]
+    with serve(args, project / "serve.log", cwd=project) as url:
+        yield url, project
+
+
+def reload(url: str) -> ReloadReply:
+    reply = httpx.post(url + "/v1/rl/engine/reload_forward", json={"id": f"k{time.monotonic_ns()}"}, timeout=300)
+    assert reply.status_code == 200, reply.text
+    return ReloadReply.model_validate_json(reply.content)
+
+
+def save(project, old: str, new: str) -> None:
+    file = project / "kernels/ops/activation.py"
+    source = file.read_text()
+    assert old in source
+    file.write_text(source.replace(old, new))
+
+
+def test_a_reload_checks_the_ops_it_changed_and_strict_rolls_a_wrong_edit_back(strict_server):
+    url, project = strict_server
+    save(project, HELPER_LINE, "    return up * act\n")  # harmless: the same product
+    worker = reload(url).workers[0]
+    assert worker.ok, worker.error
+    info = httpx.get(url + "/server_info", timeout=30).json()
+    tokens = serving_tokens(info["decode_graph_sizes"], info["prefill_graph_buckets"], info["max_running"])
+    checked = [(c.op, tuple(c.shape)) for c in worker.kernel_checks]
+    assert checked == [("silu_and_mul", (t, 2 * 192)) for t in tokens] and len(tokens) > 2  # the serving shapes
+    assert all(c.ok and c.max_abs is not None for c in worker.kernel_checks) and "kernel_check" in worker.timings
+    save(project, "    return up * act\n", "    return up * act * 1.5\n")  # wrong
+    failed = reload(url).workers[0]
+    assert not failed.ok and f"kernel check failed: silu_and_mul at {tokens[0]}x384 float32" in failed.error
+    assert not all(c.ok for c in failed.kernel_checks)
+    nothing = reload(url).workers[0]  # rolled back: the wrong edit is still what is on disk, and fails again
+    assert not nothing.ok and "silu_and_mul" in nothing.error
+    save(project, "    return up * act * 1.5\n", HELPER_LINE)
+    restored = reload(url).workers[0]
+    assert restored.ok and all(c.ok for c in restored.kernel_checks)
+    untouched = reload(url).workers[0]  # nothing changed: no check
+    assert untouched.ok and untouched.kernel_checks == []
