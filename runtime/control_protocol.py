@@ -16,6 +16,7 @@ from pydantic import AfterValidator, AliasChoices, BaseModel, ConfigDict, Field,
 
 RELOAD_ROUTE = "/v1/rl/engine/reload_forward"
 MODULES_ROUTE = "/v1/rl/engine/modules"
+KERNEL_CHECK_ROUTE = "/v1/rl/engine/kernel_check"
 PAUSE_ROUTE = "/v1/rl/engine/pause_generation"
 CONTINUE_ROUTE = "/v1/rl/engine/continue_generation"
 EVENTS_ROUTE = "/v1/rl/engine/events"
@@ -167,6 +168,18 @@ class ReloadReply(_Message):
     def first_failure(self) -> WorkerReport:
         """The worker to show when only one is shown: the first that failed, else rank 0's."""
         return next((w for w in self.workers if not w.ok), self.workers[0])
+
+
+class KernelCheckRequest(_Message):
+    """Check these ops (all declared ones when None) against their references at the serving shapes, now."""
+    ops: list[Text] | None = None
+
+
+class KernelCheckReply(_Message):
+    ok: bool  # every check passed
+    checks: list[KernelCheckResult]
+    ops: list[str]  # every op declared (what `ops` may name)
+    seconds: float = 0.0
 
 
 class ModulesReply(_Message):

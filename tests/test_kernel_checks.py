@@ -81,7 +81,8 @@ PROMPT = {"prompt": [5, 17, 300, 42], "max_tokens": 4, "temperature": 0, "ignore
 def strict_server(tmp_path_factory, tiny_model_dir):
     project = copy_project(tmp_path_factory.mktemp("project"))
     args = [str(tiny_model_dir), "--device", "cpu", "--max-model-len", "256", "--max-running", "8",
-            "--allow-reload-forward", "--kernel-check", "strict"]
+            "--allow-reload-forward", "--kernel-check", "strict",
+            "--cudagraph-capture-sizes", "1", "2", "4", "--prefill-graph-capture-sizes", "32", "64"]  # small: interpreted
     with serve(args, project / "serve.log", cwd=project) as url:
         yield url, project
 
@@ -120,3 +121,20 @@ def test_a_reload_checks_the_ops_it_changed_and_strict_rolls_a_wrong_edit_back(s
     assert restored.ok and all(c.ok for c in restored.kernel_checks)
     untouched = reload(url).workers[0]  # nothing changed: no check
     assert untouched.ok and untouched.kernel_checks == []
+
+
+def test_tsdev_check_runs_every_declared_op_or_the_named_ones_and_names_the_ops_it_does_not_know(strict_server):
+    from typer.testing import CliRunner
+
+    from tsdev.cli import app
+
+    url, _ = strict_server
+    every = CliRunner().invoke(app, ["check", "--url", url])
+    assert every.exit_code == 0, every.output
+    assert [line.split(":")[0] for line in every.output.splitlines()[:3]] == ["silu_and_mul", "rms_norm",
+                                                                           "fused_add_rms_norm"]
+    assert "all ok" in every.output
+    table = CliRunner().invoke(app, ["check", "rms_norm", "--shapes", "--url", url])
+    assert table.exit_code == 0 and table.output.count("rms_norm ") >= 3 and "fused_add" not in table.output
+    unknown = CliRunner().invoke(app, ["check", "nope", "--url", url])
+    assert unknown.exit_code == 2 and "nope" in unknown.output and "silu_and_mul" in unknown.output

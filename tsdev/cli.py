@@ -382,6 +382,49 @@ def reload(
     raise typer.Exit(outcome.exit_status(reply))
 
 
+@app.command(short_help="Check the server's Triton kernels against their torch references, now.")
+def check(
+    ops: Annotated[Optional[list[str]], typer.Argument(metavar="OPS", show_default=False,
+                                                     help="Ops to check (e.g. silu_and_mul rms_norm); default: all.")] = None,
+    url: Annotated[str, typer.Option(help="The server (started with --allow-reload-forward, or by `tsdev watch`).")] = "http://127.0.0.1:8000",
+    shapes: Annotated[bool, typer.Option("--shapes", help="A line per op and shape instead of one per op.")] = False,
+    api_key: Annotated[Optional[str], api_key_option()] = None,
+):
+    """Run each op's Triton kernel against its torch reference in the server, at the shapes it serves (its decode
+    batch sizes and prefill buckets, its model's dimensions), on fresh random inputs, and time it when the server
+    is idle: the quick "did I break anything" between edits. A reload runs the same checks on the ops it changed
+    (`tsdev serve --kernel-check`); docs/kernels.md says how an op declares its check.
+
+    Exit status: 0 every check passed, 1 one failed, 2 no server at --url or it refused (403: no
+    --allow-reload-forward; 400: an op no family declares, the reply lists them).
+    """
+    import httpx
+    from rich.console import Console
+    from rich.markup import escape
+
+    from runtime.control_protocol import KERNEL_CHECK_ROUTE, KernelCheckReply, KernelCheckRequest
+    from tsdev import outcome
+    from tsdev.client import ErrorReply, control_call
+
+    console = Console(soft_wrap=True, highlight=False)
+    try:
+        reply = control_call(url, "POST", KERNEL_CHECK_ROUTE, KernelCheckReply, KernelCheckRequest(ops=ops or None),
+                             api_key=api_key)
+    except httpx.TransportError as exc:
+        console.print(f"[red]error:[/red] cannot reach {url} ({exc}): is a server running there? Start one with "
+                      "`tsdev watch` or `tsdev serve --allow-reload-forward`, or pass --url")
+        raise typer.Exit(2) from None
+    except ErrorReply as exc:
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
+        raise typer.Exit(2) from None
+    lines = outcome.checks_table(reply.checks) if shapes else outcome.checks_summary(reply.checks)
+    for line in lines:
+        console.print(escape(line))
+    console.print(f"{len(reply.checks)} check(s) in {reply.seconds:.2f} s: "
+                  f"{'all ok' if reply.ok else 'some FAILED'}")
+    raise typer.Exit(0 if reply.ok else 1)
+
+
 @app.command(short_help="Load-test a server: throughput, TTFT, TPOT, ITL.")
 def bench(
     url: Annotated[str, typer.Option("--url", "--base-url", help="Any OpenAI-compatible server.")] = "http://127.0.0.1:8000",

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from rich.console import Console
 from rich.markup import escape
 
-from runtime.control_protocol import GRAPH_KINDS, STEPS, Event, ReloadReply, ReloadStep, WorkerReport
+from runtime.control_protocol import GRAPH_KINDS, STEPS, Event, KernelCheckResult, ReloadReply, ReloadStep, WorkerReport
 
 SHOWN_STEPS = (*STEPS, "pause")  # the timings shown as steps, in server order; pause: what serving saw
 KEEPS_SERVING = "the old code keeps serving"
@@ -45,11 +45,16 @@ def steps_text(timings: Mapping[str, float], order: Iterable[str] = SHOWN_STEPS,
 
 
 def kernel_checks_text(worker: WorkerReport | None) -> list[str]:
-    """One summary per checked op: 'silu_and_mul: err 2e-03 ok · 4.1 → 3.6 µs (-12%) at 4 shapes' (the largest
-    error over the shapes; the median times over the shapes timed both before and after; '*' marks a time from an
-    earlier reload)."""
+    """One summary per checked op of a reload (see `checks_summary`)."""
+    return checks_summary(worker.kernel_checks) if worker is not None else []
+
+
+def checks_summary(results: Iterable[KernelCheckResult]) -> list[str]:
+    """One summary per op: 'silu_and_mul: err 2e-03 ok · 4.1 → 3.6 µs (-12%) at 4 shapes' (the largest error over
+    the shapes; the median times over the shapes timed both before and after, '*' marking a time from an earlier
+    reload; only the time after when there is none before)."""
     by_op: dict[str, list] = {}
-    for check in worker.kernel_checks if worker is not None else []:
+    for check in results:
         by_op.setdefault(check.op, []).append(check)
     texts = []
     for op, found in by_op.items():
@@ -63,8 +68,23 @@ def kernel_checks_text(worker: WorkerReport | None) -> list[str]:
             after = statistics.median(c.us_after for c in timed)
             stale = "" if all(c.before_fresh for c in timed) else "*"
             text += f" · {before:.1f}{stale} → {after:.1f} µs ({(after / before - 1) * 100:+.0f}%)"
+        elif timed_after := [c.us_after for c in found if c.us_after]:
+            text += f" · {statistics.median(timed_after):.1f} µs"
         texts.append(f"{text} at {len(found)} shape(s)")
     return texts
+
+
+def checks_table(results: Iterable[KernelCheckResult]) -> list[str]:
+    """One line per op and shape: what `tsdev check --shapes` prints."""
+    lines = [f"{'op':<22} {'shape':>14} {'dtype':<9} {'max abs':>9} {'max rel':>9} {'tolerance':>17} "
+             f"{'µs before':>9} {'µs after':>9}  outcome"]
+    for c in results:
+        shape, tolerance = "x".join(map(str, c.shape)), f"{c.atol:g} + {c.rtol:g}·|ref|"
+        number = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+        lines.append(f"{c.op:<22} {shape:>14} {c.dtype:<9} {number(c.max_abs, '9.2e')} {number(c.max_rel, '9.2e')} "
+                     f"{tolerance:>17} {number(c.us_before, '9.1f')} {number(c.us_after, '9.1f')}  "
+                     f"{'ok' if c.ok else 'FAILED' + (f': {c.error}' if c.error else '')}")
+    return lines
 
 
 def outside(modules: Iterable[str]) -> str:

@@ -70,6 +70,25 @@ class KernelChecker:
                 results.append(result)
         return results
 
+    def check_now(self, ops: list[str] | None, serving: checks.Serving, idle: bool) -> list[checks.Result]:
+        """The named ops (all when None) at the serving shapes, timed if idle on CUDA (`tsdev check`); ValueError
+        for a name no op family declares."""
+        declared = checks.declared()
+        unknown = sorted(set(ops or ()) - {c.op for c in declared})
+        if unknown:
+            raise ValueError(f"no kernel check declares {', '.join(unknown)}: the ops are "
+                             f"{', '.join(c.op for c in declared)}")
+        results = []
+        for check in declared:
+            if (ops is None or check.op in ops) and serving.dtype in check.tolerance and checks.runnable(serving.device):
+                results += [checks.run(check, shape, serving.dtype, serving.device) for shape in check.shapes(serving)]
+        if idle and serving.device.startswith("cuda"):
+            by_op = {c.op: c for c in declared}
+            for result in results:
+                if not result.error:
+                    result.us = checks.time_call(by_op[result.op], result.shape, serving.dtype, serving.device)
+        return results
+
     def time_new(self, results: list[checks.Result], serving: checks.Serving, idle: bool) -> None:
         """Time the new code of the checked ops (after serving resumed, if idle), and keep it as their next
         'before'."""

@@ -26,7 +26,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from runtime.control_protocol import (STEPS, ReloadFinished, ReloadReply, ReloadRequest, ReloadStarted, ReloadStep,
+from kernels import checks
+from runtime.control_protocol import (STEPS, KernelCheckReply, KernelCheckRequest, ReloadFinished, ReloadReply, ReloadRequest, ReloadStarted, ReloadStep,
                                       StaleDefinition, WorkerReport)
 from runtime.engine.compiles import COMPILES
 from runtime.engine.async_engine import AsyncEngine
@@ -136,6 +137,18 @@ class ReloadForward:
             raise
         outcome.set_result(reply)
         return reply
+
+    async def check_kernels(self, request: KernelCheckRequest) -> KernelCheckReply:
+        """The declared ops' checks now (`tsdev check`), between steps; ValueError for an unknown op."""
+        ae, start = self.async_engine, time.perf_counter()
+        if not checks.runnable(str(ae.engine.runner.device)):
+            raise ValueError("kernel checks run the Triton kernels: they need CUDA, or TRITON_INTERPRET=1 on the CPU")
+        serving = serving_of(ae.engine)
+        async with ae.control_lock:
+            results = await ae.run_on_engine_thread(
+                lambda: self.checker.check_now(request.ops, serving, idle=self._idle()))
+        return KernelCheckReply(ok=all(r.ok for r in results), checks=reported_checks(results),
+                                ops=[c.op for c in checks.declared()], seconds=time.perf_counter() - start)
 
     def cancel_pending(self) -> None:
         """continue_generation: reloads still waiting for their turn give up."""

@@ -7,7 +7,8 @@ from fastapi import FastAPI
 
 import time
 
-from runtime.control_protocol import (CONTINUE_ROUTE, EVENTS_ROUTE, FLUSH_ROUTE, IS_SLEEPING_ROUTE, MODULES_ROUTE,
+from runtime.control_protocol import (CONTINUE_ROUTE, EVENTS_ROUTE, FLUSH_ROUTE, IS_SLEEPING_ROUTE, KERNEL_CHECK_ROUTE,
+                                      KernelCheckRequest, MODULES_ROUTE,
                                       PAUSE_ROUTE, RELOAD_ROUTE, RELOAD_WEIGHTS_ROUTE, SLEEP_ROUTE, START_PROFILE_ROUTE,
                                       STOP_PROFILE_ROUTE, UPDATE_WEIGHTS_FROM_DISK_ROUTE, UPDATE_WEIGHTS_ROUTE,
                                       WAKE_UP_ROUTE, WEIGHTS_CHECKSUM_ROUTE, UpdateWeightsRequest, WeightsChecksumReply, Awake,
@@ -40,6 +41,14 @@ def add_control_routes(app: FastAPI, async_engine: AsyncEngine, reload_forward: 
     @app.post(RELOAD_ROUTE)
     async def reload_route(body: ReloadRequest):
         return (await reloads()(body)).dump()
+
+    @app.post(KERNEL_CHECK_ROUTE)
+    async def kernel_check(body: KernelCheckRequest | None = None):
+        """The declared kernels against their references at the serving shapes (`tsdev check`)."""
+        try:
+            return (await reloads().check_kernels(body or KernelCheckRequest())).dump()
+        except ValueError as exc:
+            raise api_error(400, str(exc), "ops") from None
 
     @app.get(MODULES_ROUTE)
     async def reloadable_modules():
