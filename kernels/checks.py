@@ -44,6 +44,9 @@ class Serving:
     hidden: int
     intermediate: int
     dtype: torch.dtype
+    q_heads: int = 16  # per rank, as intermediate
+    kv_heads: int = 8
+    head_dim: int = 128
     eps: float = 1e-6
     device: str = "cuda"
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.checks import KernelCheck, Tolerance
 from kernels.ops import pdl, use_triton, wait_for_previous
 from kernels.ops.activation import silu_and_mul_values
 from kernels.ops.norm import rms_norm_values
@@ -216,3 +217,54 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if use_triton(x, "linear") and 1 <= rows <= SKINNY_ROWS:
         return gemv_triton(x, weight, bias) if rows == 1 else skinny_triton(x, weight, bias)
     return linear_ref(x, weight, bias)
+
+
+MATMUL_TOLERANCE = {
+    torch.bfloat16: Tolerance(1e-2, 1.6e-2, "bf16 output of a float32 sum in another order than cuBLAS's, one "
+                              "rounding: a few bf16 ulps on outputs of unit scale"),
+    torch.float16: Tolerance(2e-3, 2e-3, "fp16 output, as bf16 with 3 more mantissa bits"),
+    torch.float32: Tolerance(1e-4, 1e-4, "float32 sums of K products in another order than cuBLAS's"),
+}
+
+
+def _matrix(rows: int, k: int, dtype, device, generator) -> torch.Tensor:
+    """Values of unit scale after a K-long dot product with a unit-scale row."""
+    return (torch.randn(rows, k, generator=generator, device=device) / k ** 0.5).to(dtype)
+
+
+def _linear_inputs(shape, dtype, device, generator):
+    rows, k, n = shape
+    return torch.randn(rows, k, generator=generator, device=device).to(dtype), _matrix(n, k, dtype, device, generator)
+
+
+def _fused_inputs(shape, dtype, device, generator):
+    _, k, n = shape
+    x, residual, norm_weight = (torch.randn(size, generator=generator, device=device).to(dtype)
+                                for size in ((1, k), (1, k), (k,)))
+    return x, residual, norm_weight, _matrix(n, k, dtype, device, generator)
+
+
+def _norm_gate_up_ref(x, residual, norm_weight, weight):
+    from kernels.ops.activation import silu_and_mul_ref
+    from kernels.ops.norm import fused_add_rms_norm_ref
+
+    normed, residual = fused_add_rms_norm_ref(x, residual, norm_weight, 1e-6)
+    return silu_and_mul_ref(linear_ref(normed, weight)), residual
+
+
+CHECKS = [
+    # the decode step at batch 1: down_proj's GEMV, and the post-attention norm + gate_up + SiLU fused into one
+    KernelCheck(op="gemv", kernels=("_gemv_kernel",),
+                shapes=lambda s: [(1, s.intermediate, s.hidden)] if 1 in s.tokens else [],
+                inputs=_linear_inputs, kernel=gemv_triton, reference=linear_ref, tolerance=MATMUL_TOLERANCE),
+    KernelCheck(op="gemv_norm_gate_up", kernels=("_gemv_kernel",),
+                shapes=lambda s: [(1, s.hidden, 2 * s.intermediate)] if 1 in s.tokens else [],
+                inputs=_fused_inputs, kernel=lambda x, r, nw, w: gemv_triton(x, w, residual=r, norm_weight=nw,
+                                                                              eps=1e-6, gated=True),
+                reference=_norm_gate_up_ref, tolerance=MATMUL_TOLERANCE),
+    # 2..SKINNY_ROWS rows: down_proj's shape at the decode batches served in that range (the largest when none)
+    KernelCheck(op="skinny_linear", kernels=("_skinny_kernel",),
+                shapes=lambda s: [(t, s.intermediate, s.hidden) for t in s.tokens if 1 < t <= SKINNY_ROWS]
+                or [(SKINNY_ROWS, s.intermediate, s.hidden)],
+                inputs=_linear_inputs, kernel=skinny_triton, reference=linear_ref, tolerance=MATMUL_TOLERANCE),
+]

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.checks import KernelCheck, Tolerance
 from kernels.ops import pdl, use_triton, wait_for_previous
 from kernels.ops.norm import rms_norm_ref
 
@@ -255,3 +256,38 @@ def qk_norm_rope(
     if use_triton(q, "rope"):
         return rope_triton(q, k, positions, cos_sin_cache, q_weight, k_weight, eps)
     return qk_norm_rope_ref(q, k, q_weight, k_weight, eps, positions, cos_sin_cache)
+
+
+ROPE_TOLERANCE = {
+    torch.bfloat16: Tolerance(2e-2, 2e-2, "bf16 in and out: the cos/sin table rounded to bf16 as Hugging Face does, "
+                              "products summed in float32 (the per-head norm first: its roundings too)"),
+    torch.float16: Tolerance(2e-3, 2e-3, "fp16, as bf16 with 3 more mantissa bits"),
+    torch.float32: Tolerance(1e-5, 1e-5, "float32 throughout"),
+}
+CHECK_POSITIONS = 8192  # positions drawn below this (the table is built for them)
+
+
+def _rope_inputs(shape, dtype, device, generator):
+    tokens, q_heads, kv_heads, head_dim = shape
+    q, k = (torch.randn(tokens, heads, head_dim, generator=generator, device=device).to(dtype)
+            for heads in (q_heads, kv_heads))
+    positions = torch.randint(0, CHECK_POSITIONS, (tokens,), generator=generator, device=device)
+    cache = rope_cos_sin_cache(head_dim, CHECK_POSITIONS, 1e6, device=device)
+    q_weight, k_weight = (torch.randn(head_dim, generator=generator, device=device).to(dtype) for _ in range(2))
+    return q, k, q_weight, k_weight, positions, cache
+
+
+def _head_shapes(serving):
+    return [(t, serving.q_heads, serving.kv_heads, serving.head_dim) for t in serving.tokens]
+
+
+CHECKS = [
+    KernelCheck(op="rope", kernels=("_rope_kernel",), shapes=_head_shapes, inputs=_rope_inputs,
+                kernel=lambda q, k, qw, kw, pos, cache: rope_triton(q, k, pos, cache),
+                reference=lambda q, k, qw, kw, pos, cache: apply_rope_ref(q, k, pos, cache),
+                tolerance=ROPE_TOLERANCE),
+    KernelCheck(op="qk_norm_rope", kernels=("_rope_kernel",), shapes=_head_shapes, inputs=_rope_inputs,
+                kernel=lambda q, k, qw, kw, pos, cache: rope_triton(q, k, pos, cache, qw, kw, 1e-6),
+                reference=lambda q, k, qw, kw, pos, cache: qk_norm_rope_ref(q, k, qw, kw, 1e-6, pos, cache),
+                tolerance=ROPE_TOLERANCE),
+]

@@ -131,5 +131,7 @@ def serving_of(engine) -> checks.Serving:
     return checks.Serving(tokens=serving_tokens(info.decode_graph_sizes, info.prefill_graph_buckets,
                                                 engine.config.max_running),
                           hidden=config.hidden_size, intermediate=max(config.intermediate_size // world, 1),
+                          q_heads=max(config.num_attention_heads // world, 1),
+                          kv_heads=max(config.num_key_value_heads // world, 1), head_dim=config.head_dim,
                           dtype=engine.runner.dtype, eps=config.rms_norm_eps, device=str(engine.runner.device))
 
