@@ -47,6 +47,9 @@ class Serving:
     q_heads: int = 16  # per rank, as intermediate
     kv_heads: int = 8
     head_dim: int = 128
+    page_size: int = 16  # tokens per KV page
+    max_context: int = 1024  # the longest sequence a check draws (the served context length, at most 1024)
+    max_running: int = 256  # the largest decode batch (the rows above are prefill steps)
     eps: float = 1e-6
     device: str = "cuda"
 

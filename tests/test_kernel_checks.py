@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kernels import checks
-from kernels.ops import activation, norm  # noqa: F401  (their CHECKS are declared)
+from kernels.ops import activation, attention, linear, norm, rope  # noqa: F401  (their CHECKS are declared)
 from runtime.control_protocol import KernelCheckResult, ReloadReply, WorkerReport
 from runtime.engine.kernel_checks import serving_tokens
 from serve_process import copy_project, serve
@@ -28,6 +28,20 @@ def test_a_kernel_matches_its_reference_on_fresh_inputs_and_two_checks_draw_diff
     assert 0 < first.max_abs <= 1e-5 and first.seed != second.seed
     inputs = [SILU.inputs((5, 96), torch.float32, "cpu", torch.Generator().manual_seed(r.seed)) for r in (first, second)]
     assert not torch.equal(inputs[0][0], inputs[1][0]) and bool(inputs[0][0].abs().min() > 0)  # never zeros
+
+
+def test_paged_attention_is_checked_on_pages_in_random_order_and_a_wrong_scale_fails():
+    decode, prefill = (next(c for c in checks.declared() if c.op == op) for op in ("paged_decode", "paged_prefill"))
+    shape = (3, 4, 2, 16, 16, 100)  # 3 sequences, 4 / 2 heads of 16, pages of 16, up to 100 tokens
+    q, k_cache, _, cu, lens, table, *_ = decode.inputs(shape, torch.float32, "cpu", torch.Generator().manual_seed(1))
+    used = torch.cat([table[i, :-(-int(n) // 16)] for i, n in enumerate(lens)])
+    assert len(set(used.tolist())) == len(used) and not torch.equal(used.sort().values, used)  # scattered pages
+    assert len(set(lens.tolist())) > 1 and cu.tolist() == [0, 1, 2, 3]  # mixed lengths, one decode row each
+    assert checks.run(decode, shape, torch.float32, "cpu").ok and checks.run(prefill, (20, *shape[1:]), torch.float32,
+                                                                               "cpu").ok
+    wrong = replace(decode, kernel=lambda q, kc, vc, cu, lens, table, k, v, slots: attention.paged_decode_triton(
+        q, kc, vc, cu, lens, table, q.shape[-1] ** -0.5 * 1.05, store=(k, v, slots)))
+    assert not checks.run(wrong, shape, torch.float32, "cpu").ok
 
 
 def test_a_wrong_kernel_is_reported_with_its_error_and_nan_never_passes():
@@ -50,7 +64,8 @@ def test_an_edit_of_an_inlined_helper_changes_the_fingerprint_of_the_ops_whose_k
     original = helper.__code__
     try:
         helper.__code__ = compile("def f(gate, up, dt):\n    return gate * up\n", "<edit>", "exec").co_consts[0]
-        assert [c.op for c in checks.changed(before, declared)] == ["silu_and_mul"]
+        # the GEMV inlines the helper too (its gated path): both of its ops, nothing else
+        assert [c.op for c in checks.changed(before, declared)] == ["silu_and_mul", "gemv", "gemv_norm_gate_up"]
     finally:
         helper.__code__ = original
     assert checks.changed(before, declared) == [] and kernel is activation._silu_and_mul_kernel
@@ -135,8 +150,8 @@ def test_tsdev_check_runs_every_declared_op_or_the_named_ones_and_names_the_ops_
     every = CliRunner().invoke(app, ["check", "--url", url])
     assert every.exit_code == 0, every.output
     assert {line.split(":")[0] for line in every.output.splitlines()[:-1]} == {
-        "silu_and_mul", "gemv", "gemv_norm_gate_up", "skinny_linear", "rms_norm", "fused_add_rms_norm", "rope",
-        "qk_norm_rope"}
+        "silu_and_mul", "paged_decode", "paged_prefill", "gemv", "gemv_norm_gate_up", "skinny_linear", "rms_norm",
+        "fused_add_rms_norm", "rope", "qk_norm_rope"}
     assert "all ok" in every.output
     table = CliRunner().invoke(app, ["check", "rms_norm", "--shapes", "--url", url])
     assert table.exit_code == 0 and table.output.count("rms_norm ") >= 3 and "fused_add" not in table.output

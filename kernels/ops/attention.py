@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.checks import KernelCheck, Tolerance
 from kernels.ops import pdl, sm_count, use_triton, wait_for_previous
 
 LOG2E = 1.4426950408889634
@@ -456,3 +457,94 @@ def paged_attention(
         return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, out=out)
     return paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, max_q_len, out=out,
                                 order=order)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checks on reload (kernels/checks.py): batches as serving builds them -- pages in random order, sequences of
+# mixed length, prefill chunks behind a cached prefix, this step's K/V stored by the kernel -- against the reference.
+
+ATTENTION_TOLERANCE = {
+    torch.bfloat16: Tolerance(1e-2, 2e-2, "bf16 q/K/V and output: softmax and sums in float32 (online, in another "
+                              "order than the reference's), tf32 products in the prefill kernel, one bf16 rounding"),
+    torch.float16: Tolerance(2e-3, 4e-3, "fp16, as bf16 with 3 more mantissa bits"),
+    torch.float32: Tolerance(1e-4, 1e-4, "float32 throughout (IEEE products): the online softmax's order"),
+}
+
+
+def _paged_batch(q_lens: list[int], cached: list[int], heads: tuple[int, int, int], page_size: int, dtype, device,
+                 generator) -> tuple:
+    """q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, k, v, slot_mapping for sequences of q_lens new
+    tokens behind `cached` ones: every sequence's pages drawn in random order from one pool, the cache random."""
+    hq, hk, d = heads
+    seq_lens = [q + c for q, c in zip(q_lens, cached)]
+    pages_of = [-(-n // page_size) for n in seq_lens]
+    pool = torch.randperm(sum(pages_of) + 3, generator=generator, device=device).to(torch.int32)  # 3 unused pages
+    table = torch.zeros(len(seq_lens), max(pages_of), dtype=torch.int32, device=device)
+    start = 0
+    for i, n in enumerate(pages_of):
+        table[i, :n] = pool[start:start + n]
+        start += n
+    cache = lambda: torch.randn(len(pool), page_size, hk, d, generator=generator, device=device).to(dtype)  # noqa: E731
+    k_cache, v_cache = cache(), cache()
+    tokens = sum(q_lens)
+    q = torch.randn(tokens, hq, d, generator=generator, device=device).to(dtype)
+    k, v = (torch.randn(tokens, hk, d, generator=generator, device=device).to(dtype) for _ in range(2))
+    slots = torch.cat([table[i, torch.arange(c, n, device=device) // page_size].long() * page_size
+                       + torch.arange(c, n, device=device) % page_size for i, (c, n) in enumerate(zip(cached, seq_lens))])
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    return q, k_cache, v_cache, cu, lens, table, k, v, slots
+
+
+def _decode_inputs(shape, dtype, device, generator):
+    batch, hq, hk, d, page_size, context = shape
+    cached = torch.randint(0, context, (batch,), generator=generator, device=device).tolist()  # mixed lengths
+    return _paged_batch([1] * batch, cached, (hq, hk, d), page_size, dtype, device, generator)
+
+
+def _prefill_inputs(shape, dtype, device, generator):
+    """`tokens` rows: a chunk behind a cached prefix, a whole prompt, and decode rows (a mixed step)."""
+    tokens, hq, hk, d, page_size, context = shape
+    decode = min(2, tokens - 2)
+    chunk = (tokens - decode) // 2
+    q_lens = [chunk, tokens - decode - chunk, *[1] * decode]
+    cached = [int(torch.randint(1, max(context - chunk, 2), (1,), generator=generator, device=device)), 0,
+              *torch.randint(1, context, (decode,), generator=generator, device=device).tolist()]
+    return _paged_batch(q_lens, cached, (hq, hk, d), page_size, dtype, device, generator)
+
+
+def _attention_ref(q, k_cache, v_cache, cu, lens, table, k, v, slots):
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    store_kvcache_ref(k, v, k_cache, v_cache, slots)
+    return paged_attention_ref(q, k_cache, v_cache, cu, lens, table, q.shape[-1] ** -0.5)
+
+
+def _decode_check(q, k_cache, v_cache, cu, lens, table, k, v, slots):
+    """In place, as serving runs it: storing this step's K/V again writes the same values (timed calls repeat it)."""
+    order = torch.tensor(longest_first(lens.tolist()), dtype=torch.int64, device=q.device)
+    return paged_decode_triton(q, k_cache, v_cache, cu, lens, table, q.shape[-1] ** -0.5, store=(k, v, slots),
+                               order=order)
+
+
+def _prefill_check(q, k_cache, v_cache, cu, lens, table, k, v, slots):
+    store_kvcache_triton(k, v, k_cache, v_cache, slots)  # in place, as _decode_check
+    order = torch.tensor(longest_first(lens.tolist()), dtype=torch.int64, device=q.device)
+    return paged_prefill_triton(q, k_cache, v_cache, cu, lens, table, q.shape[-1] ** -0.5,
+                                int((cu[1:] - cu[:-1]).max()), order=order)
+
+
+def _attention_shapes(decode: bool):
+    def shapes(s):
+        rows = [t for t in s.tokens if t <= s.max_running] if decode else [t for t in s.tokens if t >= 4]
+        return [(t, s.q_heads, s.kv_heads, s.head_dim, s.page_size, s.max_context) for t in rows]
+    return shapes
+
+
+CHECKS = [
+    KernelCheck(op="paged_decode", kernels=("_decode_kernel",), shapes=_attention_shapes(decode=True),
+                inputs=_decode_inputs, kernel=_decode_check, reference=_attention_ref,
+                tolerance=ATTENTION_TOLERANCE),
+    KernelCheck(op="paged_prefill", kernels=("_prefill_kernel", "_store_kvcache_kernel"),
+                shapes=_attention_shapes(decode=False), inputs=_prefill_inputs, kernel=_prefill_check,
+                reference=_attention_ref, tolerance=ATTENTION_TOLERANCE),
+]

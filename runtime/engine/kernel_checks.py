@@ -133,5 +133,7 @@ def serving_of(engine) -> checks.Serving:
                           hidden=config.hidden_size, intermediate=max(config.intermediate_size // world, 1),
                           q_heads=max(config.num_attention_heads // world, 1),
                           kv_heads=max(config.num_key_value_heads // world, 1), head_dim=config.head_dim,
+                          page_size=info.page_size or 16, max_context=min(engine.max_model_len, 1024),
+                          max_running=engine.config.max_running,
                           dtype=engine.runner.dtype, eps=config.rms_norm_eps, device=str(engine.runner.device))
 
