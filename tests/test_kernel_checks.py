@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kernels import checks
-from kernels.ops import activation, attention, linear, norm, rope  # noqa: F401  (their CHECKS are declared)
+from kernels.ops import activation, attention, linear, moe, norm, rope  # noqa: F401  (their CHECKS are declared)
 from runtime.control_protocol import KernelCheckResult, ReloadReply, WorkerReport
 from runtime.engine.kernel_checks import serving_tokens
 from serve_process import copy_project, serve
@@ -44,6 +44,17 @@ def test_paged_attention_is_checked_on_pages_in_random_order_and_a_wrong_scale_f
     assert not checks.run(wrong, shape, torch.float32, "cpu").ok
 
 
+def test_the_fused_moe_is_checked_at_the_served_width_and_top_k_and_a_routing_slip_fails():
+    fused = next(c for c in checks.declared() if c.op == "fused_moe")
+    serving = checks.Serving(tokens=(1, 6), hidden=64, intermediate=192, dtype=torch.float32, experts=40, top_k=2,
+                             moe_intermediate=32, device="cpu")
+    assert fused.shapes(serving) == [(1, 64, 32, 16, 2), (6, 64, 32, 16, 2)]  # at most 16 experts drawn
+    assert fused.shapes(replace(serving, experts=0)) == []  # a dense model
+    assert all(checks.run(fused, shape, torch.float32, "cpu").ok for shape in fused.shapes(serving))  # GEMV, GEMMs
+    slip = replace(fused, kernel=lambda x, w13, w2, w, ids: moe.fused_moe_triton(x, w13, w2, w.flip(-1), ids))
+    assert not checks.run(slip, (6, 64, 32, 16, 2), torch.float32, "cpu").ok
+
+
 def test_a_wrong_kernel_is_reported_with_its_error_and_nan_never_passes():
     wrong = replace(SILU, kernel=lambda x: activation.silu_and_mul_triton(x) * 1.01)
     result = checks.run(wrong, (3, 64), torch.float32, "cpu")
@@ -64,8 +75,9 @@ def test_an_edit_of_an_inlined_helper_changes_the_fingerprint_of_the_ops_whose_k
     original = helper.__code__
     try:
         helper.__code__ = compile("def f(gate, up, dt):\n    return gate * up\n", "<edit>", "exec").co_consts[0]
-        # the GEMV inlines the helper too (its gated path): both of its ops, nothing else
-        assert [c.op for c in checks.changed(before, declared)] == ["silu_and_mul", "gemv", "gemv_norm_gate_up"]
+        # the GEMV (its gated path) and the MoE's up kernel inline the helper too: their ops, nothing else
+        assert [c.op for c in checks.changed(before, declared)] == ["silu_and_mul", "gemv", "gemv_norm_gate_up",
+                                                                    "fused_moe"]
     finally:
         helper.__code__ = original
     assert checks.changed(before, declared) == [] and kernel is activation._silu_and_mul_kernel
@@ -151,7 +163,7 @@ def test_tsdev_check_runs_every_declared_op_or_the_named_ones_and_names_the_ops_
     assert every.exit_code == 0, every.output
     assert {line.split(":")[0] for line in every.output.splitlines()[:-1]} == {
         "silu_and_mul", "paged_decode", "paged_prefill", "gemv", "gemv_norm_gate_up", "skinny_linear", "rms_norm",
-        "fused_add_rms_norm", "rope", "qk_norm_rope"}
+        "fused_add_rms_norm", "rope", "qk_norm_rope"}  # fused_moe: no shapes on a dense model
     assert "all ok" in every.output
     table = CliRunner().invoke(app, ["check", "rms_norm", "--shapes", "--url", url])
     assert table.exit_code == 0 and table.output.count("rms_norm ") >= 3 and "fused_add" not in table.output

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.checks import KernelCheck, Tolerance
 from kernels.ops import pdl, use_triton, wait_for_previous
 from kernels.ops.activation import silu_and_mul_values
 
@@ -534,3 +535,36 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if use_triton(x, "moe"):
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, **scales)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, **scales)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checks on reload (kernels/checks.py): the served layer's width, top-k and token counts, at most CHECK_EXPERTS
+# experts (the weights are drawn for each check; the kernels' specialisations do not depend on the count).
+
+CHECK_EXPERTS = 16
+MOE_TOLERANCE = {
+    torch.bfloat16: Tolerance(1e-2, 2e-2, "bf16: two float32 GEMMs per slot summed in another order than the "
+                              "reference's, its roundings (after each GEMM, the SiLU, the weighted slot) kept"),
+    torch.float16: Tolerance(2e-3, 4e-3, "fp16, as bf16 with 3 more mantissa bits"),
+    torch.float32: Tolerance(1e-4, 1e-4, "float32 throughout: the sums' order"),
+}
+
+
+def _moe_inputs(shape, dtype, device, generator):
+    tokens, hidden, inter, experts, top_k = shape
+    randn = lambda *size: torch.randn(*size, generator=generator, device=device)  # noqa: E731
+    x = randn(tokens, hidden).to(dtype)
+    w13 = (randn(experts, 2 * inter, hidden) / hidden ** 0.5).to(dtype)
+    w2 = (randn(experts, hidden, inter) / inter ** 0.5).to(dtype)
+    weights, ids = randn(tokens, experts).softmax(-1).topk(top_k, dim=-1)  # a router's choice on random logits
+    return x, w13, w2, (weights / weights.sum(-1, keepdim=True)).float(), ids.to(torch.int32)
+
+
+CHECKS = [
+    KernelCheck(op="fused_moe", kernels=("_moe_up_gemv", "_moe_down_gemv", "_moe_gemm", "_moe_align_kernel"),
+                shapes=lambda s: [(t, s.hidden, s.moe_intermediate, min(s.experts, CHECK_EXPERTS), s.top_k)
+                                  for t in s.tokens] if s.experts else [],
+                inputs=_moe_inputs, kernel=fused_moe_triton,
+                reference=lambda x, w13, w2, w, ids: fused_moe_ref(x, w13, w2, w, ids, masked=False),
+                tolerance=MOE_TOLERANCE),
+]

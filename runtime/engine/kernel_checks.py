@@ -128,12 +128,15 @@ def serving_of(engine) -> checks.Serving:
     """The shapes and dtype engine `engine` serves, for the checks."""
     info, config = engine.describe(), engine.model_config
     world = max(engine.config.world_size, 1)  # tensor parallelism: each rank's part
+    raw = config.raw
     return checks.Serving(tokens=serving_tokens(info.decode_graph_sizes, info.prefill_graph_buckets,
                                                 engine.config.max_running),
                           hidden=config.hidden_size, intermediate=max(config.intermediate_size // world, 1),
                           q_heads=max(config.num_attention_heads // world, 1),
                           kv_heads=max(config.num_key_value_heads // world, 1), head_dim=config.head_dim,
                           page_size=info.page_size or 16, max_context=min(engine.max_model_len, 1024),
-                          max_running=engine.config.max_running,
+                          max_running=engine.config.max_running, experts=raw.get("num_experts") or 0,
+                          top_k=raw.get("num_experts_per_tok") or 0,
+                          moe_intermediate=(raw.get("moe_intermediate_size") or 0) // world,
                           dtype=engine.runner.dtype, eps=config.rms_norm_eps, device=str(engine.runner.device))
 
