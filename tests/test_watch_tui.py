@@ -128,3 +128,34 @@ def test_at_80_by_24_the_history_drops_columns_in_order_and_keeps_the_outcome(tm
     assert dropped == list(DROP_ORDER[: len(dropped)])  # dropped in the stated order
     assert visible_columns(400)[0] == tuple(c for c in visible_columns(400)[0])  # nothing dropped when wide
     assert len(visible_columns(400)[0]) == len(DROP_ORDER) + len(columns)
+
+
+def test_a_reloads_kernel_checks_show_as_one_summary_per_op_and_k_shows_them_per_shape(tmp_path):
+    from fake_server import ok_worker
+
+    from runtime.control_protocol import KernelCheckResult
+
+    def check(tokens, before, after):
+        return KernelCheckResult(op="silu_and_mul", shape=[tokens, 6144], dtype="bfloat16", max_abs=2e-3, max_rel=4e-3,
+                                 atol=1e-2, rtol=1.6e-2, ok=True, seed=7, us_before=before, us_after=after,
+                                 before_fresh=True)
+
+    project, server = make_project(tmp_path), FakeServer()
+    server.answer = lambda request: [ok_worker(kernel_checks=[check(1, 4.0, 3.6), check(256, 21.0, 19.0)])]
+    app = WatchApp(WatchConfig(attach=URL, project=project, probe_batch=2, probe_steps=4), server.transport())
+
+    async def main():
+        async with app.run_test(size=(200, 48)) as pilot:
+            await one_save(app, pilot, project)
+            summary = screen_text(app)
+            await pilot.press("k")
+            await pilot.pause(0.3)
+            table = screen_text(app)
+            await pilot.press("q")
+            await until(lambda: app.return_code is not None)
+            return summary, table
+
+    summary, table = asyncio.run(main())
+    assert "silu_and_mul: err 2e-03 ok · 12.5 → 11.3 µs (-10%) at 2 shape(s)" in summary, summary
+    assert "kernel checks of reload #1:" in table
+    assert re.search(r"silu_and_mul +1x6144 +bfloat16 +2\.00e-03", table) and re.search(r"256x6144 .* 21\.0 +19\.0", table)

@@ -16,7 +16,8 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.widgets import DataTable, Footer, RichLog, Static
 
-from tsdev.outcome import KEEPS_SERVING, SHOWN_STEPS, graph_split, kernel_checks_text, rank_lines, reloaded_text
+from tsdev.outcome import (KEEPS_SERVING, SHOWN_STEPS, checks_table, graph_split, kernel_checks_text, rank_lines,
+                           reloaded_text)
 from tsdev.watch.args import WatchConfig
 from tsdev.watch.daemon import Daemon
 from tsdev.watch.records import Event, ReloadRecord, RestartRecord, WeightsRecord
@@ -101,6 +102,7 @@ class WatchApp(App):
         Binding("b", "bench", "bench"),
         Binding("p", "profile", "profile"),
         Binding("g", "golden", "golden"),
+        Binding("k", "kernel_checks", "kernels"),
         Binding("c", "clear", "clear"),
         Binding("q", "quit", "quit"),
     ]
@@ -155,6 +157,24 @@ class WatchApp(App):
 
     def action_golden(self) -> None:
         self.daemon.retake_golden()
+
+    def action_kernel_checks(self) -> None:
+        """The kernel checks of the history's selected reload (else the latest that has some), a line per shape."""
+        table = self.query_one("#history", DataTable)
+        selected = None
+        if table.row_count:
+            key = table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value
+            selected = self.records.get(key)
+        checked = [r for r in self.records.values() if isinstance(r, ReloadRecord) and r.worker is not None
+                   and r.worker.kernel_checks]
+        record = selected if selected in checked else (checked[-1] if checked else None)
+        if record is None:
+            self.log_line("no kernel checks yet: a reload that changes a Triton kernel checks it "
+                          "(`tsdev check` runs them now)")
+            return
+        self.log_line(f"kernel checks of reload #{record.n}:")
+        for line in checks_table(record.worker.kernel_checks):
+            self.log_line(escape(line))
 
     def action_clear(self) -> None:
         self.query_one("#history", DataTable).clear()
