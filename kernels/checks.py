@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 OPS_PACKAGE = "kernels.ops"
-TIMED_CALLS = 20  # per shape: the median of these
+TIMED_CALLS, TIMED_REPEATS = 10, 5  # per shape: the median of 5 runs of 10 calls back to back
 
 
 @dataclass(frozen=True)
@@ -117,62 +117,82 @@ def runnable(device: str) -> bool:
 
 
 def run(check: KernelCheck, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> Result:
-    """The kernel against the reference at `shape` on fresh random inputs; NaN or Inf in the kernel's output never
-    pass."""
-    seed = int.from_bytes(os.urandom(6), "little")
-    generator = torch.Generator(device=device).manual_seed(seed)
-    tol = check.tolerance[dtype]
-    result = Result(check.op, tuple(shape), str(dtype).removeprefix("torch."), math.inf, math.inf, tol.atol, tol.rtol,
-                    False, seed)
-    args = check.inputs(tuple(shape), dtype, device, generator)
-    want = _tensors(check.reference(*args))
-    try:
-        got = _tensors(check.kernel(*args))
-    except Exception as exc:  # a kernel that no longer runs at this shape: reported, not raised
-        result.error = f"{type(exc).__name__}: {exc}"
-        return result
-    if [(g.shape, g.dtype) for g in got] != [(w.shape, w.dtype) for w in want]:
-        result.error = (f"output {[(tuple(g.shape), g.dtype) for g in got]} where the reference gives "
-                        f"{[(tuple(w.shape), w.dtype) for w in want]}")
-        return result
-    max_abs, max_rel, ok = 0.0, 0.0, True
+    """The kernel against the reference at `shape` on fresh random inputs (see `run_all`)."""
+    return run_all([(check, shape)], dtype, device)[0]
+
+
+def run_all(items: Sequence[tuple[KernelCheck, tuple[int, ...]]], dtype: torch.dtype, device: str) -> list[Result]:
+    """Each (check, shape): the kernel against the reference on fresh random inputs; NaN or Inf in the kernel's
+    output never pass. The comparisons stay on the device until one read at the end (a reload's pause pays one
+    wait for all of them, not one per shape)."""
+    pending = []
+    for check, shape in items:
+        seed = int.from_bytes(os.urandom(6), "little")
+        tol = check.tolerance[dtype]
+        result = Result(check.op, tuple(shape), str(dtype).removeprefix("torch."), math.inf, math.inf, tol.atol,
+                        tol.rtol, False, seed)
+        args = check.inputs(tuple(shape), dtype, device, torch.Generator(device=device).manual_seed(seed))
+        want = _tensors(check.reference(*args))
+        try:
+            got = _tensors(check.kernel(*args))
+        except Exception as exc:  # a kernel that no longer runs at this shape: reported, not raised
+            result.error = f"{type(exc).__name__}: {exc}"
+            got = None
+        if got is not None and [(g.shape, g.dtype) for g in got] != [(w.shape, w.dtype) for w in want]:
+            result.error = (f"output {[(tuple(g.shape), g.dtype) for g in got]} where the reference gives "
+                            f"{[(tuple(w.shape), w.dtype) for w in want]}")
+        pending.append((result, None if result.error else _compare(got, want, tol)))
+    measured = [stats for _, stats in pending if stats is not None]
+    values = iter(torch.stack(measured).tolist() if measured else [])
+    for result, stats in pending:
+        if stats is not None:
+            max_abs, max_rel, ok = next(values)
+            result.max_abs, result.max_rel, result.ok = max_abs, max_rel, bool(ok)
+    return [result for result, _ in pending]
+
+
+def _compare(got: list[torch.Tensor], want: list[torch.Tensor], tol: Tolerance) -> torch.Tensor:
+    """[max |g - w|, max |g - w| / |w| where |w| > atol, all within tolerance and finite] on the device; the
+    errors are inf when an output is not finite."""
+    max_abs = max_rel = ok = None
     for g, w in zip(got, want):
-        g, w = g.float(), w.float()
-        if not bool(torch.isfinite(g).all()):
-            ok = False
-            max_abs = max_rel = math.inf
-            break
-        diff = (g - w).abs()
-        max_abs = max(max_abs, float(diff.max()) if diff.numel() else 0.0)
-        big = w.abs() > tol.atol
-        if bool(big.any()):
-            max_rel = max(max_rel, float((diff[big] / w.abs()[big]).max()))
-        ok = ok and bool((diff <= tol.atol + tol.rtol * w.abs()).all())
-    result.max_abs, result.max_rel, result.ok = max_abs, max_rel, ok
-    return result
+        g, w = g.float().flatten(), w.float().flatten()
+        diff, size = (g - w).abs(), w.abs()
+        finite = torch.isfinite(g).all()
+        within = finite & (diff <= tol.atol + tol.rtol * size).all()
+        worst = torch.where(finite, diff.max() if diff.numel() else diff.new_zeros(()), math.inf)
+        rel = torch.where(size > tol.atol, diff / size.clamp_min(tol.atol), 0.0)
+        rel = torch.where(finite, rel.max() if rel.numel() else rel.new_zeros(()), math.inf)
+        max_abs = worst if max_abs is None else torch.maximum(max_abs, worst)
+        max_rel = rel if max_rel is None else torch.maximum(max_rel, rel)
+        ok = within if ok is None else ok & within
+    return torch.stack([max_abs, max_rel, ok.float()])
 
 
 def time_call(check: KernelCheck, shape: tuple[int, ...], dtype: torch.dtype, device: str,
-              calls: int = TIMED_CALLS) -> float:
-    """Median microseconds per call of the kernel at `shape` (CUDA events on a GPU, else the wall clock)."""
+              calls: int = TIMED_CALLS, repeats: int = TIMED_REPEATS) -> float:
+    """Microseconds per call of the kernel at `shape`: `calls` launches back to back between two CUDA events (the
+    wall clock off CUDA), the median of `repeats` such runs -- as benchmarks/kernels_bench.py's eager column times."""
     generator = torch.Generator(device=device).manual_seed(0)
     args = check.inputs(tuple(shape), dtype, device, generator)
     check.kernel(*args)  # loaded and launched once before timing
-    times = []
-    if device.startswith("cuda"):
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
-        for start, end in events:
+    cuda = device.startswith("cuda")
+    runs = []
+    for _ in range(repeats):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            check.kernel(*args)
+            for _ in range(calls):
+                check.kernel(*args)
             end.record()
-        torch.cuda.synchronize()
-        times = [start.elapsed_time(end) * 1e3 for start, end in events]
-    else:
-        for _ in range(calls):
+            end.synchronize()
+            runs.append(start.elapsed_time(end) * 1e3 / calls)
+        else:
             begin = time.perf_counter()
-            check.kernel(*args)
-            times.append((time.perf_counter() - begin) * 1e6)
-    return statistics.median(times)
+            for _ in range(calls):
+                check.kernel(*args)
+            runs.append((time.perf_counter() - begin) * 1e6 / calls)
+    return statistics.median(runs)
 
 
 def _tensors(out) -> list[torch.Tensor]:

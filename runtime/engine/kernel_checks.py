@@ -57,17 +57,14 @@ class KernelChecker:
         """The changed ops against their references at the serving shapes (the new code, in the pause)."""
         if not (self.on and before and checks.runnable(serving.device)):
             return []
-        results = []
-        for check in checks.changed(before, checks.declared()):
-            if serving.dtype not in check.tolerance:
-                continue
-            for shape in check.shapes(serving):
-                result = checks.run(check, shape, serving.dtype, serving.device)
-                key = (check.op, result.shape, serving.dtype)
-                old = self.times.get(key)
-                if old is not None and old[0] == before.get(check.op):  # the old code's time
-                    result.us_before, result.before_fresh = old[1], key in self.timed_now
-                results.append(result)
+        items = [(check, tuple(shape)) for check in checks.changed(before, checks.declared())
+                 if serving.dtype in check.tolerance for shape in check.shapes(serving)]
+        results = checks.run_all(items, serving.dtype, serving.device)
+        for result in results:
+            key = (result.op, result.shape, serving.dtype)
+            old = self.times.get(key)
+            if old is not None and old[0] == before.get(result.op):  # the old code's time
+                result.us_before, result.before_fresh = old[1], key in self.timed_now
         return results
 
     def check_now(self, ops: list[str] | None, serving: checks.Serving, idle: bool) -> list[checks.Result]:
@@ -78,10 +75,10 @@ class KernelChecker:
         if unknown:
             raise ValueError(f"no kernel check declares {', '.join(unknown)}: the ops are "
                              f"{', '.join(c.op for c in declared)}")
-        results = []
-        for check in declared:
-            if (ops is None or check.op in ops) and serving.dtype in check.tolerance and checks.runnable(serving.device):
-                results += [checks.run(check, shape, serving.dtype, serving.device) for shape in check.shapes(serving)]
+        items = [(check, tuple(shape)) for check in declared
+                 if (ops is None or check.op in ops) and serving.dtype in check.tolerance
+                 for shape in check.shapes(serving)]
+        results = checks.run_all(items, serving.dtype, serving.device) if checks.runnable(serving.device) else []
         if idle and serving.device.startswith("cuda"):
             by_op = {c.op: c for c in declared}
             for result in results:

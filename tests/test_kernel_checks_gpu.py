@@ -1,0 +1,59 @@
+"""The kernel checks on the GPU, at the default models' real shapes in bf16: every declared op passes its stated
+tolerance and is timed (`tsdev check`); a kernel edit's reload reports each changed op's error and its µs before
+and after; under --kernel-check strict a wrong edit is rolled back and the served output is the old one.
+
+Run on the H200: python3 -m pytest -q -m gpu tests/test_kernel_checks_gpu.py
+"""
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from runtime.control_protocol import KERNEL_CHECK_ROUTE, KernelCheckReply
+from serve_process import copy_project, serve
+from test_reload_forward import complete, edited, new_id, reload
+from tsdev.cli import app
+
+pytestmark = pytest.mark.gpu
+ACTIVATION = "kernels/ops/activation.py"
+HELPER = "    return act * up\n"
+
+
+def checked(url: str, *ops: str) -> KernelCheckReply:
+    reply = httpx.post(url + KERNEL_CHECK_ROUTE, json={"ops": list(ops) or None}, timeout=600)
+    assert reply.status_code == 200, reply.text
+    return KernelCheckReply.model_validate_json(reply.content)
+
+
+def test_every_op_passes_at_the_served_shapes_and_a_reload_reports_error_and_time_before_and_after(tmp_path):
+    project = copy_project(tmp_path / "project")
+    args = ["--device", "cuda", "--allow-reload-forward", "--kernel-check", "strict"]
+    with serve(args, tmp_path / "serve.log", cwd=project, timeout=300) as url:
+        every = checked(url)
+        failed = [c for c in every.checks if not c.ok]
+        assert not failed, failed
+        assert {c.op for c in every.checks} == set(every.ops) - {"fused_moe"}  # a dense model: no MoE shapes
+        assert all(c.us_after and c.us_after > 0 for c in every.checks)  # idle: all timed
+        assert CliRunner().invoke(app, ["check", "rms_norm", "--url", url]).exit_code == 0
+
+        before = complete(url)["text"]
+        with edited(project, ACTIVATION, HELPER, "    return up * act\n"):  # the same product
+            worker = reload(url, new_id()).workers[0]
+            assert worker.ok, worker.error
+            ops = {c.op for c in worker.kernel_checks}
+            assert {"silu_and_mul", "gemv", "gemv_norm_gate_up"} <= ops and "rms_norm" not in ops
+            assert all(c.ok and c.us_before and c.us_after and c.before_fresh for c in worker.kernel_checks)
+            print("\n".join(f"{c.op} {c.shape}: err {c.max_abs:.1e}, {c.us_before:.1f} -> {c.us_after:.1f} us, "
+                            f"check step {worker.timings['kernel_check'] * 1e3:.1f} ms" for c in worker.kernel_checks))
+        assert reload(url, new_id()).ok
+        with edited(project, ACTIVATION, HELPER, "    return act * up * 1.05\n"):  # wrong: strict rolls it back
+            worker = reload(url, new_id()).workers[0]
+            assert not worker.ok and "kernel check failed: silu_and_mul" in worker.error
+            assert complete(url)["text"] == before
+        assert reload(url, new_id()).ok and complete(url)["text"] == before
+
+
+def test_the_fused_moe_passes_at_the_default_moe_models_shapes(tmp_path):
+    with serve(["default-moe", "--device", "cuda", "--allow-reload-forward"], tmp_path / "serve.log",
+               timeout=300) as url:
+        reply = checked(url, "fused_moe")
+        assert reply.ok and reply.checks and all(c.us_after for c in reply.checks), reply
