@@ -60,8 +60,7 @@ def checks_summary(results: Iterable[KernelCheckResult]) -> list[str]:
     for op, found in by_op.items():
         failed = [c for c in found if not c.ok]
         errors = [c.max_abs for c in found if c.max_abs is not None]
-        text = f"{op}: " + (f"err {max(errors):.0e} " if errors else "") + ("ok" if not failed else
-                                                                             f"FAILED at {len(failed)} shape(s)")
+        text = f"{op}: " + (f"err {max(errors):.0e} " if errors else "") + ("ok" if not failed else "FAILED")
         timed = [c for c in found if c.us_before and c.us_after]
         if timed:
             before = statistics.median(c.us_before for c in timed)
@@ -70,7 +69,7 @@ def checks_summary(results: Iterable[KernelCheckResult]) -> list[str]:
             text += f" · {before:.1f}{stale} → {after:.1f} µs ({(after / before - 1) * 100:+.0f}%)"
         elif timed_after := [c.us_after for c in found if c.us_after]:
             text += f" · {statistics.median(timed_after):.1f} µs"
-        texts.append(f"{text} at {len(found)} shape(s)")
+        texts.append(f"{text} at {f'{len(failed)} of ' if failed else ''}{len(found)} shape(s)")
     return texts
 
 
