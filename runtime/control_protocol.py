@@ -172,7 +172,7 @@ class ReloadReply(_Message):
 
 class KernelCheckRequest(_Message):
     """Check these ops (all declared ones when None) against their references at the serving shapes, now."""
-    ops: list[Text] | None = None
+    ops: list[Text] | None = Field(None, min_length=1)  # an empty list would check nothing: refused
 
 
 class KernelCheckReply(_Message):

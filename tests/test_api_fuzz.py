@@ -70,6 +70,9 @@ def app(tiny_model_dir, tmp_path_factory):
         mp.syspath_prepend(str(root))
         importlib.invalidate_caches()
         importlib.import_module("fuzzpkg.step")
+        # POST /v1/rl/engine/kernel_check answers 400 here (the kernels need CUDA or the interpreter): the fuzz
+        # covers its contract; running the checks, minutes of interpreted kernels per call, is test_kernel_checks'
+        mp.delenv("TRITON_INTERPRET", raising=False)
         engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", max_model_len=64, kv_pages=64))
         security = SecurityPolicy(profile_dir=tmp_path_factory.mktemp("profiles"))  # /start_profile writes there
         app = OneLifespan(build_app(engine, "tiny", reloader=Reloader(["fuzzpkg"]), security=security))
