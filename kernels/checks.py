@@ -203,11 +203,15 @@ def _tensors(out) -> list[torch.Tensor]:
 
 
 def _digest(check: KernelCheck) -> str:
-    module = sys.modules.get(check.module)
-    digest, seen = hashlib.sha256(), set()
-    for name in check.kernels:
-        _hash_function(getattr(module, name, None), digest, seen)
+    digest = hashlib.sha256()
+    for fn in _reached(check):
+        digest.update(b"-" if fn is None else repr(_code_key(fn.__code__)).encode())
     return digest.hexdigest()
+
+
+def modules_reached(check: KernelCheck) -> set[str]:
+    """The modules that define the check's kernels or a helper they reach: an edit elsewhere cannot change it."""
+    return {fn.__module__ for fn in _reached(check) if fn is not None}
 
 
 def _python_function(obj) -> types.FunctionType | None:
@@ -223,21 +227,32 @@ def _is_kernel_code(obj) -> bool:
     return not isinstance(obj, types.FunctionType) and _python_function(obj) is not None
 
 
-def _hash_function(obj, digest, seen: set[int]) -> None:
-    fn = _python_function(obj)
-    if fn is None or id(fn) in seen:
-        digest.update(b"-")
-        return
-    seen.add(id(fn))
-    digest.update(repr(_code_key(fn.__code__)).encode())
-    for name in fn.__code__.co_names:  # the helpers it calls, by name or as module attributes
-        value = fn.__globals__.get(name)
-        if _is_kernel_code(value):
-            _hash_function(value, digest, seen)
-        elif isinstance(value, types.ModuleType):
-            for attr in fn.__code__.co_names:
-                if _is_kernel_code(inner := vars(value).get(attr)):
-                    _hash_function(inner, digest, seen)
+def _reached(check: KernelCheck) -> list[types.FunctionType | None]:
+    """The Python functions of the check's kernels and of every `@jit` helper they call, by name or as a module's
+    attribute, depth first (None for a kernel name the module lacks)."""
+    module, found, seen = sys.modules.get(check.module), [], set()
+
+    def visit(obj) -> None:
+        fn = _python_function(obj)
+        if fn is None:
+            found.append(None)
+            return
+        if id(fn) in seen:
+            return
+        seen.add(id(fn))
+        found.append(fn)
+        for name in fn.__code__.co_names:
+            value = fn.__globals__.get(name)
+            if _is_kernel_code(value):
+                visit(value)
+            elif isinstance(value, types.ModuleType):
+                for attr in fn.__code__.co_names:
+                    if _is_kernel_code(inner := vars(value).get(attr)):
+                        visit(inner)
+
+    for name in check.kernels:
+        visit(getattr(module, name, None))
+    return found
 
 
 def _code_key(code: types.CodeType) -> tuple:

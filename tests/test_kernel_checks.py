@@ -81,6 +81,10 @@ def test_an_edit_of_an_inlined_helper_changes_the_fingerprint_of_the_ops_whose_k
     finally:
         helper.__code__ = original
     assert checks.changed(before, declared) == [] and kernel is activation._silu_and_mul_kernel
+    reached = {c.op: checks.modules_reached(c) for c in declared}  # what the old code's timing before an edit takes
+    assert reached["silu_and_mul"] == {"kernels.ops.activation", "kernels.ops"}  # wait_for_previous is in kernels.ops
+    assert {"kernels.ops.linear", "kernels.ops.activation", "kernels.ops.norm"} <= reached["gemv_norm_gate_up"]
+    assert "kernels.ops.activation" not in reached["rms_norm"]
 
 
 def test_serving_shapes_take_the_ends_and_middle_of_the_decode_graphs_and_every_prefill_bucket():

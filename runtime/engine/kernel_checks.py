@@ -7,7 +7,7 @@ runs the checks on the CPU, says nothing of a kernel's speed.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from kernels import checks
 from runtime.config import KERNEL_CHECK_MODES
@@ -39,12 +39,14 @@ class KernelChecker:
     def fingerprints(self) -> dict[str, str]:
         return checks.fingerprints(checks.declared()) if self.on else {}
 
-    def time_old(self, serving: checks.Serving, idle: bool) -> None:
-        """Time every op whose current code has no time yet (before an edit replaces it), if the engine is idle."""
+    def time_old(self, serving: checks.Serving, idle: bool, modules: Iterable[str]) -> None:
+        """Time each op the edited `modules` may change (they define its kernels or a helper these call) whose
+        current code has no time yet, before the edit replaces it, if the engine is idle."""
         self.timed_now = set()
         if not (self.on and idle and serving.device.startswith("cuda")):
             return
-        declared = checks.declared()
+        edited = set(modules)
+        declared = [c for c in checks.declared() if checks.modules_reached(c) & edited]
         now = checks.fingerprints(declared)
         for check in declared:
             for shape in check.shapes(serving):

@@ -197,7 +197,7 @@ class ReloadForward:
                     warnings.append(f"compiling ahead failed, kernels compile during the warm step: {describe_error(exc)}")
         checker, serving, kernel_checks = self.checker, serving_of(engine), []
         if checker.on:  # the old code's times, while it still serves (if nothing runs on the GPU now)
-            await ae.run_on_engine_thread(lambda: checker.time_old(serving, idle=self._idle()))
+            await ae.run_on_engine_thread(lambda: checker.time_old(serving, self._idle(), plan.reloaded))
         before_edit = checker.fingerprints()
         ae.hold(True)
         pause_start = time.perf_counter()
