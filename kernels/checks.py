@@ -50,6 +50,7 @@ class Serving:
     page_size: int = 16  # tokens per KV page
     max_context: int = 1024  # the longest sequence a check draws (the served context length, at most 1024)
     max_running: int = 256  # the largest decode batch (the rows above are prefill steps)
+    vocab: int = 151936  # the logits' columns (sampling's ops)
     experts: int = 0  # a mixture of experts' (0: a dense model), its experts per token and their width per rank
     top_k: int = 0
     moe_intermediate: int = 0

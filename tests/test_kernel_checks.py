@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kernels import checks
-from kernels.ops import activation, attention, linear, moe, norm, rope  # noqa: F401  (their CHECKS are declared)
+from kernels.ops import activation, attention, linear, moe, norm, rope, sampling  # noqa: F401  (their CHECKS)
 from runtime.control_protocol import KernelCheckResult, ReloadReply, WorkerReport
 from runtime.engine.kernel_checks import serving_tokens
 from serve_process import copy_project, serve
@@ -53,6 +53,17 @@ def test_the_fused_moe_is_checked_at_the_served_width_and_top_k_and_a_routing_sl
     assert all(checks.run(fused, shape, torch.float32, "cpu").ok for shape in fused.shapes(serving))  # GEMV, GEMMs
     slip = replace(fused, kernel=lambda x, w13, w2, w, ids: moe.fused_moe_triton(x, w13, w2, w.flip(-1), ids))
     assert not checks.run(slip, (6, 64, 32, 16, 2), torch.float32, "cpu").ok
+
+
+def test_the_logits_ops_are_checked_over_the_vocab_and_a_halved_penalty_fails():
+    logprobs, penalties = (next(c for c in checks.declared() if c.op == op) for op in ("token_logprobs",
+                                                                                      "apply_penalties"))
+    assert checks.run(logprobs, (3, 1024), torch.bfloat16, "cpu").ok  # float32 logits whatever the model's dtype
+    assert checks.run(penalties, (5, 1024), torch.float32, "cpu").ok
+    halved = replace(penalties, kernel=sampling._on_a_copy(
+        lambda logits, slots, counts, params, *bias: sampling.apply_penalties_triton(logits, slots, counts,
+                                                                                      params * 0.5, *bias)))
+    assert not checks.run(halved, (5, 1024), torch.float32, "cpu").ok
 
 
 def test_a_wrong_kernel_is_reported_with_its_error_and_nan_never_passes():
@@ -168,7 +179,7 @@ def test_tsdev_check_runs_every_declared_op_or_the_named_ones_and_names_the_ops_
     assert every.exit_code == 0, every.output
     assert {line.split(":")[0] for line in every.output.splitlines()[:-1]} == {
         "silu_and_mul", "paged_decode", "paged_prefill", "gemv", "gemv_norm_gate_up", "skinny_linear", "rms_norm",
-        "fused_add_rms_norm", "rope", "qk_norm_rope"}  # fused_moe: no shapes on a dense model
+        "fused_add_rms_norm", "rope", "qk_norm_rope", "token_logprobs", "apply_penalties"}  # no fused_moe: dense
     assert "all ok" in every.output
     table = CliRunner().invoke(app, ["check", "rms_norm", "--shapes", "--url", url])
     assert table.exit_code == 0 and table.output.count("rms_norm ") >= 3 and "fused_add" not in table.output

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.checks import KernelCheck, Tolerance
 from kernels.ops import sm_count, use_triton
 
 _M1, _M2 = 0x21F0AAAD, 0xD35A2D97  # "lowbias32"-style 32-bit integer hash (C. Wellons' hash-prospector)
@@ -465,3 +466,63 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int
     if use_triton(logits, "sampling"):
         return token_logprobs_triton(logits, tokens, top_n)
     return token_logprobs_ref(logits, tokens, top_n)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checks on reload (kernels/checks.py): the float32 logits ops at the decode batches served, over the whole vocab
+
+def _logits_tolerance(atol: float, rtol: float, why: str) -> dict:
+    """The logits are float32 whatever the model's dtype."""
+    return dict.fromkeys((torch.bfloat16, torch.float16, torch.float32), Tolerance(atol, rtol, why))
+
+
+def _logits(shape, generator, device) -> torch.Tensor:
+    return torch.randn(shape, generator=generator, device=device) * 4
+
+
+def _logprobs_inputs(shape, dtype, device, generator):
+    rows, vocab = shape
+    tokens = torch.randint(0, vocab, (rows,), generator=generator, device=device)
+    return _logits(shape, generator, device), tokens, 5
+
+
+def _penalties_inputs(shape, dtype, device, generator):
+    """A slot per row but the last (-1: left alone), histories with prompt and generated tokens, up to 16 bias
+    entries on distinct tokens."""
+    rows, vocab = shape
+    randint = lambda high, size: torch.randint(0, high, size, generator=generator, device=device)  # noqa: E731
+    slots = torch.arange(rows, device=device)
+    slots[-1] = -1
+    counts = randint(3, (rows, vocab)).to(torch.int32) * (randint(8, (rows, vocab)) == 0)  # a few tokens seen
+    counts |= (randint(16, (rows, vocab)) == 0).to(torch.int32) * PROMPT_BIT  # and the prompt's
+    params = torch.rand(rows, 3, generator=generator, device=device)  # presence, frequency in [0, 1)
+    params[:, 2] += 1.0  # repetition >= 1
+    bias_ids = torch.stack([torch.randperm(vocab, generator=generator, device=device)[:16]  # distinct, as a
+                            for _ in range(rows)]).to(torch.int32)  # request's logit_bias (a dict) holds them
+    bias_values = torch.randn(rows, 16, generator=generator, device=device)
+    bias_count = randint(17, (rows,)).to(torch.int32)
+    return _logits(shape, generator, device), slots, counts, params, bias_ids, bias_values, bias_count
+
+
+def _on_a_copy(apply):
+    def run(logits, *tables):
+        out = logits.clone()
+        apply(out, *tables)
+        return out
+    return run
+
+
+def _decode_rows(serving):
+    return [(t, serving.vocab) for t in serving.tokens if t <= serving.max_running]
+
+
+CHECKS = [
+    KernelCheck(op="token_logprobs", kernels=("_logprobs_kernel",), shapes=_decode_rows, inputs=_logprobs_inputs,
+                kernel=token_logprobs_triton, reference=token_logprobs_ref,
+                tolerance=_logits_tolerance(1e-4, 1e-5, "float32 log-sum-exp over the vocab in chunks, merged: "
+                                            "the sums' order; the top ids exact (no ties in random logits)")),
+    KernelCheck(op="apply_penalties", kernels=("_bias_kernel", "_penalties_kernel"), shapes=_decode_rows,
+                inputs=_penalties_inputs, kernel=_on_a_copy(apply_penalties_triton),
+                reference=_on_a_copy(apply_penalties_ref),
+                tolerance=_logits_tolerance(1e-5, 1e-6, "float32, the same operations in the same order")),
+]

@@ -134,7 +134,8 @@ def serving_of(engine) -> checks.Serving:
                           q_heads=max(config.num_attention_heads // world, 1),
                           kv_heads=max(config.num_key_value_heads // world, 1), head_dim=config.head_dim,
                           page_size=info.page_size or 16, max_context=min(engine.max_model_len, 1024),
-                          max_running=engine.config.max_running, experts=raw.get("num_experts") or 0,
+                          max_running=engine.config.max_running, vocab=config.vocab_size,
+                          experts=raw.get("num_experts") or 0,
                           top_k=raw.get("num_experts_per_tok") or 0,
                           moe_intermediate=(raw.get("moe_intermediate_size") or 0) // world,
                           dtype=engine.runner.dtype, eps=config.rms_norm_eps, device=str(engine.runner.device))
