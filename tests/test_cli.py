@@ -231,3 +231,11 @@ def test_a_slow_start_shows_what_it_is_doing_instead_of_waiting_silently(monkeyp
 def test_compile_workers_without_reloads_are_refused():
     result = CliRunner().invoke(app, ["serve", "--device", "cpu", "--port", "0", "--compile-workers", "2"])
     assert result.exit_code == 2 and "--allow-reload-forward" in result.output
+
+
+def test_a_kernel_check_mode_without_reloads_or_unknown_is_refused():
+    result = CliRunner().invoke(app, ["serve", "--device", "cpu", "--port", "0", "--kernel-check", "strict"])
+    assert result.exit_code == 2 and "--allow-reload-forward" in result.output
+    result = CliRunner().invoke(app, ["serve", "--device", "cpu", "--port", "0", "--allow-reload-forward",
+                                      "--kernel-check", "loud"])
+    assert result.exit_code == 2 and "report, strict, off" in result.output

@@ -196,12 +196,12 @@ def serve(
         help="Enable POST /v1/rl/engine/reload_forward, which re-executes edited model/kernel code from disk "
              "in this process. For development only (`tsdev watch` turns it on); without it the route answers 403. "
              "With a --host other than loopback it needs --api-key.")] = False,
-    kernel_check: Annotated[str, typer.Option(
+    kernel_check: Annotated[Optional[str], typer.Option(
         metavar="report|strict|off",
         help="With --allow-reload-forward: a reload that changes a Triton kernel (or an @jit helper it calls) checks "
              "each changed op against its torch reference at the serving shapes, on fresh random inputs, and times "
              "it before and after (the reply's kernel_checks, the reload line). report: say so; strict: a check that "
-             "fails rolls the reload back; off: no checks.")] = EngineConfig.kernel_check,
+             "fails rolls the reload back; off: no checks. Default: report.")] = None,
     compile_workers: Annotated[Optional[int], typer.Option(
         min=0, metavar="N", show_default=False,
         help="With --allow-reload-forward on a GPU: N processes that compile an edit's Triton kernels side by side "
@@ -285,13 +285,16 @@ def serve(
         gpu_memory_utilization=gpu_memory_utilization, seed=seed, enable_prefix_caching=not no_prefix_caching,
         enforce_eager=enforce_eager, prefill_graph_max_tokens=0 if disable_prefill_graph else prefill_graph_max_tokens,
         load_format=load_format, load_memory_limit=load_memory_bytes, quantization=quantization, world_size=tp,
-        rank_timeout_s=rank_timeout, full_recapture=full_recapture, kernel_check=kernel_check,
+        rank_timeout_s=rank_timeout, full_recapture=full_recapture, kernel_check=kernel_check or EngineConfig.kernel_check,
     )
     if cudagraph_capture_sizes:
         config.cudagraph_capture_sizes = parse_sizes("--cudagraph-capture-sizes", cudagraph_capture_sizes)
     config.prefill_graph_capture_sizes = prefill_capture_sizes(prefill_graph_capture_sizes, allow_reload_forward)
-    if kernel_check not in KERNEL_CHECK_MODES:
+    if kernel_check is not None and kernel_check not in KERNEL_CHECK_MODES:
         raise typer.BadParameter(f"use one of {', '.join(KERNEL_CHECK_MODES)}", param_hint="--kernel-check")
+    if kernel_check is not None and not allow_reload_forward:
+        raise typer.BadParameter("kernel checks run on reloads: add --allow-reload-forward (tsdev watch does)",
+                                 param_hint="--kernel-check")
     if compile_workers and not allow_reload_forward:
         raise typer.BadParameter("compile workers serve reloads: add --allow-reload-forward (tsdev watch does)",
                                  param_hint="--compile-workers")
