@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 OPS_PACKAGE = "kernels.ops"
-TIMED_CALLS, TIMED_REPEATS = 10, 5  # per shape: the median of 5 runs of 10 calls back to back
+TIMED_CALLS, TIMED_REPEATS = 20, 5  # per shape: the median of 5 runs of 20 calls back to back
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,7 @@ class Result:
     error: str | None = None  # the kernel raised, or its output's shape or dtype differs from the reference's
     us: float | None = None  # median time per call after the edit
     us_before: float | None = None  # before it (the last time measured for this shape, `before_fresh` says when)
+    timed: str | None = None  # how the times were taken (`time_call`): "graph", "eager" or "wall"
     before_fresh: bool = False  # measured in this reload, before the new code ran (else: at an earlier one)
 
 
@@ -171,29 +172,66 @@ def _compare(got: list[torch.Tensor], want: list[torch.Tensor], tol: Tolerance) 
 
 
 def time_call(check: KernelCheck, shape: tuple[int, ...], dtype: torch.dtype, device: str,
-              calls: int = TIMED_CALLS, repeats: int = TIMED_REPEATS) -> float:
-    """Microseconds per call of the kernel at `shape`: `calls` launches back to back between two CUDA events (the
-    wall clock off CUDA), the median of `repeats` such runs -- as benchmarks/kernels_bench.py's eager column times."""
-    generator = torch.Generator(device=device).manual_seed(0)
-    args = check.inputs(tuple(shape), dtype, device, generator)
-    check.kernel(*args)  # loaded and launched once before timing
-    cuda = device.startswith("cuda")
+              calls: int = TIMED_CALLS, repeats: int = TIMED_REPEATS) -> tuple[float, str]:
+    """(microseconds per call of the kernel at `shape`, how they were timed). On CUDA: "graph", the device time of
+    `calls` launches captured in one CUDA graph (what a captured step pays: no host launch cost, unmoved by the
+    server's other threads), over up to INPUT_SETS distinct inputs as serving's layers bring their own, the median
+    of `repeats` replays -- benchmarks/kernels_bench.py's graph column; "eager" where the op cannot be captured
+    (it waits on the host): the same launches one by one between two events, launch cost included. Off CUDA,
+    "wall": the wall clock of eager launches."""
+    inputs = timing_inputs(check, tuple(shape), dtype, device)
+    for args in inputs:
+        check.kernel(*args)  # loaded and launched once before timing
+    launches = [inputs[i % len(inputs)] for i in range(calls)]
+    if not device.startswith("cuda"):
+        return statistics.median(_wall_us(check, launches) for _ in range(repeats)), "wall"
+    graph = _captured(check, launches)
     runs = []
     for _ in range(repeats):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(calls):
-                check.kernel(*args)
-            end.record()
-            end.synchronize()
-            runs.append(start.elapsed_time(end) * 1e3 / calls)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        if graph is not None:
+            graph.replay()
         else:
-            begin = time.perf_counter()
-            for _ in range(calls):
+            for args in launches:
                 check.kernel(*args)
-            runs.append((time.perf_counter() - begin) * 1e6 / calls)
-    return statistics.median(runs)
+        end.record()
+        end.synchronize()
+        runs.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(runs), "eager" if graph is None else "graph"
+
+
+INPUT_SETS, INPUT_BYTES = 4, 256 << 20  # distinct inputs a timing cycles through, within this many bytes
+
+
+def timing_inputs(check: KernelCheck, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> list[tuple]:
+    generator = torch.Generator(device=device).manual_seed(0)
+    inputs = [check.inputs(shape, dtype, device, generator)]
+    size = sum(a.numel() * a.element_size() for a in inputs[0] if isinstance(a, torch.Tensor))
+    while len(inputs) < INPUT_SETS and size * (len(inputs) + 1) <= INPUT_BYTES:
+        inputs.append(check.inputs(shape, dtype, device, generator))
+    return inputs
+
+
+def _captured(check: KernelCheck, launches: list[tuple]) -> torch.cuda.CUDAGraph | None:
+    """The launches in one CUDA graph, replayed once; None when the op cannot be captured."""
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            for args in launches:
+                check.kernel(*args)
+        graph.replay()
+    except Exception:  # a host sync inside the op: it is timed eagerly, and says so
+        torch.cuda.synchronize()
+        return None
+    return graph
+
+
+def _wall_us(check: KernelCheck, launches: list[tuple]) -> float:
+    begin = time.perf_counter()
+    for args in launches:
+        check.kernel(*args)
+    return (time.perf_counter() - begin) * 1e6 / len(launches)
 
 
 def _tensors(out) -> list[torch.Tensor]:

@@ -125,6 +125,8 @@ class KernelCheckResult(_Message):
     us_before: float | None = None  # median µs per call of the old code (None: not measured)
     us_after: float | None = None  # of the new code (None: not measured: requests were running)
     before_fresh: bool = False  # us_before was measured just before this reload (else at an earlier one)
+    timed: str | None = None  # "graph": device time in a CUDA graph; "eager": launched one by one, launch cost
+    #                           included (the op cannot be captured); "wall": the wall clock (off CUDA)
 
 
 class WorkerReport(_Message):

@@ -33,6 +33,7 @@ def test_every_op_passes_at_the_served_shapes_and_a_reload_reports_error_and_tim
         assert not failed, failed
         assert {c.op for c in every.checks} == set(every.ops) - {"fused_moe"}  # a dense model: no MoE shapes
         assert all(c.us_after and c.us_after > 0 for c in every.checks)  # idle: all timed
+        assert all(c.timed == "graph" for c in every.checks), [(c.op, c.timed) for c in every.checks]  # device time
         assert CliRunner().invoke(app, ["check", "rms_norm", "--url", url]).exit_code == 0
 
         before = complete(url)["text"]

@@ -66,22 +66,27 @@ def checks_summary(results: Iterable[KernelCheckResult]) -> list[str]:
             before = statistics.median(c.us_before for c in timed)
             after = statistics.median(c.us_after for c in timed)
             stale = "" if all(c.before_fresh for c in timed) else "*"
-            text += f" · {before:.1f}{stale} → {after:.1f} µs ({(after / before - 1) * 100:+.0f}%)"
-        elif timed_after := [c.us_after for c in found if c.us_after]:
-            text += f" · {statistics.median(timed_after):.1f} µs"
+            text += f" · {before:.1f}{stale} → {after:.1f} µs{_eager(timed)} ({(after / before - 1) * 100:+.0f}%)"
+        elif timed_after := [c for c in found if c.us_after]:
+            text += f" · {statistics.median(c.us_after for c in timed_after):.1f} µs{_eager(timed_after)}"
         texts.append(f"{text} at {f'{len(failed)} of ' if failed else ''}{len(found)} shape(s)")
     return texts
+
+
+def _eager(checks: list[KernelCheckResult]) -> str:
+    """Marks times that include the host's launch cost (an op no CUDA graph can hold)."""
+    return " eager" if any(c.timed == "eager" for c in checks) else ""
 
 
 def checks_table(results: Iterable[KernelCheckResult]) -> list[str]:
     """One line per op and shape: what `tsdev check --shapes` prints."""
     lines = [f"{'op':<22} {'shape':>14} {'dtype':<9} {'max abs':>9} {'max rel':>9} {'tolerance':>17} "
-             f"{'µs before':>9} {'µs after':>9}  outcome"]
+             f"{'µs before':>9} {'µs after':>9} {'timed':<5}  outcome"]
     for c in results:
         shape, tolerance = "x".join(map(str, c.shape)), f"{c.atol:g} + {c.rtol:g}·|ref|"
         number = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
         lines.append(f"{c.op:<22} {shape:>14} {c.dtype:<9} {number(c.max_abs, '9.2e')} {number(c.max_rel, '9.2e')} "
-                     f"{tolerance:>17} {number(c.us_before, '9.1f')} {number(c.us_after, '9.1f')}  "
+                     f"{tolerance:>17} {number(c.us_before, '9.1f')} {number(c.us_after, '9.1f')} {c.timed or '-':<5}  "
                      f"{'ok' if c.ok else 'FAILED' + (f': {c.error}' if c.error else '')}")
     return lines
 

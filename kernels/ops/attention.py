@@ -493,7 +493,8 @@ def _paged_batch(q_lens: list[int], cached: list[int], heads: tuple[int, int, in
                        + torch.arange(c, n, device=device) % page_size for i, (c, n) in enumerate(zip(cached, seq_lens))])
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-    return q, k_cache, v_cache, cu, lens, table, k, v, slots
+    order = torch.tensor(longest_first(seq_lens), dtype=torch.int64, device=device)  # as the runner's metadata
+    return q, k_cache, v_cache, cu, lens, table, k, v, slots, order, max(q_lens)
 
 
 def _decode_inputs(shape, dtype, device, generator):
@@ -513,24 +514,22 @@ def _prefill_inputs(shape, dtype, device, generator):
     return _paged_batch(q_lens, cached, (hq, hk, d), page_size, dtype, device, generator)
 
 
-def _attention_ref(q, k_cache, v_cache, cu, lens, table, k, v, slots):
+def _attention_ref(q, k_cache, v_cache, cu, lens, table, k, v, slots, order, max_q_len):
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     store_kvcache_ref(k, v, k_cache, v_cache, slots)
     return paged_attention_ref(q, k_cache, v_cache, cu, lens, table, q.shape[-1] ** -0.5)
 
 
-def _decode_check(q, k_cache, v_cache, cu, lens, table, k, v, slots):
-    """In place, as serving runs it: storing this step's K/V again writes the same values (timed calls repeat it)."""
-    order = torch.tensor(longest_first(lens.tolist()), dtype=torch.int64, device=q.device)
+def _decode_check(q, k_cache, v_cache, cu, lens, table, k, v, slots, order, max_q_len):
+    """In place, as serving runs it: storing this step's K/V again writes the same values (timed calls repeat it);
+    nothing waits on the host (a timing captures it in a CUDA graph)."""
     return paged_decode_triton(q, k_cache, v_cache, cu, lens, table, q.shape[-1] ** -0.5, store=(k, v, slots),
                                order=order)
 
 
-def _prefill_check(q, k_cache, v_cache, cu, lens, table, k, v, slots):
+def _prefill_check(q, k_cache, v_cache, cu, lens, table, k, v, slots, order, max_q_len):
     store_kvcache_triton(k, v, k_cache, v_cache, slots)  # in place, as _decode_check
-    order = torch.tensor(longest_first(lens.tolist()), dtype=torch.int64, device=q.device)
-    return paged_prefill_triton(q, k_cache, v_cache, cu, lens, table, q.shape[-1] ** -0.5,
-                                int((cu[1:] - cu[:-1]).max()), order=order)
+    return paged_prefill_triton(q, k_cache, v_cache, cu, lens, table, q.shape[-1] ** -0.5, max_q_len, order=order)
 
 
 def _attention_shapes(decode: bool):

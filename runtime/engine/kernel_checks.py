@@ -29,7 +29,7 @@ class KernelChecker:
         if mode not in KERNEL_CHECK_MODES:
             raise ValueError(f"kernel check mode {mode!r}: expected one of {', '.join(KERNEL_CHECK_MODES)}")
         self.mode = mode
-        self.times: dict[tuple, tuple[str, float]] = {}  # (op, shape, dtype) -> (the code's fingerprint, µs)
+        self.times: dict[tuple, tuple[str, float, str]] = {}  # (op, shape, dtype) -> (its code's fingerprint, µs, how)
         self.timed_now: set[tuple] = set()  # the keys time_old measured for the reload under way
 
     @property
@@ -52,7 +52,7 @@ class KernelChecker:
             for shape in check.shapes(serving):
                 key = (check.op, tuple(shape), serving.dtype)
                 if self.times.get(key, ("",))[0] != now[check.op]:
-                    self.times[key] = (now[check.op], checks.time_call(check, shape, serving.dtype, serving.device))
+                    self.times[key] = (now[check.op], *checks.time_call(check, shape, serving.dtype, serving.device))
                     self.timed_now.add(key)
 
     def check(self, before: Mapping[str, str], serving: checks.Serving) -> list[checks.Result]:
@@ -66,7 +66,7 @@ class KernelChecker:
             key = (result.op, result.shape, serving.dtype)
             old = self.times.get(key)
             if old is not None and old[0] == before.get(result.op):  # the old code's time
-                result.us_before, result.before_fresh = old[1], key in self.timed_now
+                result.us_before, result.timed, result.before_fresh = old[1], old[2], key in self.timed_now
         return results
 
     def check_now(self, ops: list[str] | None, serving: checks.Serving, idle: bool) -> list[checks.Result]:
@@ -85,7 +85,8 @@ class KernelChecker:
             by_op = {c.op: c for c in declared}
             for result in results:
                 if not result.error:
-                    result.us = checks.time_call(by_op[result.op], result.shape, serving.dtype, serving.device)
+                    result.us, result.timed = checks.time_call(by_op[result.op], result.shape, serving.dtype,
+                                                               serving.device)
         return results
 
     def time_new(self, results: list[checks.Result], serving: checks.Serving, idle: bool) -> None:
@@ -99,14 +100,18 @@ class KernelChecker:
             check = declared.get(result.op)
             if check is None or result.error:
                 continue
-            result.us = checks.time_call(check, result.shape, serving.dtype, serving.device)
-            self.times[(result.op, result.shape, serving.dtype)] = (now[result.op], result.us)
+            result.us, timed = checks.time_call(check, result.shape, serving.dtype, serving.device)
+            if result.timed not in (None, timed):  # the old code's time is not comparable
+                result.us_before = None
+            result.timed = timed
+            self.times[(result.op, result.shape, serving.dtype)] = (now[result.op], result.us, timed)
 
 
 def reported(results: list[checks.Result]) -> list[KernelCheckResult]:
     return [KernelCheckResult(op=r.op, shape=list(r.shape), dtype=r.dtype, max_abs=_finite(r.max_abs),
                               max_rel=_finite(r.max_rel), atol=r.atol, rtol=r.rtol, ok=r.ok, seed=r.seed,
-                              error=r.error, us_before=r.us_before, us_after=r.us, before_fresh=r.before_fresh)
+                              error=r.error, us_before=r.us_before, us_after=r.us, before_fresh=r.before_fresh,
+                              timed=r.timed)
             for r in results]
 
 
