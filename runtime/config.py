@@ -102,7 +102,8 @@ class EngineConfig:
     cudagraph_capture_sizes: list[int] = field(default_factory=lambda: list(DEFAULT_CAPTURE_SIZES))
     enforce_eager: bool = False  # no CUDA graphs
     async_scheduling: bool = True  # prepare step N+1 while the GPU computes step N
-    full_recapture: bool = False  # a reload recaptures every graph before serving resumes (else the used ones)
+    full_recapture: bool = False  # a reload captures every graph again before serving resumes (else it patches
+    #                               them after a kernel-body edit, or captures the used ones)
     prefill_graph_max_tokens: int = 2048  # largest prefill graph bucket (clamped to max_batched_tokens); 0: off
     prefill_graph_capture_sizes: list[int] | None = None  # explicit buckets instead of the ladder
     # Capture only these before serving, the other sizes and buckets between steps after (a restart by tsdev watch:

@@ -100,6 +100,7 @@ class ReloadRequest(_Message):
     mode: Literal["wait", "abort"] = "wait"  # wait: running requests finish first; abort: they are aborted
     modules: list[Text] | None = None  # force these modules (and their dependents) to re-execute
     timeout_s: float | None = Field(None, gt=0)  # bounds drain + reload; nothing changes when it runs out
+    recapture: bool = False  # capture the graphs again even where a kernel-body edit could patch them
 
 
 class StaleDefinition(_Message):
@@ -142,6 +143,8 @@ class WorkerReport(_Message):
     rebuilt: list[str] = []  # model modules rebuilt (their class's __init__ or post-load hook changed)
     jit_kernels: int = 0  # Triton kernels compiled ahead (or reset to compile on their next launch)
     kernels_only: bool = False  # only Triton kernel bodies changed (binaries loaded): the warm step ran nothing
+    graph_nodes_patched: int = 0  # with kernels_only: the recapture step pointed this many captured kernel nodes at
+    #                               the new binaries instead of capturing the graphs again
     kernel_checks: list[KernelCheckResult] = []  # the changed ops against their references, per serving shape
     warnings: list[str] = []
     timings: dict[TimingName, float] = {}  # seconds, in step order

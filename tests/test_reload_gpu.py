@@ -1,4 +1,4 @@
-"""reload_forward on the GPU: an edited Triton kernel runs in the recaptured graphs; nothing recompiles after; a layer's
+"""reload_forward on the GPU: an edited Triton kernel runs in the patched graphs; nothing recompiles after; a layer's
 __init__ edit rebuilds the default model in place of a restart."""
 import asyncio
 import sys
@@ -83,7 +83,7 @@ def replay_and_eager(engine: LLMEngine, lengths: list[int]):
 
 
 @pytest.mark.parametrize("full_recapture", [False, True], ids=["deferred", "full"])
-def test_edited_kernel_runs_in_recaptured_graphs_and_nothing_recompiles(tiny_model_dir, full_recapture):
+def test_edited_kernel_runs_in_the_captured_graphs_and_nothing_recompiles(tiny_model_dir, full_recapture):
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cuda", kv_pages=256,
                                     cudagraph_capture_sizes=[1, 2, 4], full_recapture=full_recapture))
     edit = EditedSources(Reloader(["kernels.ops", "runtime.layers", "runtime.models", "runtime.sampling"]),
@@ -101,6 +101,10 @@ def test_edited_kernel_runs_in_recaptured_graphs_and_nothing_recompiles(tiny_mod
         assert reply.workers[0].jit_kernels >= 1  # the edited kernel was compiled ahead, before the drain
         assert reply.workers[0].warnings == []
         assert reply.workers[0].kernels_only  # a kernel body edit: binaries loaded in the reload, no warm-up run
+        # ... and no capture (unless full_recapture): the captured graphs' nodes of the edited kernel now launch its
+        # new binary
+        patched = reply.workers[0].graph_nodes_patched
+        assert (patched == 0) == full_recapture and ("recapture_decode" in reply.workers[0].timings) == full_recapture
         compiled = compiled_kernels()
         after = await greedy(ae, "b")  # decode steps replay the recaptured batch-1 graph
         await ae.run_on_engine_thread(engine.warmup)  # every kernel of every shape the startup warm-up runs
@@ -111,11 +115,12 @@ def test_edited_kernel_runs_in_recaptured_graphs_and_nothing_recompiles(tiny_mod
             await asyncio.sleep(0.01)
         assert engine.graphs_pending == 0
         new_graph, new_eager = await ae.run_on_engine_thread(lambda: replay_and_eager(engine, [5, 9, 14]))
-        # the size-4 graph (captured after serving resumed, unless full_recapture) runs the edited kernel
+        # the size-4 graph (patched; captured after serving resumed with full_recapture) runs the edited kernel
         gap = (new_graph - new_eager).abs().max()
         assert gap <= 0.02 * new_eager.abs().max() and (new_graph - old_graph).abs().max() > 10 * gap
         edit.active = False
-        assert (await reload(ReloadRequest(id="r2"))).ok
+        reverted = await reload(ReloadRequest(id="r2"))
+        assert reverted.ok and (reverted.workers[0].graph_nodes_patched == 0) == full_recapture
         restored = await greedy(ae, "c")
         await ae.stop()
         return before, after, restored

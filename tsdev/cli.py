@@ -188,9 +188,11 @@ def serve(
     prefill_graph_capture_first: Annotated[Optional[str], typer.Option(
         metavar="SIZES", help="The same for the prefill token buckets.")] = None,
     full_recapture: Annotated[bool, typer.Option(
-        "--full-recapture", help="A reload recaptures every CUDA graph before serving resumes. Default: only the "
-             "batch sizes and prefill buckets used since the last capture; the others are captured one at a time "
-             "between steps right after, and run eagerly until then (a shorter pause).")] = EngineConfig.full_recapture,
+        "--full-recapture", help="A reload captures every CUDA graph again before serving resumes. Default: a "
+             "reload that changed only Triton kernel bodies points the captured graphs' kernel nodes at the new "
+             "binaries (milliseconds, every graph); any other captures only the batch sizes and prefill buckets used "
+             "since the last capture, the others one at a time between steps right after, eager until then (a "
+             "shorter pause).")] = EngineConfig.full_recapture,
     allow_reload_forward: Annotated[bool, typer.Option(
         "--allow-reload-forward",
         help="Enable POST /v1/rl/engine/reload_forward, which re-executes edited model/kernel code from disk "
@@ -326,6 +328,9 @@ def reload(
     timeout_s: Annotated[Optional[float], typer.Option(help="Give up (changing nothing) if drain + reload take longer.")] = None,
     files: Annotated[Optional[list[str]], typer.Option("--file", "-f", metavar="PATH", help="Force the modules these files hold (for editor save hooks); "
                                                        "files outside the reloadable packages' projects are ignored. Repeatable.")] = None,
+    recapture: Annotated[bool, typer.Option(help="Capture the CUDA graphs again even when only Triton kernel bodies "
+                                                 "changed (the server then points the captured graphs at the new "
+                                                 "binaries instead).")] = False,
     api_key: Annotated[Optional[str], api_key_option()] = None,
 ):
     """Reload the server's forward pass now: edited modules and their dependents re-execute in place.
@@ -366,7 +371,7 @@ def reload(
     progress = outcome.ReloadProgress(console, mode)
     try:
         reply = reload_forward(url, modules, mode, timeout_s, on_event=progress.event, on_tick=progress.tick,
-                               api_key=api_key)
+                               api_key=api_key, recapture=recapture)
     except httpx.TimeoutException:
         console.print(f"[red]error:[/red] no reply from {url} within --timeout-s + 30 s: the reload may still be "
                       "running; its outcome shows in the server's log and in `tsdev watch`")

@@ -35,10 +35,13 @@ def graph_split(timings: Mapping[str, float], step: str = "recapture") -> str:
     return f" ({', '.join(f'{k} {s:.2f}' for k, s in kinds)})" if kinds else ""
 
 
-def steps_text(timings: Mapping[str, float], order: Iterable[str] = SHOWN_STEPS, jit_kernels: int = 0) -> str:
-    """'jit 0.08 drain 0.01 ... recapture 0.46 (decode 0.30, prefill 0.16) pause 0.63 total 0.64 s'."""
-    parts = [f"{name} {timings[name]:.2f}{graph_split(timings, name)}" for name in (*order, "total")
-             if name in timings]
+def steps_text(timings: Mapping[str, float], order: Iterable[str] = SHOWN_STEPS, jit_kernels: int = 0,
+               nodes_patched: int = 0) -> str:
+    """'jit 0.08 drain 0.01 ... recapture 0.46 (decode 0.30, prefill 0.16) pause 0.63 total 0.64 s' (or
+    'recapture 0.00 (412 graph nodes patched)' when the graphs were patched, not captured)."""
+    patched = f" ({nodes_patched} graph nodes patched)" if nodes_patched else ""
+    parts = [f"{name} {timings[name]:.2f}{patched if name == 'recapture' and patched else graph_split(timings, name)}"
+             for name in (*order, "total") if name in timings]
     text = " ".join(parts) + " s" if parts else ""
     slowest = f", slowest {timings['jit_slowest']:.2f} s" if timings.get("jit_slowest") else ""
     return text + (f" ({jit_kernels} kernel(s) compiled{slowest})" if jit_kernels else "")
@@ -126,7 +129,7 @@ def worker_text(worker: WorkerReport) -> str:
     if worker.reloaded:
         lines.append(f"reloaded [bold]{', '.join(worker.reloaded)}[/bold] and {len(worker.dependents)} dependent "
                      f"module(s), {worker.patched} object(s) patched in {t.get('reload', 0):.2f} s;\n"
-                     f"{warm_text(worker)}; recaptured in {t.get('recapture', 0):.2f} s{graph_split(t)}; "
+                     f"{warm_text(worker)}; {recapture_text(worker)}; "
                      f"JIT-compiled {worker.jit_kernels} kernel(s) in {t.get('jit', 0):.2f} s{slowest(t)}; "
                      f"serving paused {t.get('pause', 0):.2f} s")
     elif not worker.needs_restart:
@@ -139,6 +142,13 @@ def worker_text(worker: WorkerReport) -> str:
 def slowest(timings: dict[str, float]) -> str:
     """The slowest single compile, when the compile-ahead reports it (side by side, it bounds the JIT step)."""
     return f" (slowest {timings['jit_slowest']:.2f} s)" if timings.get("jit_slowest") else ""
+
+
+def recapture_text(worker: WorkerReport) -> str:
+    seconds = worker.timings.get("recapture", 0)
+    if worker.graph_nodes_patched:
+        return f"graphs patched in {seconds:.3f} s ({worker.graph_nodes_patched} kernel nodes pointed at the new binaries)"
+    return f"recaptured in {seconds:.2f} s{graph_split(worker.timings)}"
 
 
 def warm_text(worker: WorkerReport) -> str:

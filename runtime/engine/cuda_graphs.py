@@ -115,9 +115,10 @@ class DecodeGraphs:
     def _capture(self, size: int) -> "torch.cuda.CUDAGraph | None":
         if self.device.type != "cuda":
             return None
-        graph = torch.cuda.CUDAGraph()
+        graph = torch.cuda.CUDAGraph(keep_graph=True)  # its nodes: a kernel-only reload patches them (graph_patch)
         with torch.cuda.graph(graph, pool=self.pool):
             self._forward(size)
+        graph.instantiate()
         self.pool = graph.pool()
         return graph
 

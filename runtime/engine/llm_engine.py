@@ -316,6 +316,12 @@ class LLMEngine:
         first = self.runner.used_graphs() if deferring and not self.config.full_recapture else None
         return self.runner.capture_graphs(strict, first)
 
+    def patch_graphs(self, swaps) -> int:
+        """A reload that changed only kernel bodies: the captured graphs run the new binaries (`swaps`: the
+        reloader's graph_swaps) without a capture; the nodes patched. GraphPatchError (nothing changed) if the
+        driver refuses a node."""
+        return self.runner.patch_graphs(swaps)
+
     @property
     def graphs_pending(self) -> int:
         return self.runner.graphs_pending

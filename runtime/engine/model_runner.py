@@ -4,6 +4,7 @@ import logging
 import random
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from kernels.ops.attention import longest_first
 from runtime import distributed
 from runtime.config import EngineConfig, ModelConfig
 from runtime.context import Context, set_context
+from runtime.engine import graph_patch
 from runtime.engine.cuda_graphs import DecodeGraphs
 from runtime.engine.prefill_graphs import PrefillGraphs, prefill_buckets
 from runtime.engine.scheduler import ScheduledBatch
@@ -385,6 +387,14 @@ class ModelRunner:
         sizes, buckets = first or (None, None)
         return {"decode": self.decode_graphs.capture(sizes) if self.decode_graphs else {},
                 "prefill": self.prefill_graphs.capture(strict, buckets) if self.prefill_graphs else {}}
+
+    def patch_graphs(self, swaps: Mapping[int, tuple[int, int, int]]) -> int:
+        """Point the captured graphs' kernel nodes at new binaries (runtime/engine/graph_patch.py): nodes patched.
+        GraphPatchError (nothing changed) when the driver refuses one."""
+        decode, prefill = self.decode_graphs, self.prefill_graphs
+        graphs = [*(decode.graphs.values() if decode else ()),
+                  *(piece for bucket in (prefill.graphs.values() if prefill else ()) for piece in bucket.pieces)]
+        return graph_patch.patch(graphs, swaps)
 
     def used_graphs(self) -> tuple[list[int], list[int]]:
         """The decode sizes and prefill buckets the steps ran since the last capture (at least the smallest of

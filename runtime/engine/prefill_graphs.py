@@ -85,11 +85,12 @@ class _Bucket:
         self.properties: tuple = ()
 
     def begin(self) -> None:
-        self.current = torch.cuda.CUDAGraph()
+        self.current = torch.cuda.CUDAGraph(keep_graph=True)  # its nodes: a kernel-only reload patches them
         self.current.capture_begin(pool=self.pool)
 
     def end(self) -> None:
         self.current.capture_end()
+        self.current.instantiate()
         self.pieces.append(self.current)
         self.current = None
 

@@ -8,8 +8,10 @@ the model with the new code and load the checkpoint into it, `rebuild`), warm (t
 decode graphs, then the prefill graphs; the reply's timings also carry recapture_decode and
 recapture_prefill); then serving resumes (not a timed step). The warm step runs nothing when the reloader reports
 `kernels_only` (every change inside Triton kernel bodies, their new binaries loaded for every specialisation the
-old ones had: the recapture is their first launch) and no layer was rebuilt. Any failure rolls every change back and the
-old code keeps serving.
+old ones had: the recapture is their first launch) and no layer was rebuilt; then, with one rank and without
+--full-recapture, the recapture step captures nothing either when the reloader also reports `graph_swaps` (each new binary launches as its old one did):
+the captured graphs' kernel nodes are pointed at the new binaries (runtime/engine/graph_patch.py, all graphs, the
+pending ones too, in milliseconds). Any failure rolls every change back and the old code keeps serving.
 
 The reloader is anything that satisfies `ForwardReloader` below (a `typing.Protocol`: the runtime never
 imports the toolkit): `read_sources()`, `plan(sources=, modules=)` (what changed: `reloaded`,
@@ -51,7 +53,8 @@ class ReloadReport(Protocol):
     stale: Sequence[Mapping]  # {name, reason, where, referrers}, as StaleDefinition reads them
     needs_restart: Sequence[str]
     jit_kernels: int
-    # optional: kernels_only (bool), true when the warm-up has nothing to run (see the module's docstring)
+    # optional: kernels_only (bool), true when the warm-up has nothing to run, and graph_swaps ({old CUfunction:
+    # (new CUfunction, threads per block, dynamic shared memory bytes)} or None; see the module's docstring)
 
 
 @runtime_checkable
@@ -175,7 +178,7 @@ class ReloadForward:
         if request.timeout_s:
             attempt.deadline = start + request.timeout_s
         ae.publish(ReloadStarted(id=request.id, n=self.count, modules=request.modules or []))
-        tx, error, graphs_swapped, warm_skipped = None, None, False, False
+        tx, error, graphs_swapped, warm_skipped, nodes_patched = None, None, False, False, None
         rebuilt, changed, old_model, needs_restart = [], set(), None, []
         try:
             sources = await ae.run_on_engine_thread(self.reloader.read_sources)
@@ -246,9 +249,17 @@ class ReloadForward:
                     raise _ReportedFailure(describe_failure(failed))
             async with self._step(attempt, RECAPTURE):
                 graphs_swapped = True  # the decode graphs may be new even when the prefill capture then fails
-                graph_timings = await ae.run_on_engine_thread(lambda: engine.capture_graphs(deferring=True))
-                for kind, seconds in graph_timings.items():
-                    attempt.timings[f"recapture_{kind}"] = sum(seconds.values())
+                swaps = getattr(tx.report, "graph_swaps", None) if warm_skipped else None
+                if swaps is not None and not (request.recapture or engine.config.full_recapture or engine.ranks is not None):
+                    # (several ranks: each would patch by its own binaries; not built)
+                    try:
+                        nodes_patched = await ae.run_on_engine_thread(lambda: engine.patch_graphs(swaps))
+                    except Exception as exc:  # set back: the graphs are captured as any reload's
+                        warnings.append(f"patching the graphs failed, they were captured again: {describe_error(exc)}")
+                if nodes_patched is None:
+                    graph_timings = await ae.run_on_engine_thread(lambda: engine.capture_graphs(deferring=True))
+                    for kind, seconds in graph_timings.items():
+                        attempt.timings[f"recapture_{kind}"] = sum(seconds.values())
             tx.commit()
         except RankLost as exc:  # a wedged rank cannot roll back: nothing can run in step any more
             stop_server(f"FATAL: reload {request.id}, step '{attempt.step}': {exc}. The server stops (tsdev watch "
@@ -280,6 +291,7 @@ class ReloadForward:
             fields["needs_restart"] = sorted({*fields.get("needs_restart", []), *needs_restart})
         fields["jit_kernels"] = jit_kernels or fields.get("jit_kernels", 0)
         fields["kernels_only"] = warm_skipped
+        fields["graph_nodes_patched"] = nodes_patched or 0
         fields["kernel_checks"] = reported_checks(kernel_checks)
         attempt.timings.setdefault(JIT, 0.0)
         return self._finish(request, self._worker(error, attempt.timings, warnings=warnings, **fields))

@@ -3,6 +3,7 @@ on a GPU machine the same tests compile them. The compiled-kernel bookkeeping (b
 kept, callers invalidated) is also checked on CPU, on `JITFunction` objects with stand-in binaries
 (test_hotreload_gpu.py does it with real ones)."""
 import collections
+import itertools
 import os
 from types import SimpleNamespace
 
@@ -233,15 +234,19 @@ def test_compiled_kernels_drop_exactly_the_stale_binaries(pkg, monkeypatch):
 
 
 class StandInBinary:
-    """A compiled kernel as `jit.load_binaries` reads it: what it was built for (`src`) and its `metadata`."""
+    """A compiled kernel as `jit.load_binaries` reads it: what it was built for (`src`), its `metadata`, and once
+    loaded its `function` (a CUfunction: a distinct number per binary)."""
+    loads = itertools.count(0x1000)
+    scratch = 0  # global scratch bytes the next stand-ins are built with
 
     def __init__(self, fn):
         self.src = SimpleNamespace(fn=fn, signature={"x_ptr": "*fp32"}, constants={(1,): 8}, attrs={(0,): [["tt.divisibility", 16]]})
-        self.metadata = collections.namedtuple("Metadata", "num_warps launch_pdl")(4, [True])
-        self.loaded = False
+        self.metadata = collections.namedtuple("Metadata", "num_warps launch_pdl shared global_scratch_size")(
+            4, [True], 1024, StandInBinary.scratch)
+        self.loaded, self.function = False, None
 
     def _init_handles(self):
-        self.loaded = True
+        self.loaded, self.function = True, next(StandInBinary.loads)
 
 
 class StandInBackend:
@@ -278,10 +283,32 @@ def test_a_kernel_body_edit_loads_the_new_binaries_under_the_old_keys(pkg, monke
     assert kernel is kern.independent and "* 3" in kernel.src
     assert (key, signature, device, constexprs, attrs, warmup) == (
         "spec", {"x_ptr": "*fp32"}, 0, {(1,): 8}, {(0,): [["tt.divisibility", 16]]}, True)
-    assert options == {"num_warps": 4, "launch_pdl": (True,)} and binary.loaded  # lists back to tuples; loaded now
+    assert options == {"num_warps": 4, "launch_pdl": (True,), "shared": 1024, "global_scratch_size": 0} and \
+        binary.loaded  # lists back to tuples; loaded now
     assert kern.independent.device_caches[0][0] == {"spec": binary}
     tx.rollback()
     assert kern.independent.device_caches[0][0]["spec"] is not binary and "* 2" in kern.independent.src
+
+
+@pytest.mark.parametrize("scratch", [0, 256], ids=["same-launch", "other-scratch"])
+def test_a_kernel_body_edit_gives_captured_graphs_each_launched_binarys_replacement(pkg, monkeypatch, scratch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    pkg.write("kern", COMPILED)
+    kern = pkg.mod("kern")
+    calls = compile_stand_ins(monkeypatch, kern.independent)
+    old = kern.independent.device_caches[0][0]["spec"]
+    old._init_handles()  # launched: graphs may hold its function
+    monkeypatch.setattr(StandInBinary, "scratch", scratch)  # the new binary's launch needs other arguments
+    r = pkg.reloader()
+    pkg.edit("kern", COMPILED.replace("tl.load(x_ptr + offs) * 2", "tl.load(x_ptr + offs) * 3"))
+    tx = r.reload()
+    [*_, new] = calls[0]
+    assert tx.report.ok and tx.report.kernels_only
+    if scratch:  # no node can run it as the old one was launched: the graphs are captured again
+        assert tx.report.graph_swaps is None
+    else:  # 4 warps: 128 threads; its shared memory
+        assert tx.report.graph_swaps == {old.function: (new.function, 128, 1024)} and new.function != old.function
+    tx.rollback()
 
 
 def test_an_edited_kernel_that_does_not_compile_fails_the_reload_naming_the_kernel(pkg, monkeypatch):

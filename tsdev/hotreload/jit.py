@@ -126,7 +126,8 @@ def load_binaries(patcher) -> bool:
     specialisation its old version had compiled, under the old cache keys. False, loading nothing more, where
     that cannot stand in for running the kernels: a changed autotuning (it must benchmark), a kernel run by
     Triton's interpreter, a changed parameter list, a binary this code cannot read, or a specialisation on a
-    kernel passed as an argument (its key holds that kernel's hash)."""
+    kernel passed as an argument (its key holds that kernel's hash). Sets `patcher.graph_swaps` (see there)."""
+    patcher.graph_swaps = None
     if patcher.retuned:
         return False
     work = []
@@ -142,14 +143,36 @@ def load_binaries(patcher) -> bool:
                     return False
                 if any(is_kernel(v) for v in spec[1].values()):
                     return False
-                work.append((kernel, device, key, spec))
-    for kernel, device, key, (signature, constexprs, attrs, options) in work:
+                work.append((kernel, device, key, spec, compiled))
+    swaps = {}
+    for kernel, device, key, (signature, constexprs, attrs, options), old in work:
         try:
-            kernel._do_compile(key, signature, device, constexprs, options, attrs, warmup=True)._init_handles()
+            new = kernel._do_compile(key, signature, device, constexprs, options, attrs, warmup=True)
+            new._init_handles()
         except Exception as exc:
             code = base_function(kernel).__code__
             raise KernelCompileError(f"{code.co_filename}:{code.co_firstlineno}: {type(exc).__name__}: {exc}") from exc
+        if swaps is not None and getattr(old, "function", None):  # launched before: captured graphs may hold it
+            swaps = {**swaps, old.function: launch(new)} if _swappable(old.metadata, new.metadata) else None
+    patcher.graph_swaps = swaps
     return True
+
+
+# What a captured kernel node holds of a Triton launch besides the function, the threads and the shared memory
+# (the launcher's attributes and extra arguments): a new binary differing in these cannot take an old one's place.
+_FIXED_AT_LAUNCH = ("num_ctas", "launch_cooperative_grid", "launch_pdl", "global_scratch_size",
+                    "profile_scratch_size")
+_OVERSIZED_SHARED = 228 * 1024  # above this Triton's launch adds an attribute
+
+
+def launch(compiled) -> tuple[int, int, int]:
+    """(CUfunction, threads per block, dynamic shared memory bytes) Triton launches a loaded binary with."""
+    return compiled.function, 32 * compiled.metadata.num_warps, compiled.metadata.shared
+
+
+def _swappable(old, new) -> bool:
+    fixed = lambda m: tuple(getattr(m, f, None) for f in _FIXED_AT_LAUNCH)  # noqa: E731
+    return fixed(old) == fixed(new) and max(old.shared, new.shared) <= _OVERSIZED_SHARED
 
 
 class KernelCompileError(RuntimeError):

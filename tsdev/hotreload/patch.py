@@ -40,6 +40,10 @@ class Patcher:
         self.patched = 0
         self.stale: list[dict] = []
         self.kernels_reset: list[jit.Reset] = []  # Triton kernels whose binaries were dropped
+        # {old binary's CUfunction: (new one's, threads, shared bytes)} for every reset binary launched before,
+        # when each new one launches as its old one did: captured graphs can run the new code by pointing their
+        # kernel nodes at it (`jit.load_binaries`); None when they must be captured again
+        self.graph_swaps: dict[int, tuple[int, int, int]] | None = None
         self.retuned = False  # an autotuner's configs or key changed: its choices start over
         self.jit_kernels = 0  # ... of which had compiled (or interpreted) code
         self._done: dict[int, Any] = {}  # id(old) -> what its name binds to now

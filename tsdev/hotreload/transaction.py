@@ -37,6 +37,9 @@ class Report:
     needs_restart: list[str] = field(default_factory=list)  # changed outside the reloadable packages
     jit_kernels: int = 0  # Triton kernels that will compile again on next launch
     kernels_only: bool = False  # only kernel bodies changed, their new binaries loaded: no warm-up needed
+    # with kernels_only: {old CUfunction: (new CUfunction, threads, shared bytes)}, what captured graphs' kernel
+    # nodes can be pointed at instead of capturing again; None when a new binary launches differently
+    graph_swaps: dict[int, tuple[int, int, int]] | None = None
     timings: dict[str, float] = field(default_factory=dict)  # seconds: read plan compile execute patch kernels stale total
     error: str | None = None  # "file:line: Type: message"
 
@@ -131,6 +134,7 @@ class Transaction:
         start = time.perf_counter()
         jit.refresh_callers(patcher, tracked)
         self.report.kernels_only = kernels_only and jit.load_binaries(patcher)
+        self.report.graph_swaps = patcher.graph_swaps if self.report.kernels_only else None
         timings["kernels"] = time.perf_counter() - start
         start = time.perf_counter()
         patcher.find_live_stale(self._saved, tracked)  # a heap scan, only when an __init__ or a lambda changed

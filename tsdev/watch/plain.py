@@ -79,7 +79,8 @@ def _reload_line(record: ReloadRecord) -> str:
         return f"{head} [red]FAILED[/red] ({why}): {escape(record.error)} [dim]— {outcome.KEEPS_SERVING}[/dim]"
     if not record.reloaded:
         return f"{head}: {' | '.join(checks_text(record)) or 'nothing reloaded'} ({why})"
-    steps = outcome.steps_text(record.steps, record.step_order(), record.worker.jit_kernels)
+    steps = outcome.steps_text(record.steps, record.step_order(), record.worker.jit_kernels,
+                               record.worker.graph_nodes_patched)
     if record.served_after_save is not None:
         steps += f" | save → serving {record.served_after_save:.2f} s"
     return " | ".join([f"{head} [green]ok[/green] ({why}): {escape(outcome.summary(record.worker))}", steps,

@@ -261,7 +261,9 @@ class WatchApp(App):
             if name == record.failed:
                 chips.append(f"[red]✗ {name} {record.steps.get(name, 0):.2f} s[/red]")
             elif name in record.steps:
-                chips.append(f"[green]✓ {name} {record.steps[name]:.2f} s{graph_split(record.steps, name)}[/green]")
+                patched = record.worker.graph_nodes_patched if record.worker and name == "recapture" else 0
+                split = f" ({patched} nodes patched)" if patched else graph_split(record.steps, name)
+                chips.append(f"[green]✓ {name} {record.steps[name]:.2f} s{split}[/green]")
             elif record.current == name and not record.done:
                 chips.append(f"[yellow]▶ {name} {time.perf_counter() - record.step_started:.1f} s[/yellow]")
             else:
