@@ -75,7 +75,8 @@ def test_default_model_replay_equals_eager_in_bf16():
             engine.block_manager.free_pages(seq)
 
 
-def test_reload_edit_changes_the_prefill_graphs_output(tiny_model_dir):
+@pytest.mark.parametrize("recapture", [False, True], ids=["patched", "recaptured"])
+def test_reload_edit_changes_the_prefill_graphs_output(tiny_model_dir, recapture):
     engine = tiny_engine(tiny_model_dir)
     edit = EditedSources(Reloader(["kernels.ops", "runtime.layers", "runtime.models", "runtime.sampling"]),
                          "kernels.ops.activation", STORE, EDITED)
@@ -87,14 +88,17 @@ def test_reload_edit_changes_the_prefill_graphs_output(tiny_model_dir):
         ae = AsyncEngine(engine)
         await ae.start()
         try:
-            return await ReloadForward(ae, edit)(ReloadRequest(id=rid))
+            return await ReloadForward(ae, edit)(ReloadRequest(id=rid, recapture=recapture))
         finally:
             await ae.stop()
 
     reply = asyncio.run(reload("edit"))
     assert reply.ok, reply
     timings = reply.workers[0].timings
-    assert timings["recapture_prefill"] > 0 and timings["recapture_decode"] > 0
+    if recapture:
+        assert timings["recapture_prefill"] > 0 and timings["recapture_decode"] > 0
+    else:  # a kernel-body edit: the prefill graphs' pieces (and the decode graphs) run the new binary, not captured
+        assert reply.workers[0].graph_nodes_patched > 0 and "recapture_prefill" not in timings
     edited = replayed(engine, batch)
     assert (edited - before).abs().max() > 1e-3
     torch.testing.assert_close(edited, engine.runner.compute_logits(batch, use_graphs=False), rtol=1e-4, atol=1e-4)
