@@ -35,6 +35,8 @@ _state = _State()
 
 
 def initialized() -> bool:
+    """Whether the engine runs as ranks of a process group: then every collective runs, even with one rank (how
+    the distributed path is measured against the plain one on a single GPU). `tsdev serve --tp 1` forms none."""
     return dist.is_available() and dist.is_initialized()
 
 
@@ -44,12 +46,6 @@ def rank() -> int:
 
 def size() -> int:
     return dist.get_world_size() if initialized() else 1
-
-
-def grouped() -> bool:
-    """Whether the engine runs as ranks of a process group: then every collective runs, even with one rank (how
-    the distributed path is measured against the plain one on a single GPU). `tsdev serve --tp 1` forms none."""
-    return initialized()
 
 
 def init(rank: int, world_size: int, device: torch.device | str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
@@ -84,14 +80,14 @@ def shutdown() -> None:
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum `x` over the ranks, in place (the row-parallel projections' partial sums); returns it."""
-    if grouped():
+    if initialized():
         dist.all_reduce(x)
     return x
 
 
 def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     """Concatenate every rank's `x` along the last dimension, in rank order (vocab-parallel logits)."""
-    if not grouped():
+    if not initialized():
         return x
     n = size()
     parts = [torch.empty_like(x) for _ in range(n)]
@@ -101,7 +97,7 @@ def all_gather_last(x: torch.Tensor) -> torch.Tensor:
 
 def broadcast(obj=None):
     """Rank 0's `obj` on every rank (pickled over the calls group: the others wait for it without a timeout)."""
-    if not grouped():
+    if not initialized():
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0, group=_state.calls)
@@ -110,7 +106,7 @@ def broadcast(obj=None):
 
 def gather(obj) -> list:
     """Every rank's `obj`, in rank order, on every rank (the reply's per-rank reports)."""
-    if not grouped():
+    if not initialized():
         return [obj]
     out = [None] * size()
     dist.all_gather_object(out, obj, group=_state.control)
@@ -119,7 +115,7 @@ def gather(obj) -> list:
 
 def agree(ok: bool) -> bool:
     """True when every rank says ok (a MIN over the control group); a single rank decides alone."""
-    if not grouped():
+    if not initialized():
         return ok
     flag = torch.tensor([int(ok)], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=_state.control)
@@ -128,7 +124,7 @@ def agree(ok: bool) -> bool:
 
 def minimum(n: int) -> int:
     """The smallest of the ranks' `n` (e.g. the KV pages each rank's free memory allows: all must hold as many)."""
-    if not grouped():
+    if not initialized():
         return n
     value = torch.tensor([n], dtype=torch.int64)
     dist.all_reduce(value, op=dist.ReduceOp.MIN, group=_state.control)

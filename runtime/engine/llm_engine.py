@@ -168,7 +168,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
         self.runner = ModelRunner(config, checkpoint)
         self.ranks: RankLedger | None = None  # tensor parallelism: every rank's outcome of the calls fanned out
-        if distributed.grouped():
+        if distributed.initialized():
             self.ranks = RankLedger()
             self.runner = DrivenRunner(self.runner, self.ranks)
         # the model's size: this process's parameters, or with several ranks (each holding a part) the checkpoint's

@@ -33,7 +33,7 @@ class VocabEmbedding(DeclaredLoading, nn.Module):
         self.weight.data.narrow(0, 0, self.rows.length).copy_(tensor)  # the padded rows stay zeros
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if not distributed.grouped():
+        if not distributed.initialized():
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start
         elsewhere = (local < 0) | (local >= self.weight.shape[0])  # ids another rank holds: zeros here
@@ -49,7 +49,7 @@ class LMHead(VocabEmbedding):
         conversion to float32 then writes there directly, one pass over the logits instead of two)."""
         hidden = hidden[get_context().logits_indices]
         if (hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16)
-                and hidden.shape[0] > linear_ops.SKINNY_ROWS and not distributed.grouped()):
+                and hidden.shape[0] > linear_ops.SKINNY_ROWS and not distributed.initialized()):
             # cuBLAS writes float32 from the half-precision operands itself: no half logits written, read back
             # and converted (at 256 rows on the H200 that pass took 111 us)
             return torch.mm(hidden, self.weight.t(), out_dtype=torch.float32, **({} if out is None else {"out": out}))

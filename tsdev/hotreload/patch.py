@@ -645,11 +645,6 @@ def _where(obj) -> str:
         return getattr(sys.modules.get(getattr(obj, "__module__", "")), "__file__", None) or "?"
 
 
-def _is_args_of_call(ref, obj) -> bool:
-    """gc.get_referrers(obj) sees its own argument tuple."""
-    return type(ref) is tuple and len(ref) == 1 and ref[0] is obj
-
-
 def _describe_referrer(ref, obj, module_names: dict) -> str:
     if isinstance(ref, dict):
         keys = [k for k, v in ref.items() if v is obj][:1]
