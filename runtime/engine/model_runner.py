@@ -75,6 +75,17 @@ class Checkpoint:
 progress = logging.getLogger("runtime.startup")  # runtime/engine/compiles.py: what a start is doing
 
 
+def loaded_model(model_config: ModelConfig, model_dir: Path, config: EngineConfig, device: torch.device,
+                 dtype: torch.dtype) -> LoadedWeights:
+    """The model built as `config` says (quantization), `model_dir`'s checkpoint loaded into it, in eval mode."""
+    progress.info("building %s on %s", model_config.architecture, device)
+    model = build_model(model_config, device, dtype, config.quantization)
+    progress.info("loading the weights from %s", model_dir)
+    weights = load_weights(model, model_dir, config.load_format, config.load_memory_limit)
+    model.eval()
+    return weights
+
+
 class ModelRunner:
     """Benchmarks that time the runner alone build their own: `ModelRunner(config, Checkpoint.open(config))`,
     then `start()`; the engine builds one the same way."""
@@ -86,12 +97,8 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype(model_config)
         torch.manual_seed(config.seed)
-        progress.info("building %s on %s", model_config.architecture, self.device)
-        self.model = build_model(model_config, self.device, self.dtype, config.quantization)
-        progress.info("loading the weights from %s", checkpoint.dir)
-        self.weights = load_weights(self.model, checkpoint.dir, config.load_format, config.load_memory_limit)
-        self.load_report = self.weights.report
-        self.model.eval()
+        self.weights = loaded_model(model_config, checkpoint.dir, config, self.device, self.dtype)
+        self.model, self.load_report = self.weights.model, self.weights.report
         self.sampler = Sampler()
         # one slot per running request that uses penalties or logit_bias, and a scratch slot for the warm-up
         self.sampler_state = SamplerState(config.max_running + 1, model_config.vocab_size, self.device)
@@ -124,9 +131,7 @@ class ModelRunner:
         load `model_dir`'s checkpoint into it, run the post-load hooks, and serve it (same KV pool). Returns
         the old model's weights for `restore_model`. Raises ValueError, changing nothing, when the checkpoint no
         longer fits the new code (a parameter's shape changed)."""
-        model = build_model(self.model_config, self.device, self.dtype, self.config.quantization)
-        weights = load_weights(model, model_dir, self.config.load_format, self.config.load_memory_limit)
-        model.eval()
+        weights = loaded_model(self.model_config, model_dir, self.config, self.device, self.dtype)
         old = self.weights
         self.restore_model(weights)
         return old

@@ -95,13 +95,10 @@ def fresh_checksum(config: EngineConfig, path: str | None = None) -> dict[str, s
     GET /v1/rl/engine/weights_checksum of a server on those weights answers (`tsdev weights verify`)."""
     import torch
 
-    from runtime.engine.model_runner import Checkpoint
+    from runtime.engine.model_runner import Checkpoint, loaded_model
     from runtime.engine.sleep import weights_checksum
-    from runtime.models import build_model
-    from runtime.weights.loader import load_weights
 
     checkpoint = Checkpoint.open(dataclasses.replace(config, model=path or config.model))
-    model = build_model(checkpoint.config, torch.device(config.device), config.torch_dtype(checkpoint.config),
-                        config.quantization)
-    load_weights(model, checkpoint.dir, config.load_format, config.load_memory_limit)
-    return weights_checksum(model, derived=False)
+    weights = loaded_model(checkpoint.config, checkpoint.dir, config, torch.device(config.device),
+                           config.torch_dtype(checkpoint.config))
+    return weights_checksum(weights.model, derived=False)
