@@ -12,7 +12,7 @@ from runtime.control_protocol import (ErrorBody, Hello, ReloadWeightsReply, Slee
                                       parse_event)
 from runtime.weights.loader import LoadedWeights
 from runtime.engine.llm_engine import LLMEngine
-from runtime.engine.sleep import model_tensors
+from runtime.weights.layout import named_tensors
 from runtime.engine.weights_drill import DrillFailed, drill, greedy
 from runtime.server.app import build_app
 from runtime.server.security import SecurityPolicy
@@ -253,6 +253,7 @@ def test_sleeping_one_engine_leaves_another_in_the_process_whole(make_engine):
     first, second = make_engine(), make_engine()
     expected = greedy(second)
     assert all(a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
-               for a in model_tensors(first.runner.model) for b in model_tensors(second.runner.model))
+               for a in named_tensors(first.runner.model, derived=True).values()
+               for b in named_tensors(second.runner.model, derived=True).values())
     first.sleep(2)
     assert greedy(second) == expected

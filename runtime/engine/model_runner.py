@@ -20,13 +20,14 @@ from runtime.engine import graph_patch
 from runtime.engine.cuda_graphs import DecodeGraphs
 from runtime.engine.prefill_graphs import PrefillGraphs, prefill_buckets
 from runtime.engine.scheduler import ScheduledBatch
-from runtime.engine.sleep import SleepState, device_free_bytes, free_cached_memory, model_tensors
+from runtime.engine.sleep import SleepState, device_free_bytes, free_cached_memory
 from runtime.engine.sequence import PENDING, SamplingParams, Sequence
 from runtime.layers.attention import Attention
 from runtime.models import MODELS, build_model
 from kernels.ops.sampling import token_logprobs
 from runtime.sampling.sampler import Extras, Sampled, Sampler, SamplerState
 from runtime.weights.default_model import DEFAULT_MOE, default_model_dir
+from runtime.weights.layout import named_tensors
 from runtime.weights.loader import LoadedWeights, LoadReport, load_weights
 
 CPU_KV_BYTES = 512 << 20
@@ -431,7 +432,7 @@ class ModelRunner:
         bytes freed (`freed`) and the device's free memory before and after (`free_before`, `free_after`)."""
         free_before = device_free_bytes(self.device)
         self.release_graphs()
-        freed = self.sleep_state.sleep(level, model_tensors(self.model), [self.kv_cache])
+        freed = self.sleep_state.sleep(level, list(named_tensors(self.model, derived=True).values()), [self.kv_cache])
         free_cached_memory(self.device)
         return {"freed": freed, "free_before": free_before, "free_after": device_free_bytes(self.device)}
 

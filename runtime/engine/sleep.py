@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
-from runtime.weights.layout import checkpoint_tensors
+from runtime.weights.layout import named_tensors
 
 WEIGHTS, KV_CACHE = "weights", "kv_cache"
 TAGS = (WEIGHTS, KV_CACHE)
@@ -39,11 +39,6 @@ def unique_storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStorag
     return storages
 
 
-def model_tensors(model: nn.Module) -> list[torch.Tensor]:
-    """Every parameter and buffer (persistent or derived) of the model."""
-    return [*(p for _, p in model.named_parameters()), *(b for _, b in model.named_buffers())]
-
-
 def tensor_digest(t: torch.Tensor) -> str:
     """sha256 of a tensor's bytes (its dtype and shape too)."""
     # a copy: numpy() of the tensor itself would leave its storage not resizable (sleep resizes storages)
@@ -54,11 +49,7 @@ def tensor_digest(t: torch.Tensor) -> str:
 def weights_checksum(model: nn.Module, derived: bool = True) -> dict[str, str]:
     """name -> sha256 of every parameter and buffer, derived ones (rotary table, fp8 scales) included; with
     `derived=False` of the parameters and persistent buffers only (what a checkpoint fills)."""
-    if derived:
-        named = dict(model.named_parameters())
-        named.update(model.named_buffers())
-    else:
-        named = checkpoint_tensors(model)
+    named = named_tensors(model, derived)
     with ThreadPoolExecutor(min(16, os.cpu_count() or 1)) as pool:  # copies and sha256 release the GIL
         digests = pool.map(tensor_digest, [t for _, t in sorted(named.items())])
         return dict(zip(sorted(named), digests))

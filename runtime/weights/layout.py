@@ -71,9 +71,13 @@ class RankSlice:
         return tensor.narrow(self.dim, self.start, self.length)
 
 
-def checkpoint_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and persistent buffer (what a checkpoint may fill), by name."""
+def named_tensors(model: nn.Module, derived: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter and persistent buffer (what a checkpoint may fill), by name; `derived`: every buffer too
+    (rotary tables, fp8 scales: what sleep frees and the full checksum covers)."""
     named = dict(model.named_parameters())
+    if derived:
+        named.update(model.named_buffers())
+        return named
     for module_name, module in model.named_modules():
         for name, buffer in module.named_buffers(recurse=False):
             if buffer is not None and name not in module._non_persistent_buffers_set:
@@ -82,14 +86,14 @@ def checkpoint_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def snapshot(model: nn.Module) -> Layout:
-    tensors = checkpoint_tensors(model)
+    tensors = named_tensors(model)
     return Layout({n: TensorLayout.of(t) for n, t in tensors.items()}, {n: id(t) for n, t in tensors.items()})
 
 
 def record(model: nn.Module, before: Layout) -> Layout:
     """After the cold-start load's hooks: refuse hooks that replaced a registered tensor, else return `before`
     (kept by the load's `LoadedWeights`)."""
-    now = checkpoint_tensors(model)
+    now = named_tensors(model)
     replaced = sorted(n for n, ident in before.objects.items() if n not in now or id(now[n]) != ident)
     if replaced:
         raise RuntimeError(
@@ -106,7 +110,7 @@ class LayoutRefused(ValueError):
 def check(model: nn.Module, layout: Layout) -> list[tuple[torch.Tensor, TensorLayout]]:
     """Whether every registered tensor's storage can hold its cold-start checkpoint `layout` again; raise
     LayoutRefused (nothing touched) if one cannot. Returns the tensors a hook re-laid out, to `view_back`."""
-    now = checkpoint_tensors(model)
+    now = named_tensors(model)
     problems, relaid = [], []
     for name, want in layout.tensors.items():
         t = now.get(name)
