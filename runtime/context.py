@@ -4,6 +4,8 @@ attention and logits layers.
 One object instead of threading these tensors through every forward (as nano-vllm does). Pure data: how
 a forward runs (e.g. attention cut out of a prefill graph) is the layers' own state, not the context's.
 """
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -24,9 +26,15 @@ class Context:
 _context: Context | None = None
 
 
-def set_context(context: Context | None) -> None:
+@contextmanager
+def step_context(context: Context) -> Iterator[Context]:
+    """The context of the forward run inside (the one place a context is set): cleared after, a failure too."""
     global _context
     _context = context
+    try:
+        yield context
+    finally:
+        _context = None
 
 
 def get_context() -> Context:

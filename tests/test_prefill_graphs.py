@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from batches import CASES, make_batch, written_slots
-from runtime.context import set_context
+from runtime.context import step_context
 from runtime.engine.prefill_graphs import PrefillGraphs, cut_at_attention, prefill_buckets
 from runtime.engine.sequence import SamplingParams
 
@@ -63,7 +63,7 @@ def test_engine_flags_choose_the_buckets(make_engine):
 def test_cut_forward_equals_the_plain_forward(make_engine, case):
     engine = make_engine(max_batched_tokens=256)
     batch = make_batch(engine, CASES[case])
-    assert engine.runner.prefill_graphs.bucket(batch.total_tokens) is not None
+    assert engine.runner.prefill_graphs.size_for(batch.total_tokens) is not None
     before = engine.runner.kv_cache.clone()
     plain = engine.runner.compute_logits(batch, use_graphs=False).clone()
     plain_kv = engine.runner.kv_cache.clone()
@@ -80,7 +80,7 @@ def test_attention_is_cut_only_inside_cut_at_attention(make_engine):
     engine = make_engine()
     model, layers = engine.runner.model, engine.runner.prefill_graphs.attention
     assert len(layers) == engine.runner.model_config.num_hidden_layers
-    input_ids, positions = engine.runner.prepare(make_batch(engine, CASES["batched-uneven"]))
+    input_ids, positions, context = engine.runner.prepare(make_batch(engine, CASES["batched-uneven"]))
     seen = []
 
     def cut(layer, q, k, v):
@@ -90,17 +90,14 @@ def test_attention_is_cut_only_inside_cut_at_attention(make_engine):
     def broken(layer, q, k, v):
         raise RuntimeError("boom")
 
-    try:
-        with torch.inference_mode():
-            plain = model(input_ids, positions)
-            assert seen == []
-            with cut_at_attention(layers, cut):
-                torch.testing.assert_close(model(input_ids, positions), plain, rtol=1e-5, atol=1e-5)
-            assert seen == layers  # every layer, once, in order
-            with pytest.raises(RuntimeError, match="boom"), cut_at_attention(layers, broken):
-                model(input_ids, positions)
-    finally:
-        set_context(None)
+    with step_context(context), torch.inference_mode():
+        plain = model(input_ids, positions)
+        assert seen == []
+        with cut_at_attention(layers, cut):
+            torch.testing.assert_close(model(input_ids, positions), plain, rtol=1e-5, atol=1e-5)
+        assert seen == layers  # every layer, once, in order
+        with pytest.raises(RuntimeError, match="boom"), cut_at_attention(layers, broken):
+            model(input_ids, positions)
     assert all(layer.graph_cut is None for layer in layers)  # reset, after a failure too
 
 
@@ -109,7 +106,7 @@ def test_the_cut_forward_survives_a_reload_of_the_attention_layer(make_engine):
 
     engine = make_engine(max_batched_tokens=256)
     batch = make_batch(engine, CASES["prefix-cached-mixed"])
-    assert engine.runner.prefill_graphs.bucket(batch.total_tokens) > batch.total_tokens  # padded: needs the cut
+    assert engine.runner.prefill_graphs.size_for(batch.total_tokens) > batch.total_tokens  # padded: needs the cut
     before = engine.runner.kv_cache.clone()
     plain = engine.runner.compute_logits(batch, use_graphs=False).clone()
     engine.runner.kv_cache.copy_(before)
@@ -131,7 +128,7 @@ def test_a_graph_captured_under_other_properties_is_not_replayed(make_engine, mo
     stale = prefill_graphs._Bucket(pool=None)
     stale.properties = ("ref", True)  # as if captured under TSDEV_KERNELS=ref
     stale.pieces = [type("Piece", (), {"replay": lambda self: pytest.fail("replayed a graph of other properties")})()]
-    graphs.graphs = {graphs.bucket(batch.total_tokens): stale}
+    graphs.graphs = {graphs.size_for(batch.total_tokens): stale}
     monkeypatch.setenv("TSDEV_KERNELS", "triton")
     plain = engine.runner.compute_logits(batch, use_graphs=False).clone()
     torch.testing.assert_close(engine.runner.compute_logits(batch), plain, rtol=1e-5, atol=1e-5)

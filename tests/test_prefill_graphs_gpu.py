@@ -28,7 +28,7 @@ def tiny_engine(tiny_model_dir, dtype="float32", **overrides) -> LLMEngine:
 def replayed(engine, batch) -> torch.Tensor:
     """Logits through the bucket's graph, failing if the forward would run eagerly instead."""
     graphs = engine.runner.prefill_graphs
-    assert graphs.bucket(batch.total_tokens) in graphs.graphs
+    assert graphs.size_for(batch.total_tokens) in graphs.graphs
     eager = PrefillGraphs._forward_eager
     PrefillGraphs._forward_eager = lambda *a: pytest.fail("ran eagerly instead of replaying")
     try:

@@ -96,7 +96,7 @@ def test_no_sampling_kernel_compiles_while_serving():
 def test_lm_head_float32_logits_for_many_rows_come_unrounded_from_cublas(rows):
     """Above the skinny kernel's rows, bf16 logits are written as float32 by the GEMM itself (no bf16 rounding
     in between): closer to a float32 reference than bf16 logits can be; at few rows they are bf16 converted."""
-    from runtime.context import Context, set_context
+    from runtime.context import Context, step_context
     from runtime.layers.embedding import LMHead
 
     vocab, hidden_size = 151936, 1024
@@ -104,13 +104,10 @@ def test_lm_head_float32_logits_for_many_rows_come_unrounded_from_cublas(rows):
     head.weight.normal_(0, 0.05)
     hidden = torch.randn(rows + 3, hidden_size, device="cuda", dtype=torch.bfloat16)
     indices = torch.arange(3, rows + 3, device="cuda")
-    set_context(Context(None, None, None, None, indices, 1))
-    try:
+    with step_context(Context(None, None, None, None, indices, 1)):
         out = torch.full((rows, vocab), float("nan"), device="cuda")
         written = head(hidden, out=out)
         fresh = head(hidden)
-    finally:
-        set_context(None)
     assert written.data_ptr() == out.data_ptr() and written.dtype == fresh.dtype == torch.float32
     torch.testing.assert_close(written, fresh, rtol=0, atol=0)
     reference = hidden[3:].float() @ head.weight.float().t()

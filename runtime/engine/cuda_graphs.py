@@ -16,7 +16,7 @@ import time
 import torch
 
 from kernels.ops.attention import longest_first
-from runtime.context import Context, set_context
+from runtime.context import Context, step_context
 
 
 def graph_properties() -> tuple:
@@ -50,11 +50,49 @@ def end_pool_routing(pool: tuple, device: torch.device) -> None:
         pass
 
 
-class DecodeGraphs:
+class GraphSet:
+    """What both graph kinds (decode batch sizes here, prefill token buckets in prefill_graphs.py) keep: one graph
+    per size, the sizes the steps ran since the last capture (`used`: a reload captures those before resuming)
+    and those left to capture (`pending`, largest first, one at a time between steps)."""
+
+    def __init__(self, sizes: list[int]):
+        self.sizes = sorted(set(sizes))
+        self.graphs: dict = {}
+        self.used: set[int] = set()
+        self.pending: list[int] = []
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    def size_for(self, n: int) -> int | None:
+        """The smallest size that holds n rows (None: none does)."""
+        return next((s for s in self.sizes if s >= n), None)
+
+    def cuda_graphs(self) -> list[torch.cuda.CUDAGraph]:
+        """Every captured CUDA graph (what a kernel-only reload patches)."""
+        raise NotImplementedError
+
+    def _to_capture(self, sizes: list[int] | None) -> list[int]:
+        """`sizes` (default: all) that this set has, largest first: later ones reuse its pool."""
+        return sorted(set(self.sizes if sizes is None else sizes) & set(self.sizes), reverse=True)
+
+    def _drop(self) -> None:
+        """No graph and nothing pending: every size runs eagerly until the next `capture`."""
+        self.graphs, self.pending = {}, []
+
+    def _replace(self, graphs: dict) -> None:
+        """A capture's graphs replace every old one (None: that size failed, eager); the sizes it did not capture
+        are pending."""
+        self.graphs = {s: g for s, g in graphs.items() if g is not None}
+        self.pending, self.used = [s for s in reversed(self.sizes) if s not in graphs], set()
+
+
+class DecodeGraphs(GraphSet):
     def __init__(self, model: torch.nn.Module, sizes: list[int], max_pages_per_seq: int,
                  vocab_size: int, pad_page: int, device: torch.device):
-        self.model, self.sizes, self.device = model, sorted(set(sizes)), device
-        self.pad_page = pad_page
+        super().__init__(sizes)
+        self.model, self.device, self.pad_page = model, device, pad_page
         n = self.sizes[-1]
         with device:
             # rows: input ids, positions, KV slots, sequence lengths, the order attention starts the sequences in
@@ -64,19 +102,15 @@ class DecodeGraphs:
             self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32)
             self.rows = torch.arange(n, dtype=torch.int64)
             self.logits = torch.zeros(n, vocab_size, dtype=torch.float32)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.properties: tuple = ()
         self.pool = None
-        self.used: set[int] = set()  # sizes run since the last capture
-        self.pending: list[int] = []  # sizes left to capture (after a reload), largest first
         # The page table is updated incrementally: a host mirror, and which page list each row holds.
         self.host_table = torch.full((n, max_pages_per_seq), pad_page, dtype=torch.int32)
         self.row_pages: list[list[int] | None] = [None] * n
         self.row_filled = [0] * n
 
-    @property
-    def max_size(self) -> int:
-        return self.sizes[-1]
+    def cuda_graphs(self) -> list[torch.cuda.CUDAGraph]:
+        return list(self.graphs.values())
 
     def capture(self, sizes: list[int] | None = None) -> dict[int, float]:
         """Capture `sizes` (default every size), largest first (later ones reuse its pool); seconds per size.
@@ -84,18 +118,17 @@ class DecodeGraphs:
         The new graphs replace every old one (they run the old code) only when all of `sizes` captured; on
         failure the old graphs keep serving. The sizes not captured now are pending (`capture_next`).
         """
-        sizes = sorted(set(self.sizes if sizes is None else sizes) & set(self.sizes), reverse=True)
         graphs, timings = {}, {}
         with torch.inference_mode(), collector_paused():  # inference mode: as the engine's steps run
             properties = graph_properties()
-            for size in sizes:
+            for size in self._to_capture(sizes):
                 start = time.perf_counter()
                 graphs[size] = self._capture(size)
                 timings[size] = time.perf_counter() - start
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.graphs, self.properties = {s: g for s, g in graphs.items() if g is not None}, properties
-        self.pending, self.used = [s for s in reversed(self.sizes) if s not in graphs], set()
+        self._replace(graphs)
+        self.properties = properties
         return timings
 
     def capture_next(self) -> dict[int, float]:
@@ -125,14 +158,15 @@ class DecodeGraphs:
     def release(self) -> None:
         """Drop every graph and their pool (sleep): their memory goes back once the allocator's cache is emptied.
         Until `capture` runs again, `run` executes eagerly."""
-        self.graphs, self.properties, self.pool, self.pending = {}, (), None, []
+        self._drop()
+        self.properties, self.pool = (), None
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
             page_table: list[list[int]], fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Logits [n, V] for a decode batch of n <= max_size sequences. `fill` = (rows, token ids) on the
         device: inputs the previous step is still sampling, written in after the host's staged ids."""
         n = len(input_ids)
-        size = next(s for s in self.sizes if s >= n)
+        size = self.size_for(n)
         self.used.add(size)
         pad = size - n
         staged = torch.tensor([input_ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad, seq_lens + [1] * pad,
@@ -166,13 +200,8 @@ class DecodeGraphs:
 
     def _forward(self, size: int) -> None:
         input_ids, positions, slots, seq_lens, order = self.inputs[:, :size]
-        set_context(Context(
-            cu_seqlens_q=self.cu_seqlens_q[: size + 1], seq_lens=seq_lens.to(torch.int32),
-            page_table=self.page_table[:size], slot_mapping=slots,
-            logits_indices=self.rows[:size], max_q_len=1, order=order,
-        ))
-        try:
+        with step_context(Context(cu_seqlens_q=self.cu_seqlens_q[: size + 1], seq_lens=seq_lens.to(torch.int32),
+                                  page_table=self.page_table[:size], slot_mapping=slots,
+                                  logits_indices=self.rows[:size], max_q_len=1, order=order)):
             hidden = self.model(input_ids, positions)
             self.model.compute_logits(hidden, out=self.logits[:size])
-        finally:
-            set_context(None)

@@ -15,7 +15,7 @@ from kernels.ops import reference_families
 from kernels.ops.attention import longest_first
 from runtime import distributed
 from runtime.config import EngineConfig, ModelConfig
-from runtime.context import Context, set_context
+from runtime.context import Context, step_context
 from runtime.engine import graph_patch
 from runtime.engine.cuda_graphs import DecodeGraphs
 from runtime.engine.prefill_graphs import PrefillGraphs, prefill_buckets
@@ -214,8 +214,8 @@ class ModelRunner:
         src = torch.tensor([index[s] for _, s in pending], dtype=torch.int64).to(self.device, non_blocking=True)
         return rows, tokens.index_select(0, src).to(torch.int64)
 
-    def prepare(self, batch: ScheduledBatch, in_flight=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Input ids and positions on the device for a forward outside the decode graphs; sets the step context."""
+    def prepare(self, batch: ScheduledBatch, in_flight=None) -> tuple[torch.Tensor, torch.Tensor, Context]:
+        """Input ids, positions and the step context on the device, for a forward outside the decode graphs."""
         inputs = self.host_inputs(batch)
         max_pages = max(map(len, inputs["page_table"]))
         table = [pages + [0] * (max_pages - len(pages)) for pages in inputs["page_table"]]
@@ -223,17 +223,17 @@ class ModelRunner:
         def tensor(values, dtype=torch.int32):
             return torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
 
-        set_context(Context(
+        context = Context(
             cu_seqlens_q=tensor(inputs["cu_seqlens_q"]), seq_lens=tensor(inputs["seq_lens"]), page_table=tensor(table),
             slot_mapping=tensor(inputs["slots"], torch.int64), logits_indices=tensor(inputs["logits_indices"], torch.int64),
             max_q_len=max(batch.num_tokens),
             order=tensor(longest_first(inputs["seq_lens"]), torch.int64),
-        ))
+        )
         input_ids = tensor(inputs["input_ids"], torch.int64)
         fill = self._pending_fill(inputs["pending"], in_flight)
         if fill is not None:
             input_ids.index_copy_(0, *fill)
-        return input_ids, tensor(inputs["positions"], torch.int64)
+        return input_ids, tensor(inputs["positions"], torch.int64), context
 
     @torch.inference_mode()
     def compute_logits(self, batch: ScheduledBatch, use_graphs: bool = True, in_flight=None) -> torch.Tensor:
@@ -252,17 +252,14 @@ class ModelRunner:
                 return graphs.run(inputs["input_ids"], inputs["positions"], inputs["slots"], inputs["seq_lens"],
                                   inputs["page_table"], fill)
         with step_range("prepare"):
-            input_ids, positions = self.prepare(batch, in_flight)
-        try:
-            with step_range("forward"):
-                prefill = self.prefill_graphs
-                if use_graphs and prefill and not prefill.disabled and batch.total_tokens <= prefill.max_tokens:
-                    hidden = prefill.forward(input_ids, positions)
-                else:
-                    hidden = self.model(input_ids, positions)
-                return self.model.compute_logits(hidden)
-        finally:
-            set_context(None)
+            input_ids, positions, context = self.prepare(batch, in_flight)
+        with step_range("forward"), step_context(context):
+            prefill = self.prefill_graphs
+            if use_graphs and prefill and not prefill.disabled and batch.total_tokens <= prefill.max_tokens:
+                hidden = prefill.forward(input_ids, positions)
+            else:
+                hidden = self.model(input_ids, positions)
+            return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, in_flight=None, use_graphs: bool = True) -> Sampled | None:
@@ -397,10 +394,8 @@ class ModelRunner:
     def patch_graphs(self, swaps: Mapping[int, tuple[int, int, int]]) -> int:
         """Point the captured graphs' kernel nodes at new binaries (runtime/engine/graph_patch.py): nodes patched.
         GraphPatchError (nothing changed) when the driver refuses one."""
-        decode, prefill = self.decode_graphs, self.prefill_graphs
-        graphs = [*(decode.graphs.values() if decode else ()),
-                  *(piece for bucket in (prefill.graphs.values() if prefill else ()) for piece in bucket.pieces)]
-        return graph_patch.patch(graphs, swaps)
+        sets = [s for s in (self.decode_graphs, self.prefill_graphs) if s is not None]
+        return graph_patch.patch([graph for graph_set in sets for graph in graph_set.cuda_graphs()], swaps)
 
     def used_graphs(self) -> tuple[list[int], list[int]]:
         """The decode sizes and prefill buckets the steps ran since the last capture (at least the smallest of

@@ -25,8 +25,8 @@ from contextlib import contextmanager
 import torch
 
 from runtime import distributed
-from runtime.context import Context, set_context
-from runtime.engine.cuda_graphs import collector_paused, end_pool_routing, graph_properties
+from runtime.context import Context, step_context
+from runtime.engine.cuda_graphs import GraphSet, collector_paused, end_pool_routing, graph_properties
 from runtime.layers.attention import Attention, GraphCut
 
 LADDER_START, LADDER_MIN_STEP, LADDER_MAX_STEP = 16, 16, 512
@@ -104,35 +104,37 @@ class _Bucket:
             self.current = None
 
 
-class PrefillGraphs:
+class PrefillGraphs(GraphSet):
     def __init__(self, model: torch.nn.Module, buckets: list[int], hidden_size: int, num_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
-        self.model, self.buckets, self.device = model, sorted(set(buckets)), device
+        super().__init__(buckets)
+        self.model, self.device = model, device
         self.attention = [m for m in model.modules() if isinstance(m, Attention)]  # where every bucket is cut
-        n = self.buckets[-1]
+        n = self.max_size
         with device:
             self.embeds = torch.zeros(n, hidden_size, dtype=dtype)
             self.positions = torch.zeros(n, dtype=torch.int64)
             self.attn_out = torch.zeros(n, num_heads, head_dim, dtype=dtype)
-        self.graphs: dict[int, _Bucket] = {}
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.disabled: str | None = None  # why prefill runs eagerly after a failed capture
-        self.used: set[int] = set()  # buckets run since the last capture
-        self.pending: list[int] = []  # buckets left to capture (after a reload), largest first
+
+    @property
+    def buckets(self) -> list[int]:
+        return self.sizes
 
     @property
     def max_tokens(self) -> int:
-        return self.buckets[-1]
+        return self.max_size
 
-    def bucket(self, num_tokens: int) -> int | None:
-        return next((b for b in self.buckets if b >= num_tokens), None)
+    def cuda_graphs(self) -> list[torch.cuda.CUDAGraph]:
+        return [piece for bucket in self.graphs.values() for piece in bucket.pieces]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states [T, H] of a batch of T <= max_tokens tokens, under the live step context (set by
         the caller; attention reads it). Replays the bucket's graph when there is one."""
         num_tokens = input_ids.shape[0]
-        size = self.bucket(num_tokens)
+        size = self.size_for(num_tokens)
         self.used.add(size)
         self.embeds[:num_tokens].copy_(self.model.embed(input_ids))
         self.positions[:num_tokens].copy_(positions)
@@ -162,7 +164,7 @@ class PrefillGraphs:
     def release(self) -> None:
         """Drop every bucket's graphs and their pool (sleep); the next `capture` uses a new pool. Until then
         `forward` runs eagerly."""
-        self.graphs, self.pending = {}, []
+        self._drop()
         self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
 
     def capture(self, strict: bool, buckets: list[int] | None = None) -> dict[int, float]:
@@ -173,11 +175,10 @@ class PrefillGraphs:
         then rolls back), else prefill runs eagerly from now on, with a warning. Every rank must succeed
         for any to use the new graphs; they replace the old ones only then.
         """
-        buckets = sorted(set(self.buckets if buckets is None else buckets) & set(self.buckets), reverse=True)
         graphs, timings, error, out_of_memory = {}, {}, None, False
         try:
             with collector_paused():
-                for size in buckets:
+                for size in self._to_capture(buckets):
                     start = time.perf_counter()
                     graphs[size] = self._capture(size)
                     timings[size] = time.perf_counter() - start
@@ -194,12 +195,13 @@ class PrefillGraphs:
             error = error or "another rank failed to capture its prefill graphs"
             if strict:
                 raise RuntimeError(f"capturing the prefill graphs failed: {error}")
-            self.graphs, self.disabled, self.pending = {}, error, []
+            self._drop()
+            self.disabled = error
             print(f"warning: capturing the prefill graphs failed ({error}); prefill runs eagerly",
                   file=sys.stderr, flush=True)
             return {}
-        self.graphs, self.disabled = {s: b for s, b in graphs.items() if b is not None}, None
-        self.pending, self.used = [b for b in reversed(self.buckets) if b not in graphs], set()
+        self._replace(graphs)
+        self.disabled = None
         return timings
 
     def capture_next(self) -> dict[int, float]:
@@ -234,15 +236,14 @@ class PrefillGraphs:
             return self.attn_out[:size]
 
         rows = torch.arange(size, device=self.device)
-        set_context(Context(
-            cu_seqlens_q=torch.tensor([0, size], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([size], dtype=torch.int32, device=self.device),
-            page_table=torch.zeros(1, 1, dtype=torch.int32, device=self.device), slot_mapping=rows,
-            logits_indices=rows, max_q_len=size,
-        ))
+        context = Context(cu_seqlens_q=torch.tensor([0, size], dtype=torch.int32, device=self.device),
+                          seq_lens=torch.tensor([size], dtype=torch.int32, device=self.device),
+                          page_table=torch.zeros(1, 1, dtype=torch.int32, device=self.device), slot_mapping=rows,
+                          logits_indices=rows, max_q_len=size)
         torch.cuda.synchronize(self.device)
         # as the engine's forwards run, but each attention call ends a piece and begins the next
-        with torch.inference_mode(), torch.cuda.stream(self.stream), cut_at_attention(self.attention, cut):
+        with step_context(context), torch.inference_mode(), torch.cuda.stream(self.stream), \
+                cut_at_attention(self.attention, cut):
             bucket.properties = graph_properties()
             try:
                 bucket.begin()
@@ -250,6 +251,5 @@ class PrefillGraphs:
                 bucket.end()
             finally:
                 bucket.abandon()  # on the capture stream, where the capture must end
-                set_context(None)
         bucket.hidden = _non_owning(hidden)
         return bucket
