@@ -7,7 +7,7 @@ import httpx
 from runtime.control_protocol import ReloadReply, WorkerReport
 from serve_process import copy_project, serve
 from test_reload_forward import ACTIVATION, SILU_LINE, complete, edited, new_id, reload
-from tsdev.data_parallel import merge_metrics, merge_reloads, replica_args
+from tsdev.data_parallel import build_front, merge_metrics, merge_reloads, replica_args
 
 
 def test_a_replica_gets_the_fronts_flags_without_the_address_and_the_data_parallelism():
@@ -56,3 +56,34 @@ def test_two_replicas_share_concurrent_requests_and_a_reload_reaches_both(tiny_m
             assert edited_texts != {expected} and len(edited_texts) == 1
         assert reload(url, new_id()).ok
         assert complete(url)["text"] == expected
+
+
+def test_the_front_relays_generation_to_one_replica_and_control_calls_to_all_of_them():
+    import json
+
+    import httpx
+    from fastapi.testclient import TestClient
+
+    from runtime.control_protocol import PAUSE_ROUTE
+
+    seen, down = [], set()
+
+    def replica(request: httpx.Request) -> httpx.Response:  # streamed, as a server's reply is relayed
+        seen.append((request.url.host, request.url.path))
+        status, body = (503, {"status": "down"}) if request.url.host in down else (
+            200, {"from": request.url.host, "path": request.url.path})
+        return httpx.Response(status, headers={"content-type": "application/json"},
+                              stream=httpx.ByteStream(json.dumps(body).encode()))
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(replica))
+    with TestClient(build_front(["http://a", "http://b"], tp=1, client=client)) as front:
+        reply = front.post("/v1/completions", json={"prompt": "hi"})
+        assert reply.json() == {"from": "a", "path": "/v1/completions"}  # none outstanding: the first replica
+        seen.clear()
+        assert front.post(PAUSE_ROUTE, json={}).status_code == 200
+        assert sorted(seen) == [("a", PAUSE_ROUTE), ("b", PAUSE_ROUTE)]  # a control call reaches every replica
+        assert front.get("/health").json() == {"status": "ok", "replicas": 2}
+        assert front.get("/v1/models").json() == {"from": "a", "path": "/v1/models"}  # replica 0's, relayed
+        down.add("b")
+        reply = front.get("/health")
+        assert reply.status_code == 503 and reply.json()["replicas_down"] == [1]

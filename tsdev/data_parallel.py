@@ -116,92 +116,104 @@ class Relayed(StreamingResponse):
                 self.done()
 
 
-def build_front(urls: Sequence[str], tp: int) -> FastAPI:
-    app = FastAPI(title="tsdev data-parallel front", docs_url=None, redoc_url=None)
-    client = httpx.AsyncClient(timeout=None)
-    outstanding = [0] * len(urls)
-    accepting = asyncio.Event()  # cleared while a reload, a weight load or a sleep runs on the replicas
-    accepting.set()
-    holders = 0
+class Front:
+    """The data-parallel front's state: the replicas, how many requests each runs, and whether requests may go
+    out (not while a reload, a weight load or a sleep runs on the replicas)."""
 
-    def forwarded(request: Request) -> dict[str, str]:
-        return {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+    def __init__(self, urls: Sequence[str], tp: int, client: httpx.AsyncClient | None = None):
+        self.urls, self.tp = list(urls), tp
+        self.client = client or httpx.AsyncClient(timeout=None)
+        self.outstanding = [0] * len(urls)
+        self.accepting = asyncio.Event()
+        self.accepting.set()
+        self.holders = 0
 
-    async def complete(request: Request):
+    async def complete(self, request: Request):
+        """A generating request, relayed to the replica with the fewest outstanding."""
         body = await request.body()  # before waiting: a slow upload holds no replica's slot
-        await accepting.wait()
-        replica = min(range(len(urls)), key=lambda i: (outstanding[i], i))
-        outstanding[replica] += 1
+        await self.accepting.wait()
+        replica = min(range(len(self.urls)), key=lambda i: (self.outstanding[i], i))
+        self.outstanding[replica] += 1
 
         def done() -> None:
-            outstanding[replica] -= 1
+            self.outstanding[replica] -= 1
 
         try:
-            upstream = await client.send(client.build_request(
-                "POST", urls[replica] + request.url.path, content=body, headers=forwarded(request),
+            upstream = await self.client.send(self.client.build_request(
+                "POST", self.urls[replica] + request.url.path, content=body, headers=forwarded(request),
                 params=request.query_params), stream=True)
         except BaseException:
             done()
             raise
         return Relayed(upstream, done)
 
-    async def fan_out(request: Request):
-        nonlocal holders
+    async def fan_out(self, request: Request):
+        """A control call, sent to every replica (holding new requests meanwhile if it is a HOLDING_ROUTE)."""
         body, headers, path = await request.body(), forwarded(request), request.url.path
         holding = path in HOLDING_ROUTES
         if holding:
-            holders += 1
-            accepting.clear()
+            self.holders += 1
+            self.accepting.clear()
         try:
-            replies = await asyncio.gather(*(client.post(url + path, content=body, headers=headers,
-                                                         params=request.query_params) for url in urls),
+            replies = await asyncio.gather(*(self.client.post(url + path, content=body, headers=headers,
+                                                              params=request.query_params) for url in self.urls),
                                            return_exceptions=True)
         finally:
             if holding:
-                holders -= 1
-                if holders == 0:
-                    accepting.set()
+                self.holders -= 1
+                if self.holders == 0:
+                    self.accepting.set()
         unreachable = [(i, r) for i, r in enumerate(replies) if isinstance(r, Exception)]
         if unreachable:
-            message = "; ".join(f"replica {i} ({urls[i]}): {type(r).__name__}: {r}" for i, r in unreachable)
+            message = "; ".join(f"replica {i} ({self.urls[i]}): {type(r).__name__}: {r}" for i, r in unreachable)
             error = ErrorDetail(message=f"{path} did not reach every replica ({message}); the others answered",
                                 type="server_error", param=None, code=502)
             return JSONResponse(ErrorBody(error=error).dump(), 502)
         if path == RELOAD_ROUTE and all(r.status_code == 200 for r in replies):
-            merged = merge_reloads([ReloadReply.model_validate_json(r.content) for r in replies], tp)
+            merged = merge_reloads([ReloadReply.model_validate_json(r.content) for r in replies], self.tp)
             return JSONResponse(merged.model_dump(mode="json"))
         reply = next((r for r in replies if r.status_code >= 400), replies[0])
         return Response(reply.content, reply.status_code, media_type=reply.headers.get("content-type"))
 
-    for path in COMPLETION_ROUTES:
-        app.add_api_route(path, complete, methods=["POST"])
-    for path in FAN_OUT_ROUTES:
-        app.add_api_route(path, fan_out, methods=["POST"])
-
-    @app.get("/health")
-    async def health():
-        replies = await asyncio.gather(*(client.get(url + "/health") for url in urls), return_exceptions=True)
+    async def health(self):
+        replies = await asyncio.gather(*(self.client.get(url + "/health") for url in self.urls),
+                                       return_exceptions=True)
         down = [i for i, r in enumerate(replies) if isinstance(r, Exception) or r.status_code != 200]
         if down:
             return JSONResponse({"status": "unavailable", "replicas_down": down}, 503)
-        return {"status": "ok", "replicas": len(urls)}
+        return {"status": "ok", "replicas": len(self.urls)}
 
-    @app.get("/metrics")
-    async def metrics(request: Request):
-        replies = await asyncio.gather(*(client.get(url + "/metrics", headers=forwarded(request)) for url in urls))
+    async def metrics(self, request: Request):
+        replies = await asyncio.gather(*(self.client.get(url + "/metrics", headers=forwarded(request))
+                                         for url in self.urls))
         failed = next((r for r in replies if r.status_code != 200), None)
         if failed is not None:  # e.g. 401 under --metrics-require-api-key without the key
             return Response(failed.content, failed.status_code, media_type=failed.headers.get("content-type"))
         return Response(merge_metrics([r.text for r in replies]), media_type=CONTENT_TYPE_LATEST)
 
-    @app.api_route("/{path:path}", methods=["GET", "POST"])
-    async def first_replica(request: Request, path: str):
+    async def first_replica(self, request: Request, path: str):
         """Routes that need no fan-out (models, server info, events, checksums): replica 0's, streamed."""
-        upstream = await client.send(client.build_request(
-            request.method, f"{urls[0]}/{path}", content=await request.body(), headers=forwarded(request),
+        upstream = await self.client.send(self.client.build_request(
+            request.method, f"{self.urls[0]}/{path}", content=await request.body(), headers=forwarded(request),
             params=request.query_params), stream=True)
         return Relayed(upstream)
 
+
+def forwarded(request: Request) -> dict[str, str]:
+    return {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+
+
+def build_front(urls: Sequence[str], tp: int, client: httpx.AsyncClient | None = None) -> FastAPI:
+    """The front's app over replicas at `urls` (`client`: how it reaches them; tests pass a mock transport)."""
+    app = FastAPI(title="tsdev data-parallel front", docs_url=None, redoc_url=None)
+    front = Front(urls, tp, client)
+    for path in COMPLETION_ROUTES:
+        app.add_api_route(path, front.complete, methods=["POST"])
+    for path in FAN_OUT_ROUTES:
+        app.add_api_route(path, front.fan_out, methods=["POST"])
+    app.add_api_route("/health", front.health, methods=["GET"])
+    app.add_api_route("/metrics", front.metrics, methods=["GET"])
+    app.add_api_route("/{path:path}", front.first_replica, methods=["GET", "POST"])  # last: it matches any path
     return app
 
 

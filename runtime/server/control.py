@@ -3,9 +3,9 @@ update_weights / weights_checksum, and the events stream (SSE).
 
 Bodies, replies and events are runtime.control_protocol's models, which the clients parse too.
 """
-from fastapi import FastAPI
-
 import time
+
+from fastapi import APIRouter
 
 from runtime.control_protocol import (CONTINUE_ROUTE, EVENTS_ROUTE, FLUSH_ROUTE, IS_SLEEPING_ROUTE, KERNEL_CHECK_ROUTE,
                                       KernelCheckRequest, MODULES_ROUTE,
@@ -21,6 +21,7 @@ from runtime.engine.llm_engine import CheckpointRefused, WeightsAsleep
 from runtime.engine.profiler import RangeOpen
 from runtime.engine.sleep import overall_digest
 from runtime.engine.reload_forward import ReloadForward
+from runtime.server.errors import APIError
 from runtime.server.security import PathNotAllowed, SecurityPolicy
 from runtime.server.sse import sse_response
 
@@ -28,34 +29,34 @@ RELOAD_DISABLED = ("reload_forward is disabled on this server: start it with `ts
                    "(for development: it runs code from disk), or use `tsdev watch`, which does")
 
 
-def add_control_routes(app: FastAPI, async_engine: AsyncEngine, reload_forward: ReloadForward | None,
-                       api_error: type[Exception], security: SecurityPolicy) -> None:
-    """Who may call these is security's concern (runtime/server/security.py): its Guard covers every path."""
-    ae = async_engine
+def control_router(ae: AsyncEngine, reload_forward: ReloadForward | None, security: SecurityPolicy) -> APIRouter:
+    """Reload, kernel checks, pause/continue, flush, profiling and the events stream. Who may call these is
+    security's concern (runtime/server/security.py): its Guard covers every path."""
+    router = APIRouter()
 
     def reloads() -> ReloadForward:
         if reload_forward is None:
-            raise api_error(403, RELOAD_DISABLED, None, "permission_error")
+            raise APIError(403, RELOAD_DISABLED, None, "permission_error")
         return reload_forward
 
-    @app.post(RELOAD_ROUTE)
+    @router.post(RELOAD_ROUTE)
     async def reload_route(body: ReloadRequest):
         return (await reloads()(body)).dump()
 
-    @app.post(KERNEL_CHECK_ROUTE)
+    @router.post(KERNEL_CHECK_ROUTE)
     async def kernel_check(body: KernelCheckRequest | None = None):
         """The declared kernels against their references at the serving shapes (`tsdev check`)."""
         try:
             return (await reloads().check_kernels(body or KernelCheckRequest())).dump()
         except ValueError as exc:
-            raise api_error(400, str(exc), "ops") from None
+            raise APIError(400, str(exc), "ops") from None
 
-    @app.get(MODULES_ROUTE)
+    @router.get(MODULES_ROUTE)
     async def reloadable_modules():
         """The modules a reload may force (loaded, under the reloadable packages)."""
         return ModulesReply(modules=reloads().reloader.modules()).dump()
 
-    @app.post(PAUSE_ROUTE)
+    @router.post(PAUSE_ROUTE)
     async def pause(body: PauseRequest | None = None):
         mode = (body or PauseRequest()).mode
         async with ae.control_lock:
@@ -68,7 +69,7 @@ def add_control_routes(app: FastAPI, async_engine: AsyncEngine, reload_forward: 
         ae.publish(Paused(mode=mode, aborted=aborted))
         return PauseReply(mode=mode, aborted=aborted).dump()
 
-    @app.post(CONTINUE_ROUTE)
+    @router.post(CONTINUE_ROUTE)
     async def continue_generation():
         if reload_forward is not None:
             reload_forward.cancel_pending()
@@ -77,41 +78,41 @@ def add_control_routes(app: FastAPI, async_engine: AsyncEngine, reload_forward: 
         ae.publish(Continued())
         return ContinueReply().dump()
 
-    @app.post(FLUSH_ROUTE)
+    @router.post(FLUSH_ROUTE)
     async def flush_cache():
         await ae.between_steps(ae.engine.flush_prefix_cache)
         return FlushReply().dump()
 
-    @app.post(START_PROFILE_ROUTE)
+    @router.post(START_PROFILE_ROUTE)
     async def start_profile(body: ProfileRequest | None = None):
         body = body or ProfileRequest()
         try:
             directory = security.profile_target(body.output_dir, body.name)  # confined to --profile-dir
         except PathNotAllowed as exc:
-            raise api_error(400, str(exc), exc.param, "invalid_request_error") from None
+            raise APIError(400, str(exc), exc.param, "invalid_request_error") from None
         try:
             info = await ae.run_on_engine_thread(ae.profiler.start, body.activities, body.num_steps, str(directory),
                                                  body.name)
         except ValueError as exc:
             status = 409 if isinstance(exc, RangeOpen) else 400
-            raise api_error(status, str(exc), None, "invalid_request_error") from None
+            raise APIError(status, str(exc), None, "invalid_request_error") from None
         ae.publish(ProfileStarted(**dict(info)))
         return info.dump()
 
-    @app.post(STOP_PROFILE_ROUTE)
+    @router.post(STOP_PROFILE_ROUTE)
     async def stop_profile():
         try:
             info = await ae.run_on_engine_thread(ae.profiler.stop)
         except ValueError as exc:
-            raise api_error(400, str(exc), None, "invalid_request_error") from None
+            raise APIError(400, str(exc), None, "invalid_request_error") from None
         ae.publish(ProfileFinished(**dict(info)))
         return info.dump()
 
-    @app.get(EVENTS_ROUTE)
+    @router.get(EVENTS_ROUTE)
     async def events():
         return sse_response(ae.events())
 
-    add_weight_routes(app, async_engine, api_error, security)
+    return router
 
 
 def sleep_status(ae: AsyncEngine) -> dict:
@@ -120,13 +121,12 @@ def sleep_status(ae: AsyncEngine) -> dict:
                 weights_loaded=state.weights_loaded)
 
 
-def add_weight_routes(app: FastAPI, async_engine: AsyncEngine, api_error: type[Exception],
-                      security: SecurityPolicy) -> None:
+def weights_router(ae: AsyncEngine, security: SecurityPolicy) -> APIRouter:
     """vLLM's sleep mode and the weight reload (SGLang's /update_weights_from_disk too). Each takes its turn in the
     control lock, after the control calls before it; sleep and reload_weights drain first, as a reload does."""
-    ae, engine = async_engine, async_engine.engine
+    router, engine = APIRouter(), ae.engine
 
-    @app.post(SLEEP_ROUTE)
+    @router.post(SLEEP_ROUTE)
     async def sleep(body: SleepRequest | None = None):
         level = (body or SleepRequest()).level
         start = time.perf_counter()
@@ -146,7 +146,7 @@ def add_weight_routes(app: FastAPI, async_engine: AsyncEngine, api_error: type[E
         return SleepReply(**sleep_status(ae), freed_bytes=info["freed"], device_freed_bytes=device_freed,
                           seconds=round(time.perf_counter() - start, 6)).dump()
 
-    @app.post(WAKE_UP_ROUTE)
+    @router.post(WAKE_UP_ROUTE)
     async def wake_up(body: WakeUpRequest | None = None):
         tags = (body or WakeUpRequest()).tags
         start = time.perf_counter()
@@ -157,59 +157,63 @@ def add_weight_routes(app: FastAPI, async_engine: AsyncEngine, api_error: type[E
         return WakeUpReply(**sleep_status(ae), woken=woken, recapture_seconds=round(sum(recapture.values()), 6),
                            seconds=round(time.perf_counter() - start, 6)).dump()
 
-    @app.get(IS_SLEEPING_ROUTE)
+    @router.get(IS_SLEEPING_ROUTE)
     async def is_sleeping():
         return SleepStatus(**sleep_status(ae)).dump()
 
-    async def load(path_field: str | None, mode: str, update_id: str | None):
-        """reload_weights and update_weights: one engine method (`LLMEngine.update_weights`), drained first, in its
-        turn in the control lock."""
-        try:
-            path = security.weight_path(path_field, engine.model_dir) if path_field else engine.model_dir
-        except PathNotAllowed as exc:
-            raise api_error(400, str(exc), exc.param, "invalid_request_error") from None
-        start = time.perf_counter()
-        async with ae.control_lock:
-            await ae.drain()
-            try:
-                update = await ae.run_on_engine_thread(engine.update_weights, path, mode)
-            except WeightsAsleep as exc:
-                raise api_error(409, str(exc), None, "invalid_request_error") from None
-            except CheckpointRefused as exc:  # before any weight changed
-                raise api_error(400, f"{path}: {exc}", "path", "invalid_request_error") from None
-            except NotImplementedError:  # not with this server's parallelism: refused before anything changed
-                raise
-            except Exception as exc:
-                why = (f"loading {path} failed midway ({type(exc).__name__}: {exc}); the engine runs no step and "
-                       "requests get 503 until a weight load succeeds: the next full update (POST "
-                       f"{UPDATE_WEIGHTS_ROUTE} {{\"mode\": \"full\"}}, or reload_weights) repairs it")
-                # the engine steps no more until then: end the queued (or paused) requests instead of leaving them hung
-                await ae.between_steps(lambda: ae.fail_all(Unavailable(why)))
-                raise api_error(500, why, None, "server_error") from None
-        seconds, report = time.perf_counter() - start, update.load
-        ae.publish(WeightsReloaded(path=str(path), seconds=round(seconds, 6), mode=mode, id=update_id))
-        graphs = (f"; graphs recaptured in {update.recapture_seconds:.2f} s" if update.recapture_seconds
-                  else "" if mode == "full" else "; in place, graphs kept")
-        return ReloadWeightsReply(message=f"loaded {path} ({mode}): {report}{graphs}", path=str(path),
-                                  format=report.format, nbytes=report.nbytes, load_seconds=round(report.seconds, 6),
-                                  seconds=round(seconds, 6), mode=mode, id=update_id,
-                                  recapture_seconds=round(update.recapture_seconds, 6)).dump()
-
-    @app.post(RELOAD_WEIGHTS_ROUTE)
+    @router.post(RELOAD_WEIGHTS_ROUTE)
     async def reload_weights(body: ReloadWeightsRequest | None = None):
-        return await load((body or ReloadWeightsRequest()).path, "direct", None)
+        return await load(ae, security, (body or ReloadWeightsRequest()).path, "direct", None)
 
     async def update_weights(body: UpdateWeightsRequest | None = None):
         body = body or UpdateWeightsRequest()
-        return await load(body.path, body.mode, body.id)
+        return await load(ae, security, body.path, body.mode, body.id)
 
-    app.post(UPDATE_WEIGHTS_ROUTE)(update_weights)
-    app.post(UPDATE_WEIGHTS_FROM_DISK_ROUTE)(update_weights)  # SGLang's name and body ({"model_path"}); direct
+    router.post(UPDATE_WEIGHTS_ROUTE)(update_weights)
+    router.post(UPDATE_WEIGHTS_FROM_DISK_ROUTE)(update_weights)  # SGLang's name and body ({"model_path"}); direct
 
-    @app.get(WEIGHTS_CHECKSUM_ROUTE)
+    @router.get(WEIGHTS_CHECKSUM_ROUTE)
     async def weights_checksum():
         start = time.perf_counter()
         async with ae.control_lock:  # in its turn: after an update sent before it
             tensors = await ae.run_on_engine_thread(engine.weights_checksum, False)
         return WeightsChecksumReply(overall=overall_digest(tensors), tensors=tensors,
                                     seconds=round(time.perf_counter() - start, 6)).dump()
+
+    return router
+
+
+async def load(ae: AsyncEngine, security: SecurityPolicy, path_field: str | None, mode: str, update_id: str | None):
+    """reload_weights and update_weights: one engine method (`LLMEngine.update_weights`), drained first, in its
+    turn in the control lock."""
+    engine = ae.engine
+    try:
+        path = security.weight_path(path_field, engine.model_dir) if path_field else engine.model_dir
+    except PathNotAllowed as exc:
+        raise APIError(400, str(exc), exc.param, "invalid_request_error") from None
+    start = time.perf_counter()
+    async with ae.control_lock:
+        await ae.drain()
+        try:
+            update = await ae.run_on_engine_thread(engine.update_weights, path, mode)
+        except WeightsAsleep as exc:
+            raise APIError(409, str(exc), None, "invalid_request_error") from None
+        except CheckpointRefused as exc:  # before any weight changed
+            raise APIError(400, f"{path}: {exc}", "path", "invalid_request_error") from None
+        except NotImplementedError:  # not with this server's parallelism: refused before anything changed
+            raise
+        except Exception as exc:
+            why = (f"loading {path} failed midway ({type(exc).__name__}: {exc}); the engine runs no step and "
+                   "requests get 503 until a weight load succeeds: the next full update (POST "
+                   f"{UPDATE_WEIGHTS_ROUTE} {{\"mode\": \"full\"}}, or reload_weights) repairs it")
+            # the engine steps no more until then: end the queued (or paused) requests instead of leaving them hung
+            await ae.between_steps(lambda: ae.fail_all(Unavailable(why)))
+            raise APIError(500, why, None, "server_error") from None
+    seconds, report = time.perf_counter() - start, update.load
+    ae.publish(WeightsReloaded(path=str(path), seconds=round(seconds, 6), mode=mode, id=update_id))
+    graphs = (f"; graphs recaptured in {update.recapture_seconds:.2f} s" if update.recapture_seconds
+              else "" if mode == "full" else "; in place, graphs kept")
+    return ReloadWeightsReply(message=f"loaded {path} ({mode}): {report}{graphs}", path=str(path),
+                              format=report.format, nbytes=report.nbytes, load_seconds=round(report.seconds, 6),
+                              seconds=round(seconds, 6), mode=mode, id=update_id,
+                              recapture_seconds=round(update.recapture_seconds, 6)).dump()

@@ -8,16 +8,16 @@ non-streamed reply is the sum of those deltas.
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from runtime.engine.async_engine import AsyncEngine, EngineError, Unavailable
+from runtime.engine.async_engine import EngineError, Unavailable
 from runtime.engine.llm_engine import LLMEngine, RequestOutput
 from runtime.engine.sequence import TokenLogprob
-from runtime.server.chat import ChatTemplate
+from runtime.server.deps import ServerDeps
 from runtime.server.errors import APIError, error_body
 from runtime.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingRequest,
                                      TokenizeRequest)
@@ -89,185 +89,181 @@ def token_entry(text: str, logprob: float) -> dict:
     return {"token": text, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(text.encode("utf-8"))}
 
 
-def add_openai_routes(app: FastAPI, engine: LLMEngine, async_engine: AsyncEngine, served_model_name: str,
-                      off_loop: Callable, encode: Callable, check_length: Callable, chat_template: ChatTemplate) -> None:
-    """`off_loop` runs a function in the tokenizer threads; `encode` tokenizes a prompt (refusing one that cannot
-    fit); `check_length` checks a prompt's ids and returns its max_tokens (default: the rest of the context)."""
-    api_error = APIError
+def openai_router(deps: ServerDeps) -> APIRouter:
+    """POST /v1/completions, /v1/chat/completions, /tokenize and /detokenize."""
+    router = APIRouter()
 
-    def check_model(body) -> None:
-        if body.model is not None and body.model != served_model_name:
-            raise api_error(400, f"model {body.model!r} does not exist: this server serves {served_model_name!r} "
-                                 "(GET /v1/models)", "model")
-
-    def check_available() -> None:
-        """503 while the server sleeps (or has no weights loaded), saying what brings it back."""
-        if why := async_engine.unavailable():
-            raise api_error(503, why, None, "server_error")
-
-    def render(messages, add_generation_prompt: bool = True) -> str:
-        try:
-            return chat_template.render([m.for_template() for m in messages], add_generation_prompt)
-        except Exception as exc:
-            raise api_error(400, f"the chat template failed on these messages: {exc}", "messages") from exc
-
-    def start(request_id: str, token_lists: list[list[int]], params: list, n: int, share_prompt: bool) -> list:
-        """One engine stream per (prompt, choice): choice i of a prompt waits for choice 0's prompt pages."""
-        return [async_engine.generate(f"{request_id}-{i}", token_lists[i // n], p,
-                                      after=f"{request_id}-{i - i % n}" if share_prompt and i % n else None)
-                for i, p in enumerate(params)]
-
-    @app.post("/v1/completions")
+    @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        check_model(body)
-        check_available()
-        prompts = body.prompt
-        if isinstance(prompts, str) or not prompts or isinstance(prompts[0], int):
-            prompts = [prompts]  # one prompt (an empty one is refused by check_length)
-        max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        # echo + logprobs: the prompt's logprobs too; echo alone with max_tokens 0 still runs the prompt
-        prompt_logprobs = body.logprobs if body.echo else None
-        if body.echo and max_tokens == 0 and prompt_logprobs is None:
-            prompt_logprobs = 0
+        return await complete(deps, body, request)
 
-        def prepare():
-            token_lists = [encode(p) if isinstance(p, str) else list(p) for p in prompts]
-            params = [body.sampling_params(check_length(ids, max_tokens), j, body.logprobs, prompt_logprobs)
-                      for ids in token_lists for j in range(body.n)]
-            echoes = [(p if isinstance(p, str) else engine.tokenizer.decode(ids, skip_special_tokens=False), ids)
-                      for p, ids in zip(prompts, token_lists)] if body.echo else None
-            return token_lists, params, echoes
-
-        token_lists, params, echoes = await off_loop(prepare)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = start(request_id, token_lists, params, body.n, share_prompt=prompt_logprobs is None)
-        choices = [Choice(i, engine, False, body.logprobs, echoes[i // body.n] if echoes else None)
-                   for i in range(len(streams))]
-
-        def chunk(choice: Choice, out: RequestOutput) -> dict:
-            text, logprobs = choice.delta(out)
-            return {"id": request_id, "object": "text_completion", "created": int(time.time()),
-                    "model": served_model_name, "choices": [with_token_ids(body, {
-                        "index": choice.index, "text": text, "logprobs": logprobs,
-                        "finish_reason": out.finish_reason}, out.new_token_ids)]}
-
-        if body.stream:
-            return sse(body, streams, choices, chunk, request_id, "text_completion")
-        await collect(streams, choices, request)
-        return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": served_model_name,
-                "choices": [with_token_ids(body, {"index": c.index, "text": c.text, "logprobs": c.joined_logprobs(),
-                                                  "finish_reason": c.final.finish_reason}, c.token_ids)
-                            for c in choices],
-                "usage": usage([c.final for c in choices], body.n)}
-
-    @app.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        check_model(body)
-        check_available()
-        top_n = (body.top_logprobs or 0) if body.logprobs else None
+        return await chat(deps, body, request)
 
-        def prepare():
-            ids = encode(render(body.messages), add_special_tokens=False)
-            limit = check_length(ids, body.max_completion_tokens or body.max_tokens)
-            return ids, [body.sampling_params(limit, j, top_n) for j in range(body.n)]
-
-        ids, params = await off_loop(prepare)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = start(request_id, [ids], params, body.n, share_prompt=True)
-        choices = [Choice(i, engine, True, top_n) for i in range(body.n)]
-
-        def chunk(choice: Choice, out: RequestOutput) -> dict:
-            first = not choice.started
-            text, logprobs = choice.delta(out)
-            delta = {"role": "assistant", "content": text} if first else {"content": text}
-            return {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
-                    "model": served_model_name, "choices": [with_token_ids(body, {
-                        "index": choice.index, "delta": delta,
-                        "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
-                        "finish_reason": out.finish_reason}, out.new_token_ids)]}
-
-        if body.stream:
-            return sse(body, streams, choices, chunk, request_id, "chat.completion.chunk")
-        await collect(streams, choices, request)
-        return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": served_model_name,
-                "choices": [with_token_ids(body, {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                                                  "logprobs": c.joined_logprobs(),
-                                                  "finish_reason": c.final.finish_reason}, c.token_ids)
-                            for c in choices],
-                "usage": usage([c.final for c in choices], body.n)}
-
-    @app.post("/tokenize")
+    @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
-        check_model(body)
+        deps.check_model(body)
 
         def run() -> list[int]:
             if body.messages is not None:
-                return encode(render(body.messages, body.add_generation_prompt), bool(body.add_special_tokens))
-            return encode(body.prompt, body.add_special_tokens is not False)
+                return deps.encode(deps.render(body.messages, body.add_generation_prompt), bool(body.add_special_tokens))
+            return deps.encode(body.prompt, body.add_special_tokens is not False)
 
-        tokens = await off_loop(run)
-        strs = [engine.tokenizer.id_to_token(t) for t in tokens] if body.return_token_strs else None
-        return {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens, "token_strs": strs}
+        tokens = await deps.off_loop(run)
+        strs = [deps.engine.tokenizer.id_to_token(t) for t in tokens] if body.return_token_strs else None
+        return {"count": len(tokens), "max_model_len": deps.engine.max_model_len, "tokens": tokens, "token_strs": strs}
 
-    @app.post("/detokenize")
+    @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        check_model(body)
-        vocab = engine.model_config.vocab_size
+        deps.check_model(body)
+        vocab = deps.engine.model_config.vocab_size
         if bad := next((t for t in body.tokens if not 0 <= t < vocab), None):
-            raise api_error(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", "tokens")
-        return {"prompt": await off_loop(lambda: engine.tokenizer.decode(body.tokens, skip_special_tokens=False))}
+            raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", "tokens")
+        return {"prompt": await deps.off_loop(lambda: deps.engine.tokenizer.decode(body.tokens, skip_special_tokens=False))}
 
-    def sse(body: SamplingRequest, streams, choices: list[Choice], chunk, request_id: str,
-            object_name: str) -> StreamingResponse:
-        async def events() -> AsyncIterator[dict]:
-            try:
-                async for index, out in merge(streams):
-                    choice = choices[index]
-                    event = chunk(choice, out)
-                    if body.continuous_usage:
-                        event["usage"] = usage([out], 1)
-                    elif body.include_usage:
-                        event["usage"] = None
-                    if out.finished:
-                        choice.final = out
-                    yield event
-                if body.include_usage:
-                    yield {"id": request_id, "object": object_name, "created": int(time.time()),
-                           "model": served_model_name, "choices": [], "usage": usage([c.final for c in choices], body.n)}
-            except Unavailable as exc:
-                yield error_body(503, str(exc), type_="server_error")
-            except EngineError as exc:
-                yield error_body(500, str(exc), type_="server_error")
-            except ValueError as exc:  # the request itself (as a non-streaming one gets 400)
-                yield error_body(400, str(exc))
+    return router
 
-        return sse_response(events(), done=True)
 
-    async def collect(streams, choices: list[Choice], request: Request) -> None:
-        """Run streams to the end into their choices; abort them if the client goes away."""
-        async def run():
+def start(deps: ServerDeps, request_id: str, token_lists: list[list[int]], params: list, n: int,
+          share_prompt: bool) -> list:
+    """One engine stream per (prompt, choice): choice i of a prompt waits for choice 0's prompt pages."""
+    return [deps.async_engine.generate(f"{request_id}-{i}", token_lists[i // n], p,
+                                       after=f"{request_id}-{i - i % n}" if share_prompt and i % n else None)
+            for i, p in enumerate(params)]
+
+
+async def complete(deps: ServerDeps, body: CompletionRequest, request: Request):
+    deps.check_model(body)
+    deps.check_available()
+    engine, name = deps.engine, deps.served_model_name
+    prompts = body.prompt
+    if isinstance(prompts, str) or not prompts or isinstance(prompts[0], int):
+        prompts = [prompts]  # one prompt (an empty one is refused by check_length)
+    max_tokens = 16 if body.max_tokens is None else body.max_tokens
+    # echo + logprobs: the prompt's logprobs too; echo alone with max_tokens 0 still runs the prompt
+    prompt_logprobs = body.logprobs if body.echo else None
+    if body.echo and max_tokens == 0 and prompt_logprobs is None:
+        prompt_logprobs = 0
+
+    def prepare():
+        token_lists = [deps.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        params = [body.sampling_params(deps.check_length(ids, max_tokens), j, body.logprobs, prompt_logprobs)
+                  for ids in token_lists for j in range(body.n)]
+        echoes = [(p if isinstance(p, str) else engine.tokenizer.decode(ids, skip_special_tokens=False), ids)
+                  for p, ids in zip(prompts, token_lists)] if body.echo else None
+        return token_lists, params, echoes
+
+    token_lists, params, echoes = await deps.off_loop(prepare)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    streams = start(deps, request_id, token_lists, params, body.n, share_prompt=prompt_logprobs is None)
+    choices = [Choice(i, engine, False, body.logprobs, echoes[i // body.n] if echoes else None)
+               for i in range(len(streams))]
+
+    def chunk(choice: Choice, out: RequestOutput) -> dict:
+        text, logprobs = choice.delta(out)
+        return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": name,
+                "choices": [with_token_ids(body, {"index": choice.index, "text": text, "logprobs": logprobs,
+                                                  "finish_reason": out.finish_reason}, out.new_token_ids)]}
+
+    if body.stream:
+        return sse(name, body, streams, choices, chunk, request_id, "text_completion")
+    await collect(streams, choices, request)
+    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": name,
+            "choices": [with_token_ids(body, {"index": c.index, "text": c.text, "logprobs": c.joined_logprobs(),
+                                              "finish_reason": c.final.finish_reason}, c.token_ids)
+                        for c in choices],
+            "usage": usage([c.final for c in choices], body.n)}
+
+
+async def chat(deps: ServerDeps, body: ChatCompletionRequest, request: Request):
+    deps.check_model(body)
+    deps.check_available()
+    name = deps.served_model_name
+    top_n = (body.top_logprobs or 0) if body.logprobs else None
+
+    def prepare():
+        ids = deps.encode(deps.render(body.messages), add_special_tokens=False)
+        limit = deps.check_length(ids, body.max_completion_tokens or body.max_tokens)
+        return ids, [body.sampling_params(limit, j, top_n) for j in range(body.n)]
+
+    ids, params = await deps.off_loop(prepare)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    streams = start(deps, request_id, [ids], params, body.n, share_prompt=True)
+    choices = [Choice(i, deps.engine, True, top_n) for i in range(body.n)]
+
+    def chunk(choice: Choice, out: RequestOutput) -> dict:
+        first = not choice.started
+        text, logprobs = choice.delta(out)
+        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        return {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": name,
+                "choices": [with_token_ids(body, {
+                    "index": choice.index, "delta": delta,
+                    "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
+                    "finish_reason": out.finish_reason}, out.new_token_ids)]}
+
+    if body.stream:
+        return sse(name, body, streams, choices, chunk, request_id, "chat.completion.chunk")
+    await collect(streams, choices, request)
+    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": name,
+            "choices": [with_token_ids(body, {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                                              "logprobs": c.joined_logprobs(),
+                                              "finish_reason": c.final.finish_reason}, c.token_ids)
+                        for c in choices],
+            "usage": usage([c.final for c in choices], body.n)}
+
+
+def sse(served_model_name: str, body: SamplingRequest, streams, choices: list[Choice], chunk, request_id: str,
+        object_name: str) -> StreamingResponse:
+    async def events() -> AsyncIterator[dict]:
+        try:
             async for index, out in merge(streams):
-                choices[index].add(out, *choices[index].delta(out))
-
-        task = asyncio.create_task(run())
-        try:
-            while not task.done():
-                await asyncio.wait({task}, timeout=0.5)
-                if not task.done() and await request.is_disconnected():
-                    raise api_error(499, "the client disconnected; the request was aborted",
-                                    type_="client_closed_request")
-        except BaseException:  # the client left, or this handler was cancelled (a forced shutdown): abort the
-            task.cancel()      # request's streams, which frees its KV pages, instead of orphaning them
-            await asyncio.gather(task, return_exceptions=True)
-            raise
-        try:
-            task.result()
+                choice = choices[index]
+                event = chunk(choice, out)
+                if body.continuous_usage:
+                    event["usage"] = usage([out], 1)
+                elif body.include_usage:
+                    event["usage"] = None
+                if out.finished:
+                    choice.final = out
+                yield event
+            if body.include_usage:
+                yield {"id": request_id, "object": object_name, "created": int(time.time()),
+                       "model": served_model_name, "choices": [], "usage": usage([c.final for c in choices], body.n)}
         except Unavailable as exc:
-            raise api_error(503, str(exc), type_="server_error") from exc
+            yield error_body(503, str(exc), type_="server_error")
         except EngineError as exc:
-            raise api_error(500, str(exc), type_="server_error") from exc
-        except ValueError as exc:
-            raise api_error(400, str(exc)) from exc
+            yield error_body(500, str(exc), type_="server_error")
+        except ValueError as exc:  # the request itself (as a non-streaming one gets 400)
+            yield error_body(400, str(exc))
+
+    return sse_response(events(), done=True)
+
+
+async def collect(streams, choices: list[Choice], request: Request) -> None:
+    """Run streams to the end into their choices; abort them if the client goes away."""
+    async def run():
+        async for index, out in merge(streams):
+            choices[index].add(out, *choices[index].delta(out))
+
+    task = asyncio.create_task(run())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.5)
+            if not task.done() and await request.is_disconnected():
+                raise APIError(499, "the client disconnected; the request was aborted", type_="client_closed_request")
+    except BaseException:  # the client left, or this handler was cancelled (a forced shutdown): abort the
+        task.cancel()      # request's streams, which frees its KV pages, instead of orphaning them
+        await asyncio.gather(task, return_exceptions=True)
+        raise
+    try:
+        task.result()
+    except Unavailable as exc:
+        raise APIError(503, str(exc), type_="server_error") from exc
+    except EngineError as exc:
+        raise APIError(500, str(exc), type_="server_error") from exc
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from exc
 
 
 def with_token_ids(body: SamplingRequest, choice: dict, token_ids: list[int]) -> dict:
