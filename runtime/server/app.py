@@ -17,7 +17,7 @@ from runtime.engine.llm_engine import LLMEngine
 from runtime.engine.reload_forward import ForwardReloader, ReloadForward
 from runtime.server.body_limit import BodyLimit
 from runtime.server.chat import ChatTemplate
-from runtime.server.control import control_router, weights_router
+from runtime.server.control import control_router, profile_router, weights_router
 from runtime.server.deps import ServerDeps
 from runtime.server.errors import APIError, install_error_handlers
 from runtime.server.metrics import EngineMetrics
@@ -58,7 +58,8 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReload
     app.add_middleware(Guard, policy=security)  # added last: runs first, before the body is read
     app.state.engine, app.state.async_engine, app.state.security = engine, async_engine, security
     reload_forward = ReloadForward(async_engine, reloader, engine.config.rank) if reloader is not None else None
-    app.include_router(control_router(async_engine, reload_forward, security))
+    app.include_router(control_router(async_engine, reload_forward))
+    app.include_router(profile_router(async_engine, security))
     app.include_router(weights_router(async_engine, security))
     install_error_handlers(app)
     app.include_router(info_router(deps, metrics, reloads=reloader is not None))

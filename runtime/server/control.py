@@ -29,9 +29,9 @@ RELOAD_DISABLED = ("reload_forward is disabled on this server: start it with `ts
                    "(for development: it runs code from disk), or use `tsdev watch`, which does")
 
 
-def control_router(ae: AsyncEngine, reload_forward: ReloadForward | None, security: SecurityPolicy) -> APIRouter:
-    """Reload, kernel checks, pause/continue, flush, profiling and the events stream. Who may call these is
-    security's concern (runtime/server/security.py): its Guard covers every path."""
+def control_router(ae: AsyncEngine, reload_forward: ReloadForward | None) -> APIRouter:
+    """Reload, kernel checks, pause/continue, flush and the events stream. Who may call these is security's concern
+    (runtime/server/security.py): its Guard covers every path."""
     router = APIRouter()
 
     def reloads() -> ReloadForward:
@@ -83,6 +83,17 @@ def control_router(ae: AsyncEngine, reload_forward: ReloadForward | None, securi
         await ae.between_steps(ae.engine.flush_prefix_cache)
         return FlushReply().dump()
 
+    @router.get(EVENTS_ROUTE)
+    async def events():
+        return sse_response(ae.events())
+
+    return router
+
+
+def profile_router(ae: AsyncEngine, security: SecurityPolicy) -> APIRouter:
+    """Start and stop a profile of the engine's steps, written under --profile-dir."""
+    router = APIRouter()
+
     @router.post(START_PROFILE_ROUTE)
     async def start_profile(body: ProfileRequest | None = None):
         body = body or ProfileRequest()
@@ -107,10 +118,6 @@ def control_router(ae: AsyncEngine, reload_forward: ReloadForward | None, securi
             raise APIError(400, str(exc), None, "invalid_request_error") from None
         ae.publish(ProfileFinished(**dict(info)))
         return info.dump()
-
-    @router.get(EVENTS_ROUTE)
-    async def events():
-        return sse_response(ae.events())
 
     return router
 
