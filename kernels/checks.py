@@ -26,6 +26,7 @@ import torch
 
 OPS_PACKAGE = "kernels.ops"
 TIMED_CALLS, TIMED_REPEATS = 20, 5  # per shape: the median of 5 runs of 20 calls back to back
+TIMED_REPLAYS, RUN_US = 10, 1000.0  # a run replays the graph of the calls up to 10 times, about 1 ms in all
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class Serving:
     experts: int = 0  # a mixture of experts' (0: a dense model), its experts per token and their width per rank
     top_k: int = 0
     moe_intermediate: int = 0
+    fp8: bool = False  # e4m3 projections (--quantization fp8)
     eps: float = 1e-6
     device: str = "cuda"
 
@@ -123,23 +125,42 @@ def run(check: KernelCheck, shape: tuple[int, ...], dtype: torch.dtype, device: 
     return run_all([(check, shape)], dtype, device)[0]
 
 
-def run_all(items: Sequence[tuple[KernelCheck, tuple[int, ...]]], dtype: torch.dtype, device: str) -> list[Result]:
-    """Each (check, shape): the kernel against the reference on fresh random inputs; NaN or Inf in the kernel's
-    output never pass. The comparisons stay on the device until one read at the end (a reload's pause pays one
-    wait for all of them, not one per shape)."""
+@dataclass
+class Drawn:
+    """A check's fresh inputs at one shape and its reference's outputs on them, drawn ahead (a reload draws them
+    before its pause, for the ops the edited modules reach), with the digest of the code that drew them."""
+    seed: int
+    args: tuple
+    want: list[torch.Tensor]
+    digest: str
+
+
+def draw(check: KernelCheck, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> Drawn:
+    seed = int.from_bytes(os.urandom(6), "little")
+    args = check.inputs(tuple(shape), dtype, device, torch.Generator(device=device).manual_seed(seed))
+    return Drawn(seed, args, _tensors(check.reference(*args)), drawing_digest(check))
+
+
+def run_all(items: Sequence[tuple[KernelCheck, tuple[int, ...]]], dtype: torch.dtype, device: str,
+            drawn: Mapping[tuple[str, tuple[int, ...]], Drawn] | None = None) -> list[Result]:
+    """Each (check, shape): the kernel against the reference on fresh random inputs -- those `drawn` ahead for
+    (op, shape) while the code that draws them and computes the reference is unchanged, else drawn now. NaN or
+    Inf in the kernel's output never pass. The comparisons stay on the device until one read at the end (a
+    reload's pause pays one wait for all of them, not one per shape)."""
     pending = []
     for check, shape in items:
-        seed = int.from_bytes(os.urandom(6), "little")
+        ahead = (drawn or {}).get((check.op, tuple(shape)))
+        inputs = ahead if ahead is not None and ahead.digest == drawing_digest(check) else draw(check, shape, dtype,
+                                                                                                   device)
         tol = check.tolerance[dtype]
         result = Result(check.op, tuple(shape), str(dtype).removeprefix("torch."), math.inf, math.inf, tol.atol,
-                        tol.rtol, False, seed)
-        args = check.inputs(tuple(shape), dtype, device, torch.Generator(device=device).manual_seed(seed))
-        want = _tensors(check.reference(*args))
+                        tol.rtol, False, inputs.seed)
         try:
-            got = _tensors(check.kernel(*args))
+            got = _tensors(check.kernel(*inputs.args))
         except Exception as exc:  # a kernel that no longer runs at this shape: reported, not raised
             result.error = f"{type(exc).__name__}: {exc}"
             got = None
+        want = inputs.want
         if got is not None and [(g.shape, g.dtype) for g in got] != [(w.shape, w.dtype) for w in want]:
             result.error = (f"output {[(tuple(g.shape), g.dtype) for g in got]} where the reference gives "
                             f"{[(tuple(w.shape), w.dtype) for w in want]}")
@@ -176,7 +197,7 @@ def time_call(check: KernelCheck, shape: tuple[int, ...], dtype: torch.dtype, de
     """(microseconds per call of the kernel at `shape`, how they were timed). On CUDA: "graph", the device time of
     `calls` launches captured in one CUDA graph (what a captured step pays: no host launch cost, unmoved by the
     server's other threads), over up to INPUT_SETS distinct inputs as serving's layers bring their own, the median
-    of `repeats` replays -- benchmarks/kernels_bench.py's graph column; "eager" where the op cannot be captured
+    of `repeats` runs of back-to-back replays (`_replays`) -- benchmarks/kernels_bench.py's graph column; "eager" where the op cannot be captured
     (it waits on the host): the same launches one by one between two events, launch cost included. Off CUDA,
     "wall": the wall clock of eager launches."""
     inputs = timing_inputs(check, tuple(shape), dtype, device)
@@ -186,19 +207,32 @@ def time_call(check: KernelCheck, shape: tuple[int, ...], dtype: torch.dtype, de
     if not device.startswith("cuda"):
         return statistics.median(_wall_us(check, launches) for _ in range(repeats)), "wall"
     graph = _captured(check, launches)
+    replays = 1 if graph is None else _replays(graph)
     runs = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        if graph is not None:
-            graph.replay()
-        else:
-            for args in launches:
-                check.kernel(*args)
+        for _ in range(replays):
+            if graph is not None:
+                graph.replay()
+            else:
+                for args in launches:
+                    check.kernel(*args)
         end.record()
         end.synchronize()
-        runs.append(start.elapsed_time(end) * 1e3 / calls)
+        runs.append(start.elapsed_time(end) * 1e3 / (calls * replays))
     return statistics.median(runs), "eager" if graph is None else "graph"
+
+
+def _replays(graph: torch.cuda.CUDAGraph) -> int:
+    """Replays per timed run: enough that one replay's launch latency (~0.25 µs a run pays once) is small against
+    the calls' time (a kernel of 1 µs: 20 calls are 20 µs), at most TIMED_REPLAYS and about RUN_US."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return max(1, min(TIMED_REPLAYS, int(RUN_US / max(start.elapsed_time(end) * 1e3, 1e-3))))
 
 
 INPUT_SETS, INPUT_BYTES = 4, 256 << 20  # distinct inputs a timing cycles through, within this many bytes
@@ -245,6 +279,32 @@ def _digest(check: KernelCheck) -> str:
     digest = hashlib.sha256()
     for fn in _reached(check):
         digest.update(b"-" if fn is None else repr(_code_key(fn.__code__)).encode())
+    return digest.hexdigest()
+
+
+def drawing_digest(check: KernelCheck) -> str:
+    """A digest of the code that draws the check's inputs and computes its reference: the Python functions of
+    kernels.ops they reach through globals and closures, and the plain constants these read."""
+    digest, seen = hashlib.sha256(), set()
+
+    def visit(value) -> None:
+        if isinstance(value, types.FunctionType):
+            if id(value) in seen or not value.__module__.startswith(OPS_PACKAGE):
+                return
+            seen.add(id(value))
+            digest.update(repr(_code_key(value.__code__)).encode())
+            for name in value.__code__.co_names:
+                visit(value.__globals__.get(name))
+            for cell in value.__closure__ or ():
+                try:
+                    visit(cell.cell_contents)
+                except ValueError:  # an empty cell
+                    pass
+        elif isinstance(value, (int, float, str, bool, tuple)) or value is None:
+            digest.update(repr(value).encode())
+
+    visit(check.inputs)
+    visit(check.reference)
     return digest.hexdigest()
 
 

@@ -66,6 +66,29 @@ def test_the_logits_ops_are_checked_over_the_vocab_and_a_halved_penalty_fails():
     assert not checks.run(halved, (5, 1024), torch.float32, "cpu").ok
 
 
+def test_the_samplers_are_checked_token_for_token_and_another_seed_fails():
+    race, top_k = (next(c for c in checks.declared() if c.op == op) for op in ("sample", "sample_top_k"))
+    assert race.tolerance[torch.bfloat16].atol == 0 == top_k.tolerance[torch.bfloat16].rtol  # token ids: exact
+    assert checks.run(race, (7, 3000), torch.float32, "cpu").ok and checks.run(top_k, (7, 3000), torch.float32,
+                                                                               "cpu").ok
+    reseeded = replace(top_k, kernel=lambda logits, temps, ks, ps, seeds: sampling.sample_top_k_triton(
+        logits, temps, ks, ps, seeds + 1, sampling.SAMPLE_TOP_K))
+    assert not checks.run(reseeded, (7, 3000), torch.float32, "cpu").ok
+
+
+def test_fp8_projections_are_checked_only_where_the_model_serves_them():
+    gemv, skinny = (next(c for c in checks.declared() if c.op == op) for op in ("fp8_gemv", "fp8_skinny_linear"))
+    serving = checks.Serving(tokens=(1, 8, 64), hidden=64, intermediate=128, dtype=torch.float32, device="cpu")
+    assert gemv.shapes(serving) == [] == skinny.shapes(serving)  # bf16 weights
+    fp8 = replace(serving, fp8=True)
+    assert gemv.shapes(fp8) == [(1, 128, 64)] and skinny.shapes(fp8) == [(8, 128, 64)]
+    x, weight, scale = gemv.inputs((1, 128, 64), torch.float32, "cpu", torch.Generator().manual_seed(3))
+    assert weight.dtype == torch.float8_e4m3fn and scale.shape == (64,)
+    assert all(checks.run(c, c.shapes(fp8)[0], torch.float32, "cpu").ok for c in (gemv, skinny))
+    unscaled = replace(gemv, kernel=lambda x, w, scale: linear.gemv_triton(x, w, weight_scale=scale * 1.02))
+    assert not checks.run(unscaled, (1, 128, 64), torch.float32, "cpu").ok
+
+
 def test_a_wrong_kernel_is_reported_with_its_error_and_nan_never_passes():
     wrong = replace(SILU, kernel=lambda x: activation.silu_and_mul_triton(x) * 1.01)
     result = checks.run(wrong, (3, 64), torch.float32, "cpu")
@@ -88,7 +111,7 @@ def test_an_edit_of_an_inlined_helper_changes_the_fingerprint_of_the_ops_whose_k
         helper.__code__ = compile("def f(gate, up, dt):\n    return gate * up\n", "<edit>", "exec").co_consts[0]
         # the GEMV (its gated path) and the MoE's up kernel inline the helper too: their ops, nothing else
         assert [c.op for c in checks.changed(before, declared)] == ["silu_and_mul", "gemv", "gemv_norm_gate_up",
-                                                                    "fused_moe"]
+                                                                    "fp8_gemv", "fused_moe"]
     finally:
         helper.__code__ = original
     assert checks.changed(before, declared) == [] and kernel is activation._silu_and_mul_kernel
@@ -96,6 +119,22 @@ def test_an_edit_of_an_inlined_helper_changes_the_fingerprint_of_the_ops_whose_k
     assert reached["silu_and_mul"] == {"kernels.ops.activation", "kernels.ops"}  # wait_for_previous is in kernels.ops
     assert {"kernels.ops.linear", "kernels.ops.activation", "kernels.ops.norm"} <= reached["gemv_norm_gate_up"]
     assert "kernels.ops.activation" not in reached["rms_norm"]
+
+
+def test_inputs_drawn_ahead_are_used_only_while_the_code_drawing_them_is_unchanged():
+    shape = (4, 64)
+    ahead = checks.draw(SILU, shape, torch.float32, "cpu")
+    result, = checks.run_all([(SILU, shape)], torch.float32, "cpu", {("silu_and_mul", shape): ahead})
+    assert result.ok and result.seed == ahead.seed  # the kernel ran on the inputs drawn ahead
+    other = checks.draw(SILU, shape, torch.float32, "cpu")
+    assert other.seed != ahead.seed and not torch.equal(other.args[0], ahead.args[0])  # fresh each time
+    doubled = replace(SILU, reference=lambda x: activation.silu_and_mul_ref(x) * 2)  # the reference was edited
+    assert checks.drawing_digest(doubled) != ahead.digest
+    result, = checks.run_all([(doubled, shape)], torch.float32, "cpu", {("silu_and_mul", shape): ahead})
+    assert result.seed != ahead.seed and not result.ok  # drawn again: the edited reference is what is compared
+    stale = replace(ahead, want=[w * 2 for w in ahead.want])  # had it been reused, the check would fail
+    result, = checks.run_all([(SILU, (3, 64))], torch.float32, "cpu", {("silu_and_mul", shape): stale})
+    assert result.ok and result.seed != ahead.seed  # another shape: drawn now
 
 
 def test_serving_shapes_take_the_ends_and_middle_of_the_decode_graphs_and_every_prefill_bucket():
@@ -181,7 +220,8 @@ def test_tsdev_check_runs_every_declared_op_or_the_named_ones_and_names_the_ops_
     assert every.exit_code == 0, every.output
     assert {line.split(":")[0] for line in every.output.splitlines()[:-1]} == {
         "silu_and_mul", "paged_decode", "paged_prefill", "gemv", "gemv_norm_gate_up", "skinny_linear", "rms_norm",
-        "fused_add_rms_norm", "rope", "qk_norm_rope", "token_logprobs", "apply_penalties"}  # no fused_moe: dense
+        "fused_add_rms_norm", "rope", "qk_norm_rope", "sample", "sample_top_k", "token_logprobs",
+        "apply_penalties"}  # no fused_moe (a dense model), no fp8_* (bf16 weights)
     assert "all ok" in every.output
     table = CliRunner().invoke(app, ["check", "rms_norm", "--shapes", "--url", url])
     assert table.exit_code == 0 and table.output.count("rms_norm ") >= 3 and "fused_add" not in table.output

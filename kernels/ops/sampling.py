@@ -504,12 +504,38 @@ def _penalties_inputs(shape, dtype, device, generator):
     return _logits(shape, generator, device), slots, counts, params, bias_ids, bias_values, bias_count
 
 
+def _draw_inputs(shape, dtype, device, generator, filtered: bool):
+    """Logits, temperatures with greedy rows (0) among sampled ones, the rows' seeds; with `filtered`, top-k in
+    1..SAMPLE_TOP_K and top-p in (0.05, 1] (half the rows: off)."""
+    rows, _ = shape
+    temps = torch.rand(rows, generator=generator, device=device) * 1.5 + 0.2
+    temps[::3] = 0.0
+    seeds = torch.randint(-(2**62), 2**62, (rows,), generator=generator, device=device)
+    top_ks = torch.zeros(rows, dtype=torch.int64, device=device)
+    top_ps = torch.ones(rows, device=device)
+    if filtered:
+        top_ks = torch.randint(1, SAMPLE_TOP_K + 1, (rows,), generator=generator, device=device)
+        ps = torch.rand(rows, generator=generator, device=device) * 0.9 + 0.05
+        top_ps = torch.where(torch.rand(rows, generator=generator, device=device) < 0.5, ps, 1.0)
+    return _logits(shape, generator, device), temps, top_ks, top_ps, seeds
+
+
+def _sample_ref(logits, temps, top_ks, top_ps, seeds):
+    cols = torch.arange(logits.shape[1], device=logits.device)
+    return sample_ref(logits, temps, top_ks, top_ps, exponential_noise(seeds, cols))
+
+
 def _on_a_copy(apply):
     def run(logits, *tables):
         out = logits.clone()
         apply(out, *tables)
         return out
     return run
+
+
+SAMPLE_TOP_K = 50  # the sample_top_k check's max_top_k (a request's usual top_k is at most this)
+SAME_TOKENS = _logits_tolerance(0.0, 0.0, "token ids: the same seeded noise on the same logits draws the same token "
+                                "(a near tie within float32 rounding: about once in 10^6 rows)")
 
 
 def _decode_rows(serving):
@@ -521,6 +547,15 @@ CHECKS = [
                 kernel=token_logprobs_triton, reference=token_logprobs_ref,
                 tolerance=_logits_tolerance(1e-4, 1e-5, "float32 log-sum-exp over the vocab in chunks, merged: "
                                             "the sums' order; the top ids exact (no ties in random logits)")),
+    KernelCheck(op="sample", kernels=("_race_kernel",), shapes=_decode_rows,
+                inputs=lambda shape, dtype, device, generator: _draw_inputs(shape, dtype, device, generator, False),
+                kernel=lambda logits, temps, top_ks, top_ps, seeds: race_triton(logits, temps, seeds),
+                reference=_sample_ref, tolerance=SAME_TOKENS),
+    KernelCheck(op="sample_top_k", kernels=("_candidates_kernel",), shapes=_decode_rows,
+                inputs=lambda shape, dtype, device, generator: _draw_inputs(shape, dtype, device, generator, True),
+                kernel=lambda logits, temps, top_ks, top_ps, seeds: sample_top_k_triton(logits, temps, top_ks, top_ps,
+                                                                                        seeds, SAMPLE_TOP_K),
+                reference=_sample_ref, tolerance=SAME_TOKENS),
     KernelCheck(op="apply_penalties", kernels=("_bias_kernel", "_penalties_kernel"), shapes=_decode_rows,
                 inputs=_penalties_inputs, kernel=_on_a_copy(apply_penalties_triton),
                 reference=_on_a_copy(apply_penalties_ref),

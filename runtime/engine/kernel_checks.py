@@ -1,5 +1,7 @@
 """The per-kernel check of a reload (kernels/checks.py): which ops an edit changed, their error against the
-reference at the serving shapes (inside the pause, before the reload commits: `strict` rolls it back), and their time
+reference at the serving shapes (inside the pause, before the reload commits: `strict` rolls it back; the inputs and
+the reference's outputs are drawn before the pause, so the pause runs only the new kernels and the comparisons), and
+their time
 per call before and after (never while requests run: the old binaries are timed while the jit step waits and the
 engine is idle, the new ones after serving resumes, if it is idle then; a time this reload could not take comes from
 the last one taken for that code, marked not fresh, or is missing). Times on CUDA only: Triton's interpreter, which
@@ -9,11 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+import torch
+
 from kernels import checks
 from runtime.config import KERNEL_CHECK_MODES
 from runtime.control_protocol import KernelCheckResult
 
 MAX_SHAPES = 6  # per op: the pause grows with each
+DRAWN_BYTES = 1 << 30  # inputs drawn ahead of a pause, at most (the rest are drawn in it)
 
 
 def serving_tokens(decode_sizes: list[int], prefill_buckets: list[int], max_running: int) -> tuple[int, ...]:
@@ -31,6 +36,7 @@ class KernelChecker:
         self.mode = mode
         self.times: dict[tuple, tuple[str, float, str]] = {}  # (op, shape, dtype) -> (its code's fingerprint, µs, how)
         self.timed_now: set[tuple] = set()  # the keys time_old measured for the reload under way
+        self.drawn: dict[tuple, checks.Drawn] = {}  # (op, shape) -> inputs drawn ahead for the reload under way
 
     @property
     def on(self) -> bool:
@@ -55,13 +61,37 @@ class KernelChecker:
                     self.times[key] = (now[check.op], *checks.time_call(check, shape, serving.dtype, serving.device))
                     self.timed_now.add(key)
 
+    def draw_ahead(self, serving: checks.Serving, modules: Iterable[str]) -> None:
+        """Draw the inputs and the reference's outputs of each op the edited `modules` may change, at the serving
+        shapes (while the old code serves: between two steps), up to DRAWN_BYTES; `check` uses them where the code
+        drawing them is unchanged by the edit."""
+        self.drawn, size = {}, 0
+        if not (self.on and checks.runnable(serving.device)):
+            return
+        edited = set(modules)
+        for check in checks.declared():
+            if not (checks.modules_reached(check) & edited and serving.dtype in check.tolerance):
+                continue
+            for shape in check.shapes(serving):
+                drawn = checks.draw(check, tuple(shape), serving.dtype, serving.device)
+                size += sum(t.numel() * t.element_size() for t in (*drawn.args, *drawn.want)
+                            if isinstance(t, torch.Tensor))
+                if size > DRAWN_BYTES:
+                    return
+                self.drawn[(check.op, tuple(shape))] = drawn
+
+    def forget_drawn(self) -> None:
+        """The reload ended before its check (it failed): the inputs drawn ahead are not kept."""
+        self.drawn = {}
+
     def check(self, before: Mapping[str, str], serving: checks.Serving) -> list[checks.Result]:
         """The changed ops against their references at the serving shapes (the new code, in the pause)."""
+        drawn, self.drawn = self.drawn, {}
         if not (self.on and before and checks.runnable(serving.device)):
             return []
         items = [(check, tuple(shape)) for check in checks.changed(before, checks.declared())
                  if serving.dtype in check.tolerance for shape in check.shapes(serving)]
-        results = checks.run_all(items, serving.dtype, serving.device)
+        results = checks.run_all(items, serving.dtype, serving.device, drawn)
         for result in results:
             key = (result.op, result.shape, serving.dtype)
             old = self.times.get(key)
@@ -143,5 +173,6 @@ def serving_of(engine) -> checks.Serving:
                           experts=raw.get("num_experts") or 0,
                           top_k=raw.get("num_experts_per_tok") or 0,
                           moe_intermediate=(raw.get("moe_intermediate_size") or 0) // world,
+                          fp8=engine.config.quantization == "fp8",
                           dtype=engine.runner.dtype, eps=config.rms_norm_eps, device=str(engine.runner.device))
 

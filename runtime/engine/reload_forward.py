@@ -199,8 +199,11 @@ class ReloadForward:
                 except Exception as exc:  # only an optimisation: the warm step compiles what is missing
                     warnings.append(f"compiling ahead failed, kernels compile during the warm step: {describe_error(exc)}")
         checker, serving, kernel_checks = self.checker, serving_of(engine), []
-        if checker.on:  # the old code's times, while it still serves (if nothing runs on the GPU now)
-            await ae.run_on_engine_thread(lambda: checker.time_old(serving, self._idle(), plan.reloaded))
+        if checker.on:  # the old code's times (if nothing runs on the GPU now) and the checks' inputs, while it serves
+            def before_pause() -> None:
+                checker.time_old(serving, self._idle(), plan.reloaded)
+                checker.draw_ahead(serving, plan.reloaded)
+            await ae.run_on_engine_thread(before_pause)
         before_edit = checker.fingerprints()
         ae.hold(True)
         pause_start = time.perf_counter()
@@ -277,6 +280,7 @@ class ReloadForward:
         finally:
             ae.hold(False)
             attempt.timings["pause"] = time.perf_counter() - pause_start
+            checker.forget_drawn()
         if error is None and kernel_checks:  # the new code's times, serving resumed (if nothing runs yet)
             await ae.run_on_engine_thread(lambda: checker.time_new(kernel_checks, serving, idle=self._idle()))
         attempt.timings["total"] = time.perf_counter() - start
