@@ -4,10 +4,15 @@ and after; under --kernel-check strict a wrong edit is rolled back and the serve
 
 Run on the H200: python3 -m pytest -q -m gpu tests/test_kernel_checks_gpu.py
 """
+from dataclasses import replace
+
 import httpx
 import pytest
+import torch
 from typer.testing import CliRunner
 
+from kernels import checks
+from kernels.ops import linear
 from runtime.control_protocol import KERNEL_CHECK_ROUTE, KernelCheckReply
 from serve_process import copy_project, serve
 from test_reload_forward import complete, edited, new_id, reload
@@ -31,7 +36,8 @@ def test_every_op_passes_at_the_served_shapes_and_a_reload_reports_error_and_tim
         every = checked(url)
         failed = [c for c in every.checks if not c.ok]
         assert not failed, failed
-        assert {c.op for c in every.checks} == set(every.ops) - {"fused_moe"}  # a dense model: no MoE shapes
+        # a dense model with bf16 weights: no MoE shapes, no fp8 projections
+        assert {c.op for c in every.checks} == set(every.ops) - {"fused_moe", "fp8_gemv", "fp8_skinny_linear"}
         assert all(c.us_after and c.us_after > 0 for c in every.checks)  # idle: all timed
         assert all(c.timed == "graph" for c in every.checks), [(c.op, c.timed) for c in every.checks]  # device time
         assert CliRunner().invoke(app, ["check", "rms_norm", "--url", url]).exit_code == 0
@@ -58,3 +64,14 @@ def test_the_fused_moe_passes_at_the_default_moe_models_shapes(tmp_path):
                timeout=300) as url:
         reply = checked(url, "fused_moe")
         assert reply.ok and reply.checks and all(c.us_after for c in reply.checks), reply
+
+
+def test_the_fp8_projections_pass_at_the_default_models_shapes_and_a_wrong_scale_fails():
+    serving = checks.Serving(tokens=(1, 8, 64, 256), hidden=1024, intermediate=3072, dtype=torch.bfloat16, fp8=True)
+    for op in ("fp8_gemv", "fp8_skinny_linear"):
+        check = next(c for c in checks.declared() if c.op == op)
+        results = [checks.run(check, shape, torch.bfloat16, "cuda") for shape in check.shapes(serving)]
+        assert results and all(r.ok for r in results), results
+    gemv = next(c for c in checks.declared() if c.op == "fp8_gemv")
+    wrong = replace(gemv, kernel=lambda x, w, scale: linear.gemv_triton(x, w, weight_scale=scale * 1.03))
+    assert not checks.run(wrong, (1, 3072, 1024), torch.bfloat16, "cuda").ok
