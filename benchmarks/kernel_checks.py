@@ -26,12 +26,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.kernels_bench import graph_ms
 from kernels import checks
-from kernels.ops import activation, linear, norm, rope  # noqa: F401  (their CHECKS)
+from kernels.ops import activation, attention, linear, norm, rope, sampling  # noqa: F401  (their CHECKS)
 from runtime.control_protocol import RELOAD_ROUTE, ReloadReply
+from tsdev.outcome import kernel_checks_text
 from tsdev.server_process import ServerProcess, copy_project
 
 HELPER, FILE = "    return act * up\n", "kernels/ops/activation.py"
-SERVED = checks.Serving(tokens=(1, 8, 64, 256), hidden=1024, intermediate=3072, dtype=torch.bfloat16)  # Qwen3-0.6B
+SERVED = checks.Serving(tokens=(1, 8, 64, 256), hidden=1024, intermediate=3072, dtype=torch.bfloat16,
+                        fp8=True)  # Qwen3-0.6B's shapes, the fp8 projections' too
 
 
 def pauses(mode: str, cycles: int, rng: random.Random) -> tuple[list[float], list[float], dict[tuple, list[float]]]:
@@ -60,6 +62,7 @@ def pauses(mode: str, cycles: int, rng: random.Random) -> tuple[list[float], lis
                         if c.us_after and c.timed == "graph":
                             times.setdefault((c.op, tuple(c.shape)), []).append(c.us_after)
                     if worker.kernel_checks:
+                        print("  " + " | ".join(kernel_checks_text(worker)))
                         print(f"  {mode} reload: pause {worker.timings['pause'] * 1e3:.1f} ms, check step "
                               f"{worker.timings['kernel_check'] * 1e3:.1f} ms, {len(worker.kernel_checks)} check(s), "
                               f"all ok: {all(c.ok for c in worker.kernel_checks)}", flush=True)
