@@ -19,6 +19,7 @@ import statistics
 import sys
 import time
 import types
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -97,8 +98,8 @@ class Result:
 def declared() -> list[KernelCheck]:
     """Every check of the loaded op families (their CHECKS lists, as the modules are now)."""
     found = []
-    for name, module in sorted(sys.modules.items()):
-        if name.startswith(OPS_PACKAGE + ".") and module is not None:
+    for name in sorted(name for name in list(sys.modules) if name.startswith(OPS_PACKAGE + ".")):
+        if (module := sys.modules.get(name)) is not None:
             for check in vars(module).get("CHECKS", ()):
                 found.append(KernelCheck(**{**vars(check), "module": name}))
     return found
@@ -145,9 +146,10 @@ def run_all(items: Sequence[tuple[KernelCheck, tuple[int, ...]]], dtype: torch.d
             drawn: Mapping[tuple[str, tuple[int, ...]], Drawn] | None = None) -> list[Result]:
     """Each (check, shape): the kernel against the reference on fresh random inputs -- those `drawn` ahead for
     (op, shape) while the code that draws them and computes the reference is unchanged, else drawn now. NaN or
-    Inf in the kernel's output never pass. The comparisons stay on the device until one read at the end (a
-    reload's pause pays one wait for all of them, not one per shape)."""
-    pending = []
+    Inf in the kernel's output never pass. The comparisons run on the device, many checks' outputs at once
+    (`_compare`), read back once at the end: a reload's pause pays one wait and a few dozen launches for all of
+    them, not a few dozen per shape."""
+    results, compared = [], []
     for check, shape in items:
         ahead = (drawn or {}).get((check.op, tuple(shape)))
         inputs = ahead if ahead is not None and ahead.digest == drawing_digest(check) else draw(check, shape, dtype,
@@ -155,41 +157,51 @@ def run_all(items: Sequence[tuple[KernelCheck, tuple[int, ...]]], dtype: torch.d
         tol = check.tolerance[dtype]
         result = Result(check.op, tuple(shape), str(dtype).removeprefix("torch."), math.inf, math.inf, tol.atol,
                         tol.rtol, False, inputs.seed)
+        results.append(result)
         try:
             got = _tensors(check.kernel(*inputs.args))
         except Exception as exc:  # a kernel that no longer runs at this shape: reported, not raised
             result.error = f"{type(exc).__name__}: {exc}"
-            got = None
-        want = inputs.want
-        if got is not None and [(g.shape, g.dtype) for g in got] != [(w.shape, w.dtype) for w in want]:
+            continue
+        if [(g.shape, g.dtype) for g in got] != [(w.shape, w.dtype) for w in inputs.want]:
             result.error = (f"output {[(tuple(g.shape), g.dtype) for g in got]} where the reference gives "
-                            f"{[(tuple(w.shape), w.dtype) for w in want]}")
-        pending.append((result, None if result.error else _compare(got, want, tol)))
-    measured = [stats for _, stats in pending if stats is not None]
-    values = iter(torch.stack(measured).tolist() if measured else [])
-    for result, stats in pending:
-        if stats is not None:
-            max_abs, max_rel, ok = next(values)
-            result.max_abs, result.max_rel, result.ok = max_abs, max_rel, bool(ok)
-    return [result for result, _ in pending]
+                            f"{[(tuple(w.shape), w.dtype) for w in inputs.want]}")
+            continue
+        compared.append((result, got, inputs.want))
+    groups, group, size = [], [], 0
+    for entry in compared:  # a few outputs at a time: the comparison's temporaries stay within COMPARED_ELEMENTS
+        group.append(entry)
+        size += sum(g.numel() for g in entry[1])
+        if size >= COMPARED_ELEMENTS:
+            groups.append(group)
+            group, size = [], 0
+    stats = [_compare(g) for g in (*groups, group) if g]
+    for (result, _, _), (max_abs, max_rel, ok) in zip(compared, torch.cat(stats).tolist() if stats else []):
+        result.max_abs, result.max_rel, result.ok = max_abs, max_rel, bool(ok)
+    return results
 
 
-def _compare(got: list[torch.Tensor], want: list[torch.Tensor], tol: Tolerance) -> torch.Tensor:
-    """[max |g - w|, max |g - w| / |w| where |w| > atol, all within tolerance and finite] on the device; the
-    errors are inf when an output is not finite."""
-    max_abs = max_rel = ok = None
-    for g, w in zip(got, want):
-        g, w = g.float().flatten(), w.float().flatten()
-        diff, size = (g - w).abs(), w.abs()
-        finite = torch.isfinite(g).all()
-        within = finite & (diff <= tol.atol + tol.rtol * size).all()
-        worst = torch.where(finite, diff.max() if diff.numel() else diff.new_zeros(()), math.inf)
-        rel = torch.where(size > tol.atol, diff / size.clamp_min(tol.atol), 0.0)
-        rel = torch.where(finite, rel.max() if rel.numel() else rel.new_zeros(()), math.inf)
-        max_abs = worst if max_abs is None else torch.maximum(max_abs, worst)
-        max_rel = rel if max_rel is None else torch.maximum(max_rel, rel)
-        ok = within if ok is None else ok & within
-    return torch.stack([max_abs, max_rel, ok.float()])
+COMPARED_ELEMENTS = 1 << 24  # output elements compared in one go (each temporary: 64 MB of float32)
+
+
+def _compare(entries: list[tuple[Result, list[torch.Tensor], list[torch.Tensor]]]) -> torch.Tensor:
+    """Per entry (result, kernel's outputs, reference's): [max |g - w|, max |g - w| / |w| where |w| > atol, all
+    within atol + rtol * |w| and finite], on the device, in one pass over every entry's outputs flattened end to
+    end (each element knows its entry); the errors are inf where an output is not finite."""
+    got = torch.cat([t.float().flatten() for _, g, _ in entries for t in g])
+    want = torch.cat([t.float().flatten() for _, _, w in entries for t in w])
+    device, n = got.device, len(entries)
+    per_entry = torch.tensor([[sum(t.numel() for t in g), r.atol, r.rtol] for r, g, _ in entries], device=device,
+                             dtype=torch.float64)
+    entry = torch.repeat_interleave(torch.arange(n, device=device), per_entry[:, 0].long(), output_size=got.numel())
+    atol, rtol = per_entry[:, 1].float()[entry], per_entry[:, 2].float()[entry]
+    diff, size, finite = (got - want).abs(), want.abs(), torch.isfinite(got)
+    within = finite & (diff <= atol + rtol * size)
+    rel = torch.where(size > atol, diff / torch.maximum(size, atol), 0.0)
+    worst = lambda values: torch.zeros(n, device=device).scatter_reduce_(  # noqa: E731
+        0, entry, torch.where(finite, values, math.inf), "amax")
+    ok = torch.ones(n, device=device).scatter_reduce_(0, entry, within.float(), "amin")
+    return torch.stack([worst(diff), worst(rel), ok], dim=1)
 
 
 def time_call(check: KernelCheck, shape: tuple[int, ...], dtype: torch.dtype, device: str,
@@ -278,7 +290,7 @@ def _tensors(out) -> list[torch.Tensor]:
 def _digest(check: KernelCheck) -> str:
     digest = hashlib.sha256()
     for fn in _reached(check):
-        digest.update(b"-" if fn is None else repr(_code_key(fn.__code__)).encode())
+        digest.update(b"-" if fn is None else _code_digest(fn.__code__))
     return digest.hexdigest()
 
 
@@ -292,7 +304,7 @@ def drawing_digest(check: KernelCheck) -> str:
             if id(value) in seen or not value.__module__.startswith(OPS_PACKAGE):
                 return
             seen.add(id(value))
-            digest.update(repr(_code_key(value.__code__)).encode())
+            digest.update(_code_digest(value.__code__))
             for name in value.__code__.co_names:
                 visit(value.__globals__.get(name))
             for cell in value.__closure__ or ():
@@ -316,7 +328,7 @@ def modules_reached(check: KernelCheck) -> set[str]:
 def _python_function(obj) -> types.FunctionType | None:
     """The Python function under Triton's layers (JITFunction, the interpreter's, autotune/heuristics)."""
     for _ in range(8):
-        if isinstance(obj, types.FunctionType):
+        if obj is None or isinstance(obj, types.FunctionType):
             return obj
         obj = getattr(obj, "fn", None)
     return None
@@ -352,6 +364,18 @@ def _reached(check: KernelCheck) -> list[types.FunctionType | None]:
     for name in check.kernels:
         visit(getattr(module, name, None))
     return found
+
+
+_CODE_DIGESTS: weakref.WeakKeyDictionary[types.CodeType, bytes] = weakref.WeakKeyDictionary()
+
+
+def _code_digest(code: types.CodeType) -> bytes:
+    """`_code_key`'s digest, computed once per code object (a reload makes new ones for what it re-executes: the
+    pause hashes only the edited modules' functions)."""
+    digest = _CODE_DIGESTS.get(code)
+    if digest is None:
+        digest = _CODE_DIGESTS[code] = hashlib.sha256(repr(_code_key(code)).encode()).digest()
+    return digest
 
 
 def _code_key(code: types.CodeType) -> tuple:

@@ -35,8 +35,9 @@ class KernelChecker:
             raise ValueError(f"kernel check mode {mode!r}: expected one of {', '.join(KERNEL_CHECK_MODES)}")
         self.mode = mode
         self.times: dict[tuple, tuple[str, float, str]] = {}  # (op, shape, dtype) -> (its code's fingerprint, µs, how)
-        self.timed_now: set[tuple] = set()  # the keys time_old measured for the reload under way
+        self.timed_now: set[tuple] = set()  # the keys `prepare` timed for the reload under way
         self.drawn: dict[tuple, checks.Drawn] = {}  # (op, shape) -> inputs drawn ahead for the reload under way
+        self.reachable: set[str] = set()  # the ops whose code the reload under way may change
 
     @property
     def on(self) -> bool:
@@ -45,51 +46,50 @@ class KernelChecker:
     def fingerprints(self) -> dict[str, str]:
         return checks.fingerprints(checks.declared()) if self.on else {}
 
-    def time_old(self, serving: checks.Serving, idle: bool, modules: Iterable[str]) -> None:
-        """Time each op the edited `modules` may change (they define its kernels or a helper these call) whose
-        current code has no time yet, before the edit replaces it, if the engine is idle."""
-        self.timed_now = set()
-        if not (self.on and idle and serving.device.startswith("cuda")):
-            return
-        edited = set(modules)
-        declared = [c for c in checks.declared() if checks.modules_reached(c) & edited]
-        now = checks.fingerprints(declared)
-        for check in declared:
-            for shape in check.shapes(serving):
-                key = (check.op, tuple(shape), serving.dtype)
-                if self.times.get(key, ("",))[0] != now[check.op]:
-                    self.times[key] = (now[check.op], *checks.time_call(check, shape, serving.dtype, serving.device))
-                    self.timed_now.add(key)
-
-    def draw_ahead(self, serving: checks.Serving, modules: Iterable[str]) -> None:
-        """Draw the inputs and the reference's outputs of each op the edited `modules` may change, at the serving
-        shapes (while the old code serves: between two steps), up to DRAWN_BYTES; `check` uses them where the code
-        drawing them is unchanged by the edit."""
-        self.drawn, size = {}, 0
+    def prepare(self, serving: checks.Serving, idle: bool, modules: Iterable[str]) -> None:
+        """Before the pause, for each op the edited `modules` may change (they define its kernels or a helper these
+        call; no other op's code can change): time its current code where it has no time yet, if the engine is
+        idle (`times`); draw its inputs and its reference's outputs at the serving shapes, up to DRAWN_BYTES
+        (between two steps: the old code serves), which `check` uses where the edit left the code drawing them
+        unchanged."""
+        self.timed_now, self.drawn, self.reachable = set(), {}, set()
         if not (self.on and checks.runnable(serving.device)):
             return
         edited = set(modules)
-        for check in checks.declared():
-            if not (checks.modules_reached(check) & edited and serving.dtype in check.tolerance):
-                continue
-            for shape in check.shapes(serving):
-                drawn = checks.draw(check, tuple(shape), serving.dtype, serving.device)
-                size += sum(t.numel() * t.element_size() for t in (*drawn.args, *drawn.want)
-                            if isinstance(t, torch.Tensor))
-                if size > DRAWN_BYTES:
-                    return
-                self.drawn[(check.op, tuple(shape))] = drawn
+        reachable = [c for c in checks.declared() if checks.modules_reached(c) & edited]
+        self.reachable = {c.op for c in reachable}
+        if idle and serving.device.startswith("cuda"):
+            now = checks.fingerprints(reachable)
+            for check in reachable:
+                for shape in check.shapes(serving):
+                    key = (check.op, tuple(shape), serving.dtype)
+                    if self.times.get(key, ("",))[0] != now[check.op]:
+                        self.times[key] = (now[check.op], *checks.time_call(check, shape, serving.dtype,
+                                                                            serving.device))
+                        self.timed_now.add(key)
+        size = 0
+        for check, shape in [(c, tuple(shape)) for c in reachable if serving.dtype in c.tolerance
+                             for shape in c.shapes(serving)]:
+            drawn = checks.draw(check, shape, serving.dtype, serving.device)
+            size += sum(t.numel() * t.element_size() for t in (*drawn.args, *drawn.want) if isinstance(t, torch.Tensor))
+            if size > DRAWN_BYTES:
+                break
+            self.drawn[(check.op, shape)] = drawn
+        if serving.device.startswith("cuda"):  # the references computed now, not in the pause's first wait
+            torch.cuda.synchronize(serving.device)
 
     def forget_drawn(self) -> None:
-        """The reload ended before its check (it failed): the inputs drawn ahead are not kept."""
+        """The reload ended: the inputs drawn ahead are not kept (a failed reload never reached `check`)."""
         self.drawn = {}
 
     def check(self, before: Mapping[str, str], serving: checks.Serving) -> list[checks.Result]:
-        """The changed ops against their references at the serving shapes (the new code, in the pause)."""
+        """The changed ops against their references at the serving shapes (the new code, in the pause): among the
+        ops `prepare` found the edit can reach, and any op new since `before`."""
         drawn, self.drawn = self.drawn, {}
         if not (self.on and before and checks.runnable(serving.device)):
             return []
-        items = [(check, tuple(shape)) for check in checks.changed(before, checks.declared())
+        candidates = [c for c in checks.declared() if c.op in self.reachable or c.op not in before]
+        items = [(check, tuple(shape)) for check in checks.changed(before, candidates)
                  if serving.dtype in check.tolerance for shape in check.shapes(serving)]
         results = checks.run_all(items, serving.dtype, serving.device, drawn)
         for result in results:

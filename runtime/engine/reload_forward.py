@@ -200,10 +200,7 @@ class ReloadForward:
                     warnings.append(f"compiling ahead failed, kernels compile during the warm step: {describe_error(exc)}")
         checker, serving, kernel_checks = self.checker, serving_of(engine), []
         if checker.on:  # the old code's times (if nothing runs on the GPU now) and the checks' inputs, while it serves
-            def before_pause() -> None:
-                checker.time_old(serving, self._idle(), plan.reloaded)
-                checker.draw_ahead(serving, plan.reloaded)
-            await ae.run_on_engine_thread(before_pause)
+            await ae.run_on_engine_thread(lambda: checker.prepare(serving, self._idle(), plan.reloaded))
         before_edit = checker.fingerprints()
         ae.hold(True)
         pause_start = time.perf_counter()
