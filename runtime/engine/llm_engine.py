@@ -166,17 +166,18 @@ class LLMEngine:
             raise FileNotFoundError(f"{self.tokenizer_dir} has no tokenizer.json (a fast tokenizer is required): "
                                     "give the directory of one with --tokenizer")
         self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
-        self.runner = ModelRunner(config, checkpoint)
+        self.runner = ModelRunner(config, checkpoint)  # this rank's: what it reads or does alone
         self.ranks: RankLedger | None = None  # tensor parallelism: every rank's outcome of the calls fanned out
+        self.ranked = self.runner  # the calls every rank makes (ranks.RANK_CALLS, launch, restore_model, stop)
         if distributed.initialized():
             self.ranks = RankLedger()
-            self.runner = DrivenRunner(self.runner, self.ranks)
+            self.ranked = DrivenRunner(self.runner, self.ranks)
         # the model's size: this process's parameters, or with several ranks (each holding a part) the checkpoint's
         self.num_parameters = (sum(p.numel() for p in self.runner.model.parameters()) if self.ranks is None
                                else sum(e.numel for e in read_entries(checkpoint_files(self.model_dir))))
         with compiles.install().expected():  # startup compiles every specialisation serving reaches
             self.startup_timings = {"checkpoint": opened, "load": time.perf_counter() - start - opened,
-                                    **self.runner.start()}
+                                    **self.ranked.start()}
         self.block_manager = BlockManager(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_running, config.max_batched_tokens, self.max_model_len)
         self.in_flight: _Launched | None = None
@@ -196,7 +197,7 @@ class LLMEngine:
     def close(self) -> None:
         """Let the other ranks of a tensor-parallel engine go (they exit); nothing to do with one rank."""
         if self.ranks is not None:
-            self.runner.stop()
+            self.ranked.stop()
             self.ranks = None
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
@@ -306,7 +307,7 @@ class LLMEngine:
 
     def warmup(self) -> float:
         """Run every kernel once on dummy batches (startup does; a reload's warm step does): seconds."""
-        return self.runner.warmup()
+        return self.ranked.warmup()
 
     def capture_graphs(self, strict: bool = True, deferring: bool = False) -> dict[str, dict[int, float]]:
         """(Re)capture the decode, then the prefill graphs: seconds per batch size / token bucket, by kind.
@@ -314,7 +315,7 @@ class LLMEngine:
         reload, unless --full-recapture): only the graphs the steps used since the last capture now; the others
         are pending (`capture_next`, between steps once serving resumed) and run eagerly until captured."""
         first = self.runner.used_graphs() if deferring and not self.config.full_recapture else None
-        return self.runner.capture_graphs(strict, first)
+        return self.ranked.capture_graphs(strict, first)
 
     def patch_graphs(self, swaps) -> int:
         """A reload that changed only kernel bodies: the captured graphs run the new binaries (`swaps`: the
@@ -328,7 +329,7 @@ class LLMEngine:
 
     def capture_next(self) -> dict[str, dict[int, float]]:
         """Capture one pending graph (on every rank): {kind: {size: seconds}}."""
-        return self.runner.capture_next()
+        return self.ranked.capture_next()
 
     # --- sleep, wake, weights (run between steps, on the engine's thread, with nothing running) --------
 
@@ -356,12 +357,12 @@ class LLMEngine:
         if not self.drained() or self.scheduler.waiting:
             raise RuntimeError("requests are still queued or running: drain them before sleeping")
         self.flush_prefix_cache()  # the KV pool is discarded
-        return self.runner.sleep(level)
+        return self.ranked.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> tuple[list[str], dict[str, float]]:
         """Take back the memory of `tags` (weights, kv_cache; default both); once both are back, recapture the
         graphs (their addresses changed). Returns the tags woken and the recapture's seconds per graph kind."""
-        return self.runner.wake_up(tags)
+        return self.ranked.wake_up(tags)
 
     def update_weights(self, path: Path | None = None, mode: str = "direct") -> WeightUpdate:
         """Load the checkpoint at `path` (default: the served model's) into the existing parameters, on every rank.
@@ -379,12 +380,12 @@ class LLMEngine:
                                 f"[\"{WEIGHTS}\"]) first, then load them")
         path = Path(path or self.model_dir)
         try:
-            relaid = self.runner.begin_update(path)  # refuses before touching anything
+            relaid = self.ranked.begin_update(path)  # refuses before touching anything
         except (OSError, ValueError) as exc:
             raise CheckpointRefused(f"{type(exc).__name__}: {exc}") from exc
         self.flush_prefix_cache()  # KV computed with other weights is not reused
         try:
-            report, recapture = self.runner.load_update(path, mode)
+            report, recapture = self.ranked.load_update(path, mode)
         except Exception:
             self.sleep_state.weights_loaded = False  # this rank's load may have succeeded, another's did not
             raise
@@ -401,10 +402,10 @@ class LLMEngine:
         update's checkpoint, else the served model's) and swap it in; returns the old model's weights for
         `restore_model`.
         ValueError when the checkpoint no longer fits the new code."""
-        return self.runner.rebuild_model(self.weights_dir)
+        return self.ranked.rebuild_model(self.weights_dir)
 
     def restore_model(self, old: "LoadedWeights") -> None:
-        self.runner.restore_model(old)
+        self.ranked.restore_model(old)
 
     def reload_weights(self, path: Path | None = None) -> LoadReport:
         """A direct `update_weights` (in place, no recapture) from `path`, default the served model's checkpoint."""
@@ -467,7 +468,7 @@ class LLMEngine:
         starting = [s for s in sampling if s.params.needs_state and s.sampler_slot is None]
         for seq in starting:  # its first draw: the runner starts the slot's history from its prompt
             seq.sampler_slot, seq.init_slot = self.free_slots.pop(), True
-        sampled = self.runner.launch(batch, self.in_flight.in_flight if self.in_flight else None)
+        sampled = self.ranked.launch(batch, self.in_flight.in_flight if self.in_flight else None)
         for seq in starting:
             seq.init_slot = False
         for i, first, count in batch.prompt_rows:

@@ -27,6 +27,12 @@ STOP = "stop"
 LAUNCH = "launch"
 RELOAD, COMMIT, ROLLBACK = "reload", "commit", "rollback"
 REBUILD, RESTORE = "rebuild_model", "restore_model"
+# The runner's methods that run on every rank, ending with every rank's outcome: what rank 0 sends (DrivenRunner)
+# and what the other ranks accept (`follow`); each with the reload step its seconds count towards in a rank's
+# entry of the reload reply (None: no step). A new rank-wide method is one line here.
+RANK_CALLS = {"start": None, "warmup": "warm", "capture_graphs": "recapture", "capture_next": None,
+              "release_graphs": None, "sleep": None, "wake_up": None, "begin_update": None, "load_update": None,
+              REBUILD: "rebuild"}
 
 
 class RankFailed(RuntimeError):
@@ -98,54 +104,18 @@ def _settle(call: str, error: str | None, seconds: float, report: dict, ledger: 
 
 
 class DrivenRunner:
-    """Rank 0's ModelRunner under tensor parallelism: the calls below run on every rank; attributes and other
-    methods are the runner's own."""
+    """Rank 0's rank-wide runner calls under tensor parallelism: each method of RANK_CALLS (made below), `launch`,
+    `restore_model` and `stop` run on every rank. Nothing else: what one rank reads or does alone goes to its own
+    runner (`LLMEngine.runner`)."""
 
     def __init__(self, runner, ledger: RankLedger):
         self._runner, self.ledger = runner, ledger
-
-    def __getattr__(self, name: str):
-        return getattr(self._runner, name)
 
     def launch(self, batch, in_flight=None, use_graphs: bool = True):
         # the sequence -> index map travels with the batch (one pickle keeps their identity); every rank uses
         # its own device tokens of the step in flight
         _send(LAUNCH, (batch, in_flight[1] if in_flight else None, use_graphs))
         return self._runner.launch(batch, in_flight, use_graphs)
-
-    def run(self, batch, use_graphs: bool = True) -> list[int]:
-        sampled = self.launch(batch, use_graphs=use_graphs)
-        return [] if sampled is None else sampled.tokens.tolist()
-
-    def start(self):
-        return self._everywhere("start")
-
-    def warmup(self):
-        return self._everywhere("warmup")
-
-    def capture_graphs(self, strict: bool = True, first=None):
-        return self._everywhere("capture_graphs", strict, first)
-
-    def capture_next(self):
-        return self._everywhere("capture_next")
-
-    def release_graphs(self):
-        return self._everywhere("release_graphs")
-
-    def sleep(self, level: int):
-        return self._everywhere("sleep", level)
-
-    def wake_up(self, tags=None):
-        return self._everywhere("wake_up", tags)
-
-    def begin_update(self, model_dir):
-        return self._everywhere("begin_update", model_dir)
-
-    def load_update(self, model_dir, mode: str):
-        return self._everywhere("load_update", model_dir, mode)
-
-    def rebuild_model(self, model_dir):
-        return self._everywhere(REBUILD, model_dir)
 
     def restore_model(self, model) -> None:
         _send(RESTORE)  # every other rank restores the model its rebuild kept
@@ -173,6 +143,10 @@ class DrivenRunner:
                         f"({'; '.join(f'rank {r}: {e}' for r, e in errors.items())}): the ranks may be out of "
                         "step. The server stops (tsdev watch restarts it).")
         raise failure
+
+
+for _call in RANK_CALLS:
+    setattr(DrivenRunner, _call, lambda self, *args, _call=_call: self._everywhere(_call, *args))
 
 
 class RankedReloader:
@@ -244,7 +218,7 @@ def reported(report) -> dict:
                 kernels_only=getattr(report, "kernels_only", False))
 
 
-STEP_OF_CALL = {RELOAD: "reload", REBUILD: "rebuild", "warmup": "warm", "capture_graphs": "recapture"}
+STEP_OF_CALL = {RELOAD: "reload", **{call: step for call, step in RANK_CALLS.items() if step}}
 
 
 def rank_entries(ledger: RankLedger, rank0_ok: bool) -> list[dict]:
@@ -302,8 +276,10 @@ def follow(runner, reloader=None) -> None:
                 if tx is not None:
                     tx.rollback(*args)
                 tx = None
-            else:
+            elif call in RANK_CALLS:
                 getattr(runner, call)(*args)
+            else:  # rank 0 sends only what RANK_CALLS declares: a different version of this code
+                raise RuntimeError(f"rank 0 asked for {call!r}, which is not a rank-wide call (RANK_CALLS)")
         except Exception as exc:
             error = describe_error(exc)
         _settle(call, error, time.perf_counter() - start, report, None)
