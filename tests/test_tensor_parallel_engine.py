@@ -360,3 +360,26 @@ def test_a_tp_that_does_not_divide_the_heads_fails_with_one_line_per_rank_and_st
     assert run.returncode == 2, run.stderr
     assert "error: the attention heads (4) does not divide by the tensor-parallel size 3" in run.stderr
     assert "Traceback" not in run.stderr and run.stderr.count("rank 1 stops") == 1, run.stderr
+
+
+def test_the_rank_wide_calls_are_declared_once_and_a_follower_refuses_any_other(monkeypatch):
+    from runtime.engine import ranks
+
+    driven = {name for name in vars(ranks.DrivenRunner) if not name.startswith("_")}
+    assert driven == {*ranks.RANK_CALLS, "launch", "restore_model", "stop"}  # nothing proxied to rank 0 alone
+    assert not hasattr(ranks.DrivenRunner, "__getattr__")
+    script = iter([("warmup", ()), ("load_dangerous", ("x",)), (ranks.STOP, ())])
+    settled, made = [], []
+
+    class Runner:
+        def warmup(self):
+            made.append("warmup")
+
+        def load_dangerous(self, *args):
+            made.append("load_dangerous")
+
+    monkeypatch.setattr(ranks.distributed, "broadcast", lambda *args: next(script))
+    monkeypatch.setattr(ranks, "_settle", lambda call, error, *rest: settled.append((call, error)))
+    ranks.follow(Runner())
+    assert made == ["warmup"] and settled[0] == ("warmup", None)
+    assert settled[1][0] == "load_dangerous" and "not a rank-wide call" in settled[1][1]

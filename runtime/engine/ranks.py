@@ -30,9 +30,8 @@ REBUILD, RESTORE = "rebuild_model", "restore_model"
 # The runner's methods that run on every rank, ending with every rank's outcome: what rank 0 sends (DrivenRunner)
 # and what the other ranks accept (`follow`); each with the reload step its seconds count towards in a rank's
 # entry of the reload reply (None: no step). A new rank-wide method is one line here.
-RANK_CALLS = {"start": None, "warmup": "warm", "capture_graphs": "recapture", "capture_next": None,
-              "release_graphs": None, "sleep": None, "wake_up": None, "begin_update": None, "load_update": None,
-              REBUILD: "rebuild"}
+RANK_CALLS = {"start": None, "warmup": "warm", "capture_graphs": "recapture", "capture_next": None, "sleep": None,
+              "wake_up": None, "begin_update": None, "load_update": None, REBUILD: "rebuild"}
 
 
 class RankFailed(RuntimeError):
