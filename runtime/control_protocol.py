@@ -48,6 +48,8 @@ GRAPH_KINDS = ("decode", "prefill")  # recapture is reported split by graph kind
 TIMINGS = (*STEPS, "jit_slowest", "rebuild", "kernel_check", *(f"recapture_{kind}" for kind in GRAPH_KINDS), "pause",
            "total")
 TimingName = Literal[TIMINGS]
+# What a server is doing now (runtime/engine/state.py), the first that holds: /server_info's and the events' `state`
+Phase = Literal["stopping", "sleeping", "weights_unloaded", "paused", "holding", "serving"]
 StepName = Literal[STEPS]
 
 
@@ -339,6 +341,7 @@ class ServerInfo(EngineInfo):
     model: str  # the served name
     allow_reload_forward: bool = False
     pid: int
+    state: Phase = "serving"
 
 
 # --- events (GET /v1/rl/engine/events, one SSE `data:` line each) -------------------------------------------
@@ -353,6 +356,13 @@ class Hello(_Event):
     type: Literal["hello"] = "hello"
     paused: bool
     sleeping: bool = False
+    state: Phase = "serving"
+
+
+class StateChanged(_Event):
+    """The server's phase moved (runtime/engine/state.py)."""
+    type: Literal["state"] = "state"
+    state: Phase
 
 
 class Paused(_Event):
@@ -417,7 +427,7 @@ class ProfileFinished(ProfileRange, _Event):
     type: Literal["profile_finished"] = "profile_finished"
 
 
-Event = Annotated[Union[Hello, Paused, Continued, ReloadStarted, ReloadStep, ReloadFinished, ProfileStarted,
+Event = Annotated[Union[Hello, StateChanged, Paused, Continued, ReloadStarted, ReloadStep, ReloadFinished, ProfileStarted,
                         ProfileFinished, Sleeping, Awake, WeightsReloaded], Field(discriminator="type")]
 _EVENT = TypeAdapter(Event)
 

@@ -220,4 +220,4 @@ def test_the_server_still_serves_after_the_fuzz(app):
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 4
     async_engine = app.state.async_engine
-    assert (async_engine.paused, async_engine.profiler.active, app.state.engine.num_running) == (False, None, 0)
+    assert (async_engine.state.paused, async_engine.profiler.active, app.state.engine.num_running) == (False, None, 0)

@@ -204,7 +204,7 @@ def test_sleep_level_2_and_reload_weights_restore_the_moe_models_checksum_and_to
     assert any(name.endswith("experts.w13") for name in checksum) and any(".mlp.gate." in n for n in checksum)
     engine.sleep(2)
     engine.wake_up()
-    assert not engine.sleep_state.weights_loaded
+    assert not engine.state.weights_loaded
     engine.reload_weights()
     assert engine.weights_checksum() == checksum
     assert [r["token_ids"] for r in engine.generate(PROMPTS, GREEDY)] == expected

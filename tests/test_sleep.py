@@ -8,7 +8,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from runtime.config import EngineConfig
-from runtime.control_protocol import (ErrorBody, Hello, ReloadWeightsReply, SleepReply, SleepStatus, WakeUpReply,
+from runtime.control_protocol import (CONTINUE_ROUTE, PAUSE_ROUTE, ErrorBody, Hello, ReloadWeightsReply, SleepReply, SleepStatus, WakeUpReply,
                                       parse_event)
 from runtime.weights.loader import LoadedWeights
 from runtime.engine.llm_engine import LLMEngine
@@ -187,7 +187,7 @@ def test_the_drill_fails_when_derived_tensors_are_not_refreshed_in_place(drill_e
         drill(drill_engine, rounds=1)
     monkeypatch.delenv(DEBUG_DERIVED_ENV)
     # repair: a level-1 sleep keeps nothing stale; a reload refills the table (a rebound one stays rebound)
-    drill_engine.sleep_state.weights_loaded = True
+    drill_engine.state.set(weights_loaded=True)
     if mode == "skip":
         drill_engine.reload_weights()
         assert greedy(drill_engine) == greedy(LLMEngine(dataclasses.replace(drill_engine.config)))
@@ -257,3 +257,30 @@ def test_sleeping_one_engine_leaves_another_in_the_process_whole(make_engine):
                for b in named_tensors(second.runner.model, derived=True).values())
     first.sleep(2)
     assert greedy(second) == expected
+
+
+def test_one_engine_state_moves_through_pause_sleep_and_a_weight_load_and_each_move_is_an_event(served):
+    client, engine, _ = served
+    moves = []
+    engine.state.listeners.append(moves.append)  # what the events stream publishes (StateChanged), in order
+    info = lambda: client.get("/server_info").json()["state"]  # noqa: E731
+    try:
+        assert info() == "serving"
+        client.post(PAUSE_ROUTE, json={"mode": "abort"})
+        assert info() == "paused"
+        client.post(CONTINUE_ROUTE)
+        assert info() == "serving"
+        client.post("/sleep", json={"level": 2})
+        assert info() == "sleeping" and status(client).is_sleeping
+        client.post("/wake_up")
+        assert info() == "weights_unloaded"  # awake, the weights discarded
+        refused(client.post("/v1/completions", json=COMPLETION), 503, "reload_weights")
+        assert client.post("/v1/rl/engine/reload_weights").status_code == 200
+        assert info() == "serving" and greedy_ids(client)
+    finally:
+        engine.state.listeners.remove(moves.append)
+    # a sleep drains first (holding: new requests refused); the weight load's drain hides under weights_unloaded
+    assert moves == ["paused", "serving", "holding", "sleeping", "weights_unloaded", "serving"], moves
+    assert parse_event({"type": "state", "state": "paused"}).state == "paused"
+    with pytest.raises(AttributeError, match="not an engine state flag"):
+        engine.state.set(asleep=True)

@@ -2,9 +2,10 @@
 arriving while the model computes. Changes to the engine's request set (add, abort) are queued and
 applied between steps, so the engine itself is only ever touched by one thread at a time.
 
-Control calls (pause, continue, reload) take turns through one FIFO lock. Two gates stop steps:
-`paused` (the user's pause: nothing is computed) and `holding` (a reload's drain: running requests
-finish, new ones wait in the queue without being admitted).
+Control calls (pause, continue, reload) take turns through one FIFO lock. What the server is doing now is the
+engine's `state` (runtime/engine/state.py): its phase gates the steps (paused: nothing is computed; holding: a
+reload's drain, running requests finish, new ones wait in the queue without being admitted) and each change of
+phase is an event (`StateChanged`).
 """
 import asyncio
 import logging
@@ -12,7 +13,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from runtime.control_protocol import Event, Hello, ProfileFinished, ProfileRange
+from runtime.control_protocol import Event, Hello, ProfileFinished, ProfileRange, StateChanged
 from runtime.engine.errors import stop_server
 from runtime.engine.llm_engine import LLMEngine, RequestOutput
 from runtime.engine.profiler import StepProfiler
@@ -41,9 +42,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_step: Callable[[float, list[RequestOutput]], None] | None = None):
         self.engine = engine
         self.on_step = on_step
-        self.paused = False
-        self.stopping = False  # shutdown(): no new requests, no new event subscribers
-        self.refusing: str | None = None  # why new requests are refused while a sleep drains
+        self.state = engine.state
         self.control_lock = asyncio.Lock()
         self._streams: dict[str, asyncio.Queue] = {}
         self._subscribers: set[asyncio.Queue] = set()
@@ -55,18 +54,20 @@ class AsyncEngine:
         self.profiler = StepProfiler(engine.config.device)
         self._deferred_seconds, self._deferred_count = 0.0, 0  # graphs captured after a reload resumed serving
         self._steps_since_capture = 0
-        self.holding = False
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self.state.listeners.append(self._phase_moved)
 
     # --- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
         self._wake, self._stepped = asyncio.Event(), asyncio.Event()
+        self._event_loop = asyncio.get_running_loop()
         self._task = asyncio.create_task(self._loop(), name="engine-loop")
 
     async def shutdown(self) -> None:
         """Stop serving (SIGINT/SIGTERM): refuse new requests, abort those in flight (their streams end with
         finish reason "abort") and end every events stream, so that no open connection holds the server."""
-        self.stopping = True
+        self.state.set(stopping=True)
         for queue in self._subscribers:
             queue.put_nowait(None)
         if self._task is not None and not self._task.done():
@@ -88,7 +89,7 @@ class AsyncEngine:
                        after: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as they come; closing the iterator early aborts the request. `after`: the
         request whose prompt this one shares (LLMEngine.add_request)."""
-        if self.stopping:
+        if self.state.stopping:
             raise ShuttingDown("the server is shutting down: the request was not started")
         if why := self.unavailable():
             raise Unavailable(why)
@@ -151,20 +152,23 @@ class AsyncEngine:
 
     def unavailable(self) -> str | None:
         """Why requests are refused now (a sleep draining, sleeping, weights not loaded), else None."""
-        return self.refusing or self.engine.unavailable()
+        return self.state.unavailable()
 
     # --- gates -----------------------------------------------------------------------------------
 
     def hold(self, on: bool) -> None:
         """While holding, waiting requests are not admitted (they stay queued, not rejected), and no deferred graph
         is captured (a reload, a weight load or a sleep holds: the engine thread is theirs)."""
-        self.engine.hold(on)
-        self.holding = on
+        self.state.set(holding=on)
         self._wake.set()
 
     def set_paused(self, paused: bool) -> None:
-        self.paused = paused
+        self.state.set(paused=paused)
         self._wake.set()
+
+    def refuse(self, why: str | None) -> None:
+        """Refuse new requests, saying `why` (a sleep draining), or (None) accept them again."""
+        self.state.set(refusing=why)
 
     async def drain(self) -> None:
         """Hold new requests and let the admitted ones finish (on a paused server they stay as they are), then
@@ -177,11 +181,16 @@ class AsyncEngine:
 
     async def wait_until_drained(self) -> None:
         """Return once no admitted request is left running (waiting ones stay queued)."""
-        while not self.engine.drained() and not self.paused:
+        while not self.engine.drained() and not self.state.paused:
             self._stepped.clear()
             await self._stepped.wait()
 
     # --- events ----------------------------------------------------------------------------------
+
+    def _phase_moved(self, phase: str) -> None:
+        """The state's listener (on whichever thread changed it): a StateChanged event, from the event loop."""
+        if self._event_loop is not None:
+            self._event_loop.call_soon_threadsafe(self.publish, StateChanged(state=phase))
 
     def publish(self, event: Event) -> None:
         """Send an event (stamped with the server clock) to every subscriber of `events()`."""
@@ -192,12 +201,13 @@ class AsyncEngine:
     async def events(self) -> AsyncIterator[Event]:
         """Every event published from now on, after a `Hello` with the state a new subscriber needs; the
         stream ends when the server shuts down."""
-        if self.stopping:
+        if self.state.stopping:
             return
         queue: asyncio.Queue = asyncio.Queue()
         self._subscribers.add(queue)
         try:
-            yield Hello(paused=self.paused, sleeping=self.engine.sleep_state.sleeping, time=time.time())
+            yield Hello(paused=self.state.paused, sleeping=self.state.memory.sleeping, state=self.state.phase,
+                        time=time.time())
             while (event := await queue.get()) is not None:
                 yield event
         finally:
@@ -211,7 +221,7 @@ class AsyncEngine:
             self._wake.set()
 
     def _can_step(self) -> bool:
-        return not self.paused and self.engine.unavailable() is None and self.engine.can_step()
+        return not self.state.paused and self.state.cannot_step() is None and self.engine.can_step()
 
     async def _loop(self) -> None:
         while True:
@@ -249,8 +259,7 @@ class AsyncEngine:
                 self.on_step(time.perf_counter() - start, outputs)
 
     def _can_capture(self) -> bool:
-        return (bool(self.engine.graphs_pending) and not self.paused and not self.holding
-                and self.engine.unavailable() is None)
+        return (bool(self.engine.graphs_pending) and self.state.phase == "serving")
 
     def _capture_next(self) -> None:
         """A graph left to capture after serving (re)started (by a reload, or a start told to capture some first);

@@ -27,6 +27,7 @@ from runtime.engine.ranks import DrivenRunner, RankLedger
 from runtime.engine.scheduler import ScheduledBatch, Scheduler
 from runtime.engine.sequence import PENDING, SamplingParams, Sequence, Status, TokenLogprob
 from runtime.engine.sleep import WEIGHTS, SleepState, weights_checksum
+from runtime.engine.state import EngineState
 from runtime.sampling.sampler import Sampled
 from runtime.weights.checkpoint import checkpoint_files, read_entries
 from runtime.weights.loader import LoadedWeights, LoadReport
@@ -149,7 +150,7 @@ def logprob_entries(lists: list, tokens: list[int], top_ns: list[int]) -> list[T
 
 class LLMEngine:
     """Used through its methods: requests (`add_request`, `step`, `abort`, `generate`) and the operations a
-    server or a benchmark needs (`stats`, `describe`, `hold`, `flush_prefix_cache`, `warmup`,
+    server or a benchmark needs (`stats`, `describe`, `state`, `flush_prefix_cache`, `warmup`,
     `capture_graphs`, ...). Its runner, scheduler and block manager are its own business."""
 
     def __init__(self, config: EngineConfig):
@@ -178,8 +179,10 @@ class LLMEngine:
         with compiles.install().expected():  # startup compiles every specialisation serving reaches
             self.startup_timings = {"checkpoint": opened, "load": time.perf_counter() - start - opened,
                                     **self.ranked.start()}
+        self.state = EngineState(self.runner.sleep_state)  # what the server is doing now (runtime/engine/state.py)
         self.block_manager = BlockManager(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_running, config.max_batched_tokens, self.max_model_len)
+        self.scheduler = Scheduler(self.block_manager, config.max_running, config.max_batched_tokens, self.max_model_len,
+                                   admitting=lambda: not self.state.holding)
         self.in_flight: _Launched | None = None
         self.detokenizers: dict[Sequence, Detokenizer] = {}
         self.free_slots = list(range(config.max_running))  # the sampler's state rows (penalties, logit_bias)
@@ -274,10 +277,6 @@ class LLMEngine:
 
     # --- what a server and a benchmark ask of the engine -------------------------------------------
 
-    def hold(self, on: bool) -> None:
-        """While holding, waiting requests are not admitted (they stay queued); running ones go on."""
-        self.scheduler.admit = not on
-
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
@@ -289,7 +288,7 @@ class LLMEngine:
     def can_step(self) -> bool:
         """Whether a step has anything to do: requests running, waiting ones it may admit, a step to read."""
         sched = self.scheduler
-        return bool(sched.running or (sched.admit and sched.waiting) or self.in_flight)
+        return bool(sched.running or (sched.admitting() and sched.waiting) or self.in_flight)
 
     def prefill_all(self) -> None:
         """Step until no request is waiting or prefilling: from there on every step decodes (benchmarks)."""
@@ -335,19 +334,11 @@ class LLMEngine:
 
     def unavailable(self) -> str | None:
         """Why requests cannot be served now (sleeping, weights not loaded), else None."""
-        state = self.sleep_state
-        if state.sleeping:
-            return (f"the server is sleeping (POST /sleep, level {state.level}; asleep: {', '.join(sorted(state.asleep))}): "
-                    "POST /wake_up to serve again")
-        if not state.weights_loaded:
-            return ("the weights were discarded (POST /sleep level 2, or a weight update that failed between its begin "
-                    "and finish) and not loaded since: POST /v1/rl/engine/update_weights {\"mode\": \"full\"} (or "
-                    "/v1/rl/engine/reload_weights) to load them")
-        return None
+        return self.state.cannot_step()
 
     @property
     def sleep_state(self) -> SleepState:
-        """What is asleep, and whether the weights hold a load (rank 0's; every rank's is the same)."""
+        """What is asleep (rank 0's; every rank's is the same)."""
         return self.runner.sleep_state
 
     def sleep(self, level: int) -> dict[str, int | None]:
@@ -357,12 +348,16 @@ class LLMEngine:
         if not self.drained() or self.scheduler.waiting:
             raise RuntimeError("requests are still queued or running: drain them before sleeping")
         self.flush_prefix_cache()  # the KV pool is discarded
-        return self.ranked.sleep(level)
+        info = self.ranked.sleep(level)
+        self.state.set(weights_loaded=self.state.weights_loaded and level == 1)  # level 2 discards them
+        return info
 
     def wake_up(self, tags: list[str] | None = None) -> tuple[list[str], dict[str, float]]:
         """Take back the memory of `tags` (weights, kv_cache; default both); once both are back, recapture the
         graphs (their addresses changed). Returns the tags woken and the recapture's seconds per graph kind."""
-        return self.ranked.wake_up(tags)
+        woken_and_recapture = self.ranked.wake_up(tags)
+        self.state.changed()
+        return woken_and_recapture
 
     def update_weights(self, path: Path | None = None, mode: str = "direct") -> WeightUpdate:
         """Load the checkpoint at `path` (default: the served model's) into the existing parameters, on every rank.
@@ -384,11 +379,9 @@ class LLMEngine:
         except (OSError, ValueError) as exc:
             raise CheckpointRefused(f"{type(exc).__name__}: {exc}") from exc
         self.flush_prefix_cache()  # KV computed with other weights is not reused
-        try:
-            report, recapture = self.ranked.load_update(path, mode)
-        except Exception:
-            self.sleep_state.weights_loaded = False  # this rank's load may have succeeded, another's did not
-            raise
+        self.state.set(weights_loaded=False)  # until every rank's load succeeded
+        report, recapture = self.ranked.load_update(path, mode)
+        self.state.set(weights_loaded=True)
         self.weights_dir = path
         return WeightUpdate(report, mode, relaid, recapture)
 

@@ -450,13 +450,11 @@ class ModelRunner:
 
     def load_update(self, model_dir: Path, mode: str) -> tuple[LoadReport, float]:
         """A weight update's load and finish, in place; `full` releases the graphs first and recaptures them after.
-        The load report and the recapture's seconds. Until it succeeds the weights are marked not loaded."""
-        self.sleep_state.weights_loaded = False
+        The load report and the recapture's seconds."""
         if mode == "full":
             self.release_graphs()
             self._graphs_released = True
         report = self.weights.load(model_dir, self.config.load_format, self.config.load_memory_limit)
-        self.sleep_state.weights_loaded = True
         recapture = 0.0
         if self._graphs_released:  # this full update's, or a failed full update's before it
             recapture = sum(sum(secs.values()) for secs in self.capture_graphs(strict=False).values())

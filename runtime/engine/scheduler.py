@@ -7,6 +7,7 @@ out, the newest running sequence is preempted: its pages are freed and it is rec
 """
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from runtime.engine.block_manager import BlockManager
@@ -39,13 +40,14 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_running: int, max_batched_tokens: int, max_model_len: int):
+    def __init__(self, block_manager: BlockManager, max_running: int, max_batched_tokens: int, max_model_len: int,
+                 admitting: Callable[[], bool] = lambda: True):
         self.block_manager = block_manager
         self.max_running, self.max_batched_tokens, self.max_model_len = max_running, max_batched_tokens, max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.admit = True  # False while a reload drains: waiting sequences stay queued
+        self.admitting = admitting  # False while the engine holds (runtime/engine/state.py): waiting ones stay queued
 
     def add(self, seq: Sequence, first: bool = False) -> None:
         """Queue `seq`; `first`: ahead of every waiting sequence (requests that waited for another's prompt)."""
@@ -75,7 +77,7 @@ class Scheduler:
             else:
                 scheduled[seq] = n
                 budget -= n
-        while self.admit and self.waiting and budget > 0 and len(self.running) < self.max_running:
+        while self.admitting() and self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
             if not seq.pages and seq.params.prompt_logprobs is None:  # those compute every prompt position
                 self.block_manager.match_prefix(seq)

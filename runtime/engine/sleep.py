@@ -97,12 +97,12 @@ class _Freed:
 
 
 class SleepState:
-    """What is asleep (`asleep`: tags whose memory is freed), at which level, and whether the weights hold a load."""
+    """What is asleep (`asleep`: tags whose memory is freed), at which level (whether the weights hold a load
+    after a level-2 sleep: runtime/engine/state.py)."""
 
     def __init__(self):
         self.level: int | None = None
         self.asleep: set[str] = set()
-        self.weights_loaded = True  # False after a level-2 wake until a weight load
         self._freed: dict[str, _Freed] = {}
 
     @property
@@ -118,8 +118,6 @@ class SleepState:
         self._freed[KV_CACHE] = _Freed(unique_storages(kv), keep=False)
         self._freed[WEIGHTS] = _Freed(unique_storages(weights), keep=level == 1)
         self.level, self.asleep = level, {WEIGHTS, KV_CACHE}
-        if level == 2:
-            self.weights_loaded = False
         return sum(f.nbytes for f in self._freed.values())
 
     def wake(self, tags: Iterable[str] | None = None) -> list[str]:

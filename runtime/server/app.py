@@ -94,7 +94,8 @@ def info_router(deps: ServerDeps, metrics: EngineMetrics, reloads: bool) -> APIR
 
     @router.get(SERVER_INFO_ROUTE)
     async def server_info():
-        return ServerInfo(model=name, allow_reload_forward=reloads, pid=os.getpid(), **dict(engine.describe())).dump()
+        return ServerInfo(model=name, allow_reload_forward=reloads, pid=os.getpid(), state=engine.state.phase,
+                          **dict(engine.describe())).dump()
 
     @router.get("/metrics")
     async def prometheus():

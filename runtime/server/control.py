@@ -125,7 +125,7 @@ def profile_router(ae: AsyncEngine, security: SecurityPolicy) -> APIRouter:
 def sleep_status(ae: AsyncEngine) -> dict:
     state = ae.engine.sleep_state
     return dict(is_sleeping=state.sleeping, level=state.level, asleep=sorted(state.asleep),
-                weights_loaded=state.weights_loaded)
+                weights_loaded=ae.state.weights_loaded)
 
 
 def weights_router(ae: AsyncEngine, security: SecurityPolicy) -> APIRouter:
@@ -140,14 +140,14 @@ def weights_router(ae: AsyncEngine, security: SecurityPolicy) -> APIRouter:
         async with ae.control_lock:
             if engine.sleep_state.sleeping:  # asleep already: nothing more to free
                 return SleepReply(**sleep_status(ae)).dump()
-            ae.refusing = ("the server is going to sleep (POST /sleep): POST /wake_up once it sleeps to serve again")
+            ae.refuse("the server is going to sleep (POST /sleep): POST /wake_up once it sleeps to serve again")
             try:
                 await ae.drain()
                 await ae.between_steps(lambda: ae.fail_all(Unavailable(
                     "the server went to sleep (POST /sleep) before this request ran: POST /wake_up, then send it again")))
                 info = await ae.run_on_engine_thread(engine.sleep, level)
             finally:
-                ae.refusing = None
+                ae.refuse(None)
         device_freed = None if info["free_after"] is None else info["free_after"] - info["free_before"]
         ae.publish(Sleeping(level=level, freed_bytes=info["freed"]))
         return SleepReply(**sleep_status(ae), freed_bytes=info["freed"], device_freed_bytes=device_freed,
@@ -160,7 +160,7 @@ def weights_router(ae: AsyncEngine, security: SecurityPolicy) -> APIRouter:
         async with ae.control_lock:
             woken, recapture = await ae.run_on_engine_thread(engine.wake_up, tags)
         if woken and not engine.sleep_state.sleeping:
-            ae.publish(Awake(weights_loaded=engine.sleep_state.weights_loaded))
+            ae.publish(Awake(weights_loaded=ae.state.weights_loaded))
         return WakeUpReply(**sleep_status(ae), woken=woken, recapture_seconds=round(sum(recapture.values()), 6),
                            seconds=round(time.perf_counter() - start, 6)).dump()
 
