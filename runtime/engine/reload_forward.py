@@ -11,7 +11,10 @@ recapture_prefill); then serving resumes (not a timed step). The warm step runs 
 old ones had: the recapture is their first launch) and no layer was rebuilt; then, with one rank and without
 --full-recapture, the recapture step captures nothing either when the reloader also reports `graph_swaps` (each new binary launches as its old one did):
 the captured graphs' kernel nodes are pointed at the new binaries (runtime/engine/graph_patch.py, all graphs, the
-pending ones too, in milliseconds). Any failure rolls every change back and the old code keeps serving.
+pending ones too, in milliseconds). With kernel checks on, `kernel_check` (timed, no event of its own) runs between
+warm and recapture. The steps are one list (`_Reload.in_pause`) run by runtime/engine/steps.py: any failure undoes
+the steps begun, last first -- the code and the model back, then the graphs recaptured with the old code -- and
+the old code keeps serving.
 
 The reloader is anything that satisfies `ForwardReloader` below (a `typing.Protocol`: the runtime never
 imports the toolkit): `read_sources()`, `plan(sources=, modules=)` (what changed: `reloaded`,
@@ -25,7 +28,6 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from kernels import checks
@@ -36,6 +38,7 @@ from runtime.engine.async_engine import AsyncEngine
 from runtime.engine.errors import describe_error, stop_server
 from runtime.engine.kernel_checks import KernelChecker, describe_failure, reported as reported_checks, serving_of
 from runtime.engine.ranks import RankedReloader, RankLost, rank_entries, reported
+from runtime.engine.steps import Step, Steps
 
 REMEMBERED_IDS = 256
 JIT, DRAIN, FLUSH, RELOAD, WARM, RECAPTURE = STEPS
@@ -91,18 +94,6 @@ class ForwardReloader(Protocol):
 
 class StepTimeout(Exception):
     pass
-
-
-@dataclass
-class _Attempt:
-    request: ReloadRequest
-    timings: dict = field(default_factory=dict)
-    step: str = "read"
-    deadline: float = float("inf")
-
-    def check_deadline(self) -> None:
-        if time.perf_counter() > self.deadline:
-            raise StepTimeout(f"timed out after {self.request.timeout_s} s in step '{self.step}'; nothing was changed")
 
 
 class ReloadForward:
@@ -173,13 +164,8 @@ class ReloadForward:
         self.count += 1
         if engine.ranks is not None:
             engine.ranks.start()
-        attempt = _Attempt(request)
         start = time.perf_counter()
-        if request.timeout_s:
-            attempt.deadline = start + request.timeout_s
         ae.publish(ReloadStarted(id=request.id, n=self.count, modules=request.modules or []))
-        tx, error, graphs_swapped, warm_skipped, nodes_patched = None, None, False, False, None
-        rebuilt, changed, old_model, needs_restart = [], set(), None, []
         try:
             sources = await ae.run_on_engine_thread(self.reloader.read_sources)
             plan = self.reloader.plan(sources=sources, modules=request.modules)
@@ -188,114 +174,32 @@ class ReloadForward:
         if not plan.reloaded:  # nothing to run: serving is not interrupted
             timings = {"total": time.perf_counter() - start, "pause": 0.0}
             return self._finish(request, self._worker(None, timings, needs_restart=list(plan.needs_restart)))
-        compile_ahead = getattr(self.reloader, "compile_ahead", None)
-        jit_kernels, warnings = 0, []
-        if compile_ahead is not None:  # old code keeps serving meanwhile
-            async with self._step(attempt, JIT):
-                try:
-                    jit_kernels, _, *slowest = await asyncio.to_thread(compile_ahead, sources, request.modules)
-                    if slowest:
-                        attempt.timings["jit_slowest"] = slowest[0]
-                except Exception as exc:  # only an optimisation: the warm step compiles what is missing
-                    warnings.append(f"compiling ahead failed, kernels compile during the warm step: {describe_error(exc)}")
-        checker, serving, kernel_checks = self.checker, serving_of(engine), []
-        if checker.on:  # the old code's times (if nothing runs on the GPU now) and the checks' inputs, while it serves
-            await ae.run_on_engine_thread(lambda: checker.prepare(serving, self._idle(), plan.reloaded))
-        before_edit = checker.fingerprints()
+        reload = _Reload(self, request, sources, start)
+        await reload.steps.run(reload.before_pause())  # the old code keeps serving meanwhile
+        if self.checker.on:  # the old code's times (if nothing runs on the GPU now) and the checks' inputs
+            await ae.run_on_engine_thread(lambda: self.checker.prepare(reload.serving, self._idle(), plan.reloaded))
+        reload.before_edit = self.checker.fingerprints()
         ae.hold(True)
         pause_start = time.perf_counter()
         try:
-            async with self._step(attempt, DRAIN, running=engine.num_running):
-                if request.mode == "abort":
-                    await ae.between_steps(lambda: ae.abort_all(running_only=True))
-                remaining = attempt.deadline - time.perf_counter()
-                try:
-                    await asyncio.wait_for(ae.wait_until_drained(), None if remaining == float("inf") else max(remaining, 0))
-                except TimeoutError:
-                    raise StepTimeout(f"timed out after {request.timeout_s} s in step '{DRAIN}' "
-                                      f"({engine.num_running} request(s) still running); nothing was changed") from None
-            async with self._step(attempt, FLUSH):
-                await ae.between_steps(engine.flush_prefix_cache)
-            async with self._step(attempt, RELOAD):
-                before = init_signatures(engine.model)
-                tx = await ae.run_on_engine_thread(lambda: self.reloader.reload(modules=request.modules, sources=sources))
-                if not tx.report.ok:
-                    raise _ReportedFailure(tx.report.error or "the reload failed")
-                changed = changed_classes(before)
-                rebuilt = [name or "(model)" for name, m in engine.model.named_modules() if type(m) in changed]
-                if rebuilt:
-                    rebuild_start = time.perf_counter()
-                    try:
-                        old_model = await ae.run_on_engine_thread(engine.rebuild_model)
-                    except ValueError as exc:  # the checkpoint no longer fits the new code
-                        restart = sorted({cls.__module__ for cls in changed})
-                        raise _NeedsRestart(f"needs restart: the weights do not fit the new code of "
-                                            f"{', '.join(sorted(map(class_name, changed)))}: {exc}", restart) from exc
-                    finally:
-                        attempt.timings["rebuild"] = time.perf_counter() - rebuild_start
-                attempt.check_deadline()
-            async with self._step(attempt, WARM):
-                warm_skipped = not rebuilt and getattr(tx.report, "kernels_only", False)
-                if not warm_skipped:
-                    await ae.run_on_engine_thread(engine.warmup)
-            if checker.on:
-                check_start = time.perf_counter()
-                try:
-                    kernel_checks = await ae.run_on_engine_thread(lambda: checker.check(before_edit, serving))
-                finally:
-                    attempt.timings["kernel_check"] = time.perf_counter() - check_start
-                failed = next((r for r in kernel_checks if not r.ok), None)
-                if failed is not None and checker.mode == "strict":
-                    raise _ReportedFailure(describe_failure(failed))
-            async with self._step(attempt, RECAPTURE):
-                graphs_swapped = True  # the decode graphs may be new even when the prefill capture then fails
-                swaps = getattr(tx.report, "graph_swaps", None) if warm_skipped else None
-                if swaps is not None and not (request.recapture or engine.config.full_recapture or engine.ranks is not None):
-                    # (several ranks: each would patch by its own binaries; not built)
-                    try:
-                        nodes_patched = await ae.run_on_engine_thread(lambda: engine.patch_graphs(swaps))
-                    except Exception as exc:  # set back: the graphs are captured as any reload's
-                        warnings.append(f"patching the graphs failed, they were captured again: {describe_error(exc)}")
-                if nodes_patched is None:
-                    graph_timings = await ae.run_on_engine_thread(lambda: engine.capture_graphs(deferring=True))
-                    for kind, seconds in graph_timings.items():
-                        attempt.timings[f"recapture_{kind}"] = sum(seconds.values())
-            tx.commit()
+            await reload.steps.run(reload.in_pause())
+            reload.tx.commit()
         except RankLost as exc:  # a wedged rank cannot roll back: nothing can run in step any more
-            stop_server(f"FATAL: reload {request.id}, step '{attempt.step}': {exc}. The server stops (tsdev watch "
-                        "restarts it).")
+            stop_server(f"FATAL: reload {request.id}, step '{reload.steps.current}': {exc}. The server stops (tsdev "
+                        "watch restarts it).")
         except Exception as exc:
-            error = str(exc) if isinstance(exc, (_ReportedFailure, StepTimeout)) else describe_error(exc)
+            reload.error = str(exc) if isinstance(exc, (_ReportedFailure, StepTimeout)) else describe_error(exc)
             if isinstance(exc, _NeedsRestart):
-                error, needs_restart = str(exc), exc.modules
-            if old_model is not None:  # the old model (and its weights) serve again
-                engine.restore_model(old_model)
-            if tx is not None and tx.report.ok:
-                tx.rollback(error)
-                if graphs_swapped:
-                    await self._recapture_old_code(error)
+                reload.needs_restart = exc.modules
+            await reload.steps.undo(reload.error)
         finally:
             ae.hold(False)
-            attempt.timings["pause"] = time.perf_counter() - pause_start
-            checker.forget_drawn()
-        if error is None and kernel_checks:  # the new code's times, serving resumed (if nothing runs yet)
-            await ae.run_on_engine_thread(lambda: checker.time_new(kernel_checks, serving, idle=self._idle()))
-        attempt.timings["total"] = time.perf_counter() - start
-        old_model = None
-        fields = reported(tx.report) if tx is not None else {}
-        if rebuilt:
-            fields["rebuilt"] = rebuilt
-            if error is None:  # the rebuilt instances ran the new __init__: not stale any more
-                classes = set(map(class_name, changed))
-                fields["stale"] = [s for s in fields["stale"] if s.name not in classes]
-        if needs_restart:
-            fields["needs_restart"] = sorted({*fields.get("needs_restart", []), *needs_restart})
-        fields["jit_kernels"] = jit_kernels or fields.get("jit_kernels", 0)
-        fields["kernels_only"] = warm_skipped
-        fields["graph_nodes_patched"] = nodes_patched or 0
-        fields["kernel_checks"] = reported_checks(kernel_checks)
-        attempt.timings.setdefault(JIT, 0.0)
-        return self._finish(request, self._worker(error, attempt.timings, warnings=warnings, **fields))
+            reload.steps.timings["pause"] = time.perf_counter() - pause_start
+            self.checker.forget_drawn()
+        if reload.error is None and reload.kernel_checks:  # the new code's times, serving resumed (if idle)
+            await ae.run_on_engine_thread(lambda: self.checker.time_new(reload.kernel_checks, reload.serving,
+                                                                        idle=self._idle()))
+        return self._finish(request, reload.report())
 
     def _idle(self) -> bool:
         """Nothing runs on the GPU: no request, no step in flight (on the engine thread)."""
@@ -308,18 +212,147 @@ class ReloadForward:
                                                  id=request.id, n=self.count, worker=worker))
         return worker
 
+
+class _Reload:
+    """One reload's steps and what they leave for the reply: before the pause `jit`; in it `drain`, `flush`, a guard
+    (its undo recaptures the graphs once the code is restored), `reload` (its undo: the old model and code back),
+    `warm`, `kernel_check` (with checks on) and `recapture`. The timings keep the order the steps ran in."""
+
+    def __init__(self, owner: ReloadForward, request: ReloadRequest, sources: Mapping[str, bytes], start: float):
+        self.owner, self.request, self.sources, self.start = owner, request, sources, start
+        self.ae, self.engine = owner.async_engine, owner.async_engine.engine
+        self.deadline = start + request.timeout_s if request.timeout_s else float("inf")
+        self.steps = Steps(self._publish)
+        self.serving, self.before_edit = serving_of(self.engine), {}
+        self.tx, self.old_model, self.changed, self.rebuilt = None, None, set(), []
+        self.jit_kernels, self.warnings, self.kernel_checks = 0, [], []
+        self.warm_skipped, self.graphs_swapped, self.nodes_patched = False, False, None
+        self.error: str | None = None
+        self.needs_restart: list[str] = []
+
+    def before_pause(self) -> list[Step]:
+        return [Step(JIT, self._jit)] if getattr(self.owner.reloader, "compile_ahead", None) else []
+
+    def in_pause(self) -> list[Step]:
+        return [Step(DRAIN, self._drain, started=lambda: {"running": self.engine.num_running}),
+                Step(FLUSH, lambda: self.ae.between_steps(self.engine.flush_prefix_cache)),
+                Step("graphs", undo=self._recapture_old_code),  # undone after `reload`: the old code captures
+                Step(RELOAD, self._reload, undo=self._undo_reload),
+                Step(WARM, self._warm),
+                *([Step("kernel_check", self._check_kernels)] if self.owner.checker.on else []),
+                Step(RECAPTURE, self._recapture)]
+
+    def _publish(self, name: str, state: str, fields: dict) -> None:
+        if name in STEPS:  # the others are timed, with no event of their own
+            self.ae.publish(ReloadStep(id=self.request.id, step=name, state=state, **fields))
+
+    def _check_deadline(self) -> None:
+        if time.perf_counter() > self.deadline:
+            raise StepTimeout(f"timed out after {self.request.timeout_s} s in step '{self.steps.current}'; nothing "
+                              "was changed")
+
+    async def _jit(self) -> None:
+        try:
+            self.jit_kernels, _, *slowest = await asyncio.to_thread(self.owner.reloader.compile_ahead, self.sources,
+                                                                    self.request.modules)
+            if slowest:
+                self.steps.timings["jit_slowest"] = slowest[0]
+        except Exception as exc:  # only an optimisation: the warm step compiles what is missing
+            self.warnings.append(f"compiling ahead failed, kernels compile during the warm step: {describe_error(exc)}")
+
+    async def _drain(self) -> None:
+        if self.request.mode == "abort":
+            await self.ae.between_steps(lambda: self.ae.abort_all(running_only=True))
+        remaining = self.deadline - time.perf_counter()
+        try:
+            await asyncio.wait_for(self.ae.wait_until_drained(), None if remaining == float("inf") else max(remaining, 0))
+        except TimeoutError:
+            raise StepTimeout(f"timed out after {self.request.timeout_s} s in step '{DRAIN}' "
+                              f"({self.engine.num_running} request(s) still running); nothing was changed") from None
+
+    async def _reload(self) -> None:
+        engine, request = self.engine, self.request
+        before = init_signatures(engine.model)
+        self.tx = await self.ae.run_on_engine_thread(
+            lambda: self.owner.reloader.reload(modules=request.modules, sources=self.sources))
+        if not self.tx.report.ok:
+            raise _ReportedFailure(self.tx.report.error or "the reload failed")
+        self.changed = changed_classes(before)
+        self.rebuilt = [name or "(model)" for name, m in engine.model.named_modules() if type(m) in self.changed]
+        if self.rebuilt:
+            rebuild_start = time.perf_counter()
+            try:
+                self.old_model = await self.ae.run_on_engine_thread(engine.rebuild_model)
+            except ValueError as exc:  # the checkpoint no longer fits the new code
+                restart = sorted({cls.__module__ for cls in self.changed})
+                raise _NeedsRestart(f"needs restart: the weights do not fit the new code of "
+                                    f"{', '.join(sorted(map(class_name, self.changed)))}: {exc}", restart) from exc
+            finally:
+                self.steps.timings["rebuild"] = time.perf_counter() - rebuild_start
+        self._check_deadline()
+
+    async def _undo_reload(self, why: str) -> None:
+        if self.old_model is not None:  # the old model (and its weights) serve again
+            self.engine.restore_model(self.old_model)
+        if self.tx is not None and self.tx.report.ok:  # (a failed reload rolled itself back)
+            self.tx.rollback(why)
+
+    async def _warm(self) -> None:
+        self.warm_skipped = not self.rebuilt and getattr(self.tx.report, "kernels_only", False)
+        if not self.warm_skipped:
+            await self.ae.run_on_engine_thread(self.engine.warmup)
+
+    async def _check_kernels(self) -> None:
+        checker = self.owner.checker
+        self.kernel_checks = await self.ae.run_on_engine_thread(lambda: checker.check(self.before_edit, self.serving))
+        failed = next((r for r in self.kernel_checks if not r.ok), None)
+        if failed is not None and checker.mode == "strict":
+            raise _ReportedFailure(describe_failure(failed))
+
+    async def _recapture(self) -> None:
+        engine, ae = self.engine, self.ae
+        self.graphs_swapped = True  # the decode graphs may be new even when the prefill capture then fails
+        swaps = getattr(self.tx.report, "graph_swaps", None) if self.warm_skipped else None
+        if swaps is not None and not (self.request.recapture or engine.config.full_recapture
+                                      or engine.ranks is not None):  # (several ranks: each would patch by its own
+            try:                                                      # binaries; not built)
+                self.nodes_patched = await ae.run_on_engine_thread(lambda: engine.patch_graphs(swaps))
+            except Exception as exc:  # set back: the graphs are captured as any reload's
+                self.warnings.append(f"patching the graphs failed, they were captured again: {describe_error(exc)}")
+        if self.nodes_patched is None:
+            graph_timings = await ae.run_on_engine_thread(lambda: engine.capture_graphs(deferring=True))
+            for kind, seconds in graph_timings.items():
+                self.steps.timings[f"recapture_{kind}"] = sum(seconds.values())
+
     async def _recapture_old_code(self, why: str) -> None:
         """Graphs were replaced by ones of the new code: recapture them with the restored old code."""
+        if not self.graphs_swapped:
+            return
         try:
-            await self.async_engine.run_on_engine_thread(
-                lambda: self.async_engine.engine.capture_graphs(strict=False))  # prefill may fall back to eager
+            await self.ae.run_on_engine_thread(lambda: self.engine.capture_graphs(strict=False))  # prefill: eager ok
         except Exception as exc:
             stop_server(f"FATAL: after a failed reload ({why}), recapturing the CUDA graphs with the old code failed: "
                         f"{describe_error(exc)}. The server cannot serve safely and stops.")
 
-    def _step(self, attempt: _Attempt, name: str, **started):
-        """A timed step; `started`: more fields of its ReloadStep "started" event."""
-        return _TimedStep(self.async_engine, attempt, name, started)
+    def report(self) -> WorkerReport:
+        """This rank's entry of the reply."""
+        timings = self.steps.timings
+        timings["total"] = time.perf_counter() - self.start
+        self.old_model = None
+        fields = reported(self.tx.report) if self.tx is not None else {}
+        if self.rebuilt:
+            fields["rebuilt"] = self.rebuilt
+            if self.error is None:  # the rebuilt instances ran the new __init__: not stale any more
+                classes = set(map(class_name, self.changed))
+                fields["stale"] = [s for s in fields["stale"] if s.name not in classes]
+        if self.needs_restart:
+            fields["needs_restart"] = sorted({*fields.get("needs_restart", []), *self.needs_restart})
+        fields["jit_kernels"] = self.jit_kernels or fields.get("jit_kernels", 0)
+        fields["kernels_only"] = self.warm_skipped
+        fields["graph_nodes_patched"] = self.nodes_patched or 0
+        fields["kernel_checks"] = reported_checks(self.kernel_checks)
+        timings.setdefault(JIT, 0.0)
+        return self.owner._worker(self.error, timings, warnings=self.warnings, **fields)
 
 
 class _ReportedFailure(Exception):
@@ -366,25 +399,6 @@ def changed_classes(before: dict[type, tuple]) -> set[type]:
 
 def class_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
-
-
-class _TimedStep:
-    def __init__(self, async_engine: AsyncEngine, attempt: _Attempt, name: str, started: dict):
-        self.async_engine, self.attempt, self.name, self.started = async_engine, attempt, name, started
-
-    async def __aenter__(self):
-        self.attempt.step = self.name
-        self.start = time.perf_counter()
-        self.async_engine.publish(ReloadStep(id=self.attempt.request.id, step=self.name, state="started",
-                                             **self.started))
-        return self
-
-    async def __aexit__(self, exc_type, exc, tb):
-        seconds = time.perf_counter() - self.start
-        self.attempt.timings[self.name] = seconds
-        self.async_engine.publish(ReloadStep(id=self.attempt.request.id, step=self.name,
-                                             state="failed" if exc else "done", seconds=seconds))
-        return False
 
 
 def log_line(request_id: str, worker: WorkerReport) -> str:
