@@ -190,18 +190,20 @@ def _compare(entries: list[tuple[Result, list[torch.Tensor], list[torch.Tensor]]
     end (each element knows its entry); the errors are inf where an output is not finite."""
     got = torch.cat([t.float().flatten() for _, g, _ in entries for t in g])
     want = torch.cat([t.float().flatten() for _, _, w in entries for t in w])
-    device, n = got.device, len(entries)
-    per_entry = torch.tensor([[sum(t.numel() for t in g), r.atol, r.rtol] for r, g, _ in entries], device=device,
-                             dtype=torch.float64)
-    entry = torch.repeat_interleave(torch.arange(n, device=device), per_entry[:, 0].long(), output_size=got.numel())
+    device = got.device
+    per_entry = torch.tensor([[sum(t.numel() for t in g), r.atol, r.rtol] for r, g, _ in entries],
+                             dtype=torch.float64).to(device, non_blocking=True)
+    lengths = per_entry[:, 0].long()
+    entry = torch.repeat_interleave(torch.arange(len(entries), device=device), lengths, output_size=got.numel())
     atol, rtol = per_entry[:, 1].float()[entry], per_entry[:, 2].float()[entry]
     diff, size, finite = (got - want).abs(), want.abs(), torch.isfinite(got)
     within = finite & (diff <= atol + rtol * size)
     rel = torch.where(size > atol, diff / torch.maximum(size, atol), 0.0)
-    worst = lambda values: torch.zeros(n, device=device).scatter_reduce_(  # noqa: E731
-        0, entry, torch.where(finite, values, math.inf), "amax")
-    ok = torch.ones(n, device=device).scatter_reduce_(0, entry, within.float(), "amin")
-    return torch.stack([worst(diff), worst(rel), ok], dim=1)
+    # one segmented reduction per statistic (a scatter into a few addresses would serialise on its atomics)
+    reduce = lambda values, how, initial: torch.segment_reduce(  # noqa: E731
+        values, how, lengths=lengths, unsafe=True, initial=initial)
+    worst = lambda values: reduce(torch.where(finite, values, math.inf), "max", 0.0)  # noqa: E731
+    return torch.stack([worst(diff), worst(rel), reduce(within.float(), "min", 1.0)], dim=1)
 
 
 def time_call(check: KernelCheck, shape: tuple[int, ...], dtype: torch.dtype, device: str,
