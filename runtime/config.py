@@ -14,6 +14,7 @@ LOAD_FORMATS = ("auto", "pinned", "plain")  # --load-format; runtime/weights/loa
 # (VLLM_API_KEY: vLLM's, so a vLLM deployment's environment keeps its server closed). docs/security.md.
 API_KEY_ENV_VARS = ("TSDEV_API_KEY", "VLLM_API_KEY")
 QUANTIZATIONS = ("fp8",)  # --quantization; runtime/layers/linear.py
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # --kv-cache-dtype (vLLM's names): auto is the model's dtype
 KERNEL_CHECK_MODES = ("report", "strict", "off")  # --kernel-check; runtime/engine/kernel_checks.py
 
 
@@ -113,6 +114,7 @@ class EngineConfig:
     load_format: str = "auto"  # pinned: staged through a page-locked buffer; plain: safetensors; auto: pinned on CUDA
     load_memory_limit: int = 16 << 30  # bytes of host memory the pinned staging buffer may take
     quantization: str | None = None  # "fp8": e4m3 projections with per-channel scales derived at load (docs/runtime.md)
+    kv_cache_dtype: str = "auto"  # fp8 / fp8_e4m3: the KV pool in e4m3, one scale per tensor (docs/runtime.md)
     # a reload checks the kernels it changed against their references (runtime/engine/kernel_checks.py): report,
     # strict (a failure rolls the reload back) or off
     kernel_check: str = "report"
@@ -127,6 +129,14 @@ class EngineConfig:
             return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
         except KeyError:
             raise ValueError(f"dtype {name!r} not supported: use auto, bfloat16, float16 or float32") from None
+
+    def kv_torch_dtype(self, model_dtype: "torch.dtype") -> "torch.dtype":
+        """The KV pool's dtype: the model's (auto), or e4m3 (fp8, fp8_e4m3)."""
+        import torch
+
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r}: use one of {', '.join(KV_CACHE_DTYPES)}")
+        return model_dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
 
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,

@@ -334,6 +334,7 @@ class EngineInfo(_Message):
     decode_graphs_used: list[int] = []  # batch sizes the steps replayed since the last capture
     prefill_graphs_used: list[int] = []  # prefill buckets the steps replayed since the last capture
     quantization: str | None = None  # e.g. fp8
+    kv_cache_dtype: str | None = None  # the KV pool's (e.g. bfloat16, float8_e4m3fn)
 
 
 class ServerInfo(EngineInfo):

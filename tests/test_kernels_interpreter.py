@@ -522,3 +522,56 @@ def test_public_ops_use_the_references_on_cpu(monkeypatch):
     k_cache, v_cache = torch.zeros(4, 2, 1, 8), torch.zeros(4, 2, 1, 8)
     attention.store_kvcache(k, v, k_cache, v_cache, torch.tensor([0, -1, 5]))
     assert torch.equal(k_cache.view(-1, 1, 8)[[0, 5]], k[[0, 2]]) and k_cache.view(-1, 1, 8)[1:5].eq(0).all()
+
+
+# --- an fp8 KV cache (--kv-cache-dtype fp8): e4m3 rows with per-tensor scales ----------------------------
+
+FP8 = attention.FP8_KV_DTYPE
+
+
+def fp8_paged_batch(seq_lens, q_lens, Hq, Hk, D, page_size):
+    """paged_batch's, its K/V pool stored in e4m3 as the kernels store it (values past e4m3's range included)."""
+    q, kc, vc, cu, sl, pt = paged_batch(seq_lens, q_lens, Hq, Hk, D, page_size)
+    return q, attention.quantize_kv(kc * 3, 0.5, FP8), attention.quantize_kv(vc * 3, 0.25, FP8), cu, sl, pt
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fp8_kv_decode_and_prefill_match_a_reference_that_dequantizes_the_same_rows(num_splits):
+    scales = (0.5, 0.25)
+    q, kc, vc, cu, sl, pt = fp8_paged_batch([1, 17, 40, 6], [1] * 4, 4, 2, 16, 5)
+    want = attention.paged_attention_ref(q, kc, vc, cu, sl, pt, 0.3, kv_scales=scales)
+    got = attention.paged_decode_triton(q, kc, vc, cu, sl, pt, 0.3, num_splits=num_splits, kv_scales=scales)
+    torch.testing.assert_close(got, want, **TOL)
+    seq_lens, q_lens = [37, 29, 12, 3], [37, 11, 1, 3]
+    q, kc, vc, cu, sl, pt = fp8_paged_batch(seq_lens, q_lens, 4, 2, 16, 4)
+    got = attention.paged_prefill_triton(q, kc, vc, cu, sl, pt, 0.25, max(q_lens), kv_scales=scales)
+    torch.testing.assert_close(got, attention.paged_attention_ref(q, kc, vc, cu, sl, pt, 0.25, kv_scales=scales),
+                               **TOL)
+    unscaled = attention.paged_attention_ref(q, kc, vc, cu, sl, pt, 0.25)  # the scales matter
+    assert (got - unscaled).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("q_lens", [[1, 1, 1], [1, 7, 1]], ids=["decode", "mixed"])
+def test_fp8_kv_store_quantizes_as_the_reference_does_bit_for_bit(q_lens, monkeypatch):
+    monkeypatch.setattr(attention, "use_triton", lambda x, family: True)  # the Triton paths, interpreted
+    seq_lens, page_size, Hk, scales = [9, 20, 3], 4, 2, (0.5, 0.125)
+    q, kc, vc, cu, sl, pt = fp8_paged_batch(seq_lens, q_lens, 4, Hk, 16, page_size)
+    T = sum(q_lens)
+    # values e4m3 holds exactly (times the scales), keys past 448 * scale among them: clamped, never NaN. (Triton's
+    # interpreter rounds a value that carries into the next power of two down a binade -- 125.2 to 64, not 128 --
+    # where the GPU's conversion rounds as torch does: the GPU test checks the rounding, bit for bit.)
+    k = attention.quantize_kv(torch.randn(T, Hk, 16) * 100, 1.0, FP8).float() * 0.5
+    k[0, 0, :4] = torch.tensor([1e4, -1e4, 300.0, -225.0])  # clamped to +-448 * 0.5 (on 0.5's grid: exact)
+    v = attention.quantize_kv(torch.randn(T, Hk, 16), 1.0, FP8).float() * 0.125
+    positions = torch.cat([torch.arange(s - n, s) for s, n in zip(seq_lens, q_lens)])
+    seq = torch.repeat_interleave(torch.arange(3), torch.tensor(q_lens))
+    slots = pt[seq, positions // page_size].long() * page_size + positions % page_size
+    want_k, want_v = kc.clone(), vc.clone()
+    attention.store_kvcache_ref(k, v, want_k, want_v, slots, scales)
+    got = attention.paged_attention(q, kc, vc, cu, sl, pt, 0.3, max_q_len=max(q_lens), store=(k, v, slots),
+                                    kv_scales=scales)
+    assert torch.equal(kc.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), want_v.view(torch.uint8))
+    assert not kc.float().isnan().any() and kc.float().abs().max() == 448
+    torch.testing.assert_close(got, attention.paged_attention_ref(q, want_k, want_v, cu, sl, pt, 0.3,
+                                                                  kv_scales=scales), **TOL)

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from runtime.config import API_KEY_ENV_VARS, KERNEL_CHECK_MODES, LOAD_FORMATS, QUANTIZATIONS, EngineConfig, ServerConfig, parse_size  # no torch: serve's defaults are the configs'
+from runtime.config import API_KEY_ENV_VARS, KERNEL_CHECK_MODES, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS, EngineConfig, ServerConfig, parse_size  # no torch: serve's defaults are the configs'
 
 LIST_FLAGS = ("--cudagraph-capture-sizes", "--prefill-graph-capture-sizes")
 # Every reload recaptures every prefill bucket: the ladder (40 buckets up to 2048 tokens) takes 1.2-1.7 s of
@@ -161,6 +161,11 @@ def serve(
         "--quantization", "-q", metavar="fp8", help="fp8: projections and MoE experts in e4m3 with per-output-channel "
              "scales derived from the checkpoint's weights at load (which stay loaded too); CUDA needs compute capability >= 8.9, "
              "CPU runs the torch references.")] = EngineConfig.quantization,
+    kv_cache_dtype: Annotated[str, typer.Option(
+        "--kv-cache-dtype", metavar="auto|fp8|fp8_e4m3", help="The KV pool's dtype. auto: the model's; fp8 (= fp8_e4m3): "
+             "e4m3 with a scale of 1 per tensor, half the bytes per token, so the pool holds twice the tokens in the "
+             "same memory and decode attention reads half as much; keys and values are rounded to 3 mantissa bits "
+             "(docs/runtime.md, \"An fp8 KV cache\").")] = EngineConfig.kv_cache_dtype,
     no_prefix_caching: Annotated[bool, typer.Option(
         "--no-prefix-caching/--enable-prefix-caching", "--no-enable-prefix-caching", show_default=False,
         help="Do not share KV pages between requests with a common prefix (shared by default).")] = not EngineConfig.enable_prefix_caching,
@@ -262,6 +267,8 @@ def serve(
         raise typer.BadParameter(f"use one of {', '.join(LOAD_FORMATS)}", param_hint="--load-format")
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise typer.BadParameter(f"use one of {', '.join(QUANTIZATIONS)}", param_hint="--quantization")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise typer.BadParameter(f"use one of {', '.join(KV_CACHE_DTYPES)}", param_hint="--kv-cache-dtype")
     try:
         load_memory_bytes = parse_size(load_memory_limit)
     except ValueError as exc:
@@ -286,7 +293,8 @@ def serve(
         max_batched_tokens=max_batched_tokens, max_model_len=max_model_len, page_size=page_size, kv_pages=kv_pages,
         gpu_memory_utilization=gpu_memory_utilization, seed=seed, enable_prefix_caching=not no_prefix_caching,
         enforce_eager=enforce_eager, prefill_graph_max_tokens=0 if disable_prefill_graph else prefill_graph_max_tokens,
-        load_format=load_format, load_memory_limit=load_memory_bytes, quantization=quantization, world_size=tp,
+        load_format=load_format, load_memory_limit=load_memory_bytes, quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype, world_size=tp,
         rank_timeout_s=rank_timeout, full_recapture=full_recapture, kernel_check=kernel_check or EngineConfig.kernel_check,
     )
     if cudagraph_capture_sizes:

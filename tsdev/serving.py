@@ -135,6 +135,16 @@ class StartupProgress(logging.Handler):
         logger.level, logger.propagate = self._saved
 
 
+KV_BYTES = {"float8_e4m3fn": 1, "bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def kv_pool_note(info) -> str:
+    """' in e4m3 (fp8): 2x the tokens bfloat16 would hold in the same memory' for an fp8 pool, else ''."""
+    if info.kv_cache_dtype != "float8_e4m3fn":
+        return ""
+    return f" in e4m3 (fp8): {KV_BYTES.get(info.dtype, 2)}x the tokens {info.dtype} would hold in the same memory"
+
+
 def describe_graphs(info, cuda: bool, timings: dict) -> str:
     """'35 decode graphs captured in 0.30 s; 40 prefill graphs (16..2048 tokens) captured in 0.80 s'.
     `info` is the engine's `describe()`."""
@@ -249,7 +259,7 @@ def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, cons
     console.print(
         f"loaded [bold]{name}[/bold] ({info.architecture}, {info.parameters / 1e6:.1f} M parameters, "
         f"{info.dtype}) from {info.model_dir} on {info.device} in {time.perf_counter() - start:.1f} s\n"
-        f"KV pool: {info.kv_pages} pages x {info.page_size} tokens; context length {info.max_model_len}; "
+        f"KV pool: {info.kv_pages} pages x {info.page_size} tokens{kv_pool_note(info)}; context length {info.max_model_len}; "
         f"up to {info.max_running} requests at once\n"
         f"warmed in {engine.startup_timings['warm']:.2f} s; {graphs}\n"
         f"{describe_startup(before, imports, engine.startup_timings, sum(engine.jit_compiles().values()), process_age())}"

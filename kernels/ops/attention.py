@@ -44,16 +44,31 @@ from kernels.checks import KernelCheck, Tolerance
 from kernels.ops import pdl, sm_count, use_triton, wait_for_previous
 
 LOG2E = 1.4426950408889634
+FP8_KV_DTYPE, FP8_MAX = torch.float8_e4m3fn, 448.0  # an fp8 KV cache (--kv-cache-dtype fp8): e4m3, +-448
+
+
+def quantize_kv(x: torch.Tensor, scale: float, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x as the cache stores it: unchanged in a cache of x's dtype; in an e4m3 cache, x / scale in float32,
+    clamped to +-448 and rounded to nearest even (the kernels' store does the same)."""
+    if cache_dtype != FP8_KV_DTYPE:
+        return x.to(cache_dtype)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(cache_dtype)
+
+
+def dequantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """float32 values of cached rows (an e4m3 cache's times its scale)."""
+    return x.float() * scale if x.dtype == FP8_KV_DTYPE else x.float()
 
 
 def store_kvcache_ref(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
-    """k, v: [T, Hk, D]; writes row t into slot slot_mapping[t] unless it is -1."""
+    """k, v: [T, Hk, D]; writes row t into slot slot_mapping[t] unless it is -1 (quantized in an e4m3 cache)."""
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[valid]
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[valid]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = quantize_kv(k[valid], kv_scales[0], k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = quantize_kv(v[valid], kv_scales[1], v_cache.dtype)
 
 
 def paged_attention_ref(
@@ -65,8 +80,9 @@ def paged_attention_ref(
     page_table: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
-    """q: [T, Hq, D] -> [T, Hq, D]. One sequence at a time, in float32."""
+    """q: [T, Hq, D] -> [T, Hq, D]. One sequence at a time, in float32 (an e4m3 cache's rows times its scales)."""
     out = torch.zeros_like(q) if out is None else out.zero_()
     page_size = k_cache.shape[1]
     group = q.shape[1] // k_cache.shape[2]
@@ -75,8 +91,8 @@ def paged_attention_ref(
         if q_len == 0:
             continue
         pages = page_table[i, : (seq_len + page_size - 1) // page_size].long()
-        k = k_cache[pages].flatten(0, 1)[:seq_len].float().repeat_interleave(group, dim=1)
-        v = v_cache[pages].flatten(0, 1)[:seq_len].float().repeat_interleave(group, dim=1)
+        k = dequantize_kv(k_cache[pages].flatten(0, 1)[:seq_len], kv_scales[0]).repeat_interleave(group, dim=1)
+        v = dequantize_kv(v_cache[pages].flatten(0, 1)[:seq_len], kv_scales[1]).repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         causal = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
@@ -93,7 +109,8 @@ def paged_attention_ref(
 def _store_kvcache_kernel(
     K, V, K_CACHE, V_CACHE, SLOTS,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cp, stride_cs, stride_ch,
-    Hk, D, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    Hk, D, k_scale, v_scale, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr, QUANTIZED: tl.constexpr,
 ):
     wait_for_previous(PDL)
     t = tl.program_id(0)
@@ -105,11 +122,19 @@ def _store_kvcache_kernel(
         dst = (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_cs + heads * stride_ch + cols
         k = tl.load(K + t * stride_kt + heads * stride_kh + cols, mask=mask)
         v = tl.load(V + t * stride_vt + heads * stride_vh + cols, mask=mask)
+        if QUANTIZED:
+            k, v = _quantized(k, k_scale, K_CACHE), _quantized(v, v_scale, V_CACHE)
         tl.store(K_CACHE + dst, k, mask=mask)
         tl.store(V_CACHE + dst, v, mask=mask)
 
 
-def store_kvcache_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
+@triton.jit
+def _quantized(x, scale, CACHE):
+    """x as an e4m3 cache stores it (`quantize_kv`)."""
+    return tl.clamp(x.to(tl.float32) / scale, -448.0, 448.0).to(CACHE.dtype.element_ty)
+
+
+def store_kvcache_triton(k, v, k_cache, v_cache, slot_mapping, kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     if k.stride(-1) != 1:
         k = k.contiguous()
@@ -121,9 +146,9 @@ def store_kvcache_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
     use_pdl = pdl(k)
     _store_kvcache_kernel[(T,)](
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), Hk, D,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), Hk, D, *kv_scales,
         PAGE_SIZE=k_cache.shape[1], BLOCK_H=triton.next_power_of_2(Hk), BLOCK_D=triton.next_power_of_2(D),
-        PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
+        PDL=use_pdl, QUANTIZED=k_cache.dtype == FP8_KV_DTYPE, num_warps=4, launch_pdl=use_pdl,
     )
 
 
@@ -135,10 +160,11 @@ def store_kvcache_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
 def _decode_kernel(
     Q, K_CACHE, V_CACHE, O, PART_O, PART_LSE, ARRIVED, CU, SEQ_LENS, PAGE_TABLE, K_NEW, V_NEW, SLOTS, ORDER,
     scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_cp, stride_cs, stride_ch, stride_pt,
-    stride_kt, stride_kh, stride_vt, stride_vh, Hq, Hk, num_splits,
+    stride_kt, stride_kh, stride_vt, stride_vh, Hq, Hk, num_splits, k_scale, v_scale,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
     SPLIT: tl.constexpr, STORE: tl.constexpr, ORDERED: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
     wait_for_previous(PDL)
     kv_head = tl.program_id(0)
@@ -163,6 +189,8 @@ def _decode_kernel(
                 dst = (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_cs + kv_head * stride_ch + d
                 k_new = tl.load(K_NEW + row * stride_kt + kv_head * stride_kh + d, mask=d < HEAD_DIM)
                 v_new = tl.load(V_NEW + row * stride_vt + kv_head * stride_vh + d, mask=d < HEAD_DIM)
+                if QUANTIZED:
+                    k_new, v_new = _quantized(k_new, k_scale, K_CACHE), _quantized(v_new, v_scale, V_CACHE)
                 tl.store(K_CACHE + dst, k_new, mask=d < HEAD_DIM)
                 tl.store(V_CACHE + dst, v_new, mask=d < HEAD_DIM)
         tl.debug_barrier()  # every thread of this program reads them back below
@@ -180,6 +208,8 @@ def _decode_kernel(
         kv_off = page * stride_cp + (n % PAGE_SIZE) * stride_cs + kv_head * stride_ch
         kv_mask = n_mask[:, None] & (d < HEAD_DIM)[None, :]
         k = tl.load(K_CACHE + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if QUANTIZED:  # e4m3 to q's dtype in registers, exactly; the scale is in scale_log2
+            k = k.to(Q.dtype.element_ty)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -187,8 +217,12 @@ def _decode_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(V_CACHE + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if QUANTIZED:
+            v = v.to(Q.dtype.element_ty)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
+    if QUANTIZED:
+        acc = acc * v_scale
 
     if SPLIT:  # partial result + its log2-sum-exp; an empty split has l_i == 0 and writes -inf
         part = (b * Hq + heads) * num_splits + split
@@ -281,11 +315,12 @@ def longest_first(seq_lens: list[int], size: int | None = None) -> list[int]:
 def paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale,
                         num_splits: int | None = None, block_n: int | None = None, out=None,
                         store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                        num_warps: int = 4, num_stages: int = 3, order: torch.Tensor | None = None) -> torch.Tensor:
+                        num_warps: int = 4, num_stages: int = 3, order: torch.Tensor | None = None,
+                        kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """Decode attention; with store = (k, v, slot_mapping) this step's keys and values are written into the cache
     first, by the kernel itself (each by the split that reads its position back). order [B] (a permutation of
     the sequences, longest first): the order their programs start in, so the last to start are the shortest
-    (`longest_first`)."""
+    (`longest_first`). kv_scales: an e4m3 cache's (k, v) scales."""
     B = seq_lens.shape[0]
     T, Hq, D = q.shape
     Hk = k_cache.shape[2]
@@ -300,18 +335,20 @@ def paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table,
     part_o = torch.empty((B, Hq, num_splits, D) if split else (1,), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((B, Hq, num_splits) if split else (1,), dtype=torch.float32, device=q.device)
     group = Hq // Hk
-    use_pdl = pdl(q)
+    use_pdl, quantized = pdl(q), k_cache.dtype == FP8_KV_DTYPE
     k, v, slots = store if store is not None else (q, q, cu_seqlens_q)
     _decode_kernel[(Hk, num_splits, B)](
         q, k_cache, v_cache, out, part_o, part_lse, split_arrivals(q.device, B * Hk) if split else part_lse,
-        cu_seqlens_q, seq_lens, page_table, k, v, slots, order if order is not None else seq_lens, scale * LOG2E,
+        cu_seqlens_q, seq_lens, page_table, k, v, slots, order if order is not None else seq_lens,
+        scale * LOG2E * (kv_scales[0] if quantized else 1.0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), page_table.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1), Hq, Hk, num_splits,
+        *kv_scales,
         GROUP=group, PAGE_SIZE=k_cache.shape[1], HEAD_DIM=D,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=triton.next_power_of_2(D), BLOCK_N=block_n,
         BLOCK_S=triton.next_power_of_2(num_splits), SPLIT=split, STORE=store is not None, ORDERED=order is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=use_pdl, num_warps=num_warps,
-        num_stages=num_stages, launch_pdl=use_pdl,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=use_pdl, QUANTIZED=quantized,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=use_pdl,
     )
     return out
 
@@ -323,10 +360,10 @@ def paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table,
 @triton.jit(do_not_specialize=["stride_pt"])  # see the module docstring
 def _prefill_kernel(
     Q, K_CACHE, V_CACHE, O, CU, SEQ_LENS, PAGE_TABLE, ORDER,
-    scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_cp, stride_cs, stride_ch, stride_pt,
+    scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_cp, stride_cs, stride_ch, stride_pt, v_scale,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, ORDERED: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, QUANTIZED: tl.constexpr,
 ):
     # programs start in this order: a sequence's last query blocks (the longest causal reach) first, and the
     # query heads that share a KV head side by side, so the second reads its keys and values from L2
@@ -357,6 +394,8 @@ def _prefill_kernel(
             kv_off = page * stride_cp + (n % PAGE_SIZE) * stride_cs + kv_head * stride_ch
             kv_mask = n_mask[:, None] & (d < HEAD_DIM)[None, :]
             k = tl.load(K_CACHE + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if QUANTIZED:  # as decode's
+                k = k.to(Q.dtype.element_ty)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
             s = tl.where(n_mask[None, :] & (n[None, :] <= pos[:, None]), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -364,8 +403,12 @@ def _prefill_kernel(
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(V_CACHE + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if QUANTIZED:
+                v = v.to(Q.dtype.element_ty)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
+        if QUANTIZED:
+            acc = acc * v_scale
         out = acc / l_i[:, None]
         tl.store(O + (q_start + m)[:, None] * stride_ot + head * stride_oh + d[None, :], out.to(O.dtype.element_ty),
                  mask=q_mask)
@@ -373,23 +416,26 @@ def _prefill_kernel(
 
 def paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, max_q_len: int,
                          block_m: int | None = None, block_n: int | None = None, num_warps: int = 4,
-                         out=None, order: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of a mixed batch (prefill chunks and decode rows). order: as paged_decode_triton's."""
+                         out=None, order: torch.Tensor | None = None,
+                         kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+    """Attention of a mixed batch (prefill chunks and decode rows). order, kv_scales: as paged_decode_triton's."""
     B = seq_lens.shape[0]
     T, Hq, D = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     if B == 0 or max_q_len == 0:
         return out
     cuda_m, cuda_n = prefill_blocks(D)
+    quantized = k_cache.dtype == FP8_KV_DTYPE
     block_m = block_m or (cuda_m if q.is_cuda else 16)
     block_n = block_n or (cuda_n if q.is_cuda else 16)
     _prefill_kernel[(Hq, triton.cdiv(max_q_len, block_m), B)](
         q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, page_table, order if order is not None else seq_lens,
-        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0),
+        scale * LOG2E * (kv_scales[0] if quantized else 1.0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0), kv_scales[1],
         GROUP=Hq // k_cache.shape[2], PAGE_SIZE=k_cache.shape[1], HEAD_DIM=D,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(D), ORDERED=order is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=2,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANTIZED=quantized, num_warps=num_warps,
+        num_stages=2,
     )
     return out
 
@@ -399,15 +445,16 @@ def paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table
 
 
 def store_kvcache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """Write k, v [T, Hk, D] (last dim contiguous; v may be a strided view of the qkv projection) into
     k_cache, v_cache [num_pages, page_size, Hk, D] at slot_mapping [T] (int64, page * page_size + offset).
     Rows whose slot is -1 (graph padding) write nothing. In place; no sync."""
     if use_triton(k, "attention"):
-        store_kvcache_triton(k, v, k_cache, v_cache, slot_mapping)
+        store_kvcache_triton(k, v, k_cache, v_cache, slot_mapping, kv_scales)
     else:
-        store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
+        store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping, kv_scales)
 
 
 def paged_attention(
@@ -423,6 +470,7 @@ def paged_attention(
     out: torch.Tensor | None = None,
     store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     order: torch.Tensor | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Causal attention of a mixed batch over the paged KV cache (this step's K/V stored first when `store` is
     given, else already in it).
@@ -449,14 +497,15 @@ def paged_attention(
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if seq_lens.numel() else 0
     if triton_ok and max_q_len == 1:
         return paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, out=out, store=store,
-                                   order=order)
+                                   order=order, kv_scales=kv_scales)
     if store is not None:
         k, v, slot_mapping = store
-        store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+        store_kvcache(k, v, k_cache, v_cache, slot_mapping, kv_scales)
     if not triton_ok:
-        return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, out=out)
+        return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, out=out,
+                                   kv_scales=kv_scales)
     return paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, max_q_len, out=out,
-                                order=order)
+                                order=order, kv_scales=kv_scales)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -32,8 +32,9 @@ E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 FP8_DTYPE = torch.float8_e4m3fn
 
 
-def fp8_unsupported_reason(device: torch.device | str) -> str | None:
-    """Why `device` cannot run the fp8 projections, or None. CPU runs the references (tests, CI)."""
+def fp8_unsupported_reason(device: torch.device | str, flag: str = "--quantization") -> str | None:
+    """Why `device` cannot run fp8 (the projections, or an e4m3 KV cache: `flag` says which to serve without),
+    or None. CPU runs the references (tests, CI)."""
     device = torch.device(device)
     if device.type == "cpu":
         return None
@@ -43,7 +44,7 @@ def fp8_unsupported_reason(device: torch.device | str) -> str | None:
     if (major, minor) < (8, 9):
         name = torch.cuda.get_device_name(device)
         return (f"fp8 needs compute capability >= 8.9 (Ada, Hopper or newer) for e4m3 matmuls; {name} has "
-                f"{major}.{minor}: serve without --quantization")
+                f"{major}.{minor}: serve without {flag}")
     return None
 
 

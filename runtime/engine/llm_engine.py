@@ -433,6 +433,7 @@ class LLMEngine:
             page_size=self.block_manager.page_size, decode_graph_sizes=list(decode.sizes) if decode else [],
             prefill_graph_buckets=list(prefill.buckets) if prefill else [],
             prefill_graphs_failed=prefill.disabled if prefill else None, quantization=config.quantization,
+            kv_cache_dtype=str(runner.kv_cache.dtype).removeprefix("torch."),
             decode_graphs_used=sorted(decode.used) if decode else [],
             prefill_graphs_used=sorted(prefill.used) if prefill else [])
 

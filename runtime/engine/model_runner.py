@@ -13,6 +13,7 @@ import torch
 
 from kernels.ops import reference_families
 from kernels.ops.attention import longest_first
+from kernels.ops.fp8 import fp8_unsupported_reason
 from runtime import distributed
 from runtime.config import EngineConfig, ModelConfig
 from runtime.context import Context, step_context
@@ -152,7 +153,10 @@ class ModelRunner:
     def _allocate_kv_cache(self, max_model_len: int) -> torch.Tensor:
         c, page = self.model_config, self.config.page_size
         _, kv_heads = distributed.shard_kv_heads(c.num_key_value_heads)  # this rank's
-        page_bytes = 2 * c.num_hidden_layers * page * kv_heads * c.head_dim * self.dtype.itemsize
+        kv_dtype = self.config.kv_torch_dtype(self.dtype)
+        if kv_dtype == torch.float8_e4m3fn and (why := fp8_unsupported_reason(self.device, "--kv-cache-dtype fp8")):
+            raise ValueError(why)
+        page_bytes = 2 * c.num_hidden_layers * page * kv_heads * c.head_dim * kv_dtype.itemsize
         num_pages = self.config.kv_pages
         if num_pages is None:
             if self.device.type == "cuda":
@@ -171,7 +175,7 @@ class ModelRunner:
         scratch = -(-min(self.config.max_batched_tokens, max_model_len) // page) + 1
         self.scratch_pages = list(range(num_pages, num_pages + scratch))
         kv = torch.zeros(c.num_hidden_layers, 2, num_pages + scratch, page, kv_heads, c.head_dim,
-                         dtype=self.dtype, device=self.device)
+                         dtype=kv_dtype, device=self.device)
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer, layer_kv in zip(layers, kv):
             layer.k_cache, layer.v_cache = layer_kv[0], layer_kv[1]

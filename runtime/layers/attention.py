@@ -29,6 +29,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
         self.k_cache = self.v_cache = torch.tensor([])
+        # an e4m3 pool's scales, one per tensor (--kv-cache-dtype fp8; docs/runtime.md): stored = value / scale
+        self.kv_scales = (1.0, 1.0)
         self.graph_cut: GraphCut | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -41,4 +43,5 @@ class Attention(nn.Module):
         return attn_ops.paged_attention(
             q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.seq_lens, ctx.page_table, self.scale,
             max_q_len=ctx.max_q_len, out=out, store=(k, v, ctx.slot_mapping), order=ctx.order,
+            kv_scales=self.kv_scales,
         )
