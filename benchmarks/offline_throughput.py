@@ -29,6 +29,8 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--max-running", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                        help="the KV pool's dtype (fp8: e4m3, half the bytes per token)")
     parser.add_argument("--compare-transformers", action="store_true")
     parser.add_argument("--compare-sync", action="store_true",
                         help="run the workload again with synchronous scheduling (no overlap), same engine")
@@ -37,7 +39,7 @@ def main() -> None:
     args = parser.parse_args()
 
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, max_running=args.max_running,
-                                    max_model_len=2 * args.max_len + 1))
+                                    max_model_len=2 * args.max_len + 1, kv_cache_dtype=args.kv_cache_dtype))
     rng = random.Random(args.seed)
     vocab = min(engine.model_config.vocab_size, 10_000)
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(args.min_len, args.max_len))] for _ in range(args.num_requests)]
