@@ -44,6 +44,23 @@ def test_paged_attention_is_checked_on_pages_in_random_order_and_a_wrong_scale_f
     assert not checks.run(wrong, shape, torch.float32, "cpu").ok
 
 
+def test_an_fp8_pool_is_checked_in_e4m3_instead_and_a_wrong_v_scale_fails():
+    decode, fp8_decode, fp8_prefill = (next(c for c in checks.declared() if c.op == op)
+                                       for op in ("paged_decode", "paged_decode_fp8", "paged_prefill_fp8"))
+    serving = checks.Serving(tokens=(3, 20), hidden=64, intermediate=128, dtype=torch.float32, q_heads=4, kv_heads=2,
+                             head_dim=16, max_context=100, device="cpu")
+    assert fp8_decode.shapes(serving) == [] and decode.shapes(serving)  # a bf16 pool: the plain checks
+    served = replace(serving, kv_fp8=True)
+    assert decode.shapes(served) == [] and fp8_decode.shapes(served) == [(3, 4, 2, 16, 16, 100), (20, 4, 2, 16, 16, 100)]
+    _, k_cache, *_ = fp8_decode.inputs((3, 4, 2, 16, 16, 100), torch.float32, "cpu", torch.Generator().manual_seed(2))
+    assert k_cache.dtype == attention.FP8_KV_DTYPE
+    assert all(checks.run(c, c.shapes(served)[0], torch.float32, "cpu").ok for c in (fp8_decode, fp8_prefill))
+    wrong = replace(fp8_decode, kernel=lambda q, kc, vc, cu, lens, table, k, v, slots, order, max_q_len:
+                    attention.paged_decode_triton(q, kc, vc, cu, lens, table, q.shape[-1] ** -0.5, store=(k, v, slots),
+                                                  kv_scales=(1.0, 1.1)))
+    assert not checks.run(wrong, (3, 4, 2, 16, 16, 100), torch.float32, "cpu").ok
+
+
 def test_the_fused_moe_is_checked_at_the_served_width_and_top_k_and_a_routing_slip_fails():
     fused = next(c for c in checks.declared() if c.op == "fused_moe")
     serving = checks.Serving(tokens=(1, 6), hidden=64, intermediate=192, dtype=torch.float32, experts=40, top_k=2,
@@ -221,7 +238,7 @@ def test_tsdev_check_runs_every_declared_op_or_the_named_ones_and_names_the_ops_
     assert {line.split(":")[0] for line in every.output.splitlines()[:-1]} == {
         "silu_and_mul", "paged_decode", "paged_prefill", "gemv", "gemv_norm_gate_up", "skinny_linear", "rms_norm",
         "fused_add_rms_norm", "rope", "qk_norm_rope", "sample", "sample_top_k", "token_logprobs",
-        "apply_penalties"}  # no fused_moe (a dense model), no fp8_* (bf16 weights)
+        "apply_penalties"}  # no fused_moe (a dense model), no fp8_* (bf16 weights and KV pool)
     assert "all ok" in every.output
     table = CliRunner().invoke(app, ["check", "rms_norm", "--shapes", "--url", url])
     assert table.exit_code == 0 and table.output.count("rms_norm ") >= 3 and "fused_add" not in table.output

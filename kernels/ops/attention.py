@@ -521,9 +521,10 @@ ATTENTION_TOLERANCE = {
 
 
 def _paged_batch(q_lens: list[int], cached: list[int], heads: tuple[int, int, int], page_size: int, dtype, device,
-                 generator) -> tuple:
+                 generator, kv_dtype=None) -> tuple:
     """q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, k, v, slot_mapping for sequences of q_lens new
-    tokens behind `cached` ones: every sequence's pages drawn in random order from one pool, the cache random."""
+    tokens behind `cached` ones: every sequence's pages drawn in random order from one pool, the cache random (in
+    `kv_dtype`, default `dtype`: an e4m3 pool holds the random values as its store would)."""
     hq, hk, d = heads
     seq_lens = [q + c for q, c in zip(q_lens, cached)]
     pages_of = [-(-n // page_size) for n in seq_lens]
@@ -533,11 +534,16 @@ def _paged_batch(q_lens: list[int], cached: list[int], heads: tuple[int, int, in
     for i, n in enumerate(pages_of):
         table[i, :n] = pool[start:start + n]
         start += n
-    cache = lambda: torch.randn(len(pool), page_size, hk, d, generator=generator, device=device).to(dtype)  # noqa: E731
+    cache = lambda: quantize_kv(torch.randn(len(pool), page_size, hk, d, generator=generator, device=device),  # noqa: E731
+                                1.0, kv_dtype or dtype)
     k_cache, v_cache = cache(), cache()
     tokens = sum(q_lens)
     q = torch.randn(tokens, hq, d, generator=generator, device=device).to(dtype)
     k, v = (torch.randn(tokens, hk, d, generator=generator, device=device).to(dtype) for _ in range(2))
+    if kv_dtype == FP8_KV_DTYPE:  # this step's rows on e4m3's grid: the check is of attention over the pool, run
+        # under Triton's interpreter too, whose e4m3 rounding differs from the GPU's (tests/test_fp8_kv_gpu.py
+        # checks the store's rounding bit for bit there)
+        k, v = (quantize_kv(x, 1.0, kv_dtype).to(dtype) for x in (k, v))
     slots = torch.cat([table[i, torch.arange(c, n, device=device) // page_size].long() * page_size
                        + torch.arange(c, n, device=device) % page_size for i, (c, n) in enumerate(zip(cached, seq_lens))])
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
@@ -546,13 +552,13 @@ def _paged_batch(q_lens: list[int], cached: list[int], heads: tuple[int, int, in
     return q, k_cache, v_cache, cu, lens, table, k, v, slots, order, max(q_lens)
 
 
-def _decode_inputs(shape, dtype, device, generator):
+def _decode_inputs(shape, dtype, device, generator, kv_dtype=None):
     batch, hq, hk, d, page_size, context = shape
     cached = torch.randint(0, context, (batch,), generator=generator, device=device).tolist()  # mixed lengths
-    return _paged_batch([1] * batch, cached, (hq, hk, d), page_size, dtype, device, generator)
+    return _paged_batch([1] * batch, cached, (hq, hk, d), page_size, dtype, device, generator, kv_dtype)
 
 
-def _prefill_inputs(shape, dtype, device, generator):
+def _prefill_inputs(shape, dtype, device, generator, kv_dtype=None):
     """`tokens` rows: a chunk behind a cached prefix, a whole prompt, and decode rows (a mixed step)."""
     tokens, hq, hk, d, page_size, context = shape
     decode = min(2, tokens - 2)
@@ -560,7 +566,7 @@ def _prefill_inputs(shape, dtype, device, generator):
     q_lens = [chunk, tokens - decode - chunk, *[1] * decode]
     cached = [int(torch.randint(1, max(context - chunk, 2), (1,), generator=generator, device=device)), 0,
               *torch.randint(1, context, (decode,), generator=generator, device=device).tolist()]
-    return _paged_batch(q_lens, cached, (hq, hk, d), page_size, dtype, device, generator)
+    return _paged_batch(q_lens, cached, (hq, hk, d), page_size, dtype, device, generator, kv_dtype)
 
 
 def _attention_ref(q, k_cache, v_cache, cu, lens, table, k, v, slots, order, max_q_len):
@@ -581,8 +587,11 @@ def _prefill_check(q, k_cache, v_cache, cu, lens, table, k, v, slots, order, max
     return paged_prefill_triton(q, k_cache, v_cache, cu, lens, table, q.shape[-1] ** -0.5, max_q_len, order=order)
 
 
-def _attention_shapes(decode: bool):
+def _attention_shapes(decode: bool, fp8: bool = False):
+    """The served batches, for the pool's dtype only: the fp8 checks where the pool is e4m3, the others elsewhere."""
     def shapes(s):
+        if fp8 != s.kv_fp8:
+            return []
         rows = [t for t in s.tokens if t <= s.max_running] if decode else [t for t in s.tokens if t >= 4]
         return [(t, s.q_heads, s.kv_heads, s.head_dim, s.page_size, s.max_context) for t in rows]
     return shapes
@@ -595,4 +604,14 @@ CHECKS = [
     KernelCheck(op="paged_prefill", kernels=("_prefill_kernel", "_store_kvcache_kernel"),
                 shapes=_attention_shapes(decode=False), inputs=_prefill_inputs, kernel=_prefill_check,
                 reference=_attention_ref, tolerance=ATTENTION_TOLERANCE),
+    # an e4m3 pool (--kv-cache-dtype fp8): the same batches, its rows quantized as the store does, scales 1
+    KernelCheck(op="paged_decode_fp8", kernels=("_decode_kernel",), shapes=_attention_shapes(decode=True, fp8=True),
+                inputs=lambda shape, dtype, device, generator: _decode_inputs(shape, dtype, device, generator,
+                                                                              FP8_KV_DTYPE),
+                kernel=_decode_check, reference=_attention_ref, tolerance=ATTENTION_TOLERANCE),
+    KernelCheck(op="paged_prefill_fp8", kernels=("_prefill_kernel", "_store_kvcache_kernel"),
+                shapes=_attention_shapes(decode=False, fp8=True),
+                inputs=lambda shape, dtype, device, generator: _prefill_inputs(shape, dtype, device, generator,
+                                                                               FP8_KV_DTYPE),
+                kernel=_prefill_check, reference=_attention_ref, tolerance=ATTENTION_TOLERANCE),
 ]

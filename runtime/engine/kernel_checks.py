@@ -174,5 +174,6 @@ def serving_of(engine) -> checks.Serving:
                           top_k=raw.get("num_experts_per_tok") or 0,
                           moe_intermediate=(raw.get("moe_intermediate_size") or 0) // world,
                           fp8=engine.config.quantization == "fp8",
+                          kv_fp8=engine.config.kv_cache_dtype != "auto",
                           dtype=engine.runner.dtype, eps=config.rms_norm_eps, device=str(engine.runner.device))
 
