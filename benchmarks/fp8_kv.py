@@ -1,0 +1,43 @@
+"""Issue 35's microbenchmark: decode attention over a bf16 pool and an e4m3 one (--kv-cache-dtype fp8), Qwen3-0.6B's
+heads (16 q / 8 kv of 128), at the offline workload's batches (B = 64, 139, 256; contexts 100-2048 in admission
+order, as kernels_bench.py's decode rows), each against its floor: the KV bytes it must read at the device's copy
+bandwidth. One KV pool per layer (28), replayed in a CUDA graph (kernels_bench.graph_ms).
+
+    python3 benchmarks/fp8_kv.py
+"""
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.decode_step import copy_bandwidth
+from benchmarks.kernels_bench import D, HK, LAYERS, graph_ms, layer_batches
+from kernels.ops import attention
+
+
+def main() -> None:
+    bw = copy_bandwidth(torch.device("cuda"))
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bw / 1e9:.0f} GB/s")
+    scale = D**-0.5
+    for B in (64, 139, 256):
+        lens = torch.randint(100, 2049, (B,), generator=torch.Generator().manual_seed(B)).tolist()
+        layers = max(1, min(LAYERS, (8 << 30) // (sum(lens) * HK * D * 4)))
+        q, caches, cu, sl, pt = layer_batches(lens, [1] * B, layers=layers)
+        order = torch.tensor(attention.longest_first(lens), device="cuda")
+        fp8 = [(attention.quantize_kv(kc, 1.0, attention.FP8_KV_DTYPE), attention.quantize_kv(vc, 1.0,
+                                                                                            attention.FP8_KV_DTYPE))
+               for kc, vc in caches]
+        times = {}
+        for name, pools, itemsize in (("bf16", caches, 2), ("fp8", fp8, 1)):
+            t = graph_ms([lambda kc=kc, vc=vc: attention.paged_decode_triton(q, kc, vc, cu, sl, pt, scale, order=order)
+                          for kc, vc in pools])
+            floor = sum(lens) * HK * D * 2 * itemsize / bw * 1e6
+            times[name] = t * 1e3
+            print(f"decode B={B} ctx 100-2048 (sum {sum(lens)}) {name}: {t * 1e3:.1f} us per layer, floor "
+                  f"{floor:.1f} us ({floor / (t * 1e3):.0%} of it)", flush=True)
+        print(f"  fp8 / bf16: {times['fp8'] / times['bf16']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
