@@ -37,6 +37,11 @@ def main() -> None:
             print(f"decode B={B} ctx 100-2048 (sum {sum(lens)}) {name}: {t * 1e3:.1f} us per layer, floor "
                   f"{floor:.1f} us ({floor / (t * 1e3):.0%} of it)", flush=True)
         print(f"  fp8 / bf16: {times['fp8'] / times['bf16']:.2f}")
+        splits = attention.decode_num_splits(B, HK, q.device)
+        for block_n in (16, 32, 64, 128):  # e4m3 rows are half the bytes: the bf16 tuning's block may not be best
+            t = graph_ms([lambda kc=kc, vc=vc: attention.paged_decode_triton(q, kc, vc, cu, sl, pt, scale, splits,
+                                                                             block_n, order=order) for kc, vc in fp8])
+            print(f"  fp8 block_n={block_n} (splits {splits}): {t * 1e3:.1f} us", flush=True)
 
 
 if __name__ == "__main__":
