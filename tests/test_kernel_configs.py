@@ -188,7 +188,6 @@ def record_launches() -> dict[str, tuple]:
                 recorded[f"{shape} tp{tp} {name}{' fp8' if fp8 else ''}"] = (kernel.fn, *kernel.launches[0])
         hq, hk, d = heads(shape, tp)
         qkv = meta(256, (hq + 2 * hk) * d)
-        cache = meta(64, 16, hk, d)
         pages = meta(256, 8, dtype=torch.int32)
         ints = meta(257, dtype=torch.int32)
         order = meta(256, dtype=torch.int64)
@@ -196,24 +195,27 @@ def record_launches() -> dict[str, tuple]:
         variants = {}
         for batch in sorted(DEFAULT_CAPTURE_SIZES, reverse=True):
             variants[decode_variant(batch, hk, d)[:2]] = batch
-        for batch in variants.values():
-            variant = decode_variant(batch, hk, d)
-            q, k, v = (meta(batch, hq, d), meta(batch, hk, d), qkv[:batch, (hq + hk) * d:].unflatten(1, (hk, d)))
-            kernel = attention._decode_kernel = Recorder(attention._decode_kernel)
+        for kv in (torch.bfloat16, torch.float8_e4m3fn):  # the pool's dtype (--kv-cache-dtype fp8: e4m3)
+            cache, pool = meta(64, 16, hk, d, dtype=kv), "" if kv == torch.bfloat16 else " fp8 KV"
+            for batch in variants.values():
+                variant = decode_variant(batch, hk, d)
+                q, k, v = (meta(batch, hq, d), meta(batch, hk, d), qkv[:batch, (hq + hk) * d:].unflatten(1, (hk, d)))
+                kernel = attention._decode_kernel = Recorder(attention._decode_kernel)
+                try:
+                    attention.paged_decode_triton(q, cache, cache, ints[: batch + 1], ints[:batch], pages[:batch], 0.1,
+                                                  num_splits=attention.decode_splits(batch, hk, H200_SMS),
+                                                  block_n=variant[1], store=(k, v, order[:batch]), order=order[:batch])
+                finally:
+                    attention._decode_kernel = kernel.fn
+                recorded[f"{shape} tp{tp} decode{pool} SPLIT/BLOCK_N/BLOCK_S {variant}"] = (kernel.fn,
+                                                                                             *kernel.launches[0])
+            kernel = attention._prefill_kernel = Recorder(attention._prefill_kernel)
             try:
-                attention.paged_decode_triton(q, cache, cache, ints[: batch + 1], ints[:batch], pages[:batch], 0.1,
-                                              num_splits=attention.decode_splits(batch, hk, H200_SMS),
-                                              block_n=variant[1], store=(k, v, order[:batch]), order=order[:batch])
+                attention.paged_prefill_triton(meta(256, hq, d), cache, cache, ints[:3], ints[:2], pages[:2], 0.1, 200,
+                                               *attention.prefill_blocks(d), order=order[:2])
             finally:
-                attention._decode_kernel = kernel.fn
-            recorded[f"{shape} tp{tp} decode SPLIT/BLOCK_N/BLOCK_S {variant}"] = (kernel.fn, *kernel.launches[0])
-        kernel = attention._prefill_kernel = Recorder(attention._prefill_kernel)
-        try:
-            attention.paged_prefill_triton(meta(256, hq, d), cache, cache, ints[:3], ints[:2], pages[:2], 0.1, 200,
-                                           *attention.prefill_blocks(d), order=order[:2])
-        finally:
-            attention._prefill_kernel = kernel.fn
-        recorded[f"{shape} tp{tp} prefill"] = (kernel.fn, *kernel.launches[0])
+                attention._prefill_kernel = kernel.fn
+            recorded[f"{shape} tp{tp} prefill{pool}"] = (kernel.fn, *kernel.launches[0])
     return recorded
 
 
