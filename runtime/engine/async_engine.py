@@ -188,9 +188,15 @@ class AsyncEngine:
     # --- events ----------------------------------------------------------------------------------
 
     def _phase_moved(self, phase: str) -> None:
-        """The state's listener (on whichever thread changed it): a StateChanged event, from the event loop."""
-        if self._event_loop is not None:
-            self._event_loop.call_soon_threadsafe(self.publish, StateChanged(state=phase))
+        """The state's listener (on whichever thread changed it): a StateChanged event, published on the event loop
+        (at once when the change happened there)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # the engine thread: hand it to the loop the engine runs beside, while it runs
+            if self._event_loop is not None and not self._event_loop.is_closed():
+                self._event_loop.call_soon_threadsafe(self.publish, StateChanged(state=phase))
+            return
+        self.publish(StateChanged(state=phase))
 
     def publish(self, event: Event) -> None:
         """Send an event (stamped with the server clock) to every subscriber of `events()`."""
