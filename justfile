@@ -4,9 +4,9 @@
 setup:
     python3 -m pip install torch==2.13.0 -e ".[dev]"
 
-# the CPU test suite (what CI runs)
+# the CPU test suite (what CI runs: two workers, a test file each at a time)
 test *ARGS:
-    python3 -m pytest -q {{ARGS}}
+    python3 -m pytest -q -n 2 --dist loadfile {{ARGS}}
 
 # serve the embedded default model (or MODEL) on 127.0.0.1:8000
 serve *ARGS:
