@@ -52,10 +52,10 @@ def projections(shape: str, tp: int) -> dict[str, tuple[int, int, bool, bool, bo
             "lm_head": (-(-vocab // tp), hidden, False, False, False)}
 
 
-def decode_variant(batch: int, hk: int, d: int) -> tuple[bool, int, int]:
+def decode_variant(batch: int, hk: int, d: int, kv_bytes: int = 2) -> tuple[bool, int, int]:
     """The decode kernel's constexprs that depend on the batch: (SPLIT, BLOCK_N, BLOCK_S)."""
     splits = attention.decode_splits(batch, hk, H200_SMS)
-    return splits > 1, attention.decode_block_n(splits, d), 1 << (splits - 1).bit_length()
+    return splits > 1, attention.decode_block_n(splits, d, kv_bytes), 1 << (splits - 1).bit_length()
 
 
 def test_qwen3_0_6b_keeps_its_measured_gemv_configs():
@@ -82,6 +82,7 @@ def test_attention_configs_follow_kv_heads_and_head_dim():
     splits = {b: attention.decode_splits(b, 8, H200_SMS) for b in (1, 2, 16, 40, 64, 72, 256)}
     assert splits == {1: 64, 2: 33, 16: 5, 40: 2, 64: 2, 72: 1, 256: 1}
     assert [attention.decode_block_n(s, 128) for s in (64, 3, 2, 1)] == [32, 32, 64, 64]
+    assert [attention.decode_block_n(s, 128, kv_bytes=1) for s in (64, 2, 1)] == [64, 128, 128]  # e4m3: same bytes
     assert attention.prefill_blocks(128) == (64, 64)
     # few KV heads (Qwen2.5-1.5B: 2, one per rank at --tp 2) split further at batch 1 to fill the SMs
     assert [attention.decode_splits(1, hk, H200_SMS) for hk in (2, 1)] == [128, 128]
@@ -191,14 +192,14 @@ def record_launches() -> dict[str, tuple]:
         pages = meta(256, 8, dtype=torch.int32)
         ints = meta(257, dtype=torch.int32)
         order = meta(256, dtype=torch.int64)
-        # every (SPLIT, BLOCK_N) reached, with its largest BLOCK_S (the merge's tile: the most registers)
-        variants = {}
-        for batch in sorted(DEFAULT_CAPTURE_SIZES, reverse=True):
-            variants[decode_variant(batch, hk, d)[:2]] = batch
         for kv in (torch.bfloat16, torch.float8_e4m3fn):  # the pool's dtype (--kv-cache-dtype fp8: e4m3)
             cache, pool = meta(64, 16, hk, d, dtype=kv), "" if kv == torch.bfloat16 else " fp8 KV"
+            # every (SPLIT, BLOCK_N) reached, with its largest BLOCK_S (the merge's tile: the most registers)
+            variants = {}
+            for batch in sorted(DEFAULT_CAPTURE_SIZES, reverse=True):
+                variants[decode_variant(batch, hk, d, kv.itemsize)[:2]] = batch
             for batch in variants.values():
-                variant = decode_variant(batch, hk, d)
+                variant = decode_variant(batch, hk, d, kv.itemsize)
                 q, k, v = (meta(batch, hq, d), meta(batch, hk, d), qkv[:batch, (hq + hk) * d:].unflatten(1, (hk, d)))
                 kernel = attention._decode_kernel = Recorder(attention._decode_kernel)
                 try:

@@ -290,11 +290,13 @@ def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> in
     return decode_splits(batch, num_kv_heads, sm_count(device.index or 0))
 
 
-def decode_block_n(num_splits: int, head_dim: int) -> int:
+def decode_block_n(num_splits: int, head_dim: int, kv_bytes: int = 2) -> int:
     """KV rows per block of the decode kernel: measured on the H200 at head_dim 128 (Qwen3-0.6B), 32 with more
     than two splits, else 64 (each program then walks a whole sequence or half: at batch 256 and 512 tokens,
-    131 vs 139 us with 3 stages); at other head_dims the same bytes per K/V block (head_dim 64: 64 / 128 rows)."""
-    return max(16, (32 if num_splits > 2 else 64) * 128 // triton.next_power_of_2(head_dim))
+    131 vs 139 us with 3 stages); at other head_dims and in an e4m3 pool (`kv_bytes` 1) the same bytes per K/V
+    block (head_dim 64: 64 / 128 rows; e4m3 at 128: 64 / 128, the best of 16-128 rows at B = 64, 139 and 256 in
+    benchmarks/fp8_kv.py, 3-9 % faster than 64 / 32)."""
+    return max(16, (32 if num_splits > 2 else 64) * 128 // triton.next_power_of_2(head_dim) * (2 // kv_bytes))
 
 
 def prefill_blocks(head_dim: int) -> tuple[int, int]:
@@ -331,7 +333,7 @@ def paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table,
         num_splits = decode_num_splits(B, Hk, q.device)
     split = num_splits > 1
     if block_n is None:
-        block_n = decode_block_n(num_splits, D) if q.is_cuda else 16
+        block_n = decode_block_n(num_splits, D, k_cache.element_size()) if q.is_cuda else 16
     part_o = torch.empty((B, Hq, num_splits, D) if split else (1,), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((B, Hq, num_splits) if split else (1,), dtype=torch.float32, device=q.device)
     group = Hq // Hk
