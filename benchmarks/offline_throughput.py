@@ -74,9 +74,6 @@ def run_workload(engine: LLMEngine, prompts, params, device: str, label: str = "
     engine.step = steps.pop("_restore")
     out_tokens = sum(len(r["token_ids"]) for r in results)
     in_tokens = sum(map(len, prompts))
-    print(f"tsdev{label}: {len(prompts)} requests, {in_tokens} prompt + {out_tokens} output tokens in {seconds:.2f} s: "
-          f"{out_tokens / seconds:,.0f} output tok/s, {(in_tokens + out_tokens) / seconds:,.0f} total tok/s "
-          f"({device}, {engine.model_dir.name})")
     print(f"  garbage collections: {len(pauses)}" + (f", {1e3 * sum(pauses):.1f} ms in all, longest "
                                                        f"{1e3 * max(pauses):.1f} ms" if pauses else ""))
     for kind, (count, secs, rows, times) in steps.items():
@@ -84,6 +81,10 @@ def run_workload(engine: LLMEngine, prompts, params, device: str, label: str = "
             print(f"  {kind} steps: {count}, {secs:.2f} s, {1e3 * secs / count:.2f} ms/step, "
                   f"{rows / count:.0f} sequences/step")
             print(f"    {histogram(times)}")
+    # last, so that the tail of a log holds it
+    print(f"tsdev{label}: {len(prompts)} requests, {in_tokens} prompt + {out_tokens} output tokens in {seconds:.2f} s: "
+          f"{out_tokens / seconds:,.0f} output tok/s, {(in_tokens + out_tokens) / seconds:,.0f} total tok/s "
+          f"({device}, {engine.model_dir.name}{'' if engine.config.kv_cache_dtype == 'auto' else ', fp8 KV'})")
     return out_tokens / seconds
 
 
