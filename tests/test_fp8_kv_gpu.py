@@ -1,8 +1,9 @@
 """--kv-cache-dtype fp8 on the H200 (pytest -q -m gpu tests/test_fp8_kv_gpu.py): the kernels' store rounds as
 torch does, bit for bit; decode and prefill attention over an e4m3 pool match a reference that dequantizes the
 same rows, at the default model's shapes in bf16; the default model's logits with an fp8 pool stay within cosine
-0.99 of a bf16 pool's at every position of a 2048-token context (the greedy agreement is printed); the pool holds
-twice the tokens in the same memory."""
+0.99 of a bf16 pool's at every position of a 2048-token context (the greedy agreement is printed). The pool's
+tokens per memory budget: tests/test_kv_cache_dtype.py (a fixed CPU budget; on a GPU other tests move the free
+memory a pool is sized to)."""
 import itertools
 
 import pytest
@@ -110,19 +111,3 @@ def test_fp8_kv_logits_stay_within_cosine_099_of_bf16_kv_over_a_2048_token_conte
           f"{cos.mean():.4f}; greedy agreement {agree:.2%}")
     assert cos.min() >= 0.99, cos
 
-
-def test_an_fp8_pool_holds_twice_the_tokens_in_the_same_memory():
-    """Tokens per byte of pool, each sized to the memory free when it starts (other tests' use varies it)."""
-    from runtime.config import EngineConfig
-    from runtime.engine.llm_engine import LLMEngine
-
-    tokens_per_byte = {}
-    for kv in ("auto", "fp8"):
-        eng = LLMEngine(EngineConfig(model=None, device="cuda", max_model_len=2048, max_running=4096,
-                                     gpu_memory_utilization=0.3, kv_cache_dtype=kv, enforce_eager=True))
-        runner = eng.runner
-        tokens_per_byte[kv] = runner.kv_cache.shape[2] * runner.kv_cache.shape[3] / runner.kv_cache.nbytes
-        assert runner.num_pages * runner.kv_cache.shape[3] > 100_000  # sized by memory, not by the cap
-        del eng, runner
-        torch.cuda.empty_cache()
-    assert tokens_per_byte["fp8"] == 2 * tokens_per_byte["auto"], tokens_per_byte

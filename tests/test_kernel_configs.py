@@ -83,6 +83,7 @@ def test_attention_configs_follow_kv_heads_and_head_dim():
     assert splits == {1: 64, 2: 33, 16: 5, 40: 2, 64: 2, 72: 1, 256: 1}
     assert [attention.decode_block_n(s, 128) for s in (64, 3, 2, 1)] == [32, 32, 64, 64]
     assert [attention.decode_block_n(s, 128, kv_bytes=1) for s in (64, 2, 1)] == [64, 128, 128]  # e4m3: same bytes
+    assert [attention.decode_block_n(s, 128, kv_bytes=4) for s in (64, 1)] == [32, 64]  # float32: as measured
     assert attention.prefill_blocks(128) == (64, 64)
     # few KV heads (Qwen2.5-1.5B: 2, one per rank at --tp 2) split further at batch 1 to fill the SMs
     assert [attention.decode_splits(1, hk, H200_SMS) for hk in (2, 1)] == [128, 128]

@@ -296,7 +296,8 @@ def decode_block_n(num_splits: int, head_dim: int, kv_bytes: int = 2) -> int:
     131 vs 139 us with 3 stages); at other head_dims and in an e4m3 pool (`kv_bytes` 1) the same bytes per K/V
     block (head_dim 64: 64 / 128 rows; e4m3 at 128: 64 / 128, the best of 16-128 rows at B = 64, 139 and 256 in
     benchmarks/fp8_kv.py, 3-9 % faster than 64 / 32)."""
-    return max(16, (32 if num_splits > 2 else 64) * 128 // triton.next_power_of_2(head_dim) * (2 // kv_bytes))
+    rows = (32 if num_splits > 2 else 64) * 128 // triton.next_power_of_2(head_dim)
+    return max(16, rows * 2 if kv_bytes == 1 else rows)  # (a float32 pool: the rows of bf16's, as before)
 
 
 def prefill_blocks(head_dim: int) -> tuple[int, int]:

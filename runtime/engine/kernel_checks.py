@@ -1,7 +1,7 @@
 """The per-kernel check of a reload (kernels/checks.py): which ops an edit changed, their error against the
-reference at the serving shapes (inside the pause, before the reload commits: `strict` rolls it back; the inputs and
-the reference's outputs are drawn before the pause, so the pause runs only the new kernels and the comparisons), and
-their time
+reference at the serving shapes (inside the pause, before the reload commits: `strict` rolls it back; when the
+engine is idle the inputs and the reference's outputs are drawn before the pause, so the pause runs only the new
+kernels and the comparisons), and their time
 per call before and after (never while requests run: the old binaries are timed while the jit step waits and the
 engine is idle, the new ones after serving resumes, if it is idle then; a time this reload could not take comes from
 the last one taken for that code, marked not fresh, or is missing). Times on CUDA only: Triton's interpreter, which
@@ -48,17 +48,19 @@ class KernelChecker:
 
     def prepare(self, serving: checks.Serving, idle: bool, modules: Iterable[str]) -> None:
         """Before the pause, for each op the edited `modules` may change (they define its kernels or a helper these
-        call; no other op's code can change): time its current code where it has no time yet, if the engine is
-        idle (`times`); draw its inputs and its reference's outputs at the serving shapes, up to DRAWN_BYTES
-        (between two steps: the old code serves), which `check` uses where the edit left the code drawing them
-        unchanged."""
+        call; no other op's code can change), if the engine is idle: time its current code where it has no time yet
+        (`times`); draw its inputs and its reference's outputs at the serving shapes, up to DRAWN_BYTES, which
+        `check` uses where the edit left the code drawing them unchanged. While requests run nothing is done here
+        (they would wait for it, for ops the edit may not change): `check` draws in the pause what it needs."""
         self.timed_now, self.drawn, self.reachable = set(), {}, set()
         if not (self.on and checks.runnable(serving.device)):
             return
         edited = set(modules)
         reachable = [c for c in checks.declared() if checks.modules_reached(c) & edited]
         self.reachable = {c.op for c in reachable}
-        if idle and serving.device.startswith("cuda"):
+        if not idle:
+            return
+        if serving.device.startswith("cuda"):
             now = checks.fingerprints(reachable)
             for check in reachable:
                 for shape in check.shapes(serving):
