@@ -2,11 +2,12 @@
 benchmarks/kernels_bench.py's for the same kernel and shape.
 
     python3 benchmarks/kernel_checks.py                # CUDA, the default model
-    python3 benchmarks/kernel_checks.py --cycles 3
+    python3 benchmarks/kernel_checks.py --cycles 4
 
-1. Two servers of the default model (`--kernel-check off`, then `report`), each given --cycles never-seen edits of
-   `silu_and_mul_values` (its output times a fresh constant near 1, so the checks pass) and their reverts: the median
-   pause of each, and of the check step (the target: the pause grows by at most 10 ms).
+1. One server of the default model given --cycles never-seen edits of `silu_and_mul_values` (its output times a
+   fresh constant near 1, so the checks pass) and their reverts, one reload of each pair with the checks off and the
+   other with `report`, in random order (after one such pair not counted): the median pause of each mode, and of the
+   checks (the target: the pause grows by at most 10 ms).
 2. The times the `report` server gave in its reload replies (the ops the edit reached, the median over the reloads
    per shape) against kernels_bench's `graph_ms` in this process once the server stopped, on the same number of
    distinct inputs; then each declared op's `kernels.checks.time_call` in this process against `graph_ms`, at the
@@ -36,36 +37,46 @@ SERVED = checks.Serving(tokens=(1, 8, 64, 256), hidden=1024, intermediate=3072, 
                         fp8=True)  # Qwen3-0.6B's shapes, the fp8 projections' too
 
 
-def pauses(mode: str, cycles: int, rng: random.Random) -> tuple[list[float], list[float], dict[tuple, list[float]]]:
-    """(pauses, check steps, (op, shape) -> the µs after each edit) of 2 x cycles reloads of a server with
-    --kernel-check mode."""
+def pauses(cycles: int, rng: random.Random) -> tuple[dict[str, list[float]], list[float], dict[tuple, list[float]]]:
+    """One server of the default model, given `cycles` never-seen edits and their reverts, each pair's reloads with
+    the checks off and on (`report`) in random order: (mode -> pauses, check steps, (op, shape) -> the µs after each
+    checked edit); prints each reload and the median of each timed step per mode."""
     with tempfile.TemporaryDirectory() as tmp:
         project = copy_project(Path(tmp) / "project")
-        server = ServerProcess(["--device", "cuda", "--kernel-check", mode], allow_reload_forward=True, cwd=project,
-                               pythonpath=project, log_path=Path(tmp) / "serve.log")
+        server = ServerProcess(["--device", "cuda", "--kernel-check", "report"], allow_reload_forward=True,
+                               cwd=project, pythonpath=project, log_path=Path(tmp) / "serve.log")
         file = project / FILE
         original = file.read_text()
-        paused, checked, times = [], [], {}
+        paused, checked, times, steps = {"off": [], "report": []}, [], {}, {"off": {}, "report": {}}
         with server.running(timeout=600):
             for cycle in range(cycles):
                 constant = f"{1 + rng.uniform(1e-4, 1e-3):.12f}"
-                for text in (original.replace(HELPER, f"    return act * up * {constant}\n"), original):
+                modes = rng.sample(["off", "report"], 2)
+                for mode, text in zip(modes, (original.replace(HELPER, f"    return act * up * {constant}\n"),
+                                              original)):
                     file.write_text(text)
                     time.sleep(0.5)
-                    reply = httpx.post(server.url + RELOAD_ROUTE, json={"id": f"{mode}-{time.monotonic_ns()}"},
-                                       timeout=600)
+                    reply = httpx.post(server.url + RELOAD_ROUTE, json={"id": f"{mode}-{time.monotonic_ns()}",
+                                                                         "kernel_check": mode}, timeout=600)
                     worker = ReloadReply.model_validate_json(reply.content).workers[0]
                     assert worker.ok, worker.error
-                    paused.append(worker.timings["pause"])
-                    checked.append(worker.timings.get("kernel_check", 0.0))
+                    if cycle == 0:  # the first reload of each mode loads what later ones reuse
+                        continue
+                    paused[mode].append(worker.timings["pause"])
+                    for step, seconds in worker.timings.items():
+                        steps[mode].setdefault(step, []).append(seconds)
                     for c in worker.kernel_checks:
                         if c.us_after and c.timed == "graph":
                             times.setdefault((c.op, tuple(c.shape)), []).append(c.us_after)
                     if worker.kernel_checks:
+                        checked.append(worker.timings["kernel_check"])
                         print("  " + " | ".join(kernel_checks_text(worker)))
-                        print(f"  {mode} reload: pause {worker.timings['pause'] * 1e3:.1f} ms, check step "
-                              f"{worker.timings['kernel_check'] * 1e3:.1f} ms, {len(worker.kernel_checks)} check(s), "
-                              f"all ok: {all(c.ok for c in worker.kernel_checks)}", flush=True)
+                    print(f"  {mode} reload: pause {worker.timings['pause'] * 1e3:.1f} ms, check "
+                          f"{worker.timings.get('kernel_check', 0) * 1e3:.1f} ms, {len(worker.kernel_checks)} "
+                          f"check(s), all ok: {all(c.ok for c in worker.kernel_checks)}", flush=True)
+        for mode, timed in steps.items():
+            print(f"  {mode}: median ms per step: " + ", ".join(f"{step} {statistics.median(s) * 1e3:.1f}"
+                                                             for step, s in timed.items()), flush=True)
         return paused, checked, times
 
 
@@ -85,14 +96,13 @@ def table(title: str, rows: list[tuple[str, tuple, float, float]]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cycles", type=int, default=5, help="fresh edits (each reverted) per server")
+    parser.add_argument("--cycles", type=int, default=10, help="fresh edits (each reverted) counted")
     args = parser.parse_args()
     rng = random.Random(time.time_ns())
-    off, _, _ = pauses("off", args.cycles, rng)
-    on, steps, served = pauses("report", args.cycles, rng)
-    grown = (statistics.median(on) - statistics.median(off)) * 1e3
-    print(f"pause median: off {statistics.median(off) * 1e3:.1f} ms, report {statistics.median(on) * 1e3:.1f} ms "
-          f"(+{grown:.1f} ms, target <= 10); check step median {statistics.median(steps) * 1e3:.1f} ms")
+    paused, steps, served = pauses(args.cycles + 1, rng)
+    off, on = statistics.median(paused["off"]), statistics.median(paused["report"])
+    print(f"pause median: off {off * 1e3:.1f} ms, report {on * 1e3:.1f} ms ({(on - off) * 1e3:+.1f} ms, target <= 10); "
+          f"the checks (after the pause) median {statistics.median(steps) * 1e3:.1f} ms")
     by_op = {c.op: c for c in checks.declared()}
     worst = table("the server's times (median over its reloads) against kernels_bench's graph time:",
                   [(op, shape, statistics.median(us), bench_us(by_op[op], shape))

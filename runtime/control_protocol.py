@@ -44,7 +44,8 @@ GRAPH_KINDS = ("decode", "prefill")  # recapture is reported split by graph kind
 # Every key a worker's timings may hold: the steps, the recapture split, the pause serving saw, the total.
 # `rebuild`: the part of the reload step that rebuilt the model (a layer's __init__ or post-load hook changed);
 # `jit_slowest`: the slowest single compile of the jit step (compiled side by side, it bounds that step);
-# `kernel_check`: the part of the pause that checked the changed kernels against their references (kernel_checks).
+# `kernel_check`: checking the changed kernels against their references (kernel_checks): in the pause under `strict`
+# (a failure rolls the reload back), after it under `report`.
 TIMINGS = (*STEPS, "jit_slowest", "rebuild", "kernel_check", *(f"recapture_{kind}" for kind in GRAPH_KINDS), "pause",
            "total")
 TimingName = Literal[TIMINGS]
@@ -103,6 +104,7 @@ class ReloadRequest(_Message):
     modules: list[Text] | None = None  # force these modules (and their dependents) to re-execute
     timeout_s: float | None = Field(None, gt=0)  # bounds drain + reload; nothing changes when it runs out
     recapture: bool = False  # capture the graphs again even where a kernel-body edit could patch them
+    kernel_check: Literal["report", "strict", "off"] | None = None  # this reload's checks (None: the server's mode)
 
 
 class StaleDefinition(_Message):

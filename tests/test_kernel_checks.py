@@ -189,8 +189,9 @@ def strict_server(tmp_path_factory, tiny_model_dir):
         yield url, project
 
 
-def reload(url: str) -> ReloadReply:
-    reply = httpx.post(url + "/v1/rl/engine/reload_forward", json={"id": f"k{time.monotonic_ns()}"}, timeout=300)
+def reload(url: str, **request) -> ReloadReply:
+    reply = httpx.post(url + "/v1/rl/engine/reload_forward", json={"id": f"k{time.monotonic_ns()}", **request},
+                       timeout=300)
     assert reply.status_code == 200, reply.text
     return ReloadReply.model_validate_json(reply.content)
 
@@ -220,9 +221,17 @@ def test_a_reload_checks_the_ops_it_changed_and_strict_rolls_a_wrong_edit_back(s
     assert not all(c.ok for c in failed.kernel_checks)
     nothing = reload(url).workers[0]  # rolled back: the wrong edit is still what is on disk, and fails again
     assert not nothing.ok and "silu_and_mul" in nothing.error
+    reported = reload(url, kernel_check="report").workers[0]  # this reload only: checked once serving resumed
+    assert reported.ok and not all(c.ok for c in reported.kernel_checks)
+    assert reported.timings["kernel_check"] > 0 and "kernel check failed" not in str(reported.warnings)
     save(project, "    return up * act * 1.5\n", HELPER_LINE)
     restored = reload(url).workers[0]
     assert restored.ok and all(c.ok for c in restored.kernel_checks)
+    save(project, HELPER_LINE, "    return up * act\n")
+    unchecked = reload(url, kernel_check="off").workers[0]
+    assert unchecked.ok and unchecked.kernel_checks == [] and "kernel_check" not in unchecked.timings
+    save(project, "    return up * act\n", HELPER_LINE)
+    assert reload(url, kernel_check="off").workers[0].ok
     untouched = reload(url).workers[0]  # nothing changed: no check
     assert untouched.ok and untouched.kernel_checks == []
 

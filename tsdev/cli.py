@@ -339,6 +339,10 @@ def reload(
     recapture: Annotated[bool, typer.Option(help="Capture the CUDA graphs again even when only Triton kernel bodies "
                                                  "changed (the server then points the captured graphs at the new "
                                                  "binaries instead).")] = False,
+    kernel_check: Annotated[Optional[str], typer.Option(
+        metavar="report|strict|off", show_default=False,
+        help="This reload's kernel checks instead of the server's --kernel-check: strict rolls the edit back when a "
+             "changed kernel fails its reference check; report checks once serving resumed; off skips them.")] = None,
     api_key: Annotated[Optional[str], api_key_option()] = None,
 ):
     """Reload the server's forward pass now: edited modules and their dependents re-execute in place.
@@ -365,6 +369,8 @@ def reload(
     console = Console(soft_wrap=True, highlight=False)
     if mode not in ("wait", "abort"):
         raise typer.BadParameter("--mode is wait or abort")
+    if kernel_check is not None and kernel_check not in KERNEL_CHECK_MODES:
+        raise typer.BadParameter(f"use one of {', '.join(KERNEL_CHECK_MODES)}", param_hint="--kernel-check")
     import httpx
 
     if files:
@@ -379,7 +385,7 @@ def reload(
     progress = outcome.ReloadProgress(console, mode)
     try:
         reply = reload_forward(url, modules, mode, timeout_s, on_event=progress.event, on_tick=progress.tick,
-                               api_key=api_key, recapture=recapture)
+                               api_key=api_key, recapture=recapture, kernel_check=kernel_check)
     except httpx.TimeoutException:
         console.print(f"[red]error:[/red] no reply from {url} within --timeout-s + 30 s: the reload may still be "
                       "running; its outcome shows in the server's log and in `tsdev watch`")

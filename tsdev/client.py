@@ -64,21 +64,23 @@ def control_call(url: str, method: str, route: str, model: type[Reply], request:
 
 
 def reload_request(modules: list[str] | None = None, mode: str = "wait", timeout_s: float | None = None,
-                   request_id: str | None = None, recapture: bool = False) -> ReloadRequest:
+                   request_id: str | None = None, recapture: bool = False,
+                   kernel_check: str | None = None) -> ReloadRequest:
     return ReloadRequest(id=request_id or f"reload-{uuid.uuid4().hex[:12]}", mode=mode, modules=modules or None,
-                         timeout_s=timeout_s or None, recapture=recapture)
+                         timeout_s=timeout_s or None, recapture=recapture, kernel_check=kernel_check)
 
 
 def reload_forward(url: str, modules: list[str] | None = None, mode: str = "wait", timeout_s: float | None = None,
                    on_event: Callable[[Event], None] | None = None, on_tick: Callable[[], None] | None = None,
-                   tick_s: float = 0.25, api_key: str | None = None, recapture: bool = False) -> ReloadReply:
+                   tick_s: float = 0.25, api_key: str | None = None, recapture: bool = False,
+                   kernel_check: str | None = None) -> ReloadReply:
     """POST reload_forward (with the server's `api_key`, if it has one) and return the reply; raises httpx errors
     and RuntimeError for refusals (401 without the right key, 403 without --allow-reload-forward).
 
     With `on_event`, this reload's events (ReloadStarted, ReloadStep, ReloadFinished) are passed to it while
     the POST is in flight, from the server's event stream, subscribed before the POST is sent (a server
     without the stream just replies); `on_tick()` runs every `tick_s` meanwhile (to show elapsed time)."""
-    request = reload_request(modules, mode, timeout_s, recapture=recapture)
+    request = reload_request(modules, mode, timeout_s, recapture=recapture, kernel_check=kernel_check)
     timeout = None if timeout_s is None else timeout_s + 30
     headers = auth_headers(api_key)
     if on_event is None:

@@ -1,7 +1,7 @@
 """The per-kernel check of a reload (kernels/checks.py): which ops an edit changed, their error against the
-reference at the serving shapes (inside the pause, before the reload commits: `strict` rolls it back; when the
-engine is idle the inputs and the reference's outputs are drawn before the pause, so the pause runs only the new
-kernels and the comparisons), and their time
+reference at the serving shapes (`strict`: inside the pause, before the reload commits, which a failure rolls back;
+`report`: once serving resumed, between its steps; when the engine is idle the inputs and the reference's outputs are
+drawn before the pause, so the check runs only the new kernels and the comparisons), and their time
 per call before and after (never while requests run: the old binaries are timed while the jit step waits and the
 engine is idle, the new ones after serving resumes, if it is idle then; a time this reload could not take comes from
 the last one taken for that code, marked not fresh, or is missing). Times on CUDA only: Triton's interpreter, which
@@ -33,18 +33,14 @@ class KernelChecker:
     def __init__(self, mode: str = "report"):
         if mode not in KERNEL_CHECK_MODES:
             raise ValueError(f"kernel check mode {mode!r}: expected one of {', '.join(KERNEL_CHECK_MODES)}")
-        self.mode = mode
+        self.mode = mode  # the server's: a reload may ask for another
         self.times: dict[tuple, tuple[str, float, str]] = {}  # (op, shape, dtype) -> (its code's fingerprint, µs, how)
         self.timed_now: set[tuple] = set()  # the keys `prepare` timed for the reload under way
         self.drawn: dict[tuple, checks.Drawn] = {}  # (op, shape) -> inputs drawn ahead for the reload under way
         self.reachable: set[str] = set()  # the ops whose code the reload under way may change
 
-    @property
-    def on(self) -> bool:
-        return self.mode != "off"
-
     def fingerprints(self) -> dict[str, str]:
-        return checks.fingerprints(checks.declared()) if self.on else {}
+        return checks.fingerprints(checks.declared())
 
     def prepare(self, serving: checks.Serving, idle: bool, modules: Iterable[str]) -> None:
         """Before the pause, for each op the edited `modules` may change (they define its kernels or a helper these
@@ -53,7 +49,7 @@ class KernelChecker:
         `check` uses where the edit left the code drawing them unchanged. While requests run nothing is done here
         (they would wait for it, for ops the edit may not change): `check` draws in the pause what it needs."""
         self.timed_now, self.drawn, self.reachable = set(), {}, set()
-        if not (self.on and checks.runnable(serving.device)):
+        if not checks.runnable(serving.device):
             return
         edited = set(modules)
         reachable = [c for c in checks.declared() if checks.modules_reached(c) & edited]
@@ -85,10 +81,10 @@ class KernelChecker:
         self.drawn = {}
 
     def check(self, before: Mapping[str, str], serving: checks.Serving) -> list[checks.Result]:
-        """The changed ops against their references at the serving shapes (the new code, in the pause): among the
-        ops `prepare` found the edit can reach, and any op new since `before`."""
+        """The changed ops against their references at the serving shapes (the new code): among the ops `prepare`
+        found the edit can reach, and any op new since `before`."""
         drawn, self.drawn = self.drawn, {}
-        if not (self.on and before and checks.runnable(serving.device)):
+        if not (before and checks.runnable(serving.device)):
             return []
         candidates = [c for c in checks.declared() if c.op in self.reachable or c.op not in before]
         items = [(check, tuple(shape)) for check in checks.changed(before, candidates)

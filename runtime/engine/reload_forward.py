@@ -11,8 +11,9 @@ recapture_prefill); then serving resumes (not a timed step). The warm step runs 
 old ones had: the recapture is their first launch) and no layer was rebuilt; then, with one rank and without
 --full-recapture, the recapture step captures nothing either when the reloader also reports `graph_swaps` (each new binary launches as its old one did):
 the captured graphs' kernel nodes are pointed at the new binaries (runtime/engine/graph_patch.py, all graphs, the
-pending ones too, in milliseconds). With kernel checks on, `kernel_check` (timed, no event of its own) runs between
-warm and recapture. The steps are one list (`_Reload.in_pause`) run by runtime/engine/steps.py: any failure undoes
+pending ones too, in milliseconds). Kernel checks (`kernel_check`, timed, no event of its own) run between warm and
+recapture under `strict`, so that a failed one rolls the reload back; under `report` they run once serving resumed
+(the pause does not wait for what cannot change its outcome). The steps are one list (`_Reload.in_pause`) run by runtime/engine/steps.py: any failure undoes
 the steps begun, last first -- the code and the model back, then the graphs recaptured with the old code -- and
 the old code keeps serving.
 
@@ -176,9 +177,9 @@ class ReloadForward:
             return self._finish(request, self._worker(None, timings, needs_restart=list(plan.needs_restart)))
         reload = _Reload(self, request, sources, start)
         await reload.steps.run(reload.before_pause())  # the old code keeps serving meanwhile
-        if self.checker.on:  # the old code's times (if nothing runs on the GPU now) and the checks' inputs
+        if reload.check_mode != "off":  # the old code's times (if nothing runs on the GPU now) and the checks' inputs
             await ae.run_on_engine_thread(lambda: self.checker.prepare(reload.serving, self._idle(), plan.reloaded))
-        reload.before_edit = self.checker.fingerprints()
+            reload.before_edit = self.checker.fingerprints()
         ae.hold(True)
         pause_start = time.perf_counter()
         try:
@@ -195,7 +196,12 @@ class ReloadForward:
         finally:
             ae.hold(False)
             reload.steps.timings["pause"] = time.perf_counter() - pause_start
-            self.checker.forget_drawn()
+        if reload.error is None and reload.check_mode == "report":  # serving resumed: between its steps
+            try:
+                await reload.check_kernels()
+            except Exception as exc:  # the edit is in and stays: only the report is missing
+                reload.warnings.append(f"the kernel checks failed to run: {describe_error(exc)}")
+        self.checker.forget_drawn()
         if reload.error is None and reload.kernel_checks:  # the new code's times, serving resumed (if idle)
             await ae.run_on_engine_thread(lambda: self.checker.time_new(reload.kernel_checks, reload.serving,
                                                                         idle=self._idle()))
@@ -216,7 +222,7 @@ class ReloadForward:
 class _Reload:
     """One reload's steps and what they leave for the reply: before the pause `jit`; in it `drain`, `flush`, a guard
     (its undo recaptures the graphs once the code is restored), `reload` (its undo: the old model and code back),
-    `warm`, `kernel_check` (with checks on) and `recapture`. The timings keep the order the steps ran in."""
+    `warm`, `kernel_check` (under `strict`) and `recapture`. The timings keep the order the steps ran in."""
 
     def __init__(self, owner: ReloadForward, request: ReloadRequest, sources: Mapping[str, bytes], start: float):
         self.owner, self.request, self.sources, self.start = owner, request, sources, start
@@ -224,6 +230,7 @@ class _Reload:
         self.deadline = start + request.timeout_s if request.timeout_s else float("inf")
         self.steps = Steps(self._publish)
         self.serving, self.before_edit = serving_of(self.engine), {}
+        self.check_mode = request.kernel_check or owner.checker.mode
         self.tx, self.old_model, self.changed, self.rebuilt = None, None, set(), []
         self.jit_kernels, self.warnings, self.kernel_checks = 0, [], []
         self.warm_skipped, self.graphs_swapped, self.nodes_patched = False, False, None
@@ -239,7 +246,7 @@ class _Reload:
                 Step("graphs", undo=self._recapture_old_code),  # undone after `reload`: the old code captures
                 Step(RELOAD, self._reload, undo=self._undo_reload),
                 Step(WARM, self._warm),
-                *([Step("kernel_check", self._check_kernels)] if self.owner.checker.on else []),
+                *([Step("kernel_check", self.check_kernels)] if self.check_mode == "strict" else []),
                 Step(RECAPTURE, self._recapture)]
 
     def _publish(self, name: str, state: str, fields: dict) -> None:
@@ -302,11 +309,16 @@ class _Reload:
         if not self.warm_skipped:
             await self.ae.run_on_engine_thread(self.engine.warmup)
 
-    async def _check_kernels(self) -> None:
-        checker = self.owner.checker
-        self.kernel_checks = await self.ae.run_on_engine_thread(lambda: checker.check(self.before_edit, self.serving))
+    async def check_kernels(self) -> None:
+        """The changed ops against their references; under `strict` (in the pause) a failed one raises."""
+        checker, start = self.owner.checker, time.perf_counter()
+        try:
+            self.kernel_checks = await self.ae.run_on_engine_thread(lambda: checker.check(self.before_edit,
+                                                                                          self.serving))
+        finally:
+            self.steps.timings["kernel_check"] = time.perf_counter() - start
         failed = next((r for r in self.kernel_checks if not r.ok), None)
-        if failed is not None and checker.mode == "strict":
+        if failed is not None and self.check_mode == "strict":
             raise _ReportedFailure(describe_failure(failed))
 
     async def _recapture(self) -> None:
