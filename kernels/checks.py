@@ -28,6 +28,7 @@ import torch
 OPS_PACKAGE = "kernels.ops"
 TIMED_CALLS, TIMED_REPEATS = 20, 5  # per shape: the median of 5 runs of 20 calls back to back
 TIMED_REPLAYS, RUN_US = 10, 1000.0  # a run replays the graph of the calls up to 10 times, about 1 ms in all
+HEAD_START_CYCLES = 1_000_000  # the GPU spins ~0.5 ms before a timed run: its replays are all queued when it starts
 
 
 @dataclass(frozen=True)
@@ -227,6 +228,8 @@ def time_call(check: KernelCheck, shape: tuple[int, ...], dtype: torch.dtype, de
     runs = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if graph is not None:  # a server's other threads can hold the GIL between two replays: no gap is timed
+            torch.cuda._sleep(HEAD_START_CYCLES)
         start.record()
         for _ in range(replays):
             if graph is not None:

@@ -1,10 +1,11 @@
-"""Compile every kernel on the decode path for the H200 (sm_90, through ptxas) without a GPU; prints one line per
-kernel compiled. Run by tests/test_kernels_compile.py in a process without TRITON_INTERPRET."""
+"""Compile every kernel on the decode path for the H200 (sm_90, through ptxas) without a GPU, and the Gluon ones;
+prints one line per kernel compiled (`compiled NAME shared BYTES`). Run by tests/test_kernels_compile.py in a process
+without TRITON_INTERPRET."""
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from kernels.ops import activation, attention, linear, norm, rope
+from tsdev.hotreload.jit import ast_source
 
 BF16, F32, I32, I64 = "*bf16", "*fp32", "*i32", "*i64"
 
@@ -13,9 +14,9 @@ def compile_sm90(fn, pointers: dict[str, str], constants: dict, **options):
     """Compile `fn` with every argument not named in `pointers` (or a float named eps/scale) an int32."""
     signature = {name: pointers.get(name, "fp32" if name in ("eps", "scale_log2") else "i32") for name in fn.arg_names}
     signature.update({name: "constexpr" for name in constants})
-    source = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
-    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": True, **options})
-    print("compiled", fn.__name__, flush=True)
+    source = ast_source(fn)(fn, signature, {(fn.arg_names.index(k),): v for k, v in constants.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": True, **options})
+    print("compiled", fn.__name__, "shared", compiled.metadata.shared, flush=True)
 
 
 def main() -> None:
@@ -37,6 +38,9 @@ def main() -> None:
                  dict(PAGE_SIZE=16, BLOCK_H=8, BLOCK_D=128, PDL=True), num_warps=4)
     compile_sm90(norm._rms_norm_kernel, dict(X=BF16, R=BF16, W=BF16, OUT=BF16, R_OUT=BF16),
                  dict(HAS_RESIDUAL=True, BLOCK=1024, PDL=True), num_warps=4)
+    for rows in (1, 4):  # a warp per row
+        compile_sm90(norm._rms_norm_gluon_kernel, dict(X=BF16, R=BF16, W=BF16, OUT=BF16, R_OUT=BF16),
+                     dict(HAS_RESIDUAL=True, BLOCK=1024, PDL=True), num_warps=rows)
     compile_sm90(activation._silu_and_mul_kernel, dict(X=BF16, OUT=BF16), dict(BLOCK=1024, PDL=True), num_warps=4)
     compile_sm90(linear._skinny_kernel, dict(X=BF16, W=BF16, B=BF16, S=F32, OUT=BF16),
                  dict(HAS_BIAS=False, HAS_SCALE=False, IEEE=False, BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, PDL=True),

@@ -42,22 +42,34 @@ def fused_qkv(T, dtype):
 # --- elementwise / row ops --------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T", [1, 37, 256, 4096])
-def test_rms_norm_and_fused_add(dtype, T):
-    x, r, w = rand(T, HIDDEN, dtype=dtype), rand(T, HIDDEN, dtype=dtype), rand(HIDDEN, dtype=dtype)
-    torch.testing.assert_close(norm.rms_norm(x, w, 1e-6), norm.rms_norm_ref(x, w, 1e-6), **tol(dtype))
-    out, res = norm.fused_add_rms_norm(x, r, w, 1e-6)
+@pytest.mark.parametrize("T,N", [(1, HIDDEN), (37, HIDDEN), (256, HIDDEN), (4096, HIDDEN), (1000, 4096), (3, 96)])
+def test_rms_norm_and_fused_add(dtype, T, N, gluon):
+    x, r, w = rand(T, N, dtype=dtype), rand(T, N, dtype=dtype), rand(N, dtype=dtype)
+    torch.testing.assert_close(norm.rms_norm_triton(x, w, 1e-6, gluon=gluon), norm.rms_norm_ref(x, w, 1e-6),
+                               **tol(dtype))
+    out, res = norm.rms_norm_triton(x, w, 1e-6, r, gluon=gluon)
     ref_out, ref_res = norm.fused_add_rms_norm_ref(x, r, w, 1e-6)
     torch.testing.assert_close(res, ref_res, atol=0, rtol=0)
     torch.testing.assert_close(out, ref_out, **tol(dtype))
 
 
+@pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_strided_heads(dtype):
+def test_rms_norm_strided_heads(dtype, gluon):
     q, _, _ = fused_qkv(77, dtype)
     w = rand(D, dtype=dtype)
-    torch.testing.assert_close(norm.rms_norm(q, w, 1e-6), norm.rms_norm_ref(q, w, 1e-6), **tol(dtype))
+    torch.testing.assert_close(norm.rms_norm_triton(q, w, 1e-6, gluon=gluon), norm.rms_norm_ref(q, w, 1e-6),
+                               **tol(dtype))
+
+
+def test_tsdev_kernels_gluon_norm_serves_the_gluon_kernel(monkeypatch):
+    x, w = rand(64, HIDDEN), rand(HIDDEN)
+    monkeypatch.setenv("TSDEV_KERNELS", "gluon:norm")
+    norm.rms_norm(x, w, 1e-6)
+    torch.cuda.synchronize()
+    assert norm._rms_norm_gluon_kernel.device_caches[x.device.index or 0][0]  # compiled and launched
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

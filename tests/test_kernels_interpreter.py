@@ -139,14 +139,16 @@ def test_fp8_skinny(M, N, K, block_n, block_k, bias):
     torch.testing.assert_close(got, fp8.fp8_weight_only_ref(x, w, s, b), **TOL)
 
 
-@pytest.mark.parametrize("value,families", [("triton", set()), ("ref", set(kernels.ops.FAMILIES)),
-                                            ("ref:linear", {"linear"}), ("ref:linear,rope", {"linear", "rope"})])
-def test_tsdev_kernels_sends_families_to_their_references(monkeypatch, value, families):
+@pytest.mark.parametrize("value,families,gluon", [
+    ("triton", set(), False), ("ref", set(kernels.ops.FAMILIES), False), ("ref:linear", {"linear"}, False),
+    ("ref:linear,rope", {"linear", "rope"}, False), ("gluon:norm", set(), True),
+    ("ref:linear,rope,gluon:norm", {"linear", "rope"}, True), ("gluon:norm,ref:norm", {"norm"}, False)])
+def test_tsdev_kernels_sends_families_to_their_references_or_gluon_kernels(monkeypatch, value, families, gluon):
     monkeypatch.setenv("TSDEV_KERNELS", value)
-    assert kernels.ops.reference_families() == families
+    assert kernels.ops.reference_families() == families and kernels.ops.use_gluon("norm") is gluon
 
 
-@pytest.mark.parametrize("value", ["torch", "ref:gemm", "ref:"])
+@pytest.mark.parametrize("value", ["torch", "ref:gemm", "ref:", "gluon:rope", "gluon", "norm"])
 def test_tsdev_kernels_rejects_what_it_does_not_know(monkeypatch, value):
     monkeypatch.setenv("TSDEV_KERNELS", value)
     with pytest.raises(ValueError, match="TSDEV_KERNELS"):

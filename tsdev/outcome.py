@@ -1,6 +1,7 @@
 """How a reload's outcome is worded. `tsdev reload`'s lines, `tsdev watch --no-tui`'s lines and the watch
 screen take their words from here, so the three say the same thing the same way. Texts are rich markup:
 what comes from the server is escaped. Also `tsdev reload`'s exit status and what it shows while it waits."""
+import collections
 import statistics
 import time
 from collections.abc import Iterable, Mapping
@@ -35,8 +36,14 @@ def graph_split(timings: Mapping[str, float], step: str = "recapture") -> str:
     return f" ({', '.join(f'{k} {s:.2f}' for k, s in kinds)})" if kinds else ""
 
 
+def dialects_text(kernels: Mapping[str, str]) -> str:
+    """' (gluon 1, triton 2)': the kernels a reload replaced, counted per dialect; '' for none."""
+    counts = collections.Counter(kernels.values())
+    return f" ({', '.join(f'{name} {n}' for name, n in sorted(counts.items()))})" if counts else ""
+
+
 def steps_text(timings: Mapping[str, float], order: Iterable[str] = SHOWN_STEPS, jit_kernels: int = 0,
-               nodes_patched: int = 0) -> str:
+               nodes_patched: int = 0, kernels: Mapping[str, str] = {}) -> str:
     """'jit 0.08 drain 0.01 ... recapture 0.46 (decode 0.30, prefill 0.16) pause 0.63 total 0.64 s' (or
     'recapture 0.00 (412 graph nodes patched)' when the graphs were patched, not captured)."""
     patched = f" ({nodes_patched} graph nodes patched)" if nodes_patched else ""
@@ -44,7 +51,7 @@ def steps_text(timings: Mapping[str, float], order: Iterable[str] = SHOWN_STEPS,
              for name in (*order, "total") if name in timings]
     text = " ".join(parts) + " s" if parts else ""
     slowest = f", slowest {timings['jit_slowest']:.2f} s" if timings.get("jit_slowest") else ""
-    return text + (f" ({jit_kernels} kernel(s) compiled{slowest})" if jit_kernels else "")
+    return text + (f" ({jit_kernels} kernel(s){dialects_text(kernels)} compiled{slowest})" if jit_kernels else "")
 
 
 def kernel_checks_text(worker: WorkerReport | None) -> list[str]:
@@ -130,7 +137,8 @@ def worker_text(worker: WorkerReport) -> str:
         lines.append(f"reloaded [bold]{', '.join(worker.reloaded)}[/bold] and {len(worker.dependents)} dependent "
                      f"module(s), {worker.patched} object(s) patched in {t.get('reload', 0):.2f} s;\n"
                      f"{warm_text(worker)}; {recapture_text(worker)}; "
-                     f"JIT-compiled {worker.jit_kernels} kernel(s) in {t.get('jit', 0):.2f} s{slowest(t)}; "
+                     f"JIT-compiled {worker.jit_kernels} kernel(s){dialects_text(worker.kernels)} in "
+                     f"{t.get('jit', 0):.2f} s{slowest(t)}; "
                      f"serving paused {t.get('pause', 0):.2f} s")
     elif not worker.needs_restart:
         lines.append("nothing to reload: no source in the reloadable packages changed since the last reload")

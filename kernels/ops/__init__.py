@@ -2,7 +2,8 @@
 
 Each public op runs its Triton kernel when its inputs are on CUDA and its torch reference otherwise.
 Set TSDEV_KERNELS=ref to run the references on CUDA too (to compare speed or rule a kernel out), or
-TSDEV_KERNELS=ref:linear,rope to do that for those families only.
+TSDEV_KERNELS=ref:linear,rope to do that for those families only. A family with a Gluon kernel (GLUON_FAMILIES)
+runs it instead of its Triton one under TSDEV_KERNELS=gluon:norm; items combine: ref:rope,linear,gluon:norm.
 Under TRITON_INTERPRET=1 the Triton entry points (`*_triton`) also run on CPU tensors; the tests use that.
 
 Programmatic dependent launch (Hopper and newer): the kernels on the decode path are launched with
@@ -21,24 +22,41 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 FAMILIES = ("norm", "rope", "activation", "linear", "fp8", "attention", "sampling", "moe")
+GLUON_FAMILIES = ("norm",)  # the families with a Gluon kernel too (triton.experimental.gluon)
+
+
+def kernel_choices() -> dict[str, str]:
+    """family -> "ref" or "gluon", for the families TSDEV_KERNELS takes off their Triton kernels on CUDA:
+    `triton` (or unset) none, `ref` all to their references, else comma-separated FAMILY items each under the
+    IMPL: before it or before an earlier item (ref:linear,rope,gluon:norm)."""
+    value = os.environ.get("TSDEV_KERNELS", "triton")
+    if value in ("triton", ""):
+        return {}
+    if value == "ref":
+        return dict.fromkeys(FAMILIES, "ref")
+    choices, impl = {}, None
+    for item in value.split(","):
+        impl, _, family = item.rpartition(":") if ":" in item else (impl, "", item)
+        if impl not in ("ref", "gluon") or family not in (GLUON_FAMILIES if impl == "gluon" else FAMILIES):
+            raise ValueError(f"TSDEV_KERNELS={value!r}: expected triton, ref, or IMPL:FAMILY items (ref:linear,rope,"
+                             f"gluon:norm): ref for families from {', '.join(FAMILIES)}; gluon for "
+                             f"{', '.join(GLUON_FAMILIES)}")
+        choices[family] = impl
+    return choices
 
 
 def reference_families() -> set[str]:
     """The op families TSDEV_KERNELS sends to their torch references on CUDA."""
-    value = os.environ.get("TSDEV_KERNELS", "triton")
-    if value in ("triton", ""):
-        return set()
-    if value == "ref":
-        return set(FAMILIES)
-    names = set(value.removeprefix("ref:").split(",")) if value.startswith("ref:") else None
-    if names is None or not names <= set(FAMILIES):
-        raise ValueError(f"TSDEV_KERNELS={value!r}: expected triton, ref, or ref:FAMILY[,FAMILY...] with "
-                         f"families from {', '.join(FAMILIES)}")
-    return names
+    return {family for family, impl in kernel_choices().items() if impl == "ref"}
+
+
+def use_gluon(family: str) -> bool:
+    """Whether TSDEV_KERNELS picks `family`'s Gluon kernel over its Triton one (where use_triton holds)."""
+    return kernel_choices().get(family) == "gluon"
 
 
 def use_triton(x: torch.Tensor, family: str) -> bool:
-    """Whether the public op of `family` should launch its Triton kernel for this input."""
+    """Whether the public op of `family` should launch its Triton (or Gluon: `use_gluon`) kernel for this input."""
     return x.is_cuda and family not in reference_families()
 
 

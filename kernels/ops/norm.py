@@ -1,15 +1,20 @@
 """RMSNorm, with and without the residual add fused in front of it.
 
-One Triton program normalises one row. The kernel follows the reference's rounding order (normalise in
+One Triton program normalises one row. The Gluon kernel (TSDEV_KERNELS=gluon:norm) lays rows out explicitly, one
+warp per row: a row's sum of squares is reduced in registers and warp shuffles, never through shared memory and a
+barrier as the Triton kernel's cross-warp sum is; several rows share a program once there are rows for every SM. The kernel follows the reference's rounding order (normalise in
 float32, round to the input dtype, multiply by the weight, round again), as Hugging Face's Qwen3RMSNorm
 does (the GPU tests compare bf16 within ~2-4 bf16 ulps, atol 1e-2 / rtol 1.6e-2, not bit for bit).
 """
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.checks import KernelCheck, Tolerance
-from kernels.ops import pdl, use_triton, wait_for_previous
+from kernels.ops import pdl, sm_count, use_gluon, use_triton, wait_for_previous
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -63,6 +68,40 @@ def _rms_norm_kernel(
              mask=mask)
 
 
+@gluon.jit
+def rms_norm_values_gluon(x, w, N, eps, dt: gl.constexpr):
+    """rms_norm_values for rows [ROWS, BLOCK] (float32, masked lanes 0) and the weight [1, BLOCK]."""
+    rstd = 1.0 / gl.sqrt(gl.sum(x * x, axis=1) / N + eps)
+    return w * (x * gl.expand_dims(rstd, 1)).to(dt).to(gl.float32)
+
+
+@gluon.jit
+def _rms_norm_gluon_kernel(
+    X, R, W, OUT, R_OUT,
+    rows, inner, stride_x0, stride_x1, stride_r0, stride_r1,
+    N, eps,
+    HAS_RESIDUAL: gl.constexpr, BLOCK: gl.constexpr, PDL: gl.constexpr,
+):
+    ROWS: gl.constexpr = gl.num_warps()  # a warp per row, its 32 lanes across the row
+    layout: gl.constexpr = gl.BlockedLayout([1, BLOCK // 32], [1, 32], [ROWS, 1], [1, 0])
+    if PDL:  # as wait_for_previous
+        gdc_launch_dependents()
+        gdc_wait()
+    row = gl.program_id(0) * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = gl.expand_dims(gl.arange(0, BLOCK, layout=gl.SliceLayout(0, layout)), 0)
+    i, j = row // inner, row % inner
+    mask = gl.expand_dims(row < rows, 1) & (cols < N)
+    x = gl.load(X + gl.expand_dims(i * stride_x0 + j * stride_x1, 1) + cols, mask=mask, other=0.0).to(gl.float32)
+    if HAS_RESIDUAL:
+        r = gl.load(R + gl.expand_dims(i * stride_r0 + j * stride_r1, 1) + cols, mask=mask, other=0.0).to(gl.float32)
+        x = (x + r).to(R_OUT.dtype.element_ty)
+        gl.store(R_OUT + gl.expand_dims(row, 1) * N + cols, x, mask=mask)
+        x = x.to(gl.float32)
+    w = gl.load(W + cols, mask=cols < N, other=0.0).to(gl.float32)
+    y = rms_norm_values_gluon(x, w, N, eps, R_OUT.dtype.element_ty)
+    gl.store(OUT + gl.expand_dims(row, 1) * N + cols, y.to(OUT.dtype.element_ty), mask=mask)
+
+
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int]:
     """x as rows of its last dim: (x, outer, inner, stride_outer, stride_inner), copying only when unavoidable."""
     if x.stride(-1) != 1:
@@ -74,8 +113,9 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int, int]:
 
 
 def rms_norm_triton(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, gluon: bool | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel, or the Gluon one when `gluon` (None: as TSDEV_KERNELS says, `use_gluon`)."""
     N = x.shape[-1]
     xr, outer, inner, sx0, sx1 = _rows(x)
     if residual is None:
@@ -87,11 +127,20 @@ def rms_norm_triton(
         out = torch.empty(x.shape, dtype=torch.promote_types(r_out.dtype, weight.dtype), device=x.device)
     BLOCK = triton.next_power_of_2(N)
     use_pdl = pdl(x)
-    _rms_norm_kernel[(outer * inner,)](
-        xr, rr, weight, out, r_out, inner, sx0, sx1, sr0, sr1, N, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=BLOCK, PDL=use_pdl, num_warps=min(max(BLOCK // 256, 1), 8),
-        launch_pdl=use_pdl,
-    )
+    if use_gluon("norm") if gluon is None else gluon:
+        rows = outer * inner
+        per_program = 1 << max(0, min(2, (rows // sm_count(x.device.index or 0)).bit_length() - 1))  # 1, 2 or 4
+        _rms_norm_gluon_kernel[(triton.cdiv(rows, per_program),)](
+            xr, rr, weight, out, r_out, rows, inner, sx0, sx1, sr0, sr1, N, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=max(BLOCK, 32), PDL=use_pdl, num_warps=per_program,
+            launch_pdl=use_pdl,
+        )
+    else:
+        _rms_norm_kernel[(outer * inner,)](
+            xr, rr, weight, out, r_out, inner, sx0, sx1, sr0, sr1, N, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=BLOCK, PDL=use_pdl, num_warps=min(max(BLOCK // 256, 1), 8),
+            launch_pdl=use_pdl,
+        )
     return out if residual is None else (out, r_out)
 
 
@@ -143,10 +192,22 @@ def _add_norm_inputs(shape, dtype, device, generator):
     return x, residual, weight, 1e-6
 
 
+def _rows_on_cuda(serving):
+    """Gluon kernels run on a GPU only (Triton's interpreter does not run them)."""
+    return _rows_of_hidden(serving) if serving.device.startswith("cuda") else []
+
+
 CHECKS = [
     KernelCheck(op="rms_norm", kernels=("_rms_norm_kernel",), shapes=_rows_of_hidden, inputs=_norm_inputs,
-                kernel=rms_norm_triton, reference=rms_norm_ref, tolerance=NORM_TOLERANCE),
+                kernel=lambda x, w, eps: rms_norm_triton(x, w, eps, gluon=False), reference=rms_norm_ref,
+                tolerance=NORM_TOLERANCE),
     KernelCheck(op="fused_add_rms_norm", kernels=("_rms_norm_kernel",), shapes=_rows_of_hidden,
-                inputs=_add_norm_inputs, kernel=lambda x, r, w, eps: rms_norm_triton(x, w, eps, r),
+                inputs=_add_norm_inputs, kernel=lambda x, r, w, eps: rms_norm_triton(x, w, eps, r, gluon=False),
+                reference=fused_add_rms_norm_ref, tolerance=NORM_TOLERANCE),
+    KernelCheck(op="rms_norm_gluon", kernels=("_rms_norm_gluon_kernel",), shapes=_rows_on_cuda, inputs=_norm_inputs,
+                kernel=lambda x, w, eps: rms_norm_triton(x, w, eps, gluon=True), reference=rms_norm_ref,
+                tolerance=NORM_TOLERANCE),
+    KernelCheck(op="fused_add_rms_norm_gluon", kernels=("_rms_norm_gluon_kernel",), shapes=_rows_on_cuda,
+                inputs=_add_norm_inputs, kernel=lambda x, r, w, eps: rms_norm_triton(x, w, eps, r, gluon=True),
                 reference=fused_add_rms_norm_ref, tolerance=NORM_TOLERANCE),
 ]

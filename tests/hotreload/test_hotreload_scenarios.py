@@ -518,7 +518,7 @@ def test_report_is_json_and_timed(pkg):
     pkg.edit("a", "def f():\n    return 2\n")
     tx = r.reload()
     data = json.loads(json.dumps(tx.report.to_dict()))
-    assert set(data) == {"ok", "reloaded", "dependents", "patched", "stale", "needs_restart", "jit_kernels", "kernels_only",
+    assert set(data) == {"ok", "reloaded", "dependents", "patched", "stale", "needs_restart", "jit_kernels", "kernels", "kernels_only",
                          "graph_swaps", "timings", "error"}
     assert {"read", "plan", "compile", "execute", "patch", "kernels", "total"} <= set(data["timings"])
     assert 0 < data["timings"]["total"] < 5 and data["ok"] and data["patched"] == 1

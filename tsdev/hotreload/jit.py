@@ -51,6 +51,32 @@ def is_kernel(obj: Any) -> bool:
     return bool(classes) and isinstance(obj, classes)
 
 
+def dialect(kernel: Any) -> str:
+    """"gluon" for a `@gluon.jit` kernel (a JITFunction subclass compiled from Gluon's explicit-layout IR), else
+    "triton"."""
+    is_gluon = getattr(kernel, "is_gluon", None)
+    return "gluon" if callable(is_gluon) and is_gluon() else "triton"
+
+
+def named_dialects(kernels: Iterable[Any]) -> dict[str, str]:
+    """module.name -> dialect of each kernel (their JIT layers: an autotuned kernel's once)."""
+    named = {}
+    for kernel in kernels:
+        fn = base_function(kernel)
+        if fn is not None:
+            named[f"{fn.__module__}.{fn.__qualname__}"] = dialect(kernel)
+    return named
+
+
+def ast_source(kernel: Any) -> type:
+    """The class Triton compiles `kernel`'s source with (a Gluon kernel's sets it only on its first launch)."""
+    if dialect(kernel) == "gluon":
+        from triton.experimental.gluon._runtime import GluonASTSource
+        return GluonASTSource
+    from triton.compiler import ASTSource
+    return ASTSource
+
+
 def base_function(obj: Any) -> types.FunctionType | None:
     """The Python function under a stack of kernel decorators."""
     for _ in range(16):

@@ -177,7 +177,6 @@ def _ready() -> int:
 def _compile(sources: dict[str, bytes], job: Job) -> Compiled:
     """Bring this worker's modules to `sources`, then compile the job's kernel; errors come back, never raise."""
     import triton
-    from triton.compiler import ASTSource
 
     from . import jit
 
@@ -193,7 +192,7 @@ def _compile(sources: dict[str, bytes], job: Job) -> Compiled:
     signature, constexprs, attrs, options = job.spec
     start = time.perf_counter()
     try:
-        triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=job.target, options=options)
+        triton.compile(jit.ast_source(kernel)(kernel, signature, constexprs, attrs), target=job.target, options=options)
     except Exception as exc:
         code = jit.base_function(kernel).__code__
         return Compiled(job, time.perf_counter() - start,

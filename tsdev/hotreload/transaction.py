@@ -36,6 +36,8 @@ class Report:
     stale: list[dict] = field(default_factory=list)  # {name, reason, where, referrers}
     needs_restart: list[str] = field(default_factory=list)  # changed outside the reloadable packages
     jit_kernels: int = 0  # Triton kernels that will compile again on next launch
+    kernels: dict[str, str] = field(default_factory=dict)  # module.name -> dialect ("triton", "gluon") of each kernel
+    #                                                          whose binaries this reload replaced or dropped
     kernels_only: bool = False  # only kernel bodies changed, their new binaries loaded: no warm-up needed
     # with kernels_only: {old CUfunction: (new CUfunction, threads, shared bytes)}, what captured graphs' kernel
     # nodes can be pointed at instead of capturing again; None when a new binary launches differently
@@ -143,6 +145,7 @@ class Transaction:
         self.report.patched = patcher.patched
         self.report.stale = patcher.stale
         self.report.jit_kernels = patcher.jit_kernels
+        self.report.kernels = jit.named_dialects(r.kernel for r in patcher.kernels_reset)
 
     def _fail(self, exc: BaseException, files: set[str]) -> None:
         self.exception = exc

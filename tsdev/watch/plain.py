@@ -80,7 +80,7 @@ def _reload_line(record: ReloadRecord) -> str:
     if not record.reloaded:
         return f"{head}: {' | '.join(checks_text(record)) or 'nothing reloaded'} ({why})"
     steps = outcome.steps_text(record.steps, record.step_order(), record.worker.jit_kernels,
-                               record.worker.graph_nodes_patched)
+                               record.worker.graph_nodes_patched, record.worker.kernels)
     if record.served_after_save is not None:
         steps += f" | save → serving {record.served_after_save:.2f} s"
     return " | ".join([f"{head} [green]ok[/green] ({why}): {escape(outcome.summary(record.worker))}", steps,
