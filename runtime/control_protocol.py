@@ -146,7 +146,7 @@ class WorkerReport(_Message):
     needs_restart: list[str] = []  # changed modules outside the reloadable packages
     rebuilt: list[str] = []  # model modules rebuilt (their class's __init__ or post-load hook changed)
     jit_kernels: int = 0  # Triton kernels compiled ahead (or reset to compile on their next launch)
-    kernels: dict[str, str] = {}  # module.name -> dialect ("triton", "gluon") of each kernel the reload replaced
+    kernels: dict[str, str] = {}  # module.name -> dialect ("triton", "gluon", "cute") of each kernel the reload replaced
     kernels_only: bool = False  # only Triton kernel bodies changed (binaries loaded): the warm step ran nothing
     graph_nodes_patched: int = 0  # with kernels_only: the recapture step pointed this many captured kernel nodes at
     #                               the new binaries instead of capturing the graphs again

@@ -31,12 +31,14 @@ def test_a_gluon_kernel_edit_reaches_the_served_tokens_and_its_revert_restores_t
         changed = out.next(r"reload #\d+ (ok|FAILED).*", timeout=180).group(0)
         print(changed)
         assert " ok " in changed and "golden: output changed at token" in changed, changed
-        assert re.search(r"kernel\(s\) \(gluon \d+\) compiled", changed), changed  # the dialect, named
+        assert re.search(r"kernel\(s\) \(gluon \d+[,)]", changed), changed  # the dialect, named
+        assert re.search(r"rms_norm_gluon: err \S+ FAILED", changed), changed  # its kernel check caught the edit
         assert re.search(r"\| save → serving \d+\.\d\d s \|", changed) and re.search(r"\bpause \d+\.\d\d\b", changed)
         edit(project, NORM, HELPER.replace("gl.expand_dims(rstd, 1))", "gl.expand_dims(rstd, 1) * 1.5)"), HELPER)
         reverted = out.next(r"reload #\d+ (ok|FAILED).*", timeout=180).group(0)
         print(reverted)
         assert " ok " in reverted and "golden: same 24 tokens" in reverted, reverted
+        assert re.search(r"rms_norm_gluon: err \S+ ok", reverted), reverted
     finally:
         proc.terminate()
         try:

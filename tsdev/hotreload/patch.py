@@ -20,7 +20,7 @@ import sys
 import types
 from typing import Any, Callable
 
-from . import jit
+from . import cute, jit
 
 MISSING = object()
 _LRU = type(functools.lru_cache(maxsize=None)(lambda: None))
@@ -46,6 +46,7 @@ class Patcher:
         self.graph_swaps: dict[int, tuple[int, int, int]] | None = None
         self.retuned = False  # an autotuner's configs or key changed: its choices start over
         self.jit_kernels = 0  # ... of which had compiled (or interpreted) code
+        self.cute_changed: dict[str, set[str]] = {}  # module -> its CuTe DSL functions whose code changed
         self._done: dict[int, Any] = {}  # id(old) -> what its name binds to now
         self._new_to_old: dict[int, tuple[Any, Any]] = {}  # id(new) -> (new, old merged into)
         self._stale_objects: list[Any] = []
@@ -117,6 +118,8 @@ class Patcher:
 
     # -- functions -------------------------------------------------------------
     def _function(self, old, new, module, name):
+        if cute.is_cute(old) and cute.changed(old, new, same_code):
+            self.cute_changed.setdefault(module.__name__, set()).add(old.__name__)
         self._save_function(old)
         if old.__globals__ is new.__globals__ and old.__code__.co_freevars == new.__code__.co_freevars:
             old.__code__ = new.__code__
@@ -334,19 +337,19 @@ class Patcher:
                 # Only instances the old namespaces hold may be dead (freed at commit): check those few
                 # (gc.get_referrers costs heap size x number of objects asked about).
                 maybe = [o for o in found if id(o) in self._saved_values]
-                paths = _instance_paths(found, tracked)
+                paths = instance_paths(found, tracked)
                 if maybe:
-                    self._add_group(cls, maybe, name, reason, paths, len(found) - len(maybe))
+                    self.add_group(cls, maybe, name, reason, paths, len(found) - len(maybe))
                 else:
                     self.stale.append({"name": name, "reason": reason.format(n=len(found)), "where": _where(cls),
                                        "referrers": paths})
         for (module, qualname), found in functions.items():
             what = "lambda" if qualname.endswith("<lambda>") else "nested function"
-            self._add_group(found[0].__code__, found, f"{module}.{qualname}",
+            self.add_group(found[0].__code__, found, f"{module}.{qualname}",
                             f"{{n}} live {what}(s) created by the old code and held outside the module's names: "
                             "cannot be patched (which new one replaces it is ambiguous)")
 
-    def _add_group(self, definition, found: list, name: str, reason: str, paths: list[str] | None = None,
+    def add_group(self, definition, found: list, name: str, reason: str, paths: list[str] | None = None,
                    more: int = 0) -> None:
         """A stale entry for objects that count only if something outside the old namespaces holds them
         (plus `more` known to be live)."""
@@ -511,7 +514,7 @@ def _with_subclasses(cls: type) -> list[type]:
     return found
 
 
-def _instance_paths(instances: list, modules: list[types.ModuleType], limit: int = 5) -> list[str]:
+def instance_paths(instances: list, modules: list[types.ModuleType], limit: int = 5) -> list[str]:
     """Where some of `instances` live, found cheaply: module globals, their attributes, nn.Module children."""
     wanted = {id(x) for x in instances}
     paths: list[str] = []

@@ -13,7 +13,7 @@ import traceback
 import types
 from dataclasses import dataclass, field
 
-from . import jit
+from . import cute, jit
 from .patch import Patcher, same_code
 from .snapshot import pin_lines, under
 
@@ -36,8 +36,9 @@ class Report:
     stale: list[dict] = field(default_factory=list)  # {name, reason, where, referrers}
     needs_restart: list[str] = field(default_factory=list)  # changed outside the reloadable packages
     jit_kernels: int = 0  # Triton kernels that will compile again on next launch
-    kernels: dict[str, str] = field(default_factory=dict)  # module.name -> dialect ("triton", "gluon") of each kernel
-    #                                                          whose binaries this reload replaced or dropped
+    kernels: dict[str, str] = field(default_factory=dict)  # module.name -> dialect ("triton", "gluon", "cute") of
+    #                                         each kernel whose binaries this reload replaced or dropped, or whose code
+    #                                         it changed (CuTe DSL: compiled again on the next call)
     kernels_only: bool = False  # only kernel bodies changed, their new binaries loaded: no warm-up needed
     # with kernels_only: {old CUfunction: (new CUfunction, threads, shared bytes)}, what captured graphs' kernel
     # nodes can be pointed at instead of capturing again; None when a new binary launches differently
@@ -140,12 +141,15 @@ class Transaction:
         timings["kernels"] = time.perf_counter() - start
         start = time.perf_counter()
         patcher.find_live_stale(self._saved, tracked)  # a heap scan, only when an __init__ or a lambda changed
+        cute.find_stale(patcher, self._saved, tracked)  # another, only when a CuTe DSL function changed
         patcher.describe_stale(ignore=self._saved)
         timings["stale"] = time.perf_counter() - start
         self.report.patched = patcher.patched
         self.report.stale = patcher.stale
         self.report.jit_kernels = patcher.jit_kernels
-        self.report.kernels = jit.named_dialects(r.kernel for r in patcher.kernels_reset)
+        self.report.kernels = {**jit.named_dialects(r.kernel for r in patcher.kernels_reset),
+                               **{f"{module}.{name}": "cute" for module, names in patcher.cute_changed.items()
+                                  for name in names}}
 
     def _fail(self, exc: BaseException, files: set[str]) -> None:
         self.exception = exc
