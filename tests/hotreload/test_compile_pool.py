@@ -131,3 +131,20 @@ def test_workers_end_with_a_server_that_exits_without_closing_the_pool(pkg, tmp_
     output, _ = proc.communicate(timeout=120)  # the pipe closes once the workers are gone too
     workers = list(map(int, output.split()))
     assert len(workers) == 2 and not any(map(alive, workers))
+
+
+def test_a_gluon_kernel_compiles_in_a_worker_from_gluons_own_ir(pkg, tmp_path, monkeypatch):
+    from test_hotreload_gluon import GLUON
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))
+    pkg.write("gops", GLUON)
+    pkg.mod("gops")
+    pool = CompilePool([pkg.name], workers=1, target=sm90())
+    try:
+        edited = GLUON.replace("return x * 2.0", "return x * 3.0").encode()
+        spec = ({"X": "*fp32", "N": "i32", "BLOCK": "constexpr"}, {(2,): 64}, {}, {"num_warps": 1})
+        [done] = pool.compile({f"{pkg.name}.gops": edited}, [Job(f"{pkg.name}.gops", "uses_scale", spec, sm90())])
+        assert done.error is None, done.error  # (Triton's plain AST source cannot build a Gluon kernel)
+        assert len(cubins(tmp_path / "triton-cache")) == 1
+    finally:
+        pool.close()
