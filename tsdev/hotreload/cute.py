@@ -5,11 +5,12 @@ in `_dsl_cls`), which a reload patches as any function. Called directly, a `@cut
 and the DSL's own cache is keyed by the traced IR: the next call compiles the edit. A module-level cache of
 `cute.compile` results starts empty (the re-executed module binds a new dict; an `lru_cache` is cleared). What no
 reload can reach is a compiled kernel kept on a long-lived object (`self.kernel = cute.compile(host, ...)` in a layer's
-`__init__`): it runs the old binary until something compiles it again. `find_stale` lists each one compiled from a
-function of a module whose CuTe DSL code this reload changed, with who holds it.
+`__init__`): it runs the old binary until something compiles it again. `find_stale` lists each one built from a CuTe
+DSL function this reload changed (as its host or one of its kernels), with who holds it.
 
 A compiled kernel is matched by the names the DSL gives it (`function_name` "cutlass_<host>_<argument types>",
-`kernel_info` keys "kernel_cutlass_<kernel>_..."). cutlass is never imported here; without it nothing is CuTe DSL.
+`kernel_info` keys "kernel_cutlass_<kernel>_..."): one that only calls a changed helper is not found (its names do
+not say). cutlass is never imported here; without it nothing is CuTe DSL.
 """
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ def changed(old: types.FunctionType, new: types.FunctionType, same_code) -> bool
 
 
 def find_stale(patcher, saved: list[dict], tracked: list[types.ModuleType]) -> None:
-    """Report the live compiled kernels of the CuTe DSL functions in the modules where this reload changed one
-    (`patcher.cute_changed`: module name -> its CuTe functions' names). A kernel held only by containers of the old
+    """Report the live compiled kernels built from the CuTe DSL functions this reload changed (`patcher.cute_changed`:
+    module name -> the names of its changed CuTe functions). A kernel held only by containers of the old
     namespaces (`saved`: a module-level cache the re-execution replaced) goes with them. One heap scan, only then."""
     compiled_type = getattr(sys.modules.get(_COMPILED[0]), _COMPILED[1], None)
     if not patcher.cute_changed or not isinstance(compiled_type, type):
