@@ -207,8 +207,9 @@ def serve(
         metavar="report|strict|off",
         help="With --allow-reload-forward: a reload that changes a Triton kernel (or an @jit helper it calls) checks "
              "each changed op against its torch reference at the serving shapes, on fresh random inputs, and times "
-             "it before and after (the reply's kernel_checks, the reload line). report: say so; strict: a check that "
-             "fails rolls the reload back; off: no checks. Default: report.")] = None,
+             "it before and after (the reply's kernel_checks, the reload line). report: say so (checked once serving "
+             "resumed: the pause does not wait); strict: checked in the pause, a check that fails rolls the reload "
+             "back; off: no checks. `tsdev reload --kernel-check` picks one for one reload. Default: report.")] = None,
     compile_workers: Annotated[Optional[int], typer.Option(
         min=0, metavar="N", show_default=False,
         help="With --allow-reload-forward on a GPU: N processes that compile an edit's Triton kernels side by side "
