@@ -242,6 +242,8 @@ def test_a_kernel_check_mode_without_reloads_or_unknown_is_refused():
     result = CliRunner().invoke(app, ["serve", "--device", "cpu", "--port", "0", "--allow-reload-forward",
                                       "--kernel-check", "loud"])
     assert result.exit_code == 2 and "report, strict, off" in result.output
+    result = CliRunner().invoke(app, ["reload", "--url", "http://127.0.0.1:9", "--kernel-check", "loud"])
+    assert result.exit_code == 2 and "report, strict, off" in result.output  # refused before any request
 
 
 def test_a_server_that_allows_reloads_gets_few_prefill_buckets_unless_told():
