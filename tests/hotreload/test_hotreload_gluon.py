@@ -30,6 +30,13 @@ def independent(X, BLOCK: gl.constexpr):
     layout: gl.constexpr = gl.BlockedLayout([BLOCK // 32], [32], [1], [0])
     offs = gl.arange(0, BLOCK, layout=layout)
     gl.store(X + offs, gl.load(X + offs) + 1.0)
+
+
+@gluon.jit
+def never_launched(X, BLOCK: gl.constexpr):
+    layout: gl.constexpr = gl.BlockedLayout([BLOCK // 32], [32], [1], [0])
+    offs = gl.arange(0, BLOCK, layout=layout)
+    gl.store(X + offs, gl.load(X + offs) - 1.0)
 """
 SIGNATURE, CONSTANTS = {"X": "*fp32", "N": "i32", "BLOCK": "constexpr"}, {(2,): 64}
 
@@ -64,6 +71,7 @@ def test_a_gluon_helper_edit_drops_its_callers_binaries_names_the_dialect_and_ro
     assert kern.uses_scale is live and "x * 3.0" in kern.scale.src  # patched in place
     assert dict(live.device_caches) == {} and live.cache_key != hashes[0]  # the caller compiles again
     assert kern.independent.device_caches[0][0] == {"spec": "binary"} and kern.independent.hash == hashes[1]
+    # the edited helper and its caller; not `never_launched` (no hash to compare, the same source)
     assert tx.report.kernels == {f"{pkg.name}.kern.scale": "gluon", f"{pkg.name}.kern.uses_scale": "gluon"}
     assert tx.report.jit_kernels == 1 and not tx.report.kernels_only  # stand-ins it cannot read: the warm-up runs
     edited = ptx(kern.uses_scale)

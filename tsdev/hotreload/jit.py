@@ -30,10 +30,13 @@ _CLASSES = (("triton.runtime.jit", "KernelInterface"), ("triton.runtime.jit", "J
 
 class Reset(NamedTuple):
     """A kernel whose binaries a reload dropped: its `device_caches` before, and whether its launches still bind
-    their arguments the same way (same parameters and specialisation options), so the old cache keys hold."""
+    their arguments the same way (same parameters and specialisation options), so the old cache keys hold.
+    `changed`: its code (or a helper's) is known to differ -- not so for a kernel never launched (no hash to compare)
+    whose source is the same, which is reset only because nothing says it is unchanged."""
     kernel: Any
     caches: Any
     same_call: bool
+    changed: bool = True
 
 
 def kernel_types() -> tuple[type, ...]:
@@ -58,10 +61,10 @@ def dialect(kernel: Any) -> str:
     return "gluon" if callable(is_gluon) and is_gluon() else "triton"
 
 
-def named_dialects(kernels: Iterable[Any]) -> dict[str, str]:
-    """module.name -> dialect of each kernel (their JIT layers: an autotuned kernel's once)."""
+def named_dialects(resets: Iterable[Reset]) -> dict[str, str]:
+    """module.name -> dialect of each reset kernel whose code changed (an autotuned kernel's layers once)."""
     named = {}
-    for kernel in kernels:
+    for kernel in (r.kernel for r in resets if r.changed):
         fn = base_function(kernel)
         if fn is not None:
             named[f"{fn.__module__}.{fn.__qualname__}"] = dialect(kernel)
@@ -112,7 +115,8 @@ def merge(patcher, old: Any, new: Any, module: types.ModuleType, name: str) -> A
     vars(old).update(_rehome(state, new, old))
     _forget_interpreted(saved.get("fn"))
     _reregister(new, old)
-    patcher.kernels_reset.append(Reset(old, saved.get("device_caches"), same_call))
+    changed = bool(saved.get("hash")) or saved.get("src") != state.get("src")
+    patcher.kernels_reset.append(Reset(old, saved.get("device_caches"), same_call, changed))
     patcher.jit_kernels += had_code
     patcher.patched += 1
     return old
@@ -157,7 +161,7 @@ def load_binaries(patcher) -> bool:
     if patcher.retuned:
         return False
     work = []
-    for kernel, caches, same_call in patcher.kernels_reset:
+    for kernel, caches, same_call, _ in patcher.kernels_reset:
         if "device_caches" not in vars(kernel):
             if is_kernel(vars(kernel).get("fn")):
                 continue  # a wrapper (autotune, heuristics): its JIT layer is reset on its own

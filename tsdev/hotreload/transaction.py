@@ -147,7 +147,7 @@ class Transaction:
         self.report.patched = patcher.patched
         self.report.stale = patcher.stale
         self.report.jit_kernels = patcher.jit_kernels
-        self.report.kernels = {**jit.named_dialects(r.kernel for r in patcher.kernels_reset),
+        self.report.kernels = {**jit.named_dialects(patcher.kernels_reset),
                                **{f"{module}.{name}": "cute" for module, names in patcher.cute_changed.items()
                                   for name in names}}
 
