@@ -441,3 +441,17 @@ def test_compile_ahead_also_builds_callers_of_an_edited_helper_elsewhere_against
     tx = r.reload()  # the reload's own version of the caller hashes as the one compiled ahead
     assert tx.report.ok and user.outside_caller.cache_key == caller.cache_key
     tx.rollback()
+
+
+def test_the_report_names_the_edited_kernel_and_its_dialect(pkg):
+    pkg.write("ops", KERNEL)
+    m = pkg.mod("ops")
+    m.run(X)
+    r = pkg.reloader()
+    pkg.edit("ops", KERNEL.replace("return x + 1", "return x + 2"))
+    report = pkg.reload(r)
+    named = {f"{pkg.name}.ops._helper": "triton"}  # the interpreter reads the new helper when the caller runs;
+    if not INTERPRET:                               # a GPU binary of the caller inlines it: reset too
+        named[f"{pkg.name}.ops.add_kernel"] = "triton"
+    # (Triton's registry also holds earlier tests' kernels, which any reload checks for stale binaries)
+    assert {name: d for name, d in report.kernels.items() if name.startswith(f"{pkg.name}.")} == named

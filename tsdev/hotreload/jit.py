@@ -115,7 +115,7 @@ def merge(patcher, old: Any, new: Any, module: types.ModuleType, name: str) -> A
     vars(old).update(_rehome(state, new, old))
     _forget_interpreted(saved.get("fn"))
     _reregister(new, old)
-    changed = bool(saved.get("hash")) or saved.get("src") != state.get("src")
+    changed = bool(saved.get("hash")) or _written(saved) != _written(state)
     patcher.kernels_reset.append(Reset(old, saved.get("device_caches"), same_call, changed))
     patcher.jit_kernels += had_code
     patcher.patched += 1
@@ -236,6 +236,15 @@ def _same_call(old_fn, new_fn) -> bool:
 
 # `@jit(...)` arguments that shape the binary but are not part of Triton's hash.
 OPTIONS = ("version", "do_not_specialize", "do_not_specialize_on_alignment", "debug", "noinline")
+
+
+def _written(state: dict):
+    """A kernel's code as written: its source (JITFunction), else its function's bytecode and constants (the
+    interpreter's kernels keep no source)."""
+    if "src" in state:
+        return state["src"]
+    code = getattr(state.get("fn"), "__code__", None)
+    return None if code is None else (code.co_code, code.co_consts)
 
 
 def _unchanged(old, new) -> bool:
