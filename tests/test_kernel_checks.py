@@ -90,7 +90,8 @@ def test_the_samplers_are_checked_token_for_token_and_another_seed_fails():
                                                                                "cpu").ok
     reseeded = replace(top_k, kernel=lambda logits, temps, ks, ps, seeds: sampling.sample_top_k_triton(
         logits, temps, ks, ps, seeds + 1, sampling.SAMPLE_TOP_K))
-    assert not checks.run(reseeded, (7, 3000), torch.float32, "cpu").ok
+    # many rows: a few are greedy, or filtered down to one token, and draw the same whatever the seed
+    assert not checks.run(reseeded, (64, 3000), torch.float32, "cpu").ok
 
 
 def test_fp8_projections_are_checked_only_where_the_model_serves_them():
