@@ -297,7 +297,7 @@ def _tensors(out) -> list[torch.Tensor]:
 def _digest(check: KernelCheck) -> str:
     digest = hashlib.sha256()
     for fn in _reached(check):
-        digest.update(b"-" if fn is None else _code_digest(fn.__code__))
+        digest.update(b"-" if fn is None else _code_digest(_written(fn)))
     return digest.hexdigest()
 
 
@@ -333,16 +333,26 @@ def modules_reached(check: KernelCheck) -> set[str]:
 
 
 def _python_function(obj) -> types.FunctionType | None:
-    """The Python function under Triton's layers (JITFunction, the interpreter's, autotune/heuristics)."""
+    """The Python function under Triton's layers (JITFunction, the interpreter's, autotune/heuristics) or under a
+    CuTe DSL decorator's wrapper (`__wrapped__`)."""
     for _ in range(8):
         if obj is None or isinstance(obj, types.FunctionType):
-            return obj
+            return vars(obj).get("__wrapped__", obj) if _is_cute(obj) else obj
         obj = getattr(obj, "fn", None)
     return None
 
 
+def _is_cute(obj) -> bool:
+    return isinstance(obj, types.FunctionType) and "_dsl_cls" in vars(obj) and "__wrapped__" in vars(obj)
+
+
 def _is_kernel_code(obj) -> bool:
-    return not isinstance(obj, types.FunctionType) and _python_function(obj) is not None
+    return (_is_cute(obj) or not isinstance(obj, types.FunctionType)) and _python_function(obj) is not None
+
+
+def _written(fn: types.FunctionType) -> types.CodeType:
+    """A kernel function's code as written (CuTe DSL replaces `__code__` by its rewrite on the first compile)."""
+    return vars(fn).get("_original_code", fn.__code__)
 
 
 def _reached(check: KernelCheck) -> list[types.FunctionType | None]:
@@ -359,12 +369,13 @@ def _reached(check: KernelCheck) -> list[types.FunctionType | None]:
             return
         seen.add(id(fn))
         found.append(fn)
-        for name in fn.__code__.co_names:
+        names = _written(fn).co_names
+        for name in names:
             value = fn.__globals__.get(name)
             if _is_kernel_code(value):
                 visit(value)
             elif isinstance(value, types.ModuleType):
-                for attr in fn.__code__.co_names:
+                for attr in names:
                     if _is_kernel_code(inner := vars(value).get(attr)):
                         visit(inner)
 

@@ -270,3 +270,17 @@ def test_reload_line_shows_decode_and_prefill_recapture_apart_or_the_graph_nodes
     patched = WorkerReport(ok=True, reloaded=["kernels.ops.norm"], patched=3, kernels_only=True, graph_nodes_patched=412,
                            timings={"reload": 0.01, "warm": 0.0, "recapture": 0.004, "pause": 0.1})
     assert "graphs patched in 0.004 s (412 kernel nodes pointed at the new binaries)" in worker_text(patched)
+
+
+def test_reload_lines_count_the_kernels_replaced_per_dialect():
+    from tsdev.outcome import steps_text
+
+    kernels = {"kernels.ops.norm._rms_norm_gluon_kernel": "gluon", "kernels.ops.norm.rms_norm_values_gluon": "gluon",
+               "kernels.ops.activation._silu_and_mul_kernel": "triton"}
+    worker = WorkerReport(ok=True, reloaded=["kernels.ops.norm"], patched=3, jit_kernels=2, kernels=kernels,
+                          timings={"jit": 0.3, "reload": 0.01, "pause": 0.1})
+    assert "JIT-compiled 2 kernel(s) (gluon 2, triton 1) in 0.30 s" in worker_text(worker)
+    assert steps_text(worker.timings, jit_kernels=2, kernels=kernels).endswith("(2 kernel(s) (gluon 2, triton 1) compiled)")
+    cute = {"kernels.ops.activation_cute._silu_and_mul_kernel": "cute"}  # compiled on its next call, not ahead
+    assert steps_text(worker.timings, kernels=cute).endswith("(kernels edited (cute 1): none compiled ahead)")
+    assert not steps_text(worker.timings).endswith(")")

@@ -51,7 +51,9 @@ def steps_text(timings: Mapping[str, float], order: Iterable[str] = SHOWN_STEPS,
              for name in (*order, "total") if name in timings]
     text = " ".join(parts) + " s" if parts else ""
     slowest = f", slowest {timings['jit_slowest']:.2f} s" if timings.get("jit_slowest") else ""
-    return text + (f" ({jit_kernels} kernel(s){dialects_text(kernels)} compiled{slowest})" if jit_kernels else "")
+    if jit_kernels:
+        return text + f" ({jit_kernels} kernel(s){dialects_text(kernels)} compiled{slowest})"
+    return text + (f" (kernels edited{dialects_text(kernels)}: none compiled ahead)" if kernels else "")
 
 
 def kernel_checks_text(worker: WorkerReport | None) -> list[str]:

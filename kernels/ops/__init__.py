@@ -3,7 +3,8 @@
 Each public op runs its Triton kernel when its inputs are on CUDA and its torch reference otherwise.
 Set TSDEV_KERNELS=ref to run the references on CUDA too (to compare speed or rule a kernel out), or
 TSDEV_KERNELS=ref:linear,rope to do that for those families only. A family with a Gluon kernel (GLUON_FAMILIES)
-runs it instead of its Triton one under TSDEV_KERNELS=gluon:norm; items combine: ref:rope,linear,gluon:norm.
+runs it instead of its Triton one under TSDEV_KERNELS=gluon:norm, a family with a CuTe DSL one (CUTE_FAMILIES, the
+optional `tsdev[cute]`) under TSDEV_KERNELS=cute:activation; items combine: ref:rope,linear,gluon:norm.
 Under TRITON_INTERPRET=1 the Triton entry points (`*_triton`) also run on CPU tensors; the tests use that.
 
 Programmatic dependent launch (Hopper and newer): the kernels on the decode path are launched with
@@ -23,10 +24,12 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 FAMILIES = ("norm", "rope", "activation", "linear", "fp8", "attention", "sampling", "moe")
 GLUON_FAMILIES = ("norm",)  # the families with a Gluon kernel too (triton.experimental.gluon)
+CUTE_FAMILIES = ("activation",)  # ... with a CuTe DSL kernel (nvidia-cutlass-dsl: kernels/ops/activation_cute.py)
+_OTHER_KERNELS = {"gluon": GLUON_FAMILIES, "cute": CUTE_FAMILIES}
 
 
 def kernel_choices() -> dict[str, str]:
-    """family -> "ref" or "gluon", for the families TSDEV_KERNELS takes off their Triton kernels on CUDA:
+    """family -> "ref", "gluon" or "cute", for the families TSDEV_KERNELS takes off their Triton kernels on CUDA:
     `triton` (or unset) none, `ref` all to their references, else comma-separated FAMILY items each under the
     IMPL: before it or before an earlier item (ref:linear,rope,gluon:norm)."""
     value = os.environ.get("TSDEV_KERNELS", "triton")
@@ -37,12 +40,22 @@ def kernel_choices() -> dict[str, str]:
     choices, impl = {}, None
     for item in value.split(","):
         impl, _, family = item.rpartition(":") if ":" in item else (impl, "", item)
-        if impl not in ("ref", "gluon") or family not in (GLUON_FAMILIES if impl == "gluon" else FAMILIES):
+        if family not in ({"ref": FAMILIES, **_OTHER_KERNELS}.get(impl) or ()):
             raise ValueError(f"TSDEV_KERNELS={value!r}: expected triton, ref, or IMPL:FAMILY items (ref:linear,rope,"
                              f"gluon:norm): ref for families from {', '.join(FAMILIES)}; gluon for "
-                             f"{', '.join(GLUON_FAMILIES)}")
+                             f"{', '.join(GLUON_FAMILIES)}; cute for {', '.join(CUTE_FAMILIES)}")
         choices[family] = impl
     return choices
+
+
+def check_kernel_choices() -> None:
+    """Fail now, with what to do, on a TSDEV_KERNELS the op calls would fail on later (ValueError)."""
+    if "cute" in kernel_choices().values():
+        try:
+            import cutlass.cute  # noqa: F401
+        except ImportError as exc:
+            raise ValueError(f"TSDEV_KERNELS={os.environ['TSDEV_KERNELS']!r} picks CuTe DSL kernels, which need the "
+                             f"CuTe DSL ({exc}): pip install 'tsdev[cute]'") from exc
 
 
 def reference_families() -> set[str]:
@@ -53,6 +66,11 @@ def reference_families() -> set[str]:
 def use_gluon(family: str) -> bool:
     """Whether TSDEV_KERNELS picks `family`'s Gluon kernel over its Triton one (where use_triton holds)."""
     return kernel_choices().get(family) == "gluon"
+
+
+def use_cute(family: str) -> bool:
+    """Whether TSDEV_KERNELS picks `family`'s CuTe DSL kernel over its Triton one (where use_triton holds)."""
+    return kernel_choices().get(family) == "cute"
 
 
 def use_triton(x: torch.Tensor, family: str) -> bool:

@@ -58,6 +58,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     Float32 inside; rounded to x's dtype after the SiLU and after the product, like the reference.
     """
     if use_triton(x, "activation"):
+        if use_cute("activation"):  # TSDEV_KERNELS=cute:activation (imported then: the package is optional)
+            from kernels.ops.activation_cute import silu_and_mul_cute
+            return silu_and_mul_cute(x)
         return silu_and_mul_triton(x)
     return silu_and_mul_ref(x)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import nvtx
 import torch
 
-from kernels.ops import reference_families
+from kernels.ops import check_kernel_choices
 from kernels.ops.attention import longest_first
 from kernels.ops.fp8 import fp8_unsupported_reason
 from runtime import distributed
@@ -95,7 +95,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint):
         model_config, max_model_len = checkpoint.config, checkpoint.max_model_len
         self.config, self.model_config = config, model_config
-        reference_families()  # a bad TSDEV_KERNELS fails here, on any device, before the weights load
+        check_kernel_choices()  # a bad TSDEV_KERNELS fails here, on any device, before the weights load
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype(model_config)
         torch.manual_seed(config.seed)
