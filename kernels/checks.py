@@ -343,6 +343,7 @@ def _python_function(obj) -> types.FunctionType | None:
 
 
 def _is_cute(obj) -> bool:
+    """A CuTe DSL decorator's wrapper (as tsdev.hotreload.cute.is_cute: the kernels may not import the toolkit)."""
     return isinstance(obj, types.FunctionType) and "_dsl_cls" in vars(obj) and "__wrapped__" in vars(obj)
 
 

@@ -43,7 +43,7 @@ def dialects_text(kernels: Mapping[str, str]) -> str:
 
 
 def steps_text(timings: Mapping[str, float], order: Iterable[str] = SHOWN_STEPS, jit_kernels: int = 0,
-               nodes_patched: int = 0, kernels: Mapping[str, str] = {}) -> str:
+               nodes_patched: int = 0, kernels: Mapping[str, str] | None = None) -> str:
     """'jit 0.08 drain 0.01 ... recapture 0.46 (decode 0.30, prefill 0.16) pause 0.63 total 0.64 s' (or
     'recapture 0.00 (412 graph nodes patched)' when the graphs were patched, not captured)."""
     patched = f" ({nodes_patched} graph nodes patched)" if nodes_patched else ""
@@ -52,7 +52,7 @@ def steps_text(timings: Mapping[str, float], order: Iterable[str] = SHOWN_STEPS,
     text = " ".join(parts) + " s" if parts else ""
     slowest = f", slowest {timings['jit_slowest']:.2f} s" if timings.get("jit_slowest") else ""
     if jit_kernels:
-        return text + f" ({jit_kernels} kernel(s){dialects_text(kernels)} compiled{slowest})"
+        return text + f" ({jit_kernels} kernel(s){dialects_text(kernels or {})} compiled{slowest})"
     return text + (f" (kernels edited{dialects_text(kernels)}: none compiled ahead)" if kernels else "")
 
 

@@ -15,6 +15,8 @@ batch-1 decode graph replays in 0.869 ms with it, 1.040 without (docs/results.md
 """
 import functools
 import os
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 import triton
@@ -25,27 +27,32 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 FAMILIES = ("norm", "rope", "activation", "linear", "fp8", "attention", "sampling", "moe")
 GLUON_FAMILIES = ("norm",)  # the families with a Gluon kernel too (triton.experimental.gluon)
 CUTE_FAMILIES = ("activation",)  # ... with a CuTe DSL kernel (nvidia-cutlass-dsl: kernels/ops/activation_cute.py)
-_OTHER_KERNELS = {"gluon": GLUON_FAMILIES, "cute": CUTE_FAMILIES}
+IMPLS = {"ref": FAMILIES, "gluon": GLUON_FAMILIES, "cute": CUTE_FAMILIES}  # what TSDEV_KERNELS can pick, for which
 
 
-def kernel_choices() -> dict[str, str]:
+def kernel_choices() -> Mapping[str, str]:
     """family -> "ref", "gluon" or "cute", for the families TSDEV_KERNELS takes off their Triton kernels on CUDA:
     `triton` (or unset) none, `ref` all to their references, else comma-separated FAMILY items each under the
-    IMPL: before it or before an earlier item (ref:linear,rope,gluon:norm)."""
-    value = os.environ.get("TSDEV_KERNELS", "triton")
+    IMPL: before it or before an earlier item (ref:linear,rope,gluon:norm). Parsed once per value: eager ops ask
+    on every call."""
+    return _parsed(os.environ.get("TSDEV_KERNELS", "triton"))
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed(value: str) -> Mapping[str, str]:
     if value in ("triton", ""):
-        return {}
+        return MappingProxyType({})
     if value == "ref":
-        return dict.fromkeys(FAMILIES, "ref")
+        return MappingProxyType(dict.fromkeys(FAMILIES, "ref"))
     choices, impl = {}, None
     for item in value.split(","):
         impl, _, family = item.rpartition(":") if ":" in item else (impl, "", item)
-        if family not in ({"ref": FAMILIES, **_OTHER_KERNELS}.get(impl) or ()):
+        if family not in IMPLS.get(impl, ()):
             raise ValueError(f"TSDEV_KERNELS={value!r}: expected triton, ref, or IMPL:FAMILY items (ref:linear,rope,"
                              f"gluon:norm): ref for families from {', '.join(FAMILIES)}; gluon for "
                              f"{', '.join(GLUON_FAMILIES)}; cute for {', '.join(CUTE_FAMILIES)}")
         choices[family] = impl
-    return choices
+    return MappingProxyType(choices)
 
 
 def check_kernel_choices() -> None:
@@ -75,7 +82,7 @@ def use_cute(family: str) -> bool:
 
 def use_triton(x: torch.Tensor, family: str) -> bool:
     """Whether the public op of `family` should launch its Triton (or Gluon: `use_gluon`) kernel for this input."""
-    return x.is_cuda and family not in reference_families()
+    return x.is_cuda and kernel_choices().get(family) != "ref"
 
 
 @functools.lru_cache

@@ -79,3 +79,15 @@ def test_a_gluon_helper_edit_drops_its_callers_binaries_names_the_dialect_and_ro
     tx.rollback()
     assert kern.uses_scale.hash == hashes[0] and live.device_caches[0][0] == {"spec": "binary"}
     assert "x * 2.0" in kern.scale.src and ptx(kern.uses_scale) == before
+
+
+def test_an_autotuned_gluon_kernel_is_named_gluon():
+    from triton.experimental import gluon
+
+    from tsdev.hotreload import jit
+
+    def body(X):
+        pass
+
+    kernel = triton.autotune(configs=[triton.Config({}, num_warps=1)], key=[])(gluon.jit(body))
+    assert jit.named_dialects([jit.Reset(kernel, None, True)]) == {f"{__name__}.{body.__qualname__}": "gluon"}

@@ -65,9 +65,9 @@ def named_dialects(resets: Iterable[Reset]) -> dict[str, str]:
     """module.name -> dialect of each reset kernel whose code changed (an autotuned kernel's layers once)."""
     named = {}
     for kernel in (r.kernel for r in resets if r.changed):
-        fn = base_function(kernel)
-        if fn is not None:
-            named[f"{fn.__module__}.{fn.__qualname__}"] = dialect(kernel)
+        fn, innermost = base_function(kernel), [*_stack(kernel)][-1:] or [kernel]
+        if fn is not None:  # an autotune/heuristics wrapper is of its JIT layer's dialect
+            named[f"{fn.__module__}.{fn.__qualname__}"] = dialect(innermost[0])
     return named
 
 
