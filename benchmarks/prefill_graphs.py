@@ -93,7 +93,7 @@ def main() -> None:
           f"{(torch.cuda.memory_reserved() - reserved) / 2**20:.0f} MiB; slowest bucket "
           f"{max(timings, key=timings.get)} tokens ({1e3 * max(timings.values()):.0f} ms)")
 
-    print(f"\n| tokens | prompts | bucket | eager ms | graph ms | eager / graph |\n|---:|---:|---:|---:|---:|---:|")
+    print("\n| tokens | prompts | bucket | eager ms | graph ms | eager / graph |\n|---:|---:|---:|---:|---:|---:|")
     for total in args.tokens:
         for num_seqs in (1, 8):
             batch = fresh_batch(pages, total, num_seqs)

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from kernels.checks import KernelCheck, Tolerance
-from kernels.ops import pdl, use_triton, wait_for_previous
+from kernels.ops import pdl, use_cute, use_triton, wait_for_previous
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:

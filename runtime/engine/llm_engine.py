@@ -8,7 +8,6 @@ N (EOS, a stop string) has computed one token too many in N+1; that token is dro
 import atexit
 import collections
 import gc
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path

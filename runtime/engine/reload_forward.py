@@ -33,7 +33,7 @@ from typing import Protocol, runtime_checkable
 
 from kernels import checks
 from runtime.control_protocol import (STEPS, KernelCheckReply, KernelCheckRequest, ReloadFinished, ReloadReply, ReloadRequest, ReloadStarted, ReloadStep,
-                                      StaleDefinition, WorkerReport)
+                                      WorkerReport)
 from runtime.engine.compiles import COMPILES
 from runtime.engine.async_engine import AsyncEngine
 from runtime.engine.errors import describe_error, stop_server

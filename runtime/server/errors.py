@@ -108,6 +108,6 @@ def not_an_object(path: str, value) -> str:
             bytes: "a body sent without the header Content-Type: application/json (send that header)"
             }.get(type(value), "something else")
     shape = BODY_SHAPES.get(path)
-    return (f"the request body must be a JSON object" + (f" with {shape}" if shape else "") + f", not {what}"
+    return ("the request body must be a JSON object" + (f" with {shape}" if shape else "") + f", not {what}"
             + (" (one request per body: send several prompts as a list in \"prompt\")" if path == "/v1/completions"
                and isinstance(value, list) else ""))

@@ -225,7 +225,7 @@ class WatchApp(App):
     def draw_header(self) -> None:
         info = self.daemon.info
         color = STATE_COLORS.get(info["state"], "white")
-        parts = [f"[b]tsdev watch[/b]", f"[{color}]● {info['state']}[/{color}]"]
+        parts = ["[b]tsdev watch[/b]", f"[{color}]● {info['state']}[/{color}]"]
         if info.get("model"):
             parts.append(escape(info["model"]) + (f" on {info['device']}" if info.get("device") else ""))
         parts.append(info["url"] + (" (attached)" if info.get("attach") else ""))
