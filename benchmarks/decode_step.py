@@ -2,6 +2,7 @@
 
     python3 benchmarks/decode_step.py                       # Qwen3-0.6B shape, bf16, context 512
     python3 benchmarks/decode_step.py --batch-sizes 1 8 --context 2048
+    python3 benchmarks/decode_step.py --batch-sizes 256 --context 2048 --kv-cache-dtype fp8   # an e4m3 KV pool
     python3 benchmarks/decode_step.py --batch-sizes 1 128 --breakdown   # + GPU time per kernel of a replay
     nsys profile --trace=cuda,nvtx --sample=none --cuda-graph-trace=node --capture-range=nvtx \
         --nvtx-capture=decode-replay-1 -e NSYS_NVTX_PROFILER_REGISTER_ONLY=0 -o decode \
@@ -73,11 +74,13 @@ def main() -> None:
     parser.add_argument("--prefill-graph-max-tokens", type=int, default=2048, help="0: no prefill graphs")
     parser.add_argument("--quantization", choices=["fp8"], default=None,
                         help="fp8: e4m3 projections (compare with a run without it)")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default="auto",
+                        help="fp8: the KV pool in e4m3, half the KV bytes per token (its floor counts them)")
     args = parser.parse_args()
 
     config = EngineConfig(model=args.model, device="cuda", max_running=max(args.batch_sizes),
                           max_model_len=max(2 * args.context, 1024), prefill_graph_max_tokens=args.prefill_graph_max_tokens,
-                          quantization=args.quantization)
+                          quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     engine = LLMEngine(config)  # first: built after a freed runner, its host step at 256 rows measured ~1 ms slower
     decoding = lambda iters: SamplingParams(max_tokens=iters, temperature=args.temperature, ignore_eos=True)
     engine_times = {bs: engine_step_time(engine, bs, args.context, args.iters, decoding) for bs in args.batch_sizes}
@@ -94,8 +97,9 @@ def main() -> None:
     for m in runner.model.modules():  # fp8 projections read their e4m3 copy and scales, not the kept weight
         if getattr(m, "quantization", None) == "fp8":
             weight_bytes += m.weight_fp8.numel() + 4 * m.weight_scale.numel() - m.weight.numel() * m.weight.element_size()
-    kv_bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * runner.dtype.itemsize
-    print(f"{checkpoint.dir.name}{' fp8' if args.quantization else ''}: {weight_bytes / 1e9:.2f} GB of weights read per step, copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
+    kv_dtype = config.kv_torch_dtype(runner.dtype)
+    kv_bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * kv_dtype.itemsize
+    print(f"{checkpoint.dir.name}{' fp8' if args.quantization else ''}, KV {str(kv_dtype).removeprefix('torch.')}: {weight_bytes / 1e9:.2f} GB of weights read per step, copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
           f"context {args.context}, graphs {runner.decode_graphs.sizes if runner.decode_graphs else 'off'}")
     print(f"{'batch':>5} {'step ms':>8} {'graph ms':>8} {'engine ms':>9} {'floor ms':>8} {'step/floor':>10} {'tok/s':>9} {'GB/s':>7}")
     params = SamplingParams(max_tokens=1, temperature=args.temperature, ignore_eos=True)
