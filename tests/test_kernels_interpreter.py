@@ -574,6 +574,18 @@ def test_fp8_kv_decode_and_prefill_match_a_reference_that_dequantizes_the_same_r
     assert (got - unscaled).abs().max() > 0.1
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fp8_kv_decode_of_a_bf16_q_meets_the_rows_in_float16(num_splits):
+    """A bf16 model's decode over an e4m3 pool: q, the rows and the softmax weights meet in float16
+    (`fp8_dot_dtype`); the output within one bf16 rounding of the float32 reference."""
+    q, kc, vc, cu, sl, pt = fp8_paged_batch([1, 17, 40, 6], [1] * 4, 4, 2, 16, 5)
+    q = q.bfloat16()
+    assert attention.fp8_dot_dtype(q.dtype) == torch.float16
+    got = attention.paged_decode_triton(q, kc, vc, cu, sl, pt, 0.3, num_splits=num_splits, kv_scales=(0.5, 0.25))
+    want = attention.paged_attention_ref(q, kc, vc, cu, sl, pt, 0.3, kv_scales=(0.5, 0.25))
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1.6e-2)
+
+
 @pytest.mark.parametrize("q_lens", [[1, 1, 1], [1, 7, 1]], ids=["decode", "mixed"])
 def test_fp8_kv_store_quantizes_as_the_reference_does_bit_for_bit(q_lens, monkeypatch):
     monkeypatch.setattr(attention, "use_triton", lambda x, family: True)  # the Triton paths, interpreted
