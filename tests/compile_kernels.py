@@ -28,7 +28,8 @@ def main() -> None:
                           k_scale="fp32", v_scale="fp32"),
                      dict(GROUP=2, PAGE_SIZE=16, HEAD_DIM=128, BLOCK_H=16, BLOCK_D=128, BLOCK_N=32, BLOCK_S=64,
                           SPLIT=split, STORE=store, ORDERED=ordered, PRECISION="tf32", PDL=True, QUANTIZED=kv == FP8,
-                          DOT=tl.float16 if kv == FP8 else tl.bfloat16), num_warps=4, num_stages=3)
+                          DOT=tl.float16 if kv == FP8 else tl.bfloat16,
+                          V_IN_REGISTERS=kv == FP8), num_warps=4, num_stages=3)
     for norm_in, gated, fp8 in ((True, True, False), (True, False, False), (False, False, True)):
         compile_sm90(linear._gemv_kernel,
                      dict(X=BF16, R=BF16, NW=BF16, W="*fp8e4nv" if fp8 else BF16, B=BF16, S=F32, OUT=BF16, R_OUT=BF16),

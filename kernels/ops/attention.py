@@ -156,6 +156,16 @@ def store_kvcache_triton(k, v, k_cache, v_cache, slot_mapping, kv_scales: tuple[
 # Decode: one query row per sequence, KV split across programs, then merged
 
 
+@triton.jit
+def _kept_in_registers(x):
+    """`x` (16-bit) unchanged, through an instruction the compiler may not move (`is_pure=False`). Decode attention
+    over an e4m3 pool converts V to float16 in registers before the P @ V dot; left alone, Triton moves the
+    conversion after the shared-memory copy of the dot operand, where an 8-bit operand along the reduced axis (V's
+    rows) has no `ldmatrix` transpose and is read a byte at a time (64 `LDS.U8` a thread per 64-row block on sm_90;
+    benchmarks/fp8_kv_variants.py: 25-30 % of the kernel's time)."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=2)
+
+
 @triton.jit(do_not_specialize=["stride_pt", "num_splits"])  # see the module docstring
 def _decode_kernel(
     Q, K_CACHE, V_CACHE, O, PART_O, PART_LSE, ARRIVED, CU, SEQ_LENS, PAGE_TABLE, K_NEW, V_NEW, SLOTS, ORDER,
@@ -164,7 +174,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
     SPLIT: tl.constexpr, STORE: tl.constexpr, ORDERED: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-    QUANTIZED: tl.constexpr, DOT: tl.constexpr,
+    QUANTIZED: tl.constexpr, DOT: tl.constexpr, V_IN_REGISTERS: tl.constexpr,
 ):
     wait_for_previous(PDL)
     kv_head = tl.program_id(0)
@@ -223,6 +233,8 @@ def _decode_kernel(
         v = tl.load(V_CACHE + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if QUANTIZED:
             v = v.to(DOT)
+            if V_IN_REGISTERS:  # compiled (not Triton's interpreter), 16-bit dots
+                v = _kept_in_registers(v)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     if QUANTIZED:
@@ -343,7 +355,7 @@ def paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table,
     part_o = torch.empty((B, Hq, num_splits, D) if split else (1,), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((B, Hq, num_splits) if split else (1,), dtype=torch.float32, device=q.device)
     group = Hq // Hk
-    use_pdl, quantized = pdl(q), k_cache.dtype == FP8_KV_DTYPE
+    use_pdl, quantized, dot = pdl(q), k_cache.dtype == FP8_KV_DTYPE, fp8_dot or fp8_dot_dtype(q.dtype)
     k, v, slots = store if store is not None else (q, q, cu_seqlens_q)
     _decode_kernel[(Hk, num_splits, B)](
         q, k_cache, v_cache, out, part_o, part_lse, split_arrivals(q.device, B * Hk) if split else part_lse,
@@ -356,7 +368,7 @@ def paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=triton.next_power_of_2(D), BLOCK_N=block_n,
         BLOCK_S=triton.next_power_of_2(num_splits), SPLIT=split, STORE=store is not None, ORDERED=order is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=use_pdl, QUANTIZED=quantized,
-        DOT=_TL_DTYPES[fp8_dot or fp8_dot_dtype(q.dtype)],
+        DOT=_TL_DTYPES[dot], V_IN_REGISTERS=quantized and q.is_cuda and dot != torch.float32,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=use_pdl,
     )
     return out
