@@ -1,7 +1,8 @@
 """Issue 35's microbenchmark: decode attention over a bf16 pool and an e4m3 one (--kv-cache-dtype fp8), Qwen3-0.6B's
 heads (16 q / 8 kv of 128), at the offline workload's batches (B = 64, 139, 256; contexts 100-2048 in admission
 order, as kernels_bench.py's decode rows), each against its floor: the KV bytes it must read at the device's copy
-bandwidth. One KV pool per layer (28), replayed in a CUDA graph (kernels_bench.graph_ms).
+bandwidth. One KV pool per layer (28), replayed in a CUDA graph (kernels_bench.graph_ms). The e4m3 rows are
+converted for the tensor-core dots to bfloat16 or float16 (`attention.fp8_dot_dtype`): both are timed.
 
     python3 benchmarks/fp8_kv.py
 """
@@ -37,6 +38,10 @@ def main() -> None:
             print(f"decode B={B} ctx 100-2048 (sum {sum(lens)}) {name}: {t * 1e3:.1f} us per layer, floor "
                   f"{floor:.1f} us ({floor / (t * 1e3):.0%} of it)", flush=True)
         print(f"  fp8 / bf16: {times['fp8'] / times['bf16']:.2f}")
+        for dot in (torch.bfloat16, torch.float16):  # what the e4m3 rows are converted to for the dots
+            t = graph_ms([lambda kc=kc, vc=vc: attention.paged_decode_triton(q, kc, vc, cu, sl, pt, scale, order=order,
+                                                                             fp8_dot=dot) for kc, vc in fp8])
+            print(f"  fp8, dots in {str(dot).removeprefix('torch.')}: {t * 1e3:.1f} us", flush=True)
         splits = attention.decode_num_splits(B, HK, q.device)
         for block_n in (16, 32, 64, 128):  # e4m3 rows are half the bytes: the bf16 tuning's block may not be best
             t = graph_ms([lambda kc=kc, vc=vc: attention.paged_decode_triton(q, kc, vc, cu, sl, pt, scale, splits,

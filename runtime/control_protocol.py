@@ -148,6 +148,8 @@ class WorkerReport(_Message):
     jit_kernels: int = 0  # Triton kernels compiled ahead (or reset to compile on their next launch)
     kernels: dict[str, str] = {}  # module.name -> dialect ("triton", "gluon", "cute") of each kernel the reload replaced
     kernels_only: bool = False  # only Triton kernel bodies changed (binaries loaded): the warm step ran nothing
+    compiled_in_pause: dict[str, float] = {}  # module.name -> seconds its new binaries compiled in the reload step
+    #                                            (in the pause): none of them had been compiled ahead
     graph_nodes_patched: int = 0  # with kernels_only: the recapture step pointed this many captured kernel nodes at
     #                               the new binaries instead of capturing the graphs again
     kernel_checks: list[KernelCheckResult] = []  # the changed ops against their references, per serving shape

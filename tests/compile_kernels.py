@@ -2,12 +2,13 @@
 prints one line per kernel compiled (`compiled NAME shared BYTES`). Run by tests/test_kernels_compile.py in a process
 without TRITON_INTERPRET."""
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
 from kernels.ops import activation, attention, linear, norm, rope
 from tsdev.hotreload.jit import ast_source
 
-BF16, F32, I32, I64 = "*bf16", "*fp32", "*i32", "*i64"
+BF16, F32, I32, I64, FP8 = "*bf16", "*fp32", "*i32", "*i64", "*fp8e4nv"
 
 
 def compile_sm90(fn, pointers: dict[str, str], constants: dict, **options):
@@ -20,13 +21,15 @@ def compile_sm90(fn, pointers: dict[str, str], constants: dict, **options):
 
 
 def main() -> None:
-    for split, store, ordered in ((True, True, True), (False, False, False)):
+    for split, store, ordered, kv in ((True, True, True, BF16), (False, False, False, BF16), (True, True, True, FP8)):
         compile_sm90(attention._decode_kernel,
-                     dict(Q=BF16, K_CACHE=BF16, V_CACHE=BF16, O=BF16, PART_O=F32, PART_LSE=F32, ARRIVED=I32, CU=I32,
-                          SEQ_LENS=I32, PAGE_TABLE=I32, K_NEW=BF16, V_NEW=BF16, SLOTS=I64, ORDER=I64),
+                     dict(Q=BF16, K_CACHE=kv, V_CACHE=kv, O=BF16, PART_O=F32, PART_LSE=F32, ARRIVED=I32, CU=I32,
+                          SEQ_LENS=I32, PAGE_TABLE=I32, K_NEW=BF16, V_NEW=BF16, SLOTS=I64, ORDER=I64,
+                          k_scale="fp32", v_scale="fp32"),
                      dict(GROUP=2, PAGE_SIZE=16, HEAD_DIM=128, BLOCK_H=16, BLOCK_D=128, BLOCK_N=32, BLOCK_S=64,
-                          SPLIT=split, STORE=store, ORDERED=ordered, PRECISION="tf32", PDL=True), num_warps=4,
-                     num_stages=3)
+                          SPLIT=split, STORE=store, ORDERED=ordered, PRECISION="tf32", PDL=True, QUANTIZED=kv == FP8,
+                          DOT=tl.float16 if kv == FP8 else tl.bfloat16,
+                          V_IN_REGISTERS=kv == FP8), num_warps=4, num_stages=3)
     for norm_in, gated, fp8 in ((True, True, False), (True, False, False), (False, False, True)):
         compile_sm90(linear._gemv_kernel,
                      dict(X=BF16, R=BF16, NW=BF16, W="*fp8e4nv" if fp8 else BF16, B=BF16, S=F32, OUT=BF16, R_OUT=BF16),

@@ -284,3 +284,11 @@ def test_reload_lines_count_the_kernels_replaced_per_dialect():
     cute = {"kernels.ops.activation_cute._silu_and_mul_kernel": "cute"}  # compiled on its next call, not ahead
     assert steps_text(worker.timings, kernels=cute).endswith("(kernels edited (cute 1): none compiled ahead)")
     assert not steps_text(worker.timings).endswith(")")
+
+
+def test_reload_lines_name_the_kernels_that_compiled_in_the_pause_slowest_first():
+    worker = WorkerReport(ok=True, reloaded=["kernels.ops.norm"], patched=3, timings={"reload": 2.0, "pause": 2.1},
+                          compiled_in_pause={"kernels.ops.norm.a": 0.4, "kernels.ops.norm._rms_norm_gluon_kernel": 1.9})
+    assert ("compiled in the pause, not ahead: kernels.ops.norm._rms_norm_gluon_kernel 1.90 s, kernels.ops.norm.a "
+            "0.40 s") in worker_text(worker)
+    assert "compiled in the pause" not in worker_text(WorkerReport(ok=True, reloaded=["kernels.ops.norm"]))

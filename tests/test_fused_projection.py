@@ -28,7 +28,7 @@ def fused_calls(monkeypatch) -> list[tuple[bool, bool]]:
             calls.append((kwargs["residual"] is not None, kwargs["gated"]))
         return gemv(x, weight, *args, **{"block_n": 64, **kwargs})
 
-    monkeypatch.setattr(layers_linear, "use_triton", lambda x, family: True)
+    monkeypatch.setattr(layers_linear, "use_fused_triton", lambda x, *families: True)
     monkeypatch.setattr(linear_ops, "gemv_triton", recording)
     return calls
 

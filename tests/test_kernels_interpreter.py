@@ -8,6 +8,7 @@ before Triton decorates anything. The same kernels on CUDA: tests/test_kernels_g
 import itertools
 import os
 import zlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -146,6 +147,26 @@ def test_fp8_skinny(M, N, K, block_n, block_k, bias):
 def test_tsdev_kernels_sends_families_to_their_references_or_gluon_kernels(monkeypatch, value, families, gluon):
     monkeypatch.setenv("TSDEV_KERNELS", value)
     assert kernels.ops.reference_families() == families and kernels.ops.use_gluon("norm") is gluon
+
+
+@pytest.mark.parametrize("value,fused", [("triton", True), ("ref:rope", True), ("ref:linear", False),
+                                         ("gluon:norm", False), ("cute:activation", False)])
+def test_a_fused_triton_kernel_stands_in_only_for_families_left_on_triton(monkeypatch, value, fused):
+    """The decode GEMV with the norm and activation inside: a family picked off Triton serves its own kernel at
+    batch 1 too."""
+    monkeypatch.setenv("TSDEV_KERNELS", value)
+    assert kernels.ops.use_fused_triton(SimpleNamespace(is_cuda=True), "norm", "linear", "activation") is fused
+    assert not kernels.ops.use_fused_triton(SimpleNamespace(is_cuda=False), "norm", "linear", "activation")
+
+
+def test_qk_norm_rope_unfused_is_its_reference_bit_for_bit():
+    """What a pick of norm or rope off Triton serves: the two ops one after the other, rounded as the fused one."""
+    q, k = torch.randn(5, 4, 64).bfloat16(), torch.randn(5, 2, 64).bfloat16()
+    qw, kw, positions = torch.rand(64).bfloat16() + 0.5, torch.rand(64).bfloat16() + 0.5, torch.tensor([0, 3, 7, 8, 100])
+    cache = rope.rope_cos_sin_cache(64, 128, 10000.0)
+    for got, want in zip(rope.qk_norm_rope(q, k, qw, kw, 1e-6, positions, cache),
+                         rope.qk_norm_rope_ref(q, k, qw, kw, 1e-6, positions, cache)):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("value", ["torch", "ref:gemm", "ref:", "gluon:rope", "gluon", "norm"])
@@ -551,6 +572,18 @@ def test_fp8_kv_decode_and_prefill_match_a_reference_that_dequantizes_the_same_r
                                **TOL)
     unscaled = attention.paged_attention_ref(q, kc, vc, cu, sl, pt, 0.25)  # the scales matter
     assert (got - unscaled).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fp8_kv_decode_of_a_bf16_q_meets_the_rows_in_float16(num_splits):
+    """A bf16 model's decode over an e4m3 pool: q, the rows and the softmax weights meet in float16
+    (`fp8_dot_dtype`); the output within one bf16 rounding of the float32 reference."""
+    q, kc, vc, cu, sl, pt = fp8_paged_batch([1, 17, 40, 6], [1] * 4, 4, 2, 16, 5)
+    q = q.bfloat16()
+    assert attention.fp8_dot_dtype(q.dtype) == torch.float16
+    got = attention.paged_decode_triton(q, kc, vc, cu, sl, pt, 0.3, num_splits=num_splits, kv_scales=(0.5, 0.25))
+    want = attention.paged_attention_ref(q, kc, vc, cu, sl, pt, 0.3, kv_scales=(0.5, 0.25))
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1.6e-2)
 
 
 @pytest.mark.parametrize("q_lens", [[1, 1, 1], [1, 7, 1]], ids=["decode", "mixed"])

@@ -118,8 +118,12 @@ def summary(worker: WorkerReport) -> str:
 
 
 def notes(worker: WorkerReport) -> list[str]:
-    """What a successful reload still wants the user to know: warnings, and definitions left stale (plain text)."""
+    """What a successful reload still wants the user to know: warnings, kernels that compiled in the pause (the
+    compile-ahead missed them: the pause waited), and definitions left stale (plain text)."""
     found = [f"warning: {w}" for w in worker.warnings]
+    if worker.compiled_in_pause:
+        found.append("compiled in the pause, not ahead: " + ", ".join(
+            f"{name} {seconds:.2f} s" for name, seconds in sorted(worker.compiled_in_pause.items(), key=lambda i: -i[1])))
     if worker.stale:
         found.append(f"stale (could not be patched): {', '.join(s.name for s in worker.stale)}")
     return found

@@ -85,6 +85,15 @@ def use_triton(x: torch.Tensor, family: str) -> bool:
     return x.is_cuda and kernel_choices().get(family) != "ref"
 
 
+def use_fused_triton(x: torch.Tensor, *families: str) -> bool:
+    """Whether one Triton kernel built from the Triton arithmetic of `families` (the decode GEMV with the norm and
+    activation, Qwen3's q/k norm inside the rotation) may serve their ops on this input: on CUDA, with TSDEV_KERNELS
+    taking none of them off Triton. A family picked for its reference, Gluon or CuTe DSL kernel runs that, unfused,
+    everywhere: a pick never applies to some batch sizes only."""
+    choices = kernel_choices()
+    return x.is_cuda and not any(family in choices for family in families)
+
+
 @functools.lru_cache
 def sm_count(device_index: int) -> int:
     """Streaming multiprocessors of a CUDA device (kernels size their grids by it)."""

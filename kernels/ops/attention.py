@@ -156,6 +156,16 @@ def store_kvcache_triton(k, v, k_cache, v_cache, slot_mapping, kv_scales: tuple[
 # Decode: one query row per sequence, KV split across programs, then merged
 
 
+@triton.jit
+def _kept_in_registers(x):
+    """`x` (16-bit) unchanged, through an instruction the compiler may not move (`is_pure=False`). Decode attention
+    over an e4m3 pool converts V to float16 in registers before the P @ V dot; left alone, Triton moves the
+    conversion after the shared-memory copy of the dot operand, where an 8-bit operand along the reduced axis (V's
+    rows) has no `ldmatrix` transpose and is read a byte at a time (64 `LDS.U8` a thread per 64-row block on sm_90;
+    benchmarks/fp8_kv_variants.py: 25-30 % of the kernel's time)."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=2)
+
+
 @triton.jit(do_not_specialize=["stride_pt", "num_splits"])  # see the module docstring
 def _decode_kernel(
     Q, K_CACHE, V_CACHE, O, PART_O, PART_LSE, ARRIVED, CU, SEQ_LENS, PAGE_TABLE, K_NEW, V_NEW, SLOTS, ORDER,
@@ -164,7 +174,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
     SPLIT: tl.constexpr, STORE: tl.constexpr, ORDERED: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-    QUANTIZED: tl.constexpr,
+    QUANTIZED: tl.constexpr, DOT: tl.constexpr, V_IN_REGISTERS: tl.constexpr,
 ):
     wait_for_previous(PDL)
     kv_head = tl.program_id(0)
@@ -197,6 +207,10 @@ def _decode_kernel(
     heads = kv_head * GROUP + h  # the query heads that read this KV head, one tile
     hd_mask = (h < GROUP * q_len)[:, None] & (d < HEAD_DIM)[None, :]
     q = tl.load(Q + row * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=hd_mask, other=0.0)
+    if QUANTIZED:  # the dots run in DOT (`fp8_dot_dtype`), q clamped to its range
+        if DOT == tl.float16:
+            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0)
+        q = q.to(DOT)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -208,8 +222,8 @@ def _decode_kernel(
         kv_off = page * stride_cp + (n % PAGE_SIZE) * stride_cs + kv_head * stride_ch
         kv_mask = n_mask[:, None] & (d < HEAD_DIM)[None, :]
         k = tl.load(K_CACHE + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if QUANTIZED:  # e4m3 to q's dtype in registers, exactly; the scale is in scale_log2
-            k = k.to(Q.dtype.element_ty)
+        if QUANTIZED:  # e4m3 to DOT in registers, exactly; the scale is in scale_log2
+            k = k.to(DOT)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -218,7 +232,9 @@ def _decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(V_CACHE + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if QUANTIZED:
-            v = v.to(Q.dtype.element_ty)
+            v = v.to(DOT)
+            if V_IN_REGISTERS:  # compiled (not Triton's interpreter), 16-bit dots
+                v = _kept_in_registers(v)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     if QUANTIZED:
@@ -319,11 +335,12 @@ def paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table,
                         num_splits: int | None = None, block_n: int | None = None, out=None,
                         store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                         num_warps: int = 4, num_stages: int = 3, order: torch.Tensor | None = None,
-                        kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+                        kv_scales: tuple[float, float] = (1.0, 1.0), fp8_dot: torch.dtype | None = None) -> torch.Tensor:
     """Decode attention; with store = (k, v, slot_mapping) this step's keys and values are written into the cache
     first, by the kernel itself (each by the split that reads its position back). order [B] (a permutation of
     the sequences, longest first): the order their programs start in, so the last to start are the shortest
-    (`longest_first`). kv_scales: an e4m3 cache's (k, v) scales."""
+    (`longest_first`). kv_scales: an e4m3 cache's (k, v) scales. fp8_dot: the dtype an e4m3 cache's rows, q and
+    the softmax weights meet in (default `fp8_dot_dtype`)."""
     B = seq_lens.shape[0]
     T, Hq, D = q.shape
     Hk = k_cache.shape[2]
@@ -338,7 +355,7 @@ def paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table,
     part_o = torch.empty((B, Hq, num_splits, D) if split else (1,), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((B, Hq, num_splits) if split else (1,), dtype=torch.float32, device=q.device)
     group = Hq // Hk
-    use_pdl, quantized = pdl(q), k_cache.dtype == FP8_KV_DTYPE
+    use_pdl, quantized, dot = pdl(q), k_cache.dtype == FP8_KV_DTYPE, fp8_dot or fp8_dot_dtype(q.dtype)
     k, v, slots = store if store is not None else (q, q, cu_seqlens_q)
     _decode_kernel[(Hk, num_splits, B)](
         q, k_cache, v_cache, out, part_o, part_lse, split_arrivals(q.device, B * Hk) if split else part_lse,
@@ -351,9 +368,20 @@ def paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=triton.next_power_of_2(D), BLOCK_N=block_n,
         BLOCK_S=triton.next_power_of_2(num_splits), SPLIT=split, STORE=store is not None, ORDERED=order is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PDL=use_pdl, QUANTIZED=quantized,
+        DOT=_TL_DTYPES[dot], V_IN_REGISTERS=quantized and q.is_cuda and dot != torch.float32,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=use_pdl,
     )
     return out
+
+
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def fp8_dot_dtype(q_dtype: torch.dtype) -> torch.dtype:
+    """What decode attention over an e4m3 cache converts its rows to for the tensor-core dots: float16 for a 16-bit
+    q (e4m3 -> f16 is one instruction per pair of elements, to bf16 several; q and the softmax weights, in [0, 1],
+    keep more mantissa in it), float32 for a float32 q."""
+    return torch.float32 if q_dtype == torch.float32 else torch.float16
 
 
 # ---------------------------------------------------------------------------------------------------

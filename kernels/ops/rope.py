@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from kernels.checks import KernelCheck, Tolerance
-from kernels.ops import pdl, use_triton, wait_for_previous
-from kernels.ops.norm import rms_norm_ref
+from kernels.ops import pdl, use_fused_triton, use_triton, wait_for_previous
+from kernels.ops.norm import rms_norm, rms_norm_ref
 
 _REQUIRED_FIELDS = {
     "default": (),
@@ -253,9 +253,10 @@ def qk_norm_rope(
     rounding included. q/k may be strided views of a fused qkv projection (last dim contiguous).
     Returns new contiguous (q [T, Hq, D], k [T, Hk, D]).
     """
-    if use_triton(q, "rope"):
+    if use_fused_triton(q, "rope", "norm"):
         return rope_triton(q, k, positions, cos_sin_cache, q_weight, k_weight, eps)
-    return qk_norm_rope_ref(q, k, q_weight, k_weight, eps, positions, cos_sin_cache)
+    # each op as TSDEV_KERNELS picks it (ref:rope, gluon:norm), or both references off CUDA: qk_norm_rope_ref
+    return apply_rope(rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), positions, cos_sin_cache)
 
 
 ROPE_TOLERANCE = {

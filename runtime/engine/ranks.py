@@ -214,7 +214,8 @@ def reported(report) -> dict:
     return dict(reloaded=list(report.reloaded), dependents=list(report.dependents), patched=report.patched,
                 stale=[StaleDefinition.model_validate(s) for s in report.stale],
                 needs_restart=list(report.needs_restart), jit_kernels=report.jit_kernels,
-                kernels=dict(getattr(report, "kernels", {})), kernels_only=getattr(report, "kernels_only", False))
+                kernels=dict(getattr(report, "kernels", {})), kernels_only=getattr(report, "kernels_only", False),
+                compiled_in_pause=dict(getattr(report, "compiled_in_pause", {})))
 
 
 STEP_OF_CALL = {RELOAD: "reload", **{call: step for call, step in RANK_CALLS.items() if step}}

@@ -57,8 +57,9 @@ class ReloadReport(Protocol):
     stale: Sequence[Mapping]  # {name, reason, where, referrers}, as StaleDefinition reads them
     needs_restart: Sequence[str]
     jit_kernels: int
-    # optional: kernels_only (bool), true when the warm-up has nothing to run, and graph_swaps ({old CUfunction:
-    # (new CUfunction, threads per block, dynamic shared memory bytes)} or None; see the module's docstring)
+    # optional: kernels_only (bool), true when the warm-up has nothing to run, graph_swaps ({old CUfunction:
+    # (new CUfunction, threads per block, dynamic shared memory bytes)} or None; see the module's docstring), and
+    # compiled_in_pause ({module.name: seconds} of kernels that compiled in the reload step)
 
 
 @runtime_checkable

@@ -17,7 +17,7 @@ from torch import nn
 
 from kernels.ops import fp8 as fp8_ops
 from kernels.ops import linear as linear_ops
-from kernels.ops import use_triton
+from kernels.ops import use_fused_triton
 from runtime import distributed
 from runtime.config import QUANTIZATIONS  # --quantization
 from runtime.layers.activation import SiluAndMul
@@ -138,7 +138,8 @@ class NormedProjection(nn.Module):
     Why one module: a decode step at batch 1 on CUDA runs it all in one kernel, the GEMV normalising its input
     and, for gate|up, applying silu(gate) * up to its output, with the arithmetic of the norm and activation
     kernels (an edit of their Triton code reaches both; the Python forwards of RMSNorm and SiluAndMul are not
-    called there). Other inputs run the three one after another."""
+    called there). Other inputs run the three one after another, and so does every input when TSDEV_KERNELS
+    takes one of the three off Triton (`use_fused_triton`: a Gluon norm or CuTe DSL activation serves batch 1 too)."""
 
     def __init__(self, norm: RMSNorm, proj: Linear | None = None, act: SiluAndMul | nn.Module | None = None):
         super().__init__()
@@ -154,7 +155,7 @@ class NormedProjection(nn.Module):
         if proj is None:  # the norm alone (before a mixture of experts, whose router reads the normed input)
             return (norm(x), x) if residual is None else norm(x, residual)
         families = ("norm", proj.quantization or "linear", *(("activation",) if act is not None else ()))
-        if (x.numel() == x.shape[-1] and all(use_triton(x, f) for f in families) and type(norm) is RMSNorm
+        if (x.numel() == x.shape[-1] and use_fused_triton(x, *families) and type(norm) is RMSNorm
                 and (act is None or type(act) is SiluAndMul) and norm.weight.dtype == x.dtype
                 and (residual is None or residual.dtype == x.dtype)):
             weight, scale = (proj.weight_fp8, proj.weight_scale) if proj.quantization == "fp8" else (proj.weight, None)

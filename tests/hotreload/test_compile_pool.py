@@ -85,6 +85,22 @@ def test_a_worker_compiles_the_edited_kernel_into_the_cache_where_another_proces
     assert again.error is None and len(cubins(cache)) == 2
 
 
+def test_a_module_needing_an_extra_that_is_not_installed_leaves_the_workers_compiling(pkg, tmp_path, monkeypatch):
+    """A package holds modules for optional extras (kernels/ops/activation_cute.py needs `tsdev[cute]`): the server
+    imports them only when picked, and the workers, which import every module of the packages, must skip them."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))
+    pkg.write("ops", KERNEL)
+    pkg.write("extra_ops", "import a_package_that_is_not_installed  # noqa: F401\n")
+    pkg.mod("ops")
+    pool = CompilePool([pkg.name], workers=1, target=sm90())
+    try:
+        [done] = pool.compile(sources(pkg), [sm90_job(f"{pkg.name}.ops")])
+        assert done.error is None and pool.restarts == 0
+        assert len(cubins(tmp_path / "triton-cache")) == 1
+    finally:
+        pool.close()
+
+
 def test_a_kernel_that_does_not_compile_names_its_file_and_line_and_the_worker_stays_usable(pkg, pool, tmp_path):
     broken = KERNEL.replace("offs = tl.arange(0, BLOCK)", "offs = tl.arange(0, BLOCK + 1)")  # not a power of 2
     results = pool.compile(sources(pkg, ops=broken), [sm90_job(f"{pkg.name}.ops")] * 2)

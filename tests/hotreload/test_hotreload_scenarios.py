@@ -519,7 +519,7 @@ def test_report_is_json_and_timed(pkg):
     tx = r.reload()
     data = json.loads(json.dumps(tx.report.to_dict()))
     assert set(data) == {"ok", "reloaded", "dependents", "patched", "stale", "needs_restart", "jit_kernels", "kernels", "kernels_only",
-                         "graph_swaps", "timings", "error"}
+                         "graph_swaps", "compiled_in_pause", "timings", "error"}
     assert {"read", "plan", "compile", "execute", "patch", "kernels", "total"} <= set(data["timings"])
     assert 0 < data["timings"]["total"] < 5 and data["ok"] and data["patched"] == 1
     assert tx.report.summary().startswith(f"reloaded {pkg.full('a')[0]} and 0 dependent module(s), 1 object(s) patched in ")

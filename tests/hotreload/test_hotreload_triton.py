@@ -5,12 +5,15 @@ kept, callers invalidated) is also checked on CPU, on `JITFunction` objects with
 import collections
 import itertools
 import os
+import time
 from types import SimpleNamespace
 
 import pytest
 
 torch = pytest.importorskip("torch")
 triton = pytest.importorskip("triton")
+
+from tsdev.hotreload import jit  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -286,8 +289,29 @@ def test_a_kernel_body_edit_loads_the_new_binaries_under_the_old_keys(pkg, monke
     assert options == {"num_warps": 4, "launch_pdl": (True,), "shared": 1024, "global_scratch_size": 0} and \
         binary.loaded  # lists back to tuples; loaded now
     assert kern.independent.device_caches[0][0] == {"spec": binary}
+    assert tx.report.compiled_in_pause == {}  # the stand-in loads at once: as from Triton's disk cache
     tx.rollback()
     assert kern.independent.device_caches[0][0]["spec"] is not binary and "* 2" in kern.independent.src
+
+
+def test_a_binary_that_compiles_in_the_reload_instead_of_loading_is_named_with_its_seconds(pkg, monkeypatch):
+    """Not compiled ahead (a miss of the disk cache): the pause waits for the compile, and the report says whose."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    pkg.write("kern", COMPILED)
+    kern = pkg.mod("kern")
+    compile_stand_ins(monkeypatch, kern.independent)
+    loads = type(kern.independent)._do_compile
+
+    def compiles(self, *args, **kwargs):
+        time.sleep(jit.COMPILED_NOT_LOADED_S + 0.02)
+        return loads(self, *args, **kwargs)
+    monkeypatch.setattr(type(kern.independent), "_do_compile", compiles)
+    r = pkg.reloader()
+    pkg.edit("kern", COMPILED.replace("tl.load(x_ptr + offs) * 2", "tl.load(x_ptr + offs) * 3"))
+    tx = r.reload()
+    [(name, seconds)] = tx.report.compiled_in_pause.items()
+    assert tx.report.ok and name == f"{pkg.full('kern')[0]}.independent" and seconds > jit.COMPILED_NOT_LOADED_S
+    tx.rollback()
 
 
 @pytest.mark.parametrize("scratch", [0, 256], ids=["same-launch", "other-scratch"])

@@ -57,9 +57,7 @@ def find_stale(patcher, saved: list[dict], tracked: list[types.ModuleType]) -> N
     old = {id(v) for ns in saved for v in ns.values()}
     mine = {id(found), *map(id, found.values())}
     for name, objects in sorted(found.items()):
-        live = [obj for obj in objects
-                if not all(id(r) in old for r in gc.get_referrers(obj) if id(r) not in mine) or not
-                any(id(r) not in mine for r in gc.get_referrers(obj))]  # held by nothing visible: a frame's local
+        live = [obj for obj in objects if _held_beyond(obj, old, mine)]
         if not live:
             continue
         module = sys.modules.get(name.rpartition(".")[0])
@@ -67,6 +65,13 @@ def find_stale(patcher, saved: list[dict], tracked: list[types.ModuleType]) -> N
         patcher.add_group(vars(decorated).get("__wrapped__", decorated), live, name,
                           "{n} compiled CuTe DSL kernel(s) of the old code, kept on long-lived objects: they run the "
                           "old binary until compiled again (cute.compile)", instance_paths(live, tracked))
+
+
+def _held_beyond(obj, old: set[int], mine: set[int]) -> bool:
+    """Whether something besides the old namespaces' values (and this scan's own lists) holds `obj`; held by nothing
+    visible counts too (a running frame's local, which gc cannot see)."""
+    holders = [r for r in gc.get_referrers(obj) if id(r) not in mine]
+    return not holders or any(id(r) not in old for r in holders)
 
 
 def _names(compiled, names) -> list[str]:

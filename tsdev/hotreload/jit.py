@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import inspect
 import sys
+import time
 import types
 from typing import Any, Iterable, NamedTuple
 
@@ -151,12 +152,16 @@ def refresh_callers(patcher, modules: Iterable[types.ModuleType]) -> None:
             _set(patcher, k, device_caches=collections.defaultdict(k.create_binder), hash=None)
 
 
+COMPILED_NOT_LOADED_S = 0.05  # a binary from Triton's disk cache loads in milliseconds: longer, it compiled
+
+
 def load_binaries(patcher) -> bool:
     """Compile (Triton's disk cache has them when compiled ahead) and load each reset kernel's binaries for every
     specialisation its old version had compiled, under the old cache keys. False, loading nothing more, where
     that cannot stand in for running the kernels: a changed autotuning (it must benchmark), a kernel run by
     Triton's interpreter, a changed parameter list, a binary this code cannot read, or a specialisation on a
-    kernel passed as an argument (its key holds that kernel's hash). Sets `patcher.graph_swaps` (see there)."""
+    kernel passed as an argument (its key holds that kernel's hash). Sets `patcher.graph_swaps` (see there) and
+    `patcher.compiled_in_pause`: the seconds of each kernel whose binaries compiled here, not found compiled ahead."""
     patcher.graph_swaps = None
     if patcher.retuned:
         return False
@@ -176,12 +181,17 @@ def load_binaries(patcher) -> bool:
                 work.append((kernel, device, key, spec, compiled))
     swaps = {}
     for kernel, device, key, (signature, constexprs, attrs, options), old in work:
+        start = time.perf_counter()
         try:
             new = kernel._do_compile(key, signature, device, constexprs, options, attrs, warmup=True)
             new._init_handles()
         except Exception as exc:
             code = base_function(kernel).__code__
             raise KernelCompileError(f"{code.co_filename}:{code.co_firstlineno}: {type(exc).__name__}: {exc}") from exc
+        if (seconds := time.perf_counter() - start) > COMPILED_NOT_LOADED_S:  # not found compiled ahead
+            fn = base_function(kernel)
+            name = f"{fn.__module__}.{fn.__qualname__}"
+            patcher.compiled_in_pause[name] = patcher.compiled_in_pause.get(name, 0.0) + seconds
         if swaps is not None and getattr(old, "function", None):  # launched before: captured graphs may hold it
             swaps = {**swaps, old.function: launch(new)} if _swappable(old.metadata, new.metadata) else None
     patcher.graph_swaps = swaps

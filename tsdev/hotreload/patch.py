@@ -44,6 +44,7 @@ class Patcher:
         # when each new one launches as its old one did: captured graphs can run the new code by pointing their
         # kernel nodes at it (`jit.load_binaries`); None when they must be captured again
         self.graph_swaps: dict[int, tuple[int, int, int]] | None = None
+        self.compiled_in_pause: dict[str, float] = {}  # module.name -> seconds (`jit.load_binaries`)
         self.retuned = False  # an autotuner's configs or key changed: its choices start over
         self.jit_kernels = 0  # ... of which had compiled (or interpreted) code
         self.cute_changed: dict[str, set[str]] = {}  # module -> its CuTe DSL functions whose code changed

@@ -126,7 +126,10 @@ def _init_worker(packages: tuple[str, ...], target: tuple | None, server_pid: in
     for package in packages:
         module = importlib.import_module(package)
         for info in pkgutil.walk_packages(getattr(module, "__path__", []), package + "."):
-            importlib.import_module(info.name)
+            try:
+                importlib.import_module(info.name)
+            except ImportError:  # an optional extra not installed (the CuTe DSL's): the server has not imported it
+                pass
     _reloader = Reloader(packages)
     if target is not None:
         from triton.backends.compiler import GPUTarget

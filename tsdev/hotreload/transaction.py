@@ -43,6 +43,8 @@ class Report:
     # with kernels_only: {old CUfunction: (new CUfunction, threads, shared bytes)}, what captured graphs' kernel
     # nodes can be pointed at instead of capturing again; None when a new binary launches differently
     graph_swaps: dict[int, tuple[int, int, int]] | None = None
+    # module.name -> seconds of each kernel whose new binaries compiled inside the reload (none found compiled ahead)
+    compiled_in_pause: dict[str, float] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)  # seconds: read plan compile execute patch kernels stale total
     error: str | None = None  # "file:line: Type: message"
 
@@ -138,6 +140,7 @@ class Transaction:
         jit.refresh_callers(patcher, tracked)
         self.report.kernels_only = kernels_only and jit.load_binaries(patcher)
         self.report.graph_swaps = patcher.graph_swaps if self.report.kernels_only else None
+        self.report.compiled_in_pause = dict(patcher.compiled_in_pause)
         timings["kernels"] = time.perf_counter() - start
         start = time.perf_counter()
         patcher.find_live_stale(self._saved, tracked)  # a heap scan, only when an __init__ or a lambda changed
