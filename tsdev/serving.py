@@ -309,10 +309,11 @@ def start_compile_pool(config: EngineConfig, server: ServerConfig):
     from triton.backends.compiler import GPUTarget
 
     from tsdev.hotreload import default_packages
-    from tsdev.hotreload.pool import CompilePool
+    from tsdev.hotreload.pool import CompilePool, imported
 
     major, minor = torch.cuda.get_device_capability(torch.device(config.device))
-    return CompilePool(default_packages(), workers, GPUTarget("cuda", major * 10 + minor, 32))
+    packages = default_packages()
+    return CompilePool(packages, workers, GPUTarget("cuda", major * 10 + minor, 32), imported(packages))
 
 
 def default_compile_workers() -> int:

@@ -101,6 +101,25 @@ def test_a_module_needing_an_extra_that_is_not_installed_leaves_the_workers_comp
         pool.close()
 
 
+def test_workers_import_the_servers_modules_and_the_ones_it_imports_later(pkg, tmp_path, monkeypatch):
+    """`modules` (the serving process's): a worker imports those and no more -- a module the server never imported
+    (an optional extra it does not use) stays out of it -- and imports one whose source a compile brings."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))
+    marker = tmp_path / "imported"
+    pkg.write("ops", KERNEL)
+    pkg.write("later", f"from pathlib import Path\nPath({str(marker)!r}).write_text('yes')\n")
+    pkg.mod("ops")
+    pool = CompilePool([pkg.name], workers=1, target=sm90(), modules=[pkg.name, f"{pkg.name}.ops"])
+    try:
+        pool.wait_ready()
+        assert not marker.exists()
+        later = Path(pkg.path("later")).read_bytes()
+        [done] = pool.compile({**sources(pkg), f"{pkg.name}.later": later}, [sm90_job(f"{pkg.name}.ops")])
+        assert done.error is None and marker.read_text() == "yes"
+    finally:
+        pool.close()
+
+
 def test_a_kernel_that_does_not_compile_names_its_file_and_line_and_the_worker_stays_usable(pkg, pool, tmp_path):
     broken = KERNEL.replace("offs = tl.arange(0, BLOCK)", "offs = tl.arange(0, BLOCK + 1)")  # not a power of 2
     results = pool.compile(sources(pkg, ops=broken), [sm90_job(f"{pkg.name}.ops")] * 2)

@@ -435,6 +435,29 @@ def test_compile_ahead_builds_the_edited_source_and_leaves_the_live_state_alone(
     assert "* 2" in "".join(linecache.getlines(kern.__file__))  # tracebacks still show what runs
 
 
+def test_compile_ahead_raises_when_any_binary_did_not_compile_not_only_when_all_failed(pkg, monkeypatch):
+    """A binary that failed ahead compiles in the reload's pause: the reply's warning must say so, even when others
+    compiled (the Gluon kernels of an edit failing in the workers while its Triton ones compiled went unreported)."""
+    from tsdev.hotreload import ahead
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    pkg.write("kern", COMPILED)
+    pkg.write("user", CALLER)
+    kern, user = pkg.mod("kern"), pkg.mod("user")
+    for k in (kern.uses_helper, kern.independent, user.outside_caller):
+        fake_compile(k)
+
+    def recompile(new_fn, compiled, target, backend):
+        if new_fn.__name__ == "outside_caller":
+            raise RuntimeError("no backend")
+        return 1
+    monkeypatch.setattr(ahead, "_recompile", recompile)
+    r = pkg.reloader()
+    pkg.edit("kern", COMPILED.replace("return x + 1", "return x + 3"))  # uses_helper and outside_caller
+    with pytest.raises(RuntimeError, match=r"1 of 2 binaries did not compile: outside_caller: RuntimeError: no backend"):
+        r.compile_ahead()
+
+
 @pytest.mark.parametrize("registry", [True, False], ids=["with-registry", "without"])  # Triton 3.6 has none
 def test_compile_ahead_also_builds_callers_of_an_edited_helper_elsewhere_against_the_new_helper(pkg, monkeypatch,
                                                                                                 registry):

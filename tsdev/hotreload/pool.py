@@ -48,9 +48,14 @@ class Compiled:
 
 
 class CompilePool:
-    def __init__(self, packages: Sequence[str], workers: int, target: Any = None):
-        """`target` (Triton's GPUTarget of the serving device): warm each worker's compiler for it."""
+    def __init__(self, packages: Sequence[str], workers: int, target: Any = None, modules: Sequence[str] | None = None):
+        """`target` (Triton's GPUTarget of the serving device): warm each worker's compiler for it. `modules`: what each
+        worker imports as it starts -- the serving process's modules of `packages` (`imported`), so a worker holds what
+        the server runs and nothing more (a module for an optional extra, the CuTe DSL's, stays out unless the server
+        uses it); None: every module of the packages. A module whose source `compile` brings and the worker lacks is
+        imported then."""
         self.packages, self.workers, self.target = tuple(packages), workers, target
+        self.modules = None if modules is None else tuple(modules)
         self.restarts = 0
         self._executor: ProcessPoolExecutor | None = None
         self._start()
@@ -58,7 +63,7 @@ class CompilePool:
     def _start(self) -> None:
         context = multiprocessing.get_context("spawn")  # never fork a process that may hold a CUDA context
         self._executor = ProcessPoolExecutor(self.workers, mp_context=context, initializer=_init_worker,
-                                             initargs=(self.packages, _plain(self.target), os.getpid()))
+                                             initargs=(self.packages, _plain(self.target), os.getpid(), self.modules))
         for _ in range(self.workers):  # start every worker now: importing Triton and torch takes seconds
             self._executor.submit(_ready)
 
@@ -114,7 +119,15 @@ def _plain(target: Any) -> tuple | None:
     return None if target is None else (target.backend, target.arch, target.warp_size)
 
 
-def _init_worker(packages: tuple[str, ...], target: tuple | None, server_pid: int) -> None:
+def imported(packages: Sequence[str]) -> list[str]:
+    """The modules of `packages` this process has imported (`CompilePool`'s `modules`)."""
+    from .snapshot import under
+
+    return sorted(name for name in list(sys.modules) if under(name, packages))
+
+
+def _init_worker(packages: tuple[str, ...], target: tuple | None, server_pid: int, modules: tuple[str, ...] | None
+                 ) -> None:
     global _reloader
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the terminal's whole process group
     threading.Thread(target=_exit_with, args=(server_pid,), daemon=True).start()
@@ -123,13 +136,12 @@ def _init_worker(packages: tuple[str, ...], target: tuple | None, server_pid: in
 
     from .reloader import Reloader
 
-    for package in packages:
-        module = importlib.import_module(package)
-        for info in pkgutil.walk_packages(getattr(module, "__path__", []), package + "."):
-            try:
-                importlib.import_module(info.name)
-            except ImportError:  # an optional extra not installed (the CuTe DSL's): the server has not imported it
-                pass
+    if modules is None:
+        modules = []
+        for package in packages:
+            module = importlib.import_module(package)
+            modules += [info.name for info in pkgutil.walk_packages(getattr(module, "__path__", []), package + ".")]
+    _import(modules)
     _reloader = Reloader(packages)
     if target is not None:
         from triton.backends.compiler import GPUTarget
@@ -173,6 +185,15 @@ def _environ(**values: str):
                 os.environ[name] = value
 
 
+def _import(modules) -> None:
+    for name in modules:
+        if name not in sys.modules:
+            try:
+                importlib.import_module(name)
+            except ImportError:  # an optional extra not installed (the CuTe DSL's): the server cannot run it either
+                pass
+
+
 def _ready() -> int:
     return os.getpid()
 
@@ -184,6 +205,8 @@ def _compile(sources: dict[str, bytes], job: Job) -> Compiled:
     from . import jit
 
     start = time.perf_counter()
+    _import(name for name in sources if _reloader.reloadable(name))  # what the server imported since
+    _reloader.modules()  # tracks what was just imported
     tx = _reloader.reload(sources=sources)
     if not tx.report.ok:
         return Compiled(job, time.perf_counter() - start, f"the edit did not load: {tx.report.error}")
