@@ -21,6 +21,7 @@ from runtime.config import EngineConfig
 from runtime.engine.llm_engine import LLMEngine
 from runtime.engine.model_runner import ModelRunner
 from runtime.engine.sequence import SamplingParams
+from runtime.sampling.sampler import Sampled
 from runtime.weights.default_model import SHAPES, write_checkpoint
 
 
@@ -40,7 +41,7 @@ def main() -> None:
     for i in range(args.batch):
         engine.add_request(str(i), [rng.randrange(800) for _ in range(100)],
                            SamplingParams(max_tokens=args.steps + 50, temperature=0.6, ignore_eos=True))
-    ModelRunner.launch = lambda self, batch, in_flight=None: torch.full((sum(batch.sample_rows),), args.token)
+    ModelRunner.launch = lambda self, batch, in_flight=None: Sampled(torch.full((sum(batch.sample_rows),), args.token))
     for _ in range(10):
         engine.step()
     profiler = cProfile.Profile() if args.profile else None
