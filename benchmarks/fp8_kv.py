@@ -17,18 +17,26 @@ from benchmarks.kernels_bench import D, HK, LAYERS, graph_ms, layer_batches
 from kernels.ops import attention
 
 
+BATCHES = (64, 139, 256)
+
+
+def decode_batch(B: int):
+    """(contexts, q, bf16 pools, e4m3 pools, cu_seqlens, seq_lens, page table, order) of a decode batch of B sequences
+    with contexts 100-2048 (seeded by B): one pool per layer, as many layers (up to the model's) as fit in 8 GiB."""
+    lens = torch.randint(100, 2049, (B,), generator=torch.Generator().manual_seed(B)).tolist()
+    layers = max(1, min(LAYERS, (8 << 30) // (sum(lens) * HK * D * 4)))
+    q, caches, cu, sl, pt = layer_batches(lens, [1] * B, layers=layers)
+    order = torch.tensor(attention.longest_first(lens), device="cuda")
+    fp8 = [tuple(attention.quantize_kv(c, 1.0, attention.FP8_KV_DTYPE) for c in pair) for pair in caches]
+    return lens, q, caches, fp8, cu, sl, pt, order
+
+
 def main() -> None:
     bw = copy_bandwidth(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bw / 1e9:.0f} GB/s")
     scale = D**-0.5
-    for B in (64, 139, 256):
-        lens = torch.randint(100, 2049, (B,), generator=torch.Generator().manual_seed(B)).tolist()
-        layers = max(1, min(LAYERS, (8 << 30) // (sum(lens) * HK * D * 4)))
-        q, caches, cu, sl, pt = layer_batches(lens, [1] * B, layers=layers)
-        order = torch.tensor(attention.longest_first(lens), device="cuda")
-        fp8 = [(attention.quantize_kv(kc, 1.0, attention.FP8_KV_DTYPE), attention.quantize_kv(vc, 1.0,
-                                                                                            attention.FP8_KV_DTYPE))
-               for kc, vc in caches]
+    for B in BATCHES:
+        lens, q, caches, fp8, cu, sl, pt, order = decode_batch(B)
         times = {}
         for name, pools, itemsize in (("bf16", caches, 2), ("fp8", fp8, 1)):
             t = graph_ms([lambda kc=kc, vc=vc: attention.paged_decode_triton(q, kc, vc, cu, sl, pt, scale, order=order)

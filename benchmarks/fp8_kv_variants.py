@@ -21,7 +21,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.decode_step import copy_bandwidth
-from benchmarks.kernels_bench import D, HK, LAYERS, graph_ms, layer_batches
+from benchmarks.fp8_kv import BATCHES, decode_batch
+from benchmarks.kernels_bench import D, HK, graph_ms
 from kernels.ops import attention
 
 HOST_CHOICE = "V_IN_REGISTERS=quantized and q.is_cuda and dot != torch.float32"
@@ -50,13 +51,8 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bw / 1e9:.0f} GB/s")
     modules = {"as is": attention, **{name: variant(name) for name in VARIANTS}}
     scale = D**-0.5
-    for B in (64, 139, 256):
-        lens = torch.randint(100, 2049, (B,), generator=torch.Generator().manual_seed(B)).tolist()
-        layers = max(1, min(LAYERS, (8 << 30) // (sum(lens) * HK * D * 4)))
-        q, caches, cu, sl, pt = layer_batches(lens, [1] * B, layers=layers)
-        order = torch.tensor(attention.longest_first(lens), device="cuda")
-        pools = [(attention.quantize_kv(kc, 1.0, attention.FP8_KV_DTYPE),
-                  attention.quantize_kv(vc, 1.0, attention.FP8_KV_DTYPE)) for kc, vc in caches]
+    for B in BATCHES:
+        lens, q, _, pools, cu, sl, pt, order = decode_batch(B)
         floor = sum(lens) * HK * D * 2 / bw * 1e6
         splits = attention.decode_num_splits(B, HK, q.device)
         expected = attention.paged_decode_triton(q, *pools[0], cu, sl, pt, scale, order=order)
