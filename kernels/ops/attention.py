@@ -162,7 +162,7 @@ def _kept_in_registers(x):
     over an e4m3 pool converts V to float16 in registers before the P @ V dot; left alone, Triton moves the
     conversion after the shared-memory copy of the dot operand, where an 8-bit operand along the reduced axis (V's
     rows) has no `ldmatrix` transpose and is read a byte at a time (64 `LDS.U8` a thread per 64-row block on sm_90;
-    benchmarks/fp8_kv_variants.py: 25-30 % of the kernel's time)."""
+    benchmarks/fp8_kv_variants.py on the H200: 21-25 % of the kernel's time)."""
     return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=2)
 
 
