@@ -185,13 +185,15 @@ def _environ(**values: str):
                 os.environ[name] = value
 
 
-def _import(modules) -> None:
-    for name in modules:
-        if name not in sys.modules:
-            try:
-                importlib.import_module(name)
-            except ImportError:  # an optional extra not installed (the CuTe DSL's): the server cannot run it either
-                pass
+def _import(modules) -> bool:
+    """Import those of `modules` not imported yet; whether any was."""
+    new = [name for name in modules if name not in sys.modules]
+    for name in new:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # an optional extra not installed (the CuTe DSL's): the server cannot run it either
+            pass
+    return bool(new)
 
 
 def _ready() -> int:
@@ -205,8 +207,8 @@ def _compile(sources: dict[str, bytes], job: Job) -> Compiled:
     from . import jit
 
     start = time.perf_counter()
-    _import(name for name in sources if _reloader.reloadable(name))  # what the server imported since
-    _reloader.modules()  # tracks what was just imported
+    if _import(name for name in sources if _reloader.reloadable(name)):  # what the server imported since
+        _reloader.modules()  # (it tracks what was just imported)
     tx = _reloader.reload(sources=sources)
     if not tx.report.ok:
         return Compiled(job, time.perf_counter() - start, f"the edit did not load: {tx.report.error}")
