@@ -586,6 +586,12 @@ def test_fp8_kv_decode_of_a_bf16_q_meets_the_rows_in_float16(num_splits):
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1.6e-2)
 
 
+def test_fp8_dot_over_a_pool_that_is_not_e4m3_is_refused_not_ignored():
+    q, kc, vc, cu, sl, pt = fp8_paged_batch([1, 17], [1] * 2, 4, 2, 16, 5)
+    with pytest.raises(ValueError, match="fp8_dot applies to an e4m3 KV cache; this one is torch.float32"):
+        attention.paged_decode_triton(q, kc.float(), vc.float(), cu, sl, pt, 0.3, fp8_dot=torch.float16)
+
+
 @pytest.mark.parametrize("q_lens", [[1, 1, 1], [1, 7, 1]], ids=["decode", "mixed"])
 def test_fp8_kv_store_quantizes_as_the_reference_does_bit_for_bit(q_lens, monkeypatch):
     monkeypatch.setattr(attention, "use_triton", lambda x, family: True)  # the Triton paths, interpreted

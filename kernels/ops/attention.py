@@ -356,6 +356,8 @@ def paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table,
     part_lse = torch.empty((B, Hq, num_splits) if split else (1,), dtype=torch.float32, device=q.device)
     group = Hq // Hk
     use_pdl, quantized, dot = pdl(q), k_cache.dtype == FP8_KV_DTYPE, fp8_dot or fp8_dot_dtype(q.dtype)
+    if fp8_dot is not None and not quantized:
+        raise ValueError(f"fp8_dot applies to an e4m3 KV cache; this one is {k_cache.dtype}")
     k, v, slots = store if store is not None else (q, q, cu_seqlens_q)
     _decode_kernel[(Hk, num_splits, B)](
         q, k_cache, v_cache, out, part_o, part_lse, split_arrivals(q.device, B * Hk) if split else part_lse,
