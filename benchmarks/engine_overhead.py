@@ -2,9 +2,10 @@
 
     python3 benchmarks/engine_overhead.py                  # batch 256, tiny checkpoint, CPU
     python3 benchmarks/engine_overhead.py --profile        # plus the top functions (cProfile)
+    python3 benchmarks/engine_overhead.py --unknown-tokens # ids beyond the tokenizer: nothing to decode
 
-The model runner's `launch` is replaced (on its class, after the engine has started) by one that returns a
-fixed token at once, so what is left is the Python that every real step also pays before and after the
+The model runner's `launch` is replaced (on its class, after the engine has started) by one that returns
+random tokens of the tokenizer at once (decoded as text, as a real model's are), so what is left is the Python that every real step also pays before and after the
 GPU's work; on a GPU it adds to each step's time unless overlapped.
 """
 import argparse
@@ -29,7 +30,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--token", type=int, default=900, help="token the stub samples (900: beyond the tiny tokenizer)")
+    parser.add_argument("--unknown-tokens", action="store_true",
+                        help="the stub samples an id beyond the tokenizer (decodes to nothing) instead of random text")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
 
@@ -41,7 +43,15 @@ def main() -> None:
     for i in range(args.batch):
         engine.add_request(str(i), [rng.randrange(800) for _ in range(100)],
                            SamplingParams(max_tokens=args.steps + 50, temperature=0.6, ignore_eos=True))
-    ModelRunner.launch = lambda self, batch, in_flight=None: Sampled(torch.full((sum(batch.sample_rows),), args.token))
+    vocab, draws = engine.tokenizer.get_vocab_size(), torch.Generator().manual_seed(0)
+
+    def stub(self, batch, in_flight=None):
+        rows = sum(batch.sample_rows)
+        if args.unknown_tokens:
+            return Sampled(torch.full((rows,), vocab + 100))
+        return Sampled(torch.randint(3, vocab, (rows,), generator=draws))  # 0-2: the tiny tokenizer's specials
+
+    ModelRunner.launch = stub
     for _ in range(10):
         engine.step()
     profiler = cProfile.Profile() if args.profile else None

@@ -60,15 +60,29 @@ def test_the_kernel_path_promise_follows_the_rows_parameters():
     assert max_top_k([0], [0.9]) is None
 
 
-def test_detokenizer_window_stays_short_when_ids_decode_to_nothing(make_engine):
+def test_detokenizer_skips_ids_the_tokenizer_lacks_and_holds_split_characters(make_engine):
     from runtime.engine.detokenizer import Detokenizer
 
     tokenizer = make_engine().tokenizer
     unknown = tokenizer.get_vocab_size() + 5  # the model's vocabulary is larger than the tokenizer's
-    detok = Detokenizer(stop=[])
-    for token in [unknown] * 50 + tokenizer.encode(" hello world").ids:
-        detok.ids.append(token)
-        before, now = tokenizer.decode_batch(detok.windows())
-        detok.consume(before, now)
-        assert len(detok.ids) - detok.prefix_offset <= 3
-    assert detok.text == " hello world"
+    text = " héllo wörld 😀"
+    ids = tokenizer.encode(text).ids
+    detok, seen = Detokenizer(tokenizer, stop=[]), []
+    for token in [unknown] * 50 + ids:
+        detok.add(token)
+        seen.append(detok.delta(finished=False))
+        assert "\ufffd" not in seen[-1]
+    assert detok.text == "".join(seen) == text
+
+
+def test_detokenizer_stops_at_a_stop_string_split_across_tokens(make_engine):
+    from runtime.engine.detokenizer import Detokenizer
+
+    tokenizer = make_engine().tokenizer
+    detok = Detokenizer(tokenizer, stop=["lo wo"])
+    streamed = ""
+    for token in tokenizer.encode(" hello world").ids:
+        if detok.add(token):
+            break
+        streamed += detok.delta(finished=False)
+    assert "lo w" not in streamed and streamed + detok.delta(finished=True) == " hel"

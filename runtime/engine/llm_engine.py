@@ -222,7 +222,8 @@ class LLMEngine:
         the prompt, so that it finds the prompt's pages in the prefix cache instead of computing them again."""
         self.check_prompt(prompt_token_ids)
         seq = Sequence(request_id, prompt_token_ids, params, arrival_time)
-        self.detokenizers[seq] = Detokenizer(params.stop, params.include_stop_str_in_output)
+        self.detokenizers[seq] = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
+                                             params.skip_special_tokens)
         lead = self.scheduler.find(after) if after is not None and self.config.enable_prefix_caching else None
         if lead is not None and lead.num_computed_tokens < lead.num_prompt_tokens:
             self.waiting_for.setdefault(lead, []).append(seq)
@@ -500,44 +501,22 @@ class LLMEngine:
                 self.block_manager.commit_full_pages(seq)
                 if seq in self.waiting_for and seq.num_computed_tokens >= seq.num_prompt_tokens:
                     self._release_followers(seq)  # its prompt's pages are in the prefix cache now
-        texts = self._decode([(seq, token) for _, seq, _, token in live])
         self.num_generated_tokens += len(live)
         now = time.monotonic()
         outputs = []
-        for (i, seq, pos, token), (before, after) in zip(live, texts):
+        for i, seq, pos, token in live:
             if seq.params.max_tokens == 0:  # the prompt's logprobs were all it asked for: the token is dropped
                 del seq.token_ids[pos:]
                 self._finish(seq, "length")
                 outputs.append(self._output(seq, [], now))
                 continue
-            detok = self.detokenizers[seq]
-            stopped = detok.consume(before, after, check_stop=pos + 1 - seq.num_prompt_tokens >= seq.params.min_tokens)
+            stopped = self.detokenizers[seq].add(token, check_stop=pos + 1 - seq.num_prompt_tokens >= seq.params.min_tokens)
             reason = self._finish_reason(seq, token, stopped, length=pos + 1)
             if reason:
                 del seq.token_ids[pos + 1 :]  # a token the next step sampled for it is dropped
                 self._finish(seq, reason)
             outputs.append(self._output(seq, [token], now, logprobs.get(i)))
         return outputs
-
-    def _decode(self, drawn: list[tuple[Sequence, int]]) -> list[tuple[str, str]]:
-        """Append each drawn token to its sequence's detokenizer and decode every window in one `decode_batch`
-        (two when some request keeps its special tokens): per sequence, the text before and after the token."""
-        windows, keep = [], []
-        for seq, token in drawn:
-            if seq.params.max_tokens == 0:
-                continue
-            detok = self.detokenizers[seq]
-            detok.ids.append(token)
-            (keep if not seq.params.skip_special_tokens else windows).extend(detok.windows())
-        if not windows and not keep:
-            return [("", "")] * len(drawn)
-        plain = iter(self.tokenizer.decode_batch(windows) if windows else [])
-        special = iter(self.tokenizer.decode_batch(keep, skip_special_tokens=False) if keep else [])
-        texts = []
-        for seq, _ in drawn:
-            source = special if not seq.params.skip_special_tokens else plain
-            texts.append(("", "") if seq.params.max_tokens == 0 else (next(source), next(source)))
-        return texts
 
     def _record_prompt_logprobs(self, batch: ScheduledBatch, lists: list) -> None:
         """Each prompt row's logprob of the next prompt token, onto its sequence (in batch.prompt_rows order)."""
@@ -560,15 +539,14 @@ class LLMEngine:
     def _output(self, seq: Sequence, new_tokens: list[int], now: float | None = None,
                 logprob: TokenLogprob | None = None) -> RequestOutput:
         """`now`: when new_tokens were read."""
-        detok = self.detokenizers[seq]
-        if seq.is_finished:
-            del self.detokenizers[seq]
+        finished = seq.is_finished
+        detok = self.detokenizers.pop(seq) if finished else self.detokenizers[seq]
         previous = seq.last_token_time
         if new_tokens:
             seq.last_token_time = now
-        first = previous is None and (new_tokens or seq.is_finished)  # the request's first output with a token
+        first = previous is None and (new_tokens or finished)  # the request's first output with a token
         prompt_logprobs = seq.prompt_logprobs if first and seq.params.prompt_logprobs is not None else None
-        return RequestOutput(seq.request_id, new_tokens, detok.delta(seq.is_finished), seq.is_finished,
+        return RequestOutput(seq.request_id, new_tokens, detok.delta(finished), finished,
                              seq.finish_reason, seq.num_prompt_tokens, seq.num_known_output_tokens,
                              seq.num_cached_tokens, seq.arrival_time, seq.first_scheduled_time,
                              now if new_tokens else None, previous,
