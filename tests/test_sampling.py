@@ -79,9 +79,10 @@ def test_detokenizer_stops_at_a_stop_string_split_across_tokens(make_engine):
     from runtime.engine.detokenizer import Detokenizer
 
     tokenizer = make_engine().tokenizer
-    detok = Detokenizer(tokenizer, stop=["lo wo"])
+    detok, ids = Detokenizer(tokenizer, stop=["lo wo"]), tokenizer.encode(" hello world").ids
+    assert not any("lo wo" in tokenizer.decode([token]) for token in ids)  # no one token holds it
     streamed = ""
-    for token in tokenizer.encode(" hello world").ids:
+    for token in ids:
         if detok.add(token):
             break
         streamed += detok.delta(finished=False)

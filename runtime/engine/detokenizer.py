@@ -3,8 +3,9 @@
 Each sequence decodes its tokens as they come with the tokenizer's own `DecodeStream`: one call into Rust per
 token, which keeps the window of recent ids and holds back an incomplete multi-byte character (cheaper on the
 host than building two id windows per sequence and decoding them all in one `decode_batch` each step; see
-benchmarks/engine_overhead.py). Ids the tokenizer lacks (the model's vocabulary may be larger) decode to nothing. Text that could still become a stop string is
-held back from the stream until it is clear.
+benchmarks/engine_overhead.py and docs/results.md). Ids the tokenizer lacks (the model's vocabulary may be
+larger) decode to nothing. Text that could still become a stop string is held back from the stream until it is
+clear.
 """
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
