@@ -26,12 +26,12 @@ import time
 import nvtx
 import torch
 
-from runtime.config import EngineConfig
-from runtime.engine.block_manager import BlockManager
-from runtime.engine.llm_engine import LLMEngine, thaw_heap
-from runtime.engine.model_runner import Checkpoint, ModelRunner
-from runtime.engine.scheduler import ScheduledBatch
-from runtime.engine.sequence import SamplingParams, Sequence
+from tsdev_runtime.config import EngineConfig
+from tsdev_runtime.engine.block_manager import BlockManager
+from tsdev_runtime.engine.llm_engine import LLMEngine, thaw_heap
+from tsdev_runtime.engine.model_runner import Checkpoint, ModelRunner
+from tsdev_runtime.engine.scheduler import ScheduledBatch
+from tsdev_runtime.engine.sequence import SamplingParams, Sequence
 
 
 def copy_bandwidth(device) -> float:

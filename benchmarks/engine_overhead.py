@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from runtime.config import EngineConfig
-from runtime.engine.llm_engine import LLMEngine
-from runtime.engine.model_runner import ModelRunner
-from runtime.engine.sequence import SamplingParams
-from runtime.sampling.sampler import Sampled
-from runtime.weights.default_model import SHAPES, write_checkpoint
+from tsdev_runtime.config import EngineConfig
+from tsdev_runtime.engine.llm_engine import LLMEngine
+from tsdev_runtime.engine.model_runner import ModelRunner
+from tsdev_runtime.engine.sequence import SamplingParams
+from tsdev_runtime.sampling.sampler import Sampled
+from tsdev_runtime.weights.default_model import SHAPES, write_checkpoint
 
 
 def main() -> None:

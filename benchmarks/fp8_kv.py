@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.decode_step import copy_bandwidth
 from benchmarks.kernels_bench import D, HK, LAYERS, graph_ms, layer_batches
-from kernels.ops import attention
+from tsdev_kernels.ops import attention
 
 
 BATCHES = (64, 139, 256)

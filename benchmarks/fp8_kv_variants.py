@@ -5,7 +5,7 @@ the dot operand's layout, and an 8-bit operand along the reduced axis (V's rows)
 Converting V in registers first (`attention._kept_in_registers`, a barrier the move cannot cross) lets the dot read
 f16 with `ldmatrix.trans`; the kernel does so (`V_IN_REGISTERS`).
 
-This times the kernel as it is against variants of it, each built from kernels/ops/attention.py's source with one
+This times the kernel as it is against variants of it, each built from kernels/tsdev_kernels/ops/attention.py's source with one
 line replaced (V's conversion left where Triton puts it; K's kept in registers too), over the same e4m3 pools
 (Qwen3-0.6B's heads, B = 64/139/256, contexts 100-2048, 28 layers' pools in a CUDA graph, as benchmarks/fp8_kv.py),
 at KV blocks of 64 and 128 rows and 2 and 3 stages, and checks each output against the kernel's as it is.
@@ -23,18 +23,18 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.decode_step import copy_bandwidth
 from benchmarks.fp8_kv import BATCHES, decode_batch
 from benchmarks.kernels_bench import D, HK, graph_ms
-from kernels.ops import attention
+from tsdev_kernels.ops import attention
 
 HOST_CHOICE = "V_IN_REGISTERS=quantized and q.is_cuda and dot != torch.float32"
 K_CONVERSION = "            k = k.to(DOT)\n"
-VARIANTS = {  # name -> {text of kernels/ops/attention.py: its replacement}
+VARIANTS = {  # name -> {text of kernels/tsdev_kernels/ops/attention.py: its replacement}
     "V moved": {HOST_CHOICE: "V_IN_REGISTERS=False"},  # Triton's own placement: V's conversion after the copy
     "K, V kept": {K_CONVERSION: "            k = _kept_in_registers(k.to(DOT))\n"},
 }
 
 
 def variant(name: str):
-    source = (ROOT / "kernels/ops/attention.py").read_text()
+    source = (ROOT / "kernels/tsdev_kernels/ops/attention.py").read_text()
     for line, replacement in VARIANTS[name].items():
         assert source.count(line) == 1, f"{line!r} moved: update this benchmark"
         source = source.replace(line, replacement)

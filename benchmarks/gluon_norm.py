@@ -1,4 +1,4 @@
-"""The Gluon RMSNorm (kernels/ops/norm.py, TSDEV_KERNELS=gluon:norm) against the Triton one it can replace, in one
+"""The Gluon RMSNorm (kernels/tsdev_kernels/ops/norm.py, TSDEV_KERNELS=gluon:norm) against the Triton one it can replace, in one
 process: the device time per call of each, CUDA-graph timed over 4 distinct inputs (benchmarks/kernels_bench.py's
 graph_ms), at the rows serving sees (decode batches, prefill chunks) and two hidden sizes.
 
@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.kernels_bench import graph_ms
-from kernels.ops import norm
+from tsdev_kernels.ops import norm
 
 
 def main() -> None:

@@ -22,10 +22,10 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from runtime.control_protocol import RELOAD_ROUTE, ReloadReply, WorkerReport
+from tsdev_runtime.control_protocol import RELOAD_ROUTE, ReloadReply, WorkerReport
 from tsdev.server_process import ServerProcess, copy_project
 
-HELPER, FILE, MODULE = "    return act * up\n", "kernels/ops/activation.py", "kernels.ops.activation"
+HELPER, FILE, MODULE = "    return act * up\n", "kernels/tsdev_kernels/ops/activation.py", "tsdev_kernels.ops.activation"
 PROMPT = {"prompt": "The three laws of thermodynamics are", "max_tokens": 24, "temperature": 0}
 
 

@@ -15,11 +15,11 @@ import time
 
 import torch
 
-from runtime.config import EngineConfig
-from runtime.engine.llm_engine import LLMEngine
-from runtime.engine.model_runner import Checkpoint, ModelRunner
-from runtime.engine.scheduler import ScheduledBatch
-from runtime.engine.sequence import SamplingParams, Sequence
+from tsdev_runtime.config import EngineConfig
+from tsdev_runtime.engine.llm_engine import LLMEngine
+from tsdev_runtime.engine.model_runner import Checkpoint, ModelRunner
+from tsdev_runtime.engine.scheduler import ScheduledBatch
+from tsdev_runtime.engine.sequence import SamplingParams, Sequence
 
 
 def report(profile: cProfile.Profile, title: str, top: int) -> None:

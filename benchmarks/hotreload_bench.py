@@ -179,19 +179,19 @@ def bench_synthetic(iterations: int) -> dict:
 def bench_runtime(iterations: int) -> dict | None:
     """The real packages, edited through `sources=` so no file in the tree is touched."""
     try:
-        import kernels.ops.norm  # noqa: F401
-        import runtime.layers  # noqa: F401
-        import runtime.models  # noqa: F401
-        import runtime.sampling  # noqa: F401
+        import tsdev_kernels.ops.norm  # noqa: F401
+        import tsdev_runtime.layers  # noqa: F401
+        import tsdev_runtime.models  # noqa: F401
+        import tsdev_runtime.sampling  # noqa: F401
     except Exception as e:  # not written yet, or broken right now
         print(f"runtime packages did not import ({type(e).__name__}: {e}); skipping them")
         return None
-    reloader = Reloader(["runtime.models", "runtime.layers", "runtime.sampling", "kernels.ops"])
+    reloader = Reloader(["tsdev_runtime.models", "tsdev_runtime.layers", "tsdev_runtime.sampling", "tsdev_kernels.ops"])
     base = reloader.read_sources()
 
     def edit(i: int):
         sources = dict(base)
-        sources["kernels.ops.norm"] = base["kernels.ops.norm"] + f"\n# bench edit {i}\n".encode()
+        sources["tsdev_kernels.ops.norm"] = base["tsdev_kernels.ops.norm"] + f"\n# bench edit {i}\n".encode()
         return sources
     result = measure(reloader, edit, iterations)
     result.update(package=f"runtime ({len(reloader._ran)} modules)")

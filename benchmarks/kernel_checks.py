@@ -10,7 +10,7 @@ benchmarks/kernels_bench.py's for the same kernel and shape.
    checks (the target: the pause grows by at most 10 ms).
 2. The times the `report` server gave in its reload replies (the ops the edit reached, the median over the reloads
    per shape) against kernels_bench's `graph_ms` in this process once the server stopped, on the same number of
-   distinct inputs; then each declared op's `kernels.checks.time_call` in this process against `graph_ms`, at the
+   distinct inputs; then each declared op's `tsdev_kernels.checks.time_call` in this process against `graph_ms`, at the
    shapes the default model serves (the target for both: within 10 %).
 """
 import argparse
@@ -26,13 +26,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.kernels_bench import graph_ms
-from kernels import checks
-from kernels.ops import activation, attention, linear, norm, rope, sampling  # noqa: F401  (their CHECKS)
-from runtime.control_protocol import RELOAD_ROUTE, ReloadReply
+from tsdev_kernels import checks
+from tsdev_kernels.ops import activation, attention, linear, norm, rope, sampling  # noqa: F401  (their CHECKS)
+from tsdev_runtime.control_protocol import RELOAD_ROUTE, ReloadReply
 from tsdev.outcome import kernel_checks_text
 from tsdev.server_process import ServerProcess, copy_project
 
-HELPER, FILE = "    return act * up\n", "kernels/ops/activation.py"
+HELPER, FILE = "    return act * up\n", "kernels/tsdev_kernels/ops/activation.py"
 SERVED = checks.Serving(tokens=(1, 8, 64, 256), hidden=1024, intermediate=3072, dtype=torch.bfloat16,
                         fp8=True)  # Qwen3-0.6B's shapes, the fp8 projections' too
 

@@ -1,4 +1,4 @@
-"""Each kernels.ops op, Triton vs its torch reference, on the Qwen3-0.6B shape in bf16 (gpt-fast style:
+"""Each tsdev_kernels.ops op, Triton vs its torch reference, on the Qwen3-0.6B shape in bf16 (gpt-fast style:
 attention reports the bandwidth it achieves next to its time).
 
     python3 benchmarks/kernels_bench.py            # everything, a markdown table on stdout
@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from benchmarks.decode_step import copy_bandwidth
-from kernels.ops import activation, attention, linear, norm, rope, sampling
+from tsdev_kernels.ops import activation, attention, linear, norm, rope, sampling
 
 HQ, HK, D, HIDDEN, INTER, VOCAB, LAYERS = 16, 8, 128, 1024, 3072, 151936, 28
 BF16 = torch.bfloat16

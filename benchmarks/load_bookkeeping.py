@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from runtime.config import ModelConfig
-from runtime.models import build_model
-from runtime.weights.default_model import SHAPES, write_checkpoint
-from runtime.weights.loader import load_weights
+from tsdev_runtime.config import ModelConfig
+from tsdev_runtime.models import build_model
+from tsdev_runtime.weights.default_model import SHAPES, write_checkpoint
+from tsdev_runtime.weights.loader import load_weights
 
 
 def main() -> None:

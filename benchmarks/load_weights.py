@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from runtime.config import ModelConfig, parse_size
-from runtime.models import build_model
-from runtime.weights import pinned
-from runtime.weights.default_model import default_model_dir
-from runtime.weights.loader import load_weights
+from tsdev_runtime.config import ModelConfig, parse_size
+from tsdev_runtime.models import build_model
+from tsdev_runtime.weights import pinned
+from tsdev_runtime.weights.default_model import default_model_dir
+from tsdev_runtime.weights.loader import load_weights
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960)

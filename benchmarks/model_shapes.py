@@ -34,10 +34,10 @@ import triton
 from safetensors.torch import save_file
 
 from decode_step import copy_bandwidth, engine_step_time
-from runtime.config import EngineConfig
-from runtime.engine.llm_engine import LLMEngine, thaw_heap
-from runtime.engine.sequence import SamplingParams
-from runtime.weights.default_model import CHATML, build_tokenizer, cache_dir, default_model_dir, eos_token_ids, random_weights
+from tsdev_runtime.config import EngineConfig
+from tsdev_runtime.engine.llm_engine import LLMEngine, thaw_heap
+from tsdev_runtime.engine.sequence import SamplingParams
+from tsdev_runtime.weights.default_model import CHATML, build_tokenizer, cache_dir, default_model_dir, eos_token_ids, random_weights
 
 HBM_PEAK = 4.8e12  # bytes/s, H200
 VERSION = 1  # bump when what `write_checkpoint` writes changes: checkpoints are cached by this name
@@ -84,7 +84,7 @@ def hf_weights(config: dict) -> dict[str, torch.Tensor]:
 
 def write_checkpoint(name: str, root: Path) -> Path:
     """The shape's checkpoint directory, written unless it is there (config.json last: it marks a whole one); the
-    files as runtime.weights.default_model.write_checkpoint writes the default model's."""
+    files as tsdev_runtime.weights.default_model.write_checkpoint writes the default model's."""
     if name == "qwen3-0.6b":
         return default_model_dir("cuda")
     out = root / f"{name}-v{VERSION}"

@@ -1,5 +1,5 @@
 """One fused MoE layer (alignment, the gate|up GEMM with SiLU-and-mul, the down GEMM with the router weights, the sum
-over k: `kernels.ops.moe.fused_moe_triton`) against its weight-read floor and against the torch reference.
+over k: `tsdev_kernels.ops.moe.fused_moe_triton`) against its weight-read floor and against the torch reference.
 
     python3 benchmarks/moe_layer.py                                  # Qwen3-30B-A3B's layer: E 128, top 8, I 768, H 2048
     python3 benchmarks/moe_layer.py --tokens 1 16 64 256 --experts 128 --intermediate 768 --hidden 2048
@@ -21,7 +21,7 @@ import triton
 import triton.testing
 
 from decode_step import copy_bandwidth
-from kernels.ops import fp8, moe
+from tsdev_kernels.ops import fp8, moe
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """The batch-1 projections in a CUDA graph: programmatic dependent launch (PDL) on and off, the norm and the
 SwiGLU activation fused into the GEMV or run as kernels of their own, and a sweep of the GEMV's block sizes per
-Qwen3-0.6B projection shape (what kernels/ops/linear.py's gemv_config reproduces). Every timing is a graph of 28
+Qwen3-0.6B projection shape (what kernels/tsdev_kernels/ops/linear.py's gemv_config reproduces). Every timing is a graph of 28
 layers' launches, each layer's weights distinct (as in a decode step, nothing stays in L2), replayed.
 
     python3 benchmarks/pdl_probe.py              # CUDA, Hopper or newer for PDL
@@ -16,7 +16,7 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from benchmarks.kernels_bench import graph_ms  # noqa: E402
-from kernels.ops import activation, linear, norm  # noqa: E402
+from tsdev_kernels.ops import activation, linear, norm  # noqa: E402
 
 LAYERS, HIDDEN, INTER, Q, KV = 28, 1024, 3072, 2048, 1024
 SHAPES = {"qkv": (Q + 2 * KV, HIDDEN), "o": (HIDDEN, Q), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}

@@ -16,11 +16,11 @@ import time
 
 import torch
 
-from runtime.config import EngineConfig
-from runtime.engine.block_manager import BlockManager
-from runtime.engine.model_runner import Checkpoint, ModelRunner
-from runtime.engine.scheduler import ScheduledBatch
-from runtime.engine.sequence import SamplingParams, Sequence
+from tsdev_runtime.config import EngineConfig
+from tsdev_runtime.engine.block_manager import BlockManager
+from tsdev_runtime.engine.model_runner import Checkpoint, ModelRunner
+from tsdev_runtime.engine.scheduler import ScheduledBatch
+from tsdev_runtime.engine.sequence import SamplingParams, Sequence
 
 
 def fresh_batch(pages: BlockManager, total: int, num_seqs: int) -> ScheduledBatch:

@@ -26,12 +26,12 @@ import httpx
 from tsdev.client import reload_forward
 from tsdev.server_process import ServerProcess, copy_project
 
-FILE = "kernels/ops/activation.py"
+FILE = "kernels/tsdev_kernels/ops/activation.py"
 OLD = "    return act * up\n"
 NEW = "    return -act * up\n"
 EDITS = {  # name -> (file, [(old, new), ...])
     "activation": (FILE, [(OLD, NEW)]),
-    "moe": ("kernels/ops/moe.py", [("y = y.to(dt).to(tl.float32) * tl.load(TOPK_W + slot)",
+    "moe": ("kernels/tsdev_kernels/ops/moe.py", [("y = y.to(dt).to(tl.float32) * tl.load(TOPK_W + slot)",
                                     "y = y.to(dt).to(tl.float32) * -tl.load(TOPK_W + slot)"),
                                    ("y = y * tl.load(TOPK_W + slots, mask=row_ok, other=0.0)[:, None]",
                                     "y = y * -tl.load(TOPK_W + slots, mask=row_ok, other=0.0)[:, None]")]),

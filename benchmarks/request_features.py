@@ -13,9 +13,9 @@ import argparse
 import statistics
 
 from decode_step import engine_step_time
-from runtime.config import EngineConfig
-from runtime.engine.llm_engine import LLMEngine
-from runtime.engine.sequence import SamplingParams
+from tsdev_runtime.config import EngineConfig
+from tsdev_runtime.engine.llm_engine import LLMEngine
+from tsdev_runtime.engine.sequence import SamplingParams
 
 
 def main() -> None:

@@ -1,10 +1,10 @@
 """Save -> serving the new code through `tsdev watch`, the way a user gets it, edit after edit: each cycle makes a
-never-seen edit of a Triton helper that several kernels inline (`silu_and_mul_values` in kernels/ops/activation.py,
-`rms_norm_values` in kernels/ops/norm.py, in turn: their output times a constant drawn fresh for this run and
+never-seen edit of a Triton helper that several kernels inline (`silu_and_mul_values` in kernels/tsdev_kernels/ops/activation.py,
+`rms_norm_values` in kernels/tsdev_kernels/ops/norm.py, in turn: their output times a constant drawn fresh for this run and
 cycle, so no binary of it is in Triton's cache) and then reverts it (the original's binaries are cached: a repeated
 edit). Each reload line's "save → serving" (from the file's modification time to the reload's reply, measured by
 the daemon) is reported for fresh and repeated edits apart. Then `--restarts` edits of an engine file (a comment
-added to runtime/engine/scheduler.py), each answered with a restart: "save → serving again" from the restart line,
+added to runtime/tsdev_runtime/engine/scheduler.py), each answered with a restart: "save → serving again" from the restart line,
 each save --restart-gap seconds after the server serves again (the standby that takes the next start imports torch,
 Triton and the HTTP stack first, ~4 s on the H200 host: a save sooner than that waits for it); the servers' startup
 lines follow (where each restart's seconds went).
@@ -32,14 +32,14 @@ import threading
 import time
 from pathlib import Path
 
-from tsdev.server_process import copy_project, free_port
+from tsdev.server_process import copy_project, free_port, project_pythonpath
 
 RELOAD = re.compile(r"reload #(\d+) (ok|FAILED).*")
 SECONDS = re.compile(r"save → serving (\d+\.\d+) s")
 RESTART = re.compile(r"restart #\d+: .*save → serving again (\d+\.\d+) s|restart FAILED.*")
-ENGINE_FILE = "runtime/engine/scheduler.py"  # outside the reloadable packages: an edit restarts the server
-HELPERS = [("kernels/ops/activation.py", "    return act * up\n", "    return act * up * {c}\n"),
-           ("kernels/ops/norm.py", "    return w * (x * rstd).to(dt).to(tl.float32)\n",
+ENGINE_FILE = "runtime/tsdev_runtime/engine/scheduler.py"  # outside the reloadable packages: an edit restarts the server
+HELPERS = [("kernels/tsdev_kernels/ops/activation.py", "    return act * up\n", "    return act * up * {c}\n"),
+           ("kernels/tsdev_kernels/ops/norm.py", "    return w * (x * rstd).to(dt).to(tl.float32)\n",
             "    return w * (x * rstd).to(dt).to(tl.float32) * {c}\n")]
 
 
@@ -70,7 +70,7 @@ def main() -> None:
                "--server-log", str(project / "server.log"), *args.watch_args]
     if args.device:
         command += ["--device", args.device]
-    env = {**os.environ, "PYTHONPATH": f"{project}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {**os.environ, "PYTHONPATH": project_pythonpath(project)}
     daemon = subprocess.Popen(command, cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True)
     lines: queue.Queue[str | None] = queue.Queue()

@@ -11,7 +11,7 @@ distributed path ("tp1-group": a process group of one, every collective and the 
         # "tp-decode-B" NVTX range is the all-reduce share
 
 Each configuration runs in fresh processes, one per rank (torchrun's environment): rank 0 builds the engine and
-measures; the others follow it (`runtime.engine.ranks.serve_rank`). Prints one JSON line per measurement, then a
+measures; the others follow it (`tsdev_runtime.engine.ranks.serve_rank`). Prints one JSON line per measurement, then a
 summary.
 """
 import argparse
@@ -24,11 +24,11 @@ import time
 
 from tsdev.server_process import free_port
 
-RELOADED = "kernels.ops.activation"  # forced: re-executed unchanged, so every reload does the same work
+RELOADED = "tsdev_kernels.ops.activation"  # forced: re-executed unchanged, so every reload does the same work
 
 
 def engine_config(args, tp: int):
-    from runtime.config import EngineConfig
+    from tsdev_runtime.config import EngineConfig
 
     sizes = sorted({*args.batch_sizes, 1})
     return EngineConfig(model=args.model, device=args.device, world_size=tp, max_running=max(sizes),
@@ -40,7 +40,7 @@ def decode_ms(engine, batch: int, steps: int) -> float:
     """Median wall time of one decode step with `batch` sequences running (prompts of 16 tokens, prefilled first)."""
     import nvtx
 
-    from runtime.engine.sequence import SamplingParams
+    from tsdev_runtime.engine.sequence import SamplingParams
 
     params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
     for i in range(batch):
@@ -61,9 +61,9 @@ def decode_ms(engine, batch: int, steps: int) -> float:
 
 def reload_pauses(engine, reloads: int) -> list[dict]:
     """Each forced reload's pause on rank 0 and every rank's reload + warm + recapture seconds."""
-    from runtime.control_protocol import ReloadRequest
-    from runtime.engine.async_engine import AsyncEngine
-    from runtime.engine.reload_forward import ReloadForward
+    from tsdev_runtime.control_protocol import ReloadRequest
+    from tsdev_runtime.engine.async_engine import AsyncEngine
+    from tsdev_runtime.engine.reload_forward import ReloadForward
     from tsdev.hotreload import Reloader, default_packages
 
     async def run():
@@ -86,9 +86,9 @@ def reload_pauses(engine, reloads: int) -> list[dict]:
 def rank_main(args, tp: int, grouped: bool, rank: int, port: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(tp),
                       LOCAL_RANK=str(rank))
-    from runtime import distributed
-    from runtime.engine.llm_engine import LLMEngine
-    from runtime.engine.ranks import serve_rank
+    from tsdev_runtime import distributed
+    from tsdev_runtime.engine.llm_engine import LLMEngine
+    from tsdev_runtime.engine.ranks import serve_rank
     from tsdev.hotreload import Reloader, default_packages
 
     config = engine_config(args, tp)

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from runtime.config import EngineConfig
-from runtime.engine.llm_engine import LLMEngine
-from runtime.weights.default_model import SHAPES, write_checkpoint
+from tsdev_runtime.config import EngineConfig
+from tsdev_runtime.engine.llm_engine import LLMEngine
+from tsdev_runtime.weights.default_model import SHAPES, write_checkpoint
 
 
 def sync(device: str) -> None:

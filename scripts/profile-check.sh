@@ -16,8 +16,8 @@ pid=$!
 fail() { echo "profile-check: $*" >&2; kill "$pid" 2>/dev/null; cat "$prof.log"; exit 1; }
 for _ in $(seq 240); do grep -q "range reload-0 taken" "$prof.log" || ! kill -0 $pid 2>/dev/null && break; sleep 1; done
 grep -q "range reload-0 taken" "$prof.log" || fail "no first range within 240 s"
-sed -i 's/return act \* up$/return act * up * 2.0/' kernels/ops/activation.py
-grep -q "act \* up \* 2.0" kernels/ops/activation.py || fail "the kernel edit did not apply (activation.py changed?)"
+sed -i 's/return act \* up$/return act * up * 2.0/' kernels/tsdev_kernels/ops/activation.py
+grep -q "act \* up \* 2.0" kernels/tsdev_kernels/ops/activation.py || fail "the kernel edit did not apply (activation.py changed?)"
 reply=$(curl -s -X POST localhost:8400/v1/rl/engine/reload_forward -H 'content-type: application/json' -d '{"id": "p1"}')
 echo "$reply"
 echo "$reply" | grep -q '"ok": *true' || fail "the reload failed"

@@ -25,10 +25,10 @@ wait_for() {  # a line matching $1 within $2 seconds
 }
 
 wait_for "^.{9}watching" 600 &&
-  sed -i 's/return act \* up$/return act * up * 2.0/' kernels/ops/activation.py &&
-  grep -q "act \* up \* 2.0" kernels/ops/activation.py &&
+  sed -i 's/return act \* up$/return act * up * 2.0/' kernels/tsdev_kernels/ops/activation.py &&
+  grep -q "act \* up \* 2.0" kernels/tsdev_kernels/ops/activation.py &&
   wait_for "reload #1 (ok|FAILED)" 300 &&
-  sed -i '1s/^"""/"""Edited by watch-check. /' runtime/engine/scheduler.py &&
+  sed -i '1s/^"""/"""Edited by watch-check. /' runtime/tsdev_runtime/engine/scheduler.py &&
   wait_for "restart #1: .*(restarted|FAILED)" 600 &&
   kill -9 "$(grep -oE 'pid [0-9]+' "$out/watch.txt" | tail -1 | cut -d' ' -f2)" &&
   wait_for "restart #2: .*(restarted|FAILED)" 600

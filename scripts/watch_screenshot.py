@@ -13,19 +13,21 @@ import tempfile
 import time
 from pathlib import Path
 
+from tsdev.server_process import copy_project, project_pythonpath
+
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE = dict(vocab_size=1024, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, torch_dtype="float32")
 EDITS = [  # (file, old, new, seconds to wait)
-    ("kernels/ops/activation.py", "    return F.silu(gate) * up\n", "    return -F.silu(gate) * up\n", 3),
-    ("kernels/ops/activation.py", "    return -F.silu(gate) * up\n", "    return F.silu(gate) * up\n", 3),
-    ("runtime/engine/scheduler.py", '"""', '"""Edited: ', 25),
-    ("kernels/ops/activation.py", "    return F.silu(gate) * up\n", "    return F.silu(gate) * up)\n", 3),
+    ("kernels/tsdev_kernels/ops/activation.py", "    return F.silu(gate) * up\n", "    return -F.silu(gate) * up\n", 3),
+    ("kernels/tsdev_kernels/ops/activation.py", "    return -F.silu(gate) * up\n", "    return F.silu(gate) * up\n", 3),
+    ("runtime/tsdev_runtime/engine/scheduler.py", '"""', '"""Edited: ', 25),
+    ("kernels/tsdev_kernels/ops/activation.py", "    return F.silu(gate) * up\n", "    return F.silu(gate) * up)\n", 3),
 ]
 
 
 async def main(project: Path) -> None:
-    from runtime.weights.default_model import write_checkpoint
+    from tsdev_runtime.weights.default_model import write_checkpoint
     from tsdev.watch import WatchConfig
     from tsdev.watch.tui import WatchApp
 
@@ -59,11 +61,9 @@ async def main(project: Path) -> None:
 if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as tmp:
         project = Path(tmp)
-        for name in ("runtime", "kernels", "tsdev"):
-            shutil.copytree(ROOT / name, project / name, ignore=shutil.ignore_patterns("__pycache__"))
-        shutil.copy(ROOT / "pyproject.toml", project)
+        copy_project(project)
         os.chdir(project)
-        sys.path.insert(0, str(project))
+        sys.path[:0] = project_pythonpath(project, "").split(os.pathsep)
         start = time.time()
         asyncio.run(main(project))
         print(f"took the screenshot in {time.time() - start:.0f} s: docs/watch-tui.png (or .svg)")

@@ -1,6 +1,6 @@
 """Batches on real pages for the graph tests (CPU and GPU): prefill, mixed, prefix-cached, decode."""
-from runtime.engine.scheduler import ScheduledBatch
-from runtime.engine.sequence import SamplingParams, Sequence
+from tsdev_runtime.engine.scheduler import ScheduledBatch
+from tsdev_runtime.engine.sequence import SamplingParams, Sequence
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 

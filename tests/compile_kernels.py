@@ -5,7 +5,7 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
-from kernels.ops import activation, attention, linear, norm, rope
+from tsdev_kernels.ops import activation, attention, linear, norm, rope
 from tsdev.hotreload.jit import ast_source
 
 BF16, F32, I32, I64, FP8 = "*bf16", "*fp32", "*i32", "*i64", "*fp8e4nv"

@@ -4,7 +4,7 @@ import os
 import torch
 
 # Without a GPU, Triton kernels run in its interpreter. Triton reads this when a kernel is decorated,
-# so it must be set before anything imports kernels.ops (or tsdev.hotreload's Triton scenarios).
+# so it must be set before anything imports tsdev_kernels.ops (or tsdev.hotreload's Triton scenarios).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -15,7 +15,7 @@ import pytest
 # Tests never write into the user's real cache directory.
 os.environ.setdefault("TSDEV_CACHE_DIR", str(Path(__file__).parent.parent / ".pytest_cache" / "tsdev-cache"))
 # A developer's API key would close every server the tests start (tests that want one set it themselves).
-from runtime.config import API_KEY_ENV_VARS  # noqa: E402
+from tsdev_runtime.config import API_KEY_ENV_VARS  # noqa: E402
 
 for _name in API_KEY_ENV_VARS:
     os.environ.pop(_name, None)
@@ -24,7 +24,7 @@ for _name in API_KEY_ENV_VARS:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny Qwen3 checkpoint whose random weights give varied (not repetitive) greedy output."""
-    from runtime.weights.default_model import SHAPES, write_checkpoint
+    from tsdev_runtime.weights.default_model import SHAPES, write_checkpoint
 
     out = tmp_path_factory.mktemp("tiny-qwen3")
     write_checkpoint(out, {**SHAPES["tiny"], "max_position_embeddings": 1024}, seed=1, std=0.2)
@@ -167,8 +167,8 @@ def hf_qwen3_moe_dir(tiny_model_dir, tmp_path_factory) -> Path:
 @pytest.fixture
 def make_engine(tiny_model_dir):
     """Engine on the tiny checkpoint with small pages (4 tokens) so sequences span many pages."""
-    from runtime.config import EngineConfig
-    from runtime.engine.llm_engine import LLMEngine
+    from tsdev_runtime.config import EngineConfig
+    from tsdev_runtime.engine.llm_engine import LLMEngine
 
     def make(**overrides):
         kwargs = dict(model=str(tiny_model_dir), device="cpu", page_size=4, max_batched_tokens=256,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 
-from runtime.control_protocol import (EVENTS_ROUTE, MODULES_ROUTE, RELOAD_ROUTE, SERVER_INFO_ROUTE,
+from tsdev_runtime.control_protocol import (EVENTS_ROUTE, MODULES_ROUTE, RELOAD_ROUTE, SERVER_INFO_ROUTE,
                                       START_PROFILE_ROUTE, UPDATE_WEIGHTS_ROUTE, ErrorBody, ErrorDetail, Hello,
                                       ModulesReply, ProfileRange, ProfileRequest, ReloadReply, ReloadRequest,
                                       ReloadWeightsReply, ServerInfo, UpdateWeightsRequest, WorkerReport)
@@ -22,7 +22,7 @@ INFO = ServerInfo(model="fake-model", model_dir="/fake", architecture="Qwen3ForC
                   pid=4242)
 
 
-def ok_worker(reloaded=("kernels.ops.act",), dependents=("runtime.layers.norm",), **extra) -> WorkerReport:
+def ok_worker(reloaded=("tsdev_kernels.ops.act",), dependents=("tsdev_runtime.layers.norm",), **extra) -> WorkerReport:
     return WorkerReport(ok=True, reloaded=list(reloaded), dependents=list(dependents), patched=3, jit_kernels=1,
                         timings=TIMINGS, **extra)
 
@@ -109,10 +109,13 @@ class FakeServer:
 
 def make_project(root: Path) -> Path:
     """A small project with two reloadable packages and one that is not."""
-    files = {"kernels/__init__.py": "", "kernels/ops/__init__.py": "", "kernels/ops/act.py": "def act(x):\n    return x\n",
-             "runtime/__init__.py": "", "runtime/layers/__init__.py": "", "runtime/layers/norm.py": "X = 1\n",
-             "runtime/engine/__init__.py": "", "runtime/engine/scheduler.py": "Y = 1\n",
-             "pyproject.toml": '[tool.tsdev]\nreload-packages = ["kernels.ops", "runtime.layers"]\n'}
+    files = {"kernels/tsdev_kernels/__init__.py": "", "kernels/tsdev_kernels/ops/__init__.py": "",
+             "kernels/tsdev_kernels/ops/act.py": "def act(x):\n    return x\n",
+             "runtime/tsdev_runtime/__init__.py": "", "runtime/tsdev_runtime/layers/__init__.py": "",
+             "runtime/tsdev_runtime/layers/norm.py": "X = 1\n", "runtime/tsdev_runtime/engine/__init__.py": "",
+             "runtime/tsdev_runtime/engine/scheduler.py": "Y = 1\n",
+             "pyproject.toml": '[tool.tsdev]\nreload-packages = ["tsdev_kernels.ops", "tsdev_runtime.layers"]\n'
+                               '[tool.setuptools.packages.find]\nwhere = [".", "runtime", "kernels"]\n'}
     for path, text in files.items():
         (root / path).parent.mkdir(parents=True, exist_ok=True)
         (root / path).write_text(text)

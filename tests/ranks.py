@@ -11,7 +11,7 @@ def _rank_main(fn, rank: int, world_size: int, port: int, args: tuple, results, 
                       LOCAL_RANK=str(rank))
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from runtime import distributed
+    from tsdev_runtime import distributed
 
     try:
         distributed.init(rank, world_size, device, timeout_s=60)

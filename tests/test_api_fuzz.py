@@ -16,11 +16,11 @@ import pytest
 import schemathesis
 from schemathesis.python import asgi
 
-from runtime.control_protocol import (CONTINUE_ROUTE, EVENTS_ROUTE, PAUSE_ROUTE, RELOAD_ROUTE, RELOAD_WEIGHTS_ROUTE,
+from tsdev_runtime.control_protocol import (CONTINUE_ROUTE, EVENTS_ROUTE, PAUSE_ROUTE, RELOAD_ROUTE, RELOAD_WEIGHTS_ROUTE,
                                       SLEEP_ROUTE, START_PROFILE_ROUTE, STOP_PROFILE_ROUTE,
                                       UPDATE_WEIGHTS_FROM_DISK_ROUTE, WAKE_UP_ROUTE, ErrorBody, Hello, parse_event)
-from runtime.server.app import build_app
-from runtime.server.security import SecurityPolicy
+from tsdev_runtime.server.app import build_app
+from tsdev_runtime.server.security import SecurityPolicy
 
 CALL_TIMEOUT_S = 10  # a request still unanswered by then is a hang: the test fails instead of blocking CI
 # Generated examples per route (besides schemathesis's boundary-value and wrong-method cases); a deeper local run:
@@ -58,8 +58,8 @@ class OneLifespan:
 def app(tiny_model_dir, tmp_path_factory):
     """The app on the tiny model (64-token context) with reload_forward enabled over a throwaway package, so
     fuzzed reloads can only re-execute that package, never the runtime modules other tests share."""
-    from runtime.config import EngineConfig
-    from runtime.engine.llm_engine import LLMEngine
+    from tsdev_runtime.config import EngineConfig
+    from tsdev_runtime.engine.llm_engine import LLMEngine
     from tsdev.hotreload import Reloader
 
     root = tmp_path_factory.mktemp("fuzz-reload")

@@ -1,5 +1,5 @@
 """Async scheduling (step N+1 launched before step N is read) must not change what any request sees."""
-from runtime.engine.sequence import PENDING, SamplingParams
+from tsdev_runtime.engine.sequence import PENDING, SamplingParams
 
 PROMPTS = [[(7 * i + j) % 900 + 1 for j in range(5 + 9 * i)] for i in range(6)]
 

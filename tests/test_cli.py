@@ -1,7 +1,7 @@
 from typer.testing import CliRunner
 
-from runtime.control_protocol import WorkerReport
-from runtime.engine.prefill_graphs import prefill_buckets
+from tsdev_runtime.control_protocol import WorkerReport
+from tsdev_runtime.engine.prefill_graphs import prefill_buckets
 from tsdev.cli import app, join_list_flags, parse_sizes, prefill_capture_sizes
 from tsdev.outcome import worker_text
 
@@ -61,7 +61,7 @@ import re  # noqa: E402
 import pytest  # noqa: E402
 import typer  # noqa: E402
 
-from runtime.config import EngineConfig  # noqa: E402
+from tsdev_runtime.config import EngineConfig  # noqa: E402
 from tsdev.watch.args import serve_flags, split_server_args  # noqa: E402
 
 COMMANDS = typer.main.get_command(app).commands
@@ -147,7 +147,7 @@ def test_reload_progress_on_a_terminal_is_one_live_line_that_goes_away():
 
     from rich.console import Console
 
-    from runtime.control_protocol import ReloadStep
+    from tsdev_runtime.control_protocol import ReloadStep
     from tsdev.outcome import ReloadProgress
 
     out = io.StringIO()
@@ -206,14 +206,14 @@ def test_reload_exit_status_1_for_a_server_error_and_2_for_a_server_that_is_not_
 
 def test_a_slow_start_shows_what_it_is_doing_instead_of_waiting_silently(monkeypatch, tiny_model_dir):
     """Off a terminal, a line every few seconds naming the current step (on a terminal, the spinner's text): the
-    engine's phases and each kernel compiled come from the runtime's `runtime.startup` log."""
+    engine's phases and each kernel compiled come from the runtime's `tsdev_runtime.startup` log."""
     import io
     import time
 
     from rich.console import Console
 
-    from runtime.config import EngineConfig
-    from runtime.engine.llm_engine import LLMEngine
+    from tsdev_runtime.config import EngineConfig
+    from tsdev_runtime.engine.llm_engine import LLMEngine
     from tsdev.serving import StartupProgress
 
     monkeypatch.setattr(StartupProgress, "PROGRESS_S", 0.05)
@@ -263,11 +263,11 @@ def test_cli_list_flag_and_bad_sizes():
 
 
 def test_reload_line_shows_decode_and_prefill_recapture_apart_or_the_graph_nodes_patched():
-    worker = WorkerReport(ok=True, reloaded=["kernels.ops.norm"], patched=3,
+    worker = WorkerReport(ok=True, reloaded=["tsdev_kernels.ops.norm"], patched=3,
                           timings={"reload": 0.01, "warm": 0.1, "recapture": 0.5, "recapture_decode": 0.2,
                                    "recapture_prefill": 0.3, "pause": 0.6})
     assert "recaptured in 0.50 s (decode 0.20, prefill 0.30)" in worker_text(worker)
-    patched = WorkerReport(ok=True, reloaded=["kernels.ops.norm"], patched=3, kernels_only=True, graph_nodes_patched=412,
+    patched = WorkerReport(ok=True, reloaded=["tsdev_kernels.ops.norm"], patched=3, kernels_only=True, graph_nodes_patched=412,
                            timings={"reload": 0.01, "warm": 0.0, "recapture": 0.004, "pause": 0.1})
     assert "graphs patched in 0.004 s (412 kernel nodes pointed at the new binaries)" in worker_text(patched)
 
@@ -275,20 +275,20 @@ def test_reload_line_shows_decode_and_prefill_recapture_apart_or_the_graph_nodes
 def test_reload_lines_count_the_kernels_replaced_per_dialect():
     from tsdev.outcome import steps_text
 
-    kernels = {"kernels.ops.norm._rms_norm_gluon_kernel": "gluon", "kernels.ops.norm.rms_norm_values_gluon": "gluon",
-               "kernels.ops.activation._silu_and_mul_kernel": "triton"}
-    worker = WorkerReport(ok=True, reloaded=["kernels.ops.norm"], patched=3, jit_kernels=2, kernels=kernels,
+    kernels = {"tsdev_kernels.ops.norm._rms_norm_gluon_kernel": "gluon", "tsdev_kernels.ops.norm.rms_norm_values_gluon": "gluon",
+               "tsdev_kernels.ops.activation._silu_and_mul_kernel": "triton"}
+    worker = WorkerReport(ok=True, reloaded=["tsdev_kernels.ops.norm"], patched=3, jit_kernels=2, kernels=kernels,
                           timings={"jit": 0.3, "reload": 0.01, "pause": 0.1})
     assert "JIT-compiled 2 kernel(s) (gluon 2, triton 1) in 0.30 s" in worker_text(worker)
     assert steps_text(worker.timings, jit_kernels=2, kernels=kernels).endswith("(2 kernel(s) (gluon 2, triton 1) compiled)")
-    cute = {"kernels.ops.activation_cute._silu_and_mul_kernel": "cute"}  # compiled on its next call, not ahead
+    cute = {"tsdev_kernels.ops.activation_cute._silu_and_mul_kernel": "cute"}  # compiled on its next call, not ahead
     assert steps_text(worker.timings, kernels=cute).endswith("(kernels edited (cute 1): none compiled ahead)")
     assert not steps_text(worker.timings).endswith(")")
 
 
 def test_reload_lines_name_the_kernels_that_compiled_in_the_pause_slowest_first():
-    worker = WorkerReport(ok=True, reloaded=["kernels.ops.norm"], patched=3, timings={"reload": 2.0, "pause": 2.1},
-                          compiled_in_pause={"kernels.ops.norm.a": 0.4, "kernels.ops.norm._rms_norm_gluon_kernel": 1.9})
-    assert ("compiled in the pause, not ahead: kernels.ops.norm._rms_norm_gluon_kernel 1.90 s, kernels.ops.norm.a "
+    worker = WorkerReport(ok=True, reloaded=["tsdev_kernels.ops.norm"], patched=3, timings={"reload": 2.0, "pause": 2.1},
+                          compiled_in_pause={"tsdev_kernels.ops.norm.a": 0.4, "tsdev_kernels.ops.norm._rms_norm_gluon_kernel": 1.9})
+    assert ("compiled in the pause, not ahead: tsdev_kernels.ops.norm._rms_norm_gluon_kernel 1.90 s, tsdev_kernels.ops.norm.a "
             "0.40 s") in worker_text(worker)
-    assert "compiled in the pause" not in worker_text(WorkerReport(ok=True, reloaded=["kernels.ops.norm"]))
+    assert "compiled in the pause" not in worker_text(WorkerReport(ok=True, reloaded=["tsdev_kernels.ops.norm"]))

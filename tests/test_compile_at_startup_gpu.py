@@ -10,21 +10,21 @@ import torch
 import triton
 from batches import make_batch
 
-from runtime.config import EngineConfig
-from runtime.engine.llm_engine import LLMEngine
-from runtime.engine.sequence import SamplingParams
-from runtime.weights.default_model import default_model_dir
+from tsdev_runtime.config import EngineConfig
+from tsdev_runtime.engine.llm_engine import LLMEngine
+from tsdev_runtime.engine.sequence import SamplingParams
+from tsdev_runtime.weights.default_model import default_model_dir
 
 pytestmark = pytest.mark.gpu
 
 
 def binaries() -> dict[str, int]:
-    """How many binaries each kernels.ops kernel has compiled in this process, over all devices."""
-    import kernels.ops
+    """How many binaries each tsdev_kernels.ops kernel has compiled in this process, over all devices."""
+    import tsdev_kernels.ops
 
     counts = {}
-    for info in pkgutil.iter_modules(kernels.ops.__path__):
-        module = importlib.import_module(f"kernels.ops.{info.name}")
+    for info in pkgutil.iter_modules(tsdev_kernels.ops.__path__):
+        module = importlib.import_module(f"tsdev_kernels.ops.{info.name}")
         for name, kernel in vars(module).items():
             if hasattr(kernel, "device_caches"):
                 counts[f"{info.name}.{name}"] = sum(len(cache[0]) for cache in kernel.device_caches.values())
@@ -34,7 +34,7 @@ def binaries() -> dict[str, int]:
 @contextmanager
 def triton_compiles():
     """The Triton compiles inside the block: each kernel's name and specialisation as Triton's post-compile hook
-    reports it (Triton 3.6 and later), else, at the end of the block, the kernels.ops kernels with new binaries."""
+    reports it (Triton 3.6 and later), else, at the end of the block, the tsdev_kernels.ops kernels with new binaries."""
     compiled: list[str] = []
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
     if runtime is not None and hasattr(runtime, "jit_post_compile_hook"):

@@ -4,7 +4,7 @@ import threading
 
 import httpx
 
-from runtime.control_protocol import ReloadReply, WorkerReport
+from tsdev_runtime.control_protocol import ReloadReply, WorkerReport
 from serve_process import copy_project, serve
 from test_reload_forward import ACTIVATION, SILU_LINE, complete, edited, new_id, reload
 from tsdev.data_parallel import build_front, merge_metrics, merge_reloads, replica_args
@@ -51,7 +51,7 @@ def test_two_replicas_share_concurrent_requests_and_a_reload_reaches_both(tiny_m
         with edited(project, ACTIVATION, SILU_LINE, "    return -F.silu(gate) * up\n"):
             reply = reload(url, new_id())
             assert reply.ok and [w.rank for w in reply.workers] == [0, 1], reply
-            assert all(w.reloaded == ["kernels.ops.activation"] for w in reply.workers)
+            assert all(w.reloaded == ["tsdev_kernels.ops.activation"] for w in reply.workers)
             edited_texts = {complete(url)["text"] for _ in range(4)}  # whichever replica answers: the edit
             assert edited_texts != {expected} and len(edited_texts) == 1
         assert reload(url, new_id()).ok
@@ -64,7 +64,7 @@ def test_the_front_relays_generation_to_one_replica_and_control_calls_to_all_of_
     import httpx
     from fastapi.testclient import TestClient
 
-    from runtime.control_protocol import PAUSE_ROUTE
+    from tsdev_runtime.control_protocol import PAUSE_ROUTE
 
     seen, down = [], set()
 

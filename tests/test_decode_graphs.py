@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from batches import GREEDY, decode_batch
-from runtime.engine.cuda_graphs import DecodeGraphs
-from runtime.engine.sequence import SamplingParams
+from tsdev_runtime.engine.cuda_graphs import DecodeGraphs
+from tsdev_runtime.engine.sequence import SamplingParams
 
 
 def test_graph_path_equals_eager_and_pads_to_the_next_size(make_engine, monkeypatch):
@@ -65,7 +65,7 @@ def test_a_one_token_prefill_chunk_that_samples_nothing_keeps_the_batch_off_the_
 def test_the_garbage_collector_is_off_while_capturing_and_back_after_a_failure():
     import gc
 
-    from runtime.engine.cuda_graphs import collector_paused
+    from tsdev_runtime.engine.cuda_graphs import collector_paused
 
     assert gc.isenabled()
     with pytest.raises(RuntimeError), collector_paused():

@@ -1,10 +1,10 @@
 """The embedded default model on CUDA (Qwen3-0.6B shape) answers with text (run on the H200: `pytest -m gpu`)."""
 import pytest
 
-from runtime.config import EngineConfig
-from runtime.engine.llm_engine import LLMEngine
-from runtime.engine.sequence import SamplingParams
-from runtime.weights import default_model
+from tsdev_runtime.config import EngineConfig
+from tsdev_runtime.engine.llm_engine import LLMEngine
+from tsdev_runtime.engine.sequence import SamplingParams
+from tsdev_runtime.weights import default_model
 
 pytestmark = pytest.mark.gpu
 PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):", "Once upon a time",

@@ -3,15 +3,15 @@ at a time between steps once serving resumed, and run eagerly until then (on CPU
 which sizes are captured when, and what the steps run meanwhile, is the same)."""
 import asyncio
 
-from runtime.control_protocol import ReloadRequest
-from runtime.engine.async_engine import AsyncEngine
-from runtime.engine.reload_forward import ReloadForward
-from runtime.engine.sequence import SamplingParams
+from tsdev_runtime.control_protocol import ReloadRequest
+from tsdev_runtime.engine.async_engine import AsyncEngine
+from tsdev_runtime.engine.reload_forward import ReloadForward
+from tsdev_runtime.engine.sequence import SamplingParams
 from tsdev.hotreload import Reloader
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 GRAPHS = dict(cudagraph_capture_sizes=[1, 2, 4, 8], prefill_graph_capture_sizes=[16, 32, 64])  # + 256, the top
-PACKAGES = ["kernels.ops", "runtime.layers", "runtime.models", "runtime.sampling"]
+PACKAGES = ["tsdev_kernels.ops", "tsdev_runtime.layers", "tsdev_runtime.models", "tsdev_runtime.sampling"]
 
 
 def test_a_reload_captures_the_used_sizes_first_and_leaves_the_rest_pending(make_engine):
@@ -58,7 +58,7 @@ def test_the_server_captures_the_pending_graphs_while_serving_after_the_reload_a
         ae = AsyncEngine(engine)
         await ae.start()
         try:
-            reply = await ReloadForward(ae, Reloader(PACKAGES))(ReloadRequest(id="r1", modules=["runtime.layers.activation"]))
+            reply = await ReloadForward(ae, Reloader(PACKAGES))(ReloadRequest(id="r1", modules=["tsdev_runtime.layers.activation"]))
             assert reply.ok, reply
             pending_after_reload = engine.graphs_pending
             outputs = await asyncio.gather(*(collect(ae, f"q{i}", p) for i, p in enumerate(prompts)))
@@ -83,7 +83,7 @@ async def collect(ae: AsyncEngine, request_id: str, prompt: list[int]) -> list[i
 
 
 def test_while_requests_run_a_deferred_graph_is_captured_at_most_once_every_32_steps(make_engine):
-    from runtime.engine.async_engine import STEPS_PER_DEFERRED_CAPTURE
+    from tsdev_runtime.engine.async_engine import STEPS_PER_DEFERRED_CAPTURE
 
     engine = make_engine(**GRAPHS)
     engine.capture_graphs(deferring=True)  # as a reload leaves them: 6 pending

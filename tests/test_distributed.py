@@ -1,9 +1,9 @@
-"""runtime.distributed on two gloo ranks (separate processes): the collectives the model and the engine use."""
+"""tsdev_runtime.distributed on two gloo ranks (separate processes): the collectives the model and the engine use."""
 import pytest
 import torch
 
 from ranks import run_ranks
-from runtime import distributed
+from tsdev_runtime import distributed
 
 
 def collectives(ok_on_rank_1: bool):

@@ -3,9 +3,9 @@ engine thaws it (`thaw_heap`), so that an engine dropped in a reference cycle is
 import gc
 import weakref
 
-from runtime.config import EngineConfig
-from runtime.engine.llm_engine import LLMEngine
-from runtime.engine.sequence import SamplingParams
+from tsdev_runtime.config import EngineConfig
+from tsdev_runtime.engine.llm_engine import LLMEngine
+from tsdev_runtime.engine.sequence import SamplingParams
 
 
 def engine(model_dir) -> LLMEngine:

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from runtime.engine.scheduler import ScheduledBatch
-from runtime.engine.sequence import SamplingParams, Sequence
+from tsdev_runtime.engine.scheduler import ScheduledBatch
+from tsdev_runtime.engine.sequence import SamplingParams, Sequence
 
 import transformers
 

@@ -1,6 +1,6 @@
 """--quantization fp8 on CPU: the quantizer's error bound, the post-load hook filling the same storage on every
 load, the refusal of devices that cannot run it, and the quality gates against the unquantized model
-(float32 on CPU, through the torch references of kernels/ops/fp8.py). The Triton kernels against their
+(float32 on CPU, through the torch references of kernels/tsdev_kernels/ops/fp8.py). The Triton kernels against their
 references: tests/test_kernels_interpreter.py; on the H200: tests/test_fp8_gpu.py."""
 import zlib
 
@@ -9,15 +9,15 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from kernels.ops import fp8
-from runtime.config import EngineConfig, ModelConfig
-from runtime.engine.llm_engine import LLMEngine
-from runtime.engine.scheduler import ScheduledBatch
-from runtime.engine.sequence import SamplingParams, Sequence
-from runtime.layers.linear import Linear
-from runtime.models import build_model
-from runtime.weights.default_model import SHAPES, write_checkpoint
-from runtime.weights.loader import load_weights
+from tsdev_kernels.ops import fp8
+from tsdev_runtime.config import EngineConfig, ModelConfig
+from tsdev_runtime.engine.llm_engine import LLMEngine
+from tsdev_runtime.engine.scheduler import ScheduledBatch
+from tsdev_runtime.engine.sequence import SamplingParams, Sequence
+from tsdev_runtime.layers.linear import Linear
+from tsdev_runtime.models import build_model
+from tsdev_runtime.weights.default_model import SHAPES, write_checkpoint
+from tsdev_runtime.weights.loader import load_weights
 
 
 @pytest.fixture(autouse=True)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from kernels.ops import fp8
+from tsdev_kernels.ops import fp8
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -65,8 +65,8 @@ def test_reference_families_env_sends_fp8_to_references(monkeypatch):
 
 
 def engine(model_dir, quantization, **kw):
-    from runtime.config import EngineConfig
-    from runtime.engine.llm_engine import LLMEngine
+    from tsdev_runtime.config import EngineConfig
+    from tsdev_runtime.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(model=str(model_dir) if model_dir else None, device="cuda", kv_pages=256, max_running=16,
                                   quantization=quantization, **kw))
@@ -74,7 +74,7 @@ def engine(model_dir, quantization, **kw):
 
 @pytest.fixture(scope="module")
 def default_shape_dir(tmp_path_factory):
-    from runtime.weights.default_model import SHAPES as MODEL_SHAPES, write_checkpoint
+    from tsdev_runtime.weights.default_model import SHAPES as MODEL_SHAPES, write_checkpoint
 
     out = tmp_path_factory.mktemp("default-shape")
     write_checkpoint(out, {**MODEL_SHAPES["qwen3-0.6b"], "num_hidden_layers": 2, "vocab_size": 4096,
@@ -98,7 +98,7 @@ def test_quality_default_model_shape_bf16(default_shape_dir):
 
 def test_default_model_generates_with_fp8():
     """The full 28-layer default model serves with fp8, graphs on (random weights: no quality bound here)."""
-    from runtime.engine.sequence import SamplingParams
+    from tsdev_runtime.engine.sequence import SamplingParams
 
     eng = engine(None, "fp8", max_model_len=2048)
     out = eng.generate([[5, 17, 300, 42], list(range(100, 141))], SamplingParams(max_tokens=16, temperature=0,

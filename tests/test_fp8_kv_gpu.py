@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.ops import attention
+from tsdev_kernels.ops import attention
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 FP8, SCALES = attention.FP8_KV_DTYPE, (0.75, 0.5)
@@ -70,10 +70,10 @@ def long_context_logits(kv_cache_dtype: str, prompts: list[list[int]], chunk: in
     """The default model's logits, for each prompt: at its last row (a prefill in `chunk`-row pieces reading
     the pool), then at each of `decodes` one-row steps feeding the prompt's own next tokens (both pools see the
     same inputs)."""
-    from runtime.config import EngineConfig
-    from runtime.engine.llm_engine import LLMEngine
-    from runtime.engine.scheduler import ScheduledBatch
-    from runtime.engine.sequence import SamplingParams, Sequence
+    from tsdev_runtime.config import EngineConfig
+    from tsdev_runtime.engine.llm_engine import LLMEngine
+    from tsdev_runtime.engine.scheduler import ScheduledBatch
+    from tsdev_runtime.engine.sequence import SamplingParams, Sequence
 
     eng = LLMEngine(EngineConfig(model=None, device="cuda", kv_pages=320, max_model_len=4096, max_running=8,
                                  max_batched_tokens=chunk, kv_cache_dtype=kv_cache_dtype))

@@ -7,13 +7,13 @@ reload of those layers, and never for an activation other than SwiGLU's."""
 import torch
 from torch import nn
 
-import runtime.layers.linear as layers_linear
-from kernels.ops import linear as linear_ops
-from runtime.config import EngineConfig, ModelConfig
-from runtime.engine.llm_engine import LLMEngine
-from runtime.engine.sequence import SamplingParams
-from runtime.layers.linear import MergedLinear, NormedProjection
-from runtime.layers.norm import RMSNorm
+import tsdev_runtime.layers.linear as layers_linear
+from tsdev_kernels.ops import linear as linear_ops
+from tsdev_runtime.config import EngineConfig, ModelConfig
+from tsdev_runtime.engine.llm_engine import LLMEngine
+from tsdev_runtime.engine.sequence import SamplingParams
+from tsdev_runtime.layers.linear import MergedLinear, NormedProjection
+from tsdev_runtime.layers.norm import RMSNorm
 from tsdev.hotreload import Reloader
 
 
@@ -57,11 +57,11 @@ def test_the_fused_path_survives_a_reload_of_the_norm_and_activation_layers(tiny
     SwiGLU's epilogue); a reload updates those classes in place, so the model's modules still qualify after it."""
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", max_running=1))
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    tx = Reloader(["runtime.layers", "runtime.models"]).reload(
-        modules=["runtime.layers.norm", "runtime.layers.activation"])
+    tx = Reloader(["tsdev_runtime.layers", "tsdev_runtime.models"]).reload(
+        modules=["tsdev_runtime.layers.norm", "tsdev_runtime.layers.activation"])
     try:
         assert tx.report.ok, tx.report.error
-        assert "runtime.layers.linear" in tx.report.dependents
+        assert "tsdev_runtime.layers.linear" in tx.report.dependents
         calls = fused_calls(monkeypatch)
         engine.generate([list(range(5, 30))], params)
         assert calls and len(calls) % (2 * ModelConfig.from_dir(tiny_model_dir).num_hidden_layers) == 0

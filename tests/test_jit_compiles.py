@@ -9,16 +9,16 @@ from types import SimpleNamespace
 import triton
 from fastapi.testclient import TestClient
 
-from runtime.engine import compiles
-from runtime.server.app import build_app
+from tsdev_runtime.engine import compiles
+from tsdev_runtime.server.app import build_app
 from test_server_api import labels, metric_lines
 
 
 def triton_compiled(name: str) -> None:
-    """What Triton does after compiling kernels.ops.norm.`name` (its disk cache included)."""
+    """What Triton does after compiling tsdev_kernels.ops.norm.`name` (its disk cache included)."""
     triton.knobs.runtime.jit_post_compile_hook(
         key=("sig", ("*fp32",)), repr=f"{name}[num_warps=4, num_ctas=1, num_stages=3](X: *fp32)",
-        fn=SimpleNamespace(module="kernels.ops.norm", name=name, jit_function=None), compile={},
+        fn=SimpleNamespace(module="tsdev_kernels.ops.norm", name=name, jit_function=None), compile={},
         is_manual_warmup=False, already_compiled=False)
 
 
@@ -27,31 +27,31 @@ def warnings(caplog) -> list[logging.LogRecord]:
 
 
 def test_compiles_are_counted_by_kernel_in_metrics_and_warned_about_only_while_serving(tiny_model_dir, caplog):
-    from runtime.config import EngineConfig
-    from runtime.engine.llm_engine import LLMEngine
+    from tsdev_runtime.config import EngineConfig
+    from tsdev_runtime.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", max_model_len=128, kv_pages=64))
     assert getattr(triton.knobs.runtime.jit_post_compile_hook, "counts_into", None) is compiles.COMPILES
-    before = engine.jit_compiles().get("kernels.ops.norm._probe_kernel", 0)
-    with caplog.at_level(logging.WARNING, logger="runtime.server"):
+    before = engine.jit_compiles().get("tsdev_kernels.ops.norm._probe_kernel", 0)
+    with caplog.at_level(logging.WARNING, logger="tsdev_runtime.server"):
         with compiles.COMPILES.expected():  # as startup and reloads mark themselves
             triton_compiled("_probe_kernel")
         assert not warnings(caplog)
         triton_compiled("_probe_kernel")
-    assert engine.jit_compiles()["kernels.ops.norm._probe_kernel"] == before + 2
+    assert engine.jit_compiles()["tsdev_kernels.ops.norm._probe_kernel"] == before + 2
     [record] = warnings(caplog)
-    assert "kernels.ops.norm._probe_kernel" in record.getMessage() and "num_warps=4" in record.getMessage()
+    assert "tsdev_kernels.ops.norm._probe_kernel" in record.getMessage() and "num_warps=4" in record.getMessage()
     with TestClient(build_app(engine, "tiny-c")) as client:
         counted = metric_lines(client, "tsdev_jit_compiles_total")
-    assert counted[labels(model_name="tiny-c", kernel="kernels.ops.norm._probe_kernel")] == before + 2
+    assert counted[labels(model_name="tiny-c", kernel="tsdev_kernels.ops.norm._probe_kernel")] == before + 2
 
 
 def test_a_second_engine_does_not_chain_the_hook_twice(tiny_model_dir):
-    from runtime.config import EngineConfig
-    from runtime.engine.llm_engine import LLMEngine
+    from tsdev_runtime.config import EngineConfig
+    from tsdev_runtime.engine.llm_engine import LLMEngine
 
     for _ in range(2):
         LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", max_model_len=128, kv_pages=64))
-    before = compiles.COMPILES.counts["kernels.ops.norm._once"]
+    before = compiles.COMPILES.counts["tsdev_kernels.ops.norm._once"]
     triton_compiled("_once")
-    assert compiles.COMPILES.counts["kernels.ops.norm._once"] == before + 1
+    assert compiles.COMPILES.counts["tsdev_kernels.ops.norm._once"] == before + 1

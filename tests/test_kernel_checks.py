@@ -1,4 +1,4 @@
-"""The per-kernel check of a reload (kernels/checks.py, runtime/engine/kernel_checks.py) on the CPU, under Triton's
+"""The per-kernel check of a reload (kernels/tsdev_kernels/checks.py, runtime/tsdev_runtime/engine/kernel_checks.py) on the CPU, under Triton's
 interpreter: a kernel against its reference on fresh random inputs (NaN never passes, a wrong result is reported with
 its error), which ops an edit changed (through an inlined helper too), and a server whose reload checks the changed
 ops: a harmless edit reports ok, a wrong one reports not ok, and under --kernel-check strict rolls the reload back
@@ -11,10 +11,10 @@ import httpx
 import pytest
 import torch
 
-from kernels import checks
-from kernels.ops import activation, attention, linear, moe, norm, rope, sampling  # noqa: F401  (their CHECKS)
-from runtime.control_protocol import KernelCheckResult, ReloadReply, WorkerReport
-from runtime.engine.kernel_checks import serving_tokens
+from tsdev_kernels import checks
+from tsdev_kernels.ops import activation, attention, linear, moe, norm, rope, sampling  # noqa: F401  (their CHECKS)
+from tsdev_runtime.control_protocol import KernelCheckResult, ReloadReply, WorkerReport
+from tsdev_runtime.engine.kernel_checks import serving_tokens
 from serve_process import copy_project, serve
 from tsdev.outcome import kernel_checks_text
 
@@ -134,9 +134,9 @@ def test_an_edit_of_an_inlined_helper_changes_the_fingerprint_of_the_ops_whose_k
         helper.__code__ = original
     assert checks.changed(before, declared) == [] and kernel is activation._silu_and_mul_kernel
     reached = {c.op: checks.modules_reached(c) for c in declared}  # what the old code's timing before an edit takes
-    assert reached["silu_and_mul"] == {"kernels.ops.activation", "kernels.ops"}  # wait_for_previous is in kernels.ops
-    assert {"kernels.ops.linear", "kernels.ops.activation", "kernels.ops.norm"} <= reached["gemv_norm_gate_up"]
-    assert "kernels.ops.activation" not in reached["rms_norm"]
+    assert reached["silu_and_mul"] == {"tsdev_kernels.ops.activation", "tsdev_kernels.ops"}  # wait_for_previous is in tsdev_kernels.ops
+    assert {"tsdev_kernels.ops.linear", "tsdev_kernels.ops.activation", "tsdev_kernels.ops.norm"} <= reached["gemv_norm_gate_up"]
+    assert "tsdev_kernels.ops.activation" not in reached["rms_norm"]
 
 
 def test_inputs_drawn_ahead_are_used_only_while_the_code_drawing_them_is_unchanged():
@@ -198,7 +198,7 @@ def reload(url: str, **request) -> ReloadReply:
 
 
 def save(project, old: str, new: str) -> None:
-    file = project / "kernels/ops/activation.py"
+    file = project / "kernels/tsdev_kernels/ops/activation.py"
     source = file.read_text()
     assert old in source
     file.write_text(source.replace(old, new))

@@ -11,15 +11,15 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kernels import checks
-from kernels.ops import linear
-from runtime.control_protocol import KERNEL_CHECK_ROUTE, KernelCheckReply
+from tsdev_kernels import checks
+from tsdev_kernels.ops import linear
+from tsdev_runtime.control_protocol import KERNEL_CHECK_ROUTE, KernelCheckReply
 from serve_process import copy_project, serve
 from test_reload_forward import complete, edited, new_id, reload
 from tsdev.cli import app
 
 pytestmark = pytest.mark.gpu
-ACTIVATION = "kernels/ops/activation.py"
+ACTIVATION = "kernels/tsdev_kernels/ops/activation.py"
 HELPER = "    return act * up\n"
 
 

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-from kernels.ops import attention, linear
-from runtime.config import DEFAULT_CAPTURE_SIZES
+from tsdev_kernels.ops import attention, linear
+from tsdev.server_process import project_pythonpath
+from tsdev_runtime.config import DEFAULT_CAPTURE_SIZES
 
 ROOT = Path(__file__).resolve().parent.parent
 H200_SMS = 132
@@ -41,7 +42,7 @@ def heads(shape: str, tp: int) -> tuple[int, int, int]:
 
 def projections(shape: str, tp: int) -> dict[str, tuple[int, int, bool, bool, bool]]:
     """name -> (outputs, inputs, norm fused, gated, bias) of one rank's projections at batch 1: q|k|v and gate|up
-    with their norm fused (runtime.layers.linear.NormedProjection), column-parallel ones split by outputs,
+    with their norm fused (tsdev_runtime.layers.linear.NormedProjection), column-parallel ones split by outputs,
     o_proj / down_proj by inputs, the lm_head by (padded) vocabulary rows."""
     hidden, inter, _, _, _, vocab = SHAPES[shape]
     hq, hk, d = heads(shape, tp)
@@ -107,7 +108,7 @@ def test_every_decode_variant_an_eager_step_can_launch_is_compiled_at_startup():
 
 def test_chosen_configs_compile_for_sm90_without_register_spills():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    env["PYTHONPATH"] = project_pythonpath(ROOT, env.get("PYTHONPATH"))
     shards = [subprocess.Popen([sys.executable, __file__, str(i), "2"], env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True) for i in range(2)]  # CI's two cores
     outputs = [shard.communicate(timeout=300) for shard in shards]

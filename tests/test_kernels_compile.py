@@ -6,12 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tsdev.server_process import project_pythonpath
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_decode_path_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    env["PYTHONPATH"] = project_pythonpath(ROOT, env.get("PYTHONPATH"))
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "compile_kernels.py")], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

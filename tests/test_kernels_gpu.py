@@ -10,7 +10,7 @@ import zlib
 import pytest
 import torch
 
-from kernels.ops import activation, attention, linear, norm, rope, sampling
+from tsdev_kernels.ops import activation, attention, linear, norm, rope, sampling
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

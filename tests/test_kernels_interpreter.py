@@ -1,4 +1,4 @@
-"""Every Triton kernel in kernels/ops against its torch reference, on CPU through TRITON_INTERPRET=1.
+"""Every Triton kernel in kernels/tsdev_kernels/ops against its torch reference, on CPU through TRITON_INTERPRET=1.
 
 float32, small shapes (the interpreter runs one program at a time), fresh random inputs, and the awkward
 cases: sizes that are not multiples of the block sizes, strided inputs, padding slots (-1), cached
@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import kernels.ops
-from kernels.ops import activation, attention, fp8, linear, norm, rope, sampling
+import tsdev_kernels.ops
+from tsdev_kernels.ops import activation, attention, fp8, linear, norm, rope, sampling
 
 # With a GPU, this process compiled the kernels for it: tests/test_kernels_interpreter_process.py runs this file in
 # a process that sees no GPU (a plain `pytest` on a GPU machine checks every kernel too)
@@ -141,12 +141,12 @@ def test_fp8_skinny(M, N, K, block_n, block_k, bias):
 
 
 @pytest.mark.parametrize("value,families,gluon", [
-    ("triton", set(), False), ("ref", set(kernels.ops.FAMILIES), False), ("ref:linear", {"linear"}, False),
+    ("triton", set(), False), ("ref", set(tsdev_kernels.ops.FAMILIES), False), ("ref:linear", {"linear"}, False),
     ("ref:linear,rope", {"linear", "rope"}, False), ("gluon:norm", set(), True),
     ("ref:linear,rope,gluon:norm", {"linear", "rope"}, True), ("gluon:norm,ref:norm", {"norm"}, False)])
 def test_tsdev_kernels_sends_families_to_their_references_or_gluon_kernels(monkeypatch, value, families, gluon):
     monkeypatch.setenv("TSDEV_KERNELS", value)
-    assert kernels.ops.reference_families() == families and kernels.ops.use_gluon("norm") is gluon
+    assert tsdev_kernels.ops.reference_families() == families and tsdev_kernels.ops.use_gluon("norm") is gluon
 
 
 @pytest.mark.parametrize("value,fused", [("triton", True), ("ref:rope", True), ("ref:linear", False),
@@ -155,8 +155,8 @@ def test_a_fused_triton_kernel_stands_in_only_for_families_left_on_triton(monkey
     """The decode GEMV with the norm and activation inside: a family picked off Triton serves its own kernel at
     batch 1 too."""
     monkeypatch.setenv("TSDEV_KERNELS", value)
-    assert kernels.ops.use_fused_triton(SimpleNamespace(is_cuda=True), "norm", "linear", "activation") is fused
-    assert not kernels.ops.use_fused_triton(SimpleNamespace(is_cuda=False), "norm", "linear", "activation")
+    assert tsdev_kernels.ops.use_fused_triton(SimpleNamespace(is_cuda=True), "norm", "linear", "activation") is fused
+    assert not tsdev_kernels.ops.use_fused_triton(SimpleNamespace(is_cuda=False), "norm", "linear", "activation")
 
 
 def test_qk_norm_rope_unfused_is_its_reference_bit_for_bit():
@@ -173,7 +173,7 @@ def test_qk_norm_rope_unfused_is_its_reference_bit_for_bit():
 def test_tsdev_kernels_rejects_what_it_does_not_know(monkeypatch, value):
     monkeypatch.setenv("TSDEV_KERNELS", value)
     with pytest.raises(ValueError, match="TSDEV_KERNELS"):
-        kernels.ops.reference_families()
+        tsdev_kernels.ops.reference_families()
 
 
 # --- rope -------------------------------------------------------------------------------------------

@@ -5,9 +5,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from runtime.config import EngineConfig
-from runtime.engine.llm_engine import LLMEngine
-from runtime.engine.sequence import SamplingParams
+from tsdev_runtime.config import EngineConfig
+from tsdev_runtime.engine.llm_engine import LLMEngine
+from tsdev_runtime.engine.sequence import SamplingParams
 from tsdev.serving import kv_pool_note
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -19,7 +19,7 @@ def config(model_dir, **overrides) -> EngineConfig:
 
 
 def test_an_fp8_pool_holds_the_tokens_of_the_bytes_it_saves_and_the_startup_line_says_so(tiny_model_dir, monkeypatch):
-    from runtime.engine import model_runner
+    from tsdev_runtime.engine import model_runner
 
     monkeypatch.setattr(model_runner, "CPU_KV_BYTES", 1 << 20)  # the pool's memory, not max_running, bounds it
     auto, fp8 = (LLMEngine(config(tiny_model_dir, kv_cache_dtype=kv, max_running=64)) for kv in ("auto", "fp8"))

@@ -16,13 +16,13 @@ import transformers
 from fastapi.testclient import TestClient
 from safetensors.torch import load_file, save_file
 
-from kernels.ops import fp8
+from tsdev_kernels.ops import fp8
 from ranks import run_ranks
-from runtime.config import EngineConfig, ModelConfig
-from runtime.engine.llm_engine import LLMEngine
-from runtime.engine.sequence import SamplingParams
-from runtime.layers.linear import Linear
-from runtime.server.app import build_app
+from tsdev_runtime.config import EngineConfig, ModelConfig
+from tsdev_runtime.engine.llm_engine import LLMEngine
+from tsdev_runtime.engine.sequence import SamplingParams
+from tsdev_runtime.layers.linear import Linear
+from tsdev_runtime.server.app import build_app
 from test_fp8 import prefill_and_decode_logits as teacher_forced_logits
 
 FAMILIES = {"llama": "hf_llama_dir", "qwen2": "hf_qwen2_dir", "qwen3": "hf_written_dir"}
@@ -149,9 +149,9 @@ def tp_rank(model_dirs: dict[str, str]) -> dict:
     """On this rank, for each family: the layer-0 q|k|v projection this rank loaded (weight, bias, where each
     shard's rows start, its head counts), then (rank 0) greedy tokens of a two-rank engine for PROMPTS; the
     other rank follows that engine."""
-    from runtime import distributed
-    from runtime.engine.model_runner import Checkpoint, ModelRunner
-    from runtime.engine.ranks import serve_rank
+    from tsdev_runtime import distributed
+    from tsdev_runtime.engine.model_runner import Checkpoint, ModelRunner
+    from tsdev_runtime.engine.ranks import serve_rank
 
     out = {}
     for name, model_dir in model_dirs.items():
@@ -286,7 +286,7 @@ def test_a_chat_requests_prompt_is_the_checkpoints_template_as_transformers_rend
 def hf_fp8_model(model_dir) -> transformers.PreTrainedModel:
     """transformers' model with every projection (q, k, v, o, gate, up, down; not the embedding or lm_head) running
     the numerics `--quantization fp8` documents: its weight quantized per output row (`quantize_fp8_rows`), the
-    product by the CPU references of kernels/ops/fp8.py (weight-only up to SKINNY_ROWS rows, else activations
+    product by the CPU references of kernels/tsdev_kernels/ops/fp8.py (weight-only up to SKINNY_ROWS rows, else activations
     quantized per token), through `fp8_linear` itself."""
     model = hf_model(model_dir)
     for name, module in model.named_modules():

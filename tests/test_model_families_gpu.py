@@ -6,9 +6,9 @@ The CPU counterpart: tests/test_model_families.py."""
 import pytest
 import torch
 
-from runtime.config import EngineConfig
-from runtime.engine.llm_engine import LLMEngine
-from runtime.engine.sequence import SamplingParams
+from tsdev_runtime.config import EngineConfig
+from tsdev_runtime.engine.llm_engine import LLMEngine
+from tsdev_runtime.engine.sequence import SamplingParams
 
 from test_model_families import FAMILIES, PROMPTS  # the CPU test's checkpoints and prompts (two cross position 64)
 

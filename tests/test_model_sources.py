@@ -8,11 +8,11 @@ import transformers
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
-from runtime.config import EngineConfig
-from runtime.engine.llm_engine import LLMEngine
-from runtime.engine.sequence import SamplingParams
-from runtime.server.app import build_app
-from runtime.weights.hub import resolve_model
+from tsdev_runtime.config import EngineConfig
+from tsdev_runtime.engine.llm_engine import LLMEngine
+from tsdev_runtime.engine.sequence import SamplingParams
+from tsdev_runtime.server.app import build_app
+from tsdev_runtime.weights.hub import resolve_model
 
 COMMIT, OTHER = "a" * 40, "b" * 40
 

@@ -6,12 +6,12 @@ sleep(2) -> wake -> reload_weights with graphs) with the negative control that r
 import pytest
 import torch
 
-from kernels.ops import fp8, moe
-from runtime.config import EngineConfig
-from runtime.engine.llm_engine import LLMEngine
-from runtime.engine.sequence import SamplingParams
-from runtime.engine.weights_drill import DrillFailed, drill
-from runtime.weights.processing import DEBUG_DERIVED_ENV
+from tsdev_kernels.ops import fp8, moe
+from tsdev_runtime.config import EngineConfig
+from tsdev_runtime.engine.llm_engine import LLMEngine
+from tsdev_runtime.engine.sequence import SamplingParams
+from tsdev_runtime.engine.weights_drill import DrillFailed, drill
+from tsdev_runtime.weights.processing import DEBUG_DERIVED_ENV
 
 pytestmark = pytest.mark.gpu
 E, K, I, H = 128, 8, 768, 2048

@@ -6,12 +6,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kernels.ops import fp8
+from tsdev_kernels.ops import fp8
 from ranks import run_ranks
-from runtime.engine.llm_engine import LLMEngine
-from runtime.engine.sequence import SamplingParams
-from runtime.moe.experts import StackedExperts
-from runtime.moe.layer import SparseMoeBlock
+from tsdev_runtime.engine.llm_engine import LLMEngine
+from tsdev_runtime.engine.sequence import SamplingParams
+from tsdev_runtime.moe.experts import StackedExperts
+from tsdev_runtime.moe.layer import SparseMoeBlock
 from test_model_families import engine_config, hf_greedy, hf_model
 
 PROMPTS = [[5, 17, 300, 42, 9, 77, 123, 4, 8, 15, 16, 23], [200, 201, 202], [(13 * j + 1) % 1000 + 3 for j in range(40)]]
@@ -48,8 +48,8 @@ def test_greedy_tokens_equal_transformers_alone_and_batched(hf_qwen3_moe_dir, ex
 
 
 def tp_rank(model_dir: str) -> dict:
-    from runtime import distributed
-    from runtime.engine.ranks import serve_rank
+    from tsdev_runtime import distributed
+    from tsdev_runtime.engine.ranks import serve_rank
 
     config = engine_config(model_dir, world_size=2, cudagraph_capture_sizes=[1, 4])
     if distributed.rank() != 0:
@@ -102,7 +102,7 @@ def expert_tensor(e: int, proj: str, value: float = 0.0) -> tuple[str, torch.Ten
 def test_expert_tensors_out_of_order_and_repeated_process_the_layer_once_after_its_last_key(tmp_path):
     from safetensors.torch import save_file
 
-    from runtime.weights.loader import load_weights
+    from tsdev_runtime.weights.loader import load_weights
 
     save_file(dict(expert_tensor(e, p) for e in range(4) for p in ("gate", "up", "down")), tmp_path / "model.safetensors")
     layer = OneLayer()
@@ -150,9 +150,9 @@ def test_a_trigger_on_element_counts_processes_the_experts_early_and_leaves_the_
 
 @pytest.mark.parametrize("module, old, new", [
     # the router forgets to renormalise its top k
-    ("runtime.moe.router", "weights = weights / weights.sum(dim=-1, keepdim=True)", "weights = weights * 1.0"),
+    ("tsdev_runtime.moe.router", "weights = weights / weights.sum(dim=-1, keepdim=True)", "weights = weights * 1.0"),
     # the kernel module halves silu(gate) * up (its reference: what the CPU runs)
-    ("kernels.ops.moe", "h = (F.silu(gate.float()).to(dt).float() * up.float()).to(dt)",
+    ("tsdev_kernels.ops.moe", "h = (F.silu(gate.float()).to(dt).float() * up.float()).to(dt)",
      "h = (F.silu(gate.float()).to(dt).float() * up.float() * 0.5).to(dt)"),
 ])
 def test_an_edit_of_the_moe_code_changes_the_output_and_its_revert_restores_it_bit_for_bit(hf_qwen3_moe_dir, module,
@@ -168,7 +168,7 @@ def test_an_edit_of_the_moe_code_changes_the_output_and_its_revert_restores_it_b
     assert old in source
     prompt, feed = PROMPTS[0], [7, 8, 9]
     before = teacher_forced_logits(engine, prompt, feed)
-    reloader = Reloader(["runtime.models", "runtime.layers", "runtime.moe", "kernels.ops"])
+    reloader = Reloader(["tsdev_runtime.models", "tsdev_runtime.layers", "tsdev_runtime.moe", "tsdev_kernels.ops"])
     tx = reloader.reload(sources={module: source.replace(old, new).encode()})
     assert tx.report.ok, tx.report.error
     tx.commit()
@@ -236,10 +236,10 @@ def test_a_direct_update_of_every_expert_serves_transformers_tokens_of_the_new_w
 
 
 def test_pinned_staging_loads_the_experts_bit_identical_to_plain(hf_qwen3_moe_dir, monkeypatch):
-    from runtime.config import ModelConfig
-    from runtime.models import MODELS, build_model
-    from runtime.weights import pinned
-    from runtime.weights.loader import load_weights
+    from tsdev_runtime.config import ModelConfig
+    from tsdev_runtime.models import MODELS, build_model
+    from tsdev_runtime.weights import pinned
+    from tsdev_runtime.weights.loader import load_weights
 
     monkeypatch.setattr(pinned, "check_pinnable", lambda device: None)  # the staged path on the CPU, unpinned
     monkeypatch.setattr(pinned, "host_register", lambda ptr, n: (lambda: None))
@@ -289,7 +289,7 @@ def test_fp8_experts_are_transformers_with_dequantized_experts_and_fp8_projectio
         torch.testing.assert_close(teacher_forced_logits(engine, prompt, theirs[-1][:-1]), torch.cat(out.logits),
                                    rtol=1e-4, atol=1e-4)
     assert theirs != expected  # quantizing changed something
-    # one prompt at a time: the dense projections' fp8 numerics follow the step's row count (kernels/ops/fp8.py)
+    # one prompt at a time: the dense projections' fp8 numerics follow the step's row count (kernels/tsdev_kernels/ops/fp8.py)
     assert [engine.generate([prompt], GREEDY)[0]["token_ids"] for prompt in PROMPTS] == theirs
 
 
@@ -322,8 +322,8 @@ def test_the_drill_holds_on_fp8_experts_and_fails_when_their_configuration_is_re
     """sleep(2) -> wake -> reload_weights leaves every tensor as the fresh load had it, the FP8 experts' derived ones
     included; the negative control derives into a new kernel-configuration object at each reload (as the fused-MoE
     kernel object once was rebuilt), leaving the tensors the layer registered -- and graphs captured -- stale."""
-    from runtime.engine.weights_drill import DrillFailed, drill
-    from runtime.weights.processing import DEBUG_DERIVED_ENV
+    from tsdev_runtime.engine.weights_drill import DrillFailed, drill
+    from tsdev_runtime.weights.processing import DEBUG_DERIVED_ENV
 
     assert drill(LLMEngine(engine_config(hf_qwen3_moe_dir, quantization="fp8")), rounds=2).rounds == 2
     monkeypatch.setenv(DEBUG_DERIVED_ENV, "rebuild")

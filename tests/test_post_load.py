@@ -1,17 +1,17 @@
 """Post-load processing: each module's hook runs once its parameters have every key their module declares
-(runtime/weights/keys.py: never element counts or sizes), children before parents, and again into the same
+(runtime/tsdev_runtime/weights/keys.py: never element counts or sizes), children before parents, and again into the same
 storage after a weight update."""
 import pytest
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from kernels.ops.rope import rope_cos_sin_cache, rope_settings
-from runtime.config import ModelConfig
-from runtime.layers.linear import MergedLinear
-from runtime.layers.rotary import RotaryEmbedding
-from runtime.models import MODELS
-from runtime.weights.loader import load_weights
+from tsdev_kernels.ops.rope import rope_cos_sin_cache, rope_settings
+from tsdev_runtime.config import ModelConfig
+from tsdev_runtime.layers.linear import MergedLinear
+from tsdev_runtime.layers.rotary import RotaryEmbedding
+from tsdev_runtime.models import MODELS
+from tsdev_runtime.weights.loader import load_weights
 
 SHARDS = {"q": 4, "k": 2, "v": 2}
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from batches import CASES, make_batch, written_slots
-from runtime.context import step_context
-from runtime.engine.prefill_graphs import PrefillGraphs, cut_at_attention, prefill_buckets
-from runtime.engine.sequence import SamplingParams
+from tsdev_runtime.context import step_context
+from tsdev_runtime.engine.prefill_graphs import PrefillGraphs, cut_at_attention, prefill_buckets
+from tsdev_runtime.engine.sequence import SamplingParams
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -110,17 +110,17 @@ def test_the_cut_forward_survives_a_reload_of_the_attention_layer(make_engine):
     before = engine.runner.kv_cache.clone()
     plain = engine.runner.compute_logits(batch, use_graphs=False).clone()
     engine.runner.kv_cache.copy_(before)
-    tx = Reloader(["runtime.layers", "runtime.models"]).reload(modules=["runtime.layers.attention"])
+    tx = Reloader(["tsdev_runtime.layers", "tsdev_runtime.models"]).reload(modules=["tsdev_runtime.layers.attention"])
     try:
         assert tx.report.ok, tx.report.error
-        assert "runtime.models.qwen3" in tx.report.dependents
+        assert "tsdev_runtime.models.qwen3" in tx.report.dependents
         torch.testing.assert_close(engine.runner.compute_logits(batch), plain, rtol=1e-5, atol=1e-5)
     finally:
         tx.rollback()
 
 
 def test_a_graph_captured_under_other_properties_is_not_replayed(make_engine, monkeypatch):
-    from runtime.engine import prefill_graphs
+    from tsdev_runtime.engine import prefill_graphs
 
     engine = make_engine(max_batched_tokens=64)
     graphs = engine.runner.prefill_graphs

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from batches import CASES, make_batch, written_slots
-from runtime.config import EngineConfig
-from runtime.control_protocol import ReloadRequest
-from runtime.engine.async_engine import AsyncEngine
-from runtime.engine.llm_engine import LLMEngine
-from runtime.engine.prefill_graphs import PrefillGraphs
-from runtime.engine.reload_forward import ReloadForward
-from runtime.engine.sequence import SamplingParams
+from tsdev_runtime.config import EngineConfig
+from tsdev_runtime.control_protocol import ReloadRequest
+from tsdev_runtime.engine.async_engine import AsyncEngine
+from tsdev_runtime.engine.llm_engine import LLMEngine
+from tsdev_runtime.engine.prefill_graphs import PrefillGraphs
+from tsdev_runtime.engine.reload_forward import ReloadForward
+from tsdev_runtime.engine.sequence import SamplingParams
 from test_reload_gpu import STORE, EDITED, EditedSources
 from tsdev.hotreload import Reloader
 
@@ -78,8 +78,8 @@ def test_default_model_replay_equals_eager_in_bf16():
 @pytest.mark.parametrize("recapture", [False, True], ids=["patched", "recaptured"])
 def test_reload_edit_changes_the_prefill_graphs_output(tiny_model_dir, recapture):
     engine = tiny_engine(tiny_model_dir)
-    edit = EditedSources(Reloader(["kernels.ops", "runtime.layers", "runtime.models", "runtime.sampling"]),
-                         "kernels.ops.activation", STORE, EDITED)
+    edit = EditedSources(Reloader(["tsdev_kernels.ops", "tsdev_runtime.layers", "tsdev_runtime.models", "tsdev_runtime.sampling"]),
+                         "tsdev_kernels.ops.activation", STORE, EDITED)
     spec = [(40, 0), (25, 10)]
     batch = make_batch(engine, spec)
     before = replayed(engine, batch)
@@ -108,7 +108,7 @@ def test_reload_edit_changes_the_prefill_graphs_output(tiny_model_dir, recapture
 
 
 def test_a_capture_failure_falls_back_to_eager_prefill_with_a_warning(tiny_model_dir, monkeypatch, capsys):
-    from runtime.layers.activation import SiluAndMul
+    from tsdev_runtime.layers.activation import SiluAndMul
 
     forward = SiluAndMul.forward
 

@@ -23,7 +23,7 @@ def test_profile_without_nsys_takes_a_torch_range_per_reload_and_summarises_it(t
         while not (out / "reload-0.summary.md").exists():
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "timeout"
             time.sleep(0.5)
-        reply = reload_forward(f"http://127.0.0.1:{port}", ["runtime.layers.activation"], timeout_s=120,
+        reply = reload_forward(f"http://127.0.0.1:{port}", ["tsdev_runtime.layers.activation"], timeout_s=120,
                                api_key="prof-key")
         assert reply.ok, reply
         stdout, _ = proc.communicate(timeout=180)

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from serve_process import copy_project
-from tsdev.server_process import free_port
+from tsdev.server_process import free_port, project_pythonpath
 from tsdev.profile import find_nsys
 
 pytestmark = pytest.mark.gpu
@@ -28,7 +28,7 @@ def test_profile_takes_one_report_per_reload(tmp_path):
     assert find_nsys()[0], "nsys not found: source scripts/device-setup.sh (sets $NSYS)"
     project = copy_project(tmp_path / "project")
     out, port = tmp_path / "prof", free_port()
-    env = {**os.environ, "PYTHONPATH": f"{project}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {**os.environ, "PYTHONPATH": project_pythonpath(project)}
     log = tmp_path / "profile.log"
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "tsdev", "profile", "--out", str(out), "--ranges", "2",
@@ -37,7 +37,7 @@ def test_profile_takes_one_report_per_reload(tmp_path):
                                 stdout=f, stderr=subprocess.STDOUT)
     try:
         wait_for_line(log, "range reload-0 taken", proc)
-        source = project / "kernels/ops/activation.py"
+        source = project / "kernels/tsdev_kernels/ops/activation.py"
         source.write_text(source.read_text().replace(STORE, "    return -act * up\n"))
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/rl/engine/reload_forward", json={"id": "p1"}, timeout=300).json()
         assert reply["ok"], reply

@@ -4,7 +4,7 @@ import json
 
 import httpx
 
-from runtime.control_protocol import ProfileRange, ProfileRequest
+from tsdev_runtime.control_protocol import ProfileRange, ProfileRequest
 from tsdev.client import body
 
 
@@ -40,7 +40,7 @@ def test_bad_profile_requests_are_refused(tiny_server):
 def test_a_trace_that_cannot_be_written_is_reported_not_raised_in_the_engine_step(tmp_path):
     import torch
 
-    from runtime.engine.profiler import StepProfiler
+    from tsdev_runtime.engine.profiler import StepProfiler
 
     profiler = StepProfiler(torch.device("cpu"), tmp_path)
     profiler.start(["TORCH"], 1, output_dir=str(tmp_path / "out"), name="r")

@@ -8,14 +8,14 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from runtime.control_protocol import (ModulesReply, PauseReply, ReloadFinished, ReloadReply, ReloadStarted, ReloadStep,
+from tsdev_runtime.control_protocol import (ModulesReply, PauseReply, ReloadFinished, ReloadReply, ReloadStarted, ReloadStep,
                                       WorkerReport, parse_event)
 from serve_process import copy_project, serve
 from tsdev.cli import app
 from tsdev.client import iter_sse_data
 
 PROMPT = {"prompt": [5, 17, 300, 42, 9, 77, 123], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-ACTIVATION = "kernels/ops/activation.py"
+ACTIVATION = "kernels/tsdev_kernels/ops/activation.py"
 SILU_LINE = "    return F.silu(gate) * up\n"
 
 
@@ -71,8 +71,8 @@ def test_edit_changes_output_and_revert_restores_it(server, project):
         reply = reload(server, new_id())
         assert reply.ok, reply
         worker = reply.workers[0]
-        assert worker.reloaded == ["kernels.ops.activation"]
-        assert "runtime.layers.activation" in worker.dependents and worker.patched > 0
+        assert worker.reloaded == ["tsdev_kernels.ops.activation"]
+        assert "tsdev_runtime.layers.activation" in worker.dependents and worker.patched > 0
         assert worker.rebuilt == [] and "rebuild" not in worker.timings  # no __init__ changed
         assert set(worker.timings) >= {"drain", "flush", "reload", "warm", "recapture", "jit", "total", "pause",
                                           "recapture_decode", "recapture_prefill"}
@@ -103,27 +103,27 @@ def test_error_in_warm_up_rolls_back(server, project):
 
 
 def test_edit_outside_reloadable_packages_needs_restart(server, project):
-    with edited(project, "runtime/engine/scheduler.py", '"""Continuous batching', '"""Edited. Continuous batching'):
+    with edited(project, "runtime/tsdev_runtime/engine/scheduler.py", '"""Continuous batching', '"""Edited. Continuous batching'):
         worker = reload(server, new_id()).workers[0]
-        assert worker.needs_restart == ["runtime.engine.scheduler"]
+        assert worker.needs_restart == ["tsdev_runtime.engine.scheduler"]
         assert worker.reloaded == []
 
 
 def test_forced_module_reloads_without_a_change(server):
-    worker = reload(server, new_id(), modules=["kernels.ops.norm"]).workers[0]
-    assert worker.ok and worker.reloaded == ["kernels.ops.norm"] and worker.dependents
-    assert "runtime.layers.norm" in worker.dependents and worker.rebuilt == []  # re-executed, same __init__
+    worker = reload(server, new_id(), modules=["tsdev_kernels.ops.norm"]).workers[0]
+    assert worker.ok and worker.reloaded == ["tsdev_kernels.ops.norm"] and worker.dependents
+    assert "tsdev_runtime.layers.norm" in worker.dependents and worker.rebuilt == []  # re-executed, same __init__
     bad = reload(server, new_id(), modules=["no.such.module"])
     assert bad.ok is False and "no.such.module" in bad.workers[0].error
 
 
 def test_the_server_logs_one_line_per_reload_with_its_outcome(server, project):
     ok, failed = new_id(), new_id()
-    worker = reload(server, ok, modules=["kernels.ops.norm"]).workers[0]
+    worker = reload(server, ok, modules=["tsdev_kernels.ops.norm"]).workers[0]
     with edited(project, ACTIVATION, SILU_LINE, "    return F.silu(gate) * up)\n"):
         assert not reload(server, failed).ok
     log = (project / "serve.log").read_text()
-    assert (f"reload {ok} ok: kernels.ops.norm + {len(worker.dependents)} dependent(s), "
+    assert (f"reload {ok} ok: tsdev_kernels.ops.norm + {len(worker.dependents)} dependent(s), "
             f"paused {worker.timings['pause']:.2f} s\n") in log
     line = next(line for line in log.splitlines() if line.startswith(f"reload {failed} "))
     assert line.startswith(f"reload {failed} FAILED in reload: ") and "activation.py:" in line and "SyntaxError" in line
@@ -131,14 +131,14 @@ def test_the_server_logs_one_line_per_reload_with_its_outcome(server, project):
 
 def test_modules_route_lists_what_a_reload_can_force(server):
     modules = ModulesReply.model_validate_json(httpx.get(server + "/v1/rl/engine/modules").content).modules
-    assert {"kernels.ops.activation", "runtime.layers.norm", "runtime.models.qwen3"} <= set(modules)
-    assert not any(m.startswith("runtime.engine") for m in modules)
+    assert {"tsdev_kernels.ops.activation", "tsdev_runtime.layers.norm", "tsdev_runtime.models.qwen3"} <= set(modules)
+    assert not any(m.startswith("tsdev_runtime.engine") for m in modules)
 
 
 def test_same_id_returns_the_first_outcome_without_reloading_again(server):
     rid = new_id()
-    first = reload(server, rid, modules=["kernels.ops.norm"])
-    second = reload(server, rid, modules=["kernels.ops.norm"])
+    first = reload(server, rid, modules=["tsdev_kernels.ops.norm"])
+    second = reload(server, rid, modules=["tsdev_kernels.ops.norm"])
     assert first == second  # timings included: it did not run twice
 
 
@@ -166,7 +166,7 @@ def start_streams(url, n, **overrides):
 
 def test_streams_in_flight_complete_across_a_reload(server):
     threads, results = start_streams(server, 4, max_tokens=300)
-    reply = reload(server, new_id(), modules=["kernels.ops.activation"])
+    reply = reload(server, new_id(), modules=["tsdev_kernels.ops.activation"])
     late = complete(server, max_tokens=5)  # arrives after the reload: served by the new code
     for t in threads:
         t.join(60)
@@ -177,7 +177,7 @@ def test_streams_in_flight_complete_across_a_reload(server):
 
 def test_abort_mode_aborts_running_requests_with_a_reason(server):
     threads, results = start_streams(server, 3, max_tokens=900)
-    reply = reload(server, new_id(), modules=["kernels.ops.activation"], mode="abort")
+    reply = reload(server, new_id(), modules=["tsdev_kernels.ops.activation"], mode="abort")
     for t in threads:
         t.join(60)
     assert reply.ok
@@ -186,7 +186,7 @@ def test_abort_mode_aborts_running_requests_with_a_reason(server):
 
 def test_drain_timeout_gives_up_cleanly_and_names_the_step(server):
     threads, results = start_streams(server, 1, max_tokens=900)
-    reply = reload(server, new_id(), modules=["kernels.ops.activation"], timeout_s=0.2)
+    reply = reload(server, new_id(), modules=["tsdev_kernels.ops.activation"], timeout_s=0.2)
     for t in threads:
         t.join(60)
     assert reply.ok is False and "drain" in reply.workers[0].error
@@ -209,13 +209,13 @@ def test_concurrent_reloads_run_one_after_the_other(server):
     time.sleep(0.3)
     ids = [new_id(), new_id()]
     replies = [None, None]
-    workers = [threading.Thread(target=lambda i=i: replies.__setitem__(i, reload(server, ids[i], modules=["kernels.ops.norm"])))
+    workers = [threading.Thread(target=lambda i=i: replies.__setitem__(i, reload(server, ids[i], modules=["tsdev_kernels.ops.norm"])))
                for i in range(2)]
     for w in workers:
         w.start()
     for w in workers:
         w.join(60)
-    reload(server, marker, modules=["kernels.ops.norm"])  # its first event ends the listener
+    reload(server, marker, modules=["tsdev_kernels.ops.norm"])  # its first event ends the listener
     listener.join(30)
     assert all(r.ok for r in replies)
     mine = [e for e in events if getattr(e, "id", None) in ids]
@@ -233,7 +233,7 @@ def test_pause_is_kept_across_a_reload_and_continue_resumes(server):
     results = [None]
     t = threading.Thread(target=stream_completion, args=(server, results, 0), kwargs={"max_tokens": 3})
     t.start()
-    assert reload(server, new_id(), modules=["kernels.ops.norm"]).ok
+    assert reload(server, new_id(), modules=["tsdev_kernels.ops.norm"]).ok
     time.sleep(0.5)
     assert results[0] is None  # still paused: the request is held
     httpx.post(server + "/v1/rl/engine/continue_generation", json={})
@@ -256,10 +256,10 @@ def test_reload_is_refused_without_the_flag(tiny_model_dir, tmp_path):
 def test_continue_generation_cancels_a_reload_that_has_not_started(server):
     threads, results = start_streams(server, 1, max_tokens=600)  # keeps the first reload draining a while
     replies = {}
-    first = threading.Thread(target=lambda: replies.__setitem__("first", reload(server, new_id(), modules=["kernels.ops.norm"])))
+    first = threading.Thread(target=lambda: replies.__setitem__("first", reload(server, new_id(), modules=["tsdev_kernels.ops.norm"])))
     first.start()
     time.sleep(0.3)
-    second = threading.Thread(target=lambda: replies.__setitem__("second", reload(server, new_id(), modules=["kernels.ops.norm"])))
+    second = threading.Thread(target=lambda: replies.__setitem__("second", reload(server, new_id(), modules=["tsdev_kernels.ops.norm"])))
     second.start()
     time.sleep(0.3)
     assert httpx.post(server + "/v1/rl/engine/continue_generation", json={}, timeout=60).status_code == 200
@@ -271,7 +271,7 @@ def test_continue_generation_cancels_a_reload_that_has_not_started(server):
 
 # --- `tsdev reload`: exit status and what it shows while it waits -------------------------------------------
 
-SCHEDULER = "runtime/engine/scheduler.py"
+SCHEDULER = "runtime/tsdev_runtime/engine/scheduler.py"
 SCHEDULER_DOC = ('"""Continuous batching', '"""Edited. Continuous batching')
 
 
@@ -282,7 +282,7 @@ def tsdev_reload(url, *args):
 def test_reload_exit_status_0_when_reloaded_or_nothing_changed(server, project):
     with edited(project, ACTIVATION, SILU_LINE, "    return -F.silu(gate) * up\n"):
         done = tsdev_reload(server)
-        assert done.exit_code == 0 and done.output.startswith("reloaded kernels.ops.activation"), done.output
+        assert done.exit_code == 0 and done.output.startswith("reloaded tsdev_kernels.ops.activation"), done.output
     assert tsdev_reload(server).exit_code == 0  # the revert
     nothing = tsdev_reload(server)
     assert nothing.exit_code == 0 and nothing.output.startswith("nothing to reload"), nothing.output
@@ -300,13 +300,13 @@ def test_reload_exit_status_3_when_an_edit_needs_a_restart_even_if_others_reload
     with edited(project, SCHEDULER, *SCHEDULER_DOC):
         alone = tsdev_reload(server, "--file", str(project / SCHEDULER))
         assert alone.exit_code == 3, alone.output
-        assert alone.output.startswith("needs restart: runtime.engine.scheduler changed outside the reloadable "
+        assert alone.output.startswith("needs restart: tsdev_runtime.engine.scheduler changed outside the reloadable "
                                        "packages; restart the server") and "reloaded" not in alone.output
         with edited(project, ACTIVATION, SILU_LINE, "    return -F.silu(gate) * up\n"):
             both = tsdev_reload(server)
             assert both.exit_code == 3, both.output
-            assert both.output.startswith("needs restart: runtime.engine.scheduler")
-            assert "reloaded kernels.ops.activation" in both.output  # the reloadable edit did reload
+            assert both.output.startswith("needs restart: tsdev_runtime.engine.scheduler")
+            assert "reloaded tsdev_kernels.ops.activation" in both.output  # the reloadable edit did reload
     assert tsdev_reload(server).exit_code == 0  # the reverts: back to the code the server started with
 
 
@@ -317,18 +317,18 @@ def test_reload_exit_status_2_when_no_server_answers():
 
 def test_reload_shows_the_drain_waiting_for_running_requests(server):
     threads, results = start_streams(server, 2, max_tokens=900)
-    waited = tsdev_reload(server, "--modules", "kernels.ops.norm")
+    waited = tsdev_reload(server, "--modules", "tsdev_kernels.ops.norm")
     for t in threads:
         t.join(60)
     assert waited.exit_code == 0, waited.output
     lines = waited.output.splitlines()  # not a terminal: plain lines, the first after 0.5 s of draining
     assert re.match(r"draining \d+\.\d s: waiting for 2 running request\(s\) to finish before reloading", lines[0]), lines
-    assert re.fullmatch(r"drained in \d+\.\d s", lines[-3]) and lines[-2].startswith("reloaded kernels.ops.norm")
-    immediate = tsdev_reload(server, "--modules", "kernels.ops.norm")
-    assert immediate.output.startswith("reloaded kernels.ops.norm")  # nothing extra when nothing waits
+    assert re.fullmatch(r"drained in \d+\.\d s", lines[-3]) and lines[-2].startswith("reloaded tsdev_kernels.ops.norm")
+    immediate = tsdev_reload(server, "--modules", "tsdev_kernels.ops.norm")
+    assert immediate.output.startswith("reloaded tsdev_kernels.ops.norm")  # nothing extra when nothing waits
 
 
-NORM = "runtime/layers/norm.py"
+NORM = "runtime/tsdev_runtime/layers/norm.py"
 NORM_WEIGHT = "        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)\n"
 NORM_SCALED = NORM_WEIGHT + '        self.register_buffer("scale", torch.full((hidden_size,), 2.0), persistent=False)\n'
 NORM_FORWARD = "            return norm_ops.rms_norm(x, self.weight, self.eps)\n"
@@ -345,7 +345,7 @@ def test_layer_init_edit_rebuilds_the_model_and_matches_a_fresh_server(server, p
         worker = reply.workers[0]
         assert "model.norm" in worker.rebuilt and any(n.endswith("input_layernorm") for n in worker.rebuilt)
         assert "rebuild" in worker.timings and worker.needs_restart == []
-        assert not [s for s in worker.stale if s.name == "runtime.layers.norm.RMSNorm"]
+        assert not [s for s in worker.stale if s.name == "tsdev_runtime.layers.norm.RMSNorm"]
         rebuilt = complete(server)["text"]
         assert rebuilt != before
         args = [str(tiny_model_dir), "--device", "cpu", "--max-model-len", "1024", "--cudagraph-capture-sizes", "1", "4"]
@@ -362,7 +362,7 @@ def test_layer_shape_edit_needs_restart_and_old_model_keeps_serving(server, proj
         reply = reload(server, new_id())
         assert reply.ok is False
         worker = reply.workers[0]
-        assert worker.needs_restart == ["runtime.layers.norm"]
+        assert worker.needs_restart == ["tsdev_runtime.layers.norm"]
         assert "needs restart" in worker.error and "shape" in worker.error, worker.error
         assert complete(server)["text"] == before
     assert reload(server, new_id()).ok

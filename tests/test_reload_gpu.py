@@ -6,12 +6,12 @@ import time
 
 import pytest
 
-from runtime.config import EngineConfig
-from runtime.control_protocol import ReloadRequest
-from runtime.engine.async_engine import AsyncEngine
-from runtime.engine.llm_engine import LLMEngine
-from runtime.engine.reload_forward import ReloadForward
-from runtime.engine.sequence import SamplingParams
+from tsdev_runtime.config import EngineConfig
+from tsdev_runtime.control_protocol import ReloadRequest
+from tsdev_runtime.engine.async_engine import AsyncEngine
+from tsdev_runtime.engine.llm_engine import LLMEngine
+from tsdev_runtime.engine.reload_forward import ReloadForward
+from tsdev_runtime.engine.sequence import SamplingParams
 from tsdev.hotreload import Reloader
 
 pytestmark = pytest.mark.gpu
@@ -48,10 +48,10 @@ class EditedSources:
 
 
 def compiled_kernels() -> int:
-    """Binaries in the in-memory caches of every Triton kernel in kernels.ops."""
+    """Binaries in the in-memory caches of every Triton kernel in tsdev_kernels.ops."""
     total = 0
     for name, module in list(sys.modules.items()):
-        if not name.startswith("kernels.ops"):
+        if not name.startswith("tsdev_kernels.ops"):
             continue
         for obj in vars(module).values():
             for cache in getattr(obj, "device_caches", {}).values():
@@ -86,8 +86,8 @@ def replay_and_eager(engine: LLMEngine, lengths: list[int]):
 def test_edited_kernel_runs_in_the_captured_graphs_and_nothing_recompiles(tiny_model_dir, full_recapture):
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cuda", kv_pages=256,
                                     cudagraph_capture_sizes=[1, 2, 4], full_recapture=full_recapture))
-    edit = EditedSources(Reloader(["kernels.ops", "runtime.layers", "runtime.models", "runtime.sampling"]),
-                         "kernels.ops.activation", STORE, EDITED)
+    edit = EditedSources(Reloader(["tsdev_kernels.ops", "tsdev_runtime.layers", "tsdev_runtime.models", "tsdev_runtime.sampling"]),
+                         "tsdev_kernels.ops.activation", STORE, EDITED)
 
     async def scenario():
         ae = AsyncEngine(engine)
@@ -97,7 +97,7 @@ def test_edited_kernel_runs_in_the_captured_graphs_and_nothing_recompiles(tiny_m
         old_graph, _ = await ae.run_on_engine_thread(lambda: replay_and_eager(engine, [5, 9, 14]))  # size 4
         reply = await reload(ReloadRequest(id="r1"))
         assert reply.ok, reply
-        assert reply.workers[0].reloaded == ["kernels.ops.activation"]
+        assert reply.workers[0].reloaded == ["tsdev_kernels.ops.activation"]
         assert reply.workers[0].jit_kernels >= 1  # the edited kernel was compiled ahead, before the drain
         assert reply.workers[0].warnings == []
         assert reply.workers[0].kernels_only  # a kernel body edit: binaries loaded in the reload, no warm-up run
@@ -141,8 +141,8 @@ def test_layer_init_edit_rebuilds_the_default_model_without_a_restart():
     start = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=None, device="cuda", kv_pages=4096, max_running=64))
     restart = time.perf_counter() - start
-    edit = EditedSources(Reloader(["kernels.ops", "runtime.layers", "runtime.models", "runtime.sampling"]),
-                         "runtime.layers.norm", NORM_WEIGHT, NORM_SCALED,
+    edit = EditedSources(Reloader(["tsdev_kernels.ops", "tsdev_runtime.layers", "tsdev_runtime.models", "tsdev_runtime.sampling"]),
+                         "tsdev_runtime.layers.norm", NORM_WEIGHT, NORM_SCALED,
                          (NORM_FORWARD, "            return norm_ops.rms_norm(x, self.weight * self.scale, self.eps)\n"))
 
     async def scenario():

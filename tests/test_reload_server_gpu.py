@@ -8,7 +8,7 @@ from serve_process import copy_project, serve
 from test_reload_forward import complete, edited, new_id, reload
 
 pytestmark = pytest.mark.gpu
-ACTIVATION = "kernels/ops/activation.py"
+ACTIVATION = "kernels/tsdev_kernels/ops/activation.py"
 HELPER = "    return act * up\n"
 
 

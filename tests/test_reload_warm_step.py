@@ -5,13 +5,13 @@ import asyncio
 
 import pytest
 
-from runtime.control_protocol import ReloadRequest
-from runtime.engine.async_engine import AsyncEngine
-from runtime.engine.reload_forward import ReloadForward
-from runtime.engine.sequence import SamplingParams
+from tsdev_runtime.control_protocol import ReloadRequest
+from tsdev_runtime.engine.async_engine import AsyncEngine
+from tsdev_runtime.engine.reload_forward import ReloadForward
+from tsdev_runtime.engine.sequence import SamplingParams
 from tsdev.hotreload import Reloader
 
-PACKAGES = ["kernels.ops", "runtime.layers", "runtime.models", "runtime.sampling"]
+PACKAGES = ["tsdev_kernels.ops", "tsdev_runtime.layers", "tsdev_runtime.models", "tsdev_runtime.sampling"]
 GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
 
 
@@ -44,7 +44,7 @@ def test_the_warm_step_runs_the_warm_up_only_when_more_than_kernel_bodies_change
         await ae.start()
         try:
             return await ReloadForward(ae, Reporting(kernels_only))(
-                ReloadRequest(id="r1", modules=["kernels.ops.activation"]))
+                ReloadRequest(id="r1", modules=["tsdev_kernels.ops.activation"]))
         finally:
             await ae.stop()
 
@@ -57,11 +57,11 @@ def test_the_warm_step_runs_the_warm_up_only_when_more_than_kernel_bodies_change
 
 
 def test_the_reload_line_says_when_no_warm_up_was_needed():
-    from runtime.control_protocol import WorkerReport
+    from tsdev_runtime.control_protocol import WorkerReport
     from tsdev.outcome import worker_text
 
     timings = {"reload": 0.01, "warm": 0.0, "recapture": 0.05, "pause": 0.07}
-    skipped = WorkerReport(ok=True, reloaded=["kernels.ops.activation"], kernels_only=True, timings=timings)
-    ran = WorkerReport(ok=True, reloaded=["kernels.ops.activation"], timings={**timings, "warm": 0.12})
+    skipped = WorkerReport(ok=True, reloaded=["tsdev_kernels.ops.activation"], kernels_only=True, timings=timings)
+    ran = WorkerReport(ok=True, reloaded=["tsdev_kernels.ops.activation"], timings={**timings, "warm": 0.12})
     assert "no warm-up needed (only kernel bodies changed" in worker_text(skipped)
     assert "warmed in 0.12 s" in worker_text(ran) and "no warm-up" not in worker_text(ran)

@@ -1,12 +1,12 @@
-"""tsdev's Reloader is what the engine's reload_forward expects (runtime.engine.reload_forward.ForwardReloader):
+"""tsdev's Reloader is what the engine's reload_forward expects (tsdev_runtime.engine.reload_forward.ForwardReloader):
 the runtime never imports the toolkit, so only this test notices when the two drift apart."""
 import importlib
 import inspect
 
 import pytest
 
-from runtime.control_protocol import WorkerReport
-from runtime.engine.reload_forward import (ForwardReloader, ReloadPlan, ReloadReport, ReloadTransaction,
+from tsdev_runtime.control_protocol import WorkerReport
+from tsdev_runtime.engine.reload_forward import (ForwardReloader, ReloadPlan, ReloadReport, ReloadTransaction,
                                            reported)
 from tsdev.hotreload import Reloader
 from tsdev.hotreload.reloader import Plan

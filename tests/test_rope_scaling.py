@@ -11,8 +11,8 @@ import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from kernels.ops import rope
-from runtime.layers.rotary import RotaryEmbedding
+from tsdev_kernels.ops import rope
+from tsdev_runtime.layers.rotary import RotaryEmbedding
 
 TIGHT = {"atol": 1e-6, "rtol": 1e-6}
 POSITIONS = 12000  # table rows checked: past every case's original context, short of 131072 (kept fast)

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from runtime.config import EngineConfig
-from runtime.engine.llm_engine import LLMEngine
-from runtime.engine.sequence import SamplingParams
+from tsdev_runtime.config import EngineConfig
+from tsdev_runtime.engine.llm_engine import LLMEngine
+from tsdev_runtime.engine.sequence import SamplingParams
 
 pytestmark = pytest.mark.gpu
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -75,7 +75,7 @@ def test_greedy_on_cuda_matches_transformers(tiny_model_dir):
 
 def test_no_sampling_kernel_compiles_while_serving():
     """The warm-up compiles every sampling kernel binary a request can pick (top-k's one per candidate block)."""
-    from kernels.ops import sampling
+    from tsdev_kernels.ops import sampling
 
     def binaries():
         return {name: sum(len(cache[0]) for cache in kernel.device_caches.values())
@@ -96,8 +96,8 @@ def test_no_sampling_kernel_compiles_while_serving():
 def test_lm_head_float32_logits_for_many_rows_come_unrounded_from_cublas(rows):
     """Above the skinny kernel's rows, bf16 logits are written as float32 by the GEMM itself (no bf16 rounding
     in between): closer to a float32 reference than bf16 logits can be; at few rows they are bf16 converted."""
-    from runtime.context import Context, step_context
-    from runtime.layers.embedding import LMHead
+    from tsdev_runtime.context import Context, step_context
+    from tsdev_runtime.layers.embedding import LMHead
 
     vocab, hidden_size = 151936, 1024
     head = LMHead(vocab, hidden_size).cuda().to(torch.bfloat16)

@@ -1,8 +1,8 @@
 import torch
 
-from runtime.engine.sequence import SamplingParams
-from kernels.ops.sampling import apply_top_k_top_p
-from runtime.sampling.sampler import max_top_k
+from tsdev_runtime.engine.sequence import SamplingParams
+from tsdev_kernels.ops.sampling import apply_top_k_top_p
+from tsdev_runtime.sampling.sampler import max_top_k
 
 PROMPT = [11, 22, 33, 44, 55]
 
@@ -61,7 +61,7 @@ def test_the_kernel_path_promise_follows_the_rows_parameters():
 
 
 def test_detokenizer_skips_ids_the_tokenizer_lacks_and_holds_split_characters(make_engine):
-    from runtime.engine.detokenizer import Detokenizer
+    from tsdev_runtime.engine.detokenizer import Detokenizer
 
     tokenizer = make_engine().tokenizer
     unknown = tokenizer.get_vocab_size() + 5  # the model's vocabulary is larger than the tokenizer's
@@ -76,7 +76,7 @@ def test_detokenizer_skips_ids_the_tokenizer_lacks_and_holds_split_characters(ma
 
 
 def test_detokenizer_stops_at_a_stop_string_split_across_tokens(make_engine):
-    from runtime.engine.detokenizer import Detokenizer
+    from tsdev_runtime.engine.detokenizer import Detokenizer
 
     tokenizer = make_engine().tokenizer
     detok, ids = Detokenizer(tokenizer, stop=["lo wo"]), tokenizer.encode(" hello world").ids

@@ -1,6 +1,6 @@
 """Scheduling under pressure: preemption by recompute, abort, prefix-cache eviction."""
-from runtime.engine.block_manager import BlockManager
-from runtime.engine.sequence import SamplingParams, Sequence
+from tsdev_runtime.engine.block_manager import BlockManager
+from tsdev_runtime.engine.sequence import SamplingParams, Sequence
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 PROMPTS = [[(7 * i + j) % 900 + 1 for j in range(10 + 3 * i)] for i in range(6)]
@@ -89,7 +89,7 @@ def test_chunked_prefill_runs_beside_decodes(make_engine):
 
 
 def test_a_request_waiting_for_pages_counts_its_prefix_lookup_once():
-    from runtime.engine.scheduler import Scheduler
+    from tsdev_runtime.engine.scheduler import Scheduler
 
     bm = BlockManager(num_pages=10, page_size=4)
     cached = Sequence("cached", list(range(12)), GREEDY)

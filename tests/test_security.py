@@ -13,10 +13,10 @@ import pytest
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
-from runtime.config import ServerConfig
-from runtime.control_protocol import ErrorBody, ProfileRequest, ServerInfo
-from runtime.server.app import build_app
-from runtime.server.security import PathNotAllowed, SecurityPolicy, confine, is_local_client, startup_refusal
+from tsdev_runtime.config import ServerConfig
+from tsdev_runtime.control_protocol import ErrorBody, ProfileRequest, ServerInfo
+from tsdev_runtime.server.app import build_app
+from tsdev_runtime.server.security import PathNotAllowed, SecurityPolicy, confine, is_local_client, startup_refusal
 from tsdev.cli import app as cli
 from tsdev.client import auth_headers, body
 
@@ -27,8 +27,8 @@ COMPLETION = {"prompt": [1, 2, 3], "max_tokens": 2, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    from runtime.config import EngineConfig
-    from runtime.engine.llm_engine import LLMEngine
+    from tsdev_runtime.config import EngineConfig
+    from tsdev_runtime.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", max_model_len=128, kv_pages=64))
 
@@ -143,9 +143,9 @@ def test_which_clients_are_on_this_machine(host, local):
 
 
 def test_serve_refuses_reload_forward_on_a_public_host_without_a_key(monkeypatch):
-    import runtime.engine.llm_engine
+    import tsdev_runtime.engine.llm_engine
 
-    monkeypatch.setattr(runtime.engine.llm_engine, "LLMEngine", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(tsdev_runtime.engine.llm_engine, "LLMEngine", lambda *a, **k: pytest.fail("the model loaded"))
     start = time.perf_counter()
     result = CliRunner().invoke(cli, ["serve", "--host", "0.0.0.0", "--allow-reload-forward", "--device", "cpu"])
     assert result.exit_code == 2 and time.perf_counter() - start < 5

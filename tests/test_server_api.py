@@ -2,14 +2,14 @@
 import pytest
 from fastapi.testclient import TestClient
 
-from runtime.server.app import build_app
+from tsdev_runtime.server.app import build_app
 from tsdev.client import iter_sse_data
 
 
 @pytest.fixture(scope="module")
 def client(tiny_model_dir):
-    from runtime.config import EngineConfig
-    from runtime.engine.llm_engine import LLMEngine
+    from tsdev_runtime.config import EngineConfig
+    from tsdev_runtime.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", max_model_len=128, kv_pages=256))
     with TestClient(build_app(engine, "tiny")) as c:
@@ -114,9 +114,9 @@ def test_models_health_and_metrics(client):
 
 
 def test_return_token_ids_gives_the_generated_ids(client, tiny_model_dir):
-    from runtime.config import EngineConfig
-    from runtime.engine.llm_engine import LLMEngine
-    from runtime.engine.sequence import SamplingParams
+    from tsdev_runtime.config import EngineConfig
+    from tsdev_runtime.engine.llm_engine import LLMEngine
+    from tsdev_runtime.engine.sequence import SamplingParams
 
     req = {"prompt": [3, 4, 5], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
     whole = client.post("/v1/completions", json=req).json()["choices"][0]["token_ids"]
@@ -131,8 +131,8 @@ def test_return_token_ids_gives_the_generated_ids(client, tiny_model_dir):
 
 
 def test_an_internal_error_is_a_json_500(tiny_model_dir, monkeypatch):
-    from runtime.config import EngineConfig
-    from runtime.engine.llm_engine import LLMEngine
+    from tsdev_runtime.config import EngineConfig
+    from tsdev_runtime.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", max_model_len=128, kv_pages=256))
 
@@ -151,7 +151,7 @@ def test_server_info_says_what_is_served(client, tiny_model_dir):
 
     from safetensors import safe_open
 
-    from runtime.control_protocol import SERVER_INFO_ROUTE, ServerInfo
+    from tsdev_runtime.control_protocol import SERVER_INFO_ROUTE, ServerInfo
 
     r = client.get(SERVER_INFO_ROUTE)
     assert r.status_code == 200, r.text
@@ -264,8 +264,8 @@ def labels(**pairs) -> frozenset:
 
 
 def test_metrics_carry_the_model_name_and_count_finishes_by_reason_and_preemptions(tiny_model_dir):
-    from runtime.config import EngineConfig
-    from runtime.engine.llm_engine import LLMEngine
+    from tsdev_runtime.config import EngineConfig
+    from tsdev_runtime.engine.llm_engine import LLMEngine
 
     # 12 pages of 4 tokens: four 20-token requests do not fit at once, so some are preempted
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", max_model_len=32, kv_pages=12,

@@ -7,16 +7,16 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from fastapi.testclient import TestClient
 
-from runtime.config import EngineConfig
-from runtime.control_protocol import (CONTINUE_ROUTE, PAUSE_ROUTE, ErrorBody, Hello, ReloadWeightsReply, SleepReply, SleepStatus, WakeUpReply,
+from tsdev_runtime.config import EngineConfig
+from tsdev_runtime.control_protocol import (CONTINUE_ROUTE, PAUSE_ROUTE, ErrorBody, Hello, ReloadWeightsReply, SleepReply, SleepStatus, WakeUpReply,
                                       parse_event)
-from runtime.weights.loader import LoadedWeights
-from runtime.engine.llm_engine import LLMEngine
-from runtime.weights.layout import named_tensors
-from runtime.engine.weights_drill import DrillFailed, drill, greedy
-from runtime.server.app import build_app
-from runtime.server.security import SecurityPolicy
-from runtime.weights.processing import DEBUG_DERIVED_ENV
+from tsdev_runtime.weights.loader import LoadedWeights
+from tsdev_runtime.engine.llm_engine import LLMEngine
+from tsdev_runtime.weights.layout import named_tensors
+from tsdev_runtime.engine.weights_drill import DrillFailed, drill, greedy
+from tsdev_runtime.server.app import build_app
+from tsdev_runtime.server.security import SecurityPolicy
+from tsdev_runtime.weights.processing import DEBUG_DERIVED_ENV
 
 COMPLETION = {"prompt": [1, 2, 3, 4, 5], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
               "return_token_ids": True}

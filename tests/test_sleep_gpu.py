@@ -6,10 +6,10 @@ import time
 import pytest
 import torch
 
-from runtime.config import EngineConfig
-from runtime.engine.llm_engine import LLMEngine
-from runtime.engine.weights_drill import DrillFailed, drill, greedy
-from runtime.weights.processing import DEBUG_DERIVED_ENV
+from tsdev_runtime.config import EngineConfig
+from tsdev_runtime.engine.llm_engine import LLMEngine
+from tsdev_runtime.engine.weights_drill import DrillFailed, drill, greedy
+from tsdev_runtime.weights.processing import DEBUG_DERIVED_ENV
 
 pytestmark = pytest.mark.gpu
 

@@ -56,8 +56,8 @@ def test_a_restart_asks_the_old_server_which_graphs_to_capture_before_serving(ma
     /server_info), else the smallest of each kind (tests/test_deferred_capture.py: the rest are captured after)."""
     import asyncio
 
-    from runtime.engine.sequence import SamplingParams
-    from runtime.server.app import build_app
+    from tsdev_runtime.engine.sequence import SamplingParams
+    from tsdev_runtime.server.app import build_app
     from tsdev.watch.link import ServerLink
 
     engine = make_engine(cudagraph_capture_sizes=[1, 2, 4, 8], prefill_graph_capture_sizes=[16, 32, 64])
@@ -76,8 +76,8 @@ def test_a_restart_asks_the_old_server_which_graphs_to_capture_before_serving(ma
 
 def test_a_standby_prepared_before_a_broken_edit_reports_it_when_it_starts(tmp_path):
     """The `prepare` line imports the project ahead; an error there is left to the start, which reports it."""
-    (tmp_path / "runtime").mkdir()
-    (tmp_path / "runtime" / "__init__.py").write_text("raise RuntimeError('broken on purpose')\n")
+    (tmp_path / "tsdev_runtime").mkdir()
+    (tmp_path / "tsdev_runtime" / "__init__.py").write_text("raise RuntimeError('broken on purpose')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     standby = subprocess.run([sys.executable, "-m", "tsdev.standby"], input='prepare\n["serve", "--device", "cpu", "--port", "0"]\n',
                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)

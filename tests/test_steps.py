@@ -1,10 +1,10 @@
-"""The reload's transaction loop (runtime/engine/steps.py): steps run in order and are timed; a failure leaves the
+"""The reload's transaction loop (runtime/tsdev_runtime/engine/steps.py): steps run in order and are timed; a failure leaves the
 steps begun -- the failed one too -- to be undone last first, guards included, each undo told why."""
 import asyncio
 
 import pytest
 
-from runtime.engine.steps import Step, Steps
+from tsdev_runtime.engine.steps import Step, Steps
 
 
 def test_a_failure_undoes_the_steps_begun_last_first_and_the_guard_after_the_step_it_guards():

@@ -5,7 +5,7 @@ import sys
 
 PROBE = """
 import subprocess, sys, time
-from runtime.engine.errors import wait_for_children
+from tsdev_runtime.engine.errors import wait_for_children
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep({sleep})"])
 start = time.monotonic()
 wait_for_children({wait})

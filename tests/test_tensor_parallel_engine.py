@@ -5,11 +5,11 @@ import asyncio
 import pytest
 
 from ranks import run_ranks
-from runtime.config import EngineConfig
-from runtime.engine.llm_engine import LLMEngine
-from runtime.engine.sequence import SamplingParams
+from tsdev_runtime.config import EngineConfig
+from tsdev_runtime.engine.llm_engine import LLMEngine
+from tsdev_runtime.engine.sequence import SamplingParams
 
-PACKAGES = ["kernels.ops", "runtime.layers", "runtime.models", "runtime.sampling"]
+PACKAGES = ["tsdev_kernels.ops", "tsdev_runtime.layers", "tsdev_runtime.models", "tsdev_runtime.sampling"]
 PROMPTS = [[5, 17, 300, 42, 9, 77], list(range(3, 40)), [7, 8, 9]]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 SILU_LINE = "    return F.silu(gate) * up\n"
@@ -48,8 +48,8 @@ def generate(engine: LLMEngine) -> list[list[int]]:
 def on_rank(model_dir: str, world_size: int, scenario, *args):
     """Rank 0 runs `scenario(engine, *args)` (a module-level function); the others follow (with their own reloader)
     until the engine closes."""
-    from runtime import distributed
-    from runtime.engine.ranks import serve_rank
+    from tsdev_runtime import distributed
+    from tsdev_runtime.engine.ranks import serve_rank
     from tsdev.hotreload import Reloader
 
     if distributed.rank() != 0:
@@ -86,9 +86,9 @@ def test_one_rank_in_a_process_group_runs_every_collective_and_generates_what_a_
 def counted_scenario(engine):
     import torch.distributed as dist
 
-    from runtime.control_protocol import ReloadRequest
-    from runtime.engine.async_engine import AsyncEngine
-    from runtime.engine.reload_forward import ReloadForward
+    from tsdev_runtime.control_protocol import ReloadRequest
+    from tsdev_runtime.engine.async_engine import AsyncEngine
+    from tsdev_runtime.engine.reload_forward import ReloadForward
     from tsdev.hotreload import Reloader
 
     counts = {}
@@ -106,7 +106,7 @@ def counted_scenario(engine):
         ae = AsyncEngine(engine)
         await ae.start()
         try:
-            return await ReloadForward(ae, Reloader(PACKAGES))(ReloadRequest(id="one-rank", modules=["runtime.layers.activation"]))
+            return await ReloadForward(ae, Reloader(PACKAGES))(ReloadRequest(id="one-rank", modules=["tsdev_runtime.layers.activation"]))
         finally:
             await ae.stop()
 
@@ -116,9 +116,9 @@ def counted_scenario(engine):
 
 
 def reload_scenario(engine, edit_args):
-    from runtime.control_protocol import ReloadRequest
-    from runtime.engine.async_engine import AsyncEngine
-    from runtime.engine.reload_forward import ReloadForward
+    from tsdev_runtime.control_protocol import ReloadRequest
+    from tsdev_runtime.engine.async_engine import AsyncEngine
+    from tsdev_runtime.engine.reload_forward import ReloadForward
 
     async def run():
         ae = AsyncEngine(engine)
@@ -145,17 +145,17 @@ async def tokens(ae, rid: str) -> list[int]:
 
 
 def test_a_reload_changes_the_output_on_both_ranks_and_the_reply_has_both(tiny_model_dir):
-    edit = ("kernels.ops.activation", SILU_LINE, NEGATED)
+    edit = ("tsdev_kernels.ops.activation", SILU_LINE, NEGATED)
     (before, reply, after, back, restored), _ = run_ranks(on_rank, 2, str(tiny_model_dir), 2, reload_scenario, edit)
     assert reply["ok"], reply
     assert [w["rank"] for w in reply["workers"]] == [0, 1]
-    assert reply["workers"][1]["reloaded"] == ["kernels.ops.activation"] and "warm" in reply["workers"][1]["timings"]
+    assert reply["workers"][1]["reloaded"] == ["tsdev_kernels.ops.activation"] and "warm" in reply["workers"][1]["timings"]
     assert after != before  # both ranks run the edit (a rank without it would disagree in the all-reduce)
     assert back["ok"] and restored == before
 
 
 def test_an_edit_that_fails_on_rank_1_only_rolls_rank_0_back_too(tiny_model_dir):
-    edit = ("kernels.ops.activation", SILU_LINE, SILU_LINE + RANK_1_REFUSES)
+    edit = ("tsdev_kernels.ops.activation", SILU_LINE, SILU_LINE + RANK_1_REFUSES)
     (before, reply, after, _, _), _ = run_ranks(on_rank, 2, str(tiny_model_dir), 2, reload_scenario, edit)
     assert not reply["ok"]
     rank0, rank1 = reply["workers"]
@@ -181,7 +181,7 @@ def weights_scenario(engine, other_dir: str):
 
 
 def test_sleep_wake_and_weight_updates_reach_every_rank(tiny_model_dir, tmp_path):
-    from runtime.weights.default_model import SHAPES, write_checkpoint
+    from tsdev_runtime.weights.default_model import SHAPES, write_checkpoint
 
     other = tmp_path / "other"
     other.mkdir()
@@ -249,7 +249,7 @@ def test_a_rank_that_hangs_in_a_reload_stops_the_server_within_the_timeout_namin
 def test_a_step_sends_the_other_ranks_only_the_tokens_not_computed_yet():
     import pickle
 
-    from runtime.engine.sequence import Sequence
+    from tsdev_runtime.engine.sequence import Sequence
 
     seq = Sequence("r", list(range(2000)), GREEDY)
     seq.token_ids += [5, 6]
@@ -363,7 +363,7 @@ def test_a_tp_that_does_not_divide_the_heads_fails_with_one_line_per_rank_and_st
 
 
 def test_the_rank_wide_calls_are_declared_once_and_a_follower_refuses_any_other(monkeypatch):
-    from runtime.engine import ranks
+    from tsdev_runtime.engine import ranks
 
     driven = {name for name in vars(ranks.DrivenRunner) if not name.startswith("_")}
     assert driven == {*ranks.RANK_CALLS, "launch", "restore_model", "stop"}  # nothing proxied to rank 0 alone

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from ranks import run_ranks
-from runtime.config import EngineConfig
-from runtime.engine.llm_engine import LLMEngine
-from runtime.engine.sequence import SamplingParams
+from tsdev_runtime.config import EngineConfig
+from tsdev_runtime.engine.llm_engine import LLMEngine
+from tsdev_runtime.engine.sequence import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2,
                                                   reason="needs two GPUs (the nvidia-h200-x2 machine)")]
@@ -21,8 +21,8 @@ def config(model_dir: str | None, world_size: int, dtype: str) -> EngineConfig:
 
 
 def on_rank(model_dir: str | None, dtype: str, prompts=PROMPTS, params=GREEDY):
-    from runtime import distributed
-    from runtime.engine.ranks import serve_rank
+    from tsdev_runtime import distributed
+    from tsdev_runtime.engine.ranks import serve_rank
 
     if distributed.rank():
         serve_rank(config(model_dir, 2, dtype))

@@ -11,15 +11,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ranks import run_ranks
-from runtime import distributed
-from runtime.config import EngineConfig, ModelConfig
-from runtime.engine.block_manager import BlockManager
-from runtime.engine.model_runner import Checkpoint, ModelRunner
-from runtime.engine.scheduler import ScheduledBatch
-from runtime.engine.sequence import SamplingParams, Sequence
-from runtime.models import build_model
-from runtime.weights.default_model import SHAPES, random_weights, write_checkpoint
-from runtime.weights.loader import check_checkpoint
+from tsdev_runtime import distributed
+from tsdev_runtime.config import EngineConfig, ModelConfig
+from tsdev_runtime.engine.block_manager import BlockManager
+from tsdev_runtime.engine.model_runner import Checkpoint, ModelRunner
+from tsdev_runtime.engine.scheduler import ScheduledBatch
+from tsdev_runtime.engine.sequence import SamplingParams, Sequence
+from tsdev_runtime.models import build_model
+from tsdev_runtime.weights.default_model import SHAPES, random_weights, write_checkpoint
+from tsdev_runtime.weights.loader import check_checkpoint
 
 PROMPTS = [[(7 * j + 3) % 1000 + 1 for j in range(13)], [(11 * j + 5) % 1000 + 1 for j in range(6)]]
 DECODE_STEPS = 3
@@ -151,9 +151,9 @@ def check_mismatch(model_dir: str, tmp: str) -> None:
 def staged_slices_equal_plain(model_dir: str) -> dict:
     """On this rank: the staged path reading only this rank's rows (where the slice is along the first dimension)
     loads exactly what the plain path (whole tensors, narrowed) loads; the bytes it read."""
-    from runtime.weights.checkpoint import checkpoint_files, read_entries
-    from runtime.weights.loader import LoadSession, _Targets, load_weights
-    from runtime.weights.pinned import StagedLoad
+    from tsdev_runtime.weights.checkpoint import checkpoint_files, read_entries
+    from tsdev_runtime.weights.loader import LoadSession, _Targets, load_weights
+    from tsdev_runtime.weights.pinned import StagedLoad
 
     config = ModelConfig.from_dir(Path(model_dir))
     plain = build_model(config, "cpu", torch.float32)

@@ -7,14 +7,14 @@ import torch
 from fastapi.testclient import TestClient
 from safetensors.torch import load_file, save_file
 
-import runtime.weights.loader as loader
-from runtime.config import EngineConfig
-from runtime.control_protocol import ErrorBody, ReloadWeightsReply, WeightsChecksumReply
-from runtime.engine.llm_engine import LLMEngine
-from runtime.engine.sleep import overall_digest
-from runtime.engine.weights_drill import fresh_checksum
-from runtime.server.app import build_app
-from runtime.server.security import SecurityPolicy
+import tsdev_runtime.weights.loader as loader
+from tsdev_runtime.config import EngineConfig
+from tsdev_runtime.control_protocol import ErrorBody, ReloadWeightsReply, WeightsChecksumReply
+from tsdev_runtime.engine.llm_engine import LLMEngine
+from tsdev_runtime.engine.sleep import overall_digest
+from tsdev_runtime.engine.weights_drill import fresh_checksum
+from tsdev_runtime.server.app import build_app
+from tsdev_runtime.server.security import SecurityPolicy
 
 UPDATE = "/v1/rl/engine/update_weights"
 CHECKSUM = "/v1/rl/engine/weights_checksum"
@@ -150,7 +150,7 @@ def test_steps_are_refused_between_begin_and_finish_until_a_full_update_repairs_
 def test_a_post_load_hook_that_replaces_a_parameter_is_refused_at_start(tiny_model_dir, monkeypatch):
     from torch import nn
 
-    from runtime.layers.norm import RMSNorm
+    from tsdev_runtime.layers.norm import RMSNorm
 
     def replaces(self):
         self.weight = nn.Parameter(self.weight.detach().clone())
@@ -162,7 +162,7 @@ def test_a_post_load_hook_that_replaces_a_parameter_is_refused_at_start(tiny_mod
 
 def test_direct_update_views_re_laid_out_tensors_back_in_the_same_storage(tiny_model_dir, checkpoints):
     """A hook that re-lays a tensor out (a transposed view of the same storage) is viewed back before the load."""
-    from runtime.weights import layout
+    from tsdev_runtime.weights import layout
 
     engine = LLMEngine(config(tiny_model_dir))
     model = engine.runner.model

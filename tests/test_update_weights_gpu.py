@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 
-from runtime.config import EngineConfig
-from runtime.engine.llm_engine import LLMEngine
-from runtime.engine.weights_drill import fresh_checksum, greedy
-from runtime.weights.default_model import SHAPES, write_checkpoint
+from tsdev_runtime.config import EngineConfig
+from tsdev_runtime.engine.llm_engine import LLMEngine
+from tsdev_runtime.engine.weights_drill import fresh_checksum, greedy
+from tsdev_runtime.weights.default_model import SHAPES, write_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def quantizations() -> list[str | None]:
     if not torch.cuda.is_available():
         return [None]
-    from kernels.ops import fp8
+    from tsdev_kernels.ops import fp8
 
     return [None] + (["fp8"] if fp8.fp8_unsupported_reason("cuda") is None else [])
 

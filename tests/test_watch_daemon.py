@@ -4,7 +4,7 @@ import asyncio
 import pytest
 
 from fake_server import URL, FakeServer, failed_worker, make_project, ok_worker, until
-from runtime.control_protocol import ReloadFinished, ReloadStarted, ReloadStep, StaleDefinition
+from tsdev_runtime.control_protocol import ReloadFinished, ReloadStarted, ReloadStep, StaleDefinition
 from tsdev.watch.args import WatchConfig, split_server_args
 from tsdev.watch.daemon import Daemon
 from tsdev.watch.records import ReloadRecord
@@ -51,11 +51,11 @@ def test_saves_during_a_reload_are_coalesced_into_one_next_reload(tmp_path):
 
     async def main():
         daemon, task = await running(project, server, events)
-        (project / "kernels/ops/act.py").write_text("def act(x):\n    return 2 * x\n")
+        (project / "kernels/tsdev_kernels/ops/act.py").write_text("def act(x):\n    return 2 * x\n")
         await until(lambda: len(server.reloads) == 1)
-        (project / "runtime/layers/norm.py").write_text("X = 2\n")  # both while the first reload runs
+        (project / "runtime/tsdev_runtime/layers/norm.py").write_text("X = 2\n")  # both while the first reload runs
         await asyncio.sleep(0.3)
-        (project / "kernels/ops/act.py").write_text("def act(x):\n    return 3 * x\n")
+        (project / "kernels/tsdev_kernels/ops/act.py").write_text("def act(x):\n    return 3 * x\n")
         await until(lambda: len(finished(events)) == 2)
         await asyncio.sleep(1.0)  # nothing else may follow
         await stop(daemon, task)
@@ -64,17 +64,17 @@ def test_saves_during_a_reload_are_coalesced_into_one_next_reload(tmp_path):
     assert len(server.reloads) == 2
     assert all(request.modules is None for request in server.reloads)  # the server decides by content
     first, second = finished(events)
-    assert (first.files, first.modules) == (["kernels/ops/act.py"], ["kernels.ops.act"])
-    assert second.files == ["kernels/ops/act.py", "runtime/layers/norm.py"]
-    assert second.modules == ["kernels.ops.act", "runtime.layers.norm"]
+    assert (first.files, first.modules) == (["kernels/tsdev_kernels/ops/act.py"], ["tsdev_kernels.ops.act"])
+    assert second.files == ["kernels/tsdev_kernels/ops/act.py", "runtime/tsdev_runtime/layers/norm.py"]
+    assert second.modules == ["tsdev_kernels.ops.act", "tsdev_runtime.layers.norm"]
 
 
 def test_each_reload_is_checked_against_the_golden_completion_and_probed(tmp_path):
     project, server = make_project(tmp_path), FakeServer()
     server.output_changed_at = 5
-    events = session(project, server, lambda daemon: (project / "kernels/ops/act.py").write_text("def act(x):\n    return -x\n"))
+    events = session(project, server, lambda daemon: (project / "kernels/tsdev_kernels/ops/act.py").write_text("def act(x):\n    return -x\n"))
     record = finished(events)[0]
-    assert record.ok and record.reloaded == ["kernels.ops.act"] and record.dependents == ["runtime.layers.norm"]
+    assert record.ok and record.reloaded == ["tsdev_kernels.ops.act"] and record.dependents == ["tsdev_runtime.layers.norm"]
     assert record.steps["warm"] == pytest.approx(0.123) and record.steps["recapture"] == pytest.approx(0.456)
     assert record.verdict.position == 5 and "output changed at token 5 of 24" in record.verdict.text()
     assert record.probe is not None and record.probe.previous is not None  # compared with the startup probe
@@ -84,19 +84,19 @@ def test_a_failed_reload_keeps_its_error_and_skips_the_checks(tmp_path):
     project, server = make_project(tmp_path), FakeServer()
     error = f"{project}/kernels/ops/act.py:2: SyntaxError: invalid syntax"
     server.answer = lambda request: failed_worker(error)
-    events = session(project, server, lambda daemon: (project / "kernels/ops/act.py").write_text("def act(x):\n    return x)\n"))
+    events = session(project, server, lambda daemon: (project / "kernels/tsdev_kernels/ops/act.py").write_text("def act(x):\n    return x)\n"))
     record = finished(events)[0]
     assert record.error == error and record.verdict is None and record.probe is None
 
 
 def test_reload_all_forces_every_module_the_server_has_imported(tmp_path):
     project, server = make_project(tmp_path), FakeServer()
-    (project / "kernels/ops/unused.py").write_text("Z = 0\n")
-    server.loaded = ["kernels.ops", "kernels.ops.act", "runtime.layers", "runtime.layers.norm", "runtime.models.x"]
+    (project / "kernels/tsdev_kernels/ops/unused.py").write_text("Z = 0\n")
+    server.loaded = ["tsdev_kernels.ops", "tsdev_kernels.ops.act", "tsdev_runtime.layers", "tsdev_runtime.layers.norm", "tsdev_runtime.models.x"]
     server.answer = lambda request: ok_worker(reloaded=request.modules)
     events = session(project, server, lambda daemon: daemon.reload_all())
     assert [request.modules for request in server.reloads] == [
-        ["kernels.ops", "kernels.ops.act", "runtime.layers", "runtime.layers.norm"]]  # on disk and imported
+        ["tsdev_kernels.ops", "tsdev_kernels.ops.act", "tsdev_runtime.layers", "tsdev_runtime.layers.norm"]]  # on disk and imported
     assert finished(events)[0].ok
 
 
@@ -104,18 +104,18 @@ def test_reload_all_without_the_modules_route_forces_what_is_on_disk(tmp_path):
     project, server = make_project(tmp_path), FakeServer()
     server.answer = lambda request: ok_worker(reloaded=request.modules)
     session(project, server, lambda daemon: daemon.reload_all())
-    assert server.reloads[0].modules == ["kernels.ops", "kernels.ops.act", "runtime.layers", "runtime.layers.norm"]
+    assert server.reloads[0].modules == ["tsdev_kernels.ops", "tsdev_kernels.ops.act", "tsdev_runtime.layers", "tsdev_runtime.layers.norm"]
 
 
 def test_reloads_by_other_clients_appear_and_are_checked(tmp_path):
     project, server = make_project(tmp_path), FakeServer()
-    hook = [ReloadStarted(id="hook-1", n=1, modules=["kernels.ops.act"]),
+    hook = [ReloadStarted(id="hook-1", n=1, modules=["tsdev_kernels.ops.act"]),
             ReloadStep(id="hook-1", step="drain", state="started"),
             ReloadStep(id="hook-1", step="drain", state="done", seconds=0.25),
             ReloadFinished(type="reload_finished", id="hook-1", n=1, worker=ok_worker())]
     events = session(project, server, lambda daemon: server.pending_events.extend(hook))
     record = finished(events)[0]
-    assert record.trigger == "another client" and record.modules == ["kernels.ops.act"]
+    assert record.trigger == "another client" and record.modules == ["tsdev_kernels.ops.act"]
     assert record.steps["drain"] == pytest.approx(0.011)  # the reply's timings win over the live ones
     assert record.verdict is not None and record.verdict.same and record.probe is not None
     assert server.reloads == []  # the daemon did not reload again
@@ -123,10 +123,10 @@ def test_reloads_by_other_clients_appear_and_are_checked(tmp_path):
 
 def test_an_edit_outside_the_reloadable_packages_cannot_restart_an_attached_server(tmp_path):
     project, server = make_project(tmp_path), FakeServer()
-    events = session(project, server, lambda daemon: (project / "runtime/engine/scheduler.py").write_text("Y = 2\n"),
+    events = session(project, server, lambda daemon: (project / "runtime/tsdev_runtime/engine/scheduler.py").write_text("Y = 2\n"),
                      done=lambda events: any(e.level == "warning" for e in events))
     warning = next(e.text for e in events if e.level == "warning")
-    assert "runtime.engine.scheduler changed outside the reloadable packages" in warning
+    assert "tsdev_runtime.engine.scheduler changed outside the reloadable packages" in warning
     assert "restart it yourself" in warning and server.reloads == []
 
 
@@ -134,12 +134,12 @@ def test_a_reload_that_needs_a_restart_says_so_in_its_line(tmp_path):
     from tsdev.watch.plain import reload_line
 
     project, server = make_project(tmp_path), FakeServer()
-    worker = ok_worker(needs_restart=["runtime.engine.scheduler"])  # kernels.ops.act reloaded as well
+    worker = ok_worker(needs_restart=["tsdev_runtime.engine.scheduler"])  # tsdev_kernels.ops.act reloaded as well
     hook = [ReloadStarted(id="hook-1", n=1), ReloadFinished(type="reload_finished", id="hook-1", n=1, worker=worker)]
     events = session(project, server, lambda daemon: server.pending_events.extend(hook),
                      done=lambda events: finished(events) and any(e.level == "warning" for e in events))
     record = finished(events)[0]
-    assert record.restart == ("needs restart: runtime.engine.scheduler changed outside the reloadable packages → "
+    assert record.restart == ("needs restart: tsdev_runtime.engine.scheduler changed outside the reloadable packages → "
                               "restart it yourself (attached)")  # a server tsdev watch started: "restarting the server"
     line = reload_line(record)
     assert line.startswith("reload #1 [green]ok[/green]") and line.endswith(f"[yellow]{record.restart}[/yellow]")
@@ -156,7 +156,7 @@ def test_profiling_covers_the_next_reload_or_every_reload(tmp_path, each):
         else:
             daemon.arm_profile()
         for n in (1, 2):
-            (project / "kernels/ops/act.py").write_text(f"def act(x):\n    return x + {n}\n")
+            (project / "kernels/tsdev_kernels/ops/act.py").write_text(f"def act(x):\n    return x + {n}\n")
             await until(lambda: len(finished(events)) == n)
         await stop(daemon, task)
 
@@ -180,14 +180,14 @@ def test_server_flags_pass_through_and_model_is_found():
 def test_a_reload_line_carries_the_replys_warnings_and_stale_definitions():
     from tsdev.watch.plain import reload_line
 
-    record = ReloadRecord(1, "save", files=["kernels/ops/act.py"], done=True)
+    record = ReloadRecord(1, "save", files=["kernels/tsdev_kernels/ops/act.py"], done=True)
     record.worker = ok_worker(warnings=["compiling ahead failed, kernels compile during the warm step: boom"],
-                              stale=[StaleDefinition(name="kernels.ops.act.Table")])
+                              stale=[StaleDefinition(name="tsdev_kernels.ops.act.Table")])
     record.steps.update(record.worker.timings)
     line = reload_line(record)
     assert "jit 0.08 drain 0.01" in line and "recapture 0.46 (decode 0.30, prefill 0.16) pause 0.63" in line
     assert "warning: compiling ahead failed, kernels compile during the warm step: boom" in line
-    assert "stale (could not be patched): kernels.ops.act.Table" in line
+    assert "stale (could not be patched): tsdev_kernels.ops.act.Table" in line
 
 
 def test_a_reload_on_two_ranks_shows_a_line_per_rank(tmp_path):
@@ -198,7 +198,7 @@ def test_a_reload_on_two_ranks_shows_a_line_per_rank(tmp_path):
 
     async def main():
         daemon, task = await running(project, server, events)
-        (project / "kernels/ops/act.py").write_text("def act(x):\n    return x + 1\n")
+        (project / "kernels/tsdev_kernels/ops/act.py").write_text("def act(x):\n    return x + 1\n")
         await until(lambda: len(finished(events)) == 1)
         await stop(daemon, task)
 
@@ -227,7 +227,7 @@ def test_model_and_device_come_from_server_info_else_from_v1_models(tmp_path, ha
 
 
 def test_the_daemon_shows_a_sleeping_server_and_skips_its_checks(tmp_path):
-    from runtime.control_protocol import Awake, Sleeping
+    from tsdev_runtime.control_protocol import Awake, Sleeping
 
     project, server, events = make_project(tmp_path), FakeServer(), []
 

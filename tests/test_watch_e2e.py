@@ -12,9 +12,9 @@ import httpx
 import pytest
 
 from serve_process import copy_project
-from tsdev.server_process import free_port
+from tsdev.server_process import free_port, project_pythonpath
 
-LAYER, LAYER_LINE = "runtime/layers/activation.py", "        return act_ops.silu_and_mul(x)\n"
+LAYER, LAYER_LINE = "runtime/tsdev_runtime/layers/activation.py", "        return act_ops.silu_and_mul(x)\n"
 
 
 class Output:
@@ -52,7 +52,7 @@ class Output:
 def watch(tmp_path_factory, tiny_model_dir):
     project = copy_project(tmp_path_factory.mktemp("watch-project"))
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(project) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": project_pythonpath(project)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "tsdev", "watch", str(tiny_model_dir), "--device", "cpu", "--max-model-len", "1024",
          "--cudagraph-capture-sizes", "1", "4", "--port", str(port), "--no-tui", "--probe-batch", "4",
@@ -60,7 +60,7 @@ def watch(tmp_path_factory, tiny_model_dir):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=project, env=env)
     out = Output(proc)
     try:
-        out.next(r"watching kernels/, runtime/", timeout=120)
+        out.next(r"watching \S*/kernels/tsdev_kernels/, \S*/runtime/tsdev_runtime/", timeout=120)
         yield proc, out, project, f"http://127.0.0.1:{port}"
     finally:
         if proc.poll() is None:
@@ -86,7 +86,7 @@ def test_layer_edit_gives_one_reload_line_with_step_timings_and_golden_verdict(w
     start = len(out.lines)
     edit(project, LAYER, LAYER_LINE, LAYER_LINE.replace("(x)\n", "(x) * 1.5\n"))
     line = out.next(r"reload #\d+ (ok|FAILED).*").group(0)
-    assert "(save runtime/layers/activation.py): runtime.layers.activation + " in line
+    assert "(save runtime/tsdev_runtime/layers/activation.py): tsdev_runtime.layers.activation + " in line
     for step in ("drain", "flush", "reload", "warm", "recapture", "jit", "pause", "total"):
         assert re.search(rf"\b{step} \d+\.\d\d\b", line), (step, line)
     assert re.search(r"golden: output changed at token \d+ of 24 \| decode [\d.]+ ms/step at batch 4 \([+-]", line)
@@ -101,20 +101,20 @@ def test_layer_edit_gives_one_reload_line_with_step_timings_and_golden_verdict(w
 
 def test_reload_from_an_editor_hook_appears_in_the_daemon(watch):
     proc, out, project, url = watch
-    env = {**os.environ, "PYTHONPATH": str(project)}
+    env = {**os.environ, "PYTHONPATH": project_pythonpath(project, "")}
     hook = subprocess.run([sys.executable, "-m", "tsdev", "reload", "--url", url, "--file",
-                           str(project / "kernels/ops/norm.py")], capture_output=True, text=True, env=env, cwd=project)
+                           str(project / "kernels/tsdev_kernels/ops/norm.py")], capture_output=True, text=True, env=env, cwd=project)
     assert hook.returncode == 0, hook.stdout + hook.stderr
-    assert "reloaded kernels.ops.norm" in hook.stdout
-    line = out.next(r"reload #\d+ ok \(another client: kernels\.ops\.norm\)").string
+    assert "reloaded tsdev_kernels.ops.norm" in hook.stdout
+    line = out.next(r"reload #\d+ ok \(another client: tsdev_kernels\.ops\.norm\)").string
     assert "golden: same 24 tokens" in line
 
 
 def test_edit_outside_the_reloadable_packages_restarts_the_server(watch):
     proc, out, project, url = watch
-    edit(project, "runtime/engine/scheduler.py", '"""', '"""Edited by the watch test. ')
+    edit(project, "runtime/tsdev_runtime/engine/scheduler.py", '"""', '"""Edited by the watch test. ')
     line = out.next(r"restart #1: .*").string
-    assert "runtime.engine.scheduler changed outside the reloadable packages → restarted in" in line
+    assert "tsdev_runtime.engine.scheduler changed outside the reloadable packages → restarted in" in line
     assert "golden: same 24 tokens" in line
     assert httpx.get(url + "/health").status_code == 200
 

@@ -25,7 +25,7 @@ def screen_text(app) -> str:
 def test_reload_row_with_timings_then_an_error_with_file_line_and_code(tmp_path):
     project, server = make_project(tmp_path), FakeServer()
     server.output_changed_at = 3
-    act = project / "kernels/ops/act.py"
+    act = project / "kernels/tsdev_kernels/ops/act.py"
     app = WatchApp(WatchConfig(attach=URL, project=project, probe_batch=2, probe_steps=4), server.transport())
 
     async def main():
@@ -52,7 +52,7 @@ def test_reload_row_with_timings_then_an_error_with_file_line_and_code(tmp_path)
 
     first, second, cleared = asyncio.run(main())
     # the history row: trigger, module, dependents, each step's seconds, golden verdict, probe
-    row = next(line for line in first.splitlines() if re.search(r" 1 +\d\d:\d\d:\d\d +save kernels/ops/act.py", line))
+    row = next(line for line in first.splitlines() if re.search(r" 1 +\d\d:\d\d:\d\d +save …\S*/ops/act\.py", line))
     for cell in ("0.01", "0.00", "0.03", "0.12", "0.46", "0.08", "0.63", "0.64", "changed @3", "ok"):
         assert cell in row, (cell, row)
     assert "✓ warm 0.12 s" in first and "✓ recapture 0.46 s (decode 0.30, prefill 0.16)" in first  # the current reload's steps
@@ -69,7 +69,7 @@ async def one_save(app, pilot, project) -> None:
     """Once the daemon serves: save an edit of act.py and wait for its reload to end."""
     await until(lambda: app.daemon.watcher.ready.is_set() and app.daemon.info["state"] == "serving")
     await pilot.pause(0.3)
-    (project / "kernels/ops/act.py").write_text("def act(x):\n    return 2 * x\n")
+    (project / "kernels/tsdev_kernels/ops/act.py").write_text("def act(x):\n    return 2 * x\n")
     await until(lambda: app.daemon.reloads.records and app.daemon.reloads.records[-1].done)
     await pilot.pause(0.3)
 
@@ -133,7 +133,7 @@ def test_at_80_by_24_the_history_drops_columns_in_order_and_keeps_the_outcome(tm
 def test_a_reloads_kernel_checks_show_as_one_summary_per_op_and_k_shows_them_per_shape(tmp_path):
     from fake_server import ok_worker
 
-    from runtime.control_protocol import KernelCheckResult
+    from tsdev_runtime.control_protocol import KernelCheckResult
 
     def check(tokens, before, after):
         return KernelCheckResult(op="silu_and_mul", shape=[tokens, 6144], dtype="bfloat16", max_abs=2e-3, max_rel=4e-3,

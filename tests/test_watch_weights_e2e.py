@@ -11,7 +11,7 @@ from tsdev.server_process import free_port
 
 
 def test_a_checkpoint_published_into_dir_updates_the_served_weights(tmp_path, tiny_model_dir):
-    from runtime.weights.default_model import SHAPES, write_checkpoint
+    from tsdev_runtime.weights.default_model import SHAPES, write_checkpoint
 
     weights, port = tmp_path / "ckpts", free_port()
     proc = subprocess.Popen(

@@ -5,11 +5,11 @@ import sys
 import pytest
 import torch
 
-from runtime.config import ModelConfig
-from runtime.models import build_model
-from runtime.weights import pinned
-from runtime.weights.default_model import default_model_dir
-from runtime.weights.loader import load_weights
+from tsdev_runtime.config import ModelConfig
+from tsdev_runtime.models import build_model
+from tsdev_runtime.weights import pinned
+from tsdev_runtime.weights.default_model import default_model_dir
+from tsdev_runtime.weights.loader import load_weights
 
 pytestmark = pytest.mark.gpu
 

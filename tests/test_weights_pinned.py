@@ -7,12 +7,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from runtime.config import EngineConfig, ModelConfig, parse_size
-from runtime.models import MODELS
-from runtime.weights import pinned
-from runtime.weights.checkpoint import TensorEntry, checkpoint_files, read_entries
-from runtime.weights.loader import load_weights
-from runtime.weights.pinned import ALIGN, PinningUnavailable, StagedLoad, plan_chunks, slot_bytes_for
+from tsdev_runtime.config import EngineConfig, ModelConfig, parse_size
+from tsdev_runtime.models import MODELS
+from tsdev_runtime.weights import pinned
+from tsdev_runtime.weights.checkpoint import TensorEntry, checkpoint_files, read_entries
+from tsdev_runtime.weights.loader import load_weights
+from tsdev_runtime.weights.pinned import ALIGN, PinningUnavailable, StagedLoad, plan_chunks, slot_bytes_for
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

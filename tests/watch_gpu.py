@@ -6,7 +6,7 @@ import sys
 
 from serve_process import copy_project
 from test_watch_e2e import Output, edit
-from tsdev.server_process import free_port
+from tsdev.server_process import free_port, project_pythonpath
 
 
 def edit_and_revert_under_watch(tiny_model_dir, tmp_path, kernels: str, path: str, line: str,
@@ -14,7 +14,7 @@ def edit_and_revert_under_watch(tiny_model_dir, tmp_path, kernels: str, path: st
     """(the reload line after saving `edited` in place of `line` in `path`, the one after saving `line` back)."""
     project = copy_project(tmp_path / "project")
     env = {**os.environ, "TSDEV_KERNELS": kernels,
-           "PYTHONPATH": str(project) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+           "PYTHONPATH": project_pythonpath(project)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "tsdev", "watch", str(tiny_model_dir), "--device", "cuda", "--max-model-len", "1024",
          "--port", str(free_port()), "--no-tui", "--server-log", str(tmp_path / "server.log")],

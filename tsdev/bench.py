@@ -20,7 +20,7 @@ from pathlib import Path
 
 import aiohttp
 
-from runtime.control_protocol import ErrorBody
+from tsdev_runtime.control_protocol import ErrorBody
 from tsdev.client import auth_headers
 
 WORDS = ("the quick brown fox jumps over a lazy dog while kernels run fast on every GPU in the rack").split()

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from runtime.config import API_KEY_ENV_VARS, KERNEL_CHECK_MODES, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS, EngineConfig, ServerConfig, parse_size  # no torch: serve's defaults are the configs'
+from tsdev_runtime.config import API_KEY_ENV_VARS, KERNEL_CHECK_MODES, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS, EngineConfig, ServerConfig, parse_size  # no torch: serve's defaults are the configs'
 
 LIST_FLAGS = ("--cudagraph-capture-sizes", "--prefill-graph-capture-sizes")
 # Every reload recaptures every prefill bucket: the ladder (40 buckets up to 2048 tokens) takes 1.2-1.7 s of
@@ -274,8 +274,8 @@ def serve(
         load_memory_bytes = parse_size(load_memory_limit)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--load-memory-limit") from None
-    from runtime.weights.default_model import DEFAULT_MOE
-    from runtime.weights.hub import is_hub_id, resolve_model
+    from tsdev_runtime.weights.default_model import DEFAULT_MOE
+    from tsdev_runtime.weights.hub import is_hub_id, resolve_model
 
     name = model or model_opt
     try:
@@ -425,7 +425,7 @@ def check(
     from rich.console import Console
     from rich.markup import escape
 
-    from runtime.control_protocol import KERNEL_CHECK_ROUTE, KernelCheckReply, KernelCheckRequest
+    from tsdev_runtime.control_protocol import KERNEL_CHECK_ROUTE, KernelCheckReply, KernelCheckRequest
     from tsdev import outcome
     from tsdev.client import ErrorReply, control_call
 

@@ -1,5 +1,5 @@
 """Talking to a tsdev (or any seed-style) server over HTTP: control calls in the control protocol's types
-(runtime/control_protocol.py), and the one reader of server-sent events."""
+(runtime/tsdev_runtime/control_protocol.py), and the one reader of server-sent events."""
 import asyncio
 import json
 import uuid
@@ -9,7 +9,7 @@ from typing import TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from runtime.control_protocol import (EVENTS_ROUTE, RELOAD_ROUTE, ErrorBody, Event, Hello, ReloadReply, ReloadRequest,
+from tsdev_runtime.control_protocol import (EVENTS_ROUTE, RELOAD_ROUTE, ErrorBody, Event, Hello, ReloadReply, ReloadRequest,
                                       parse_event)
 
 DEFAULT_URL = "http://127.0.0.1:8000"

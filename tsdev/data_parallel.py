@@ -30,11 +30,11 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from runtime.control_protocol import (CONTINUE_ROUTE, FLUSH_ROUTE, PAUSE_ROUTE, RELOAD_ROUTE, RELOAD_WEIGHTS_ROUTE,
+from tsdev_runtime.control_protocol import (CONTINUE_ROUTE, FLUSH_ROUTE, PAUSE_ROUTE, RELOAD_ROUTE, RELOAD_WEIGHTS_ROUTE,
                                       SLEEP_ROUTE, START_PROFILE_ROUTE, STOP_PROFILE_ROUTE,
                                       UPDATE_WEIGHTS_FROM_DISK_ROUTE, UPDATE_WEIGHTS_ROUTE, WAKE_UP_ROUTE, ErrorBody,
                                       ErrorDetail, ReloadReply)
-from runtime.config import ServerConfig
+from tsdev_runtime.config import ServerConfig
 from tsdev.server_process import PortInUse, ServerProcess, StartFailed
 from tsdev.serving import BACKLOG, GRACEFUL_SHUTDOWN_S, claim_address, quiet_server_class
 
@@ -220,8 +220,8 @@ def build_front(urls: Sequence[str], tp: int, client: httpx.AsyncClient | None =
 def run_front(server: ServerConfig, dp: int, tp: int, serve_args: Sequence[str], console: Console) -> int:
     """Bind the front's address, start the replicas, serve until SIGINT/SIGTERM, stop the replicas. Exit status as
     `tsdev serve`'s: 2 when the address or a replica cannot start."""
-    from runtime.server.body_limit import BodyLimit
-    from runtime.server.security import Guard, SecurityPolicy
+    from tsdev_runtime.server.body_limit import BodyLimit
+    from tsdev_runtime.server.security import Guard, SecurityPolicy
 
     sock = claim_address(server, console)
     if sock is None:

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 from rich.console import Console
 from rich.markup import escape
 
-from runtime.control_protocol import GRAPH_KINDS, STEPS, Event, KernelCheckResult, ReloadReply, ReloadStep, WorkerReport
+from tsdev_runtime.control_protocol import GRAPH_KINDS, STEPS, Event, KernelCheckResult, ReloadReply, ReloadStep, WorkerReport
 
 SHOWN_STEPS = (*STEPS, "pause")  # the timings shown as steps, in server order; pause: what serving saw
 KEEPS_SERVING = "the old code keeps serving"
@@ -113,7 +113,7 @@ def reloaded_text(worker: WorkerReport) -> str:
 
 
 def summary(worker: WorkerReport) -> str:
-    """'kernels.ops.act + 3 dependent(s), 22 object(s) patched' (plain text)."""
+    """'tsdev_kernels.ops.act + 3 dependent(s), 22 object(s) patched' (plain text)."""
     return f"{reloaded_text(worker)}, {worker.patched} object(s) patched"
 
 

@@ -190,7 +190,7 @@ def run_profile(server_args: list[str], out_dir: Path, num_steps: int, max_range
     import httpx
     from rich.markdown import Markdown
 
-    from runtime.control_protocol import START_PROFILE_ROUTE, ProfileRequest
+    from tsdev_runtime.control_protocol import START_PROFILE_ROUTE, ProfileRequest
     from tsdev.client import auth_headers, body
     from tsdev.server_process import ServerProcess, StartFailed
 
@@ -273,7 +273,7 @@ def _listen(url: str, events, stop, headers: dict[str, str]) -> None:
     """The server's events, parsed, into `events` (reconnecting) until `stop` is set."""
     import httpx
 
-    from runtime.control_protocol import EVENTS_ROUTE, parse_event
+    from tsdev_runtime.control_protocol import EVENTS_ROUTE, parse_event
     from tsdev.client import iter_sse_data
 
     while not stop.is_set():
@@ -295,7 +295,7 @@ def _next_reload(events, proc):
     """The next successful reload's ReloadFinished event (waits as long as the server runs)."""
     import queue
 
-    from runtime.control_protocol import ReloadFinished
+    from tsdev_runtime.control_protocol import ReloadFinished
 
     while True:
         if proc.poll() is not None:
@@ -315,7 +315,7 @@ def _run_workload_until_closed(url: str, events, name: str, headers: dict[str, s
 
     import httpx
 
-    from runtime.control_protocol import ProfileFinished
+    from tsdev_runtime.control_protocol import ProfileFinished
 
     closed = threading.Event()
 

@@ -1,7 +1,7 @@
 """`tsdev serve --tp N`: the ranks other than 0 as child processes, and what each of them runs.
 
 Rank 0 (the `tsdev serve` process) hosts HTTP and schedules; ranks 1..N-1 (`python -m tsdev.ranks`) each hold
-their shard of the model and follow rank 0 (`runtime.engine.ranks`). They meet through torchrun's environment
+their shard of the model and follow rank 0 (`tsdev_runtime.engine.ranks`). They meet through torchrun's environment
 (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK): `tsdev serve` sets it for the children it starts, or
 torchrun / SLURM set it for every rank (then `tsdev serve` on a rank other than 0 follows instead of serving).
 """
@@ -13,8 +13,8 @@ import os
 import subprocess
 import sys
 
-from runtime import distributed
-from runtime.config import EngineConfig
+from tsdev_runtime import distributed
+from tsdev_runtime.config import EngineConfig
 from tsdev.server_process import die_with_parent, free_port
 
 CONFIG_ENV = "TSDEV_RANK_CONFIG"  # the engine config and whether reloads are allowed, as JSON
@@ -52,7 +52,7 @@ def stop_ranks(children: list[subprocess.Popen], timeout_s: float = 5.0) -> None
 
 def follow(config: EngineConfig, allow_reload_forward: bool, rank: int) -> int:
     """A rank other than 0: join the others, load this rank's shard and follow rank 0 until it stops."""
-    from runtime.engine.ranks import serve_rank
+    from tsdev_runtime.engine.ranks import serve_rank
 
     distributed.init(rank, config.world_size, config.device, config.rank_timeout_s)
     make_reloader = None

@@ -53,6 +53,15 @@ def copy_project(dest: Path) -> Path:
     return dest
 
 
+def project_pythonpath(project: Path, rest: str | None = None) -> str:
+    """PYTHONPATH for a process that imports `project`'s packages (its import roots: tsdev/hotreload/snapshot.py)
+    before any installed copy, followed by `rest` (default: this process's PYTHONPATH)."""
+    from tsdev.hotreload.snapshot import import_roots
+
+    rest = os.environ.get("PYTHONPATH", "") if rest is None else rest
+    return os.pathsep.join([*map(str, import_roots(project)), *([rest] if rest else [])])
+
+
 def local_url(host: str, port: int) -> str:
     """Where a client on this machine reaches a server listening on host:port (an IPv6 address in brackets)."""
     host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
@@ -109,7 +118,7 @@ class ServerProcess:
         self.cwd, self.log_path = cwd, log_path
         extra = dict(env or {})
         if pythonpath is not None:
-            extra["PYTHONPATH"] = f"{pythonpath}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+            extra["PYTHONPATH"] = project_pythonpath(pythonpath)
         if api_key:
             extra["TSDEV_API_KEY"] = api_key
         self.env = {**os.environ, **extra} if extra else None

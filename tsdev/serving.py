@@ -27,7 +27,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from runtime.config import EngineConfig, ServerConfig
+from tsdev_runtime.config import EngineConfig, ServerConfig
 from tsdev.ranks import follow, launched_rank, start_ranks, stop_ranks
 
 # uvicorn cancels what is still open this long after a stop; streams end by themselves well before.
@@ -95,7 +95,7 @@ def describe_startup(before: float | None, imports: float, t: dict, compiles: in
 
 
 class StartupProgress(logging.Handler):
-    """What the engine is doing while it starts (the runtime's `runtime.startup` log: the default checkpoint
+    """What the engine is doing while it starts (the runtime's `tsdev_runtime.startup` log: the default checkpoint
     written, the model built, the weights loaded, warm-up, each kernel compiled, the captures): the spinner's text
     on a terminal, else a line every PROGRESS_S seconds, so a first start on a fresh machine (tens of seconds of
     compiles) never waits silently."""
@@ -119,7 +119,7 @@ class StartupProgress(logging.Handler):
                                highlight=False, soft_wrap=True)
 
     def __enter__(self) -> "StartupProgress":
-        logger = logging.getLogger("runtime.startup")
+        logger = logging.getLogger("tsdev_runtime.startup")
         self._saved = logger.level, logger.propagate
         logger.addHandler(self)
         logger.setLevel(logging.INFO)
@@ -130,7 +130,7 @@ class StartupProgress(logging.Handler):
 
     def __exit__(self, *exc) -> None:
         self._done.set()
-        logger = logging.getLogger("runtime.startup")
+        logger = logging.getLogger("tsdev_runtime.startup")
         logger.removeHandler(self)
         logger.level, logger.propagate = self._saved
 
@@ -164,7 +164,7 @@ def describe_graphs(info, cuda: bool, timings: dict) -> str:
 def claim_address(server: ServerConfig, console: Console) -> socket.socket | None:
     """The server's bound socket, or None (the reason printed) when its security flags do not go together or the
     address cannot be bound: `tsdev serve` (and the --dp front) then exit with status 2."""
-    from runtime.server.security import startup_refusal
+    from tsdev_runtime.server.security import startup_refusal
 
     if refusal := startup_refusal(server):
         console.print(f"[red]error:[/red] {escape(refusal)}")
@@ -188,7 +188,7 @@ def run_server(config: EngineConfig, server: ServerConfig, console: Console | No
         return 2
     children = []
     if config.world_size > 1:
-        from runtime import distributed
+        from tsdev_runtime import distributed
 
         if rank is None:  # not launched by torchrun: this command starts the other ranks
             children = start_ranks(config, server.allow_reload_forward)
@@ -224,8 +224,8 @@ def _load_and_serve(config: EngineConfig, server: ServerConfig, sock: socket.soc
     import jinja2  # noqa: F401  the startup's imports, timed here (_serve names what it uses)
     import uvicorn  # noqa: F401
 
-    import runtime.engine.llm_engine  # noqa: F401
-    import runtime.server.app  # noqa: F401
+    import tsdev_runtime.engine.llm_engine  # noqa: F401
+    import tsdev_runtime.server.app  # noqa: F401
 
     imports = time.perf_counter() - imports_start
     start = time.perf_counter()
@@ -242,9 +242,9 @@ def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, cons
     import uvicorn
     from jinja2 import TemplateError
 
-    from runtime.engine.llm_engine import LLMEngine
-    from runtime.server.app import build_app
-    from runtime.server.security import SecurityPolicy, describe
+    from tsdev_runtime.engine.llm_engine import LLMEngine
+    from tsdev_runtime.server.app import build_app
+    from tsdev_runtime.server.security import SecurityPolicy, describe
 
     with console.status("loading the model (the first run creates the default checkpoint)...") as status, \
             StartupProgress(console, status):
@@ -323,7 +323,7 @@ def default_compile_workers() -> int:
 
 def log_to_stderr() -> None:
     """The runtime's log lines (one per reload, unhandled errors) as plain lines on stderr."""
-    logger = logging.getLogger("runtime.server")
+    logger = logging.getLogger("tsdev_runtime.server")
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(message)s"))

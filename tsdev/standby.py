@@ -24,8 +24,8 @@ def prepare() -> None:
     old server stops: the start then pays neither. An error is left to the start, which imports again and reports
     it as any start does."""
     try:
-        import runtime.engine.llm_engine  # noqa: F401
-        import runtime.server.app  # noqa: F401
+        import tsdev_runtime.engine.llm_engine  # noqa: F401
+        import tsdev_runtime.server.app  # noqa: F401
         import tsdev.cli  # noqa: F401
     except BaseException:  # noqa: BLE001  (SystemExit included: the start reports it)
         pass

@@ -9,8 +9,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from runtime.config import API_KEY_ENV_VARS
-from runtime.control_protocol import SLEEP_TAGS
+from tsdev_runtime.config import API_KEY_ENV_VARS
+from tsdev_runtime.control_protocol import SLEEP_TAGS
 from tsdev.outcome import FAILED, UNREACHABLE  # the exit statuses tsdev reload documents
 
 URL_OPTION = typer.Option(help="The server.")
@@ -49,7 +49,7 @@ def sleep(
     api_key: Annotated[Optional[str], API_KEY] = None,
 ):
     """Put a server to sleep (POST /sleep): its GPU memory (weights, KV pool, graphs) is given back."""
-    from runtime.control_protocol import SLEEP_ROUTE, SleepReply, SleepRequest
+    from tsdev_runtime.control_protocol import SLEEP_ROUTE, SleepReply, SleepRequest
 
     reply = _call(url, "POST", SLEEP_ROUTE, SleepReply, SleepRequest(level=level), api_key)
     freed = f"; freed {reply.freed_bytes / 1e9:.2f} GB" if reply.freed_bytes else " (it was asleep already)"
@@ -64,7 +64,7 @@ def wake(
     api_key: Annotated[Optional[str], API_KEY] = None,
 ):
     """Wake a sleeping server (POST /wake_up); the CUDA graphs are recaptured once everything is back."""
-    from runtime.control_protocol import WAKE_UP_ROUTE, WakeUpReply, WakeUpRequest
+    from tsdev_runtime.control_protocol import WAKE_UP_ROUTE, WakeUpReply, WakeUpRequest
 
     bad = [t for t in tags or [] if t not in SLEEP_TAGS]
     if bad:
@@ -84,7 +84,7 @@ def reload_weights(
     api_key: Annotated[Optional[str], API_KEY] = None,
 ):
     """Reload the served weights from disk into the running server (POST /v1/rl/engine/reload_weights)."""
-    from runtime.control_protocol import RELOAD_WEIGHTS_ROUTE, ReloadWeightsReply, ReloadWeightsRequest
+    from tsdev_runtime.control_protocol import RELOAD_WEIGHTS_ROUTE, ReloadWeightsReply, ReloadWeightsRequest
 
     if path is not None:
         path = os.path.abspath(path)  # the server would take a relative one from the model's directory
@@ -104,7 +104,7 @@ def update_weights(
     api_key: Annotated[Optional[str], API_KEY] = None,
 ):
     """Update the served weights from a checkpoint (POST /v1/rl/engine/update_weights)."""
-    from runtime.control_protocol import UPDATE_MODES, UPDATE_WEIGHTS_ROUTE, ReloadWeightsReply, UpdateWeightsRequest
+    from tsdev_runtime.control_protocol import UPDATE_MODES, UPDATE_WEIGHTS_ROUTE, ReloadWeightsReply, UpdateWeightsRequest
 
     if mode not in UPDATE_MODES:
         raise typer.BadParameter(f"{mode}: use {' or '.join(UPDATE_MODES)}", param_hint="--mode")
@@ -127,9 +127,9 @@ def verify(
     dtype and quantization; exit 1 naming the tensors that differ."""
     import dataclasses
 
-    from runtime.config import EngineConfig
-    from runtime.control_protocol import SERVER_INFO_ROUTE, WEIGHTS_CHECKSUM_ROUTE, ServerInfo, WeightsChecksumReply
-    from runtime.engine.weights_drill import fresh_checksum
+    from tsdev_runtime.config import EngineConfig
+    from tsdev_runtime.control_protocol import SERVER_INFO_ROUTE, WEIGHTS_CHECKSUM_ROUTE, ServerInfo, WeightsChecksumReply
+    from tsdev_runtime.engine.weights_drill import fresh_checksum
 
     info = _call(url, "GET", SERVER_INFO_ROUTE, ServerInfo, None, api_key)
     live = _call(url, "GET", WEIGHTS_CHECKSUM_ROUTE, WeightsChecksumReply, None, api_key)
@@ -158,8 +158,8 @@ def drill(
     negative control: it must fail."""
     import dataclasses
 
-    from runtime.config import EngineConfig
-    from runtime.engine.weights_drill import DrillFailed, drill_modes
+    from tsdev_runtime.config import EngineConfig
+    from tsdev_runtime.engine.weights_drill import DrillFailed, drill_modes
 
     if device is None:
         import torch

@@ -12,7 +12,19 @@ import tomllib
 from pathlib import Path
 from types import ModuleType
 
-DEFAULT_PACKAGES = ("runtime.models", "runtime.layers", "runtime.moe", "runtime.sampling", "kernels.ops")
+DEFAULT_PACKAGES = ("tsdev_runtime.models", "tsdev_runtime.layers", "tsdev_runtime.moe", "tsdev_runtime.sampling", "tsdev_kernels.ops")
+
+
+def _project_config(project_root: str | Path | None) -> tuple[Path, dict] | None:
+    """(the folder, its parsed pyproject.toml) of the nearest pyproject.toml at or above `project_root` (default:
+    the current directory), or None."""
+    start = Path(project_root or Path.cwd()).resolve()
+    for folder in (start, *start.parents):
+        pyproject = folder / "pyproject.toml"
+        if pyproject.is_file():
+            with open(pyproject, "rb") as f:
+                return folder, tomllib.load(f)
+    return None
 
 
 def default_packages(project_root: str | Path | None = None) -> list[str]:
@@ -20,14 +32,21 @@ def default_packages(project_root: str | Path | None = None) -> list[str]:
 
     Lets tsdev drive another codebase by configuration instead of code.
     """
-    start = Path(project_root or Path.cwd()).resolve()
-    for folder in (start, *start.parents):
-        pyproject = folder / "pyproject.toml"
-        if pyproject.is_file():
-            with open(pyproject, "rb") as f:
-                config = tomllib.load(f).get("tool", {}).get("tsdev", {})
-            return list(config.get("reload-packages", DEFAULT_PACKAGES))
-    return list(DEFAULT_PACKAGES)
+    found = _project_config(project_root)
+    config = found[1].get("tool", {}).get("tsdev", {}) if found else {}
+    return list(config.get("reload-packages", DEFAULT_PACKAGES))
+
+
+def import_roots(project_root: str | Path) -> list[Path]:
+    """The folders a project's top-level packages are imported from: `[tool.setuptools.packages.find] where` of its
+    pyproject.toml (this project: the root, runtime/ and kernels/), else the project folder itself. A process run
+    on a copy of the project puts these first on its path to import the copy."""
+    project = Path(project_root).resolve()
+    found = _project_config(project)
+    if found is None or found[0] != project:
+        return [project]
+    where = found[1].get("tool", {}).get("setuptools", {}).get("packages", {}).get("find", {}).get("where", ["."])
+    return [(project / folder).resolve() for folder in where]
 
 
 def under(name: str, packages) -> bool:

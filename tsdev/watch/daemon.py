@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import httpx
 
-from runtime.control_protocol import Awake, Continued, Hello, Paused, ProfileFinished, Sleeping, WeightsReloaded
+from tsdev_runtime.control_protocol import Awake, Continued, Hello, Paused, ProfileFinished, Sleeping, WeightsReloaded
 from tsdev.outcome import outside
 from tsdev.server_process import ServerProcess
 from tsdev.watch.args import WatchConfig
@@ -125,7 +125,7 @@ class Daemon:
             tasks += [asyncio.create_task(self._listen(), name="events"),
                       asyncio.create_task(self._work(), name="work")]
             await self.watcher.ready.wait()
-            roots = ", ".join(f"{self.packages.display(d)}/" for d in self.packages.dirs.values())
+            roots = ", ".join(f"{d}/" for d in self.packages.dirs.values())  # absolute: which copy is watched
             self.message(f"watching {roots} (reloadable: {', '.join(self.packages.reloadable)})")
             if self.weights:
                 await self.weights.ready.wait()

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from functools import reduce
 from pathlib import Path
 
-from runtime.control_protocol import WorkerReport
+from tsdev_runtime.control_protocol import WorkerReport
 from tsdev.watch.records import ReloadRecord
 from tsdev.watch.watcher import Changes
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from runtime.control_protocol import (EVENTS_ROUTE, MODULES_ROUTE, RELOAD_ROUTE, SERVER_INFO_ROUTE,
+from tsdev_runtime.control_protocol import (EVENTS_ROUTE, MODULES_ROUTE, RELOAD_ROUTE, SERVER_INFO_ROUTE,
                                       START_PROFILE_ROUTE, UPDATE_WEIGHTS_ROUTE, Event, ModulesReply,
                                       ProfileRequest, ReloadReply, ReloadWeightsReply, ServerInfo,
                                       UpdateWeightsRequest, parse_event)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from runtime.control_protocol import WorkerReport
+from tsdev_runtime.control_protocol import WorkerReport
 from tsdev.outcome import SHOWN_STEPS
 from tsdev.watch.checks import Probe, Verdict
 

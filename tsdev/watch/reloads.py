@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from runtime.control_protocol import Event, ReloadFinished, ReloadStarted, ReloadStep, WorkerReport
+from tsdev_runtime.control_protocol import Event, ReloadFinished, ReloadStarted, ReloadStep, WorkerReport
 from tsdev.outcome import outside
 from tsdev.watch.jobs import ForeignFinished, Restart
 from tsdev.watch.records import ReloadRecord

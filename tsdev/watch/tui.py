@@ -71,6 +71,16 @@ def clip_to(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
+def clip_path(text: str, width: int) -> str:
+    """A trigger such as "save kernels/tsdev_kernels/ops/act.py" clipped in the middle: its first word and the end of
+    the path (the file's name) stay."""
+    if len(text) <= width:
+        return text
+    head = text.split(" ", 1)[0] + " " if " " in text else ""
+    head = head if len(head) <= width // 3 else ""
+    return head + "…" + text[len(text) - (width - len(head) - 1):]
+
+
 def excerpt(error: str, context: int = 3) -> Syntax | None:
     """The code around the error's file:line, with that line highlighted."""
     match = WHERE.search(error)
@@ -313,7 +323,7 @@ class WatchApp(App):
     @staticmethod
     def cells(record: ReloadRecord | RestartRecord, trigger_width: int = WIDTHS["trigger"]) -> dict:
         def clip(text: str) -> str:
-            return clip_to(text, trigger_width)
+            return clip_path(text, trigger_width)
 
         cells = dict.fromkeys(COLUMNS, "")
         cells["time"] = time.strftime("%H:%M:%S", time.localtime(record.started))

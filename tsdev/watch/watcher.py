@@ -18,7 +18,7 @@ from pathlib import Path
 
 from watchfiles import awatch
 
-from tsdev.hotreload.snapshot import under
+from tsdev.hotreload.snapshot import import_roots, under
 
 DEBOUNCE_MS = 1600  # the longest burst of saves gathered into one batch (watchfiles' default)
 
@@ -62,24 +62,27 @@ def classify_files(paths: Iterable[str | Path]) -> tuple[list[str], list[str], l
 @dataclass
 class Packages:
     """Where the watched top-level packages live and which of their modules can be reloaded in place."""
-    reloadable: tuple[str, ...]  # e.g. runtime.layers, kernels.ops
-    dirs: dict[str, Path]  # top-level package -> its directory, e.g. runtime -> /proj/runtime
+    reloadable: tuple[str, ...]  # e.g. tsdev_runtime.layers, tsdev_kernels.ops
+    dirs: dict[str, Path]  # top-level package -> its directory, e.g. tsdev_runtime -> /proj/runtime/tsdev_runtime
+    project: Path | None = None  # shown paths are relative to it
 
     @classmethod
     def locate(cls, reloadable: Iterable[str], project: Path) -> Packages:
-        """Find each top-level package under `project` first, then where Python would import it from."""
+        """Find each top-level package in the project's import roots first (pyproject.toml's
+        `[tool.setuptools.packages.find] where`), then where Python would import it from."""
         reloadable = tuple(reloadable)
+        roots = import_roots(project)
         dirs = {}
         for root in sorted({p.split(".")[0] for p in reloadable}):
-            folder = project / root
-            if not (folder / "__init__.py").is_file():
+            folder = next((r / root for r in roots if (r / root / "__init__.py").is_file()), None)
+            if folder is None:
                 spec = importlib.util.find_spec(root)
                 if spec is None or not spec.submodule_search_locations:
                     raise FileNotFoundError(f"cannot find package {root!r} (from [tool.tsdev] reload-packages) "
                                             f"under {project} or on the Python path: run from the project root")
                 folder = Path(list(spec.submodule_search_locations)[0])
             dirs[root] = folder.resolve()
-        return cls(reloadable, dirs)
+        return cls(reloadable, dirs, project.resolve())
 
     def module(self, path: str | Path) -> str | None:
         """The module a file holds, if it lies in one of the watched packages."""
@@ -98,12 +101,11 @@ class Packages:
         return sorted({m for p in self.files() if (m := self.module(p)) and self.is_reloadable(m)})
 
     def display(self, path: str | Path) -> str:
-        """A short path for the screen: relative to the folder that holds the packages."""
+        """A short path for the screen: relative to the project, else to the folder that holds the packages."""
         path = Path(path).resolve()
-        for folder in self.dirs.values():
-            if path.is_relative_to(folder.parent):
-                return str(path.relative_to(folder.parent))
-        return str(path)
+        bases = [*([self.project] if self.project else []), *(folder.parent for folder in self.dirs.values())]
+        base = next((b for b in bases if path.is_relative_to(b)), None)
+        return str(path.relative_to(base)) if base else str(path)
 
 
 @dataclass

@@ -1,0 +1,120 @@
+"""Op families: norm, rope, activation, linear, fp8, attention, sampling. Import the submodules directly.
+
+Each public op runs its Triton kernel when its inputs are on CUDA and its torch reference otherwise.
+Set TSDEV_KERNELS=ref to run the references on CUDA too (to compare speed or rule a kernel out), or
+TSDEV_KERNELS=ref:linear,rope to do that for those families only. A family with a Gluon kernel (GLUON_FAMILIES)
+runs it instead of its Triton one under TSDEV_KERNELS=gluon:norm, a family with a CuTe DSL one (CUTE_FAMILIES, the
+optional `tsdev[cute]`) under TSDEV_KERNELS=cute:activation; items combine: ref:rope,linear,gluon:norm.
+Under TRITON_INTERPRET=1 the Triton entry points (`*_triton`) also run on CPU tensors; the tests use that.
+
+Programmatic dependent launch (Hopper and newer): the kernels on the decode path are launched with
+`launch_pdl=pdl(x)`, so each may start while the kernel before it finishes. Every program of such a kernel
+calls `wait_for_previous` before it reads anything an earlier kernel wrote or writes anything at all (it
+may read weights before that); since each one waits, the order of the whole chain holds. On the H200 the
+batch-1 decode graph replays in 0.869 ms with it, 1.040 without (docs/results.md). TSDEV_PDL=0 turns it off.
+"""
+import functools
+import os
+from collections.abc import Mapping
+from types import MappingProxyType
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+FAMILIES = ("norm", "rope", "activation", "linear", "fp8", "attention", "sampling", "moe")
+GLUON_FAMILIES = ("norm",)  # the families with a Gluon kernel too (triton.experimental.gluon)
+CUTE_FAMILIES = ("activation",)  # ... with a CuTe DSL kernel (nvidia-cutlass-dsl: kernels/tsdev_kernels/ops/activation_cute.py)
+IMPLS = {"ref": FAMILIES, "gluon": GLUON_FAMILIES, "cute": CUTE_FAMILIES}  # what TSDEV_KERNELS can pick, for which
+
+
+def kernel_choices() -> Mapping[str, str]:
+    """family -> "ref", "gluon" or "cute", for the families TSDEV_KERNELS takes off their Triton kernels on CUDA:
+    `triton` (or unset) none, `ref` all to their references, else comma-separated FAMILY items each under the
+    IMPL: before it or before an earlier item (ref:linear,rope,gluon:norm). Parsed once per value: eager ops ask
+    on every call."""
+    return _parsed(os.environ.get("TSDEV_KERNELS", "triton"))
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed(value: str) -> Mapping[str, str]:
+    if value in ("triton", ""):
+        return MappingProxyType({})
+    if value == "ref":
+        return MappingProxyType(dict.fromkeys(FAMILIES, "ref"))
+    choices, impl = {}, None
+    for item in value.split(","):
+        impl, _, family = item.rpartition(":") if ":" in item else (impl, "", item)
+        if family not in IMPLS.get(impl, ()):
+            raise ValueError(f"TSDEV_KERNELS={value!r}: expected triton, ref, or IMPL:FAMILY items (ref:linear,rope,"
+                             f"gluon:norm): ref for families from {', '.join(FAMILIES)}; gluon for "
+                             f"{', '.join(GLUON_FAMILIES)}; cute for {', '.join(CUTE_FAMILIES)}")
+        choices[family] = impl
+    return MappingProxyType(choices)
+
+
+def check_kernel_choices() -> None:
+    """Fail now, with what to do, on a TSDEV_KERNELS the op calls would fail on later (ValueError)."""
+    if "cute" in kernel_choices().values():
+        try:
+            import cutlass.cute  # noqa: F401
+        except ImportError as exc:
+            raise ValueError(f"TSDEV_KERNELS={os.environ['TSDEV_KERNELS']!r} picks CuTe DSL kernels, which need the "
+                             f"CuTe DSL ({exc}): pip install 'tsdev[cute]'") from exc
+
+
+def reference_families() -> set[str]:
+    """The op families TSDEV_KERNELS sends to their torch references on CUDA."""
+    return {family for family, impl in kernel_choices().items() if impl == "ref"}
+
+
+def use_gluon(family: str) -> bool:
+    """Whether TSDEV_KERNELS picks `family`'s Gluon kernel over its Triton one (where use_triton holds)."""
+    return kernel_choices().get(family) == "gluon"
+
+
+def use_cute(family: str) -> bool:
+    """Whether TSDEV_KERNELS picks `family`'s CuTe DSL kernel over its Triton one (where use_triton holds)."""
+    return kernel_choices().get(family) == "cute"
+
+
+def use_triton(x: torch.Tensor, family: str) -> bool:
+    """Whether the public op of `family` should launch its Triton (or Gluon: `use_gluon`) kernel for this input."""
+    return x.is_cuda and kernel_choices().get(family) != "ref"
+
+
+def use_fused_triton(x: torch.Tensor, *families: str) -> bool:
+    """Whether one Triton kernel built from the Triton arithmetic of `families` (the decode GEMV with the norm and
+    activation, Qwen3's q/k norm inside the rotation) may serve their ops on this input: on CUDA, with TSDEV_KERNELS
+    taking none of them off Triton. A family picked for its reference, Gluon or CuTe DSL kernel runs that, unfused,
+    everywhere: a pick never applies to some batch sizes only."""
+    choices = kernel_choices()
+    return x.is_cuda and not any(family in choices for family in families)
+
+
+@functools.lru_cache
+def sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device (kernels size their grids by it)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache
+def _pdl_capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl(x: torch.Tensor) -> bool:
+    """Whether kernels on x's device launch with programmatic dependent launch (the PDL flag and launch_pdl)."""
+    return x.is_cuda and os.environ.get("TSDEV_PDL", "1") != "0" and _pdl_capable(x.device.index or 0)
+
+
+@triton.jit
+def wait_for_previous(PDL: tl.constexpr):
+    """Under PDL: let the next kernel launch, then wait until the previous one has finished and its writes
+    are visible. Every program must call it, unconditionally (a kernel whose programs all skipped it could
+    end before its predecessor, and the next kernel would wait on the wrong one)."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()

@@ -1,0 +1,300 @@
+"""Runs the engine beside the HTTP front: one step at a time in a worker thread, so requests keep
+arriving while the model computes. Changes to the engine's request set (add, abort) are queued and
+applied between steps, so the engine itself is only ever touched by one thread at a time.
+
+Control calls (pause, continue, reload) take turns through one FIFO lock. What the server is doing now is the
+engine's `state` (runtime/tsdev_runtime/engine/state.py): its phase gates the steps (paused: nothing is computed; holding: a
+reload's drain, running requests finish, new ones wait in the queue without being admitted) and each change of
+phase is an event (`StateChanged`).
+"""
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from tsdev_runtime.control_protocol import Event, Hello, ProfileFinished, ProfileRange, StateChanged
+from tsdev_runtime.engine.errors import stop_server
+from tsdev_runtime.engine.llm_engine import LLMEngine, RequestOutput
+from tsdev_runtime.engine.profiler import StepProfiler
+from tsdev_runtime.engine.sequence import SamplingParams
+
+log = logging.getLogger("tsdev_runtime.server")
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running a request; the request was aborted."""
+
+
+class Unavailable(EngineError):
+    """The server cannot serve now (sleeping, shutting down): the request was not started, or was aborted."""
+
+
+class ShuttingDown(Unavailable):
+    """The server is stopping: the request was not started."""
+
+
+# A graph a reload left for after it (15-35 ms on the H200) is captured whenever the engine is idle, and while it
+# serves once every this many steps: the first requests after a reload run at full speed on the graphs it captured.
+STEPS_PER_DEFERRED_CAPTURE = 32
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, on_step: Callable[[float, list[RequestOutput]], None] | None = None):
+        self.engine = engine
+        self.on_step = on_step
+        self.state = engine.state
+        self.control_lock = asyncio.Lock()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._subscribers: set[asyncio.Queue] = set()
+        self._commands: list[Callable[[], None]] = []
+        self._wake: asyncio.Event | None = None
+        self._stepped: asyncio.Event | None = None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=engine.prepare_thread)
+        self._task: asyncio.Task | None = None
+        self.profiler = StepProfiler(engine.config.device)
+        self._deferred_seconds, self._deferred_count = 0.0, 0  # graphs captured after a reload resumed serving
+        self._steps_since_capture = 0
+        self._event_loop: asyncio.AbstractEventLoop | None = None
+        self.state.listeners.append(self._phase_moved)
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._wake, self._stepped = asyncio.Event(), asyncio.Event()
+        self._event_loop = asyncio.get_running_loop()
+        self._task = asyncio.create_task(self._loop(), name="engine-loop")
+
+    async def shutdown(self) -> None:
+        """Stop serving (SIGINT/SIGTERM): refuse new requests, abort those in flight (their streams end with
+        finish reason "abort") and end every events stream, so that no open connection holds the server."""
+        self.state.set(stopping=True)
+        for queue in self._subscribers:
+            queue.put_nowait(None)
+        if self._task is not None and not self._task.done():
+            await self.between_steps(lambda: self.abort_all(running_only=False))
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._executor.shutdown(wait=True)
+
+    async def run_on_engine_thread(self, fn: Callable, *args):
+        """Run `fn` on the thread that steps the engine (CUDA work and engine state stay on one thread)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    # --- requests --------------------------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       after: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs as they come; closing the iterator early aborts the request. `after`: the
+        request whose prompt this one shares (LLMEngine.add_request)."""
+        if self.state.stopping:
+            raise ShuttingDown("the server is shutting down: the request was not started")
+        if why := self.unavailable():
+            raise Unavailable(why)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        arrival = time.monotonic()
+
+        def add() -> None:
+            try:
+                self.engine.add_request(request_id, prompt_token_ids, params, arrival_time=arrival, after=after)
+            except ValueError as exc:
+                queue.put_nowait(exc)
+
+        self._submit(add)
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, ValueError):
+                    finished = True
+                    raise out
+                if isinstance(out, EngineError):
+                    raise out
+                if isinstance(out, BaseException):
+                    raise EngineError(f"the engine failed while running this request: {out}") from out
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._submit(lambda: self.engine.abort(request_id))
+
+    async def between_steps(self, fn: Callable):
+        """Run `fn` on the event loop between two engine steps (where engine state may change) and return its result."""
+        future = asyncio.get_running_loop().create_future()
+
+        def command() -> None:
+            try:
+                future.set_result(fn())
+            except Exception as exc:
+                future.set_exception(exc)
+
+        self._submit(command)
+        return await future
+
+    def abort_all(self, running_only: bool) -> int:
+        """Abort requests (the running ones, or all) and tell their streams; run it via between_steps."""
+        outputs = self.engine.abort_all(running_only)
+        for out in outputs:
+            self._deliver(out)
+        return len(outputs)
+
+    def fail_all(self, error: EngineError) -> int:
+        """Abort every request (running or waiting) and end its stream with `error`; run it via between_steps."""
+        outputs = [out for out in self.engine.abort_all(running_only=False) if out]
+        for out in outputs:
+            if (queue := self._streams.get(out.request_id)) is not None:
+                queue.put_nowait(error)
+        return len(outputs)
+
+    def unavailable(self) -> str | None:
+        """Why requests are refused now (a sleep draining, sleeping, weights not loaded), else None."""
+        return self.state.unavailable()
+
+    # --- gates -----------------------------------------------------------------------------------
+
+    def hold(self, on: bool) -> None:
+        """While holding, waiting requests are not admitted (they stay queued, not rejected), and no deferred graph
+        is captured (a reload, a weight load or a sleep holds: the engine thread is theirs)."""
+        self.state.set(holding=on)
+        self._wake.set()
+
+    def set_paused(self, paused: bool) -> None:
+        self.state.set(paused=paused)
+        self._wake.set()
+
+    def refuse(self, why: str | None) -> None:
+        """Refuse new requests, saying `why` (a sleep draining), or (None) accept them again."""
+        self.state.set(refusing=why)
+
+    async def drain(self) -> None:
+        """Hold new requests and let the admitted ones finish (on a paused server they stay as they are), then
+        admit again: what pause's mode wait, sleep and reload_weights do before they go on."""
+        self.hold(True)
+        try:
+            await self.wait_until_drained()
+        finally:
+            self.hold(False)
+
+    async def wait_until_drained(self) -> None:
+        """Return once no admitted request is left running (waiting ones stay queued)."""
+        while not self.engine.drained() and not self.state.paused:
+            self._stepped.clear()
+            await self._stepped.wait()
+
+    # --- events ----------------------------------------------------------------------------------
+
+    def _phase_moved(self, phase: str) -> None:
+        """The state's listener (on whichever thread changed it): a StateChanged event, published on the event loop
+        (at once when the change happened there)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # the engine thread: hand it to the loop the engine runs beside, while it runs
+            if self._event_loop is not None and not self._event_loop.is_closed():
+                self._event_loop.call_soon_threadsafe(self.publish, StateChanged(state=phase))
+            return
+        self.publish(StateChanged(state=phase))
+
+    def publish(self, event: Event) -> None:
+        """Send an event (stamped with the server clock) to every subscriber of `events()`."""
+        event.time = time.time()
+        for queue in self._subscribers:
+            queue.put_nowait(event)
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Every event published from now on, after a `Hello` with the state a new subscriber needs; the
+        stream ends when the server shuts down."""
+        if self.state.stopping:
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        self._subscribers.add(queue)
+        try:
+            yield Hello(paused=self.state.paused, sleeping=self.state.memory.sleeping, state=self.state.phase,
+                        time=time.time())
+            while (event := await queue.get()) is not None:
+                yield event
+        finally:
+            self._subscribers.discard(queue)
+
+    # --- the loop --------------------------------------------------------------------------------
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.append(command)
+        if self._wake:
+            self._wake.set()
+
+    def _can_step(self) -> bool:
+        return not self.state.paused and self.state.cannot_step() is None and self.engine.can_step()
+
+    async def _loop(self) -> None:
+        while True:
+            commands, self._commands = self._commands, []
+            for command in commands:
+                command()
+            capturing = self._can_capture()
+            if capturing and (not self._can_step() or self._steps_since_capture >= STEPS_PER_DEFERRED_CAPTURE):
+                self._steps_since_capture = 0
+                await self.run_on_engine_thread(self._capture_next)
+            if not self._can_step():
+                self._stepped.set()
+                self._wake.clear()
+                if not self._commands and not capturing:
+                    await self._wake.wait()
+                continue
+            start = time.perf_counter()
+            self._steps_since_capture += 1
+            try:
+                outputs, closed_range = await self.run_on_engine_thread(self._step)
+            except Exception as exc:  # keep serving: fail the requests in flight, not the server
+                if self.engine.ranks is not None:  # ranks that may have stopped at different points are out of step
+                    stop_server(f"FATAL: an engine step failed with {self.engine.config.world_size} tensor-parallel "
+                                f"ranks ({type(exc).__name__}: {exc}); they cannot be brought back in step, so the "
+                                "server stops (tsdev watch restarts it).")
+                log.exception("engine step failed; aborting the requests in flight")
+                self._fail_all(exc)
+                continue
+            for out in outputs:
+                self._deliver(out)
+            if closed_range:
+                self.publish(ProfileFinished(**dict(closed_range)))
+            self._stepped.set()
+            if self.on_step:
+                self.on_step(time.perf_counter() - start, outputs)
+
+    def _can_capture(self) -> bool:
+        return (bool(self.engine.graphs_pending) and self.state.phase == "serving")
+
+    def _capture_next(self) -> None:
+        """A graph left to capture after serving (re)started (by a reload, or a start told to capture some first);
+        the last one logs how long they all took."""
+        start = time.perf_counter()
+        try:
+            captured = self.engine.capture_next()
+        except Exception as exc:  # that size stays eager; serving goes on
+            log.warning("capturing a deferred CUDA graph failed (%s: %s); that size runs eagerly",
+                        type(exc).__name__, exc)
+            captured = {}
+        self._deferred_seconds += time.perf_counter() - start
+        self._deferred_count += sum(map(len, captured.values()))
+        if not self.engine.graphs_pending:
+            log.info("captured the %d graph(s) left for after serving resumed in %.2f s", self._deferred_count,
+                     self._deferred_seconds)
+            self._deferred_seconds, self._deferred_count = 0.0, 0
+
+    def _step(self) -> tuple[list[RequestOutput], ProfileRange | None]:
+        outputs = self.engine.step()
+        return outputs, self.profiler.after_step()
+
+    def _deliver(self, out: RequestOutput | None) -> None:
+        queue = self._streams.get(out.request_id) if out else None
+        if queue is not None:
+            queue.put_nowait(out)
+
+    def _fail_all(self, exc: Exception) -> None:
+        self.engine.discard_in_flight()
+        for request_id, queue in list(self._streams.items()):
+            self.engine.abort(request_id)
+            queue.put_nowait(exc)

@@ -1,0 +1,567 @@
+"""The engine: requests in, one scheduled step at a time, token and text deltas out.
+
+With async scheduling (the default) a step is launched before the previous one's results are read: the
+host schedules and prepares step N+1 while the GPU computes step N, and its rows that decode take N's
+sampled tokens on the GPU (a PENDING placeholder on the host until N is read). A sequence that stops at
+N (EOS, a stop string) has computed one token too many in N+1; that token is dropped.
+"""
+import atexit
+import collections
+import gc
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from tsdev_runtime import distributed
+from tsdev_runtime.config import EngineConfig
+from tsdev_runtime.control_protocol import EngineInfo
+from tsdev_runtime.engine import compiles
+from tsdev_runtime.engine.block_manager import BlockManager
+from tsdev_runtime.engine.detokenizer import Detokenizer
+from tsdev_runtime.engine.model_runner import Checkpoint, ModelRunner, step_range
+from tsdev_runtime.engine.ranks import DrivenRunner, RankLedger
+from tsdev_runtime.engine.scheduler import ScheduledBatch, Scheduler
+from tsdev_runtime.engine.sequence import PENDING, SamplingParams, Sequence, Status, TokenLogprob
+from tsdev_runtime.engine.sleep import WEIGHTS, SleepState, weights_checksum
+from tsdev_runtime.engine.state import EngineState
+from tsdev_runtime.sampling.sampler import Sampled
+from tsdev_runtime.weights.checkpoint import checkpoint_files, read_entries
+from tsdev_runtime.weights.loader import LoadedWeights, LoadReport
+
+UPDATE_MODES = ("direct", "full")
+
+
+def thaw_heap() -> None:
+    """Hand what an earlier engine froze back to Python's cyclic collector, and collect: an engine that became
+    garbage (a test's, a benchmark's) is freed now, before a new one sizes its KV pool to the memory left.
+    Nothing frozen (a server's first engine): nothing to do, `freeze_heap` collects at the end of startup."""
+    if gc.get_freeze_count():
+        gc.unfreeze()
+        gc.collect()
+
+
+def freeze_heap() -> None:
+    """Collect, then move every object left into the collector's permanent generation (`gc.freeze`, as vLLM's
+    engine does after its startup). Python's full collections otherwise walk all that torch, Triton and the
+    model made, on the thread that steps: on the H200 such a walk takes 118-135 ms (0.3 ms frozen), and an
+    nsys trace of a batch-256 decode loop showed a 98 ms host stall with no CUDA call in it. Objects made later
+    (requests, a reload's new module objects) are collected as before; what startup made and a reload replaces
+    stays until the next engine's `thaw_heap`."""
+    gc.collect()
+    gc.freeze()
+    # thawed at exit, so the interpreter's last collection frees them (Triton's bindings report as leaked what is
+    # still alive then); one registration per process
+    atexit.unregister(gc.unfreeze)
+    atexit.register(gc.unfreeze)
+
+
+class WeightsAsleep(RuntimeError):
+    """A weight load while the weights are asleep: wake them first."""
+
+
+class CheckpointRefused(ValueError):
+    """A weight load refused before anything changed: no checkpoint there, or one that does not fit the model."""
+
+
+@dataclass(frozen=True)
+class WeightUpdate:
+    """What `update_weights` did: the load, the mode, tensors viewed back to their checkpoint layout, recapture."""
+    load: LoadReport
+    mode: str
+    relaid: int = 0
+    recapture_seconds: float = 0.0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    # time.monotonic() stamps for the server's latency metrics (as vLLM's RequestMetrics):
+    arrival_time: float = 0.0  # when the request arrived (AsyncEngine.generate) or was added
+    first_scheduled_time: float | None = None  # first admitted by the scheduler (queue time: this - arrival)
+    token_time: float | None = None  # when new_token_ids were read (None: no new token)
+    previous_token_time: float | None = None  # when the request's previous token was read (None: none yet)
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for logprobs
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.., with the request's first output
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's gauges and counters (/metrics, benchmarks); read between steps."""
+    running: int
+    waiting: int
+    kv_pages_used: int
+    kv_pages_total: int
+    prefix_cache_hits: int  # full pages found in the prefix cache
+    prefix_cache_queries: int  # full pages looked up
+    prompt_tokens: int  # prompt tokens computed (again after a preemption)
+    generated_tokens: int
+    steps: int  # steps launched
+    decode_steps: int  # of those, steps in which every sequence computed one token
+    rows: int  # sequences in the steps launched
+    decode_rows: int  # sequences in the decode steps
+    preemptions: int  # running sequences whose pages were freed for others (recomputed later)
+    finished: dict[str, int]  # requests finished, by finish reason
+
+
+@dataclass
+class _Launched:
+    """A step whose forward and sampling are queued on the GPU but whose tokens are not read yet."""
+    batch: ScheduledBatch
+    sampling: list[Sequence]
+    positions: list[int]  # where each sampling sequence's PENDING placeholder sits in its token_ids
+    sampled: Sampled | None  # on the device
+    host: list[torch.Tensor] | None = None  # pinned copies of sampled.tensors(), complete once `ready` passed (CUDA)
+    ready: object = None  # torch.cuda.Event
+
+    @property
+    def in_flight(self):
+        """What the runner needs to feed these tokens to the next step."""
+        return None if self.sampled is None else (self.sampled.tokens, {s: i for i, s in enumerate(self.sampling)})
+
+    def read(self) -> tuple[list[int], list | None, list | None]:
+        """The tokens, and the (logprob, top values, top ids) lists of the drawn tokens and of the prompt rows."""
+        if self.sampled is None:
+            return [], None, None
+        if self.ready is None:
+            return self.sampled.unpack(self.sampled.tensors())
+        self.ready.synchronize()
+        return self.sampled.unpack(self.host)
+
+
+def logprob_entries(lists: list, tokens: list[int], top_ns: list[int]) -> list[TokenLogprob]:
+    """TokenLogprobs from token_logprobs' (logprob, top values, top ids) lists; each keeps its own top-N (the
+    lists hold the largest any row asked for)."""
+    chosen, values, ids = lists
+    width = len(values[0]) if values else 0
+    return [TokenLogprob(token, lp, i, v) if n == width else TokenLogprob(token, lp, i[:n], v[:n])
+            for token, lp, v, i, n in zip(tokens, chosen, values, ids, top_ns)]
+
+
+class LLMEngine:
+    """Used through its methods: requests (`add_request`, `step`, `abort`, `generate`) and the operations a
+    server or a benchmark needs (`stats`, `describe`, `state`, `flush_prefix_cache`, `warmup`,
+    `capture_graphs`, ...). Its runner, scheduler and block manager are its own business."""
+
+    def __init__(self, config: EngineConfig):
+        start = time.perf_counter()
+        thaw_heap()
+        self.config = config
+        checkpoint = Checkpoint.open(config)
+        opened = time.perf_counter() - start  # the first use of the default model writes it
+        self.model_dir, self.model_config, self.max_model_len = checkpoint.dir, checkpoint.config, checkpoint.max_model_len
+        self.weights_dir = self.model_dir  # where the weights now served came from (an update changes it)
+        self.tokenizer_dir = Path(config.tokenizer) if config.tokenizer else self.model_dir  # and the chat template
+        tokenizer_file = self.tokenizer_dir / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(f"{self.tokenizer_dir} has no tokenizer.json (a fast tokenizer is required): "
+                                    "give the directory of one with --tokenizer")
+        self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        self.runner = ModelRunner(config, checkpoint)  # this rank's: what it reads or does alone
+        self.ranks: RankLedger | None = None  # tensor parallelism: every rank's outcome of the calls fanned out
+        self.ranked = self.runner  # the calls every rank makes (ranks.RANK_CALLS, launch, restore_model, stop)
+        if distributed.initialized():
+            self.ranks = RankLedger()
+            self.ranked = DrivenRunner(self.runner, self.ranks)
+        # the model's size: this process's parameters, or with several ranks (each holding a part) the checkpoint's
+        self.num_parameters = (sum(p.numel() for p in self.runner.model.parameters()) if self.ranks is None
+                               else sum(e.numel for e in read_entries(checkpoint_files(self.model_dir))))
+        with compiles.install().expected():  # startup compiles every specialisation serving reaches
+            self.startup_timings = {"checkpoint": opened, "load": time.perf_counter() - start - opened,
+                                    **self.ranked.start()}
+        self.state = EngineState(self.runner.sleep_state)  # what the server is doing now (runtime/tsdev_runtime/engine/state.py)
+        self.block_manager = BlockManager(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_running, config.max_batched_tokens, self.max_model_len,
+                                   admitting=lambda: not self.state.holding)
+        self.in_flight: _Launched | None = None
+        self.detokenizers: dict[Sequence, Detokenizer] = {}
+        self.free_slots = list(range(config.max_running))  # the sampler's state rows (penalties, logit_bias)
+        self.waiting_for: dict[Sequence, list[Sequence]] = {}  # a prompt's first request -> requests sharing it
+        self.eos = set(self.model_config.eos_token_ids)
+        self.num_generated_tokens = self.num_prompt_tokens = 0
+        self.num_finished: collections.Counter[str] = collections.Counter()
+        self.num_steps = self.num_decode_steps = self.num_rows = self.num_decode_rows = 0
+        freeze_heap()
+
+    def jit_compiles(self) -> dict[str, int]:
+        """Triton compiles in this process so far, per kernel (runtime/tsdev_runtime/engine/compiles.py)."""
+        return dict(compiles.COMPILES.counts)
+
+    def close(self) -> None:
+        """Let the other ranks of a tensor-parallel engine go (they exit); nothing to do with one rank."""
+        if self.ranks is not None:
+            self.ranked.stop()
+            self.ranks = None
+
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Raise ValueError saying what to change if this prompt cannot be served."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty: send at least one token")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens (--max-model-len), "
+                             f"but the prompt has {len(prompt_token_ids)}: shorten it (one token of the context "
+                             "must be left to generate)")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None, after: str | None = None) -> None:
+        """Queue a request; `arrival_time` (time.monotonic(), default now) is when it reached the server. `after`:
+        a request with the same prompt (choices of one `n` request): this one is admitted once that one computed
+        the prompt, so that it finds the prompt's pages in the prefix cache instead of computing them again."""
+        self.check_prompt(prompt_token_ids)
+        seq = Sequence(request_id, prompt_token_ids, params, arrival_time)
+        self.detokenizers[seq] = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
+                                             params.skip_special_tokens)
+        lead = self.scheduler.find(after) if after is not None and self.config.enable_prefix_caching else None
+        if lead is not None and lead.num_computed_tokens < lead.num_prompt_tokens:
+            self.waiting_for.setdefault(lead, []).append(seq)
+        else:
+            self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its pages; returns its final output (finish_reason "abort"), or None."""
+        seq = self.scheduler.find(request_id)
+        if seq is None:
+            for lead, followers in self.waiting_for.items():
+                if seq := next((f for f in followers if f.request_id == request_id), None):
+                    followers.remove(seq)
+                    seq.status, seq.finish_reason = Status.FINISHED, "abort"
+                    self.num_finished["abort"] += 1
+                    return self._output(seq, [])
+            return None
+        self._finish(seq, "abort")
+        if seq.token_ids[-1] == PENDING:  # its in-flight token is dropped
+            seq.token_ids.pop()
+        return self._output(seq, [])
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        """End a scheduled sequence: its pages and sampler slot go back; requests waiting for its prompt go on."""
+        self.scheduler.finish(seq, reason)
+        self.num_finished[reason] += 1
+        if seq.sampler_slot is not None:
+            self.free_slots.append(seq.sampler_slot)
+            seq.sampler_slot = None
+        self._release_followers(seq)
+
+    def _release_followers(self, lead: Sequence) -> None:
+        for follower in reversed(self.waiting_for.pop(lead, [])):
+            self.scheduler.add(follower, first=True)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or self.in_flight is not None or bool(self.waiting_for)
+
+    def discard_in_flight(self) -> None:
+        """Forget the step in flight (after a failed step: its requests are aborted)."""
+        self.in_flight = None
+
+    def abort_all(self, running_only: bool = False) -> list[RequestOutput]:
+        """Abort the running requests (and the waiting ones unless `running_only`); their final outputs."""
+        sched = self.scheduler
+        seqs = list(sched.running) if running_only else [*sched.running, *sched.waiting]
+        outputs = [self.abort(seq.request_id) for seq in seqs]
+        if not running_only:
+            outputs += [self.abort(f.request_id) for followers in list(self.waiting_for.values()) for f in followers]
+        return outputs
+
+    # --- what a server and a benchmark ask of the engine -------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def drained(self) -> bool:
+        """No admitted request is left running and no step is in flight (waiting ones may be queued)."""
+        return not self.scheduler.running and self.in_flight is None
+
+    def can_step(self) -> bool:
+        """Whether a step has anything to do: requests running, waiting ones it may admit, a step to read."""
+        sched = self.scheduler
+        return bool(sched.running or (sched.admitting() and sched.waiting) or self.in_flight)
+
+    def prefill_all(self) -> None:
+        """Step until no request is waiting or prefilling: from there on every step decodes (benchmarks)."""
+        sched = self.scheduler
+        while sched.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.running):
+            self.step()
+
+    def flush_prefix_cache(self) -> None:
+        """Forget every cached prefix: KV computed by other code (or other weights) is not reused."""
+        self.block_manager.flush()
+
+    def prepare_thread(self) -> None:
+        """Make the calling thread ready to capture graphs (its cuBLAS handles): the engine's thread runs it first."""
+        self.runner.prepare_thread()
+
+    def warmup(self) -> float:
+        """Run every kernel once on dummy batches (startup does; a reload's warm step does): seconds."""
+        return self.ranked.warmup()
+
+    def capture_graphs(self, strict: bool = True, deferring: bool = False) -> dict[str, dict[int, float]]:
+        """(Re)capture the decode, then the prefill graphs: seconds per batch size / token bucket, by kind.
+        `strict`: a prefill capture failure raises (a reload) instead of leaving prefill eager. `deferring` (a
+        reload, unless --full-recapture): only the graphs the steps used since the last capture now; the others
+        are pending (`capture_next`, between steps once serving resumed) and run eagerly until captured."""
+        first = self.runner.used_graphs() if deferring and not self.config.full_recapture else None
+        return self.ranked.capture_graphs(strict, first)
+
+    def patch_graphs(self, swaps) -> int:
+        """A reload that changed only kernel bodies: the captured graphs run the new binaries (`swaps`: the
+        reloader's graph_swaps) without a capture; the nodes patched. GraphPatchError (nothing changed) if the
+        driver refuses a node."""
+        return self.runner.patch_graphs(swaps)
+
+    @property
+    def graphs_pending(self) -> int:
+        return self.runner.graphs_pending
+
+    def capture_next(self) -> dict[str, dict[int, float]]:
+        """Capture one pending graph (on every rank): {kind: {size: seconds}}."""
+        return self.ranked.capture_next()
+
+    # --- sleep, wake, weights (run between steps, on the engine's thread, with nothing running) --------
+
+    def unavailable(self) -> str | None:
+        """Why requests cannot be served now (sleeping, weights not loaded), else None."""
+        return self.state.cannot_step()
+
+    @property
+    def sleep_state(self) -> SleepState:
+        """What is asleep (rank 0's; every rank's is the same)."""
+        return self.runner.sleep_state
+
+    def sleep(self, level: int) -> dict[str, int | None]:
+        """Free the device memory of the weights (kept in host memory at level 1, discarded at level 2), the KV
+        pool and the CUDA graphs, on every rank. Nothing may be running. Returns bytes freed (`freed`), and device
+        free memory before and after (`free_before`, `free_after`; None off CUDA), rank 0's."""
+        if not self.drained() or self.scheduler.waiting:
+            raise RuntimeError("requests are still queued or running: drain them before sleeping")
+        self.flush_prefix_cache()  # the KV pool is discarded
+        info = self.ranked.sleep(level)
+        self.state.set(weights_loaded=self.state.weights_loaded and level == 1)  # level 2 discards them
+        return info
+
+    def wake_up(self, tags: list[str] | None = None) -> tuple[list[str], dict[str, float]]:
+        """Take back the memory of `tags` (weights, kv_cache; default both); once both are back, recapture the
+        graphs (their addresses changed). Returns the tags woken and the recapture's seconds per graph kind."""
+        woken_and_recapture = self.ranked.wake_up(tags)
+        self.state.changed()
+        return woken_and_recapture
+
+    def update_weights(self, path: Path | None = None, mode: str = "direct") -> WeightUpdate:
+        """Load the checkpoint at `path` (default: the served model's) into the existing parameters, on every rank.
+
+        begin: check that it fits and that every tensor's storage can hold its cold-start checkpoint layout (else
+        CheckpointRefused, nothing changed), view re-laid-out tensors back, flush the prefix cache; from here until
+        finish the engine refuses to step (`unavailable`). load: the loader (pinned on CUDA) writes in place.
+        finish: the post-load hooks rerun into the same storage (fp8 scales, rotary tables). `direct` keeps every
+        address, so the CUDA graphs stay as captured; `full` releases the graphs first and recaptures them after.
+        A load that fails after begin (on any rank) leaves the weights marked not loaded until an update succeeds."""
+        if mode not in UPDATE_MODES:
+            raise ValueError(f"mode {mode!r}: use {' or '.join(UPDATE_MODES)}")
+        if WEIGHTS in self.sleep_state.asleep:
+            raise WeightsAsleep(f"the weights are asleep (level {self.sleep_state.level}): POST /wake_up (tags "
+                                f"[\"{WEIGHTS}\"]) first, then load them")
+        path = Path(path or self.model_dir)
+        try:
+            relaid = self.ranked.begin_update(path)  # refuses before touching anything
+        except (OSError, ValueError) as exc:
+            raise CheckpointRefused(f"{type(exc).__name__}: {exc}") from exc
+        self.flush_prefix_cache()  # KV computed with other weights is not reused
+        self.state.set(weights_loaded=False)  # until every rank's load succeeded
+        report, recapture = self.ranked.load_update(path, mode)
+        self.state.set(weights_loaded=True)
+        self.weights_dir = path
+        return WeightUpdate(report, mode, relaid, recapture)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model as it serves now (reload_forward compares its classes' code before and after a reload)."""
+        return self.runner.model
+
+    def rebuild_model(self) -> "LoadedWeights":
+        """Build the model anew with the code loaded now, load the weights served now (`weights_dir`: the last
+        update's checkpoint, else the served model's) and swap it in; returns the old model's weights for
+        `restore_model`.
+        ValueError when the checkpoint no longer fits the new code."""
+        return self.ranked.rebuild_model(self.weights_dir)
+
+    def restore_model(self, old: "LoadedWeights") -> None:
+        self.ranked.restore_model(old)
+
+    def reload_weights(self, path: Path | None = None) -> LoadReport:
+        """A direct `update_weights` (in place, no recapture) from `path`, default the served model's checkpoint."""
+        return self.update_weights(path, "direct").load
+
+    def weights_checksum(self, derived: bool = True) -> dict[str, str]:
+        """name -> sha256 of every parameter and buffer; `derived=False`: parameters and persistent buffers only
+        (what a checkpoint fills, in their runtime layout: GET /v1/rl/engine/weights_checksum)."""
+        if self.ranks is not None:
+            raise NotImplementedError(f"weights_checksum is not available with tensor parallelism (--tp "
+                                      f"{distributed.size()}) yet: serve with --tp 1 for it")
+        return weights_checksum(self.runner.model, derived)
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting) + sum(map(len, self.waiting_for.values())), kv_pages_used=bm.num_used_pages,
+            kv_pages_total=bm.num_pages, prefix_cache_hits=bm.hits, prefix_cache_queries=bm.queries,
+            prompt_tokens=self.num_prompt_tokens, generated_tokens=self.num_generated_tokens, steps=self.num_steps,
+            decode_steps=self.num_decode_steps, rows=self.num_rows, decode_rows=self.num_decode_rows,
+            preemptions=self.scheduler.num_preemptions, finished=dict(self.num_finished))
+
+    def describe(self) -> EngineInfo:
+        runner, config = self.runner, self.config
+        decode, prefill = runner.decode_graphs, runner.prefill_graphs
+        return EngineInfo(
+            model_dir=str(self.model_dir), architecture=self.model_config.architecture, device=config.device,
+            dtype=str(runner.dtype).removeprefix("torch."), parameters=self.num_parameters,
+            max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size, rank=config.rank,
+            world_size=config.world_size, max_running=config.max_running, kv_pages=self.block_manager.num_pages,
+            page_size=self.block_manager.page_size, decode_graph_sizes=list(decode.sizes) if decode else [],
+            prefill_graph_buckets=list(prefill.buckets) if prefill else [],
+            prefill_graphs_failed=prefill.disabled if prefill else None, quantization=config.quantization,
+            kv_cache_dtype=str(runner.kv_cache.dtype).removeprefix("torch."),
+            decode_graphs_used=sorted(decode.used) if decode else [],
+            prefill_graphs_used=sorted(prefill.used) if prefill else [])
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule and launch a step, then read the previous one (async scheduling) or this one."""
+        with step_range("schedule"):
+            batch = self.scheduler.schedule()
+        launched = self._launch(batch) if batch.seqs else None
+        previous, self.in_flight = self.in_flight, launched
+        outputs = self._read(previous) if previous else []
+        if launched and not self.config.async_scheduling:
+            outputs += self._read(launched)
+            self.in_flight = None
+        return outputs
+
+    def _launch(self, batch: ScheduledBatch) -> _Launched:
+        # prompt tokens computed (a recompute after preemption counts them again: they are computed again)
+        self.num_prompt_tokens += sum(min(n, s.num_prompt_tokens - s.num_computed_tokens)
+                                      for s, n in zip(batch.seqs, batch.num_tokens) if s.num_computed_tokens < s.num_prompt_tokens)
+        self.num_steps += 1
+        self.num_rows += len(batch.seqs)
+        if max(batch.num_tokens) == 1:
+            self.num_decode_steps += 1
+            self.num_decode_rows += len(batch.seqs)
+        sampling = batch.sampling
+        starting = [s for s in sampling if s.params.needs_state and s.sampler_slot is None]
+        for seq in starting:  # its first draw: the runner starts the slot's history from its prompt
+            seq.sampler_slot, seq.init_slot = self.free_slots.pop(), True
+        sampled = self.ranked.launch(batch, self.in_flight.in_flight if self.in_flight else None)
+        for seq in starting:
+            seq.init_slot = False
+        for i, first, count in batch.prompt_rows:
+            batch.seqs[i].prompt_logprob_next = first + count
+        launched = _Launched(batch, sampling, [len(seq) for seq in sampling], sampled)
+        for seq in sampling:
+            seq.token_ids.append(PENDING)
+        self.scheduler.advance(batch)
+        if sampled is not None and sampled.tokens.is_cuda:
+            tensors = sampled.tensors()
+            launched.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for host, device in zip(launched.host, tensors):
+                host.copy_(device, non_blocking=True)
+            launched.ready = torch.cuda.Event()
+            launched.ready.record()
+        return launched
+
+    def _read(self, launched: _Launched) -> list[RequestOutput]:
+        """Wait for a launched step's tokens and turn them into outputs; sequences that finished (or were
+        aborted) since it was launched drop theirs."""
+        tokens, drawn, prompt = launched.read()
+        if prompt is not None:
+            self._record_prompt_logprobs(launched.batch, prompt)
+        logprobs = {}
+        if drawn is not None:
+            rows = [i for i, s in enumerate(launched.sampling) if s.params.logprobs is not None]
+            entries = logprob_entries(drawn, [tokens[i] for i in rows],
+                                      [launched.sampling[i].params.logprobs for i in rows])
+            logprobs = dict(zip(rows, entries))
+        live = [(i, seq, pos, token) for i, (seq, pos, token) in enumerate(zip(launched.sampling, launched.positions, tokens))
+                if not seq.is_finished]
+        for _, seq, pos, token in live:
+            seq.token_ids[pos] = token
+        for seq in launched.batch.seqs:
+            if not seq.is_finished:
+                self.block_manager.commit_full_pages(seq)
+                if seq in self.waiting_for and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                    self._release_followers(seq)  # its prompt's pages are in the prefix cache now
+        self.num_generated_tokens += len(live)
+        now = time.monotonic()
+        outputs = []
+        for i, seq, pos, token in live:
+            if seq.params.max_tokens == 0:  # the prompt's logprobs were all it asked for: the token is dropped
+                del seq.token_ids[pos:]
+                self._finish(seq, "length")
+                outputs.append(self._output(seq, [], now))
+                continue
+            stopped = self.detokenizers[seq].add(token, check_stop=pos + 1 - seq.num_prompt_tokens >= seq.params.min_tokens)
+            reason = self._finish_reason(seq, token, stopped, length=pos + 1)
+            if reason:
+                del seq.token_ids[pos + 1 :]  # a token the next step sampled for it is dropped
+                self._finish(seq, reason)
+            outputs.append(self._output(seq, [token], now, logprobs.get(i)))
+        return outputs
+
+    def _record_prompt_logprobs(self, batch: ScheduledBatch, lists: list) -> None:
+        """Each prompt row's logprob of the next prompt token, onto its sequence (in batch.prompt_rows order)."""
+        r = 0
+        for i, first, count in batch.prompt_rows:
+            seq = batch.seqs[i]
+            targets = seq.token_ids[first + 1 : first + 1 + count]
+            part = [column[r : r + count] for column in lists]
+            seq.prompt_logprobs += logprob_entries(part, targets, [seq.params.prompt_logprobs] * count)
+            r += count
+
+    def _finish_reason(self, seq: Sequence, token: int, stopped: bool, length: int) -> str | None:
+        """Whether the sequence ends with `token`, its `length`-th token."""
+        if stopped or (token in self.eos and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
+            return "stop"
+        if seq.at_length_limit(length, self.max_model_len):
+            return "length"
+        return None
+
+    def _output(self, seq: Sequence, new_tokens: list[int], now: float | None = None,
+                logprob: TokenLogprob | None = None) -> RequestOutput:
+        """`now`: when new_tokens were read."""
+        finished = seq.is_finished
+        detok = self.detokenizers.pop(seq) if finished else self.detokenizers[seq]
+        previous = seq.last_token_time
+        if new_tokens:
+            seq.last_token_time = now
+        first = previous is None and (new_tokens or finished)  # the request's first output with a token
+        prompt_logprobs = seq.prompt_logprobs if first and seq.params.prompt_logprobs is not None else None
+        return RequestOutput(seq.request_id, new_tokens, detok.delta(finished), finished,
+                             seq.finish_reason, seq.num_prompt_tokens, seq.num_known_output_tokens,
+                             seq.num_cached_tokens, seq.arrival_time, seq.first_scheduled_time,
+                             now if new_tokens else None, previous,
+                             None if logprob is None else [logprob], prompt_logprobs)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[dict]:
+        """Offline: run prompts (token ids) to completion; returns token ids and text per prompt, in order."""
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        base = f"offline-{time.monotonic_ns()}-"
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            self.add_request(base + str(i), p, sp)
+        results = {base + str(i): {"token_ids": [], "text": ""} for i in range(len(prompts))}
+        while self.has_unfinished():
+            for out in self.step():
+                results[out.request_id]["token_ids"] += out.new_token_ids
+                results[out.request_id]["text"] += out.new_text
+                results[out.request_id]["finish_reason"] = out.finish_reason
+        return list(results.values())

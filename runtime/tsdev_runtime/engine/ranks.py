@@ -1,0 +1,297 @@
+"""Rank 0 drives the other ranks of a tensor-parallel engine (`tsdev_runtime.distributed`).
+
+Rank 0 owns the scheduler, the HTTP server and the reload; every other rank owns only a model runner (its shard
+of the weights and its heads' KV pool) and `follow`s: it receives each call rank 0 makes on its runner, over the
+control group, and makes the same call, so their forwards' collectives meet. A step's batch (sequences, their
+pages) travels pickled with the call; every rank samples the same tokens (same logits, same seeds), so a step's
+still-pending tokens are on every rank's device for the next step.
+
+Calls that may fail (warm-up, graph capture, a model rebuild, a code reload and its commit or rollback, sleep,
+wake-up, a weight update's begin and load) end with every rank's outcome (`gather`). A code reload that fails
+anywhere is rolled back everywhere (it runs no collective, so the ranks stay in step). A runner call that failed
+on every rank with the same error (a broken edit's warm-up, a checkpoint every rank refuses) raises on rank 0 as
+it is, and rank 0 decides (e.g. rolls every rank back). But a runner call that failed on some ranks only, or with
+different errors, may have left them at different points of their collectives, or in different states: the
+server stops (`tsdev_runtime.engine.errors.stop_server`, status 70, naming the call and the ranks; `tsdev watch` restarts it). So
+does a rank that does not answer within the control group's timeout, or a message that cannot be sent (a rank
+is gone). `RankLedger` keeps each rank's outcome and seconds per call, for the reload reply's per-rank entries.
+"""
+import time
+from dataclasses import dataclass, field
+
+from tsdev_runtime import distributed
+from tsdev_runtime.control_protocol import StaleDefinition
+from tsdev_runtime.engine.errors import describe_error, stop_server
+
+STOP = "stop"
+LAUNCH = "launch"
+RELOAD, COMMIT, ROLLBACK = "reload", "commit", "rollback"
+REBUILD, RESTORE = "rebuild_model", "restore_model"
+# The runner's methods that run on every rank, ending with every rank's outcome: what rank 0 sends (DrivenRunner)
+# and what the other ranks accept (`follow`); each with the reload step its seconds count towards in a rank's
+# entry of the reload reply (None: no step). A new rank-wide method is one line here.
+RANK_CALLS = {"start": None, "warmup": "warm", "capture_graphs": "recapture", "capture_next": None, "sleep": None,
+              "wake_up": None, "begin_update": None, "load_update": None, REBUILD: "rebuild"}
+
+
+class RankFailed(RuntimeError):
+    """A call failed on another rank (rank 0's own failures raise as they are)."""
+
+
+class RankLost(RuntimeError):
+    """Some rank did not answer within the control group's timeout: it is wedged (or gone), so the ranks can no
+    longer run in step and the server must stop."""
+
+
+@dataclass
+class RankOutcome:
+    rank: int
+    call: str
+    error: str | None
+    seconds: float
+    report: dict = field(default_factory=dict)  # a reload's fields (reloaded, dependents, patched, ...)
+
+
+class RankLedger:
+    """Each rank's outcome of every call that ends with a gather, since `start()` (a reload reads its own)."""
+
+    def __init__(self):
+        self.outcomes: list[RankOutcome] = []
+
+    def start(self) -> None:
+        self.outcomes = []
+
+    def record(self, outcomes: list[RankOutcome]) -> None:
+        self.outcomes += outcomes
+
+    def of(self, rank: int) -> list[RankOutcome]:
+        return [o for o in self.outcomes if o.rank == rank]
+
+
+def _send(call: str, args: tuple = ()) -> None:
+    """Rank 0's call to the other ranks; one that cannot be sent means a rank is gone: the server stops."""
+    try:
+        distributed.broadcast((call, args))
+    except RuntimeError as exc:
+        stop_server(f"FATAL: cannot send '{call}' to the other ranks ({first_line(exc)}): a rank is gone. The "
+                    "server stops (tsdev watch restarts it).")
+
+
+def first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+
+
+def _gather(call: str, error: str | None, seconds: float, report: dict,
+            ledger: RankLedger | None) -> list[RankOutcome]:
+    """Every rank's outcome of `call`, everywhere (RankLost when one does not answer in time)."""
+    try:
+        outcomes = distributed.gather(RankOutcome(distributed.rank(), call, error, seconds, report))
+    except RuntimeError as exc:  # torch's DistBackendError: a timeout, or a peer that went away
+        raise RankLost(f"a rank did not answer within {distributed.timeout_s():.0f} s after '{call}' "
+                       f"(--rank-timeout): {first_line(exc)}") from exc
+    if ledger is not None:
+        ledger.record(outcomes)
+    return outcomes
+
+
+def _settle(call: str, error: str | None, seconds: float, report: dict, ledger: RankLedger | None) -> None:
+    """Every rank's outcome of `call`, everywhere; on rank 0, raise RankFailed if another rank failed."""
+    outcomes = _gather(call, error, seconds, report, ledger)
+    failed = [o for o in outcomes[1:] if o.error is not None]
+    if distributed.rank() == 0 and failed and error is None:
+        raise RankFailed("; ".join(f"rank {o.rank} failed in {call}: {o.error}" for o in failed))
+
+
+class DrivenRunner:
+    """Rank 0's rank-wide runner calls under tensor parallelism: each method of RANK_CALLS (made below), `launch`,
+    `restore_model` and `stop` run on every rank. Nothing else: what one rank reads or does alone goes to its own
+    runner (`LLMEngine.runner`)."""
+
+    def __init__(self, runner, ledger: RankLedger):
+        self._runner, self.ledger = runner, ledger
+
+    def launch(self, batch, in_flight=None, use_graphs: bool = True):
+        # the sequence -> index map travels with the batch (one pickle keeps their identity); every rank uses
+        # its own device tokens of the step in flight
+        _send(LAUNCH, (batch, in_flight[1] if in_flight else None, use_graphs))
+        return self._runner.launch(batch, in_flight, use_graphs)
+
+    def restore_model(self, model) -> None:
+        _send(RESTORE)  # every other rank restores the model its rebuild kept
+        self._runner.restore_model(model)
+
+    def stop(self) -> None:
+        """The other ranks leave `follow` (the engine shuts down)."""
+        _send(STOP)
+
+    def _everywhere(self, call: str, *args):
+        """`call` on every rank. A failure on every rank alike raises here as rank 0's; any other failure stops
+        the server (the ranks may be out of step: different collectives run, different states)."""
+        _send(call, args)
+        start, error, result, failure = time.perf_counter(), None, None, None
+        try:
+            result = getattr(self._runner, call)(*args)
+        except Exception as exc:
+            error, failure = describe_error(exc), exc
+        outcomes = _gather(call, error, time.perf_counter() - start, {}, self.ledger)
+        errors = {o.rank: o.error for o in outcomes if o.error is not None}
+        if not errors:
+            return result
+        if len(errors) < len(outcomes) or len(set(errors.values())) > 1:
+            stop_server(f"FATAL: '{call}' failed on rank(s) {', '.join(map(str, errors))} only, or differently "
+                        f"({'; '.join(f'rank {r}: {e}' for r, e in errors.items())}): the ranks may be out of "
+                        "step. The server stops (tsdev watch restarts it).")
+        raise failure
+
+
+for _call in RANK_CALLS:
+    setattr(DrivenRunner, _call, lambda self, *args, _call=_call: self._everywhere(_call, *args))
+
+
+class RankedReloader:
+    """Rank 0's reloader under tensor parallelism: rank 0 reads the sources once; `reload` applies them here,
+    then on every other rank (the same bytes); the transaction commits or rolls back every rank."""
+
+    def __init__(self, reloader, ledger: RankLedger):
+        self._reloader, self.ledger = reloader, ledger
+
+    def __getattr__(self, name: str):  # read_sources, plan, modules, compile_ahead: rank 0's
+        return getattr(self._reloader, name)
+
+    def reload(self, modules=None, sources=None):
+        tx = self._reloader.reload(modules=modules, sources=sources)
+        if not tx.report.ok:  # rolled back already; the other ranks never saw it
+            return tx
+        _send(RELOAD, (modules, sources))
+        try:
+            _settle(RELOAD, None, 0.0, {}, self.ledger)
+        except RankFailed as exc:
+            tx.rollback(str(exc))
+            _send(ROLLBACK, (str(exc),))  # ranks whose reload succeeded undo it
+            _settle(ROLLBACK, None, 0.0, {}, self.ledger)
+            return _Failed(tx.report, str(exc))
+        return _AllRanks(tx, self.ledger)
+
+
+class _AllRanks:
+    def __init__(self, tx, ledger: RankLedger):
+        self.tx, self.report, self.ledger = tx, tx.report, ledger
+
+    def commit(self) -> None:
+        self.tx.commit()
+        _send(COMMIT)
+        _settle(COMMIT, None, 0.0, {}, self.ledger)
+
+    def rollback(self, reason: str | None = None) -> None:
+        self.tx.rollback(reason)
+        _send(ROLLBACK, (reason,))
+        _settle(ROLLBACK, None, 0.0, {}, self.ledger)
+
+
+class _Failed:
+    """Rank 0's report of a reload another rank refused: not ok, with that rank's error."""
+
+    def __init__(self, report, error: str):
+        self.report = _FailedReport(report, error)
+
+    def commit(self) -> None:
+        raise RuntimeError("a failed reload cannot be committed")
+
+    def rollback(self, reason: str | None = None) -> None:
+        pass  # rolled back on every rank already
+
+
+class _FailedReport:
+    def __init__(self, report, error: str):
+        self._report, self.ok, self.error = report, False, error
+
+    def __getattr__(self, name: str):
+        return getattr(self._report, name)
+
+
+def reported(report) -> dict:
+    """The WorkerReport fields a reloader's report fills (on rank 0 for its entry, on the others for theirs)."""
+    return dict(reloaded=list(report.reloaded), dependents=list(report.dependents), patched=report.patched,
+                stale=[StaleDefinition.model_validate(s) for s in report.stale],
+                needs_restart=list(report.needs_restart), jit_kernels=report.jit_kernels,
+                kernels=dict(getattr(report, "kernels", {})), kernels_only=getattr(report, "kernels_only", False),
+                compiled_in_pause=dict(getattr(report, "compiled_in_pause", {})))
+
+
+STEP_OF_CALL = {RELOAD: "reload", **{call: step for call, step in RANK_CALLS.items() if step}}
+
+
+def rank_entries(ledger: RankLedger, rank0_ok: bool) -> list[dict]:
+    """WorkerReport fields of every rank but 0 for the calls in the ledger (a reload's): ok unless a call failed
+    there (its first error), seconds per reload step, and what its reloader reported. A rank that was asked
+    nothing shares rank 0's outcome (nothing to reload), or says it did not run (rank 0 failed first)."""
+    entries = []
+    for rank in range(1, distributed.size()):
+        outcomes = ledger.of(rank)
+        errors = [f"{o.call}: {o.error}" for o in outcomes if o.error is not None]
+        if not outcomes and not rank0_ok:
+            errors = ["did not run: the reload failed on rank 0 before this rank was asked"]
+        timings, fields = {}, {}
+        for o in outcomes:
+            if o.call in STEP_OF_CALL:
+                step = STEP_OF_CALL[o.call]
+                timings[step] = timings.get(step, 0.0) + o.seconds
+            fields.update(o.report)
+        entries.append(dict(rank=rank, ok=not errors, error=errors[0] if errors else None, timings=timings, **fields))
+    return entries
+
+
+def follow(runner, reloader=None) -> None:
+    """A rank other than 0: make every call rank 0 makes on its runner (and reloader), until it stops."""
+    tokens, kept_model, tx = None, None, None
+    while True:
+        call, args = distributed.broadcast()
+        if call == STOP:
+            return
+        if call == LAUNCH:
+            batch, index, use_graphs = args
+            sampled = runner.launch(batch, None if index is None else (tokens, index), use_graphs)
+            tokens = None if sampled is None else sampled.tokens
+            continue
+        if call == RESTORE:  # rank 0 does not wait for it
+            if kept_model is not None:
+                runner.restore_model(kept_model)
+            kept_model = None
+            continue
+        start, error, report = time.perf_counter(), None, {}
+        try:
+            if call == REBUILD:
+                kept_model = runner.rebuild_model(*args)
+            elif call == RELOAD:
+                modules, sources = args
+                tx = reloader.reload(modules=modules, sources=sources)
+                report = reported(tx.report)
+                if not tx.report.ok:
+                    error, tx = tx.report.error or "the reload failed", None
+            elif call == COMMIT:
+                if tx is not None:
+                    tx.commit()
+                tx, kept_model = None, None
+            elif call == ROLLBACK:
+                if tx is not None:
+                    tx.rollback(*args)
+                tx = None
+            elif call in RANK_CALLS:
+                getattr(runner, call)(*args)
+            else:  # rank 0 sends only what RANK_CALLS declares: a different version of this code
+                raise RuntimeError(f"rank 0 asked for {call!r}, which is not a rank-wide call (RANK_CALLS)")
+        except Exception as exc:
+            error = describe_error(exc)
+        _settle(call, error, time.perf_counter() - start, report, None)
+
+
+def serve_rank(config, make_reloader=None) -> None:
+    """What a rank other than 0 runs, once `distributed.init` joined it: its model runner (its shard of the
+    weights, its heads' KV pool), following rank 0 until the engine stops. `make_reloader` builds this rank's
+    reloader once the model code is imported (a reloader tracks the modules loaded when it is made)."""
+    from tsdev_runtime.engine.llm_engine import freeze_heap
+    from tsdev_runtime.engine.model_runner import Checkpoint, ModelRunner
+
+    runner = ModelRunner(config, Checkpoint.open(config))
+    freeze_heap()  # as rank 0's engine: its steps are no longer held up by full collections
+    follow(runner, make_reloader() if make_reloader else None)

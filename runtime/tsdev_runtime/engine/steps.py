@@ -1,0 +1,56 @@
+"""A transaction of steps: each runs in turn and is timed; after a failure, `undo` undoes the steps begun (the one
+that failed too), last first. A reload of the forward pass is one (runtime/tsdev_runtime/engine/reload_forward.py): its steps
+are listed in the order they run, and what a failure undoes is read off the same list.
+
+A step's undo must hold wherever its run stopped. A step with no run is a guard: it only adds an undo at its place in
+the order (what must be undone after the later steps' undos, e.g. graphs recaptured once the code is restored).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+
+
+@dataclass
+class Step:
+    name: str  # its key in `Steps.timings` and its events
+    run: Callable[[], Awaitable[None]] | None = None
+    undo: Callable[[str], Awaitable[None]] | None = None  # given why the transaction failed
+    started: Callable[[], dict] | None = None  # more fields of its "started" event
+
+
+class Steps:
+    def __init__(self, on_event: Callable[[str, str, dict], None] = lambda name, state, fields: None):
+        """`on_event(name, state, fields)`: state "started" (fields: the step's `started`), "done" or "failed"
+        (fields: seconds)."""
+        self.on_event = on_event
+        self.timings: dict[str, float] = {}
+        self.current = "read"  # the step running, or the last one run
+        self.begun: list[Step] = []
+
+    async def run(self, steps: Iterable[Step]) -> None:
+        for step in steps:
+            self.begun.append(step)
+            if step.run is None:
+                continue
+            self.current, start = step.name, time.perf_counter()
+            self.on_event(step.name, "started", step.started() if step.started else {})
+            try:
+                await step.run()
+            except BaseException:
+                self._ended(step.name, start, "failed")
+                raise
+            self._ended(step.name, start, "done")
+
+    async def undo(self, reason: str) -> None:
+        """Undo every step begun, last first (each undo sees `reason`)."""
+        begun, self.begun = self.begun, []
+        for step in reversed(begun):
+            if step.undo is not None:
+                await step.undo(reason)
+
+    def _ended(self, name: str, start: float, state: str) -> None:
+        seconds = time.perf_counter() - start
+        self.timings[name] = seconds
+        self.on_event(name, state, {"seconds": seconds})

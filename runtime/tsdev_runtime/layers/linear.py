@@ -1,0 +1,166 @@
+"""Linear layers. Merged projections (q|k|v, gate|up) run as one matmul and load per shard.
+
+With `quantize("fp8")` (`--quantization fp8`) a layer still loads the checkpoint's weight into its
+parameter (so the checkpoint layout, weight updates and reloads are unchanged), and its
+`process_weights_after_loading` derives, into buffers allocated once by `quantize`, the e4m3 weight and
+one float32 scale per output channel (`tsdev_kernels.ops.fp8.quantize_fp8_rows`); the forward uses only those.
+The high-precision weight stays allocated: a weight update loads into it and reprocesses (a known cost:
+1.5x the projections' weight memory in bf16).
+
+Tensor parallelism (`tsdev_runtime.distributed`) splits the projections Megatron's way: the merged ones (q|k|v,
+gate|up) by output rows, each rank keeping its rows of every shard (its heads, its part of the MLP), so no
+collective is needed; o_proj and down_proj (`RowParallelLinear`) by input columns, matching the split of their
+input, and their partial outputs are summed over the ranks. Each rank loads only its slice of the checkpoint's
+full tensors (`weight_slice`, runtime/tsdev_runtime/weights/keys.py), and quantizes its own weight (fp8 scales per local output channel)."""
+import torch
+from torch import nn
+
+from tsdev_kernels.ops import fp8 as fp8_ops
+from tsdev_kernels.ops import linear as linear_ops
+from tsdev_kernels.ops import use_fused_triton
+from tsdev_runtime import distributed
+from tsdev_runtime.config import QUANTIZATIONS  # --quantization
+from tsdev_runtime.layers.activation import SiluAndMul
+from tsdev_runtime.layers.norm import RMSNorm
+from tsdev_runtime.weights.keys import DeclaredLoading, Key
+from tsdev_runtime.weights.layout import RankSlice
+
+
+def check_quantization(method: str, device: torch.device | str) -> None:
+    """Raise ValueError saying why `device` cannot run projections quantized by `method`."""
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"quantization {method!r} not supported: use {', '.join(QUANTIZATIONS)}")
+    reason = fp8_ops.fp8_unsupported_reason(device)
+    if reason:
+        raise ValueError(reason)
+
+
+class Linear(DeclaredLoading, nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.quantization: str | None = None
+
+    def quantize(self, method: str) -> None:
+        """Run the projection as `method` from the next load on: allocates its derived tensors (on the
+        weight's device, once: reprocessing fills them in place, so CUDA graphs keep their addresses)."""
+        check_quantization(method, self.weight.device)
+        n, k = self.weight.shape
+        device = self.weight.device
+        self.register_buffer("weight_fp8", torch.zeros(n, k, dtype=fp8_ops.FP8_DTYPE, device=device),
+                             persistent=False)
+        self.register_buffer("weight_scale", torch.ones(n, dtype=torch.float32, device=device), persistent=False)
+        self.quantization = method
+
+    def process_weights_after_loading(self) -> None:
+        if self.quantization == "fp8":
+            values, scales = fp8_ops.quantize_fp8_rows(self.weight)
+            self.weight_fp8.copy_(values)
+            self.weight_scale.copy_(scales.view(-1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(x, self.bias)
+
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quantization == "fp8":
+            return fp8_ops.fp8_linear(x, self.weight_fp8, self.weight_scale, bias)
+        return linear_ops.linear(x, self.weight, bias)
+
+
+class RowParallelLinear(Linear):
+    """A projection whose input features are split over the tensor-parallel ranks (o_proj after this rank's
+    heads, down_proj after its part of the MLP): each rank holds its columns of the weight, and the partial
+    outputs are summed over the ranks. The bias (whole on every rank) joins rank 0's partial sum only, so the
+    sum has it once and a single rank computes exactly what a plain Linear does."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        start, length = distributed.shard(in_features, "a row-parallel projection's input features")
+        super().__init__(length, out_features, bias)
+        self.columns = RankSlice((out_features, in_features), 1, start, length)
+
+    def weight_slice(self, param: str, key: Key) -> RankSlice | None:
+        """This rank's columns of the checkpoint's weight (None: the whole tensor, as the bias)."""
+        return self.columns if param == "weight" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return distributed.all_reduce(self.project(x, self.bias if distributed.rank() == 0 else None))
+
+
+class MergedLinear(Linear):
+    """Several projections of the same input stacked along the output dimension, each split by rows over the
+    tensor-parallel ranks: this rank holds its rows of every shard, stacked in shard order (`shard_offsets`:
+    where each shard's rows start in this rank's weight, and how many), so its output is its part of each.
+
+    `shards`: each shard's rows in the checkpoint, or this rank's `RankSlice` of them where the split is not an
+    even one (key/value heads replicated over more ranks than there are heads). With `bias` each shard has its
+    bias rows too (Qwen2's q|k|v), loaded and split like the weight's."""
+
+    def __init__(self, in_features: int, shards: dict[str, int | RankSlice], bias: bool = False,
+                 checkpoint_name: str = "{}_proj"):
+        slices = {name: size if isinstance(size, RankSlice) else
+                  RankSlice((size, in_features), 0, *distributed.shard(size, f"the {name} projection's rows"))
+                  for name, size in shards.items()}
+        super().__init__(in_features, sum(s.length for s in slices.values()), bias)
+        self.shard_slices = slices
+        self.checkpoint_name = checkpoint_name  # each shard's module in the checkpoint: q -> q_proj
+        self.shard_offsets: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for name, part in slices.items():
+            self.shard_offsets[name] = (offset, part.length)
+            offset += part.length
+
+    def checkpoint_names(self, attr: str) -> dict[str, tuple[str, Key]]:
+        """Each shard's own tensors, beside this module in the checkpoint: q_proj.weight -> (weight, (q,))."""
+        params = ["weight"] + (["bias"] if self.bias is not None else [])
+        return {f"{self.checkpoint_name.format(shard)}.{param}": (param, (shard,))
+                for shard in self.shard_slices for param in params}
+
+    def weight_slice(self, param: str, key: Key) -> RankSlice:
+        """This rank's rows of the checkpoint tensor of shard `key` (of the bias: the same rows)."""
+        part = self.shard_slices[key[0]]
+        return part if param == "weight" else RankSlice(part.shape[:1], 0, part.start, part.length)
+
+    def load_weight(self, param: str, key: Key, tensor: torch.Tensor) -> None:
+        """Copy this rank's rows of shard `key` into their place in `param` (weight or bias)."""
+        offset, size = self.shard_offsets[key[0]]
+        target = getattr(self, param).data[offset : offset + size]
+        if target.shape != tensor.shape:
+            raise ValueError(f"shard {key[0]}: expected shape {tuple(target.shape)}, checkpoint has {tuple(tensor.shape)}")
+        target.copy_(tensor)
+
+
+class NormedProjection(nn.Module):
+    """An RMSNorm and the projection that reads its output (and, for gate|up, SwiGLU's activation after it), as
+    one module of the decoder layer: `(act(proj(norm(x + residual))), x + residual)`, without a residual
+    `(act(proj(norm(x))), x)`. The three modules stay where the checkpoint names them (this one refers to them).
+
+    Why one module: a decode step at batch 1 on CUDA runs it all in one kernel, the GEMV normalising its input
+    and, for gate|up, applying silu(gate) * up to its output, with the arithmetic of the norm and activation
+    kernels (an edit of their Triton code reaches both; the Python forwards of RMSNorm and SiluAndMul are not
+    called there). Other inputs run the three one after another, and so does every input when TSDEV_KERNELS
+    takes one of the three off Triton (`use_fused_triton`: a Gluon norm or CuTe DSL activation serves batch 1 too)."""
+
+    def __init__(self, norm: RMSNorm, proj: Linear | None = None, act: SiluAndMul | nn.Module | None = None):
+        super().__init__()
+        # shared, not owned (not registered as children): the layer owns them under their checkpoint names
+        for name, module in (("norm", norm), ("proj", proj), ("act", act)):
+            object.__setattr__(self, name, module)
+
+    def extra_repr(self) -> str:
+        return " -> ".join(type(m).__name__ for m in (self.norm, self.proj, self.act) if m is not None)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        norm, proj, act = self.norm, self.proj, self.act
+        if proj is None:  # the norm alone (before a mixture of experts, whose router reads the normed input)
+            return (norm(x), x) if residual is None else norm(x, residual)
+        families = ("norm", proj.quantization or "linear", *(("activation",) if act is not None else ()))
+        if (x.numel() == x.shape[-1] and use_fused_triton(x, *families) and type(norm) is RMSNorm
+                and (act is None or type(act) is SiluAndMul) and norm.weight.dtype == x.dtype
+                and (residual is None or residual.dtype == x.dtype)):
+            weight, scale = (proj.weight_fp8, proj.weight_scale) if proj.quantization == "fp8" else (proj.weight, None)
+            return linear_ops.gemv_triton(x, weight, proj.bias, weight_scale=scale, residual=residual,
+                                          norm_weight=norm.weight, eps=norm.eps, gated=act is not None)
+        hidden, residual = (norm(x), x) if residual is None else norm(x, residual)
+        y = proj(hidden)
+        return (y if act is None else act(y)), residual

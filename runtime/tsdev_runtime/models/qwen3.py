@@ -1,0 +1,22 @@
+"""Qwen3 (dense): Llama with a per-head RMSNorm of q and k before the rotation (fused with it in one kernel)."""
+import torch
+
+from tsdev_runtime.config import ModelConfig
+from tsdev_runtime.layers.norm import RMSNorm
+from tsdev_runtime.layers.rotary import RotaryEmbedding
+from tsdev_runtime.models.llama import LlamaAttention, LlamaForCausalLM
+
+
+class Qwen3Attention(LlamaAttention):
+    def __init__(self, config: ModelConfig, rope: RotaryEmbedding):
+        super().__init__(config, rope)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    architectures = ("Qwen3ForCausalLM",)
+    attention = Qwen3Attention

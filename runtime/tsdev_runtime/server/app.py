@@ -1,0 +1,104 @@
+"""The HTTP front: OpenAI-compatible routes over an AsyncEngine, one router per concern (openai.py: generation and
+tokenizing; control.py: reloads, pause, profiling, sleep and weights; here: what the server is), the error shape
+for every failure (errors.py), access before anything else (security.py)."""
+import logging
+import os
+from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
+
+from fastapi import APIRouter, FastAPI
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from tsdev_runtime.config import ServerConfig
+from tsdev_runtime.control_protocol import SERVER_INFO_ROUTE, ServerInfo
+from tsdev_runtime.engine.async_engine import AsyncEngine
+from tsdev_runtime.engine.llm_engine import LLMEngine
+from tsdev_runtime.engine.reload_forward import ForwardReloader, ReloadForward
+from tsdev_runtime.server.body_limit import BodyLimit
+from tsdev_runtime.server.chat import ChatTemplate
+from tsdev_runtime.server.control import control_router, profile_router, weights_router
+from tsdev_runtime.server.deps import ServerDeps
+from tsdev_runtime.server.errors import APIError, install_error_handlers
+from tsdev_runtime.server.metrics import EngineMetrics
+from tsdev_runtime.server.openai import openai_router
+from tsdev_runtime.server.security import Guard, SecurityPolicy
+
+log = logging.getLogger("tsdev_runtime.server")
+
+
+def server_version() -> str:
+    try:
+        return version("tsdev")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
+def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReloader | None = None,
+              max_request_body_bytes: int = ServerConfig.max_request_body_bytes,
+              security: SecurityPolicy | None = None, chat_template: str | None = None) -> FastAPI:
+    """The app; `reloader` (a tsdev.hotreload.Reloader or alike) enables reload_forward, None refuses it (403).
+    `security`: who may call what (API key, loopback-only control routes, profile and weight directories).
+    `chat_template`: a jinja2 file to render chat prompts with instead of the checkpoint's own.
+    `app.state.async_engine.shutdown()` ends its requests and streams (what a server does on SIGTERM)."""
+    metrics = EngineMetrics(engine, served_model_name)
+    async_engine = AsyncEngine(engine, on_step=metrics.on_step)
+    deps = ServerDeps(async_engine, served_model_name, ChatTemplate(engine.tokenizer_dir, chat_template))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await async_engine.start()
+        yield
+        await async_engine.stop()
+        deps.close()
+
+    app = FastAPI(title="tsdev runtime", lifespan=lifespan)
+    security = security or SecurityPolicy()
+    app.add_middleware(BodyLimit, max_bytes=max_request_body_bytes)
+    app.add_middleware(Guard, policy=security)  # added last: runs first, before the body is read
+    app.state.engine, app.state.async_engine, app.state.security = engine, async_engine, security
+    reload_forward = ReloadForward(async_engine, reloader, engine.config.rank) if reloader is not None else None
+    app.include_router(control_router(async_engine, reload_forward))
+    app.include_router(profile_router(async_engine, security))
+    app.include_router(weights_router(async_engine, security))
+    install_error_handlers(app)
+    app.include_router(info_router(deps, metrics, reloads=reloader is not None))
+    app.include_router(openai_router(deps))
+    return app
+
+
+def info_router(deps: ServerDeps, metrics: EngineMetrics, reloads: bool) -> APIRouter:
+    """What the server is: health, the served model, its version and state, Prometheus metrics."""
+    router, engine, name = APIRouter(), deps.engine, deps.served_model_name
+
+    @router.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @router.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": deps.created,
+                                            "owned_by": "tsdev", "max_model_len": engine.max_model_len,
+                                            "vocab_size": engine.model_config.vocab_size}]}
+
+    @router.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != name:
+            raise APIError(404, f"the model {model_id!r} does not exist: this server serves {name!r}", "model",
+                           "not_found_error")
+        return (await models())["data"][0]
+
+    @router.get("/version")
+    async def server_version_route():
+        return {"version": server_version()}
+
+    @router.get(SERVER_INFO_ROUTE)
+    async def server_info():
+        return ServerInfo(model=name, allow_reload_forward=reloads, pid=os.getpid(), state=engine.state.phase,
+                          **dict(engine.describe())).dump()
+
+    @router.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return router

@@ -1,0 +1,226 @@
+"""Control routes: reload_forward, pause/continue, prefix-cache flush, profiling, sleep/wake, reload_weights /
+update_weights / weights_checksum, and the events stream (SSE).
+
+Bodies, replies and events are tsdev_runtime.control_protocol's models, which the clients parse too.
+"""
+import time
+
+from fastapi import APIRouter
+
+from tsdev_runtime.control_protocol import (CONTINUE_ROUTE, EVENTS_ROUTE, FLUSH_ROUTE, IS_SLEEPING_ROUTE, KERNEL_CHECK_ROUTE,
+                                      KernelCheckRequest, MODULES_ROUTE,
+                                      PAUSE_ROUTE, RELOAD_ROUTE, RELOAD_WEIGHTS_ROUTE, SLEEP_ROUTE, START_PROFILE_ROUTE,
+                                      STOP_PROFILE_ROUTE, UPDATE_WEIGHTS_FROM_DISK_ROUTE, UPDATE_WEIGHTS_ROUTE,
+                                      WAKE_UP_ROUTE, WEIGHTS_CHECKSUM_ROUTE, UpdateWeightsRequest, WeightsChecksumReply, Awake,
+                                      Continued, ContinueReply, FlushReply, ModulesReply, Paused, PauseReply,
+                                      PauseRequest, ProfileFinished, ProfileRequest, ProfileStarted, ReloadRequest,
+                                      ReloadWeightsReply, ReloadWeightsRequest, Sleeping, SleepReply, SleepRequest,
+                                      SleepStatus, WakeUpReply, WakeUpRequest, WeightsReloaded)
+from tsdev_runtime.engine.async_engine import AsyncEngine, Unavailable
+from tsdev_runtime.engine.llm_engine import CheckpointRefused, WeightsAsleep
+from tsdev_runtime.engine.profiler import RangeOpen
+from tsdev_runtime.engine.sleep import overall_digest
+from tsdev_runtime.engine.reload_forward import ReloadForward
+from tsdev_runtime.server.errors import APIError
+from tsdev_runtime.server.security import PathNotAllowed, SecurityPolicy
+from tsdev_runtime.server.sse import sse_response
+
+RELOAD_DISABLED = ("reload_forward is disabled on this server: start it with `tsdev serve --allow-reload-forward` "
+                   "(for development: it runs code from disk), or use `tsdev watch`, which does")
+
+
+def control_router(ae: AsyncEngine, reload_forward: ReloadForward | None) -> APIRouter:
+    """Reload, kernel checks, pause/continue, flush and the events stream. Who may call these is security's concern
+    (runtime/tsdev_runtime/server/security.py): its Guard covers every path."""
+    router = APIRouter()
+
+    def reloads() -> ReloadForward:
+        if reload_forward is None:
+            raise APIError(403, RELOAD_DISABLED, None, "permission_error")
+        return reload_forward
+
+    @router.post(RELOAD_ROUTE)
+    async def reload_route(body: ReloadRequest):
+        return (await reloads()(body)).dump()
+
+    @router.post(KERNEL_CHECK_ROUTE)
+    async def kernel_check(body: KernelCheckRequest | None = None):
+        """The declared kernels against their references at the serving shapes (`tsdev check`)."""
+        try:
+            return (await reloads().check_kernels(body or KernelCheckRequest())).dump()
+        except ValueError as exc:
+            raise APIError(400, str(exc), "ops") from None
+
+    @router.get(MODULES_ROUTE)
+    async def reloadable_modules():
+        """The modules a reload may force (loaded, under the reloadable packages)."""
+        return ModulesReply(modules=reloads().reloader.modules()).dump()
+
+    @router.post(PAUSE_ROUTE)
+    async def pause(body: PauseRequest | None = None):
+        mode = (body or PauseRequest()).mode
+        async with ae.control_lock:
+            aborted = 0
+            if mode == "abort":
+                aborted = await ae.between_steps(lambda: ae.abort_all(running_only=False))
+            elif mode == "wait":
+                await ae.drain()
+            ae.set_paused(True)
+        ae.publish(Paused(mode=mode, aborted=aborted))
+        return PauseReply(mode=mode, aborted=aborted).dump()
+
+    @router.post(CONTINUE_ROUTE)
+    async def continue_generation():
+        if reload_forward is not None:
+            reload_forward.cancel_pending()
+        async with ae.control_lock:
+            ae.set_paused(False)
+        ae.publish(Continued())
+        return ContinueReply().dump()
+
+    @router.post(FLUSH_ROUTE)
+    async def flush_cache():
+        await ae.between_steps(ae.engine.flush_prefix_cache)
+        return FlushReply().dump()
+
+    @router.get(EVENTS_ROUTE)
+    async def events():
+        return sse_response(ae.events())
+
+    return router
+
+
+def profile_router(ae: AsyncEngine, security: SecurityPolicy) -> APIRouter:
+    """Start and stop a profile of the engine's steps, written under --profile-dir."""
+    router = APIRouter()
+
+    @router.post(START_PROFILE_ROUTE)
+    async def start_profile(body: ProfileRequest | None = None):
+        body = body or ProfileRequest()
+        try:
+            directory = security.profile_target(body.output_dir, body.name)  # confined to --profile-dir
+        except PathNotAllowed as exc:
+            raise APIError(400, str(exc), exc.param, "invalid_request_error") from None
+        try:
+            info = await ae.run_on_engine_thread(ae.profiler.start, body.activities, body.num_steps, str(directory),
+                                                 body.name)
+        except ValueError as exc:
+            status = 409 if isinstance(exc, RangeOpen) else 400
+            raise APIError(status, str(exc), None, "invalid_request_error") from None
+        ae.publish(ProfileStarted(**dict(info)))
+        return info.dump()
+
+    @router.post(STOP_PROFILE_ROUTE)
+    async def stop_profile():
+        try:
+            info = await ae.run_on_engine_thread(ae.profiler.stop)
+        except ValueError as exc:
+            raise APIError(400, str(exc), None, "invalid_request_error") from None
+        ae.publish(ProfileFinished(**dict(info)))
+        return info.dump()
+
+    return router
+
+
+def sleep_status(ae: AsyncEngine) -> dict:
+    state = ae.engine.sleep_state
+    return dict(is_sleeping=state.sleeping, level=state.level, asleep=sorted(state.asleep),
+                weights_loaded=ae.state.weights_loaded)
+
+
+def weights_router(ae: AsyncEngine, security: SecurityPolicy) -> APIRouter:
+    """vLLM's sleep mode and the weight reload (SGLang's /update_weights_from_disk too). Each takes its turn in the
+    control lock, after the control calls before it; sleep and reload_weights drain first, as a reload does."""
+    router, engine = APIRouter(), ae.engine
+
+    @router.post(SLEEP_ROUTE)
+    async def sleep(body: SleepRequest | None = None):
+        level = (body or SleepRequest()).level
+        start = time.perf_counter()
+        async with ae.control_lock:
+            if engine.sleep_state.sleeping:  # asleep already: nothing more to free
+                return SleepReply(**sleep_status(ae)).dump()
+            ae.refuse("the server is going to sleep (POST /sleep): POST /wake_up once it sleeps to serve again")
+            try:
+                await ae.drain()
+                await ae.between_steps(lambda: ae.fail_all(Unavailable(
+                    "the server went to sleep (POST /sleep) before this request ran: POST /wake_up, then send it again")))
+                info = await ae.run_on_engine_thread(engine.sleep, level)
+            finally:
+                ae.refuse(None)
+        device_freed = None if info["free_after"] is None else info["free_after"] - info["free_before"]
+        ae.publish(Sleeping(level=level, freed_bytes=info["freed"]))
+        return SleepReply(**sleep_status(ae), freed_bytes=info["freed"], device_freed_bytes=device_freed,
+                          seconds=round(time.perf_counter() - start, 6)).dump()
+
+    @router.post(WAKE_UP_ROUTE)
+    async def wake_up(body: WakeUpRequest | None = None):
+        tags = (body or WakeUpRequest()).tags
+        start = time.perf_counter()
+        async with ae.control_lock:
+            woken, recapture = await ae.run_on_engine_thread(engine.wake_up, tags)
+        if woken and not engine.sleep_state.sleeping:
+            ae.publish(Awake(weights_loaded=ae.state.weights_loaded))
+        return WakeUpReply(**sleep_status(ae), woken=woken, recapture_seconds=round(sum(recapture.values()), 6),
+                           seconds=round(time.perf_counter() - start, 6)).dump()
+
+    @router.get(IS_SLEEPING_ROUTE)
+    async def is_sleeping():
+        return SleepStatus(**sleep_status(ae)).dump()
+
+    @router.post(RELOAD_WEIGHTS_ROUTE)
+    async def reload_weights(body: ReloadWeightsRequest | None = None):
+        return await load(ae, security, (body or ReloadWeightsRequest()).path, "direct", None)
+
+    async def update_weights(body: UpdateWeightsRequest | None = None):
+        body = body or UpdateWeightsRequest()
+        return await load(ae, security, body.path, body.mode, body.id)
+
+    router.post(UPDATE_WEIGHTS_ROUTE)(update_weights)
+    router.post(UPDATE_WEIGHTS_FROM_DISK_ROUTE)(update_weights)  # SGLang's name and body ({"model_path"}); direct
+
+    @router.get(WEIGHTS_CHECKSUM_ROUTE)
+    async def weights_checksum():
+        start = time.perf_counter()
+        async with ae.control_lock:  # in its turn: after an update sent before it
+            tensors = await ae.run_on_engine_thread(engine.weights_checksum, False)
+        return WeightsChecksumReply(overall=overall_digest(tensors), tensors=tensors,
+                                    seconds=round(time.perf_counter() - start, 6)).dump()
+
+    return router
+
+
+async def load(ae: AsyncEngine, security: SecurityPolicy, path_field: str | None, mode: str, update_id: str | None):
+    """reload_weights and update_weights: one engine method (`LLMEngine.update_weights`), drained first, in its
+    turn in the control lock."""
+    engine = ae.engine
+    try:
+        path = security.weight_path(path_field, engine.model_dir) if path_field else engine.model_dir
+    except PathNotAllowed as exc:
+        raise APIError(400, str(exc), exc.param, "invalid_request_error") from None
+    start = time.perf_counter()
+    async with ae.control_lock:
+        await ae.drain()
+        try:
+            update = await ae.run_on_engine_thread(engine.update_weights, path, mode)
+        except WeightsAsleep as exc:
+            raise APIError(409, str(exc), None, "invalid_request_error") from None
+        except CheckpointRefused as exc:  # before any weight changed
+            raise APIError(400, f"{path}: {exc}", "path", "invalid_request_error") from None
+        except NotImplementedError:  # not with this server's parallelism: refused before anything changed
+            raise
+        except Exception as exc:
+            why = (f"loading {path} failed midway ({type(exc).__name__}: {exc}); the engine runs no step and "
+                   "requests get 503 until a weight load succeeds: the next full update (POST "
+                   f"{UPDATE_WEIGHTS_ROUTE} {{\"mode\": \"full\"}}, or reload_weights) repairs it")
+            # the engine steps no more until then: end the queued (or paused) requests instead of leaving them hung
+            await ae.between_steps(lambda: ae.fail_all(Unavailable(why)))
+            raise APIError(500, why, None, "server_error") from None
+    seconds, report = time.perf_counter() - start, update.load
+    ae.publish(WeightsReloaded(path=str(path), seconds=round(seconds, 6), mode=mode, id=update_id))
+    graphs = (f"; graphs recaptured in {update.recapture_seconds:.2f} s" if update.recapture_seconds
+              else "" if mode == "full" else "; in place, graphs kept")
+    return ReloadWeightsReply(message=f"loaded {path} ({mode}): {report}{graphs}", path=str(path),
+                              format=report.format, nbytes=report.nbytes, load_seconds=round(report.seconds, 6),
+                              seconds=round(seconds, 6), mode=mode, id=update_id,
+                              recapture_seconds=round(update.recapture_seconds, 6)).dump()

@@ -1,0 +1,201 @@
+"""The embedded default model: a Qwen3-architecture checkpoint with random weights, made on first use.
+
+It lives in the user cache directory in the ordinary Hugging Face layout, so the same loader serves it
+and a real downloaded checkpoint. Small on CPU; the Qwen3-0.6B shape on CUDA so kernel timings are real.
+Nothing is fetched: the byte-level BPE tokenizer is trained on a text shipped with the package, then
+filled with generated merges up to exactly the model's vocabulary, so every id the model can sample decodes
+to text (see `build_tokenizer`).
+"""
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = (  # also the chat template of checkpoints that have none
+    "{%- for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+VERSION = 3  # bump when the default checkpoint's contents change: it is cached by this name
+
+SHAPES = {
+    "tiny": dict(vocab_size=1024, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                 torch_dtype="float32"),
+    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       max_position_embeddings=40960, torch_dtype="bfloat16"),
+    # `tsdev serve --model default-moe`: Qwen3-MoE, a dense layer (`mlp_only_layers`) between sparse ones
+    "tiny-moe": dict(vocab_size=1024, hidden_size=64, intermediate_size=192, num_hidden_layers=3,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1],
+                     torch_dtype="float32"),
+    "qwen3-moe-small": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
+                            num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                            num_experts=32, num_experts_per_tok=4, moe_intermediate_size=512, mlp_only_layers=[],
+                            torch_dtype="bfloat16"),
+}
+DEFAULT_MOE = "default-moe"  # the model name that serves the embedded mixture of experts
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("TSDEV_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tsdev"
+    return Path(root)
+
+
+def default_model_dir(device: str, moe: bool = False) -> Path:
+    """The default checkpoint for this device (`moe`: the mixture of experts), created (once, atomically) if it
+    is not there yet."""
+    shape = ("qwen3-moe-small" if moe else "qwen3-0.6b") if device.startswith("cuda") else ("tiny-moe" if moe else "tiny")
+    final = cache_dir() / f"default-{shape}-v{VERSION}"
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    logging.getLogger("tsdev_runtime.startup").info("writing the default checkpoint %s (once, on first use)", final)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    try:
+        write_checkpoint(tmp, SHAPES[shape])
+        os.rename(tmp, final)
+    except OSError:
+        if not (final / "config.json").is_file():  # not a lost race with another process: a real failure
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def write_checkpoint(out: Path, shape: dict, seed: int = 0, std: float | None = None) -> None:
+    """Write config, tokenizer and random weights for a Qwen3 model of `shape` into `out`.
+
+    Matrices get std 1/sqrt(fan_in) unless `std` is given: each layer then keeps its input's scale, so
+    greedy output varies from token to token (with small weights a tied-embedding model only echoes its
+    last token, and an edit to a layer would not show in its output).
+    """
+    tokenizer = build_tokenizer(shape["vocab_size"])
+    tokenizer.save(str(out / "tokenizer.json"))
+    eos = eos_token_ids(tokenizer)
+    moe = "num_experts" in shape
+    config = dict(architectures=["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"],
+                  model_type="qwen3_moe" if moe else "qwen3", attention_bias=False,
+                  **(dict(decoder_sparse_step=1, norm_topk_prob=True) if moe else {}),
+                  hidden_act="silu", rms_norm_eps=1e-6, rope_theta=1_000_000.0, rope_scaling=None,
+                  tie_word_embeddings=True, bos_token_id=None, eos_token_id=eos[1], **shape)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}, indent=2))
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHATML, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+         "model_max_length": shape["max_position_embeddings"], "tokenizer_class": "PreTrainedTokenizerFast"},
+        indent=2))
+    dtype = getattr(torch, shape["torch_dtype"])
+    save_file(random_weights(shape, seed, std, dtype), str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def random_weights(shape: dict, seed: int, std: float | None, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    h, d = shape["hidden_size"], shape["head_dim"]
+    q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
+
+    def normal(rows: int, fan_in: int) -> torch.Tensor:
+        return (torch.randn(rows, fan_in, generator=g) * (std or fan_in**-0.5)).to(dtype)
+
+    weights = {"model.embed_tokens.weight": normal(shape["vocab_size"], h), "model.norm.weight": torch.ones(h, dtype=dtype)}
+    for n in range(shape["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        weights |= {
+            p + "self_attn.q_proj.weight": normal(q, h), p + "self_attn.k_proj.weight": normal(kv, h),
+            p + "self_attn.v_proj.weight": normal(kv, h), p + "self_attn.o_proj.weight": normal(h, q),
+            p + "self_attn.q_norm.weight": torch.ones(d, dtype=dtype), p + "self_attn.k_norm.weight": torch.ones(d, dtype=dtype),
+            **_mlp_weights(shape, n, normal),
+            p + "input_layernorm.weight": torch.ones(h, dtype=dtype),
+            p + "post_attention_layernorm.weight": torch.ones(h, dtype=dtype),
+        }
+    return weights
+
+
+def _mlp_weights(shape: dict, layer: int, normal) -> dict[str, torch.Tensor]:
+    """A dense MLP's three projections, or (a sparse layer of a mixture of experts) the router and each expert's."""
+    p, h = f"model.layers.{layer}.mlp.", shape["hidden_size"]
+    if "num_experts" not in shape or layer in shape["mlp_only_layers"]:
+        i = shape["intermediate_size"]
+        return {p + "gate_proj.weight": normal(i, h), p + "up_proj.weight": normal(i, h),
+                p + "down_proj.weight": normal(h, i)}
+    i, weights = shape["moe_intermediate_size"], {p + "gate.weight": normal(shape["num_experts"], h)}
+    for e in range(shape["num_experts"]):
+        weights |= {f"{p}experts.{e}.gate_proj.weight": normal(i, h), f"{p}experts.{e}.up_proj.weight": normal(i, h),
+                    f"{p}experts.{e}.down_proj.weight": normal(h, i)}
+    return weights
+
+
+def eos_token_ids(tokenizer) -> list[int]:
+    """Every special token ends a request: decoded with `skip_special_tokens` (as the engine decodes) they
+    are empty, so a sampled <|im_start|> (a new turn) stops like <|im_end|> and <|endoftext|> do."""
+    return [tokenizer.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>", "<|im_start|>")]
+
+
+def build_tokenizer(vocab_size: int):
+    """The default model's tokenizer, with exactly `vocab_size` ids, each of which decodes to text.
+
+    A byte-level BPE trained on corpus.txt (a few hundred tokens) is filled with generated merges until
+    it has `vocab_size` tokens: word-piece pairs (`Ġthe` + `re`), earliest-learned pieces first, so every
+    added token is a word or word piece of ASCII letters (never a partial UTF-8 character) that encoding
+    can produce. Special tokens decode to "" (skipped) and are EOS (`eos_token_ids`). It depends only on
+    corpus.txt and `tokenizers`, not on the machine or the Python version. About 1 s for 151,936 ids.
+    """
+    from tokenizers import Tokenizer
+
+    tokenizer = train_tokenizer(vocab_size)
+    data = json.loads(tokenizer.to_str())
+    vocab, merges = data["model"]["vocab"], data["model"]["merges"]
+    pair = (lambda a, b: f"{a} {b}") if merges and isinstance(merges[0], str) else (lambda a, b: [a, b])
+    for a, b in _word_pairs(vocab, vocab_size):
+        vocab[a + b] = len(vocab)
+        merges.append(pair(a, b))
+    tokenizer = Tokenizer.from_str(json.dumps(data))
+    assert tokenizer.get_vocab_size() == vocab_size, (tokenizer.get_vocab_size(), vocab_size)
+    return tokenizer
+
+
+_WORD, _LOWER = re.compile("\u0120?[A-Za-z]+"), re.compile("[a-z]+")  # \u0120 (Ġ): the byte-level space
+
+
+def _word_pairs(vocab: dict[str, int], size: int):
+    """Yield (head, tail) pieces whose concatenation is a new word piece, until `vocab` (which the caller
+    extends with each pair) has `size` tokens. Pairs go by the sum of their pieces' ranks, so pieces
+    learned early (frequent ones) combine first; a round's new pieces join the next round."""
+    heads = [t for t in sorted(vocab, key=vocab.get) if _WORD.fullmatch(t)]
+    tails = [t for t in heads if _LOWER.fullmatch(t)]
+    while len(vocab) < size:
+        new = []
+        for s in range(len(heads) + len(tails) - 1):
+            for i in range(max(0, s - len(tails) + 1), min(s, len(heads) - 1) + 1):
+                word = heads[i] + tails[s - i]
+                if word not in vocab:
+                    yield heads[i], tails[s - i]
+                    new.append(word)
+                    if len(vocab) >= size:
+                        return
+        if not new:
+            raise ValueError(f"corpus.txt gives too few word pieces to fill a vocabulary of {size}")
+        heads += new
+        tails += [t for t in new if _LOWER.fullmatch(t)]
+
+
+def train_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=min(vocab_size, 4096), special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    corpus = (Path(__file__).parent / "corpus.txt").read_text()
+    tokenizer.train_from_iterator(corpus.splitlines(keepends=True), trainer)
+    return tokenizer
