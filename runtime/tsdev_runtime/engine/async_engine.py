@@ -248,13 +248,14 @@ class AsyncEngine:
             self._steps_since_capture += 1
             try:
                 outputs, closed_range = await self.run_on_engine_thread(self._step)
-            except Exception as exc:  # keep serving: fail the requests in flight, not the server
+            except Exception as exc:  # keep serving: end the request the step failed on, not the others
                 if self.engine.ranks is not None:  # ranks that may have stopped at different points are out of step
                     stop_server(f"FATAL: an engine step failed with {self.engine.config.world_size} tensor-parallel "
                                 f"ranks ({type(exc).__name__}: {exc}); they cannot be brought back in step, so the "
                                 "server stops (tsdev watch restarts it).")
-                log.exception("engine step failed; aborting the requests in flight")
-                self._fail_all(exc)
+                log.exception("engine step failed; running the requests in flight again one at a time to find "
+                              "the one it fails on")
+                await self._recover(exc)
                 continue
             for out in outputs:
                 self._deliver(out)
@@ -292,6 +293,24 @@ class AsyncEngine:
         queue = self._streams.get(out.request_id) if out else None
         if queue is not None:
             queue.put_nowait(out)
+
+    async def _recover(self, exc: Exception) -> None:
+        """LLMEngine.recover: the request a step fails on alone gets the error, the others their outputs."""
+        try:
+            outputs, failed = await self.run_on_engine_thread(self.engine.recover)
+        except Exception:
+            log.exception("running the requests alone failed too; aborting the requests in flight")
+            self._fail_all(exc)
+            return
+        for out in outputs:
+            if out is None or out.request_id not in failed:
+                self._deliver(out)
+                continue
+            log.error("request %s aborted: its step fails when it runs alone: %s", out.request_id,
+                      failed[out.request_id])
+            if (queue := self._streams.get(out.request_id)) is not None:
+                queue.put_nowait(EngineError(f"the engine failed on this request: {failed[out.request_id]}"))
+        self._stepped.set()
 
     def _fail_all(self, exc: Exception) -> None:
         self.engine.discard_in_flight()

@@ -21,10 +21,11 @@ from tsdev_runtime.control_protocol import EngineInfo
 from tsdev_runtime.engine import compiles
 from tsdev_runtime.engine.block_manager import BlockManager
 from tsdev_runtime.engine.detokenizer import Detokenizer
+from tsdev_runtime.engine.errors import describe_error
 from tsdev_runtime.engine.model_runner import Checkpoint, ModelRunner, step_range
 from tsdev_runtime.engine.ranks import DrivenRunner, RankLedger
 from tsdev_runtime.engine.scheduler import ScheduledBatch, Scheduler
-from tsdev_runtime.engine.sequence import PENDING, SamplingParams, Sequence, Status, TokenLogprob
+from tsdev_runtime.engine.sequence import PENDING, InvalidRequest, SamplingParams, Sequence, Status, TokenLogprob
 from tsdev_runtime.engine.sleep import WEIGHTS, SleepState, weights_checksum
 from tsdev_runtime.engine.state import EngineState
 from tsdev_runtime.sampling.sampler import Sampled
@@ -203,17 +204,30 @@ class LLMEngine:
             self.ranks = None
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
-        """Raise ValueError saying what to change if this prompt cannot be served."""
+        """Raise InvalidRequest saying what to change if this prompt cannot be served."""
         if not prompt_token_ids:
-            raise ValueError("the prompt is empty: send at least one token")
+            raise InvalidRequest("the prompt is empty: send at least one token", "prompt")
         if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"this model's maximum context length is {self.max_model_len} tokens (--max-model-len), "
-                             f"but the prompt has {len(prompt_token_ids)}: shorten it (one token of the context "
-                             "must be left to generate)")
+            raise InvalidRequest(f"this model's maximum context length is {self.max_model_len} tokens "
+                                 f"(--max-model-len), but the prompt has {len(prompt_token_ids)}: shorten it (one "
+                                 "token of the context must be left to generate)", "prompt")
+        self._check_token_ids("prompt", prompt_token_ids)
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        """Raise InvalidRequest naming the field and its valid range for a value the sampler would index the logits
+        with: a request that cannot run is refused here, before it shares a step with others."""
+        self._check_token_ids("logit_bias", params.logit_bias)
+        self._check_token_ids("stop_token_ids", params.stop_token_ids)
         vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        for name in ("logprobs", "prompt_logprobs"):
+            if (value := getattr(params, name)) is not None and value > vocab:
+                raise InvalidRequest(f"{name} {value} asks for more tokens than the vocabulary has ({vocab})", name)
+
+    def _check_token_ids(self, field: str, ids) -> None:
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+            raise InvalidRequest(f"{field}: token id {bad} is outside the vocabulary (0..{vocab - 1})", field)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, after: str | None = None) -> None:
@@ -221,6 +235,7 @@ class LLMEngine:
         a request with the same prompt (choices of one `n` request): this one is admitted once that one computed
         the prompt, so that it finds the prompt's pages in the prefix cache instead of computing them again."""
         self.check_prompt(prompt_token_ids)
+        self.check_sampling(params)
         seq = Sequence(request_id, prompt_token_ids, params, arrival_time)
         self.detokenizers[seq] = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
                                              params.skip_special_tokens)
@@ -250,9 +265,7 @@ class LLMEngine:
         """End a scheduled sequence: its pages and sampler slot go back; requests waiting for its prompt go on."""
         self.scheduler.finish(seq, reason)
         self.num_finished[reason] += 1
-        if seq.sampler_slot is not None:
-            self.free_slots.append(seq.sampler_slot)
-            seq.sampler_slot = None
+        self._release_slot(seq)
         self._release_followers(seq)
 
     def _release_followers(self, lead: Sequence) -> None:
@@ -265,6 +278,60 @@ class LLMEngine:
     def discard_in_flight(self) -> None:
         """Forget the step in flight (after a failed step: its requests are aborted)."""
         self.in_flight = None
+
+    def recover(self) -> tuple[list[RequestOutput], dict[str, str]]:
+        """After a step raised (one rank): find the request it failed on and end that one alone.
+
+        The steps in flight are forgotten and every running request is put back to be computed again (its pages
+        freed, its unread tokens dropped, its sampler slot started again from its history), then each runs alone,
+        one step at a time, until it draws its next token. A request whose step fails alone is aborted with the
+        error; the others go on, with the tokens they would have drawn anyway (a seeded draw depends on the seed
+        and the output count only). Returns the outputs of those steps and {request_id: error} of the aborted."""
+        self.in_flight = None
+        suspects = list(self.scheduler.running)
+        for seq in suspects:
+            self._drop_unread(seq)
+            self.scheduler.preempt(seq)
+            self._release_slot(seq)
+        outputs, failed = [], {}
+        for seq in suspects:
+            try:
+                outputs += self._run_alone(seq)
+            except Exception as exc:
+                self.in_flight = None
+                self._drop_unread(seq)
+                failed[seq.request_id] = describe_error(exc)
+                outputs.append(self.abort(seq.request_id))
+        return outputs, failed
+
+    def _run_alone(self, seq: Sequence) -> list[RequestOutput]:
+        """Steps of `seq` alone, without async scheduling, until it drew a token (or could not be admitted)."""
+        sched = self.scheduler
+        running, waiting = sched.running, sched.waiting
+        waiting.remove(seq)
+        sched.running, sched.waiting = [], collections.deque([seq])
+        drawn, outputs = seq.num_known_output_tokens, []
+        try:
+            while not seq.is_finished and seq.num_known_output_tokens == drawn:
+                batch = sched.schedule()
+                if not batch.seqs:
+                    break
+                outputs += self._read(self._launch(batch))
+        finally:
+            running += sched.running
+            waiting.extendleft(reversed(sched.waiting))
+            sched.running, sched.waiting = running, waiting
+        return outputs
+
+    @staticmethod
+    def _drop_unread(seq: Sequence) -> None:
+        while len(seq.token_ids) > seq.num_prompt_tokens and seq.token_ids[-1] == PENDING:
+            seq.token_ids.pop()
+
+    def _release_slot(self, seq: Sequence) -> None:
+        if seq.sampler_slot is not None:
+            self.free_slots.append(seq.sampler_slot)
+            seq.sampler_slot = None
 
     def abort_all(self, running_only: bool = False) -> list[RequestOutput]:
         """Abort the running requests (and the waiting ones unless `running_only`); their final outputs."""

@@ -481,7 +481,7 @@ class ModelRunner:
             for seq in seqs:
                 if seq.init_slot:
                     p = seq.params
-                    self.sampler_state.start(seq.sampler_slot, seq.prompt_token_ids, p.presence_penalty,
+                    self.sampler_state.start(seq.sampler_slot, seq.history, seq.num_prompt_tokens, p.presence_penalty,
                                              p.frequency_penalty, p.repetition_penalty, p.logit_bias)
             slots = [-1 if s.sampler_slot is None else s.sampler_slot for s in seqs]
         suppress = [(i, t) for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens

@@ -71,7 +71,7 @@ class Scheduler:
             while not self.block_manager.allocate(seq, n):
                 victim = self.running[-1]
                 budget += scheduled.pop(victim, 0)
-                self._preempt(victim)
+                self.preempt(victim)
                 if victim is seq:
                     break
             else:
@@ -112,7 +112,8 @@ class Scheduler:
     def find(self, request_id: str) -> Sequence | None:
         return next((s for s in (*self.running, *self.waiting) if s.request_id == request_id), None)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence) -> None:
+        """Free its pages and queue it first: it is computed again (its full pages usually from the prefix cache)."""
         self.block_manager.free_pages(seq)
         self.running.remove(seq)
         seq.status = Status.WAITING

@@ -11,6 +11,12 @@ from tsdev_runtime.sampling.sampler import MAX_LOGIT_BIAS, MAX_LOGPROBS
 PENDING = -1
 
 
+class InvalidRequest(ValueError):
+    """A request the engine cannot serve as sent; `field` names the request field to change (the server's 400)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 class TokenLogprob(NamedTuple):
@@ -123,12 +129,17 @@ class Sequence:
         1.6 MB and 7.6 ms to pickle whole)."""
         return StepView, (self.token_ids[self.num_computed_tokens :], self.num_computed_tokens, self.pages,
                           self.params, self.num_output_tokens, self.num_prompt_tokens, self.sampler_slot,
-                          self.token_ids[: self.num_prompt_tokens] if self.init_slot else None,
+                          self.history if self.init_slot else None,
                           self.prompt_logprob_next)
 
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def history(self) -> list[int]:
+        """The prompt and the output tokens read so far (no PENDING one): what a sampler slot starts from."""
+        return self.token_ids[: self.num_prompt_tokens + self.num_known_output_tokens]
 
     @property
     def num_output_tokens(self) -> int:
@@ -154,20 +165,16 @@ class Sequence:
 
 class StepView:
     """A sequence as another tensor-parallel rank's runner sees it for one step: the tokens to compute, the pages,
-    the sampling parameters, the output count (the noise seed's input), its sampler slot (with the prompt on the
+    the sampling parameters, the output count (the noise seed's input), its sampler slot (with the history on the
     slot's first step) and how far its prompt logprobs were asked for."""
 
     def __init__(self, uncomputed: list[int], num_computed_tokens: int, pages: list[int], params: SamplingParams,
                  num_output_tokens: int, num_prompt_tokens: int, sampler_slot: int | None,
-                 prompt: list[int] | None, prompt_logprob_next: int):
+                 history: list[int] | None, prompt_logprob_next: int):
         self.uncomputed, self.num_computed_tokens, self.pages = uncomputed, num_computed_tokens, pages
         self.params, self.num_output_tokens, self.num_prompt_tokens = params, num_output_tokens, num_prompt_tokens
-        self.sampler_slot, self.init_slot, self.prompt = sampler_slot, prompt is not None, prompt or []
+        self.sampler_slot, self.init_slot, self.history = sampler_slot, history is not None, history or []
         self.prompt_logprob_next = prompt_logprob_next
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.prompt
 
     def step_tokens(self, n: int) -> list[int]:
         return self.uncomputed[:n]

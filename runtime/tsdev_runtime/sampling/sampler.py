@@ -75,12 +75,17 @@ class SamplerState:
         self.bias_values = torch.zeros(slots, MAX_LOGIT_BIAS, dtype=torch.float32, device=device)
         self.bias_count = torch.zeros(slots, dtype=torch.int32, device=device)
 
-    def start(self, slot: int, prompt: list[int], presence: float, frequency: float, repetition: float,
-              logit_bias: dict[int, float]) -> None:
-        """A request takes `slot`: its prompt's tokens marked, no token generated yet, its penalties and bias."""
+    def start(self, slot: int, history: list[int], num_prompt_tokens: int, presence: float, frequency: float,
+              repetition: float, logit_bias: dict[int, float]) -> None:
+        """A request takes `slot`: its prompt's tokens marked, the output tokens of its `history` (prompt, then
+        output: none on its first draw, those read so far when it starts again after a failed step) counted, its
+        penalties and bias."""
         device = self.counts.device
+        history = torch.tensor(history, dtype=torch.int64).to(device)
         self.counts[slot].zero_()
-        self.counts[slot].index_fill_(0, torch.tensor(prompt, dtype=torch.int64).to(device), sampling_ops.PROMPT_BIT)
+        self.counts[slot].index_fill_(0, history[:num_prompt_tokens], sampling_ops.PROMPT_BIT)
+        output = history[num_prompt_tokens:]
+        self.counts[slot].index_add_(0, output, torch.ones_like(output, dtype=torch.int32))
         self.params[slot] = torch.tensor([presence, frequency, repetition]).to(device, non_blocking=True)
         n = len(logit_bias)
         self.bias_count[slot] = n
@@ -152,7 +157,7 @@ class Sampler(nn.Module):
         self(logits, [0.8], [0], [0.9], [0])  # top-p alone: the full sort
         if state is not None:  # the penalties, bias, count and logprobs kernels, on the last slot
             slot = state.slots - 1  # (the engine hands out the others)
-            state.start(slot, [1, 2, 3], 0.5, 0.5, 1.2, {5: 1.0})
+            state.start(slot, [1, 2, 3, 4], 3, 0.5, 0.5, 1.2, {5: 1.0})
             self(logits.clone(), [0.8], [0], [1.0], [0], Extras([0], 5, [slot], [(0, 1)]), state)
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from tsdev_runtime.engine.async_engine import AsyncEngine
 from tsdev_runtime.engine.llm_engine import LLMEngine
+from tsdev_runtime.engine.sequence import InvalidRequest, SamplingParams
 from tsdev_runtime.server.chat import ChatTemplate
 from tsdev_runtime.server.errors import APIError
 
@@ -45,8 +46,8 @@ class ServerDeps:
         """Validate the prompt and return max_tokens (default: the rest of the context)."""
         try:
             self.engine.check_prompt(prompt_ids)
-        except ValueError as exc:
-            raise APIError(400, str(exc), "prompt") from None
+        except InvalidRequest as exc:
+            raise APIError(400, str(exc), exc.field) from None
         limit = self.engine.max_model_len
         if max_tokens is None:
             max_tokens = limit - len(prompt_ids)
@@ -55,6 +56,15 @@ class ServerDeps:
                                 f"prompt tokens + {max_tokens} max_tokens were requested: shorten the prompt or "
                                 "lower max_tokens", "max_tokens")
         return max_tokens
+
+    def check_sampling(self, params: list[SamplingParams]) -> list[SamplingParams]:
+        """400 for a value the engine would index the logits with outside the vocabulary (LLMEngine.check_sampling)."""
+        try:
+            for p in params:
+                self.engine.check_sampling(p)
+        except InvalidRequest as exc:
+            raise APIError(400, str(exc), exc.field) from None
+        return params
 
     def check_model(self, body) -> None:
         if body.model is not None and body.model != self.served_model_name:

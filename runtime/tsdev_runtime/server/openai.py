@@ -148,8 +148,8 @@ async def complete(deps: ServerDeps, body: CompletionRequest, request: Request):
 
     def prepare():
         token_lists = [deps.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        params = [body.sampling_params(deps.check_length(ids, max_tokens), j, body.logprobs, prompt_logprobs)
-                  for ids in token_lists for j in range(body.n)]
+        params = deps.check_sampling([body.sampling_params(deps.check_length(ids, max_tokens), j, body.logprobs,
+                                                           prompt_logprobs) for ids in token_lists for j in range(body.n)])
         echoes = [(p if isinstance(p, str) else engine.tokenizer.decode(ids, skip_special_tokens=False), ids)
                   for p, ids in zip(prompts, token_lists)] if body.echo else None
         return token_lists, params, echoes
@@ -185,7 +185,7 @@ async def chat(deps: ServerDeps, body: ChatCompletionRequest, request: Request):
     def prepare():
         ids = deps.encode(deps.render(body.messages), add_special_tokens=False)
         limit = deps.check_length(ids, body.max_completion_tokens or body.max_tokens)
-        return ids, [body.sampling_params(limit, j, top_n) for j in range(body.n)]
+        return ids, deps.check_sampling([body.sampling_params(limit, j, top_n) for j in range(body.n)])
 
     ids, params = await deps.off_loop(prepare)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
