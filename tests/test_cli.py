@@ -236,9 +236,13 @@ def test_compile_workers_without_reloads_are_refused():
     assert result.exit_code == 2 and "--allow-reload-forward" in result.output
 
 
-def test_a_kernel_check_mode_without_reloads_or_unknown_is_refused():
+def test_a_kernel_check_mode_without_reloads_or_unknown_is_refused(monkeypatch):
     result = CliRunner().invoke(app, ["serve", "--device", "cpu", "--port", "0", "--kernel-check", "strict"])
     assert result.exit_code == 2 and "--allow-reload-forward" in result.output
+    monkeypatch.delenv("TRITON_INTERPRET")  # strict where the checks cannot run: refused before the model loads
+    result = CliRunner().invoke(app, ["serve", "--device", "cpu", "--port", "0", "--allow-reload-forward",
+                                      "--kernel-check", "strict"])
+    assert result.exit_code == 2 and "TRITON_INTERPRET=1" in result.output and "strict" in result.output
     result = CliRunner().invoke(app, ["serve", "--device", "cpu", "--port", "0", "--allow-reload-forward",
                                       "--kernel-check", "loud"])
     assert result.exit_code == 2 and "report, strict, off" in result.output

@@ -254,3 +254,28 @@ def test_tsdev_check_runs_every_declared_op_or_the_named_ones_and_names_the_ops_
     assert table.exit_code == 0 and table.output.count("rms_norm ") >= 3 and "fused_add" not in table.output
     unknown = CliRunner().invoke(app, ["check", "nope", "--url", url])
     assert unknown.exit_code == 2 and "nope" in unknown.output and "silu_and_mul" in unknown.output
+
+
+def test_where_the_checks_cannot_run_report_says_so_and_strict_is_refused(tmp_path, tiny_model_dir, monkeypatch):
+    """The CPU without Triton's interpreter: the startup log says the checks are off and why, a kernel edit reloads
+    with that in its warnings (not a silent `kernel_checks: []`), a reload that asks for strict is refused, `tsdev
+    check` says why, and no graph patch is attempted (there are no CUDA graphs)."""
+    from typer.testing import CliRunner
+
+    from tsdev.cli import app
+
+    monkeypatch.delenv("TRITON_INTERPRET")
+    project = copy_project(tmp_path / "project")
+    args = [str(tiny_model_dir), "--device", "cpu", "--max-model-len", "256", "--allow-reload-forward"]
+    with serve(args, project / "serve.log", cwd=project) as url:
+        assert "kernel checks are off on cpu" in (project / "serve.log").read_text()
+        save(project, "    return F.silu(gate) * up\n", "    return F.silu(gate) * up * 3\n")
+        refused = reload(url, kernel_check="strict")
+        assert not refused.ok and "strict, which cannot hold" in refused.workers[0].error
+        assert "TRITON_INTERPRET=1" in refused.workers[0].error
+        reported = reload(url).workers[0]
+        assert reported.ok and reported.reloaded == ["tsdev_kernels.ops.activation"] and reported.kernel_checks == []
+        assert [w for w in reported.warnings if w.startswith("kernel checks are off on cpu")], reported.warnings
+        assert not [w for w in reported.warnings if "patching the graphs" in w], reported.warnings
+        checked = CliRunner().invoke(app, ["check", "--url", url])
+        assert checked.exit_code != 0 and "TRITON_INTERPRET=1" in checked.output, checked.output

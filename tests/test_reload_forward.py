@@ -288,6 +288,16 @@ def test_reload_exit_status_0_when_reloaded_or_nothing_changed(server, project):
     assert nothing.exit_code == 0 and nothing.output.startswith("nothing to reload"), nothing.output
 
 
+def test_reload_of_a_file_saved_unchanged_says_nothing_changed(server, project):
+    same = tsdev_reload(server, "--file", str(project / ACTIVATION))
+    assert same.exit_code == 0 and same.output.startswith(f"nothing changed: {project / ACTIVATION} holds the code "
+                                                          "the server runs"), same.output
+    with edited(project, ACTIVATION, SILU_LINE, "    return -F.silu(gate) * up\n"):
+        saved = tsdev_reload(server, "--file", str(project / ACTIVATION))
+        assert saved.exit_code == 0 and saved.output.startswith("reloaded tsdev_kernels.ops.activation"), saved.output
+    assert tsdev_reload(server, "--file", str(project / ACTIVATION)).output.startswith("reloaded")  # the revert
+
+
 def test_reload_exit_status_1_when_the_reload_failed(server, project):
     with edited(project, ACTIVATION, SILU_LINE, "    return F.silu(gate) * up)\n"):
         failed = tsdev_reload(server, "--file", str(project / ACTIVATION))  # as an editor hook runs it

@@ -102,8 +102,8 @@ def test_layer_edit_gives_one_reload_line_with_step_timings_and_golden_verdict(w
 def test_reload_from_an_editor_hook_appears_in_the_daemon(watch):
     proc, out, project, url = watch
     env = {**os.environ, "PYTHONPATH": project_pythonpath(project, "")}
-    hook = subprocess.run([sys.executable, "-m", "tsdev", "reload", "--url", url, "--file",
-                           str(project / "kernels/tsdev_kernels/ops/norm.py")], capture_output=True, text=True, env=env, cwd=project)
+    hook = subprocess.run([sys.executable, "-m", "tsdev", "reload", "--url", url, "--modules", "tsdev_kernels.ops.norm"],
+                          capture_output=True, text=True, env=env, cwd=project)
     assert hook.returncode == 0, hook.stdout + hook.stderr
     assert "reloaded tsdev_kernels.ops.norm" in hook.stdout
     line = out.next(r"reload #\d+ ok \(another client: tsdev_kernels\.ops\.norm\)").string

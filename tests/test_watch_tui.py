@@ -159,3 +159,27 @@ def test_a_reloads_kernel_checks_show_as_one_summary_per_op_and_k_shows_them_per
     assert "silu_and_mul: err 2e-03 ok · 12.5 → 11.3 µs (-10%) at 2 shape(s)" in summary, summary
     assert "kernel checks of reload #1:" in table
     assert re.search(r"silu_and_mul +1x6144 +bfloat16 +2\.00e-03", table) and re.search(r"256x6144 .* 21\.0 +19\.0", table)
+
+
+def test_k_says_why_there_are_no_kernel_checks_where_they_cannot_run(tmp_path):
+    from fake_server import ok_worker
+
+    off = "kernel checks are off on cpu: they run the Triton kernels, which need CUDA, or Triton's interpreter"
+    project, server = make_project(tmp_path), FakeServer()
+    server.answer = lambda request: [ok_worker(warnings=[off])]
+    app = WatchApp(WatchConfig(attach=URL, project=project, probe_batch=2, probe_steps=4), server.transport())
+
+    async def main():
+        async with app.run_test(size=(200, 48)) as pilot:
+            await one_save(app, pilot, project)
+            before = screen_text(app)
+            await pilot.press("k")
+            await pilot.pause(0.3)
+            after = screen_text(app)
+            await pilot.press("q")
+            await until(lambda: app.return_code is not None)
+            return before, after
+
+    before, after = asyncio.run(main())
+    assert "no kernel checks yet" not in after, after
+    assert after.count("kernel checks are off on cpu") == before.count("kernel checks are off on cpu") + 1, after

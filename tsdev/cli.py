@@ -306,6 +306,12 @@ def serve(
     if kernel_check is not None and not allow_reload_forward:
         raise typer.BadParameter("kernel checks run on reloads: add --allow-reload-forward (tsdev watch does)",
                                  param_hint="--kernel-check")
+    if allow_reload_forward and config.kernel_check == "strict":
+        from tsdev_runtime.engine.kernel_checks import why_off
+
+        if why := why_off(config.device):
+            raise typer.BadParameter(f"strict cannot hold here: {why}; or use --kernel-check report",
+                                     param_hint="--kernel-check")
     if compile_workers and not allow_reload_forward:
         raise typer.BadParameter("compile workers serve reloads: add --allow-reload-forward (tsdev watch does)",
                                  param_hint="--compile-workers")
@@ -335,8 +341,8 @@ def reload(
     modules: Annotated[Optional[list[str]], typer.Option("--modules", "-m", metavar="MODULE", help="Force these modules (and their dependents) to re-execute, changed or not. Repeat the flag for several.")] = None,
     mode: Annotated[str, typer.Option(help="wait: running requests finish first; abort: they are aborted.")] = "wait",
     timeout_s: Annotated[Optional[float], typer.Option(help="Give up (changing nothing) if drain + reload take longer.")] = None,
-    files: Annotated[Optional[list[str]], typer.Option("--file", "-f", metavar="PATH", help="Force the modules these files hold (for editor save hooks); "
-                                                       "files outside the reloadable packages' projects are ignored. Repeatable.")] = None,
+    files: Annotated[Optional[list[str]], typer.Option("--file", "-f", metavar="PATH", help="A file just saved (for editor save hooks): reload what changed, or say that "
+                                                       "nothing did; files outside the reloadable packages' projects are ignored. Repeatable.")] = None,
     recapture: Annotated[bool, typer.Option(help="Capture the CUDA graphs again even when only Triton kernel bodies "
                                                  "changed (the server then points the captured graphs at the new "
                                                  "binaries instead).")] = False,
@@ -377,11 +383,12 @@ def reload(
     if files:
         from tsdev.watch.watcher import classify_files
 
-        forced, others, ignored = classify_files(files)
-        if not forced and not others:
+        saved, others, ignored = classify_files(files)
+        if not saved and not others:
             console.print(f"nothing to reload: {', '.join(ignored)} not in a reloadable package's project")
             raise typer.Exit(outcome.RELOADED)
-        modules = [*(modules or []), *forced] or None  # others: the server reports them as needing a restart
+        # not forced: the server reloads what changed since the last reload (the saved files, if they did) and
+        # reports an edit outside the reloadable packages as needing a restart
 
     progress = outcome.ReloadProgress(console, mode)
     try:
@@ -400,6 +407,10 @@ def reload(
         raise typer.Exit(outcome.FAILED if exc.status >= 500 else outcome.UNREACHABLE) from None
     finally:
         progress.close()
+    if files and not modules and reply.ok and not any(w.reloaded or w.needs_restart for w in reply.workers):
+        console.print(f"nothing changed: {', '.join(map(str, files))} holds the code the server runs (no source "
+                      "changed since the last reload); `--modules MODULE` re-executes a module anyway")
+        raise typer.Exit(outcome.RELOADED)
     for worker in reply.workers:
         console.print(outcome.worker_text(worker))
     raise typer.Exit(outcome.exit_status(reply))

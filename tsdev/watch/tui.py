@@ -179,8 +179,10 @@ class WatchApp(App):
                    and r.worker.kernel_checks]
         record = selected if selected in checked else (checked[-1] if checked else None)
         if record is None:
-            self.log_line("no kernel checks yet: a reload that changes a Triton kernel checks it "
-                          "(`tsdev check` runs them now)")
+            off = next((w for r in reversed(self.records.values()) if isinstance(r, ReloadRecord) and r.worker
+                        for w in r.worker.warnings if w.startswith("kernel checks are off")), None)
+            self.log_line(escape(off) if off else "no kernel checks yet: a reload that changes a Triton kernel "
+                          "checks it (`tsdev check` runs them now)")
             return
         self.log_line(f"kernel checks of reload #{record.n}:")
         for line in checks_table(record.worker.kernel_checks):

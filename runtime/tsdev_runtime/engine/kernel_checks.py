@@ -29,6 +29,14 @@ def serving_tokens(decode_sizes: list[int], prefill_buckets: list[int], max_runn
     return tuple(sorted(picked)[:MAX_SHAPES])
 
 
+def why_off(device: str) -> str | None:
+    """Why the checks cannot run on `device` (None: they can): they run the Triton kernels."""
+    if checks.runnable(device):
+        return None
+    return (f"kernel checks are off on {device}: they run the Triton kernels, which need CUDA, or Triton's "
+            "interpreter on the CPU (start the server with TRITON_INTERPRET=1: slow; --kernel-check off silences this)")
+
+
 class KernelChecker:
     def __init__(self, mode: str = "report"):
         if mode not in KERNEL_CHECK_MODES:

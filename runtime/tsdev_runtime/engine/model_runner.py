@@ -399,7 +399,8 @@ class ModelRunner:
         """Point the captured graphs' kernel nodes at new binaries (runtime/tsdev_runtime/engine/graph_patch.py): nodes patched.
         GraphPatchError (nothing changed) when the driver refuses one."""
         sets = [s for s in (self.decode_graphs, self.prefill_graphs) if s is not None]
-        return graph_patch.patch([graph for graph_set in sets for graph in graph_set.cuda_graphs()], swaps)
+        graphs = [graph for graph_set in sets for graph in graph_set.cuda_graphs()]
+        return graph_patch.patch(graphs, swaps) if graphs else 0  # none (the CPU, eager): the driver is not asked
 
     def used_graphs(self) -> tuple[list[int], list[int]]:
         """The decode sizes and prefill buckets the steps ran since the last capture (at least the smallest of

@@ -37,7 +37,8 @@ from tsdev_runtime.control_protocol import (STEPS, KernelCheckReply, KernelCheck
 from tsdev_runtime.engine.compiles import COMPILES
 from tsdev_runtime.engine.async_engine import AsyncEngine
 from tsdev_runtime.engine.errors import describe_error, stop_server
-from tsdev_runtime.engine.kernel_checks import KernelChecker, describe_failure, reported as reported_checks, serving_of
+from tsdev_runtime.engine.kernel_checks import (KernelChecker, describe_failure, reported as reported_checks, serving_of,
+                                                why_off)
 from tsdev_runtime.engine.ranks import RankedReloader, RankLost, rank_entries, reported
 from tsdev_runtime.engine.steps import Step, Steps
 
@@ -104,6 +105,11 @@ class ReloadForward:
         self.reloader = RankedReloader(reloader, ranks) if ranks is not None else reloader
         self.async_engine, self.rank = async_engine, rank
         self.checker = KernelChecker(async_engine.engine.config.kernel_check)
+        self.checks_off = why_off(str(async_engine.engine.runner.device))
+        if self.checks_off and self.checker.mode == "strict":
+            raise ValueError(f"--kernel-check strict cannot hold: {self.checks_off}")
+        if self.checks_off and self.checker.mode == "report":
+            log.warning("%s", self.checks_off)
         self.outcomes: OrderedDict[str, asyncio.Future[ReloadReply]] = OrderedDict()
         self.cancel_epoch = 0
         self.count = 0
@@ -137,8 +143,8 @@ class ReloadForward:
     async def check_kernels(self, request: KernelCheckRequest) -> KernelCheckReply:
         """The declared ops' checks now (`tsdev check`), between steps; ValueError for an unknown op."""
         ae, start = self.async_engine, time.perf_counter()
-        if not checks.runnable(str(ae.engine.runner.device)):
-            raise ValueError("kernel checks run the Triton kernels: they need CUDA, or TRITON_INTERPRET=1 on the CPU")
+        if self.checks_off:
+            raise ValueError(self.checks_off)
         serving = serving_of(ae.engine)
         async with ae.control_lock:
             with COMPILES.expected():  # a shape serving has not compiled may compile for the check: not a request's
@@ -177,6 +183,12 @@ class ReloadForward:
             timings = {"total": time.perf_counter() - start, "pause": 0.0}
             return self._finish(request, self._worker(None, timings, needs_restart=list(plan.needs_restart)))
         reload = _Reload(self, request, sources, start)
+        if self.checks_off and reload.check_mode == "strict":
+            return self._finish(request, self._worker(f"this reload asks for --kernel-check strict, which cannot hold: "
+                                                      f"{self.checks_off}; nothing was reloaded"))
+        if self.checks_off and reload.check_mode == "report" and any(
+                checks.modules_reached(c) & set(plan.reloaded) for c in checks.declared()):
+            reload.warnings.append(self.checks_off)  # a kernel edit that was not checked
         await reload.steps.run(reload.before_pause())  # the old code keeps serving meanwhile
         if reload.check_mode != "off":  # the old code's times (if nothing runs on the GPU now) and the checks' inputs
             await ae.run_on_engine_thread(lambda: self.checker.prepare(reload.serving, self._idle(), plan.reloaded))
