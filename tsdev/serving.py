@@ -295,7 +295,9 @@ def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, cons
         console.print(f"listening on [bold]http://{server.host}:{port}[/bold] (OpenAI API under /v1)")
 
     uvicorn_config = uvicorn.Config(app, log_level=server.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-    quiet_server_class(uvicorn.Server)(uvicorn_config, started, app.state.async_engine.shutdown).run(sockets=[sock])
+    async_engine = app.state.async_engine
+    quiet_server_class(uvicorn.Server)(uvicorn_config, started, async_engine.shutdown,
+                                       lambda: async_engine.left_behind).run(sockets=[sock])
     engine.close()  # the other ranks, if any, stop
     return 0
 
@@ -338,9 +340,10 @@ def quiet_server_class(base: type) -> type:
     (uvicorn re-raises the signal, which Ctrl-C turns into a KeyboardInterrupt traceback)."""
 
     class Server(base):
-        def __init__(self, config, on_started, stop_streams):
+        def __init__(self, config, on_started, stop_streams, left_behind=lambda: False):
             super().__init__(config)
             self._on_started, self._stop_streams, self._stopping = on_started, stop_streams, None
+            self._left_behind = left_behind
 
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets=sockets)
@@ -350,7 +353,13 @@ def quiet_server_class(base: type) -> type:
         def handle_exit(self, sig, frame) -> None:
             if not self.should_exit:
                 self._stopping = asyncio.ensure_future(self._stop_streams())
+                sys.setswitchinterval(0.0005)  # this thread gets the GIL back sooner from a busy engine thread
             super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets=None) -> None:
+            await super().shutdown(sockets=sockets)
+            if self._left_behind():  # a control call still runs on the engine thread: asyncio's teardown would
+                leave(0)             # wait on it; nothing else is left to do
 
         @contextlib.contextmanager
         def capture_signals(self):

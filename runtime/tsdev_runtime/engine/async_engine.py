@@ -34,6 +34,9 @@ class ShuttingDown(Unavailable):
     """The server is stopping: the request was not started."""
 
 
+STOP_WAIT_S = 0.5  # how long a stopping server waits for the engine thread's call in progress before leaving it
+SHUTDOWN_ABORT_S = 0.5  # how long shutdown waits for the engine loop to abort the requests itself
+
 # A graph a reload left for after it (15-35 ms on the H200) is captured whenever the engine is idle, and while it
 # serves once every this many steps: the first requests after a reload run at full speed on the graphs it captured.
 STEPS_PER_DEFERRED_CAPTURE = 32
@@ -48,6 +51,8 @@ class AsyncEngine:
         self._subscribers: set[asyncio.Queue] = set()
         self._commands: list[Callable[[], None]] = []
         self._wake: asyncio.Event | None = None
+        self._stopping: asyncio.Event | None = None  # set by shutdown: calls waiting on the engine thread give up
+        self._idle: asyncio.Future | None = None  # stop()'s: done once the engine thread is idle
         self._stepped: asyncio.Event | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=engine.prepare_thread)
         self._task: asyncio.Task | None = None
@@ -60,7 +65,7 @@ class AsyncEngine:
     # --- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._wake, self._stepped = asyncio.Event(), asyncio.Event()
+        self._wake, self._stepped, self._stopping = asyncio.Event(), asyncio.Event(), asyncio.Event()
         self._event_loop = asyncio.get_running_loop()
         self._task = asyncio.create_task(self._loop(), name="engine-loop")
 
@@ -68,20 +73,49 @@ class AsyncEngine:
         """Stop serving (SIGINT/SIGTERM): refuse new requests, abort those in flight (their streams end with
         finish reason "abort") and end every events stream, so that no open connection holds the server."""
         self.state.set(stopping=True)
+        if self._stopping is not None:
+            self._stopping.set()  # a control call in progress answers now (run_on_engine_thread)
         for queue in self._subscribers:
             queue.put_nowait(None)
         if self._task is not None and not self._task.done():
-            await self.between_steps(lambda: self.abort_all(running_only=False))
+            aborting = asyncio.ensure_future(self.between_steps(lambda: self.abort_all(running_only=False)))
+            await asyncio.wait({aborting}, timeout=SHUTDOWN_ABORT_S)
+            if not aborting.done():  # the engine thread is busy (a control call): end the streams from here
+                for queue in self._streams.values():
+                    queue.put_nowait(ShuttingDown("the server is stopping: the request was aborted"))
 
     async def stop(self) -> None:
+        """After shutdown: the loop ends; the engine thread's call in progress gets STOP_WAIT_S to finish, then is
+        left behind (the process exits without it: a kernel check under the interpreter may run for minutes)."""
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        self._executor.shutdown(wait=True)
+        self._idle = self._on_engine_thread(lambda: None)  # runs once the call in progress returned
+        self._executor.shutdown(wait=False)
+        await asyncio.wait({self._idle}, timeout=STOP_WAIT_S)
+
+    @property
+    def left_behind(self) -> bool:
+        """After stop(): the engine thread still runs a call (the process may exit without waiting for it)."""
+        return self._idle is not None and not self._idle.done()
 
     async def run_on_engine_thread(self, fn: Callable, *args):
-        """Run `fn` on the thread that steps the engine (CUDA work and engine state stay on one thread)."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        """Run `fn` on the thread that steps the engine (CUDA work and engine state stay on one thread). Once the
+        server is stopping its caller does not wait for it: ShuttingDown at once (the call goes on, unawaited)."""
+        if self._stopping is None:
+            return await self._on_engine_thread(fn, *args)
+        if self._stopping.is_set():
+            raise ShuttingDown("the server is stopping: the call was not run")
+        call, stopping = self._on_engine_thread(fn, *args), asyncio.ensure_future(self._stopping.wait())
+        await asyncio.wait({call, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not call.done():
+            call.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved: no log noise
+            raise ShuttingDown("the server is stopping: the call in progress was left unfinished")
+        return call.result()
+
+    def _on_engine_thread(self, fn: Callable, *args) -> asyncio.Future:
+        return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     # --- requests --------------------------------------------------------------------------------
 
@@ -237,7 +271,7 @@ class AsyncEngine:
             capturing = self._can_capture()
             if capturing and (not self._can_step() or self._steps_since_capture >= STEPS_PER_DEFERRED_CAPTURE):
                 self._steps_since_capture = 0
-                await self.run_on_engine_thread(self._capture_next)
+                await self._on_engine_thread(self._capture_next)
             if not self._can_step():
                 self._stepped.set()
                 self._wake.clear()
@@ -247,7 +281,7 @@ class AsyncEngine:
             start = time.perf_counter()
             self._steps_since_capture += 1
             try:
-                outputs, closed_range = await self.run_on_engine_thread(self._step)
+                outputs, closed_range = await self._on_engine_thread(self._step)
             except Exception as exc:  # keep serving: end the request the step failed on, not the others
                 if self.engine.ranks is not None:  # ranks that may have stopped at different points are out of step
                     stop_server(f"FATAL: an engine step failed with {self.engine.config.world_size} tensor-parallel "
@@ -297,7 +331,7 @@ class AsyncEngine:
     async def _recover(self, exc: Exception) -> None:
         """LLMEngine.recover: the request a step fails on alone gets the error, the others their outputs."""
         try:
-            outputs, failed = await self.run_on_engine_thread(self.engine.recover)
+            outputs, failed = await self._on_engine_thread(self.engine.recover)
         except Exception:
             log.exception("running the requests alone failed too; aborting the requests in flight")
             self._fail_all(exc)

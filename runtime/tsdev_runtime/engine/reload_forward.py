@@ -351,7 +351,7 @@ class _Reload:
 
     async def _recapture_old_code(self, why: str) -> None:
         """Graphs were replaced by ones of the new code: recapture them with the restored old code."""
-        if not self.graphs_swapped:
+        if not self.graphs_swapped or self.ae.state.stopping:  # (stopping: the process exits, nothing serves again)
             return
         try:
             await self.ae.run_on_engine_thread(lambda: self.engine.capture_graphs(strict=False))  # prefill: eager ok

@@ -7,6 +7,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tsdev_runtime.control_protocol import ErrorBody, ErrorDetail
+from tsdev_runtime.engine.async_engine import Unavailable
 from tsdev_runtime.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                      supported_fields)
 
@@ -82,6 +83,10 @@ def install_error_handlers(app: FastAPI) -> None:
         response = error_response(exc.status_code, message)
         response.headers.update(exc.headers or {})
         return response
+
+    @app.exception_handler(Unavailable)
+    async def _unavailable(request, exc: Unavailable):  # e.g. a control call in progress when the server stops
+        return error_response(503, str(exc), None, "server_error")
 
     @app.exception_handler(NotImplementedError)
     async def _not_implemented(request, exc: NotImplementedError):  # e.g. sleep under tensor parallelism
