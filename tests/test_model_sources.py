@@ -166,3 +166,62 @@ def test_tokenizer_dir_gives_the_tokenizer_and_chat_template_of_a_checkpoint_wit
         assert client.post("/tokenize", json={"messages": MESSAGES[1:2]}).json()["tokens"] == list(want)
         text = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4}).json()["choices"][0]["text"]
     assert isinstance(text, str) and text
+
+
+# The part of Qwen3's template that chat_template_kwargs reach: the generation prompt, closed thinking when
+# enable_thinking is false (as Qwen3's own template writes it).
+QWEN3_STYLE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+
+def test_chat_template_kwargs_and_continue_final_message_render_as_transformers_does(tmp_path, tiny_model_dir):
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(tiny_model_dir, checkpoint)
+    (checkpoint / "chat_template.jinja").write_text(QWEN3_STYLE)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+
+    def want(messages, **kwargs):
+        ids = tokenizer.apply_chat_template(messages, tokenize=True, **kwargs)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    user = [{"role": "user", "content": "Hello there"}]
+    started = [*user, {"role": "assistant", "content": "Once upon a"}]
+    engine = LLMEngine(EngineConfig(model=str(checkpoint), device="cpu", kv_pages=64))
+    with TestClient(build_app(engine, "tiny")) as client:
+        def tokens(**body):
+            reply = client.post("/tokenize", json=body)
+            assert reply.status_code == 200, reply.text
+            return reply.json()["tokens"]
+
+        no_thinking = tokens(messages=user, chat_template_kwargs={"enable_thinking": False})
+        assert no_thinking == want(user, add_generation_prompt=True, enable_thinking=False)
+        assert no_thinking != tokens(messages=user) == want(user, add_generation_prompt=True)
+        assert "</think>" in engine.tokenizer.decode(no_thinking, skip_special_tokens=False)
+        continued = tokens(messages=started, add_generation_prompt=False, continue_final_message=True)
+        assert continued == want(started, continue_final_message=True)
+        assert engine.tokenizer.decode(continued).endswith("Once upon a")
+
+        chat = {"messages": started, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                "add_generation_prompt": False, "continue_final_message": True}
+        reply = client.post("/v1/chat/completions", json=chat).json()
+        assert reply["usage"]["prompt_tokens"] == len(continued)
+        echoed = client.post("/v1/chat/completions", json={**chat, "echo": True}).json()
+        assert echoed["choices"][0]["message"]["content"] == "Once upon a" + reply["choices"][0]["message"]["content"]
+        with client.stream("POST", "/v1/chat/completions", json={**chat, "echo": True, "stream": True}) as r:
+            from tsdev.client import iter_sse_data
+
+            r.read()
+            streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in iter_sse_data(r) if e["choices"])
+        assert streamed == echoed["choices"][0]["message"]["content"]
+        not_same_role = client.post("/v1/chat/completions", json={"messages": user, "max_tokens": 2, "echo": True,
+                                                                   "temperature": 0, "ignore_eos": True}).json()
+        assert not not_same_role["choices"][0]["message"]["content"].startswith("Hello there")
+
+        both = client.post("/v1/chat/completions", json={**chat, "add_generation_prompt": True}).json()["error"]
+        assert "\"add_generation_prompt\": false" in both["message"]
+        clash = client.post("/tokenize", json={"messages": user, "chat_template_kwargs": {"messages": []}}).json()
+        assert clash["error"]["param"] == "chat_template_kwargs" and "may not set messages" in clash["error"]["message"]

@@ -257,7 +257,9 @@ def test_streamed_logprobs_equal_the_unstreamed_ones(client):
      "messages.content.type", "content parts of type 'image_url' are not supported"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias", "keys are token ids"),
     ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
-    ("/v1/completions", {"prompt": "hi", "user": "u1"}, "user", "neither recorded nor used"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True}, None,
+     "continue_final_message continues the final message"),
+    ("/v1/completions", {"prompt": "hi", "user": "u" * 257}, "user", "at most 256 characters"),
 ])
 def test_fields_the_server_does_not_implement_are_refused_naming_them(client, route, body, field, needle):
     r = client.post(route, json=body)
@@ -312,3 +314,24 @@ def test_the_openai_client_reads_logprobs_from_both_routes(tiny_server):
     assert len(chat.choices) == 2
     content = chat.choices[1].logprobs.content
     assert len(content) == 3 and len(content[0].top_logprobs) == 2 and content[0].logprob <= 0
+
+
+def test_user_is_accepted_and_written_in_the_requests_log_line(client, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="tsdev_runtime.requests"):
+        r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                      "user": "alice@example"})
+        assert r.status_code == 200, r.text
+        assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "user": "bob"}).status_code == 200
+    lines = [r.getMessage() for r in caplog.records if r.name == "tsdev_runtime.requests"]
+    assert any(line.startswith("chatcmpl-") and "from user 'alice@example'" in line and "max_tokens 2" in line
+               for line in lines), lines
+    assert any(line.startswith("cmpl-") and "from user 'bob'" in line for line in lines), lines
+
+
+def test_ping_and_load_answer_as_vllms(client):
+    for method in ("GET", "POST"):
+        ping = client.request(method, "/ping")
+        assert ping.status_code == 200 and ping.content == b""
+    assert client.get("/load").json() == {"server_load": 0}

@@ -277,7 +277,7 @@ def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, cons
         console.print(f"reload_forward enabled for {', '.join(reloader.packages)}{workers}")
     if access := describe(server):
         console.print(access)
-    log_to_stderr()
+    log_to_stderr(server.log_level)
     try:
         app = build_app(engine, name, reloader, max_request_body_bytes=server.max_request_body_bytes,
                         security=SecurityPolicy.of(server), chat_template=server.chat_template)
@@ -323,15 +323,19 @@ def default_compile_workers() -> int:
     return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
-def log_to_stderr() -> None:
-    """The runtime's log lines (one per reload, unhandled errors) as plain lines on stderr."""
-    logger = logging.getLogger("tsdev_runtime.server")
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
+def log_to_stderr(log_level: str = "warning") -> None:
+    """The runtime's log lines (one per reload, unhandled errors) as plain lines on stderr; with `--log-level info`
+    (or debug, trace) also a line per completion request (who sent it, what it asks: tsdev_runtime.requests)."""
+    for name, level in (("tsdev_runtime.server", logging.INFO),
+                        ("tsdev_runtime.requests", logging.INFO if log_level in ("info", "debug", "trace")
+                         else logging.WARNING)):
+        logger = logging.getLogger(name)
+        if not logger.handlers:
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            logger.addHandler(handler)
+            logger.setLevel(level)
+            logger.propagate = False
 
 
 def quiet_server_class(base: type) -> type:

@@ -75,6 +75,15 @@ def info_router(deps: ServerDeps, metrics: EngineMetrics, reloads: bool) -> APIR
     async def health():
         return {"status": "ok"}
 
+    @router.api_route("/ping", methods=["GET", "POST"])
+    async def ping():  # vLLM's (SageMaker's) liveness probe: 200, no body
+        return Response(status_code=200)
+
+    @router.get("/load")
+    async def load():  # vLLM's: the requests the server holds now (running and waiting)
+        stats = engine.stats()
+        return {"server_load": stats.running + stats.waiting}
+
     @router.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": name, "object": "model", "created": deps.created,

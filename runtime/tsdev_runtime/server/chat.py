@@ -13,6 +13,7 @@ from pathlib import Path
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from tsdev_runtime.engine.sequence import InvalidRequest
 from tsdev_runtime.weights.default_model import CHATML
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -30,8 +31,25 @@ class ChatTemplate:
         self.template = env.from_string(self.source)
         self.special = {k: _token_text(config.get(k)) for k in SPECIAL_TOKENS}
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special)
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
+               variables: dict | None = None) -> str:
+        """The prompt text. `continue_final_message`: cut after the final message's text (its end-of-turn marker
+        dropped), so that the reply continues it. `variables`: more for the template (chat_template_kwargs);
+        InvalidRequest for one that would replace what this renders with."""
+        clash = sorted(set(variables or ()) & {"messages", "add_generation_prompt", *self.special})
+        if clash:
+            raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(clash)} (the server sets them)",
+                                 "chat_template_kwargs")
+        text = self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                    **self.special, **(variables or {}))
+        if continue_final_message:
+            final = messages[-1]["content"]
+            end = text.rfind(final) if final else -1
+            if end < 0:
+                raise InvalidRequest("continue_final_message: the template does not write the final message's text "
+                                     "as sent (it changes it), so it cannot be continued", "continue_final_message")
+            text = text[: end + len(final)]
+        return text
 
 
 def template_source(model_dir: Path, config: dict, template_file: Path | None) -> tuple[str, str]:

@@ -76,9 +76,13 @@ class ServerDeps:
         if why := self.async_engine.unavailable():
             raise APIError(503, why, None, "server_error")
 
-    def render(self, messages, add_generation_prompt: bool = True) -> str:
+    def render(self, body) -> str:
+        """The prompt text of a chat request (its messages and how to end them: protocol.ChatTemplateFields)."""
         try:
-            return self.chat_template.render([m.for_template() for m in messages], add_generation_prompt)
+            return self.chat_template.render([m.for_template() for m in body.messages], body.add_generation_prompt,
+                                             body.continue_final_message, body.chat_template_kwargs)
+        except InvalidRequest as exc:
+            raise APIError(400, str(exc), exc.field) from None
         except Exception as exc:
             raise APIError(400, f"the chat template failed on these messages: {exc}", "messages") from exc
 

@@ -6,6 +6,7 @@ go through one `Choice`, which turns them into the route's deltas (text, logprob
 non-streamed reply is the sum of those deltas.
 """
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,11 +25,19 @@ from tsdev_runtime.server.protocol import (ChatCompletionRequest, CompletionRequ
 from tsdev_runtime.server.sse import sse_response
 
 MIN_LOGPROB = -9999.0  # what JSON carries for a logprob of -inf (vLLM's)
+requests_log = logging.getLogger("tsdev_runtime.requests")  # a line per request (tsdev serve --log-level info)
+
+
+def log_request(request_id: str, body: SamplingRequest, prompt_tokens: int, max_tokens: int) -> None:
+    if requests_log.isEnabledFor(logging.INFO):
+        user = f" from user {body.user!r}" if body.user is not None else ""
+        requests_log.info("%s%s: %d prompt token(s), max_tokens %d, n %d, temperature %g%s", request_id, user,
+                          prompt_tokens, max_tokens, body.n, body.temperature, ", streamed" if body.stream else "")
 
 
 class Choice:
     """One choice's outputs as the route's deltas. `echo`: (prompt text, prompt token ids) that lead the first
-    delta; `top_n`: logprobs asked for (None: none)."""
+    delta (chat: the final message's text, no ids); `top_n`: logprobs asked for (None: none)."""
 
     def __init__(self, index: int, engine: LLMEngine, chat: bool, top_n: int | None,
                  echo: tuple[str, list[int]] | None = None):
@@ -45,7 +54,8 @@ class Choice:
             if self.echo is not None:
                 prompt_text, prompt_ids = self.echo
                 text = prompt_text + text
-                entries = [TokenLogprob(prompt_ids[0], None, None, None), *(out.prompt_logprobs or [])]
+                if prompt_ids is not None:  # (chat echoes text only)
+                    entries = [TokenLogprob(prompt_ids[0], None, None, None), *(out.prompt_logprobs or [])]
         entries += out.logprobs or []
         return text, (self.format(entries) if self.top_n is not None else None)
 
@@ -107,7 +117,7 @@ def openai_router(deps: ServerDeps) -> APIRouter:
 
         def run() -> list[int]:
             if body.messages is not None:
-                return deps.encode(deps.render(body.messages, body.add_generation_prompt), bool(body.add_special_tokens))
+                return deps.encode(deps.render(body), bool(body.add_special_tokens))
             return deps.encode(body.prompt, body.add_special_tokens is not False)
 
         tokens = await deps.off_loop(run)
@@ -156,6 +166,7 @@ async def complete(deps: ServerDeps, body: CompletionRequest, request: Request):
 
     token_lists, params, echoes = await deps.off_loop(prepare)
     request_id = f"cmpl-{uuid.uuid4().hex}"
+    log_request(request_id, body, sum(map(len, token_lists)), max_tokens)
     streams = start(deps, request_id, token_lists, params, body.n, share_prompt=prompt_logprobs is None)
     choices = [Choice(i, engine, False, body.logprobs, echoes[i // body.n] if echoes else None)
                for i in range(len(streams))]
@@ -183,14 +194,17 @@ async def chat(deps: ServerDeps, body: ChatCompletionRequest, request: Request):
     top_n = (body.top_logprobs or 0) if body.logprobs else None
 
     def prepare():
-        ids = deps.encode(deps.render(body.messages), add_special_tokens=False)
+        ids = deps.encode(deps.render(body), add_special_tokens=False)
         limit = deps.check_length(ids, body.max_completion_tokens or body.max_tokens)
         return ids, deps.check_sampling([body.sampling_params(limit, j, top_n) for j in range(body.n)])
 
     ids, params = await deps.off_loop(prepare)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    log_request(request_id, body, len(ids), params[0].max_tokens)
     streams = start(deps, request_id, [ids], params, body.n, share_prompt=True)
-    choices = [Choice(i, deps.engine, True, top_n) for i in range(body.n)]
+    final = body.messages[-1]
+    echo = (final.text(), None) if body.echo and final.role == "assistant" else None  # vLLM's: same role only
+    choices = [Choice(i, deps.engine, True, top_n, echo) for i in range(body.n)]
 
     def chunk(choice: Choice, out: RequestOutput) -> dict:
         first = not choice.started

@@ -32,7 +32,7 @@ GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "gui
           "guided_whitespace_pattern", "structured_outputs")
 # Declared only to be refused with a reason (their no-op values pass): not what a route "reads".
 REFUSED = {*GUIDED, "response_format", "prompt_logprobs", "suffix", "best_of", "tools", "tool_choice",
-           "parallel_tool_calls", "functions", "function_call", "user"}
+           "parallel_tool_calls", "functions", "function_call"}
 
 
 def supported_fields(model: type[BaseModel]) -> list[str]:
@@ -70,7 +70,7 @@ class SamplingRequest(Strict):
     guided_whitespace_pattern: Any = None
     structured_outputs: Any = None
     prompt_logprobs: Any = None
-    user: Any = None
+    user: str | None = Field(None, max_length=256)  # an end-user id: written in the request's log line
 
     @field_validator("logit_bias")
     @classmethod
@@ -94,12 +94,6 @@ class SamplingRequest(Strict):
     def _guided(cls, value: Any, info) -> Any:
         return refuse_unless(value, (None,), f"guided decoding ({info.field_name}) is not supported by this server: "
                              "constrain the output in the prompt and check the text")
-
-    @field_validator("user")
-    @classmethod
-    def _user(cls, value: Any) -> Any:
-        return refuse_unless(value, (None,), "user (an end-user id for abuse monitoring) is neither recorded nor "
-                             "used by this server, so it refuses it rather than ignore it: drop the field")
 
     @field_validator("prompt_logprobs")
     @classmethod
@@ -209,8 +203,25 @@ class ChatMessage(Strict):
         return message if self.name is None else {**message, "name": self.name}
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatTemplateFields(BaseModel):
+    """How the messages are rendered (vLLM's): `add_generation_prompt` opens the assistant's turn,
+    `continue_final_message` leaves the final message open instead (the reply continues it), and
+    `chat_template_kwargs` are more variables for the template (Qwen3's `enable_thinking`)."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_way_to_end(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message continues the final message instead of opening a new turn: "
+                             "send it with \"add_generation_prompt\": false")
+        return self
+
+
+class ChatCompletionRequest(ChatTemplateFields, SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    echo: bool = False  # the reply starts with the final message's text when that message is the assistant's
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -241,13 +252,12 @@ class ChatCompletionRequest(SamplingRequest):
         return self
 
 
-class TokenizeRequest(Strict):
+class TokenizeRequest(ChatTemplateFields, Strict):
     """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
     model: str | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (vLLM's)
-    add_generation_prompt: bool = True
     return_token_strs: bool = False
 
     @model_validator(mode="after")
