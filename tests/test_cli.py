@@ -82,6 +82,15 @@ def test_help_at_80_columns_names_every_option_in_full(command):
         assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", result.output), (name, result.output)
 
 
+def test_watch_help_names_every_key_of_the_screen():
+    from tsdev.watch.tui import WatchApp
+
+    text = " ".join(CliRunner().invoke(app, ["watch", "--help"], env={"COLUMNS": "80"}).output.split())
+    keys = text[text.index("Keys:"):]
+    for binding in WatchApp.BINDINGS:
+        assert re.search(rf"(?<!\w){binding.key} [a-z]", keys), (binding.key, keys)
+
+
 def test_help_shows_bracketed_text_as_written():
     def help_of(command):
         return " ".join(CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "80"}).output.split())

@@ -18,7 +18,7 @@ COMMIT, OTHER = "a" * 40, "b" * 40
 
 
 def cache_with(tmp_path, checkpoint, repo="acme/tiny-chat", refs=None) -> tuple:
-    """The layout `huggingface-cli download` leaves: blobs, snapshots/<commit>/ of links into them, refs/<name>."""
+    """The layout `hf download` leaves: blobs, snapshots/<commit>/ of links into them, refs/<name>."""
     root = tmp_path / "hub" / f"models--{repo.replace('/', '--')}"
     (root / "blobs").mkdir(parents=True)
     for commit in (COMMIT, OTHER):
@@ -65,7 +65,8 @@ def test_a_hub_id_not_in_the_cache_says_where_it_looked_and_what_to_run(tmp_path
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     with pytest.raises(FileNotFoundError) as error:
         resolve_model(repo, revision)
-    assert needle in str(error.value) and f"huggingface-cli download {repo}" in str(error.value)
+    whole = f"`hf download {repo}{'' if revision is None else f' --revision {revision}'}`"  # one command, copyable
+    assert needle in str(error.value) and whole in str(error.value), str(error.value)
     assert "never downloads" in str(error.value)
 
 
@@ -82,7 +83,7 @@ def test_serve_takes_a_hub_id_and_serves_it_under_that_name(tmp_path, monkeypatc
     config, server = seen[0]
     assert config.model == str(root / "snapshots" / OTHER) and server.served_model_name == "acme/tiny-chat"
     missing = CliRunner().invoke(app, ["serve", "acme/absent", "--device", "cpu"])
-    assert missing.exit_code == 2 and "huggingface-cli download acme/absent" in " ".join(missing.output.split())
+    assert missing.exit_code == 2 and "`hf download acme/absent`" in " ".join(missing.output.split())
     bad = CliRunner().invoke(app, ["serve", str(tiny_model_dir), "--device", "cpu", "--revision", "v2"])
     assert bad.exit_code == 2 and "applies to a Hugging Face hub id" in " ".join(bad.output.split())
     no_template = CliRunner().invoke(app, ["serve", "--device", "cpu", "--chat-template", str(tmp_path / "x.jinja")])

@@ -173,3 +173,12 @@ def test_a_failed_capture_during_a_reload_raises_and_out_of_memory_says_what_to_
     for strict in (True, False):
         with pytest.raises(RuntimeError, match="--prefill-graph-max-tokens"):
             engine.runner.capture_graphs(strict=strict)
+
+
+def test_the_buckets_and_the_startup_line_stop_at_the_context_length(make_engine):
+    from tsdev.serving import describe_graphs
+
+    engine = make_engine(max_model_len=512, max_batched_tokens=2048)
+    info = engine.describe()
+    assert info.prefill_graph_buckets[-1] == 512 and max(info.prefill_graph_buckets) == 512
+    assert "(16..512 tokens)" in describe_graphs(info, False, engine.startup_timings)

@@ -122,6 +122,16 @@ def test_reload_forward_without_the_flag_is_refused_as_every_403_is(engine):
     error = error_of(from_address(app, ("127.0.0.1", 1), ("GET", "/v1/rl/engine/modules"))[0], 403)
     assert error.type == "permission_error" and "--allow-reload-forward" in error.message
 
+    async def post(path: str, body: bytes):
+        transport = httpx.ASGITransport(app, client=("127.0.0.1", 1))
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1:8000") as c:
+            return await c.post(path, content=body, headers={"content-type": "application/json"})
+
+    for path in ("/v1/rl/engine/reload_forward", "/v1/rl/engine/kernel_check"):
+        for body in (b"{}", b'{"id": 5}', b"[", b"", b'{"id": "x", "mode": "nope"}'):  # whatever the body: 403
+            error = error_of(asyncio.run(post(path, body)), 403)
+            assert "--allow-reload-forward" in error.message, (path, body, error)
+
 
 @pytest.mark.parametrize("policy", [SecurityPolicy(api_key=KEY), SecurityPolicy(allow_remote_control=True)],
                          ids=["api-key", "allow-remote-control"])

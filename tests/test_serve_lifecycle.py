@@ -84,6 +84,25 @@ def test_health_answers_while_a_big_body_is_refused(server, what):
     assert slowest < 0.2
 
 
+@pytest.mark.parametrize("framing", ["chunked", "content-length"])
+def test_a_body_over_the_limit_is_answered_413_as_soon_as_the_limit_passes(server, framing):
+    """The client is still sending (a chunked body never terminated, a declared length never reached): the 413
+    arrives anyway, at once."""
+    limit = 4 * 1024 * 1024
+    head = (b"Transfer-Encoding: chunked\r\n" if framing == "chunked"
+            else f"Content-Length: {limit * 4}\r\n".encode())
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + head
+                     + b"\r\n")
+        start = time.monotonic()
+        piece = b"x" * (limit + 1)
+        sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece) if framing == "chunked" else piece)
+        answer = sock.recv(4096).decode(errors="replace")
+        elapsed = time.monotonic() - start
+    assert answer.startswith("HTTP/1.1 413"), answer
+    assert elapsed < 1.5, elapsed  # not after a drain of the rest (which never comes)
+
+
 def test_sigint_stops_the_server_at_once_without_a_traceback(server):
     """With an events stream open and a completion streaming: both end, the stream with finish reason abort."""
     got: dict[str, list] = {"events": [], "completion": []}

@@ -192,6 +192,13 @@ def test_an_oversize_body_is_refused_413_before_parsing(client):
     assert "--max-request-body-bytes" in error["message"]
 
 
+@pytest.mark.parametrize("nesting", ["[" * 100_000 + "]" * 100_000, '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}"])
+def test_json_nested_too_deeply_to_parse_is_a_400_that_says_so(client, nesting):
+    error = error_of(client.post("/v1/completions", content=nesting.encode(),
+                                 headers={"content-type": "application/json"}), 400)
+    assert "nested too deeply" in error["message"], error
+
+
 def test_a_prompt_far_longer_than_the_context_is_refused_without_tokenizing(client):
     assert "characters" in error_of(client.post("/v1/completions", json={"prompt": "word " * 400_000}), 400)["message"]
 

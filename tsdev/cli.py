@@ -602,7 +602,8 @@ def watch(
     Reloads what changed on every save; restarts the server when an edit cannot be reloaded or when it dies.
     After every reload: a golden completion (did the output change?) and a decode probe (ms/step).
 
-    Keys: r reload all, R restart, b quick bench, p profile next reload, g new golden, c clear, q quit.
+    Keys: r reload all, R restart, b quick bench, p profile next reload, g new golden, k kernel checks (of the reload
+    selected in the history), c clear, q quit.
     See docs/watch.md.
     """
     from tsdev.server_process import flag_value

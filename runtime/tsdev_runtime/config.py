@@ -105,7 +105,8 @@ class EngineConfig:
     async_scheduling: bool = True  # prepare step N+1 while the GPU computes step N
     full_recapture: bool = False  # a reload captures every graph again before serving resumes (else it patches
     #                               them after a kernel-body edit, or captures the used ones)
-    prefill_graph_max_tokens: int = 2048  # largest prefill graph bucket (clamped to max_batched_tokens); 0: off
+    prefill_graph_max_tokens: int = 2048  # largest prefill graph bucket (clamped to max_batched_tokens and the
+    # context length); 0: off
     prefill_graph_capture_sizes: list[int] | None = None  # explicit buckets instead of the ladder
     # Capture only these before serving, the other sizes and buckets between steps after (a restart by tsdev watch:
     # what the server it replaces had used); None: all before serving.

@@ -115,8 +115,8 @@ class ModelRunner:
         if sizes and not config.enforce_eager:
             self.decode_graphs = DecodeGraphs(self.model, sizes, -(-max_model_len // config.page_size),
                                               model_config.vocab_size, self.scratch_pages[0], self.device)
-        buckets = prefill_buckets(config.prefill_graph_max_tokens, config.max_batched_tokens,
-                                  config.prefill_graph_capture_sizes)
+        buckets = prefill_buckets(min(config.prefill_graph_max_tokens, max_model_len), config.max_batched_tokens,
+                                  config.prefill_graph_capture_sizes)  # (a longer step, of several prompts, is eager)
         if buckets and not config.enforce_eager:
             _, heads = distributed.shard(model_config.num_attention_heads, "the attention heads")  # this rank's
             self.prefill_graphs = PrefillGraphs(self.model, buckets, model_config.hidden_size, heads,

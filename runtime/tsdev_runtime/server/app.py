@@ -17,7 +17,7 @@ from tsdev_runtime.engine.llm_engine import LLMEngine
 from tsdev_runtime.engine.reload_forward import ForwardReloader, ReloadForward
 from tsdev_runtime.server.body_limit import BodyLimit
 from tsdev_runtime.server.chat import ChatTemplate
-from tsdev_runtime.server.control import control_router, profile_router, weights_router
+from tsdev_runtime.server.control import RELOAD_DISABLED, RELOADS_ROUTES, control_router, profile_router, weights_router
 from tsdev_runtime.server.deps import ServerDeps
 from tsdev_runtime.server.errors import APIError, install_error_handlers
 from tsdev_runtime.server.metrics import EngineMetrics
@@ -55,7 +55,8 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReload
     app = FastAPI(title="tsdev runtime", lifespan=lifespan)
     security = security or SecurityPolicy()
     app.add_middleware(BodyLimit, max_bytes=max_request_body_bytes)
-    app.add_middleware(Guard, policy=security)  # added last: runs first, before the body is read
+    disabled = {} if reloader is not None else dict.fromkeys(RELOADS_ROUTES, RELOAD_DISABLED)
+    app.add_middleware(Guard, policy=security, disabled=disabled)  # added last: runs first, before the body is read
     app.state.engine, app.state.async_engine, app.state.security = engine, async_engine, security
     reload_forward = ReloadForward(async_engine, reloader, engine.config.rank) if reloader is not None else None
     app.include_router(control_router(async_engine, reload_forward))

@@ -2,10 +2,13 @@
 body: a pure ASGI middleware, so a 10 MB body costs the event loop almost nothing.
 
 A declared Content-Length over the limit is answered 413 at once; a chunked body is counted as it arrives
-and answered 413 as soon as it passes the limit. Before answering, the rest of the body is read and dropped
-(up to DRAIN_FACTOR times the limit): a client still sending would otherwise see the connection reset instead
-of the answer. A client that waits for `100 Continue` never sends it.
+and answered 413 as soon as it passes the limit. The answer (headers and the whole error body) goes out first;
+then what the client still sends is read and dropped for a while (up to DRAIN_FACTOR times the limit, DRAIN_S
+seconds: an unterminated body is not waited for) before the response ends and the connection closes: closing
+on unread bytes would reset the connection, and the client could lose the answer. A client that waits for
+`100 Continue` never sends it.
 """
+import asyncio
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -18,6 +21,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 DRAIN_FACTOR = 16
+DRAIN_S = 2.0
 
 
 class BodyLimit:
@@ -57,13 +61,6 @@ class BodyLimit:
     async def _refuse(self, what: str, headers: dict, receive: Receive, send: Send, more: bool = True) -> None:
         if headers.get(b"expect", b"").lower() == b"100-continue":
             more = False  # the client sends nothing until told to
-        drained = 0
-        while more and drained <= DRAIN_FACTOR * self.max_bytes:
-            message = await receive()
-            if message["type"] != "http.request":
-                break
-            drained += len(message.get("body", b""))
-            more = message.get("more_body", False)
         detail = ErrorDetail(message=f"{what}; this server accepts at most {self.max_bytes} bytes "
                                      "(tsdev serve --max-request-body-bytes): send a shorter prompt",
                              type="invalid_request_error", code=413)
@@ -71,4 +68,17 @@ class BodyLimit:
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+        await send({"type": "http.response.body", "body": body, "more_body": more})
+        if not more:
+            return
+        deadline, drained = asyncio.get_running_loop().time() + DRAIN_S, 0
+        while more and drained <= DRAIN_FACTOR * self.max_bytes:
+            try:
+                message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+            except TimeoutError:
+                break
+            if message["type"] != "http.request":
+                break
+            drained += len(message.get("body", b""))
+            more = message.get("more_body", False)
+        await send({"type": "http.response.body", "body": b""})

@@ -27,6 +27,7 @@ from tsdev_runtime.server.sse import sse_response
 
 RELOAD_DISABLED = ("reload_forward is disabled on this server: start it with `tsdev serve --allow-reload-forward` "
                    "(for development: it runs code from disk), or use `tsdev watch`, which does")
+RELOADS_ROUTES = (RELOAD_ROUTE, KERNEL_CHECK_ROUTE, MODULES_ROUTE)  # what --allow-reload-forward enables
 
 
 def control_router(ae: AsyncEngine, reload_forward: ReloadForward | None) -> APIRouter:

@@ -78,6 +78,9 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"{method} is not allowed on {path}: use {allowed}"
         elif exc.status_code == 400 and isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's body parsing
             message = f"the request body is not UTF-8 text ({exc.__cause__}): send JSON encoded as UTF-8"
+        elif exc.status_code == 400 and isinstance(exc.__cause__, RecursionError):  # FastAPI's body parsing
+            message = ("the request body's JSON is nested too deeply to parse (arrays or objects thousands of levels "
+                       "deep): no route reads anything that deep; send the fields it reads")
         else:
             message = str(exc.detail)
         response = error_response(exc.status_code, message)

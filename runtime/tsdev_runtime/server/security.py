@@ -201,10 +201,12 @@ def describe(server: ServerConfig) -> str | None:
 
 
 class Guard:
-    """The policy as a pure ASGI middleware: refusals are answered before routing, parsing or the body limit."""
+    """The policy as a pure ASGI middleware: refusals are answered before routing, parsing or the body limit.
+    `disabled`: paths this server does not enable, with why (403 whatever the body: reload_forward without
+    --allow-reload-forward)."""
 
-    def __init__(self, app: Callable, policy: SecurityPolicy):
-        self.app, self.policy = app, policy
+    def __init__(self, app: Callable, policy: SecurityPolicy, disabled: dict[str, str] | None = None):
+        self.app, self.policy, self.disabled = app, policy, disabled or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -217,6 +219,8 @@ class Guard:
         client = scope.get("client")
         refused = self.policy.refusal(path, client[0] if client else None, headers.get(b"authorization"),
                                       headers.get(b"host"), headers.get(b"origin"))
+        if refused is None and path in self.disabled:
+            refused = 403, self.disabled[path]
         if refused is None:
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":

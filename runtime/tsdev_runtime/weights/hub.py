@@ -2,7 +2,7 @@
 the local Hugging Face cache, offline. Nothing is ever downloaded: a hub id that is not in the cache is an error
 that says where it looked and the command that would download it.
 
-The cache layout is the one `huggingface-cli download` (or `hf download`) leaves:
+The cache layout is the one `hf download` (formerly `huggingface-cli download`) leaves:
 `<cache>/models--ORG--NAME/refs/<revision>` holds a commit hash, `<cache>/models--ORG--NAME/snapshots/<hash>/` the
 files (links into `blobs/`). The cache is `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`.
 """
@@ -47,7 +47,7 @@ def resolve_model(name: str, revision: str | None = None) -> Path:
                  else " (it holds no snapshot)" if repo.is_dir() else "")
         raise FileNotFoundError(
             f"{name} is not a directory, and revision {revision} of it is not in the Hugging Face cache: looked for "
-            f"{ref if commit is None else snapshot}{found}. tsdev never downloads: run `huggingface-cli download "
-            f"{name}`{'' if revision == 'main' else f' --revision {revision}'} (or set HF_HUB_CACHE / HF_HOME to "
+            f"{ref if commit is None else snapshot}{found}. tsdev never downloads: run `hf download "
+            f"{name}{'' if revision == 'main' else f' --revision {revision}'}` (or set HF_HUB_CACHE / HF_HOME to "
             "the cache that holds it), or pass a checkpoint directory")
     return snapshot
