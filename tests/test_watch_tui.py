@@ -183,3 +183,36 @@ def test_k_says_why_there_are_no_kernel_checks_where_they_cannot_run(tmp_path):
     before, after = asyncio.run(main())
     assert "no kernel checks yet" not in after, after
     assert after.count("kernel checks are off on cpu") == before.count("kernel checks are off on cpu") + 1, after
+
+
+def test_at_80x24_the_history_keeps_its_rows_beside_a_wrapped_warning_the_errors_and_the_log(tmp_path):
+    from fake_server import ok_worker
+
+    project, server = make_project(tmp_path), FakeServer()
+    act = project / "kernels/tsdev_kernels/ops/act.py"
+    warning = "patching the graphs failed, they were captured again: " + "a long reason that wraps " * 8
+    server.answer = lambda request: [ok_worker(warnings=[warning])]
+    app = WatchApp(WatchConfig(attach=URL, project=project, probe_batch=2, probe_steps=4), server.transport())
+
+    async def main():
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(lambda: app.daemon.watcher.ready.is_set() and app.daemon.info["state"] == "serving")
+            await pilot.pause(0.3)
+            act.write_text("def act(x):\n    return 2 * x\n")
+            await until(lambda: app.daemon.reloads.records and app.daemon.reloads.records[-1].done)
+            server.answer = lambda request: failed_worker(f"{act}:2: SyntaxError: invalid syntax " + "detail " * 30)
+            act.write_text("def act(x):\n    return (2 * x\n")
+            await until(lambda: len(app.daemon.reloads.records) == 2 and app.daemon.reloads.records[-1].done)
+            await pilot.pause(0.3)
+            regions = {name: app.query_one(f"#{name}").region for name in ("history", "errors", "log")}
+            text = screen_text(app)
+            await pilot.press("q")
+            await until(lambda: app.return_code is not None)
+            return regions, text
+
+    regions, text = asyncio.run(main())
+    assert regions["errors"].height > 2, regions  # the errors panel is open
+    assert regions["history"].height >= 6, regions  # borders, the header row and at least three rows
+    rows = [line for line in text.splitlines() if re.match(r"│ (start|\d+) +(start|save)", line)]
+    assert len(rows) >= 3, text  # the start row and both reloads
+    assert regions["log"].height >= 4 and regions["log"].bottom <= 24, regions  # inside the screen, borders and all

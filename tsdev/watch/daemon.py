@@ -14,6 +14,7 @@ receives `Event`s (records.py) and never touches the server; link.py does.
 """
 from __future__ import annotations
 
+import os
 import asyncio
 import time
 from collections.abc import Callable
@@ -51,9 +52,13 @@ class Daemon:
             # checkpoint writers pause longer between writes than editors: a window of 200 ms at least
             self.weights = CheckpointWatcher(config.weights, max(config.settle, WEIGHTS_SETTLE))
             server_args += ["--allowed-weight-dir", str(self.weights.root)]  # the server loads only from allowed dirs
+        # the server imports the copy of the packages that is watched (not another one its path may find first)
+        imports = os.pathsep.join([*dict.fromkeys(str(d.parent) for d in self.packages.dirs.values()),
+                                   *filter(None, [os.environ.get("PYTHONPATH")])])
         self.server = None if config.attach else ServerProcess(
             [*([config.model] if config.model else []), *server_args], config.port, allow_reload_forward=True,
-            cwd=config.project, log_path=config.log_path, api_key=config.api_key, standby=True)
+            cwd=config.project, log_path=config.log_path, api_key=config.api_key, standby=True,
+            env={"PYTHONPATH": imports})
         self.info = {"state": "starting", "url": config.url, "model": None, "device": None, "pid": None,
                      "log": str(config.log_path) if self.server else None, "attach": bool(config.attach)}
         self.link = ServerLink(config.url, transport, config.api_key)

@@ -100,10 +100,11 @@ class WatchApp(App):
     TITLE = "tsdev watch"
     CSS = """
     #header { height: 1; background: $boost; padding: 0 1; }
-    #current { height: auto; min-height: 3; border: round $primary; padding: 0 1; }
-    #history { height: 1fr; border: round $panel; }
-    #errors { height: auto; max-height: 20; border: round $error; padding: 0 1; display: none; }
-    #log { height: 7; border: round $panel; }
+    #current { height: auto; min-height: 3; max-height: 50%; overflow-y: auto; border: round $primary; padding: 0 1; }
+    #history { height: 2fr; min-height: 6; border: round $panel; }
+    #errors { height: auto; max-height: 25%; overflow-y: auto; border: round $error; padding: 0 1; display: none; }
+    #log { height: 1fr; min-height: 4; max-height: 9; border: round $panel; }
+    .errors-open #current { max-height: 25%; }
     """
     # Short labels: the footer holds all of them at 80 columns (the README lists what each does)
     BINDINGS = [
@@ -368,6 +369,7 @@ class WatchApp(App):
     def draw_errors(self) -> None:
         widget = self.query_one("#errors", Static)
         widget.display = bool(self.errors)
+        self.screen.set_class(bool(self.errors), "errors-open")  # the current reload's panel makes room (80x24)
         parts = []
         for error in self.errors:
             parts.append(Text(error, style="bold red"))
