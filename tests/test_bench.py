@@ -74,6 +74,14 @@ def test_cli_chat_endpoint_and_vllms_save_result_flag(tiny_server, tmp_path):
     assert saved["config"]["endpoint"] == "chat" and saved["metrics"]["output_tokens"] == 9
 
 
+def test_chat_prompts_have_the_asked_tokens_with_the_templates_own_counted_in(tiny_server):
+    result = run(tiny_server, endpoint="chat", num_prompts=6, input_len=32, output_len=2, seed=5)
+    assert [r["prompt_tokens"] for r in result["records"]] == [32] * 6
+    varied = run(tiny_server, endpoint="chat", num_prompts=6, input_len=40, output_len=2, range_ratio=0.5, seed=6)
+    assert all(20 <= r["prompt_tokens"] <= 60 for r in varied["records"])
+    assert len({r["prompt_tokens"] for r in varied["records"]}) > 1
+
+
 def test_cli_refuses_bad_arguments_clearly(tmp_path):
     runner = CliRunner()
     bad = runner.invoke(app, ["bench", "--range-ratio", "1.5"])

@@ -135,3 +135,29 @@ def test_sigint_stops_the_server_at_once_without_a_traceback(server):
     assert got["events"] and json.loads(got["events"][0])["type"] == "hello"
     assert got["completion"][-1] == "[DONE]"
     assert json.loads(got["completion"][-2])["choices"][0]["finish_reason"] == "abort"
+
+
+def test_the_servers_connections_send_small_writes_at_once():
+    """Nagle's algorithm off on every accepted connection (asyncio sets TCP_NODELAY on sockets that say they are TCP):
+    with it on, a stream's first chunks waited for the client's delayed ACK, ~40 ms, and arrived bunched."""
+    import asyncio
+
+    from tsdev.serving import bind
+
+    async def accepted_nodelay() -> int:
+        seen = asyncio.get_running_loop().create_future()
+
+        def on_connect(reader, writer):
+            seen.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        sock = bind("127.0.0.1", 0)
+        server = await asyncio.start_server(on_connect, sock=sock)
+        _, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+        try:
+            return await asyncio.wait_for(seen, 5)
+        finally:
+            writer.close()
+            server.close()
+
+    assert asyncio.run(accepted_nodelay()) != 0

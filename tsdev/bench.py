@@ -23,6 +23,7 @@ import aiohttp
 from tsdev_runtime.control_protocol import ErrorBody
 from tsdev.client import auth_headers
 
+CHARACTERS = "abcdefghijklmnopqrstuvwxyz0123456789.,;"
 WORDS = ("the quick brown fox jumps over a lazy dog while kernels run fast on every GPU in the rack").split()
 
 
@@ -128,12 +129,52 @@ def build_requests(config: BenchConfig, vocab: int, count: int, rng: random.Rand
     bodies = []
     for _ in range(count):
         n_in, n_out = length(config.input_len), length(config.output_len)
-        if config.endpoint == "chat":
-            body = {"messages": [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(n_in))}]}
+        if config.endpoint == "chat":  # the text is fitted to n_in tokens by the server's tokenizer (fit_chat)
+            body = {"messages": [{"role": "user", "content": ""}], "prompt_tokens": n_in}
         else:
             body = {"prompt": [rng.randrange(vocab) for _ in range(n_in)]}
         bodies.append({**body, "max_tokens": n_out})
     return bodies
+
+
+async def fit_chat(session: aiohttp.ClientSession, url: str, model: str, bodies: list[dict], rng: random.Random) -> None:
+    """Each chat body's user message, of random words, sized so that its whole prompt -- the chat template's own
+    tokens counted in -- has `prompt_tokens` tokens, as the server's /tokenize (vLLM's too) counts them."""
+    per_word = 1.5  # tokens per word, learnt as messages are fitted
+
+    async def count(words: list[str]) -> int:
+        body = {"model": model, "messages": [{"role": "user", "content": " ".join(words)}]}
+        async with session.post(url.rstrip("/") + "/tokenize", json=body) as response:
+            if response.status != 200:
+                raise ValueError(f"--endpoint chat sizes its prompts with the server's /tokenize, which answered "
+                                 f"{response.status}: {(await response.text(errors='replace'))[:200]}")
+            return (await response.json())["count"]
+
+    for body in bodies:
+        want, words = body.pop("prompt_tokens"), []
+        have = base = await count(words)
+        for _ in range(40):  # a handful of tries each
+            gap = want - have
+            if gap == 0:
+                break
+            if 0 < gap <= 2:  # a character at a time, one that does not overshoot
+                for char in rng.sample(CHARACTERS, len(CHARACTERS)):
+                    words.append(char)
+                    if (tried := await count(words)) <= want:
+                        have = tried
+                        break
+                    words.pop()
+                else:
+                    break  # none fits: the nearest below
+                continue
+            if gap > 0:
+                words += [rng.choice(WORDS) for _ in range(max(1, int(gap / per_word)))]
+            else:
+                del words[-max(1, int(-gap / per_word)):]
+            have = await count(words)
+            if words and have > base:
+                per_word = max(0.5, (have - base) / len(words))
+        body["messages"][0]["content"] = " ".join(words)
 
 
 async def send(session: aiohttp.ClientSession, config: BenchConfig, model: str, body: dict) -> RequestRecord:
@@ -268,6 +309,8 @@ async def run_bench(config: BenchConfig, progress=None, api_key: str | None = No
                                   "start one (tsdev serve) or pass --url") from None
         model = config.model or default_model
         bodies = build_requests(config, vocab, config.warmup + config.num_prompts, rng)
+        if config.endpoint == "chat" and config.dataset_name != "jsonl":
+            await fit_chat(client, config.url, model, bodies, rng)
         for body in bodies[: config.warmup]:
             await send(client, config, model, body)
         semaphore = asyncio.Semaphore(config.max_concurrency or len(bodies))
