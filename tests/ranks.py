@@ -1,12 +1,15 @@
 """Run a function on N gloo ranks, each in its own spawned process (the CPU stand-in for N GPUs)."""
 import multiprocessing
 import os
+import time
 import traceback
 
 from tsdev.server_process import free_port
 
 
-def _rank_main(fn, rank: int, world_size: int, port: int, args: tuple, results, device: str) -> None:
+def _rank_main(fn, rank: int, world_size: int, port: int, args: tuple, results, device: str, start_after: float,
+               rank_timeout_s: float) -> None:
+    time.sleep(start_after)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
     if device == "cpu":
@@ -14,7 +17,7 @@ def _rank_main(fn, rank: int, world_size: int, port: int, args: tuple, results, 
     from tsdev_runtime import distributed
 
     try:
-        distributed.init(rank, world_size, device, timeout_s=60)
+        distributed.init(rank, world_size, device, timeout_s=rank_timeout_s)
         results.put((rank, "ok", fn(*args)))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
@@ -22,12 +25,16 @@ def _rank_main(fn, rank: int, world_size: int, port: int, args: tuple, results, 
         distributed.shutdown()
 
 
-def run_ranks(fn, world_size: int = 2, *args, timeout: float = 180, device: str = "cpu") -> list:
+def run_ranks(fn, world_size: int = 2, *args, timeout: float = 180, device: str = "cpu",
+              start_after: tuple[float, ...] = (), rank_timeout_s: float = 60) -> list:
     """fn(*args) on every rank (an importable, module-level function); its results in rank order. A rank's
-    exception fails the caller with that rank's traceback. `device` cuda: one GPU per rank, over NCCL."""
+    exception fails the caller with that rank's traceback. `device` cuda: one GPU per rank, over NCCL.
+    `start_after`: seconds each rank waits before it joins (a slow start); `rank_timeout_s`: --rank-timeout."""
     ctx = multiprocessing.get_context("spawn")
     results, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, results, device)) for r in range(world_size)]
+    delays = [*start_after, *[0.0] * world_size][:world_size]
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, results, device, delays[r],
+                                                  rank_timeout_s)) for r in range(world_size)]
     for p in procs:
         p.start()
     try:

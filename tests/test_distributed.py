@@ -27,6 +27,13 @@ def test_two_ranks_reduce_gather_broadcast_and_agree_by_a_min():
     assert [out["agree"] for out in fine] == [True, True]
 
 
+def test_a_rank_that_starts_later_than_the_rank_timeout_still_joins():
+    """The rendezvous waits generously (a loaded machine imports torch slowly); --rank-timeout governs the calls
+    after it."""
+    out = run_ranks(collectives, 2, True, start_after=(0.0, 4.0), rank_timeout_s=1.0)
+    assert [o["summed"] for o in out] == [[3.0] * 3] * 2 and [o["agree"] for o in out] == [True, True]
+
+
 def test_one_process_is_rank_0_of_1_and_every_collective_is_the_identity():
     x = torch.randn(3)
     assert distributed.size() == 1 and distributed.rank() == 0

@@ -28,3 +28,23 @@ def test_it_returns_once_the_children_have_exited():
 def test_it_gives_up_after_its_time_while_a_child_lives_on():
     seconds, exited = waited(sleep=30, wait=0.5)
     assert not exited and 0.4 <= seconds < 5
+
+
+FAIL_FAST = """
+import subprocess, sys, time
+from tsdev.ranks import fail_fast
+child = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
+with fail_fast([child]):
+    time.sleep(60)  # rank 0 waiting for the rendezvous
+print("never")
+"""
+
+
+def test_a_rank_that_exits_before_the_ranks_meet_stops_rank_0_at_once():
+    """The rendezvous waits minutes for a slow rank; one that died is not waited for."""
+    import time
+
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", FAIL_FAST], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "rank 1 exited (status 3) before the ranks met" in out.stderr, out.stderr
+    assert "never" not in out.stdout and time.monotonic() - start < 30

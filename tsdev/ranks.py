@@ -7,11 +7,13 @@ torchrun / SLURM set it for every rank (then `tsdev serve` on a rank other than 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import subprocess
 import sys
+import threading
 
 from tsdev_runtime import distributed
 from tsdev_runtime.config import EngineConfig
@@ -24,6 +26,27 @@ def launched_rank() -> int | None:
     """This process's rank when a launcher (torchrun, SLURM through it) set RANK; None otherwise."""
     rank = os.environ.get(distributed.ENV_RANK)
     return int(rank) if rank is not None else None
+
+
+@contextlib.contextmanager
+def fail_fast(children: list[subprocess.Popen]):
+    """While the ranks meet (the rendezvous waits minutes for a slow start): a rank that exits first ends this
+    process at once, with the rank's status, instead of leaving rank 0 waiting for it."""
+    joined = threading.Event()
+
+    def watch() -> None:
+        while not joined.wait(0.2):
+            for rank, child in enumerate(children, start=1):
+                if (status := child.poll()) is not None:
+                    print(f"error: rank {rank} exited (status {status}) before the ranks met; its error is above. "
+                          "The server stops.", file=sys.stderr, flush=True)
+                    os._exit(2)
+
+    threading.Thread(target=watch, daemon=True, name="rank-watch").start()
+    try:
+        yield
+    finally:
+        joined.set()
 
 
 def start_ranks(config: EngineConfig, allow_reload_forward: bool) -> list[subprocess.Popen]:

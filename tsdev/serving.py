@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from tsdev_runtime.config import EngineConfig, ServerConfig
-from tsdev.ranks import follow, launched_rank, start_ranks, stop_ranks
+from tsdev.ranks import fail_fast, follow, launched_rank, start_ranks, stop_ranks
 
 # uvicorn cancels what is still open this long after a stop; streams end by themselves well before.
 GRACEFUL_SHUTDOWN_S = 3
@@ -194,7 +194,8 @@ def run_server(config: EngineConfig, server: ServerConfig, console: Console | No
 
         if rank is None:  # not launched by torchrun: this command starts the other ranks
             children = start_ranks(config, server.allow_reload_forward)
-        distributed.init(0, config.world_size, config.device, config.rank_timeout_s)
+        with fail_fast(children):
+            distributed.init(0, config.world_size, config.device, config.rank_timeout_s)
     with sock:
         try:
             status = _load_and_serve(config, server, sock, console)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 ENV_RANK, ENV_WORLD_SIZE, ENV_LOCAL_RANK = "RANK", "WORLD_SIZE", "LOCAL_RANK"
 ENV_MASTER_ADDR, ENV_MASTER_PORT = "MASTER_ADDR", "MASTER_PORT"
 DEFAULT_TIMEOUT_S = 60.0
+RENDEZVOUS_TIMEOUT_S = 600.0  # how long the ranks wait for each other to start
 IDLE_TIMEOUT = timedelta(days=365)  # a follower waits for rank 0's next call as long as the server is idle
 
 
@@ -61,7 +62,11 @@ def init(rank: int, world_size: int, device: torch.device | str, timeout_s: floa
         torch.cuda.set_device(int(os.environ.get(ENV_LOCAL_RANK, rank)))
         backend = "nccl"
     timeout = timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    # the rendezvous waits generously for the other ranks to start (a loaded machine imports torch and loads the
+    # model slowly); `timeout_s` (--rank-timeout) governs the calls after it
+    store = dist.TCPStore(os.environ[ENV_MASTER_ADDR], int(os.environ[ENV_MASTER_PORT]), world_size,
+                          is_master=rank == 0, timeout=timedelta(seconds=max(RENDEZVOUS_TIMEOUT_S, timeout_s)))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     _state.control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
     _state.calls = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     _state.timeout_s = timeout_s
