@@ -128,9 +128,9 @@ def test_reload_forward_without_the_flag_is_refused_as_every_403_is(engine):
             return await c.post(path, content=body, headers={"content-type": "application/json"})
 
     for path in ("/v1/rl/engine/reload_forward", "/v1/rl/engine/kernel_check"):
-        for body in (b"{}", b'{"id": 5}', b"[", b"", b'{"id": "x", "mode": "nope"}'):  # whatever the body: 403
-            error = error_of(asyncio.run(post(path, body)), 403)
-            assert "--allow-reload-forward" in error.message, (path, body, error)
+        for sent in (b"{}", b'{"id": 5}', b"[", b"", b'{"id": "x", "mode": "nope"}'):  # whatever the body: 403
+            error = error_of(asyncio.run(post(path, sent)), 403)
+            assert "--allow-reload-forward" in error.message, (path, sent, error)
 
 
 @pytest.mark.parametrize("policy", [SecurityPolicy(api_key=KEY), SecurityPolicy(allow_remote_control=True)],

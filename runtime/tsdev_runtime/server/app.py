@@ -76,7 +76,8 @@ def info_router(deps: ServerDeps, metrics: EngineMetrics, reloads: bool) -> APIR
     async def health():
         return {"status": "ok"}
 
-    @router.api_route("/ping", methods=["GET", "POST"])
+    @router.get("/ping")
+    @router.post("/ping")
     async def ping():  # vLLM's (SageMaker's) liveness probe: 200, no body
         return Response(status_code=200)
 
