@@ -18,6 +18,6 @@ def test_a_cute_kernel_edit_reaches_the_served_tokens_and_its_revert_restores_th
                                                     LINE.replace("(act * up)", "(act * up * 1.5)"))
     assert " ok " in changed and "golden: output changed at token" in changed, changed
     assert "cute" in changed and re.search(r"silu_and_mul_cute: err \S+ FAILED", changed), changed
-    assert re.search(r"\| save → serving \d+\.\d\d s \|", changed) and re.search(r"\bpause \d+\.\d\d\b", changed)
+    assert re.search(r"\| save → serving \d+\.\d\d s ", changed) and re.search(r"\bpause \d+\.\d\d\b", changed)
     assert " ok " in reverted and "golden: same 24 tokens" in reverted, reverted
     assert re.search(r"silu_and_mul_cute: err \S+ ok", reverted), reverted

@@ -242,3 +242,23 @@ def test_the_daemon_shows_a_sleeping_server_and_skips_its_checks(tmp_path):
         await stop(daemon, task)
 
     asyncio.run(main())
+
+
+def test_save_to_serving_ends_when_serving_resumes_and_its_parts_add_up(tmp_path):
+    """A reload whose report-mode checks run 0.8 s after serving resumed: the figure stops at the resume, and the
+    settle, jit, check inputs, pause and read+plan add up to it."""
+    from tsdev.watch.plain import serving_text
+
+    project, server = make_project(tmp_path), FakeServer()
+    timings = {"jit": 0.21, "check_prepare": 0.04, "drain": 0.0, "reload": 0.03, "pause": 0.06, "resumed": 0.35,
+               "kernel_check": 0.8, "total": 1.15}
+    server.answer = lambda request: [ok_worker().model_copy(update={"timings": timings})]
+    events = session(project, server, lambda daemon: (project / "kernels/tsdev_kernels/ops/act.py").write_text(
+        "def act(x):\n    return -x\n"))
+    record = finished(events)[0]
+    split = dict(record.serving_split())
+    assert set(split) == {"settle", "jit", "check inputs", "pause", "read+plan"}
+    assert abs(sum(split.values()) - record.served_after_save) < 0.010
+    assert split["jit"] == 0.21 and split["pause"] == 0.06 and 0 <= split["read+plan"] < 0.5
+    assert record.served_after_save < record.settle + timings["total"]  # not the checks that followed
+    assert "(then 0.80 s checking, serving)" in serving_text(record)

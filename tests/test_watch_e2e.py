@@ -90,8 +90,12 @@ def test_layer_edit_gives_one_reload_line_with_step_timings_and_golden_verdict(w
     for step in ("drain", "flush", "reload", "warm", "recapture", "jit", "pause", "total"):
         assert re.search(rf"\b{step} \d+\.\d\d\b", line), (step, line)
     assert re.search(r"golden: output changed at token \d+ of 24 \| decode [\d.]+ ms/step at batch 4 \([+-]", line)
-    seconds = float(re.search(r"\| save → serving (\d+\.\d\d) s \|", line).group(1))
-    assert 0 < seconds < 60  # from the file's modification time to the reply
+    split = re.search(r"\| save → serving (\d+\.\d\d) s = ([^|(]+)", line)
+    seconds = float(split.group(1))
+    assert 0 < seconds < 60  # from the file's modification time to serving resumed
+    parts = dict(re.findall(r"(settle|jit|check inputs|pause|read\+plan) (-?\d+\.\d\d)", split.group(2)))
+    assert {"settle", "jit", "pause", "read+plan"} <= set(parts), line
+    assert abs(sum(map(float, parts.values())) - seconds) <= 0.01 + 0.005 * len(parts), line  # the parts add up
     time.sleep(1.5)
     assert len([x for x in out.since(start) if re.search(r"reload #\d+ (ok|FAILED)", x)]) == 1
 

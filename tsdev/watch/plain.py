@@ -82,9 +82,20 @@ def _reload_line(record: ReloadRecord) -> str:
     steps = outcome.steps_text(record.steps, record.step_order(), record.worker.jit_kernels,
                                record.worker.graph_nodes_patched, record.worker.kernels)
     if record.served_after_save is not None:
-        steps += f" | save → serving {record.served_after_save:.2f} s"
+        steps += f" | save → serving {serving_text(record)}"
     return " | ".join([f"{head} [green]ok[/green] ({why}): {escape(outcome.summary(record.worker))}", steps,
                        *map(escape, outcome.kernel_checks_text(record.worker)), *checks_text(record)])
+
+
+def serving_text(record: ReloadRecord) -> str:
+    """'0.92 s = settle 0.05 + jit 0.53 + pause 0.09 + read+plan 0.25', then what the server did after serving
+    resumed (report-mode kernel checks) when it took a while."""
+    text = f"{record.served_after_save:.2f} s"
+    if split := record.serving_split():
+        text += " = " + " + ".join(f"{name} {seconds:.2f}" for name, seconds in split)
+    if (after := record.after_serving) is not None and after >= 0.05:
+        text += f" (then {after:.2f} s checking, serving)"
+    return text
 
 
 def restart_line(record: RestartRecord, daemon: Daemon) -> str:

@@ -30,8 +30,26 @@ class ReloadRecord:
     note: str = ""
     restart: str = ""  # what the reply's needs_restart leads to ("needs restart: ... → restarting the server")
     saved_at: float | None = None  # a save's modification time: when the edit the reload serves was written
-    served_after_save: float | None = None  # seconds from that save to the reply (serving the new code)
+    served_after_save: float | None = None  # seconds from that save to serving resumed with the new code
+    settle: float | None = None  # seconds from that save to the reload's request (the watcher's settle, the queue)
     done: bool = False
+
+    def serving_split(self) -> list[tuple[str, float]]:
+        """save → serving in parts that add up to it: the settle, the server's steps before serving resumed (jit,
+        the checks' inputs, the pause) and the rest of its time to that point (reading, planning, the request)."""
+        if self.served_after_save is None or self.settle is None or self.worker is None:
+            return []
+        t = self.worker.timings
+        parts = [("settle", self.settle), ("jit", t.get("jit", 0.0)), ("check inputs", t.get("check_prepare", 0.0)),
+                 ("pause", t.get("pause", 0.0))]
+        parts.append(("read+plan", self.served_after_save - sum(seconds for _, seconds in parts)))
+        return [(name, seconds) for name, seconds in parts if name != "check inputs" or seconds]
+
+    @property
+    def after_serving(self) -> float | None:
+        """The server's seconds after serving resumed (report-mode kernel checks, the new code timed)."""
+        t = self.worker.timings if self.worker else {}
+        return t["total"] - t["resumed"] if "resumed" in t and "total" in t else None
 
     @property
     def ok(self) -> bool:

@@ -42,10 +42,13 @@ class Reloads:
         try:
             rid = f"{self.session}-{record.n}-{len(record.ids)}"
             record.ids.append(rid)
+            sent = time.time()
             reply = await daemon.link.reload(rid, list(record.modules) if forced else None)
             worker, record.ranks = reply.first_failure, list(reply.workers)
             if record.saved_at and reply.ok:
-                record.served_after_save = time.time() - record.saved_at
+                resumed = worker.timings.get("resumed")  # serving resumed then, before any report-mode check
+                record.settle = sent - record.saved_at
+                record.served_after_save = (time.time() if resumed is None else sent + resumed) - record.saved_at
         except (httpx.HTTPError, RuntimeError) as exc:
             worker = WorkerReport(ok=False, error=f"the reload request failed: {exc}")
         self.current = None

@@ -180,7 +180,8 @@ class ReloadForward:
         except Exception as exc:  # e.g. a forced module that does not exist
             return self._finish(request, self._worker(str(exc) if isinstance(exc, ValueError) else describe_error(exc)))
         if not plan.reloaded:  # nothing to run: serving is not interrupted
-            timings = {"total": time.perf_counter() - start, "pause": 0.0}
+            total = time.perf_counter() - start
+            timings = {"total": total, "pause": 0.0, "resumed": total}
             return self._finish(request, self._worker(None, timings, needs_restart=list(plan.needs_restart)))
         reload = _Reload(self, request, sources, start)
         if self.checks_off and reload.check_mode == "strict":
@@ -191,8 +192,10 @@ class ReloadForward:
             reload.warnings.append(self.checks_off)  # a kernel edit that was not checked
         await reload.steps.run(reload.before_pause())  # the old code keeps serving meanwhile
         if reload.check_mode != "off":  # the old code's times (if nothing runs on the GPU now) and the checks' inputs
+            prepare_start = time.perf_counter()
             await ae.run_on_engine_thread(lambda: self.checker.prepare(reload.serving, self._idle(), plan.reloaded))
             reload.before_edit = self.checker.fingerprints()
+            reload.steps.timings["check_prepare"] = time.perf_counter() - prepare_start
         ae.hold(True)
         pause_start = time.perf_counter()
         try:
@@ -209,6 +212,7 @@ class ReloadForward:
         finally:
             ae.hold(False)
             reload.steps.timings["pause"] = time.perf_counter() - pause_start
+            reload.steps.timings["resumed"] = time.perf_counter() - start  # the new code serves from here
         if reload.error is None and reload.check_mode == "report":  # serving resumed: between its steps
             try:
                 await reload.check_kernels()
