@@ -262,3 +262,27 @@ def test_save_to_serving_ends_when_serving_resumes_and_its_parts_add_up(tmp_path
     assert split["jit"] == 0.21 and split["pause"] == 0.06 and 0 <= split["read+plan"] < 0.5
     assert record.served_after_save < record.settle + timings["total"]  # not the checks that followed
     assert "(then 0.80 s checking, serving)" in serving_text(record)
+
+
+def test_the_next_standby_starts_after_the_new_servers_checks_not_beside_them():
+    """The standby imports torch and initializes CUDA: started while the golden check and the decode probe run, it
+    made a restart's figure 44-98 % slower than the edit made it. The probe comes first, then the standby."""
+    from types import SimpleNamespace
+
+    from tsdev.watch.records import RestartRecord
+    from tsdev.watch.restarts import Restarts
+
+    order = []
+
+    async def describe():
+        return SimpleNamespace(vocab=100, model="m", device="cuda")
+
+    async def check(record, golden):
+        order.append("probe")
+
+    daemon = SimpleNamespace(
+        link=SimpleNamespace(describe=describe), checker=SimpleNamespace(vocab=None), info={}, check=check,
+        server=SimpleNamespace(start_standby=lambda: order.append("standby")), set_state=lambda *a, **k: None,
+        emit=lambda *a: None)
+    asyncio.run(Restarts(daemon)._after_start(RestartRecord(1, "an engine edit"), take_golden=False))
+    assert order == ["probe", "standby"]

@@ -197,9 +197,10 @@ class ServerProcess:
                 standby.kill()
                 standby.wait()
 
-    async def wait_healthy_async(self, timeout: float = 600) -> None:
+    async def wait_healthy_async(self, timeout: float = 600, standby: bool = True) -> None:
         """Until GET /health answers 200; StartFailed (with the log's last lines) when the child exits first
-        or is not healthy in time (then it is stopped)."""
+        or is not healthy in time (then it is stopped). `standby` False: the caller starts the next standby
+        (start_standby) once it has measured the new server on a quiet host."""
         deadline = time.monotonic() + timeout
         async with httpx.AsyncClient() as client:
             while True:
@@ -207,7 +208,8 @@ class ServerProcess:
                     raise StartFailed(f"the server exited during startup ({describe_exit(code)}):\n{self.tail()}")
                 try:
                     if (await client.get(self.url + "/health", timeout=2)).status_code == 200:
-                        self.start_standby()
+                        if standby:
+                            self.start_standby()
                         return
                 except httpx.TransportError:
                     pass

@@ -66,7 +66,7 @@ class Restarts:
             except PortInUse:
                 raise StartFailed(f"something already answers on {url}: stop it, pass --port, or attach to it "
                                   f"with `tsdev watch --attach {url}`") from None
-            await server.wait_healthy_async(daemon.config.startup_timeout)
+            await server.wait_healthy_async(daemon.config.startup_timeout, standby=False)  # after the checks
         except StartFailed as exc:
             record.error, record.done, record.seconds = str(exc), True, time.perf_counter() - start
             daemon.down = True
@@ -91,6 +91,8 @@ class Restarts:
             record.note = f"could not query the server: {exc}"
         else:
             await daemon.check(record, golden=not take_golden)
+        if daemon.server is not None:  # the next standby imports torch and takes the GPU: not while the probe runs
+            daemon.server.start_standby()
         record.done = True
         daemon.set_state("serving")
         daemon.emit("restart_finished", record)
