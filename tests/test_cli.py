@@ -305,3 +305,17 @@ def test_reload_lines_name_the_kernels_that_compiled_in_the_pause_slowest_first(
     assert ("compiled in the pause, not ahead: tsdev_kernels.ops.norm._rms_norm_gluon_kernel 1.90 s, tsdev_kernels.ops.norm.a "
             "0.40 s") in worker_text(worker)
     assert "compiled in the pause" not in worker_text(WorkerReport(ok=True, reloaded=["tsdev_kernels.ops.norm"]))
+
+
+def test_serve_says_what_is_starting_before_it_imports_torch(tiny_model_dir):
+    """The first line comes before the seconds of importing torch (and the CUDA start): a user sees at once that the
+    command runs and what it serves. Import order, not the wall clock, so a loaded machine cannot fail it."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "tsdev", "serve", str(tiny_model_dir), "--device",
+                          "cpu", "--port", "1", "--host", "256.0.0.1"], capture_output=True, text=True, timeout=120)
+    lines = out.stderr.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("starting tsdev serve:"))
+    torch = next(i for i, line in enumerate(lines) if re.search(r"\|\s+torch$", line))
+    assert first < torch and str(tiny_model_dir) in lines[first] and "on cpu" in lines[first], lines[first]

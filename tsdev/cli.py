@@ -252,9 +252,13 @@ def serve(
     """Serve a Llama 3.x, Qwen2.5 or Qwen3 model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
     from rich.console import Console
 
-    from tsdev.serving import run_server  # what serving does: bind, load, serve, stop
-
     console = Console(stderr=True, soft_wrap=True)
+    console.print(f"starting tsdev serve: {model or model_opt or 'the embedded default model'}"
+                  f"{f' on {device}' if device else ''} (torch imports first; a first start on a machine compiles its "
+                  "kernels, saying which as it goes)", highlight=False, markup=False)
+
+    from tsdev.serving import run_server  # what serving does: bind, load, serve, stop (it imports torch)
+
     if model and model_opt and model != model_opt:
         raise typer.BadParameter(f"MODEL {model!r} and --model {model_opt!r} disagree: give one")
     if device and device.startswith("cuda"):
