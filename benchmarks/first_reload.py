@@ -1,0 +1,88 @@
+"""The first reload after a start against the ones after it: distinct never-seen edits of a kernel helper
+(`silu_and_mul_values` times a fresh constant), reloaded through ReloadForward in one process on the served model,
+each reload's step timings and the hot-reload transaction's own (read, plan, compile, execute, patch, kernels), and
+for the first two the engine thread's profile (cProfile of every call the reload runs there).
+
+    python3 benchmarks/first_reload.py                  # CUDA, the default model
+    python3 benchmarks/first_reload.py --device cpu --edits 3
+
+Runs a copy of the project in a temporary folder (imported first), so the checkout is never edited.
+"""
+import argparse
+import asyncio
+import cProfile
+import io
+import pstats
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tsdev.server_process import copy_project  # noqa: E402
+from tsdev.hotreload.snapshot import import_roots  # noqa: E402
+
+HELPER = "kernels/tsdev_kernels/ops/activation.py"
+LINE = "    return act * up\n"
+
+
+async def run(project: Path, device: str, edits: int) -> None:
+    from tsdev_runtime.config import EngineConfig
+    from tsdev_runtime.control_protocol import ReloadRequest
+    from tsdev_runtime.engine.async_engine import AsyncEngine
+    from tsdev_runtime.engine.llm_engine import LLMEngine
+    from tsdev_runtime.engine.reload_forward import ReloadForward
+    from tsdev.hotreload import Reloader, default_packages
+
+    from tsdev_runtime.engine.sequence import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=None, device=device))
+    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4))  # served once, as a server has before a reload
+    ae = AsyncEngine(engine)
+    await ae.start()
+    reloader = Reloader(default_packages(project))
+    transactions = []
+    reload = reloader.reload
+
+    def kept(*args, **kwargs):
+        transactions.append(reload(*args, **kwargs))
+        return transactions[-1]
+
+    reloader.reload = kept
+    forward = ReloadForward(ae, reloader)
+    on_thread = ae._on_engine_thread
+    file = project / HELPER
+    original = file.read_text()
+    assert LINE in original, f"{HELPER} no longer holds {LINE!r}"
+    rng = random.Random()
+    for i in range(edits):
+        profile = cProfile.Profile() if i < 2 else None
+        ae._on_engine_thread = (lambda fn, *a, p=profile: on_thread(lambda: p.runcall(fn, *a))) if profile else on_thread
+        file.write_text(original.replace(LINE, f"    return act * up * {1 + rng.random() / 1000:.9f}\n"))
+        reply = await forward(ReloadRequest(id=f"first-{i}", kernel_check="off"))
+        worker = reply.workers[0]
+        assert worker.ok, worker.error
+        print(f"reload {i + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in worker.timings.items()))
+        print("  transaction: " + ", ".join(f"{k} {v:.3f}" for k, v in transactions[-1].report.timings.items()))
+        if profile:
+            out = io.StringIO()
+            pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(25)
+            print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:5000])
+    file.write_text(original)
+    await ae.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--edits", type=int, default=4)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        project = copy_project(Path(tmp))
+        sys.path[:0] = [str(p) for p in import_roots(project)]
+        asyncio.run(run(project, args.device, args.edits))
+
+
+if __name__ == "__main__":
+    main()
