@@ -43,6 +43,7 @@ from tsdev_runtime.engine.ranks import RankedReloader, RankLost, rank_entries, r
 from tsdev_runtime.engine.steps import Step, Steps
 
 REMEMBERED_IDS = 256
+IDLE_TIMING_GAP_S = 0.5  # how often time_when_idle looks for an idle engine
 JIT, DRAIN, FLUSH, RELOAD, WARM, RECAPTURE = STEPS
 log = logging.getLogger("tsdev_runtime.server")  # `tsdev serve` prints its info lines on stderr
 
@@ -152,6 +153,23 @@ class ReloadForward:
                     lambda: self.checker.check_now(request.ops, serving, idle=self._idle()))
         return KernelCheckReply(ok=all(r.ok for r in results), checks=reported_checks(results),
                                 ops=[c.op for c in checks.declared()], seconds=time.perf_counter() - start)
+
+    async def time_when_idle(self) -> None:
+        """Time every declared op's current code at the serving shapes, one call at a time (~0.1 s of the engine's
+        thread) whenever nothing runs, so that a reload finds the old code's times taken and its save → serving
+        never waits for them (the server's start leaves it idle: done in the first seconds, off the critical path).
+        Ends when all are timed; a later edit's new code is timed by that reload (time_new)."""
+        ae, engine = self.async_engine, self.async_engine.engine
+        if self.checker.mode == "off" or engine.ranks is not None:
+            return
+        serving = serving_of(engine)
+        while True:
+            await asyncio.sleep(IDLE_TIMING_GAP_S)
+            if ae.state.phase != "serving" or not self._idle() or ae.control_lock.locked():
+                continue
+            async with ae.control_lock:
+                if not await ae.run_on_engine_thread(lambda: self.checker.time_one_pending(serving)):
+                    return
 
     def cancel_pending(self) -> None:
         """continue_generation: reloads still waiting for their turn give up."""

@@ -1,6 +1,7 @@
 """The HTTP front: OpenAI-compatible routes over an AsyncEngine, one router per concern (openai.py: generation and
 tokenizing; control.py: reloads, pause, profiling, sleep and weights; here: what the server is), the error shape
 for every failure (errors.py), access before anything else (security.py)."""
+import asyncio
 import logging
 import os
 from contextlib import asynccontextmanager
@@ -48,7 +49,10 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReload
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await async_engine.start()
+        timing = asyncio.create_task(reload_forward.time_when_idle()) if reload_forward is not None else None
         yield
+        if timing is not None:
+            timing.cancel()
         await async_engine.stop()
         deps.close()
 

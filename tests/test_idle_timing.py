@@ -1,0 +1,38 @@
+"""The old code's times a reload's kernel check compares against are taken while the server is idle, one call at a
+time, not inside a reload before its pause (where the first edit of the norm ops waited 1.9 s on the H200)."""
+import asyncio
+
+from tsdev_runtime.engine import reload_forward
+from tsdev_runtime.engine.async_engine import AsyncEngine
+from tsdev_runtime.engine.reload_forward import ReloadForward
+from tsdev_runtime.engine.sequence import SamplingParams
+from tsdev.hotreload import Reloader
+
+
+def test_idle_timing_takes_one_call_at_a_time_only_while_nothing_runs_and_ends(make_engine, monkeypatch):
+    monkeypatch.setattr(reload_forward, "IDLE_TIMING_GAP_S", 0.01)
+    engine = make_engine()
+    seen = []
+
+    async def scenario():
+        ae = AsyncEngine(engine)
+        await ae.start()
+        forward = ReloadForward(ae, Reloader(["tsdev_kernels.ops"]))
+        pending = [True] * 5 + [False]
+
+        def time_one(serving):
+            seen.append((engine.num_running, engine.in_flight is None, ae.control_lock.locked()))  # (idle: no step)
+            return pending.pop(0)
+
+        forward.checker.time_one_pending = time_one
+        streams = [ae.generate(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=40, ignore_eos=True)) for i in range(3)]
+        timing = asyncio.create_task(forward.time_when_idle())
+        for stream in streams:
+            async for _ in stream:
+                pass
+        await asyncio.wait_for(timing, 10)  # it ends once every op is timed
+        await ae.stop()
+
+    asyncio.run(scenario())
+    assert len(seen) == 6
+    assert all(running == 0 and idle and locked for running, idle, locked in seen), seen  # never beside a request
