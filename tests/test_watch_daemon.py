@@ -286,3 +286,18 @@ def test_the_next_standby_starts_after_the_new_servers_checks_not_beside_them():
         emit=lambda *a: None)
     asyncio.run(Restarts(daemon)._after_start(RestartRecord(1, "an engine edit"), take_golden=False))
     assert order == ["probe", "standby"]
+
+
+def test_the_probe_waits_for_pending_graphs_and_a_figure_taken_beside_them_is_marked_not_comparable(tmp_path,
+                                                                                                 monkeypatch):
+    from tsdev.watch import daemon as daemon_module
+
+    monkeypatch.setattr(daemon_module, "QUIET_S", 0.3)
+    project, server = make_project(tmp_path), FakeServer()
+    server.info = server.info.model_copy(update={"graphs_pending": 3})  # never done capturing
+    events = session(project, server, lambda daemon: (project / "kernels/tsdev_kernels/ops/act.py").write_text(
+        "def act(x):\n    return -x\n"))
+    record = finished(events)[0]
+    assert "decode not comparable: 3 CUDA graph(s) were still being captured" in record.note
+    # taken, and compared only with a quiet figure: the startup's was not one either, so none
+    assert record.probe is not None and record.probe.previous is None

@@ -340,6 +340,7 @@ class EngineInfo(_Message):
     prefill_graphs_failed: str | None = None  # why prefill runs eagerly after its graphs failed to capture
     decode_graphs_used: list[int] = []  # batch sizes the steps replayed since the last capture
     prefill_graphs_used: list[int] = []  # prefill buckets the steps replayed since the last capture
+    graphs_pending: int = 0  # graphs left to capture after serving (re)started: captured while idle, steps eager
     quantization: str | None = None  # e.g. fp8
     kv_cache_dtype: str | None = None  # the KV pool's (e.g. bfloat16, float8_e4m3fn)
 

@@ -502,7 +502,7 @@ class LLMEngine:
             prefill_graphs_failed=prefill.disabled if prefill else None, quantization=config.quantization,
             kv_cache_dtype=str(runner.kv_cache.dtype).removeprefix("torch."),
             decode_graphs_used=sorted(decode.used) if decode else [],
-            prefill_graphs_used=sorted(prefill.used) if prefill else [])
+            prefill_graphs_used=sorted(prefill.used) if prefill else [], graphs_pending=self.graphs_pending)
 
     def step(self) -> list[RequestOutput]:
         """Schedule and launch a step, then read the previous one (async scheduling) or this one."""
