@@ -43,7 +43,7 @@ from tsdev_runtime.engine.ranks import RankedReloader, RankLost, rank_entries, r
 from tsdev_runtime.engine.steps import Step, Steps
 
 REMEMBERED_IDS = 256
-IDLE_TIMING_GAP_S = 0.5  # how often time_when_idle looks for an idle engine
+IDLE_TIMING_GAP_S = 0.02  # between two of time_when_idle's calls: a request that arrives waits for one call at most
 JIT, DRAIN, FLUSH, RELOAD, WARM, RECAPTURE = STEPS
 log = logging.getLogger("tsdev_runtime.server")  # `tsdev serve` prints its info lines on stderr
 
