@@ -43,7 +43,7 @@ class ReloadRecord:
         parts = [("settle", self.settle), ("jit", t.get("jit", 0.0)), ("check inputs", t.get("check_prepare", 0.0)),
                  ("pause", t.get("pause", 0.0))]
         parts.append(("read+plan", self.served_after_save - sum(seconds for _, seconds in parts)))
-        return [(name, seconds) for name, seconds in parts if name != "check inputs" or seconds]
+        return [(name, seconds) for name, seconds in parts if name != "check inputs" or seconds >= 0.005]
 
     @property
     def after_serving(self) -> float | None:
