@@ -161,9 +161,9 @@ class ServerProcess:
             if log is not None:
                 log.close()
 
-    def _spawn(self, argv: list[str], log, stdin) -> subprocess.Popen:
+    def _spawn(self, argv: list[str], log, stdin, env: dict[str, str] | None = None) -> subprocess.Popen:
         return subprocess.Popen(argv, stdin=stdin, stdout=log, stderr=None if log is None else subprocess.STDOUT,
-                                cwd=self.cwd, env=self.env, preexec_fn=die_with_parent)
+                                cwd=self.cwd, env=env or self.env, preexec_fn=die_with_parent)
 
     def start_standby(self) -> None:
         """Start the process the next start() takes over, unless one waits already (its output: the log's)."""
@@ -171,7 +171,10 @@ class ServerProcess:
             return
         log = open(self.log_path, "a") if self.log_path is not None else None
         try:
-            self.standby = self._spawn([sys.executable, "-m", "tsdev.standby"], log, subprocess.PIPE)
+            from tsdev.standby import DEVICE_ENV
+
+            env = {**(self.env or os.environ), DEVICE_ENV: flag_value(self.serve_args, "--device") or ""}
+            self.standby = self._spawn([sys.executable, "-m", "tsdev.standby"], log, subprocess.PIPE, env)
         finally:
             if log is not None:
                 log.close()

@@ -5,7 +5,9 @@ stack), waiting for its arguments on stdin. `ServerProcess` keeps one beside a r
 It imports nothing of the project until the restart begins: the edit that made the restart necessary (an engine file,
 say) is read from disk then. A `prepare` line (sent as the old server is told to stop) imports the CLI and the runtime
 while the old server stops; the arguments follow once it has exited (the GPU and the port are free). It holds no GPU memory (CUDA is not initialised) and, like a server, dies with
-its parent. An empty stdin (the parent closed it or died) ends it quietly.
+its parent. An empty stdin (the parent closed it or died) ends it quietly. On a GPU it creates its CUDA context as it
+starts (TSDEV_STANDBY_DEVICE: the device the next start serves on), so that the start's load pays none of it; the
+standby is started once the running server's checks are done, never beside them.
 
     python -m tsdev.standby        # then one line on stdin: the JSON list of `tsdev` arguments, e.g. ["serve", ...]
                                    # (optionally after a line `prepare`)
@@ -16,6 +18,7 @@ import sys
 import time
 
 HANDED_OVER_ENV = "TSDEV_HANDED_OVER_AT"
+DEVICE_ENV = "TSDEV_STANDBY_DEVICE"  # the device the next start serves on ("": the default); unset: do not touch CUDA
 PREPARE = "prepare"  # a line before the arguments: import the project now (the old server is stopping meanwhile)
 
 
@@ -29,6 +32,16 @@ def prepare() -> None:
         import tsdev.cli  # noqa: F401
     except BaseException:  # noqa: BLE001  (SystemExit included: the start reports it)
         pass
+
+
+def init_cuda(device: str) -> None:
+    """The CUDA context, made now (a few hundred MB of the GPU's memory beside the running server): a start's `load`
+    included it (0.5-1 s on the H200). Nothing on the CPU or without a GPU."""
+    import torch
+
+    if device.startswith("cpu") or not torch.cuda.is_available():
+        return
+    torch.zeros(1, device=device or "cuda")
 
 
 def main() -> int:
@@ -47,6 +60,8 @@ def main() -> int:
         import triton  # noqa: F401
     except ImportError:  # a platform without it: the server says what it needs
         pass
+    if (device := os.environ.get(DEVICE_ENV)) is not None:
+        init_cuda(device)
     line = sys.stdin.readline()
     if line.strip() == PREPARE:
         prepare()
