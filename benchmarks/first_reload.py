@@ -5,6 +5,8 @@ for the first two the engine thread's profile (cProfile of every call the reload
 
     python3 benchmarks/first_reload.py                  # CUDA, the default model
     python3 benchmarks/first_reload.py --device cpu --edits 3
+    python3 benchmarks/first_reload.py --http           # through a `tsdev serve --allow-reload-forward` child
+                                                        # and its HTTP route, as a client without the daemon does
 
 Runs a copy of the project in a temporary folder (imported first), so the checkout is never edited.
 """
@@ -73,13 +75,39 @@ async def run(project: Path, device: str, edits: int) -> None:
     await ae.stop()
 
 
+def run_http(project: Path, device: str, edits: int) -> None:
+    """The same edits through a server process and POST /v1/rl/engine/reload_forward (its compile pool, the default
+    report-mode kernel checks): each reply's timings."""
+    import httpx
+
+    from tsdev.server_process import ServerProcess
+
+    file = project / HELPER
+    original = file.read_text()
+    server = ServerProcess(["--device", device], allow_reload_forward=True, cwd=project, pythonpath=project,
+                           log_path=project / "server.log")
+    with server.running(timeout=600):
+        rng = random.Random()
+        for i in range(edits):
+            file.write_text(original.replace(LINE, f"    return act * up * {1 + rng.random() / 1000:.9f}\n"))
+            reply = httpx.post(server.url + "/v1/rl/engine/reload_forward", json={"id": f"http-{i}"}, timeout=300)
+            worker = reply.json()["workers"][0]
+            assert worker["ok"], worker["error"]
+            print(f"reload {i + 1} (http): " + ", ".join(f"{k} {v:.3f}" for k, v in worker["timings"].items()))
+    file.write_text(original)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--edits", type=int, default=4)
+    parser.add_argument("--http", action="store_true", help="through a server process's HTTP route")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         project = copy_project(Path(tmp))
+        if args.http:
+            run_http(project, args.device, args.edits)
+            return
         sys.path[:0] = [str(p) for p in import_roots(project)]
         asyncio.run(run(project, args.device, args.edits))
 
