@@ -11,6 +11,7 @@ from tsdev.hotreload import Reloader
 
 def test_idle_timing_takes_one_call_at_a_time_only_while_nothing_runs_and_ends(make_engine, monkeypatch):
     monkeypatch.setattr(reload_forward, "IDLE_TIMING_GAP_S", 0.01)
+    monkeypatch.setattr(reload_forward, "IDLE_BEFORE_TIMING_S", 0.05)
     engine = make_engine()
     seen = []
 
@@ -36,3 +37,34 @@ def test_idle_timing_takes_one_call_at_a_time_only_while_nothing_runs_and_ends(m
     asyncio.run(scenario())
     assert len(seen) == 6
     assert all(running == 0 and idle and locked for running, idle, locked in seen), seen  # never beside a request
+
+
+def test_requests_in_a_row_are_never_joined_by_a_timing_call(make_engine, monkeypatch):
+    """A benchmark's requests come one after another with short gaps between them: the timing waits for the engine to
+    have been idle IDLE_BEFORE_TIMING_S, so none of its calls lands between two of them."""
+    import time
+
+    monkeypatch.setattr(reload_forward, "IDLE_TIMING_GAP_S", 0.01)
+    monkeypatch.setattr(reload_forward, "IDLE_BEFORE_TIMING_S", 0.3)
+    engine = make_engine()
+    calls, last_request_end = [], []
+
+    async def scenario():
+        ae = AsyncEngine(engine)
+        await ae.start()
+        forward = ReloadForward(ae, Reloader(["tsdev_kernels.ops"]))
+        forward.checker.time_one_pending = lambda serving: calls.append(time.monotonic()) or len(calls) < 3
+        timing = asyncio.create_task(forward.time_when_idle())
+        started = time.monotonic()
+        i = 0
+        while time.monotonic() - started < 1.0:  # one request after another, a few ms apart
+            async for _ in ae.generate(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True)):
+                pass
+            i += 1
+            await asyncio.sleep(0.02)
+        last_request_end.append(time.monotonic())
+        await asyncio.wait_for(timing, 10)
+        await ae.stop()
+
+    asyncio.run(scenario())
+    assert len(calls) == 3 and min(calls) > last_request_end[0], (calls, last_request_end)

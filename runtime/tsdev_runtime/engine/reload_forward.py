@@ -43,6 +43,7 @@ from tsdev_runtime.engine.ranks import RankedReloader, RankLost, rank_entries, r
 from tsdev_runtime.engine.steps import Step, Steps
 
 REMEMBERED_IDS = 256
+IDLE_BEFORE_TIMING_S = 1.0  # how long the engine must have been idle before time_when_idle takes a call
 IDLE_TIMING_GAP_S = 0.02  # between two of time_when_idle's calls: a request that arrives waits for one call at most
 JIT, DRAIN, FLUSH, RELOAD, WARM, RECAPTURE = STEPS
 log = logging.getLogger("tsdev_runtime.server")  # `tsdev serve` prints its info lines on stderr
@@ -163,9 +164,14 @@ class ReloadForward:
         if self.checker.mode == "off" or engine.ranks is not None:
             return
         serving = serving_of(engine)
+        quiet_since = None  # idle this long before the first call: requests in a row (a benchmark) are never joined
         while True:
             await asyncio.sleep(IDLE_TIMING_GAP_S)
             if ae.state.phase != "serving" or not self._idle() or ae.control_lock.locked():
+                quiet_since = None
+                continue
+            quiet_since = quiet_since or time.monotonic()
+            if time.monotonic() - quiet_since < IDLE_BEFORE_TIMING_S:
                 continue
             async with ae.control_lock:
                 if not await ae.run_on_engine_thread(lambda: self.checker.time_one_pending(serving)):
