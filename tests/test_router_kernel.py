@@ -1,0 +1,58 @@
+"""The fused MoE router (kernels/tsdev_kernels/ops/router.py) against its torch reference, under Triton's interpreter:
+fresh random inputs, ties, all-equal logits, experts no token picks, every token to one expert."""
+import os
+
+import pytest
+import torch
+
+from tsdev_kernels.ops.router import route_ref, route_triton
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="runs the Triton kernel on the CPU under TRITON_INTERPRET=1 (conftest sets it)")
+
+
+def assert_same_routing(x, w, top_k, renormalize, near=1e-6):
+    weights, ids = route_triton(x, w, top_k, renormalize)
+    want_weights, want_ids = route_ref(x, w, top_k, renormalize)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    probs = torch.softmax(torch.nn.functional.linear(x, w), dim=-1, dtype=torch.float32)
+    ordered = probs.sort(dim=-1, descending=True).values
+    for t in range(x.shape[0]):  # a near-tie (within float32 rounding of the two softmaxes) may go either way
+        gaps = (ordered[t, : top_k + 1].diff().abs() < near).any()
+        if not gaps:
+            assert ids[t].tolist() == want_ids[t].tolist(), (t, ids[t], want_ids[t])
+    tol = 1e-6 if x.dtype == torch.float32 else 8e-3  # one rounding to x's dtype apart at most
+    torch.testing.assert_close(weights, want_weights, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, experts, hidden, top_k, renormalize", [
+    (1, 8, 64, 2, True), (5, 128, 96, 8, True), (3, 60, 40, 4, False), (7, 256, 72, 8, True)])
+def test_the_fused_router_routes_as_the_reference_on_random_inputs(dtype, tokens, experts, hidden, top_k, renormalize):
+    g = torch.Generator().manual_seed(tokens * 1000 + experts)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    w = (torch.randn(experts, hidden, generator=g) * hidden**-0.5).to(dtype)
+    assert_same_routing(x, w, top_k, renormalize)
+
+
+def test_ties_and_all_equal_logits_pick_the_lower_expert_first():
+    x = torch.ones(3, 16)
+    w = torch.zeros(12, 16)  # all logits equal: experts 0..k-1, each 1/k after renormalising
+    weights, ids = route_triton(x, w, 4, True)
+    assert ids.tolist() == [[0, 1, 2, 3]] * 3 and torch.allclose(weights, torch.full((3, 4), 0.25))
+    w[7] = w[3] = w[9] = 1.0  # three equal best experts, then the rest equal
+    weights, ids = route_triton(x, w, 4, False)
+    assert ids.tolist() == [[3, 7, 9, 0]] * 3
+    assert_same_routing(x, w, 4, False)
+
+
+def test_experts_no_token_picks_and_every_token_to_one_expert():
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(9, 32, generator=g).abs() + 0.1  # positive rows
+    w = torch.randn(16, 32, generator=g) * 0.01
+    w[5] = 10.0  # every token's best is expert 5 by far
+    weights, ids = route_triton(x, w, 2, True)
+    assert (ids[:, 0] == 5).all() and (weights[:, 0] > 0.99).all()
+    picked = set(ids.flatten().tolist())
+    assert len(picked) < 16  # some experts no token picks
+    assert_same_routing(x, w, 2, True)
