@@ -8,7 +8,8 @@ floor: the bytes of the experts the routing touched (w13 and w2 of each, once) a
 run. The Triton layer is replayed from a CUDA graph (triton.testing.do_bench_cudagraph), as serving replays it: as
 `fused_moe_triton` dispatches (the GEMV path up to GEMV_MAX_TOKENS tokens), and each of its two paths forced (the
 GEMV path up to 16 tokens), so the threshold can be read off; the same with FP8 experts (e4m3 + a scale per row,
-floor = their bytes). The reference (a loop over the chosen experts, with a host sync) runs eagerly. Configurations: `moe_config` (the tuned
+floor = their bytes). The reference (a loop over the chosen experts, with a host sync) runs eagerly. Then the router
+before the layer: the torch one against the fused kernel (tsdev_kernels.ops.router), against its weight-read floor. Configurations: `moe_config` (the tuned
 file for this shape and GPU when there is one: benchmarks/tune_moe.py). Random bf16 weights and routings.
 """
 import argparse
@@ -21,7 +22,7 @@ import triton
 import triton.testing
 
 from decode_step import copy_bandwidth
-from tsdev_kernels.ops import fp8, moe
+from tsdev_kernels.ops import fp8, moe, router
 
 
 def main() -> None:
@@ -73,6 +74,32 @@ def main() -> None:
         print(f"| {T} | {touched} | {floor_us:.1f} | {layer_us:.1f} | {layer_us / floor_us:.2f} | {gemm_us:.1f} | "
               f"{gemv_us:.1f} | {fp8_floor_us:.1f} | {fp8_us:.1f} | {fp8_us / fp8_floor_us:.2f} | {ref_us:.1f} | "
               f"{ref_us / layer_us:.1f} | {errors[0]:.1e} | {errors[1]:.1e} |", flush=True)
+    router_table(args, bandwidth, g)
+
+
+def torch_router(x: torch.Tensor, w: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What runtime/tsdev_runtime/moe/router.py's TopKRouter launches (softmax, top k, renormalised, rounded)."""
+    probs = torch.softmax(torch.nn.functional.linear(x, w), dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(x.dtype).float(), ids.to(torch.int32)
+
+
+def router_table(args, bandwidth: float, g: torch.Generator) -> None:
+    """The router before the layer: the torch one (about seven launches) against the fused kernel
+    (tsdev_kernels.ops.router), each replayed from a CUDA graph; floor: the router's weights read once."""
+    E, K, H = args.experts, args.topk, args.hidden
+    w = (torch.randn(E, H, generator=g, device="cuda") * H**-0.5).bfloat16()
+    floor_us = w.numel() * w.element_size() / bandwidth * 1e6
+    print("\n| tokens | router floor us | torch router us | fused router us | fused / torch | same experts |")
+    print("|" + "---:|" * 6)
+    for T in args.tokens:
+        x = torch.randn(T, H, generator=g, device="cuda").bfloat16()
+        torch_us = triton.testing.do_bench_cudagraph(lambda: torch_router(x, w, K)) * 1e3
+        fused_us = triton.testing.do_bench_cudagraph(lambda: router.route_triton(x, w, K, True)) * 1e3
+        same = torch.equal(router.route_triton(x, w, K, True)[1], router.route_ref(x, w, K, True)[1])
+        print(f"| {T} | {floor_us:.1f} | {torch_us:.1f} | {fused_us:.1f} | {fused_us / torch_us:.2f} | {same} |",
+              flush=True)
 
 
 def sweep_gemv(args, w13, w2, g) -> None:
