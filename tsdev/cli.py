@@ -209,7 +209,9 @@ def serve(
              "each changed op against its torch reference at the serving shapes, on fresh random inputs, and times "
              "it before and after (the reply's kernel_checks, the reload line). report: say so (checked once serving "
              "resumed: the pause does not wait); strict: checked in the pause, a check that fails rolls the reload "
-             "back; off: no checks. `tsdev reload --kernel-check` picks one for one reload. Default: report.")] = None,
+             "back; off: no checks. The checks run the Triton kernels: on a GPU, or on the CPU under "
+             "TRITON_INTERPRET=1 (strict is refused elsewhere; report says they are off). `tsdev reload "
+             "--kernel-check` picks one for one reload. Default: report.")] = None,
     compile_workers: Annotated[Optional[int], typer.Option(
         min=0, metavar="N", show_default=False,
         help="With --allow-reload-forward on a GPU: N processes that compile an edit's Triton kernels side by side "
