@@ -301,3 +301,15 @@ def test_the_probe_waits_for_pending_graphs_and_a_figure_taken_beside_them_is_ma
     assert "decode not comparable: 3 CUDA graph(s) were still being captured" in record.note
     # taken, and compared only with a quiet figure: the startup's was not one either, so none
     assert record.probe is not None and record.probe.previous is None
+
+
+def test_the_probe_runs_128_steps_on_a_gpu_and_32_on_the_cpu_unless_told():
+    from tsdev.watch.checks import Checker
+
+    checker = Checker(link=None, config=WatchConfig(attach=URL), message=print)
+    assert checker.probe_steps == 32  # not known yet: as on the CPU
+    checker.device = "cuda"
+    assert checker.probe_steps == 128
+    checker.device = "cpu"
+    assert checker.probe_steps == 32
+    assert Checker(link=None, config=WatchConfig(attach=URL, probe_steps=7), message=print).probe_steps == 7

@@ -594,7 +594,7 @@ def watch(
     settle_ms: Annotated[int, typer.Option(help="Quiet time after the last file event before reloading, on top of watchfiles' 50 ms "
                                                 "(editors write in bursts; raise it if a formatter rewrites the file after each save).")] = 50,
     probe_batch: Annotated[int, typer.Option(help="Batch size of the decode probe run after every reload.")] = 8,
-    probe_steps: Annotated[int, typer.Option(help="Tokens per request of the decode probe (fewer: faster checks, a noisier figure).")] = 128,
+    probe_steps: Annotated[Optional[int], typer.Option(help="Tokens per request of the decode probe (fewer: faster checks, a noisier figure). Default: 128 on a GPU, 32 on the CPU.", show_default=False)] = None,
     server_log: Annotated[Optional[Path], typer.Option(help="Where the child server's output goes; default $TMPDIR/tsdev-watch-PORT.log.")] = None,
     profile_each_reload: Annotated[bool, typer.Option("--profile-each-reload", help="Record every reload's decode probe in a profiler capture range (POST /start_profile), as `p` does for the next one.")] = False,
     weights: Annotated[Optional[Path], typer.Option("--weights", metavar="DIR", help="Load each new complete checkpoint written into DIR (DIR itself, or its newest subdirectory such as DIR/step-123) with update_weights (direct), then run the checks; the server watch starts gets --allowed-weight-dir DIR.")] = None,

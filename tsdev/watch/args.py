@@ -18,7 +18,8 @@ class WatchConfig:
     project: Path = field(default_factory=Path.cwd)
     settle: float = 0.05
     probe_batch: int = 8
-    probe_steps: int = 128  # 32 moved ±15 % between restarts on the H200; 128 held within ±1.2 %
+    probe_steps: int | None = None  # None: 128 on a GPU (32 moved ±15 % between restarts on the H200, 128 held
+    # within ±1.2 %), 32 on the CPU (a step there takes milliseconds: 128 would hold each check a second)
     profile_each_reload: bool = False  # every reload's decode probe runs inside a capture range, not just after `p`
     server_log: Path | None = None
     startup_timeout: float = 600.0

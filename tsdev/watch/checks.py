@@ -125,6 +125,13 @@ class Checker:
         self.golden: list | None = None
         self.last_probe: float | None = None
         self.profile_next = False  # `p`: record the next reload's probe
+        self.device: str | None = None  # the server's (describe), for the probe's default length
+
+    @property
+    def probe_steps(self) -> int:
+        if self.config.probe_steps is not None:
+            return self.config.probe_steps
+        return 128 if (self.device or "").startswith("cuda") else 32
 
     async def take_golden(self) -> None:
         """The completion later ones are compared with (raises httpx errors)."""
@@ -142,11 +149,11 @@ class Checker:
                 record.verdict = compare(self.golden, await greedy(client, url, self.vocab))
             if can_profile and (self.profile_next or config.profile_each_reload):
                 self.profile_next = False
-                if problem := await self.link.start_profile(f"watch-reload-{record.n}", config.probe_steps):
+                if problem := await self.link.start_profile(f"watch-reload-{record.n}", self.probe_steps):
                     self.message(problem, "warning")
                 else:
                     record.note = "profiled: the decode probe is recorded"
-            ms = await decode_ms(client, url, self.vocab, config.probe_batch, config.probe_steps)
+            ms = await decode_ms(client, url, self.vocab, config.probe_batch, self.probe_steps)
             record.probe = Probe(ms, config.probe_batch, self.last_probe)
             self.last_probe = ms
         except (httpx.HTTPError, RuntimeError) as exc:

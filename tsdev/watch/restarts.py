@@ -83,7 +83,7 @@ class Restarts:
         daemon = self.daemon
         try:
             described = await daemon.link.describe()
-            daemon.checker.vocab = described.vocab
+            daemon.checker.vocab, daemon.checker.device = described.vocab, described.device
             daemon.info.update(model=described.model, device=described.device)
             if take_golden:
                 await daemon.checker.take_golden()
