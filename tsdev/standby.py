@@ -41,7 +41,10 @@ def init_cuda(device: str) -> None:
 
     if device.startswith("cpu") or not torch.cuda.is_available():
         return
-    torch.zeros(1, device=device or "cuda")
+    try:
+        torch.zeros(1, device=device or "cuda")
+    except RuntimeError:  # e.g. a GPU in exclusive-process mode, held by the running server: the start makes it
+        pass
 
 
 def main() -> int:
