@@ -34,17 +34,20 @@ def prepare() -> None:
         pass
 
 
-def init_cuda(device: str) -> None:
+def init_cuda(device: str) -> bool:
     """The CUDA context, made now (a few hundred MB of the GPU's memory beside the running server): a start's `load`
-    included it (0.5-1 s on the H200). Nothing on the CPU or without a GPU."""
+    included it (0.5-1 s on the H200). Nothing on the CPU or without a GPU. False when it cannot be made now (a GPU
+    in exclusive-process mode, held by the running server): torch keeps that error, so this process could not serve;
+    it ends, and the restart is an ordinary start."""
     import torch
 
     if device.startswith("cpu") or not torch.cuda.is_available():
-        return
+        return True
     try:
         torch.zeros(1, device=device or "cuda")
-    except RuntimeError:  # e.g. a GPU in exclusive-process mode, held by the running server: the start makes it
-        pass
+    except RuntimeError:
+        return False
+    return True
 
 
 def main() -> int:
@@ -63,8 +66,8 @@ def main() -> int:
         import triton  # noqa: F401
     except ImportError:  # a platform without it: the server says what it needs
         pass
-    if (device := os.environ.get(DEVICE_ENV)) is not None:
-        init_cuda(device)
+    if (device := os.environ.get(DEVICE_ENV)) is not None and not init_cuda(device):
+        return 0
     line = sys.stdin.readline()
     if line.strip() == PREPARE:
         prepare()
