@@ -74,6 +74,26 @@ async def one_save(app, pilot, project) -> None:
     await pilot.pause(0.3)
 
 
+def screens_around_k(tmp_path, worker) -> tuple[str, str]:
+    """The screen after one save answered with `worker`, and after pressing `k` then (200x48)."""
+    project, server = make_project(tmp_path), FakeServer()
+    server.answer = lambda request: [worker]
+    app = WatchApp(WatchConfig(attach=URL, project=project, probe_batch=2, probe_steps=4), server.transport())
+
+    async def main():
+        async with app.run_test(size=(200, 48)) as pilot:
+            await one_save(app, pilot, project)
+            before = screen_text(app)
+            await pilot.press("k")
+            await pilot.pause(0.3)
+            after = screen_text(app)
+            await pilot.press("q")
+            await until(lambda: app.return_code is not None)
+            return before, after
+
+    return asyncio.run(main())
+
+
 def test_a_reload_on_two_ranks_shows_each_ranks_line(tmp_path):
     from fake_server import ok_worker
 
@@ -140,22 +160,7 @@ def test_a_reloads_kernel_checks_show_as_one_summary_per_op_and_k_shows_them_per
                                  atol=1e-2, rtol=1.6e-2, ok=True, seed=7, us_before=before, us_after=after,
                                  before_fresh=True)
 
-    project, server = make_project(tmp_path), FakeServer()
-    server.answer = lambda request: [ok_worker(kernel_checks=[check(1, 4.0, 3.6), check(256, 21.0, 19.0)])]
-    app = WatchApp(WatchConfig(attach=URL, project=project, probe_batch=2, probe_steps=4), server.transport())
-
-    async def main():
-        async with app.run_test(size=(200, 48)) as pilot:
-            await one_save(app, pilot, project)
-            summary = screen_text(app)
-            await pilot.press("k")
-            await pilot.pause(0.3)
-            table = screen_text(app)
-            await pilot.press("q")
-            await until(lambda: app.return_code is not None)
-            return summary, table
-
-    summary, table = asyncio.run(main())
+    summary, table = screens_around_k(tmp_path, ok_worker(kernel_checks=[check(1, 4.0, 3.6), check(256, 21.0, 19.0)]))
     assert "silu_and_mul: err 2e-03 ok · 12.5 → 11.3 µs (-10%) at 2 shape(s)" in summary, summary
     assert "kernel checks of reload #1:" in table
     assert re.search(r"silu_and_mul +1x6144 +bfloat16 +2\.00e-03", table) and re.search(r"256x6144 .* 21\.0 +19\.0", table)
@@ -165,22 +170,7 @@ def test_k_says_why_there_are_no_kernel_checks_where_they_cannot_run(tmp_path):
     from fake_server import ok_worker
 
     off = "kernel checks are off on cpu: they run the Triton kernels, which need CUDA, or Triton's interpreter"
-    project, server = make_project(tmp_path), FakeServer()
-    server.answer = lambda request: [ok_worker(warnings=[off])]
-    app = WatchApp(WatchConfig(attach=URL, project=project, probe_batch=2, probe_steps=4), server.transport())
-
-    async def main():
-        async with app.run_test(size=(200, 48)) as pilot:
-            await one_save(app, pilot, project)
-            before = screen_text(app)
-            await pilot.press("k")
-            await pilot.pause(0.3)
-            after = screen_text(app)
-            await pilot.press("q")
-            await until(lambda: app.return_code is not None)
-            return before, after
-
-    before, after = asyncio.run(main())
+    before, after = screens_around_k(tmp_path, ok_worker(warnings=[off]))
     assert "no kernel checks yet" not in after, after
     assert after.count("kernel checks are off on cpu") == before.count("kernel checks are off on cpu") + 1, after
 
