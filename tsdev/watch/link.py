@@ -43,22 +43,23 @@ class ServerLink:
         first = (await self.client.get(self.url + "/v1/models")).json()["data"][0]
         return Described(first.get("id"), None, int(first.get("vocab_size") or 256))
 
-    async def graphs_pending(self) -> int:
-        """Graphs the server still captures after a (re)start or a reload (0 when it cannot say)."""
+    async def server_info(self) -> ServerInfo | None:
+        """GET /server_info; None when the server cannot say (it died, or lacks the route)."""
         try:
             response = await self.client.get(self.url + SERVER_INFO_ROUTE, timeout=5)
-            return ServerInfo.model_validate_json(response.content).graphs_pending if response.status_code == 200 else 0
+            return ServerInfo.model_validate_json(response.content) if response.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
-            return 0
+            return None
+
+    async def graphs_pending(self) -> int:
+        """Graphs the server still captures after a (re)start or a reload (0 when it cannot say)."""
+        info = await self.server_info()
+        return info.graphs_pending if info is not None else 0
 
     async def capture_first(self) -> list[str]:
         """`tsdev serve` flags for a restart that captures before serving only the graphs this server has used
         since its last capture (the rest after); [] when it cannot say (it died, or lacks /server_info)."""
-        try:
-            response = await self.client.get(self.url + SERVER_INFO_ROUTE, timeout=5)
-            info = ServerInfo.model_validate_json(response.content) if response.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
-            return []
+        info = await self.server_info()
         if info is None:
             return []
         flags = []
