@@ -2,8 +2,9 @@
 reference at the serving shapes (`strict`: inside the pause, before the reload commits, which a failure rolls back;
 `report`: once serving resumed, between its steps; when the engine is idle the inputs and the reference's outputs are
 drawn before the pause, so the check runs only the new kernels and the comparisons), and their time
-per call before and after (never while requests run: the old binaries are timed while the jit step waits and the
-engine is idle, the new ones after serving resumes, if it is idle then; a time this reload could not take comes from
+per call before and after (never while requests run: the old code is timed while the server is idle, one call at a
+time, ahead of any reload (`time_one_pending`, ReloadForward.time_when_idle), else before the pause if the engine is
+idle then; the new code after serving resumes, if it is idle then; a time this reload could not take comes from
 the last one taken for that code, marked not fresh, or is missing). Times on CUDA only: Triton's interpreter, which
 runs the checks on the CPU, says nothing of a kernel's speed.
 """
