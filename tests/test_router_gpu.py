@@ -1,6 +1,9 @@
 """The fused MoE router on the GPU at the shapes users serve (Qwen3-30B-A3B: 128 experts over 2048; DeepSeek-V3's
-gate: 256 over 7168), bf16, against its torch reference: the same experts (near-ties aside), weights within one bf16
-rounding."""
+gate: 256 over 7168), bf16, against its torch reference. The logits are rounded to bf16 (as torch's linear rounds
+them), so exact ties are common and both break them toward the lower expert id; the two sum in different orders, so
+a logit may round to the neighbouring bf16 value: then the kernel may pick an expert whose reference probability
+equals, within that rounding, the one the reference picked. Every row must be such a top k, nearly every row the
+same ids, and the weights of rows with the same ids within one bf16 rounding."""
 import pytest
 import torch
 
@@ -17,8 +20,11 @@ def test_the_fused_router_matches_the_reference_on_the_gpu(experts, hidden, top_
     w = (torch.randn(experts, hidden, device="cuda", generator=g) * hidden**-0.5).to(torch.bfloat16)
     weights, ids = route_triton(x, w, top_k, True)
     want_weights, want_ids = route_ref(x, w, top_k, True)
-    probs = torch.softmax(torch.nn.functional.linear(x, w), dim=-1, dtype=torch.float32).sort(-1, descending=True)
-    clear = ~(probs.values[:, : top_k + 1].diff(dim=-1).abs() < 1e-6).any(dim=-1)  # rows without a near-tie
-    assert clear.float().mean() > 0.9
-    assert torch.equal(ids[clear], want_ids[clear])
-    torch.testing.assert_close(weights[clear], want_weights[clear], atol=8e-3, rtol=8e-3)
+    probs = torch.softmax(torch.nn.functional.linear(x, w), dim=-1, dtype=torch.float32)
+    best = probs.sort(-1, descending=True).values[:, :top_k]
+    picked = probs.gather(1, ids.long()).sort(-1, descending=True).values
+    torch.testing.assert_close(picked, best, rtol=0.02, atol=0)  # a top k, up to one bf16 rounding of a logit
+    assert all(len(set(row)) == top_k for row in ids.tolist())  # k distinct experts
+    same = (ids == want_ids).all(dim=-1)
+    assert same.float().mean() >= (0.98 if tokens > 64 else 0.9), same.float().mean()
+    torch.testing.assert_close(weights[same], want_weights[same], atol=8e-3, rtol=8e-3)
