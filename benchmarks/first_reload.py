@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import cProfile
 import io
+import json
 import pstats
 import random
 import sys
@@ -29,7 +30,7 @@ HELPER = "kernels/tsdev_kernels/ops/activation.py"
 LINE = "    return act * up\n"
 
 
-async def run(project: Path, device: str, edits: int) -> None:
+async def run(project: Path, device: str, edits: int, calls_to: Path | None = None) -> None:
     from tsdev_runtime.config import EngineConfig
     from tsdev_runtime.control_protocol import ReloadRequest
     from tsdev_runtime.engine.async_engine import AsyncEngine
@@ -58,6 +59,7 @@ async def run(project: Path, device: str, edits: int) -> None:
     original = file.read_text()
     assert LINE in original, f"{HELPER} no longer holds {LINE!r}"
     rng = random.Random()
+    calls = []
     for i in range(edits):
         profile = cProfile.Profile() if i < 2 else None
         ae._on_engine_thread = (lambda fn, *a, p=profile: on_thread(lambda: p.runcall(fn, *a))) if profile else on_thread
@@ -68,11 +70,15 @@ async def run(project: Path, device: str, edits: int) -> None:
         print(f"reload {i + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in worker.timings.items()))
         print("  transaction: " + ", ".join(f"{k} {v:.3f}" for k, v in transactions[-1].report.timings.items()))
         if profile:
+            calls.append({"timings": worker.timings, "calls": {f"{path}:{line}({name})": stat[1] for (path, line, name), stat
+                                                               in pstats.Stats(profile).stats.items()}})
             out = io.StringIO()
             pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(25)
             print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:5000])
     file.write_text(original)
     await ae.stop()
+    if calls_to:
+        calls_to.write_text(json.dumps(calls))
 
 
 def run_http(project: Path, device: str, edits: int) -> None:
@@ -102,6 +108,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--edits", type=int, default=4)
     parser.add_argument("--http", action="store_true", help="through a server process's HTTP route")
+    parser.add_argument("--calls-json", type=Path, help="write the first two reloads' timings and the calls each made "
+                        "on the engine thread (function -> count) to this file")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         project = copy_project(Path(tmp))
@@ -109,7 +117,7 @@ def main() -> None:
             run_http(project, args.device, args.edits)
             return
         sys.path[:0] = [str(p) for p in import_roots(project)]
-        asyncio.run(run(project, args.device, args.edits))
+        asyncio.run(run(project, args.device, args.edits, args.calls_json))
 
 
 if __name__ == "__main__":
