@@ -313,3 +313,18 @@ def test_the_probe_runs_128_steps_on_a_gpu_and_32_on_the_cpu_unless_told():
     checker.device = "cpu"
     assert checker.probe_steps == 32
     assert Checker(link=None, config=WatchConfig(attach=URL, probe_steps=7), message=print).probe_steps == 7
+
+
+def test_the_decode_figure_is_a_fit_over_every_chunk_so_one_late_chunk_hardly_moves_it():
+    """The probe's ms/step once was the span from the first decode chunk to the last: a last chunk 20 ms late (the
+    daemon's event loop drawing the TUI) moved it by 10-20 % on the H200. A least-squares slope over every chunk."""
+    from tsdev.watch.checks import seconds_per_token
+
+    step = 0.0014
+    arrivals = [(0.0, 1)] + [(0.05 + i * step, 1 + i) for i in range(1, 128)]  # prefill, then a token per step
+    assert seconds_per_token(arrivals) == pytest.approx(step, rel=1e-9)
+    late = arrivals[:-1] + [(arrivals[-1][0] + 0.02, arrivals[-1][1])]
+    assert seconds_per_token(late) == pytest.approx(step, rel=0.01)
+    bursts = [arrivals[0]] + [a for i, a in enumerate(arrivals[1:]) if i % 3 == 2]  # three tokens a chunk
+    assert seconds_per_token(bursts) == pytest.approx(step, rel=1e-6)
+    assert seconds_per_token(arrivals[:2]) is None  # one decode chunk: no slope

@@ -35,10 +35,10 @@ def prompt_ids(seed: int, vocab: int) -> list[int]:
     return [(11 + 37 * seed + 13 * i) % span for i in range(PROMPT_LEN)]
 
 
-async def _stream(client: httpx.AsyncClient, url: str, body: dict) -> tuple[list, list[float]]:
-    """The generated tokens (ids where the server returns them, else each chunk's text) and when each
-    chunk arrived."""
-    tokens, times = [], []
+async def _stream(client: httpx.AsyncClient, url: str, body: dict) -> tuple[list, list[tuple[float, int]]]:
+    """The generated tokens (ids where the server returns them, else each chunk's text) and, for each chunk, when
+    it arrived and how many tokens had arrived with it."""
+    tokens, arrivals = [], []
     body = {**body, "stream": True, "return_token_ids": True}
     async with client.stream("POST", url + "/v1/completions", json=body) as response:
         if response.status_code != 200:
@@ -51,8 +51,18 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict) -> tuple[list
             if event.get("choices"):
                 choice = event["choices"][0]
                 tokens += choice["token_ids"] if "token_ids" in choice else [choice.get("text") or ""]
-                times.append(time.perf_counter())
-    return tokens, times
+                arrivals.append((time.perf_counter(), len(tokens)))
+    return tokens, arrivals
+
+
+def seconds_per_token(arrivals: list[tuple[float, int]]) -> float | None:
+    """The slope of arrival time over tokens received, the first chunk (the prefill's) left out: a least-squares
+    fit over every chunk, so one late chunk (the daemon's or the server's event loop busy for 20 ms) moves it by
+    a fraction of a percent, where the span from the first chunk to the last moved by 10-20 %."""
+    decode = arrivals[1:]
+    if len(decode) < 2 or decode[0][1] == decode[-1][1]:
+        return None
+    return statistics.linear_regression([count for _, count in decode], [t for t, _ in decode]).slope
 
 
 async def greedy(client: httpx.AsyncClient, url: str, vocab: int, tokens: int = GOLDEN_TOKENS) -> list:
@@ -64,9 +74,7 @@ async def decode_ms(client: httpx.AsyncClient, url: str, vocab: int, batch: int,
     """Median decode step time (ms) with `batch` streams of `steps` tokens running together."""
     async def one(i: int) -> float | None:
         body = {"prompt": prompt_ids(i + 1, vocab), "max_tokens": steps, "temperature": 0, "ignore_eos": True}
-        _, times = await _stream(client, url, body)
-        # first token to last: decode steps only; chunks may arrive in bursts, their span does not lie
-        return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+        return seconds_per_token((await _stream(client, url, body))[1])
 
     spans = [s for s in await asyncio.gather(*(one(i) for i in range(batch))) if s is not None]
     if not spans:

@@ -2,11 +2,11 @@
 reference at the serving shapes (`strict`: inside the pause, before the reload commits, which a failure rolls back;
 `report`: once serving resumed, between its steps; when the engine is idle the inputs and the reference's outputs are
 drawn before the pause, so the check runs only the new kernels and the comparisons), and their time
-per call before and after (never while requests run: the old code is timed while the server is idle, one call at a
-time, ahead of any reload (`time_one_pending`, ReloadForward.time_when_idle), else before the pause if the engine is
-idle then; the new code after serving resumes, if it is idle then; a time this reload could not take comes from
-the last one taken for that code, marked not fresh, or is missing). Times on CUDA only: Triton's interpreter, which
-runs the checks on the CPU, says nothing of a kernel's speed.
+per call before and after (never while requests run, never in a reload's save → serving: the old code is timed
+while the server is idle, one call at a time, ahead of any reload (`time_one_pending`, ReloadForward.time_when_idle),
+or by `tsdev check`; the new code after serving resumes, if it is idle then; a time no one could take comes from the
+last one taken for that code, marked not fresh, or is missing: the line then shows the new code's time alone).
+Times on CUDA only: Triton's interpreter, which runs the checks on the CPU, says nothing of a kernel's speed.
 """
 from __future__ import annotations
 
@@ -54,11 +54,12 @@ class KernelChecker:
 
     def prepare(self, serving: checks.Serving, idle: bool, modules: Iterable[str]) -> None:
         """Before the pause, for each op the edited `modules` may change (they define its kernels or a helper these
-        call; no other op's code can change), if the engine is idle: time its current code where it has no time yet
-        (`times`); draw its inputs and its reference's outputs at the serving shapes, up to DRAWN_BYTES, which
-        `check` uses where the edit left the code drawing them unchanged. While requests run nothing is done here
-        (they would wait for it, for ops the edit may not change): `check` draws in the pause what it needs."""
-        self.timed_now, self.drawn, self.reachable = self.timed_idle, {}, set()  # idle-timed: the same code, fresh
+        call; no other op's code can change), if the engine is idle: draw its inputs and its reference's outputs at
+        the serving shapes, up to DRAWN_BYTES, which `check` uses where the edit left the code drawing them
+        unchanged. While requests run nothing is done here (they would wait for it, for ops the edit may not
+        change): `check` draws in the pause what it needs. The old code is not timed here: its first calls at the
+        check's shapes may compile (2 s for the norm ops on the H200), which the save → serving would wait for."""
+        self.timed_now, self.drawn, self.reachable = self.timed_idle, {}, set()  # timed since the last reload: fresh
         self.timed_idle = set()
         if not checks.runnable(serving.device):
             return
@@ -67,15 +68,6 @@ class KernelChecker:
         self.reachable = {c.op for c in reachable}
         if not idle:
             return
-        if serving.device.startswith("cuda"):
-            now = checks.fingerprints(reachable)
-            for check in reachable:
-                for shape in check.shapes(serving):
-                    key = (check.op, tuple(shape), serving.dtype)
-                    if self.times.get(key, ("",))[0] != now[check.op]:
-                        self.times[key] = (now[check.op], *checks.time_call(check, shape, serving.dtype,
-                                                                            serving.device))
-                        self.timed_now.add(key)
         size = 0
         for check, shape in [(c, tuple(shape)) for c in reachable if serving.dtype in c.tolerance
                              for shape in c.shapes(serving)]:
@@ -88,9 +80,8 @@ class KernelChecker:
             torch.cuda.synchronize(serving.device)
 
     def time_one_pending(self, serving: checks.Serving) -> bool:
-        """Time one (op, shape) whose current code has no time yet (CUDA only): what `prepare` would otherwise do in
-        a reload, before its pause, the first time an edit reaches that op (1.9 s for the two norm ops on the H200).
-        False once every declared op's current code is timed."""
+        """Time one (op, shape) whose current code has no time yet (CUDA only), so that the first edit reaching that
+        op finds its old code's time. False once every declared op's current code is timed."""
         if not serving.device.startswith("cuda"):
             return False
         declared = checks.declared()
@@ -141,10 +132,14 @@ class KernelChecker:
         results = checks.run_all(items, serving.dtype, serving.device) if checks.runnable(serving.device) else []
         if idle and serving.device.startswith("cuda"):
             by_op = {c.op: c for c in declared}
+            now = checks.fingerprints(declared)
             for result in results:
                 if not result.error:
                     result.us, result.timed = checks.time_call(by_op[result.op], result.shape, serving.dtype,
                                                                serving.device)
+                    key = (result.op, result.shape, serving.dtype)  # the next reload's 'before', fresh
+                    self.times[key] = (now[result.op], result.us, result.timed)
+                    self.timed_idle.add(key)
         return results
 
     def time_new(self, results: list[checks.Result], serving: checks.Serving, idle: bool) -> None:

@@ -43,7 +43,7 @@ from tsdev_runtime.engine.ranks import RankedReloader, RankLost, rank_entries, r
 from tsdev_runtime.engine.steps import Step, Steps
 
 REMEMBERED_IDS = 256
-IDLE_BEFORE_TIMING_S = 1.0  # how long the engine must have been idle before time_when_idle takes a call
+IDLE_BEFORE_TIMING_S = 0.3  # how long the engine must have been idle before time_when_idle takes a call
 IDLE_TIMING_GAP_S = 0.02  # between two of time_when_idle's calls: a request that arrives waits for one call at most
 JIT, DRAIN, FLUSH, RELOAD, WARM, RECAPTURE = STEPS
 log = logging.getLogger("tsdev_runtime.server")  # `tsdev serve` prints its info lines on stderr
@@ -215,7 +215,7 @@ class ReloadForward:
                 checks.modules_reached(c) & set(plan.reloaded) for c in checks.declared()):
             reload.warnings.append(self.checks_off)  # a kernel edit that was not checked
         await reload.steps.run(reload.before_pause())  # the old code keeps serving meanwhile
-        if reload.check_mode != "off":  # the old code's times (if nothing runs on the GPU now) and the checks' inputs
+        if reload.check_mode != "off":  # the checks' inputs, drawn if nothing runs on the GPU now
             prepare_start = time.perf_counter()
             await ae.run_on_engine_thread(lambda: self.checker.prepare(reload.serving, self._idle(), plan.reloaded))
             reload.before_edit = self.checker.fingerprints()
