@@ -346,7 +346,10 @@ def test_config_file_nearest_bucket_and_one_warning_when_missing(tmp_path, monke
     assert len(caplog.records) == 1
     message = caplog.records[0].getMessage()
     assert "E=4,I=24,H=32,dtype=bfloat16,device=NVIDIA_H200.json" in message
-    assert "python3 benchmarks/tune_moe.py --experts 4 --intermediate 24 --hidden 32" in message
+    assert "python3 benchmarks/tune_moe.py --experts 4 --intermediate 24 --hidden 32 (" in message
+    with caplog.at_level(logging.WARNING, logger=moe.log.name):  # FP8 experts' file: the command says --fp8
+        moe.moe_config(4, 24, 32, torch.float8_e4m3fn, 1)
+    assert "--hidden 32 --fp8" in caplog.records[-1].getMessage()
 
 
 def test_config_on_cpu_is_the_default_without_a_warning(caplog):

@@ -384,10 +384,10 @@ def _load_configs(path: str) -> dict[int, dict] | None:
 
 
 @functools.lru_cache
-def _warn_untuned(path: str, num_experts: int, intermediate: int, hidden: int) -> None:
+def _warn_untuned(path: str, num_experts: int, intermediate: int, hidden: int, fp8_experts: bool) -> None:
     log.warning("no tuned MoE config %s: using defaults (slower). Write it on this GPU with: python3 "
-                "benchmarks/tune_moe.py --experts %d --intermediate %d --hidden %d", path, num_experts, intermediate,
-                hidden)
+                "benchmarks/tune_moe.py --experts %d --intermediate %d --hidden %d%s (add --topk K for K experts per "
+                "token)", path, num_experts, intermediate, hidden, " --fp8" if fp8_experts else "")
 
 
 def moe_config(num_experts: int, intermediate: int, hidden: int, dtype: torch.dtype, tokens: int,
@@ -401,7 +401,7 @@ def moe_config(num_experts: int, intermediate: int, hidden: int, dtype: torch.dt
     path = str(moe_config_path(num_experts, intermediate, hidden, dtype, name))
     table = _load_configs(path)
     if not table:
-        _warn_untuned(path, num_experts, intermediate, hidden)
+        _warn_untuned(path, num_experts, intermediate, hidden, dtype == torch.float8_e4m3fn)
         return default_moe_config(tokens)
     return dict(table[min(table, key=lambda bucket: (abs(bucket - tokens), bucket))])
 

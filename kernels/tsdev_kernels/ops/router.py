@@ -1,14 +1,15 @@
-"""The mixture-of-experts router in one launch: the router GEMV (x @ w.T, float32 sums, logits rounded to x's dtype as
-torch's linear rounds them), the softmax over the experts in float32, the top k and their renormalisation, written as
-the ids and weights the MoE kernels read (moe.py). The torch router (runtime/tsdev_runtime/moe/router.py) is about
-seven launches at batch 1.
+"""The mixture-of-experts router in two launches: the router GEMM (torch's linear: cuBLAS, logits rounded to x's
+dtype), then one Triton program per token for the softmax over the experts in float32, the top k and their
+renormalisation, written as the ids and weights the MoE kernels read (moe.py). The torch router
+(runtime/tsdev_runtime/moe/router.py's CPU path) is about seven launches.
 
-One program per token: it reads the token's row and the router's [E, H] weights in tiles of BLOCK_E x BLOCK_H (the
-weights stay in L2 across the tokens), then picks the k largest probabilities one after another, the lower expert id
-first among equal ones (a stable order, as `route_ref`'s stable sort; torch.topk leaves ties unspecified). The weights
-are rounded to x's dtype, where transformers' Qwen3-MoE rounds them, and returned in float32.
+A first version did the GEMV in the same kernel, one program per token: at batch 1 one SM read the router's whole
+[E, H] weight (512 KB for Qwen3-30B-A3B), 30 µs on the H200 against the torch router's 24 µs. cuBLAS spreads it.
 
-Not yet what the model serves with: it waits for its check on the H200 (tests/test_router_gpu.py; issue 49).
+The k largest probabilities are picked one after another, the lower expert id first among equal ones (a stable
+order, as `route_ref`'s stable sort; torch.topk leaves ties unspecified). With the logits the reference's own, the
+ids are the reference's. The weights are rounded to x's dtype, where transformers' Qwen3-MoE rounds them, and
+returned in float32.
 """
 import torch
 import torch.nn.functional as F
@@ -27,20 +28,13 @@ def route_ref(x: torch.Tensor, w: torch.Tensor, top_k: int, renormalize: bool) -
 
 
 @triton.jit
-def _router_kernel(X, W, WEIGHTS, IDS, E, H, stride_x, stride_w, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                   BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+def _softmax_top_k_kernel(LOGITS, WEIGHTS, IDS, E, stride_l, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                          BLOCK_E: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
     valid = experts < E
-    acc = tl.zeros([BLOCK_E], tl.float32)
-    for start in range(0, H, BLOCK_H):
-        cols = start + tl.arange(0, BLOCK_H)
-        in_row = cols < H
-        x = tl.load(X + t * stride_x + cols, mask=in_row, other=0.0).to(tl.float32)
-        w = tl.load(W + experts[:, None].to(tl.int64) * stride_w + cols[None, :],
-                    mask=valid[:, None] & in_row[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w * x[None, :], axis=1)
-    logits = tl.where(valid, acc.to(X.dtype.element_ty).to(tl.float32), float("-inf"))
+    raw = tl.load(LOGITS + t * stride_l + experts, mask=valid, other=0.0)
+    logits = tl.where(valid, raw.to(tl.float32), float("-inf"))
     probs = tl.exp(logits - tl.max(logits, axis=0))
     probs = probs / tl.sum(probs, axis=0)
     total = tl.sum(tl.zeros([BLOCK_E], tl.float32), axis=0)
@@ -55,18 +49,16 @@ def _router_kernel(X, W, WEIGHTS, IDS, E, H, stride_x, stride_w, TOP_K: tl.const
         weight = tl.load(WEIGHTS + t * TOP_K + k)
         if RENORMALIZE:
             weight = weight / total
-        tl.store(WEIGHTS + t * TOP_K + k, weight.to(X.dtype.element_ty).to(tl.float32))
+        tl.store(WEIGHTS + t * TOP_K + k, weight.to(raw.dtype).to(tl.float32))
 
 
 def route_triton(x: torch.Tensor, w: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    T, H = x.shape
+    T = x.shape[0]
     E = w.shape[0]
     weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
     if T:
-        block_e = triton.next_power_of_2(E)
-        block_h = min(triton.next_power_of_2(H), max(16, 8192 // block_e))
-        x, w = x.contiguous(), w.contiguous()
-        _router_kernel[(T,)](x, w, weights, ids, E, H, x.stride(0), w.stride(0), TOP_K=top_k,
-                             RENORMALIZE=renormalize, BLOCK_E=block_e, BLOCK_H=block_h, num_warps=4)
+        logits = F.linear(x, w)
+        _softmax_top_k_kernel[(T,)](logits, weights, ids, E, logits.stride(0), TOP_K=top_k, RENORMALIZE=renormalize,
+                                    BLOCK_E=triton.next_power_of_2(E), num_warps=1 if E <= 128 else 2)
     return weights, ids
