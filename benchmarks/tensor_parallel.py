@@ -11,7 +11,7 @@ distributed path ("tp1-group": a process group of one, every collective and the 
         # "tp-decode-B" NVTX range is the all-reduce share
 
 Each configuration runs in fresh processes, one per rank (torchrun's environment): rank 0 builds the engine and
-measures; the others follow it (`tsdev_runtime.engine.ranks.serve_rank`). Prints one JSON line per measurement, then a
+measures; the others follow it (`tsdev_runtime.engine.llm_engine.serve_rank`). Prints one JSON line per measurement, then a
 summary.
 """
 import argparse
@@ -88,7 +88,7 @@ def rank_main(args, tp: int, grouped: bool, rank: int, port: int, results) -> No
                       LOCAL_RANK=str(rank))
     from tsdev_runtime import distributed
     from tsdev_runtime.engine.llm_engine import LLMEngine
-    from tsdev_runtime.engine.ranks import serve_rank
+    from tsdev_runtime.engine.llm_engine import serve_rank
     from tsdev.hotreload import Reloader, default_packages
 
     config = engine_config(args, tp)

@@ -151,7 +151,7 @@ def tp_rank(model_dirs: dict[str, str]) -> dict:
     other rank follows that engine."""
     from tsdev_runtime import distributed
     from tsdev_runtime.engine.model_runner import Checkpoint, ModelRunner
-    from tsdev_runtime.engine.ranks import serve_rank
+    from tsdev_runtime.engine.llm_engine import serve_rank
 
     out = {}
     for name, model_dir in model_dirs.items():

@@ -49,7 +49,7 @@ def test_greedy_tokens_equal_transformers_alone_and_batched(hf_qwen3_moe_dir, ex
 
 def tp_rank(model_dir: str) -> dict:
     from tsdev_runtime import distributed
-    from tsdev_runtime.engine.ranks import serve_rank
+    from tsdev_runtime.engine.llm_engine import serve_rank
 
     config = engine_config(model_dir, world_size=2, cudagraph_capture_sizes=[1, 4])
     if distributed.rank() != 0:

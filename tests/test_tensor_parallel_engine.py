@@ -49,7 +49,7 @@ def on_rank(model_dir: str, world_size: int, scenario, *args):
     """Rank 0 runs `scenario(engine, *args)` (a module-level function); the others follow (with their own reloader)
     until the engine closes."""
     from tsdev_runtime import distributed
-    from tsdev_runtime.engine.ranks import serve_rank
+    from tsdev_runtime.engine.llm_engine import serve_rank
     from tsdev.hotreload import Reloader
 
     if distributed.rank() != 0:

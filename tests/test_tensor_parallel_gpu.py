@@ -22,7 +22,7 @@ def config(model_dir: str | None, world_size: int, dtype: str) -> EngineConfig:
 
 def on_rank(model_dir: str | None, dtype: str, prompts=PROMPTS, params=GREEDY):
     from tsdev_runtime import distributed
-    from tsdev_runtime.engine.ranks import serve_rank
+    from tsdev_runtime.engine.llm_engine import serve_rank
 
     if distributed.rank():
         serve_rank(config(model_dir, 2, dtype))

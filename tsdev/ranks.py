@@ -75,7 +75,7 @@ def stop_ranks(children: list[subprocess.Popen], timeout_s: float = 5.0) -> None
 
 def follow(config: EngineConfig, allow_reload_forward: bool, rank: int) -> int:
     """A rank other than 0: join the others, load this rank's shard and follow rank 0 until it stops."""
-    from tsdev_runtime.engine.ranks import serve_rank
+    from tsdev_runtime.engine.llm_engine import serve_rank
 
     distributed.init(rank, config.world_size, config.device, config.rank_timeout_s)
     make_reloader = None

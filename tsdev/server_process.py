@@ -26,6 +26,10 @@ from pathlib import Path
 import httpx
 
 POLL_S = 0.05  # how often a start polls GET /health (benchmarks time the start, so keep it short)
+# what a server process and its standby (tsdev/standby.py) say to each other:
+HANDED_OVER_ENV = "TSDEV_HANDED_OVER_AT"  # when the standby took the start (the startup line counts from it)
+DEVICE_ENV = "TSDEV_STANDBY_DEVICE"  # the device the next start serves on ("": the default); unset: do not touch CUDA
+PREPARE = "prepare"  # a line before the arguments: import the project now (the old server is stopping meanwhile)
 _LIBC = ctypes.CDLL(None) if sys.platform == "linux" else None
 
 
@@ -171,7 +175,6 @@ class ServerProcess:
             return
         log = open(self.log_path, "a") if self.log_path is not None else None
         try:
-            from tsdev.standby import DEVICE_ENV
 
             env = {**(self.env or os.environ), DEVICE_ENV: flag_value(self.serve_args, "--device") or ""}
             self.standby = self._spawn([sys.executable, "-m", "tsdev.standby"], log, subprocess.PIPE, env)
@@ -181,7 +184,6 @@ class ServerProcess:
 
     def prepare_standby(self) -> None:
         """Let the standby import the project now, while the current run stops (tsdev/standby.py)."""
-        from tsdev.standby import PREPARE
 
         if self.standby is not None and self.standby.poll() is None:
             try:

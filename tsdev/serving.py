@@ -66,7 +66,7 @@ def bind_error(exc: OSError, host: str, port: int) -> str:
 def process_age() -> float | None:
     """Seconds since this process began (Linux: /proc), None elsewhere; for a standby that took a start
     (tsdev/standby.py), since it took it."""
-    from tsdev.standby import HANDED_OVER_ENV
+    from tsdev.server_process import HANDED_OVER_ENV
 
     if handed_over := os.environ.get(HANDED_OVER_ENV):
         return time.time() - float(handed_over)
@@ -90,7 +90,7 @@ def describe_startup(before: float | None, imports: float, t: dict, compiles: in
               "warm-up and capture")
     if total is None or before is None:
         return f"startup: {text}"
-    from tsdev.standby import HANDED_OVER_ENV
+    from tsdev.server_process import HANDED_OVER_ENV
 
     since = "a standby took the start" if os.environ.get(HANDED_OVER_ENV) else "the process began"
     return f"startup: {total:.2f} s since {since} = {text}; other {max(total - sum(parts.values()), 0):.2f} s"

@@ -65,7 +65,8 @@ class Serving:
 
 @dataclass(frozen=True)
 class KernelCheck:
-    """One op's check. `kernels`: the Triton kernels the op launches (names in the declaring module), whose code
+    """One op's check. `kernels`: the Triton kernels the op launches (names in the declaring module, or dotted
+    through a module it imports: "linear_ops._gemv_kernel"), whose code
     decides whether an edit changed the op; `shapes(serving)`: the shapes to check; `inputs(shape, dtype,
     device, generator)`: fresh random arguments; `kernel(*args)` and `reference(*args)`: the outputs to compare
     (a tensor or a tuple of them); `tolerance`: per dtype."""
@@ -380,8 +381,11 @@ def _reached(check: KernelCheck) -> list[types.FunctionType | None]:
                     if _is_kernel_code(inner := vars(value).get(attr)):
                         visit(inner)
 
-    for name in check.kernels:
-        visit(getattr(module, name, None))
+    for name in check.kernels:  # a name in the declaring module, or dotted through a module it imports
+        target = module
+        for part in name.split("."):
+            target = getattr(target, part, None)
+        visit(target)
     return found
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tsdev.hotreload.pool import CompilePool, Job
+from tsdev.hotreload.ahead import Job
+from tsdev.hotreload.pool import CompilePool
 
 KERNEL = """
 import triton

@@ -21,10 +21,31 @@ import sys
 import time
 import types
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from . import jit
-from .pool import CompilePool, Compiled, Job
 from .snapshot import pin_lines
+
+if TYPE_CHECKING:
+    from .pool import CompilePool
+
+
+@dataclass(frozen=True)
+class Job:
+    """Compile the kernel at `module`.`name` (its JIT layer, under any autotune/heuristics wrappers), as the worker's
+    copy of the sources defines it, for one specialisation: `spec` = (signature, constexprs, attrs, options dict)."""
+    module: str
+    name: str
+    spec: tuple
+    target: Any
+
+
+@dataclass(frozen=True)
+class Compiled:
+    job: Job
+    seconds: float
+    error: str | None = None  # "file:line: Type: message" of the kernel that did not compile
 
 
 def compile_ahead(modules: list[str], sources: Mapping[str, bytes], paths: Mapping[str, str],

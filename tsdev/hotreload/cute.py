@@ -20,6 +20,8 @@ import types
 import warnings
 from typing import Any
 
+from .code import instance_paths, same_code
+
 _COMPILED = ("cutlass.base_dsl.jit_executor", "JitCompiledFunction")
 
 
@@ -28,7 +30,7 @@ def is_cute(fn: Any) -> bool:
     return isinstance(fn, types.FunctionType) and "_dsl_cls" in vars(fn) and "__wrapped__" in vars(fn)
 
 
-def changed(old: types.FunctionType, new: types.FunctionType, same_code) -> bool:
+def changed(old: types.FunctionType, new: types.FunctionType) -> bool:
     """Whether the decorated function's code differs between the two decorator results. The DSL rewrites a function's
     `__code__` when it first compiles it (its AST preprocessor), keeping the code as written in `_original_code`."""
     inner_old, inner_new = vars(old)["__wrapped__"], vars(new).get("__wrapped__")
@@ -43,8 +45,6 @@ def find_stale(patcher, saved: list[dict], tracked: list[types.ModuleType]) -> N
     compiled_type = getattr(sys.modules.get(_COMPILED[0]), _COMPILED[1], None)
     if not patcher.cute_changed or not isinstance(compiled_type, type):
         return
-    from .patch import instance_paths  # (patch imports this module)
-
     names = {short: f"{module}.{short}" for module, shorts in patcher.cute_changed.items() for short in shorts}
     found: dict[str, list] = {}
     with warnings.catch_warnings():  # isinstance on every object: some modules' deprecated aliases warn

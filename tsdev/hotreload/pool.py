@@ -26,25 +26,9 @@ import threading
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-
-@dataclass(frozen=True)
-class Job:
-    """Compile the kernel at `module`.`name` (its JIT layer, under any autotune/heuristics wrappers), as the worker's
-    copy of the sources defines it, for one specialisation: `spec` = (signature, constexprs, attrs, options dict)."""
-    module: str
-    name: str
-    spec: tuple
-    target: Any
-
-
-@dataclass(frozen=True)
-class Compiled:
-    job: Job
-    seconds: float
-    error: str | None = None  # "file:line: Type: message" of the kernel that did not compile
+from .ahead import Compiled, Job
 
 
 class CompilePool:

@@ -8,12 +8,14 @@ import sys
 import time
 import types
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 from . import ahead, graph
-from .pool import CompilePool
 from .snapshot import default_packages, loaded_modules, pin_lines, read, under
 from .transaction import ReloadError, Transaction
+
+if TYPE_CHECKING:
+    from .pool import CompilePool
 
 
 @dataclass

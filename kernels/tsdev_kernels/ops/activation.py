@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from tsdev_kernels.checks import KernelCheck, Tolerance
-from tsdev_kernels.ops import pdl, use_cute, use_triton, wait_for_previous
+from tsdev_kernels.ops import pdl, use_triton, wait_for_previous
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -58,9 +58,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     Float32 inside; rounded to x's dtype after the SiLU and after the product, like the reference.
     """
     if use_triton(x, "activation"):
-        if use_cute("activation"):  # TSDEV_KERNELS=cute:activation (imported then: the package is optional)
-            from tsdev_kernels.ops.activation_cute import silu_and_mul_cute
-            return silu_and_mul_cute(x)
         return silu_and_mul_triton(x)
     return silu_and_mul_ref(x)
 

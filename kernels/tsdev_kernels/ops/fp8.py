@@ -24,6 +24,7 @@ On CUDA both need compute capability >= 8.9 (e4m3 conversion in Triton, e4m3 mat
 """
 import torch
 
+from tsdev_kernels.checks import KernelCheck
 from tsdev_kernels.ops import linear as linear_ops
 from tsdev_kernels.ops import use_triton
 
@@ -129,3 +130,21 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if triton_ok and x.shape[-1] % 16 == 0 and weight.shape[0] % 16 == 0:  # cuBLASLt's fp8 alignment
         return fp8_scaled_mm(x, weight, weight_scale, bias)
     return fp8_scaled_mm_ref(x, weight, weight_scale, bias)
+
+
+def _check_inputs(shape, dtype, device, generator):
+    rows, k, n = shape
+    weight, scale = quantize_fp8_rows(linear_ops._matrix(n, k, torch.float32, device, generator))
+    return torch.randn(rows, k, generator=generator, device=device).to(dtype), weight, scale.squeeze(-1)
+
+
+CHECKS = [  # linear.py's decode kernels with a float32 scale per output row (e4m3 weights, --quantization fp8)
+    KernelCheck(op="fp8_gemv", kernels=("linear_ops._gemv_kernel",),
+                shapes=lambda s: [(1, s.intermediate, s.hidden)] if s.fp8 and 1 in s.tokens else [],
+                inputs=_check_inputs, kernel=lambda x, w, scale: linear_ops.gemv_triton(x, w, weight_scale=scale),
+                reference=fp8_weight_only_ref, tolerance=linear_ops.MATMUL_TOLERANCE),
+    KernelCheck(op="fp8_skinny_linear", kernels=("linear_ops._skinny_kernel",),
+                shapes=lambda s: [(t, s.intermediate, s.hidden) for t in linear_ops._skinny_rows(s)] if s.fp8 else [],
+                inputs=_check_inputs, kernel=lambda x, w, scale: linear_ops.skinny_triton(x, w, weight_scale=scale),
+                reference=fp8_weight_only_ref, tolerance=linear_ops.MATMUL_TOLERANCE),
+]

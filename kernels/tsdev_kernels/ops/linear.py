@@ -252,20 +252,6 @@ def _norm_gate_up_ref(x, residual, norm_weight, weight):
     return silu_and_mul_ref(linear_ref(normed, weight)), residual
 
 
-def _fp8_inputs(shape, dtype, device, generator):
-    from tsdev_kernels.ops.fp8 import quantize_fp8_rows
-
-    rows, k, n = shape
-    weight, scale = quantize_fp8_rows(_matrix(n, k, torch.float32, device, generator))
-    return torch.randn(rows, k, generator=generator, device=device).to(dtype), weight, scale.squeeze(-1)
-
-
-def _fp8_ref(x, weight, scale):
-    from tsdev_kernels.ops.fp8 import fp8_weight_only_ref
-
-    return fp8_weight_only_ref(x, weight, scale)
-
-
 def _skinny_rows(s) -> list[int]:
     return [t for t in s.tokens if 1 < t <= SKINNY_ROWS] or [SKINNY_ROWS]
 
@@ -284,13 +270,4 @@ CHECKS = [
     KernelCheck(op="skinny_linear", kernels=("_skinny_kernel",),
                 shapes=lambda s: [(t, s.intermediate, s.hidden) for t in _skinny_rows(s)],
                 inputs=_linear_inputs, kernel=skinny_triton, reference=linear_ref, tolerance=MATMUL_TOLERANCE),
-    # e4m3 weights (--quantization fp8, kernels/tsdev_kernels/ops/fp8.py): the same kernels with a float32 scale per output row
-    KernelCheck(op="fp8_gemv", kernels=("_gemv_kernel",),
-                shapes=lambda s: [(1, s.intermediate, s.hidden)] if s.fp8 and 1 in s.tokens else [],
-                inputs=_fp8_inputs, kernel=lambda x, w, scale: gemv_triton(x, w, weight_scale=scale),
-                reference=_fp8_ref, tolerance=MATMUL_TOLERANCE),
-    KernelCheck(op="fp8_skinny_linear", kernels=("_skinny_kernel",),
-                shapes=lambda s: [(t, s.intermediate, s.hidden) for t in _skinny_rows(s)] if s.fp8 else [],
-                inputs=_fp8_inputs, kernel=lambda x, w, scale: skinny_triton(x, w, weight_scale=scale),
-                reference=_fp8_ref, tolerance=MATMUL_TOLERANCE),
 ]

@@ -23,7 +23,7 @@ from tsdev_runtime.engine.block_manager import BlockManager
 from tsdev_runtime.engine.detokenizer import Detokenizer
 from tsdev_runtime.engine.errors import describe_error
 from tsdev_runtime.engine.model_runner import Checkpoint, ModelRunner, step_range
-from tsdev_runtime.engine.ranks import DrivenRunner, RankLedger
+from tsdev_runtime.engine.ranks import DrivenRunner, RankLedger, follow
 from tsdev_runtime.engine.scheduler import ScheduledBatch, Scheduler
 from tsdev_runtime.engine.sequence import PENDING, InvalidRequest, SamplingParams, Sequence, Status, TokenLogprob
 from tsdev_runtime.engine.sleep import WEIGHTS, SleepState, weights_checksum
@@ -632,3 +632,12 @@ class LLMEngine:
                 results[out.request_id]["text"] += out.new_text
                 results[out.request_id]["finish_reason"] = out.finish_reason
         return list(results.values())
+
+
+def serve_rank(config: EngineConfig, make_reloader=None) -> None:
+    """What a rank other than 0 runs, once `distributed.init` joined it: its model runner (its shard of the
+    weights, its heads' KV pool), following rank 0 until the engine stops. `make_reloader` builds this rank's
+    reloader once the model code is imported (a reloader tracks the modules loaded when it is made)."""
+    runner = ModelRunner(config, Checkpoint.open(config))
+    freeze_heap()  # as rank 0's engine: its steps are no longer held up by full collections
+    follow(runner, make_reloader() if make_reloader else None)

@@ -283,15 +283,3 @@ def follow(runner, reloader=None) -> None:
         except Exception as exc:
             error = describe_error(exc)
         _settle(call, error, time.perf_counter() - start, report, None)
-
-
-def serve_rank(config, make_reloader=None) -> None:
-    """What a rank other than 0 runs, once `distributed.init` joined it: its model runner (its shard of the
-    weights, its heads' KV pool), following rank 0 until the engine stops. `make_reloader` builds this rank's
-    reloader once the model code is imported (a reloader tracks the modules loaded when it is made)."""
-    from tsdev_runtime.engine.llm_engine import freeze_heap
-    from tsdev_runtime.engine.model_runner import Checkpoint, ModelRunner
-
-    runner = ModelRunner(config, Checkpoint.open(config))
-    freeze_heap()  # as rank 0's engine: its steps are no longer held up by full collections
-    follow(runner, make_reloader() if make_reloader else None)
