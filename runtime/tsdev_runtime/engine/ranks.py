@@ -27,9 +27,10 @@ STOP = "stop"
 LAUNCH = "launch"
 RELOAD, COMMIT, ROLLBACK = "reload", "commit", "rollback"
 REBUILD, RESTORE = "rebuild_model", "restore_model"
-# The runner's methods that run on every rank, ending with every rank's outcome: what rank 0 sends (DrivenRunner)
-# and what the other ranks accept (`follow`); each with the reload step its seconds count towards in a rank's
-# entry of the reload reply (None: no step). A new rank-wide method is one line here.
+# The runner's methods that run on every rank, ending with every rank's outcome: what rank 0 sends (DrivenRunner's
+# methods of these names) and what the other ranks accept (`follow`); each with the reload step its seconds count
+# towards in a rank's entry of the reload reply (None: no step). A new rank-wide method is a line here and a method
+# of DrivenRunner.
 RANK_CALLS = {"start": None, "warmup": "warm", "capture_graphs": "recapture", "capture_next": None, "sleep": None,
               "wake_up": None, "begin_update": None, "load_update": None, REBUILD: "rebuild"}
 
@@ -103,8 +104,9 @@ def _settle(call: str, error: str | None, seconds: float, report: dict, ledger: 
 
 
 class DrivenRunner:
-    """Rank 0's rank-wide runner calls under tensor parallelism: each method of RANK_CALLS (made below), `launch`,
-    `restore_model` and `stop` run on every rank. Nothing else: what one rank reads or does alone goes to its own
+    """Rank 0's rank-wide runner calls under tensor parallelism: the methods of RANK_CALLS, `launch`,
+    `restore_model` and `stop` run on every rank (tests/test_rank_calls.py holds this class, RANK_CALLS
+    and ModelRunner's signatures to each other). Nothing else: what one rank reads or does alone goes to its own
     runner (`LLMEngine.runner`)."""
 
     def __init__(self, runner, ledger: RankLedger):
@@ -116,13 +118,40 @@ class DrivenRunner:
         _send(LAUNCH, (batch, in_flight[1] if in_flight else None, use_graphs))
         return self._runner.launch(batch, in_flight, use_graphs)
 
-    def restore_model(self, model) -> None:
+    def restore_model(self, weights) -> None:
         _send(RESTORE)  # every other rank restores the model its rebuild kept
-        self._runner.restore_model(model)
+        self._runner.restore_model(weights)
 
     def stop(self) -> None:
         """The other ranks leave `follow` (the engine shuts down)."""
         _send(STOP)
+
+    def start(self):
+        return self._everywhere("start")
+
+    def warmup(self):
+        return self._everywhere("warmup")
+
+    def capture_graphs(self, strict=True, first=None):
+        return self._everywhere("capture_graphs", strict, first)
+
+    def capture_next(self):
+        return self._everywhere("capture_next")
+
+    def sleep(self, level):
+        return self._everywhere("sleep", level)
+
+    def wake_up(self, tags=None):
+        return self._everywhere("wake_up", tags)
+
+    def begin_update(self, model_dir):
+        return self._everywhere("begin_update", model_dir)
+
+    def load_update(self, model_dir, mode):
+        return self._everywhere("load_update", model_dir, mode)
+
+    def rebuild_model(self, model_dir):
+        return self._everywhere(REBUILD, model_dir)
 
     def _everywhere(self, call: str, *args):
         """`call` on every rank. A failure on every rank alike raises here as rank 0's; any other failure stops
@@ -144,19 +173,25 @@ class DrivenRunner:
         raise failure
 
 
-for _call in RANK_CALLS:
-    setattr(DrivenRunner, _call, lambda self, *args, _call=_call: self._everywhere(_call, *args))
-
-
 class RankedReloader:
-    """Rank 0's reloader under tensor parallelism: rank 0 reads the sources once; `reload` applies them here,
-    then on every other rank (the same bytes); the transaction commits or rolls back every rank."""
+    """Rank 0's reloader under tensor parallelism: rank 0 reads the sources once and plans and compiles ahead on
+    its own; `reload` applies them here, then on every other rank (the same bytes); the transaction commits or
+    rolls back every rank."""
 
     def __init__(self, reloader, ledger: RankLedger):
         self._reloader, self.ledger = reloader, ledger
 
-    def __getattr__(self, name: str):  # read_sources, plan, modules, compile_ahead: rank 0's
-        return getattr(self._reloader, name)
+    def read_sources(self):
+        return self._reloader.read_sources()
+
+    def plan(self, sources=None, modules=None):
+        return self._reloader.plan(sources=sources, modules=modules)
+
+    def modules(self):
+        return self._reloader.modules()
+
+    def compile_ahead(self, sources=None, modules=None):
+        return self._reloader.compile_ahead(sources, modules)
 
     def reload(self, modules=None, sources=None):
         tx = self._reloader.reload(modules=modules, sources=sources)
@@ -166,10 +201,10 @@ class RankedReloader:
         try:
             _settle(RELOAD, None, 0.0, {}, self.ledger)
         except RankFailed as exc:
-            tx.rollback(str(exc))
+            tx.rollback(str(exc))  # its report: not ok, with that rank's error; committing it raises
             _send(ROLLBACK, (str(exc),))  # ranks whose reload succeeded undo it
             _settle(ROLLBACK, None, 0.0, {}, self.ledger)
-            return _Failed(tx.report, str(exc))
+            return tx
         return _AllRanks(tx, self.ledger)
 
 
@@ -186,27 +221,6 @@ class _AllRanks:
         self.tx.rollback(reason)
         _send(ROLLBACK, (reason,))
         _settle(ROLLBACK, None, 0.0, {}, self.ledger)
-
-
-class _Failed:
-    """Rank 0's report of a reload another rank refused: not ok, with that rank's error."""
-
-    def __init__(self, report, error: str):
-        self.report = _FailedReport(report, error)
-
-    def commit(self) -> None:
-        raise RuntimeError("a failed reload cannot be committed")
-
-    def rollback(self, reason: str | None = None) -> None:
-        pass  # rolled back on every rank already
-
-
-class _FailedReport:
-    def __init__(self, report, error: str):
-        self._report, self.ok, self.error = report, False, error
-
-    def __getattr__(self, name: str):
-        return getattr(self._report, name)
 
 
 def reported(report) -> dict:
