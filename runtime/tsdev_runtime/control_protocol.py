@@ -45,10 +45,11 @@ GRAPH_KINDS = ("decode", "prefill")  # recapture is reported split by graph kind
 # `rebuild`: the part of the reload step that rebuilt the model (a layer's __init__ or post-load hook changed);
 # `jit_slowest`: the slowest single compile of the jit step (compiled side by side, it bounds that step);
 # `kernel_check`: checking the changed kernels against their references (kernel_checks): in the pause under `strict`
-# (a failure rolls the reload back), after it under `report`; `check_prepare`: before the pause, the old code timed and
-# the checks' inputs drawn (if the GPU is idle); `resumed`: from the request to serving resumed (the new code serves;
-# what follows, report-mode checks, does not hold it).
-TIMINGS = (*STEPS, "jit_slowest", "rebuild", "kernel_check", "check_prepare",
+# (a failure rolls the reload back), after it under `report`; `check_prepare`: before the pause, the checks' inputs
+# drawn (if the GPU is idle); `commit`: the pause's last step, the point of no return (every rank's transaction
+# committed); `resumed`: from the request to serving resumed (the new code serves; what follows, report-mode checks,
+# does not hold it).
+TIMINGS = (*STEPS, "jit_slowest", "rebuild", "kernel_check", "check_prepare", "commit",
            *(f"recapture_{kind}" for kind in GRAPH_KINDS), "pause", "resumed", "total")
 TimingName = Literal[TIMINGS]
 # What a server is doing now (runtime/tsdev_runtime/engine/state.py), the first that holds: /server_info's and the events' `state`

@@ -224,7 +224,6 @@ class ReloadForward:
         pause_start = time.perf_counter()
         try:
             await reload.steps.run(reload.in_pause())
-            reload.tx.commit()
         except RankLost as exc:  # a wedged rank cannot roll back: nothing can run in step any more
             stop_server(f"FATAL: reload {request.id}, step '{reload.steps.current}': {exc}. The server stops (tsdev "
                         "watch restarts it).")
@@ -232,7 +231,11 @@ class ReloadForward:
             reload.error = str(exc) if isinstance(exc, (_ReportedFailure, StepTimeout)) else describe_error(exc)
             if isinstance(exc, _NeedsRestart):
                 reload.needs_restart = exc.modules
-            await reload.steps.undo(reload.error)
+            if failures := await reload.steps.undo(reload.error):
+                reload.error += f" (rollback incomplete: {'; '.join(failures)})"
+                if engine.ranks is not None:  # a rank's state is unknown now: they may no longer run in step
+                    stop_server(f"FATAL: reload {request.id}: {reload.error}. The server stops (tsdev watch "
+                                "restarts it).")
         finally:
             ae.hold(False)
             reload.steps.timings["pause"] = time.perf_counter() - pause_start
@@ -263,7 +266,8 @@ class ReloadForward:
 class _Reload:
     """One reload's steps and what they leave for the reply: before the pause `jit`; in it `drain`, `flush`, a guard
     (its undo recaptures the graphs once the code is restored), `reload` (its undo: the old model and code back),
-    `warm`, `kernel_check` (under `strict`) and `recapture`. The timings keep the order the steps ran in."""
+    `warm`, `kernel_check` (under `strict`), `recapture` and `commit` (the point of no return). The timings keep
+    the order the steps ran in."""
 
     def __init__(self, owner: ReloadForward, request: ReloadRequest, sources: Mapping[str, bytes], start: float):
         self.owner, self.request, self.sources, self.start = owner, request, sources, start
@@ -288,7 +292,8 @@ class _Reload:
                 Step(RELOAD, self._reload, undo=self._undo_reload),
                 Step(WARM, self._warm),
                 *([Step("kernel_check", self.check_kernels)] if self.check_mode == "strict" else []),
-                Step(RECAPTURE, self._recapture)]
+                Step(RECAPTURE, self._recapture),
+                Step("commit", self._commit)]  # last: the point of no return
 
     def _publish(self, name: str, state: str, fields: dict) -> None:
         if name in STEPS:  # the others are timed, with no event of their own
@@ -344,6 +349,15 @@ class _Reload:
             self.engine.restore_model(self.old_model)
         if self.tx is not None and self.tx.report.ok:  # (a failed reload rolled itself back)
             self.tx.rollback(why)
+
+    async def _commit(self) -> None:
+        """The reload is in for good on every rank. A commit that fails (another rank's, once this rank committed)
+        cannot be undone and the ranks may differ: the server stops."""
+        try:
+            self.tx.commit()
+        except Exception as exc:
+            stop_server(f"FATAL: reload {self.request.id}: the commit failed ({describe_error(exc)}) once the new "
+                        "code was in: the ranks may differ. The server stops (tsdev watch restarts it).")
 
     async def _warm(self) -> None:
         self.warm_skipped = not self.rebuilt and getattr(self.tx.report, "kernels_only", False)

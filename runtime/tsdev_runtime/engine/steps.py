@@ -2,7 +2,8 @@
 that failed too), last first. A reload of the forward pass is one (runtime/tsdev_runtime/engine/reload_forward.py): its steps
 are listed in the order they run, and what a failure undoes is read off the same list.
 
-A step's undo must hold wherever its run stopped. A step with no run is a guard: it only adds an undo at its place in
+A step's undo must hold wherever its run stopped; one that raises is reported and the others still run. The last
+step may be a point of no return (a reload's commit), whose failure is not undone. A step with no run is a guard: it only adds an undo at its place in
 the order (what must be undone after the later steps' undos, e.g. graphs recaptured once the code is restored).
 """
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+
+from tsdev_runtime.engine.errors import describe_error
 
 
 @dataclass
@@ -43,12 +46,18 @@ class Steps:
                 raise
             self._ended(step.name, start, "done")
 
-    async def undo(self, reason: str) -> None:
-        """Undo every step begun, last first (each undo sees `reason`)."""
+    async def undo(self, reason: str) -> list[str]:
+        """Undo every step begun, last first (each undo sees `reason`). An undo that raises does not stop the ones
+        after it (the guards' among them); returns what failed, 'step: error' each (empty: all undone)."""
         begun, self.begun = self.begun, []
+        failures = []
         for step in reversed(begun):
             if step.undo is not None:
-                await step.undo(reason)
+                try:
+                    await step.undo(reason)
+                except Exception as exc:
+                    failures.append(f"{step.name}: {describe_error(exc)}")
+        return failures
 
     def _ended(self, name: str, start: float, state: str) -> None:
         seconds = time.perf_counter() - start
