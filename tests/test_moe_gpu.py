@@ -108,7 +108,11 @@ def test_the_fp8_moe_drill_holds_ten_rounds_with_graphs_and_catches_a_rebuilt_co
 
     engine = fp8_moe()
     assert engine.runner.decode_graphs is not None and engine.model.model.layers[0].mlp.experts.fp8 is not None
-    print(f"\n{drill(engine, rounds=10)}")
+    weights_bytes = sum(t.numel() * t.element_size() for t in engine.model.parameters())
+    report = drill(engine, rounds=10)
+    print(f"\n{report}")
+    assert report.mode == "graphs" and all(len(times) == 10 for times in report.seconds.values())
+    assert len(report.freed_bytes) == 10 and min(report.freed_bytes) >= weights_bytes  # each sleep freed the weights
     del engine
     monkeypatch.setenv(DEBUG_DERIVED_ENV, "rebuild")
     with pytest.raises(DrillFailed, match="fp8_w"):

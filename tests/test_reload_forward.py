@@ -280,10 +280,14 @@ def tsdev_reload(url, *args):
 
 
 def test_reload_exit_status_0_when_reloaded_or_nothing_changed(server, project):
+    before = complete(server)["text"]
     with edited(project, ACTIVATION, SILU_LINE, "    return -F.silu(gate) * up\n"):
         done = tsdev_reload(server)
         assert done.exit_code == 0 and done.output.startswith("reloaded tsdev_kernels.ops.activation"), done.output
-    assert tsdev_reload(server).exit_code == 0  # the revert
+        assert complete(server)["text"] != before
+    revert = tsdev_reload(server)
+    assert revert.exit_code == 0 and revert.output.startswith("reloaded tsdev_kernels.ops.activation"), revert.output
+    assert complete(server)["text"] == before  # the revert's effect: the output before the edit
     nothing = tsdev_reload(server)
     assert nothing.exit_code == 0 and nothing.output.startswith("nothing to reload"), nothing.output
 

@@ -75,7 +75,11 @@ def test_drill_ten_rounds_with_graphs(quantization):
         pytest.skip("fp8 needs sm_89+")
     e = engine(quantization=quantization)
     assert e.runner.decode_graphs is not None
-    print(f"\n{drill(e, rounds=10)}")
+    weights_bytes = sum(t.numel() * t.element_size() for t in e.model.parameters())
+    report = drill(e, rounds=10)
+    print(f"\n{report}")
+    assert report.mode == "graphs" and all(len(times) == 10 for times in report.seconds.values())
+    assert len(report.freed_bytes) == 10 and min(report.freed_bytes) >= weights_bytes  # each sleep freed the weights
 
 
 @pytest.mark.parametrize("mode", ["skip", "rebind"])

@@ -65,7 +65,9 @@ def test_emacs_install_loads_the_hook_from_the_init_file_once(tmp_path):
 
 def test_jetbrains_install_writes_the_file_watcher_but_not_over_others(tmp_path):
     hooks.install("jetbrains", tmp_path)
-    hooks.install("jetbrains", tmp_path)  # ours: rewritten
+    first = (tmp_path / ".idea" / "watcherTasks.xml").read_text()
+    hooks.install("jetbrains", tmp_path)  # ours: rewritten, the same content (not appended to)
+    assert (tmp_path / ".idea" / "watcherTasks.xml").read_text() == first
     assert ET.parse(tmp_path / ".idea" / "watcherTasks.xml").find(".//TaskOptions") is not None
     other = tmp_path / "other"
     (other / ".idea").mkdir(parents=True)
