@@ -116,6 +116,7 @@ def operations(api_schema) -> list:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(schemathesis.GenerationMode), ids=lambda mode: mode.value)
 def test_every_route_answers_fuzzed_requests_without_a_server_error(api_schema, app, mode):
     """Valid (positive) and schema-violating (negative) requests for every operation. Hypothesis drives each

@@ -1,4 +1,5 @@
 """Async scheduling (step N+1 launched before step N is read) must not change what any request sees."""
+import pytest
 from tsdev_runtime.engine.sequence import PENDING, SamplingParams
 
 PROMPTS = [[(7 * i + j) % 900 + 1 for j in range(5 + 9 * i)] for i in range(6)]
@@ -33,6 +34,7 @@ def workload(make_engine) -> dict[str, tuple[list[int], SamplingParams]]:
     return requests
 
 
+@pytest.mark.slow
 def test_async_scheduling_gives_every_request_the_same_outputs(make_engine):
     requests = workload(make_engine)
     sync = outputs_per_request(make_engine(async_scheduling=False), requests)
@@ -41,6 +43,7 @@ def test_async_scheduling_gives_every_request_the_same_outputs(make_engine):
     assert all(steps[-1][3] == "stop" for rid, steps in sync.items() if rid.startswith("stop"))
 
 
+@pytest.mark.slow
 def test_async_scheduling_under_preemption_and_chunked_prefill(make_engine):
     requests = workload(make_engine)
     sync = outputs_per_request(make_engine(async_scheduling=False, kv_pages=24, max_batched_tokens=16, max_model_len=80), requests)
@@ -49,6 +52,7 @@ def test_async_scheduling_under_preemption_and_chunked_prefill(make_engine):
     assert engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.slow
 def test_abort_while_a_step_is_in_flight(make_engine):
     engine = make_engine()
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)

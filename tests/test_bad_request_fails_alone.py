@@ -62,6 +62,7 @@ def bad_requests() -> list[tuple[str, dict, str]]:
     return out + [(path, {**body, "stream": True}, field) for path, body, field in out]
 
 
+@pytest.mark.slow
 def test_a_burst_of_out_of_range_values_is_refused_and_the_streams_in_flight_keep_their_tokens(client):
     alone = [streamed_token_ids(client, body) for body in STREAMS]
     assert all(len(tokens) == 40 for tokens in alone)
@@ -119,6 +120,7 @@ def outputs(engine, requests: dict, poison_after: int | None = None) -> tuple[di
     return tokens, failed
 
 
+@pytest.mark.slow
 def test_a_step_that_fails_on_one_request_aborts_that_one_and_the_others_draw_the_same_tokens(make_engine):
     prompts = [[(11 * i + j) % 900 + 1 for j in range(6 + 7 * i)] for i in range(6)]
     requests = {

@@ -1,4 +1,5 @@
 """tsdev bench against a real server: metrics present, consistent, and recomputable from the raw timestamps."""
+import pytest
 import asyncio
 import json
 import statistics
@@ -16,6 +17,7 @@ def run(url, **kwargs):
     return asyncio.run(run_bench(BenchConfig(url=url, **kwargs)))
 
 
+@pytest.mark.slow
 def test_bench_counts_every_requested_token(tiny_server):
     result = run(tiny_server, num_prompts=12, input_len=40, output_len=9, max_concurrency=4, warmup=1)
     m = result["metrics"]

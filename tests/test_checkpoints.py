@@ -15,6 +15,7 @@ from tsdev_runtime.weights import default_model
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
+@pytest.mark.slow
 def test_default_checkpoint_is_created_once_and_reused(tmp_path, monkeypatch):
     monkeypatch.setenv("TSDEV_CACHE_DIR", str(tmp_path))
     first = default_model.default_model_dir("cpu")
@@ -49,6 +50,7 @@ def test_every_id_of_the_default_tokenizer_decodes_to_text(shape):
     assert tokenizer.decode(tokenizer.encode(text).ids) == text
 
 
+@pytest.mark.slow
 def test_default_model_completes_prompts_with_text(tmp_path, monkeypatch):
     """Greedy completions of the tiny default model (CPU) are text, not empty strings."""
     monkeypatch.setenv("TSDEV_CACHE_DIR", str(tmp_path))
@@ -64,6 +66,7 @@ def test_default_model_completes_prompts_with_text(tmp_path, monkeypatch):
         assert out["text"].strip(), (prompt, out)
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_gives_the_same_tokens(tiny_model_dir, tmp_path):
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     expected = LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_pages=64)).generate([prompt], GREEDY)

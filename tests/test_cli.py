@@ -1,3 +1,4 @@
+import pytest
 from typer.testing import CliRunner
 
 from tsdev_runtime.control_protocol import WorkerReport
@@ -38,6 +39,7 @@ def test_serve_on_cuda_without_a_gpu_says_so(monkeypatch):
     assert result.exit_code == 2 and "sees no CUDA GPU" in result.output
 
 
+@pytest.mark.slow
 def test_serve_banner_names_the_graphs_and_the_startup_phases(make_engine):
     from tsdev.serving import describe_graphs, describe_startup
 
@@ -58,7 +60,6 @@ def test_serve_banner_names_the_graphs_and_the_startup_phases(make_engine):
 
 import re  # noqa: E402
 
-import pytest  # noqa: E402
 import typer  # noqa: E402
 
 from tsdev_runtime.config import EngineConfig  # noqa: E402
@@ -213,6 +214,7 @@ def test_reload_exit_status_1_for_a_server_error_and_2_for_a_server_that_is_not_
         assert "Traceback" not in result.output
 
 
+@pytest.mark.slow
 def test_a_slow_start_shows_what_it_is_doing_instead_of_waiting_silently(monkeypatch, tiny_model_dir):
     """Off a terminal, a line every few seconds naming the current step (on a terminal, the spinner's text): the
     engine's phases and each kernel compiled come from the runtime's `tsdev_runtime.startup` log."""
@@ -307,6 +309,7 @@ def test_reload_lines_name_the_kernels_that_compiled_in_the_pause_slowest_first(
     assert "compiled in the pause" not in worker_text(WorkerReport(ok=True, reloaded=["tsdev_kernels.ops.norm"]))
 
 
+@pytest.mark.slow
 def test_serve_says_what_is_starting_before_it_imports_torch(tiny_model_dir):
     """The first line comes before the seconds of importing torch (and the CUDA start): a user sees at once that the
     command runs and what it serves. Import order, not the wall clock, so a loaded machine cannot fail it."""

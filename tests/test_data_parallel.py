@@ -1,5 +1,6 @@
 """`tsdev serve --dp 2`: two replicas behind one front; requests spread over both, a reload reaches both, metrics
 carry a replica label."""
+import pytest
 import threading
 
 import httpx
@@ -8,6 +9,8 @@ from tsdev_runtime.control_protocol import ReloadReply, WorkerReport
 from serve_process import copy_project, serve
 from test_reload_forward import ACTIVATION, SILU_LINE, complete, edited, new_id, reload
 from tsdev.data_parallel import build_front, merge_metrics, merge_reloads, replica_args
+
+pytestmark = pytest.mark.slow  # spawns servers or rank processes (pytest -m 'not slow': the quick loop)
 
 
 def test_a_replica_gets_the_fronts_flags_without_the_address_and_the_data_parallelism():

@@ -35,6 +35,7 @@ def test_padding_rows_write_no_kv(make_engine):
     assert torch.equal(changed, expected)
 
 
+@pytest.mark.slow
 def test_batches_larger_than_the_largest_graph_run_eagerly(make_engine):
     engine = make_engine(cudagraph_capture_sizes=[1, 2], max_running=16)
     prompts = [[i + 1, i + 2, i + 3] for i in range(5)]
@@ -43,6 +44,7 @@ def test_batches_larger_than_the_largest_graph_run_eagerly(make_engine):
     assert [r["token_ids"] for r in with_graphs] == [r["token_ids"] for r in eager]
 
 
+@pytest.mark.slow
 def test_generation_through_graphs_equals_eager_as_the_batch_changes(make_engine):
     prompts = [[(5 * i + j) % 900 + 1 for j in range(3 + 4 * i)] for i in range(5)]
     params = [SamplingParams(max_tokens=6 + 5 * i, temperature=0, ignore_eos=True) for i in range(5)]
@@ -51,6 +53,7 @@ def test_generation_through_graphs_equals_eager_as_the_batch_changes(make_engine
     assert [r["token_ids"] for r in graphed] == [r["token_ids"] for r in eager]
 
 
+@pytest.mark.slow
 def test_a_one_token_prefill_chunk_that_samples_nothing_keeps_the_batch_off_the_decode_graphs(make_engine):
     # 3 decodes use 3 of the 4 tokens of budget; the new prompt gets a 1-token chunk that does not sample
     prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11], list(range(20, 50))]

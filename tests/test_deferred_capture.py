@@ -1,6 +1,7 @@
 """A reload recaptures first only the graphs the steps used since the last capture; the others are captured one
 at a time between steps once serving resumed, and run eagerly until then (on CPU a capture runs nothing, but
 which sizes are captured when, and what the steps run meanwhile, is the same)."""
+import pytest
 import asyncio
 
 from tsdev_runtime.control_protocol import ReloadRequest
@@ -14,6 +15,7 @@ GRAPHS = dict(cudagraph_capture_sizes=[1, 2, 4, 8], prefill_graph_capture_sizes=
 PACKAGES = ["tsdev_kernels.ops", "tsdev_runtime.layers", "tsdev_runtime.models", "tsdev_runtime.sampling"]
 
 
+@pytest.mark.slow
 def test_a_reload_captures_the_used_sizes_first_and_leaves_the_rest_pending(make_engine):
     engine = make_engine(**GRAPHS)  # startup captures every size
     assert engine.graphs_pending == 0
@@ -49,6 +51,7 @@ def test_sleeping_drops_what_is_pending(make_engine):
     assert engine.graphs_pending == 0
 
 
+@pytest.mark.slow
 def test_the_server_captures_the_pending_graphs_while_serving_after_the_reload_and_serves_the_same_tokens(make_engine):
     engine = make_engine(**GRAPHS)
     prompts = [[5, 17, 300, 42, 9], [7, 8, 9], list(range(3, 30))]
@@ -114,6 +117,7 @@ def test_while_requests_run_a_deferred_graph_is_captured_at_most_once_every_32_s
     assert 1 <= sum(busy_captures) <= len(steps) // STEPS_PER_DEFERRED_CAPTURE + 1
 
 
+@pytest.mark.slow
 def test_a_start_told_what_to_capture_first_captures_the_rest_while_serving(make_engine):
     """A restart by tsdev watch: the new server captures before serving only the graphs the old one had used (from
     its /server_info), the others between steps after, as a reload does."""

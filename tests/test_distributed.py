@@ -5,6 +5,8 @@ import torch
 from ranks import run_ranks
 from tsdev_runtime import distributed
 
+pytestmark = pytest.mark.slow  # spawns servers or rank processes (pytest -m 'not slow': the quick loop)
+
 
 def collectives(ok_on_rank_1: bool):
     r = distributed.rank()

@@ -1,5 +1,6 @@
 """The engine freezes what its startup made out of the garbage collector's reach (`freeze_heap`), and a new
 engine thaws it (`thaw_heap`), so that an engine dropped in a reference cycle is still freed."""
+import pytest
 import gc
 import weakref
 
@@ -12,6 +13,7 @@ def engine(model_dir) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model_dir), device="cpu", kv_pages=64))
 
 
+@pytest.mark.slow
 def test_a_collection_after_startup_walks_only_what_serving_made(tiny_model_dir):
     first = engine(tiny_model_dir)
     assert gc.get_freeze_count() > 10_000  # torch, the model, the engine
@@ -20,6 +22,7 @@ def test_a_collection_after_startup_walks_only_what_serving_made(tiny_model_dir)
     assert all(r["finish_reason"] == "length" for r in first.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True)))
 
 
+@pytest.mark.slow
 def test_an_engine_dropped_in_a_reference_cycle_is_freed_by_the_next_one(tiny_model_dir):
     dropped = engine(tiny_model_dir)
     dropped.cycle = dropped

@@ -2,10 +2,13 @@
 the reloadable modules' graph, imports, the compile pool) happens at startup or before the pause. Two distinct
 never-seen kernel edits reloaded in one process (benchmarks/first_reload.py), the engine thread profiled during each
 pause: the first calls no function the second does not, and hardly more calls in all. Counted calls, not seconds."""
+import pytest
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+pytestmark = pytest.mark.slow  # spawns servers or rank processes (pytest -m 'not slow': the quick loop)
 
 ROOT = Path(__file__).resolve().parent.parent
 

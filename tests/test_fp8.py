@@ -132,6 +132,7 @@ def default_shape_dir(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_quality_default_model_shape(default_shape_dir):
     """Gate 1: over a 24-row prefill (W8A8: activations quantized per token) and 6 one-row decodes
     (weight-only), per position: cosine similarity of fp8 and unquantized logits >= 0.99, and the top-1
@@ -147,6 +148,7 @@ def test_quality_default_model_shape(default_shape_dir):
 PROMPTS = [[5, 17, 300, 42, 9, 77, 123, 4, 8, 15, 16, 23], [200, 201, 202], list(range(100, 141)), [900, 3, 512, 64]]
 
 
+@pytest.mark.slow
 def test_quality_greedy_on_a_real_checkpoint_layout(tiny_model_dir):
     """Gate 2, on the tests' independent tiny Qwen3 checkpoint (random weights of std 0.2: nearly flat logits,
     top-2 margins often below 0.1, a hard case): the unquantized engine's greedy output for 4 prompts x 16

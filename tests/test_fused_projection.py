@@ -4,6 +4,7 @@ runs under the Triton interpreter when NormedProjection is told Triton may run: 
 every decode step, only there (not in the prefill), and generate what the separate ops do; it must still after a
 reload of those layers, and never for an activation other than SwiGLU's."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -33,6 +34,7 @@ def fused_calls(monkeypatch) -> list[tuple[bool, bool]]:
     return calls
 
 
+@pytest.mark.slow
 def test_fused_decode_generates_what_the_ops_one_after_another_do(tiny_model_dir, monkeypatch):
     prompt, params = list(range(5, 30)), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 

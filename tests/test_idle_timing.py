@@ -1,5 +1,6 @@
 """The old code's times a reload's kernel check compares against are taken while the server is idle, one call at a
 time, not inside a reload before its pause (where the first edit of the norm ops waited 1.9 s on the H200)."""
+import pytest
 import asyncio
 
 from tsdev_runtime.engine import reload_forward
@@ -9,6 +10,7 @@ from tsdev_runtime.engine.sequence import SamplingParams
 from tsdev.hotreload import Reloader
 
 
+@pytest.mark.slow
 def test_idle_timing_takes_one_call_at_a_time_only_while_nothing_runs_and_ends(make_engine, monkeypatch):
     monkeypatch.setattr(reload_forward, "IDLE_TIMING_GAP_S", 0.01)
     monkeypatch.setattr(reload_forward, "IDLE_BEFORE_TIMING_S", 0.05)
@@ -39,6 +41,7 @@ def test_idle_timing_takes_one_call_at_a_time_only_while_nothing_runs_and_ends(m
     assert all(running == 0 and idle and locked for running, idle, locked in seen), seen  # never beside a request
 
 
+@pytest.mark.slow
 def test_requests_in_a_row_are_never_joined_by_a_timing_call(make_engine, monkeypatch):
     """A benchmark's requests come one after another with short gaps between them: the timing waits for the engine to
     have been idle IDLE_BEFORE_TIMING_S, so none of its calls lands between two of them."""

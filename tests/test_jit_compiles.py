@@ -3,6 +3,7 @@ reloads -- while serving -- is logged as a warning naming the kernel and its spe
 compiles (Triton's interpreter), so Triton's post-compile hook is called here as Triton calls it after a compile
 (keyword arguments of `JITFunction._call_hook`); on the H200 tests/test_compile_at_startup_gpu.py checks the count
 of a real startup and that serving adds none."""
+import pytest
 import logging
 from types import SimpleNamespace
 
@@ -46,6 +47,7 @@ def test_compiles_are_counted_by_kernel_in_metrics_and_warned_about_only_while_s
     assert counted[labels(model_name="tiny-c", kernel="tsdev_kernels.ops.norm._probe_kernel")] == before + 2
 
 
+@pytest.mark.slow
 def test_a_second_engine_does_not_chain_the_hook_twice(tiny_model_dir):
     from tsdev_runtime.config import EngineConfig
     from tsdev_runtime.engine.llm_engine import LLMEngine

@@ -83,6 +83,7 @@ def test_the_logits_ops_are_checked_over_the_vocab_and_a_halved_penalty_fails():
     assert not checks.run(halved, (5, 1024), torch.float32, "cpu").ok
 
 
+@pytest.mark.slow
 def test_the_samplers_are_checked_token_for_token_and_another_seed_fails():
     race, top_k = (next(c for c in checks.declared() if c.op == op) for op in ("sample", "sample_top_k"))
     assert race.tolerance[torch.bfloat16].atol == 0 == top_k.tolerance[torch.bfloat16].rtol  # token ids: exact
@@ -204,6 +205,7 @@ def save(project, old: str, new: str) -> None:
     file.write_text(source.replace(old, new))
 
 
+@pytest.mark.slow
 def test_a_reload_checks_the_ops_it_changed_and_strict_rolls_a_wrong_edit_back(strict_server):
     url, project = strict_server
     save(project, HELPER_LINE, "    return up * act\n")  # harmless: the same product
@@ -237,6 +239,7 @@ def test_a_reload_checks_the_ops_it_changed_and_strict_rolls_a_wrong_edit_back(s
     assert untouched.ok and untouched.kernel_checks == []
 
 
+@pytest.mark.slow
 def test_tsdev_check_runs_every_declared_op_or_the_named_ones_and_names_the_ops_it_does_not_know(strict_server):
     from typer.testing import CliRunner
 
@@ -256,6 +259,7 @@ def test_tsdev_check_runs_every_declared_op_or_the_named_ones_and_names_the_ops_
     assert unknown.exit_code == 2 and "nope" in unknown.output and "silu_and_mul" in unknown.output
 
 
+@pytest.mark.slow
 def test_where_the_checks_cannot_run_report_says_so_and_strict_is_refused(tmp_path, tiny_model_dir, monkeypatch):
     """The CPU without Triton's interpreter: the startup log says the checks are off and why, a kernel edit reloads
     with that in its warnings (not a silent `kernel_checks: []`), a reload that asks for strict is refused, `tsdev

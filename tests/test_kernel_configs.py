@@ -9,6 +9,7 @@ the kernels are not compilable objects. The launches are the real ones (`gemv_tr
 `paged_prefill_triton` on meta tensors of the served shapes), recorded instead of run, and compiled with the
 signature Triton's JIT gives those arguments (an int == 1 a constant, a multiple of 16 or a 16-byte aligned
 pointer marked divisible, except the parameters a kernel does not specialise)."""
+import pytest
 import json
 import os
 import re
@@ -106,6 +107,7 @@ def test_every_decode_variant_an_eager_step_can_launch_is_compiled_at_startup():
             assert served <= startup, (max_running, shape, tp, served - startup)
 
 
+@pytest.mark.slow
 def test_chosen_configs_compile_for_sm90_without_register_spills():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = project_pythonpath(ROOT, env.get("PYTHONPATH"))

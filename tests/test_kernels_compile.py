@@ -1,6 +1,7 @@
 """Every kernel on the decode path (and every Gluon kernel) compiles for the H200 (sm_90, through ptxas) on a machine without a GPU: the
 interpreter runs the kernels' Python, not Triton's compiler, which refuses more (a name rebound to another type
 inside an `if`, ops the interpreter lacks such as programmatic dependent launch's waits)."""
+import pytest
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from tsdev.server_process import project_pythonpath
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_decode_path_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = project_pythonpath(ROOT, env.get("PYTHONPATH"))

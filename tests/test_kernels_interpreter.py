@@ -73,6 +73,7 @@ def test_gemv(N, K, block_n, block_k, bias):
     torch.testing.assert_close(got, linear.linear_ref(x, w, b), **TOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("N,K,block_n", [(40, 72, 4), (33, 100, 8), (6, 24, 16)])
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("gated", [False, True])
@@ -285,6 +286,7 @@ def test_prefill_attention_odd_head_dim_and_blocks():
     torch.testing.assert_close(got, attention.paged_attention_ref(q, kc, vc, cu, sl, pt, 0.2), **TOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
 @pytest.mark.parametrize("Hq,Hk,page_size", [(4, 2, 4), (8, 2, 5), (2, 2, 16)])
 def test_decode_attention(num_splits, Hq, Hk, page_size):
@@ -315,6 +317,7 @@ def test_paged_attention_stores_then_attends_on_either_kernel(q_lens, monkeypatc
     torch.testing.assert_close(got, attention.paged_attention_ref(q, want_k, want_v, cu, sl, pt, 0.3), **TOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
 @pytest.mark.parametrize("longest_first", [False, True], ids=["batch-order", "longest-first"])
 def test_decode_attention_stores_the_steps_keys_and_values_itself(num_splits, longest_first):

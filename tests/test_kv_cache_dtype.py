@@ -18,6 +18,7 @@ def config(model_dir, **overrides) -> EngineConfig:
                                   max_running=4), **overrides})
 
 
+@pytest.mark.slow
 def test_an_fp8_pool_holds_the_tokens_of_the_bytes_it_saves_and_the_startup_line_says_so(tiny_model_dir, monkeypatch):
     from tsdev_runtime.engine import model_runner
 
@@ -30,6 +31,7 @@ def test_an_fp8_pool_holds_the_tokens_of_the_bytes_it_saves_and_the_startup_line
     assert kv_pool_note(auto.describe()) == ""
 
 
+@pytest.mark.slow
 def test_fp8_kv_serves_prefix_cached_and_chunked_prompts_as_a_fresh_prefill_and_survives_sleep(tiny_model_dir):
     prompt = [(7 * i + 3) % 500 for i in range(150)]  # 150 tokens: three chunks of at most 64
     cached = LLMEngine(config(tiny_model_dir, kv_cache_dtype="fp8_e4m3"))

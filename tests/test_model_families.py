@@ -90,6 +90,7 @@ def test_the_checkpoints_are_what_transformers_wrote_for_each_family(hf_llama_di
         assert ModelConfig.from_dir(model_dir).architecture == ARCHITECTURES[name]
 
 
+@pytest.mark.slow
 def test_greedy_tokens_equal_transformers_alone_and_batched(family, expected):
     name, model_dir = family
     want = expected(name)
@@ -103,6 +104,7 @@ def test_greedy_tokens_equal_transformers_alone_and_batched(family, expected):
     assert [b["token_ids"] for b in batched] == [w[:n] for w, n in zip(want, lengths)]
 
 
+@pytest.mark.slow
 def test_greedy_tokens_equal_transformers_across_chunked_prefill(family, expected):
     """The 70-token prompt in chunks of at most 16 tokens (positions 64..69 in the last chunk)."""
     name, model_dir = family
@@ -181,6 +183,7 @@ def tp2(hf_llama_dir, hf_qwen2_dir, hf_written_dir) -> list[dict]:
     return run_ranks(tp_rank, 2, dirs, timeout=240)
 
 
+@pytest.mark.slow
 def test_two_ranks_serve_the_greedy_tokens_of_transformers(family, tp2, expected):
     name, _ = family
     assert tp2[0][name]["tokens"] == expected(name)
@@ -228,6 +231,7 @@ def first_free_choice(g1: list[int], g2: list[int]) -> tuple[int, int, int, int]
     raise AssertionError(f"no pair of eos ids fits these continuations: {g1}, {g2}")
 
 
+@pytest.mark.slow
 def test_the_generation_configs_eos_list_ends_generation_at_either_id(hf_llama_dir, tmp_path):
     assert ModelConfig.from_dir(hf_llama_dir).eos_token_ids == tuple(
         transformers.GenerationConfig.from_pretrained(hf_llama_dir).eos_token_id)
@@ -261,6 +265,7 @@ CHAT = [{"role": "system", "content": "Answer in one word. "}, {"role": "user", 
         {"role": "assistant", "content": "An animal."}, {"role": "user", "content": "And a qwen?"}]
 
 
+@pytest.mark.slow
 def test_a_chat_requests_prompt_is_the_checkpoints_template_as_transformers_renders_and_tokenizes_it(hf_llama_dir):
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_llama_dir)
     assert tokenizer.chat_template == (hf_llama_dir / "chat_template.jinja").read_text()
@@ -297,6 +302,7 @@ def hf_fp8_model(model_dir) -> transformers.PreTrainedModel:
     return model
 
 
+@pytest.mark.slow
 def test_fp8_on_the_llama_checkpoint_is_transformers_with_fp8_projections_and_close_to_float32(hf_llama_dir,
                                                                                              expected):
     """Fed the same tokens, the fp8 engine's logits per step (a prefill of 12, 3, 58 and 70 rows: weight-only for
@@ -332,6 +338,7 @@ def test_fp8_on_the_llama_checkpoint_is_transformers_with_fp8_projections_and_cl
     assert [r["token_ids"] for r in full.generate(PROMPTS, GREEDY)] == expected("llama")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", [1, 2])
 def test_sleep_wake_and_reload_on_the_llama_checkpoint_restore_its_weights_and_tokens(hf_llama_dir, expected, level):
     """Level 1 keeps the weights in host memory, level 2 discards them (reload_weights brings them back); either
@@ -356,6 +363,7 @@ def test_sleep_wake_and_reload_on_the_llama_checkpoint_restore_its_weights_and_t
     assert [r["token_ids"] for r in engine.generate(PROMPTS, GREEDY)] == expected("llama")
 
 
+@pytest.mark.slow
 def test_a_direct_update_on_the_llama_checkpoint_serves_transformers_tokens_of_the_new_weights(hf_llama_dir,
                                                                                               expected, tmp_path):
     """Every tensor perturbed (the untied lm_head too): after a direct update (no address moves) the engine's

@@ -34,6 +34,7 @@ def cache_with(tmp_path, checkpoint, repo="acme/tiny-chat", refs=None) -> tuple:
     return tmp_path / "hub", root
 
 
+@pytest.mark.slow
 def test_a_hub_id_resolves_to_its_cached_snapshot_and_serves(tmp_path, monkeypatch, tiny_model_dir):
     cache, root = cache_with(tmp_path, tiny_model_dir)
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
@@ -119,6 +120,7 @@ def with_template(tmp_path, tiny_model_dir, where: str):
     return checkpoint
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["tokenizer_config", "chat_template.jinja"])
 def test_chat_prompt_tokens_are_the_checkpoints_template_as_transformers_renders_it(tmp_path, tiny_model_dir, where):
     checkpoint = with_template(tmp_path, tiny_model_dir, where)
@@ -135,6 +137,7 @@ def test_chat_prompt_tokens_are_the_checkpoints_template_as_transformers_renders
     assert "never rendered" not in engine.tokenizer.decode(tokens)  # the loop control stopped it
 
 
+@pytest.mark.slow
 def test_chat_template_flag_overrides_the_checkpoints(tmp_path, tiny_model_dir):
     checkpoint = with_template(tmp_path, tiny_model_dir, "chat_template.jinja")
     override = tmp_path / "plain.jinja"

@@ -57,6 +57,7 @@ def naive_moe(x, w13, w2, weights, ids):
 
 @pytest.mark.parametrize("T,K,E,block_m", [(1, 2, 4, 16), (5, 2, 8, 16), (17, 2, 4, 16), (17, 4, 8, 32), (3, 1, 6, 16),
                                            (40, 2, 8, 16), (150, 2, 8, 16)])
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["random", "few", "one"])
 def test_align_kernel_matches_reference_and_its_contract(T, K, E, block_m, kind):
     _, ids = routing(T, E, K, kind)
@@ -103,6 +104,7 @@ def test_align_sizes_bound_every_routing():
 # --- the fused op ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("T", [1, 3, 5, 17])
 @pytest.mark.parametrize("kind", ["random", "few", "one"])
 def test_triton_matches_reference_fp32(T, kind):
@@ -131,6 +133,7 @@ def test_triton_is_reproducible_bit_for_bit():
     assert torch.equal(first, moe.fused_moe_triton(x, w13, w2, weights, ids, config=SMALL))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("T", [1, 2, 4])
 @pytest.mark.parametrize("kind, K", [("random", 2), ("few", 2), ("one", 4)])
 def test_the_gemv_path_for_few_tokens_matches_reference_fp32(T, kind, K):
@@ -359,6 +362,7 @@ def test_config_on_cpu_is_the_default_without_a_warning(caplog):
     assert not caplog.records
 
 
+@pytest.mark.slow
 def test_tuner_imports_and_prints_help():
     import subprocess
     import sys

@@ -24,6 +24,7 @@ def expected(hf_qwen3_moe_dir) -> list[list[int]]:
     return [hf_greedy(model, p, GREEDY.max_tokens) for p in PROMPTS]
 
 
+@pytest.mark.slow
 def test_the_layers_are_sparse_dense_sparse_and_the_experts_stacked(hf_qwen3_moe_dir):
     engine = LLMEngine(engine_config(hf_qwen3_moe_dir))
     layers = engine.model.model.layers
@@ -39,6 +40,7 @@ def test_the_layers_are_sparse_dense_sparse_and_the_experts_stacked(hf_qwen3_moe
         assert torch.equal(layers[2].mlp.experts.w2[e], tensors[f"{prefix}.down_proj.weight"])
 
 
+@pytest.mark.slow
 def test_greedy_tokens_equal_transformers_alone_and_batched(hf_qwen3_moe_dir, expected):
     assert len({tuple(e) for e in expected}) == len(expected)
     engine = LLMEngine(engine_config(hf_qwen3_moe_dir))
@@ -64,6 +66,7 @@ def tp_rank(model_dir: str) -> dict:
         engine.close()
 
 
+@pytest.mark.slow
 def test_two_ranks_split_the_experts_and_serve_the_greedy_tokens_of_transformers(hf_qwen3_moe_dir, expected):
     rank0, _ = run_ranks(tp_rank, 2, str(hf_qwen3_moe_dir), timeout=240)
     assert (rank0["w13"], rank0["w2"]) == ((8, 32, 64), (8, 64, 16))  # half of each expert's 32 features
@@ -155,6 +158,7 @@ def test_a_trigger_on_element_counts_processes_the_experts_early_and_leaves_the_
     ("tsdev_kernels.ops.moe", "h = (F.silu(gate.float()).to(dt).float() * up.float()).to(dt)",
      "h = (F.silu(gate.float()).to(dt).float() * up.float() * 0.5).to(dt)"),
 ])
+@pytest.mark.slow
 def test_an_edit_of_the_moe_code_changes_the_output_and_its_revert_restores_it_bit_for_bit(hf_qwen3_moe_dir, module,
                                                                                             old, new):
     import importlib
@@ -198,6 +202,7 @@ def test_the_embedded_moe_default_serves_without_a_checkpoint(monkeypatch, tmp_p
 # --- the weight paths on an MoE model: sleep/wake + reload_weights, a direct update, the checksum, pinned staging --
 
 
+@pytest.mark.slow
 def test_sleep_level_2_and_reload_weights_restore_the_moe_models_checksum_and_tokens(hf_qwen3_moe_dir, expected):
     engine = LLMEngine(engine_config(hf_qwen3_moe_dir))
     checksum = engine.weights_checksum()
@@ -210,6 +215,7 @@ def test_sleep_level_2_and_reload_weights_restore_the_moe_models_checksum_and_to
     assert [r["token_ids"] for r in engine.generate(PROMPTS, GREEDY)] == expected
 
 
+@pytest.mark.slow
 def test_a_direct_update_of_every_expert_serves_transformers_tokens_of_the_new_weights(hf_qwen3_moe_dir, expected,
                                                                                         tmp_path):
     import shutil
@@ -269,6 +275,7 @@ def hf_fp8_moe_model(model_dir):
     return model
 
 
+@pytest.mark.slow
 def test_fp8_experts_are_transformers_with_dequantized_experts_and_fp8_projections(hf_qwen3_moe_dir, expected):
     """Fed the same tokens, the logits of each step (the prefill, then one-row decodes) are those of the oracle
     above, and so are the greedy tokens; unquantized they would differ."""
@@ -293,6 +300,7 @@ def test_fp8_experts_are_transformers_with_dequantized_experts_and_fp8_projectio
     assert [engine.generate([prompt], GREEDY)[0]["token_ids"] for prompt in PROMPTS] == theirs
 
 
+@pytest.mark.slow
 def test_a_weight_update_refreshes_the_fp8_kernel_configuration_in_place(hf_qwen3_moe_dir, tmp_path):
     """The object the kernels read and its tensors stay the same (CUDA graphs captured their addresses); their
     values become the new weights' quantization; the checksum sees them."""
@@ -318,6 +326,7 @@ def test_a_weight_update_refreshes_the_fp8_kernel_configuration_in_place(hf_qwen
     assert {"model.layers.2.mlp.experts.fp8_w13_scale", "model.layers.2.mlp.experts.w13"} <= changed
 
 
+@pytest.mark.slow
 def test_the_drill_holds_on_fp8_experts_and_fails_when_their_configuration_is_rebuilt(hf_qwen3_moe_dir, monkeypatch):
     """sleep(2) -> wake -> reload_weights leaves every tensor as the fresh load had it, the FP8 experts' derived ones
     included; the negative control derives into a new kernel-configuration object at each reload (as the fused-MoE

@@ -51,6 +51,7 @@ def test_explicit_buckets_are_clamped_and_include_the_top():
     assert prefill_buckets(256, 2048, [1000]) == [256]
 
 
+@pytest.mark.slow
 def test_engine_flags_choose_the_buckets(make_engine):
     assert make_engine(max_batched_tokens=256).runner.prefill_graphs.buckets == prefill_buckets(2048, 256)
     assert make_engine(prefill_graph_max_tokens=0).runner.prefill_graphs is None
@@ -59,6 +60,7 @@ def test_engine_flags_choose_the_buckets(make_engine):
     assert explicit.runner.prefill_graphs.buckets == [32, 100, 256]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_cut_forward_equals_the_plain_forward(make_engine, case):
     engine = make_engine(max_batched_tokens=256)
@@ -76,6 +78,7 @@ def test_cut_forward_equals_the_plain_forward(make_engine, case):
     assert {tuple(i) for i in changed.nonzero().tolist()} == written_slots(engine, batch)
 
 
+@pytest.mark.slow
 def test_attention_is_cut_only_inside_cut_at_attention(make_engine):
     engine = make_engine()
     model, layers = engine.runner.model, engine.runner.prefill_graphs.attention
@@ -101,6 +104,7 @@ def test_attention_is_cut_only_inside_cut_at_attention(make_engine):
     assert all(layer.graph_cut is None for layer in layers)  # reset, after a failure too
 
 
+@pytest.mark.slow
 def test_the_cut_forward_survives_a_reload_of_the_attention_layer(make_engine):
     from tsdev.hotreload import Reloader
 
@@ -119,6 +123,7 @@ def test_the_cut_forward_survives_a_reload_of_the_attention_layer(make_engine):
         tx.rollback()
 
 
+@pytest.mark.slow
 def test_a_graph_captured_under_other_properties_is_not_replayed(make_engine, monkeypatch):
     from tsdev_runtime.engine import prefill_graphs
 
@@ -134,6 +139,7 @@ def test_a_graph_captured_under_other_properties_is_not_replayed(make_engine, mo
     torch.testing.assert_close(engine.runner.compute_logits(batch), plain, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_generation_through_the_cut_forward_equals_eager(make_engine):
     prompts = [[(5 * i + j) % 900 + 1 for j in range(3 + 11 * i)] for i in range(6)]
     params = [greedy(6 + 3 * i) for i in range(6)]
@@ -142,6 +148,7 @@ def test_generation_through_the_cut_forward_equals_eager(make_engine):
     assert [r["token_ids"] for r in cut] == [r["token_ids"] for r in eager]
 
 
+@pytest.mark.slow
 def test_a_failed_capture_at_startup_warns_and_prefill_runs_eagerly(make_engine, monkeypatch, capsys):
     def broken(self, size):
         raise RuntimeError(f"boom at {size} tokens")
@@ -156,6 +163,7 @@ def test_a_failed_capture_at_startup_warns_and_prefill_runs_eagerly(make_engine,
     assert tokens == [r["token_ids"] for r in make_engine(enforce_eager=True).generate(prompts, greedy(5))]
 
 
+@pytest.mark.slow
 def test_a_failed_capture_during_a_reload_raises_and_out_of_memory_says_what_to_lower(make_engine, monkeypatch):
     engine = make_engine(max_batched_tokens=64)
 

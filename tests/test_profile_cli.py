@@ -1,4 +1,5 @@
 """tsdev profile without nsys (CPU): a torch trace and a summary per range."""
+import pytest
 import csv
 import json
 import os
@@ -9,6 +10,8 @@ import time
 from tsdev.client import reload_forward
 from tsdev.profile import KernelRow, find_nsys, parse_kernel_csv, torch_trace_summary, write_summary
 from tsdev.server_process import free_port
+
+pytestmark = pytest.mark.slow  # spawns servers or rank processes (pytest -m 'not slow': the quick loop)
 
 
 def test_profile_without_nsys_takes_a_torch_range_per_reload_and_summarises_it(tiny_model_dir, tmp_path):

@@ -14,6 +14,8 @@ from serve_process import copy_project, serve
 from tsdev.cli import app
 from tsdev.client import iter_sse_data
 
+pytestmark = pytest.mark.slow  # spawns servers or rank processes (pytest -m 'not slow': the quick loop)
+
 PROMPT = {"prompt": [5, 17, 300, 42, 9, 77, 123], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
 ACTIVATION = "kernels/tsdev_kernels/ops/activation.py"
 SILU_LINE = "    return F.silu(gate) * up\n"

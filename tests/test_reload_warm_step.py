@@ -31,6 +31,7 @@ class Reporting:
         return tx
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernels_only", [True, False])
 def test_the_warm_step_runs_the_warm_up_only_when_more_than_kernel_bodies_changed(make_engine, kernels_only):
     engine = make_engine(cudagraph_capture_sizes=[1, 2])

@@ -301,6 +301,7 @@ def test_version_and_one_model(client):
     assert missing.status_code == 404 and "does not exist" in missing.json()["error"]["message"]
 
 
+@pytest.mark.slow
 def test_the_openai_client_reads_logprobs_from_both_routes(tiny_server):
     from openai import OpenAI
 

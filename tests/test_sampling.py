@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from tsdev_runtime.engine.sequence import SamplingParams
@@ -7,6 +8,7 @@ from tsdev_runtime.sampling.sampler import max_top_k
 PROMPT = [11, 22, 33, 44, 55]
 
 
+@pytest.mark.slow
 def test_seeded_sampling_repeats_whatever_the_batch(make_engine):
     engine = make_engine()
     seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
@@ -18,6 +20,7 @@ def test_seeded_sampling_repeats_whatever_the_batch(make_engine):
     assert different[0]["token_ids"] != alone
 
 
+@pytest.mark.slow
 def test_top_k_one_is_greedy(make_engine):
     engine = make_engine()
     greedy = engine.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
@@ -31,6 +34,7 @@ def test_top_k_top_p_masks_per_row():
     assert torch.isfinite(out).tolist() == [[True, True, False, False], [False, False, True, True]]
 
 
+@pytest.mark.slow
 def test_stop_string_ends_generation_and_is_not_returned(make_engine):
     engine = make_engine()
     full = engine.generate([PROMPT], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
@@ -43,6 +47,7 @@ def test_stop_string_ends_generation_and_is_not_returned(make_engine):
     assert len(cut["token_ids"]) < len(full["token_ids"])
 
 
+@pytest.mark.slow
 def test_eos_stops_unless_ignored(make_engine):
     engine = make_engine()
     out = engine.generate([PROMPT], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]["token_ids"]

@@ -1,4 +1,5 @@
 """Scheduling under pressure: preemption by recompute, abort, prefix-cache eviction."""
+import pytest
 from tsdev_runtime.engine.block_manager import BlockManager
 from tsdev_runtime.engine.sequence import SamplingParams, Sequence
 
@@ -6,6 +7,7 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 PROMPTS = [[(7 * i + j) % 900 + 1 for j in range(10 + 3 * i)] for i in range(6)]
 
 
+@pytest.mark.slow
 def test_preemption_under_tiny_pool_gives_the_same_tokens(make_engine):
     expected = make_engine().generate(PROMPTS, GREEDY)
     # 6 sequences of up to 49 tokens need ~60 pages of 4; 20 pages force preemptions.
@@ -16,6 +18,7 @@ def test_preemption_under_tiny_pool_gives_the_same_tokens(make_engine):
     assert small.block_manager.num_used_pages == 0
 
 
+@pytest.mark.slow
 def test_abort_frees_pages_and_others_continue(make_engine):
     engine = make_engine()
     engine.add_request("a", PROMPTS[3], GREEDY)

@@ -38,12 +38,14 @@ def server(tiny_model_dir, tmp_path_factory):
     process.stop()
 
 
+@pytest.mark.slow
 def test_the_listening_line_comes_last_and_is_served_at_once(server):
     assert server.first_answer.startswith("HTTP/1.1 200"), server.first_answer
     lines = server.output().strip().splitlines()
     assert lines[-1].startswith(LISTENING) and lines[-1].split()[2] == server.url, lines
 
 
+@pytest.mark.slow
 def test_a_second_server_on_the_port_exits_2_at_once_naming_the_port(server):
     import resource
 

@@ -22,6 +22,7 @@ def test_argv_adds_reload_and_port_flags_once_and_wraps_a_prefix():
     httpx.URL(ServerProcess(["--host", "::1"], 8124).url + "/health")
 
 
+@pytest.mark.slow
 def test_a_server_that_exits_during_startup_fails_early_with_its_last_output(tmp_path):
     server = ServerProcess([str(tmp_path), "--device", "cpu"], log_path=tmp_path / "serve.log")
     with pytest.raises(StartFailed, match=r"exited during startup \(exit status 2\):\n(.|\n)*no config.json"):

@@ -171,6 +171,7 @@ def drill_engine(tiny_model_dir):
     return LLMEngine(config(tiny_model_dir))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("eager", [True, False])
 def test_the_drill_passes_three_rounds(tiny_model_dir, eager, drill_engine):
     engine = drill_engine if not eager else LLMEngine(config(tiny_model_dir, enforce_eager=True))
@@ -196,6 +197,7 @@ def test_the_drill_fails_when_derived_tensors_are_not_refreshed_in_place(drill_e
 # --- the command line, against a `tsdev serve --allow-reload-forward --api-key` subprocess --------------------
 
 
+@pytest.mark.slow
 def test_cli_sleep_wake_and_reload_on_a_keyed_reload_forward_server(tiny_model_dir, tmp_path):
     import httpx
     from typer.testing import CliRunner
@@ -235,6 +237,7 @@ def test_cli_sleep_wake_and_reload_on_a_keyed_reload_forward_server(tiny_model_d
         assert ids() == before
 
 
+@pytest.mark.slow
 def test_cli_drill_passes_and_its_negative_control_fails(tiny_model_dir):
     from typer.testing import CliRunner
 
@@ -247,6 +250,7 @@ def test_cli_drill_passes_and_its_negative_control_fails(tiny_model_dir):
     assert result.exit_code == 1 and "differ from the fresh load" in result.output, result.output
 
 
+@pytest.mark.slow
 def test_sleeping_one_engine_leaves_another_in_the_process_whole(make_engine):
     """Two engines in one process (tests, benchmarks, a rebuilt model) share no tensor: sleeping one at level 2
     (which frees its storages) leaves the other's rotary table, weights and output as they were."""

@@ -1,6 +1,7 @@
 """A restart of `tsdev watch`'s server is handed to a standby process (tsdev/standby.py) that already runs the
 interpreter with torch, Triton and the HTTP stack imported: it serves after the restart, a new standby is started
 for the next one, and a standby that died is replaced by an ordinary start and a new standby."""
+import pytest
 import os
 import signal
 import subprocess
@@ -9,6 +10,8 @@ import sys
 import httpx
 
 from tsdev.server_process import ServerProcess
+
+pytestmark = pytest.mark.slow  # spawns servers or rank processes (pytest -m 'not slow': the quick loop)
 
 REQUEST = {"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
 

@@ -11,6 +11,8 @@ import pytest
 from serve_process import copy_project
 from tsdev.server_process import ServerProcess
 
+pytestmark = pytest.mark.slow  # spawns servers or rank processes (pytest -m 'not slow': the quick loop)
+
 ATTENTION, PREFILL_LINE = "kernels/tsdev_kernels/ops/attention.py", "    head = tl.program_id(0)\n    m_block ="
 
 

@@ -1,5 +1,6 @@
 """A server that stops itself (`stop_server`) first gives its children, the tensor-parallel ranks, a moment to exit
 and say why they stop, and no more than that."""
+import pytest
 import subprocess
 import sys
 
@@ -40,6 +41,7 @@ print("never")
 """
 
 
+@pytest.mark.slow
 def test_a_rank_that_exits_before_the_ranks_meet_stops_rank_0_at_once():
     """The rendezvous waits minutes for a slow rank; one that died is not waited for."""
     import time

@@ -9,6 +9,8 @@ from tsdev_runtime.config import EngineConfig
 from tsdev_runtime.engine.llm_engine import LLMEngine
 from tsdev_runtime.engine.sequence import SamplingParams
 
+pytestmark = pytest.mark.slow  # spawns servers or rank processes (pytest -m 'not slow': the quick loop)
+
 PACKAGES = ["tsdev_kernels.ops", "tsdev_runtime.layers", "tsdev_runtime.models", "tsdev_runtime.sampling"]
 PROMPTS = [[5, 17, 300, 42, 9, 77], list(range(3, 40)), [7, 8, 9]]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

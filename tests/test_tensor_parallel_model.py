@@ -21,6 +21,8 @@ from tsdev_runtime.models import build_model
 from tsdev_runtime.weights.default_model import SHAPES, random_weights, write_checkpoint
 from tsdev_runtime.weights.loader import check_checkpoint
 
+pytestmark = pytest.mark.slow  # spawns servers or rank processes (pytest -m 'not slow': the quick loop)
+
 PROMPTS = [[(7 * j + 3) % 1000 + 1 for j in range(13)], [(11 * j + 5) % 1000 + 1 for j in range(6)]]
 DECODE_STEPS = 3
 GREEDY = SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0, ignore_eos=True)

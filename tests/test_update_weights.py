@@ -84,6 +84,7 @@ def addresses(engine) -> dict[str, int]:
     return {n: t.data_ptr() for n, t in [*model.named_parameters(), *model.named_buffers()]}
 
 
+@pytest.mark.slow
 def test_direct_update_to_b_equals_a_fresh_server_on_b_and_back_to_a_equals_the_original(served, checkpoints,
                                                                                              tiny_model_dir):
     client, engine = served
@@ -176,6 +177,7 @@ def test_direct_update_views_re_laid_out_tensors_back_in_the_same_storage(tiny_m
         engine.runner.weights.prepare_update(checkpoints[1])
 
 
+@pytest.mark.slow
 def test_cli_update_and_verify_against_a_live_server(tiny_model_dir, checkpoints, tmp_path):
     from typer.testing import CliRunner
 
@@ -203,6 +205,7 @@ def test_cli_update_and_verify_against_a_live_server(tiny_model_dir, checkpoints
         assert result.exit_code == 2
 
 
+@pytest.mark.slow
 def test_fp8_direct_update_refreshes_the_derived_tensors_in_place(tiny_model_dir, checkpoints):
     _, b, _ = checkpoints
     engine = LLMEngine(config(tiny_model_dir, quantization="fp8"))

@@ -12,6 +12,8 @@ from serve_process import copy_project
 from test_watch_e2e import Output, edit
 from tsdev.server_process import free_port, project_pythonpath
 
+pytestmark = pytest.mark.slow  # spawns servers or rank processes (pytest -m 'not slow': the quick loop)
+
 KERNEL, KERNEL_LINE = "kernels/tsdev_kernels/ops/activation.py", "    return F.silu(gate) * up\n"
 
 

@@ -45,6 +45,7 @@ def session(project, server: FakeServer, act, done=finished) -> list:
     return events
 
 
+@pytest.mark.slow
 def test_saves_during_a_reload_are_coalesced_into_one_next_reload(tmp_path):
     project, server, events = make_project(tmp_path), FakeServer(), []
     server.reload_delay = 0.8

@@ -14,6 +14,8 @@ import pytest
 from serve_process import copy_project
 from tsdev.server_process import free_port, project_pythonpath
 
+pytestmark = pytest.mark.slow  # spawns servers or rank processes (pytest -m 'not slow': the quick loop)
+
 LAYER, LAYER_LINE = "runtime/tsdev_runtime/layers/activation.py", "        return act_ops.silu_and_mul(x)\n"
 
 

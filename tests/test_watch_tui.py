@@ -1,4 +1,5 @@
 """The watch screen, driven by Textual's test pilot against the in-process fake server: what it shows."""
+import pytest
 import asyncio
 import html
 import re
@@ -22,6 +23,7 @@ def screen_text(app) -> str:
     return "\n".join("".join(row.get(i, " ") for i in range(max(row) + 1)).rstrip() for _, row in sorted(rows.items()))
 
 
+@pytest.mark.slow
 def test_reload_row_with_timings_then_an_error_with_file_line_and_code(tmp_path):
     project, server = make_project(tmp_path), FakeServer()
     server.output_changed_at = 3
@@ -113,6 +115,7 @@ def test_a_reload_on_two_ranks_shows_each_ranks_line(tmp_path):
     assert "rank 0: ok | jit 0.08" in shown and "rank 1: ok | jit 0.08" in shown, shown
 
 
+@pytest.mark.slow
 def test_at_80_by_24_the_history_drops_columns_in_order_and_keeps_the_outcome(tmp_path):
     from tsdev.watch.tui import DROP_ORDER, visible_columns
 
@@ -150,6 +153,7 @@ def test_at_80_by_24_the_history_drops_columns_in_order_and_keeps_the_outcome(tm
     assert len(visible_columns(400)[0]) == len(DROP_ORDER) + len(columns)
 
 
+@pytest.mark.slow
 def test_a_reloads_kernel_checks_show_as_one_summary_per_op_and_k_shows_them_per_shape(tmp_path):
     from fake_server import ok_worker
 
@@ -166,6 +170,7 @@ def test_a_reloads_kernel_checks_show_as_one_summary_per_op_and_k_shows_them_per
     assert re.search(r"silu_and_mul +1x6144 +bfloat16 +2\.00e-03", table) and re.search(r"256x6144 .* 21\.0 +19\.0", table)
 
 
+@pytest.mark.slow
 def test_k_says_why_there_are_no_kernel_checks_where_they_cannot_run(tmp_path):
     from fake_server import ok_worker
 

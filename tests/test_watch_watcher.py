@@ -80,6 +80,7 @@ def test_vim_save_with_probe_file_and_delete_then_add(project):
     assert [(c.files, c.reload) for c in found] == [([ACT], ["tsdev_kernels.ops.act"])]
 
 
+@pytest.mark.slow
 def test_formatter_writing_again_100ms_later_gives_one_batch_with_settle_ms_200(project):
     def save():
         (project / ACT).write_text(SOURCE + "#  unformatted\n")

@@ -1,5 +1,6 @@
 """`tsdev watch --weights DIR` against the in-process fake server: which checkpoints written into DIR lead to an
 update_weights call, when, and how the update is shown."""
+import pytest
 import asyncio
 import io
 import json
@@ -65,6 +66,7 @@ class Session:
         return self.out.getvalue().splitlines()
 
 
+@pytest.mark.slow
 def test_a_published_checkpoint_is_loaded_once_checked_and_shown(tmp_path):
     project, weights, server = make_project(tmp_path / "p"), tmp_path / "ckpts", FakeServer()
     write_checkpoint(weights / "step-1")  # there before the watch: the baseline, not loaded
@@ -89,6 +91,7 @@ def test_a_published_checkpoint_is_loaded_once_checked_and_shown(tmp_path):
     assert "(now: " in next(x for x in s.lines() if "for new checkpoints" in x)
 
 
+@pytest.mark.slow
 def test_an_incomplete_set_of_shards_waits_until_complete(tmp_path):
     project, weights, server = make_project(tmp_path / "p"), tmp_path / "ckpts", FakeServer()
     weights.mkdir()
@@ -112,6 +115,7 @@ def test_an_incomplete_set_of_shards_waits_until_complete(tmp_path):
     assert [u.path for u in server.weight_updates] == [str(weights.resolve() / "step-5")]
 
 
+@pytest.mark.slow
 def test_dir_as_the_checkpoint_and_a_refusal_when_attached(tmp_path):
     project, weights, server = make_project(tmp_path / "p"), tmp_path / "ckpt", FakeServer()
     write_checkpoint(weights)

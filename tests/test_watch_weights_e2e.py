@@ -1,5 +1,6 @@
 """`tsdev watch --weights DIR --no-tui` end to end: a real child server on the tiny model; a trainer-style publish
 of new weights into DIR is loaded in place and changes the greedy output."""
+import pytest
 import os
 import re
 import signal
@@ -8,6 +9,8 @@ import sys
 
 from test_watch_e2e import Output
 from tsdev.server_process import free_port
+
+pytestmark = pytest.mark.slow  # spawns servers or rank processes (pytest -m 'not slow': the quick loop)
 
 
 def test_a_checkpoint_published_into_dir_updates_the_served_weights(tmp_path, tiny_model_dir):

@@ -61,6 +61,7 @@ def sources(pkg, **edits: str) -> dict[str, bytes]:
             for rel in ("ops",)}
 
 
+@pytest.mark.slow
 def test_a_worker_compiles_the_edited_kernel_into_the_cache_where_another_process_finds_it(pkg, pool, tmp_path):
     cache = tmp_path / "triton-cache"
     edited = KERNEL.replace("helper_x * 2.0", "helper_x * 3.0")  # an edit of the inlined helper
@@ -130,6 +131,7 @@ def test_a_kernel_that_does_not_compile_names_its_file_and_line_and_the_worker_s
     assert fixed.error is None
 
 
+@pytest.mark.slow
 def test_a_worker_that_dies_is_replaced(pkg, pool):
     import signal
 
@@ -151,6 +153,7 @@ def alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"  # a zombie has ended
 
 
+@pytest.mark.slow
 def test_workers_end_with_a_server_that_exits_without_closing_the_pool(pkg, tmp_path):
     """They share its output: a reader of that pipe (a benchmark, the daemon) would wait on them for ever."""
     pkg.write("ops", KERNEL)

@@ -75,6 +75,7 @@ def ptx(pkg, module: str, name: str) -> str:
     return out.stdout
 
 
+@pytest.mark.slow
 def test_a_gluon_helper_edit_drops_its_callers_binaries_names_the_dialect_and_rolls_back(pkg, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     pkg.write("kern", GLUON)
