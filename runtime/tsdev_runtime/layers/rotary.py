@@ -16,9 +16,24 @@ class RotaryEmbedding(nn.Module):
                                             scaling=self.scaling)
         self.cos_sin_cache.copy_(table)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                q_norm: nn.Module | None = None, k_norm: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, Hq, D] and k [T, Hk, D]; given per-head RMSNorms (Qwen3), normalise first, in one fused op."""
-        if q_norm is None:
-            return rope_ops.apply_rope(q, k, positions, self.cos_sin_cache)
-        return rope_ops.qk_norm_rope(q, k, q_norm.weight, k_norm.weight, q_norm.eps, positions, self.cos_sin_cache)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q [T, Hq, D] and k [T, Hk, D] by their tokens' positions."""
+        return rope_ops.apply_rope(q, k, positions, self.cos_sin_cache)
+
+
+class QKNormRope(nn.Module):
+    """Qwen3's per-head RMSNorm of q and of k, then the rotation, in one fused kernel (`rope_ops.qk_norm_rope`:
+    the norm's arithmetic inside the rotation's). The two norms and the rotary table stay where the checkpoint and
+    the model name them (the attention's q_norm and k_norm, the model's table): this module refers to them."""
+
+    def __init__(self, q_norm: nn.Module, k_norm: nn.Module, rope: RotaryEmbedding):
+        super().__init__()
+        for name, module in (("q_norm", q_norm), ("k_norm", k_norm), ("rope", rope)):  # shared, not owned
+            object.__setattr__(self, name, module)
+
+    def extra_repr(self) -> str:
+        return "q_norm, k_norm -> rope"
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_ops.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, positions,
+                                     self.rope.cos_sin_cache)

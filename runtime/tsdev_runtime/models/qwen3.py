@@ -3,7 +3,7 @@ import torch
 
 from tsdev_runtime.config import ModelConfig
 from tsdev_runtime.layers.norm import RMSNorm
-from tsdev_runtime.layers.rotary import RotaryEmbedding
+from tsdev_runtime.layers.rotary import QKNormRope, RotaryEmbedding
 from tsdev_runtime.models.llama import LlamaAttention, LlamaForCausalLM
 
 
@@ -12,9 +12,10 @@ class Qwen3Attention(LlamaAttention):
         super().__init__(config, rope)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm_rope = QKNormRope(self.q_norm, self.k_norm, rope)
 
     def rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rotary_emb(positions, q, k, self.q_norm, self.k_norm)
+        return self.qk_norm_rope(positions, q, k)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
