@@ -46,6 +46,9 @@ class EditedSources:
     def modules(self):
         return self.reloader.modules()
 
+    def compile_ahead(self, sources=None, modules=None):
+        return self.reloader.compile_ahead(sources, modules)
+
 
 def compiled_kernels() -> int:
     """Binaries in the in-memory caches of every Triton kernel in tsdev_kernels.ops."""

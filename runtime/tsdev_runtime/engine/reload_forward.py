@@ -20,8 +20,9 @@ the old code keeps serving.
 The reloader is anything that satisfies `ForwardReloader` below (a `typing.Protocol`: the runtime never
 imports the toolkit): `read_sources()`, `plan(sources=, modules=)` (what changed: `reloaded`,
 `needs_restart`), `reload(modules=, sources=)` returning a transaction (its `report`, `commit()`,
-`rollback(reason)`), and `modules()` (what a reload may force); optionally `compile_ahead(sources=,
-modules=)` returning (binaries compiled, seconds[, seconds of the slowest compile]). tsdev's `tsdev.hotreload.Reloader` is one (tests/test_reloader_protocol.py checks it), another
+`rollback(reason)`), `modules()` (what a reload may force) and `compile_ahead(sources=, modules=)` returning
+(binaries compiled, seconds[, seconds of the slowest compile]) -- (0, 0.0) for a library that compiles nothing
+ahead. tsdev's `tsdev.hotreload.Reloader` is one (tests/test_reloader_protocol.py checks it), another
 library's may be. Requests, worker reports, the reply and the events are tsdev_runtime.control_protocol's models.
 """
 import asyncio
@@ -95,6 +96,9 @@ class ForwardReloader(Protocol):
                sources: Mapping[str, bytes] | None = None) -> ReloadTransaction: ...
 
     def modules(self) -> list[str]: ...
+
+    def compile_ahead(self, sources: Mapping[str, bytes] | None = None,
+                      modules: Iterable[str] | None = None) -> tuple: ...
 
 
 class StepTimeout(Exception):
@@ -283,7 +287,7 @@ class _Reload:
         self.needs_restart: list[str] = []
 
     def before_pause(self) -> list[Step]:
-        return [Step(JIT, self._jit)] if getattr(self.owner.reloader, "compile_ahead", None) else []
+        return [Step(JIT, self._jit)]
 
     def in_pause(self) -> list[Step]:
         return [Step(DRAIN, self._drain, started=lambda: {"running": self.engine.num_running}),
