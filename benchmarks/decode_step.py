@@ -155,7 +155,8 @@ def engine_step_time(engine: LLMEngine, batch: int, context: int, iters: int, pa
     The prompts are computed once first, so that their pages are in the prefix cache and every request starts
     decoding within a step or two of the others (a chunked prefill of them all would start the first admitted
     ones ~60 steps ahead: at batch 256 and context 512 their mean context was ~600 tokens, 18 % more KV to read)."""
-    prompt_len = max(1, context - 5 - iters // 2)  # 5 untimed steps, then iters timed ones: the mean context is `context`
+    # 5 untimed steps, then iters timed ones: the mean context is `context`
+    prompt_len = max(1, context - 5 - iters // 2)
     prompts = [[(i * 17 + j) % 1000 + 1 for j in range(prompt_len)] for i in range(batch)]
     engine.generate(prompts, SamplingParams(max_tokens=1))
     for i, prompt in enumerate(prompts):

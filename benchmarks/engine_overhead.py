@@ -5,8 +5,8 @@
     python3 benchmarks/engine_overhead.py --unknown-tokens # ids beyond the tokenizer: nothing to decode
 
 The model runner's `launch` is replaced (on its class, after the engine has started) by one that returns
-random tokens of the tokenizer at once (decoded as text, as a real model's are), so what is left is the Python that every real step also pays before and after the
-GPU's work; on a GPU it adds to each step's time unless overlapped.
+random tokens of the tokenizer at once (decoded as text, as a real model's are), so what is left is the Python that
+every real step also pays before and after the GPU's work; on a GPU it adds to each step's time unless overlapped.
 """
 import argparse
 import cProfile

@@ -5,8 +5,8 @@ the dot operand's layout, and an 8-bit operand along the reduced axis (V's rows)
 Converting V in registers first (`attention._kept_in_registers`, a barrier the move cannot cross) lets the dot read
 f16 with `ldmatrix.trans`; the kernel does so (`V_IN_REGISTERS`).
 
-This times the kernel as it is against variants of it, each built from kernels/tsdev_kernels/ops/attention.py's source with one
-line replaced (V's conversion left where Triton puts it; K's kept in registers too), over the same e4m3 pools
+This times the kernel as it is against variants of it, each built from kernels/tsdev_kernels/ops/attention.py's source
+with one line replaced (V's conversion left where Triton puts it; K's kept in registers too), over the same e4m3 pools
 (Qwen3-0.6B's heads, B = 64/139/256, contexts 100-2048, 28 layers' pools in a CUDA graph, as benchmarks/fp8_kv.py),
 at KV blocks of 64 and 128 rows and 2 and 3 stages, and checks each output against the kernel's as it is.
 

@@ -1,6 +1,7 @@
-"""The Gluon RMSNorm (kernels/tsdev_kernels/ops/norm.py, TSDEV_KERNELS=gluon:norm) against the Triton one it can replace, in one
-process: the device time per call of each, CUDA-graph timed over 4 distinct inputs (benchmarks/kernels_bench.py's
-graph_ms), at the rows serving sees (decode batches, prefill chunks) and two hidden sizes.
+"""The Gluon RMSNorm (kernels/tsdev_kernels/ops/norm.py, TSDEV_KERNELS=gluon:norm) against the Triton one it can
+replace, in one process: the device time per call of each, CUDA-graph timed over 4 distinct inputs
+(benchmarks/kernels_bench.py's graph_ms), at the rows serving sees (decode batches, prefill chunks) and two hidden
+sizes.
 
     python3 benchmarks/gluon_norm.py
 """

@@ -39,8 +39,8 @@ SERVED = checks.Serving(tokens=(1, 8, 64, 256), hidden=1024, intermediate=3072, 
 
 def pauses(cycles: int, rng: random.Random) -> tuple[dict[str, list[float]], list[float], dict[tuple, list[float]]]:
     """One server of the default model, given `cycles` never-seen edits and their reverts, each pair's reloads with
-    the checks off and on (`report`), the edit's mode alternating: (mode -> pauses, check steps, (op, shape) -> the µs after each
-    checked edit); prints each reload and the median of each timed step per mode."""
+    the checks off and on (`report`), the edit's mode alternating: (mode -> pauses, check steps, (op, shape) -> the µs
+    after each checked edit); prints each reload and the median of each timed step per mode."""
     with tempfile.TemporaryDirectory() as tmp:
         project = copy_project(Path(tmp) / "project")
         server = ServerProcess(["--device", "cuda", "--kernel-check", "report"], allow_reload_forward=True,

@@ -6,8 +6,8 @@ page-locked staging buffer, copied to the GPU asynchronously while the next part
     python3 benchmarks/load_weights.py --slot-mib 64 256 1024 --threads 4 8 16   # sweep the staging shape
 
 Each round loads plain, then pinned (once per staging shape), into the same model; the first round may
-read from disk, the later ones from the page cache (`--cold`: each load reads the disk). The pinned load is checked bit for bit against the
-plain one. Ratios are from the same run (docs/results.md's habit).
+read from disk, the later ones from the page cache (`--cold`: each load reads the disk). The pinned load is checked bit
+for bit against the plain one. Ratios are from the same run (docs/results.md's habit).
 """
 import argparse
 import cProfile

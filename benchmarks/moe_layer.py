@@ -9,8 +9,9 @@ run. The Triton layer is replayed from a CUDA graph (triton.testing.do_bench_cud
 `fused_moe_triton` dispatches (the GEMV path up to GEMV_MAX_TOKENS tokens), and each of its two paths forced (the
 GEMV path up to 16 tokens), so the threshold can be read off; the same with FP8 experts (e4m3 + a scale per row,
 floor = their bytes). The reference (a loop over the chosen experts, with a host sync) runs eagerly. Then the router
-before the layer: the torch one against the fused kernel (tsdev_kernels.ops.router), against its weight-read floor. Configurations: `moe_config` (the tuned
-file for this shape and GPU when there is one: benchmarks/tune_moe.py). Random bf16 weights and routings.
+before the layer: the torch one against the fused kernel (tsdev_kernels.ops.router), against its weight-read floor.
+Configurations: `moe_config` (the tuned file for this shape and GPU when there is one: benchmarks/tune_moe.py). Random
+bf16 weights and routings.
 """
 import argparse
 import datetime

@@ -1,7 +1,7 @@
 """The batch-1 projections in a CUDA graph: programmatic dependent launch (PDL) on and off, the norm and the
 SwiGLU activation fused into the GEMV or run as kernels of their own, and a sweep of the GEMV's block sizes per
-Qwen3-0.6B projection shape (what kernels/tsdev_kernels/ops/linear.py's gemv_config reproduces). Every timing is a graph of 28
-layers' launches, each layer's weights distinct (as in a decode step, nothing stays in L2), replayed.
+Qwen3-0.6B projection shape (what kernels/tsdev_kernels/ops/linear.py's gemv_config reproduces). Every timing is a graph
+of 28 layers' launches, each layer's weights distinct (as in a decode step, nothing stays in L2), replayed.
 
     python3 benchmarks/pdl_probe.py              # CUDA, Hopper or newer for PDL
     python3 benchmarks/pdl_probe.py --no-sweep

@@ -6,11 +6,12 @@
 
 Runs a copy of the project in a temporary folder: starts the server (restart time = process start to
 the end of the first 32-token completion), then edits the SiLU-and-mul Triton kernel (negates its output; `--edit
-moe`: the fused-MoE kernels negate the router weights, on the decode path and the prefill path) and reverts it, `--cycles` times, reloading after each save. Prints every step's time, the serving pause,
-the ratio to the restart, and checks that outputs change with the edit and come back after the revert.
-The edit alternates with its revert, so after the first cycle every compile is a cache hit: the `jit` column is
-then the repeated-edit case (the pause excludes compiles either way: they run ahead). Never-seen edits, one after
-another, as users make them: benchmarks/save_to_serving.py.
+moe`: the fused-MoE kernels negate the router weights, on the decode path and the prefill path) and reverts it,
+`--cycles` times, reloading after each save. Prints every step's time, the serving pause, the ratio to the restart, and
+checks that outputs change with the edit and come back after the revert. The edit alternates with its revert, so after
+the first cycle every compile is a cache hit: the `jit` column is then the repeated-edit case (the pause excludes
+compiles either way: they run ahead). Never-seen edits, one after another, as users make them:
+benchmarks/save_to_serving.py.
 """
 import argparse
 import json

@@ -1,13 +1,13 @@
 """Save -> serving the new code through `tsdev watch`, the way a user gets it, edit after edit: each cycle makes a
-never-seen edit of a Triton helper that several kernels inline (`silu_and_mul_values` in kernels/tsdev_kernels/ops/activation.py,
-`rms_norm_values` in kernels/tsdev_kernels/ops/norm.py, in turn: their output times a constant drawn fresh for this run and
-cycle, so no binary of it is in Triton's cache) and then reverts it (the original's binaries are cached: a repeated
-edit). Each reload line's "save → serving" (from the file's modification time to the reload's reply, measured by
-the daemon) is reported for fresh and repeated edits apart. Then `--restarts` edits of an engine file (a comment
-added to runtime/tsdev_runtime/engine/scheduler.py), each answered with a restart: "save → serving again" from the restart line,
-each save --restart-gap seconds after the server serves again (the standby that takes the next start imports torch,
-Triton and the HTTP stack first, ~4 s on the H200 host: a save sooner than that waits for it); the servers' startup
-lines follow (where each restart's seconds went).
+never-seen edit of a Triton helper that several kernels inline (`silu_and_mul_values` in
+kernels/tsdev_kernels/ops/activation.py, `rms_norm_values` in kernels/tsdev_kernels/ops/norm.py, in turn: their output
+times a constant drawn fresh for this run and cycle, so no binary of it is in Triton's cache) and then reverts it (the
+original's binaries are cached: a repeated edit). Each reload line's "save → serving" (from the file's modification time
+to the reload's reply, measured by the daemon) is reported for fresh and repeated edits apart. Then `--restarts` edits
+of an engine file (a comment added to runtime/tsdev_runtime/engine/scheduler.py), each answered with a restart: "save →
+serving again" from the restart line, each save --restart-gap seconds after the server serves again (the standby that
+takes the next start imports torch, Triton and the HTTP stack first, ~4 s on the H200 host: a save sooner than that
+waits for it); the servers' startup lines follow (where each restart's seconds went).
 
     python3 benchmarks/save_to_serving.py                    # CUDA, the default model
     python3 benchmarks/save_to_serving.py --cycles 5 -- --settle-ms 200
@@ -37,7 +37,8 @@ from tsdev.server_process import copy_project, free_port, project_pythonpath
 RELOAD = re.compile(r"reload #(\d+) (ok|FAILED).*")
 SECONDS = re.compile(r"save → serving (\d+\.\d+) s")
 RESTART = re.compile(r"restart #\d+: .*save → serving again (\d+\.\d+) s|restart FAILED.*")
-ENGINE_FILE = "runtime/tsdev_runtime/engine/scheduler.py"  # outside the reloadable packages: an edit restarts the server
+# outside the reloadable packages: an edit restarts the server
+ENGINE_FILE = "runtime/tsdev_runtime/engine/scheduler.py"
 HELPERS = [("kernels/tsdev_kernels/ops/activation.py", "    return act * up\n", "    return act * up * {c}\n"),
            ("kernels/tsdev_kernels/ops/norm.py", "    return w * (x * rstd).to(dt).to(tl.float32)\n",
             "    return w * (x * rstd).to(dt).to(tl.float32) * {c}\n")]

@@ -8,8 +8,8 @@ offline workload's output tokens per second.
     python3 benchmarks/speed.py --cycles 5 --skip offline
     python3 benchmarks/speed.py --compile-workers 8 --skip decode offline   # the edit loop with the compile pool
 
-Runs benchmarks/reload_vs_restart.py, save_to_serving.py, decode_step.py and offline_throughput.py one after the other (each in its
-own process, its output shown as it comes), then prints the table.
+Runs benchmarks/reload_vs_restart.py, save_to_serving.py, decode_step.py and offline_throughput.py one after the other
+(each in its own process, its output shown as it comes), then prints the table.
 """
 import argparse
 import json

@@ -11,8 +11,8 @@ distributed path ("tp1-group": a process group of one, every collective and the 
         # "tp-decode-B" NVTX range is the all-reduce share
 
 Each configuration runs in fresh processes, one per rank (torchrun's environment): rank 0 builds the engine and
-measures; the others follow it (`tsdev_runtime.engine.llm_engine.serve_rank`). Prints one JSON line per measurement, then a
-summary.
+measures; the others follow it (`tsdev_runtime.engine.llm_engine.serve_rank`). Prints one JSON line per measurement,
+then a summary.
 """
 import argparse
 import asyncio

@@ -1,4 +1,5 @@
-"""Tune kernels/tsdev_kernels/ops/moe.py's block sizes for one MoE shape on this GPU and write the file `moe_config` reads.
+"""Tune kernels/tsdev_kernels/ops/moe.py's block sizes for one MoE shape on this GPU and write the file `moe_config`
+reads.
 
     python3 benchmarks/tune_moe.py --experts 128 --intermediate 768 --hidden 2048      # Qwen3-30B-A3B, one rank
     python3 benchmarks/tune_moe.py --experts 128 --intermediate 384 --hidden 2048      # the same at --tp 2
@@ -6,7 +7,8 @@
 
 For each token bucket (1, 16, 64, 256, 1024 by default) it times `fused_moe_triton` (alignment, both GEMMs, the sum)
 on random routings, replayed from a CUDA graph (triton.testing.do_bench_cudagraph), for every config of a small
-grid, and keeps the fastest: kernels/tsdev_kernels/moe_configs/E=..,I=..,H=..,dtype=..,device=...json (--out to write elsewhere).
+grid, and keeps the fastest: kernels/tsdev_kernels/moe_configs/E=..,I=..,H=..,dtype=..,device=...json (--out to write
+elsewhere).
 --intermediate is one rank's share of moe_intermediate_size under tensor parallelism. --fp8 tunes FP8 experts (e4m3
 weights, a scale per row; activations in --dtype) into their own file (dtype=float8_e4m3fn).
 """

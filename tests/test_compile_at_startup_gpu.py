@@ -34,7 +34,8 @@ def binaries() -> dict[str, int]:
 @contextmanager
 def triton_compiles():
     """The Triton compiles inside the block: each kernel's name and specialisation as Triton's post-compile hook
-    reports it (Triton 3.6 and later), else, at the end of the block, the tsdev_kernels.ops kernels with new binaries."""
+    reports it (Triton 3.6 and later), else, at the end of the block, the tsdev_kernels.ops kernels with new
+    binaries."""
     compiled: list[str] = []
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
     if runtime is not None and hasattr(runtime, "jit_post_compile_hook"):

@@ -1,7 +1,7 @@
-"""The CuTe DSL silu_and_mul (kernels/tsdev_kernels/ops/activation_cute.py, TSDEV_KERNELS=cute:activation). Without the optional
-package (`pip install tsdev[cute]`, as in CI) the choice fails at startup with what to install; with it the kernel
-compiles for the H200 on the CPU (CUTE_DSL_ARCH=sm_90a: nothing launches here) and an edit of the kernel changes its
-check's fingerprint. tests/test_cute_watch_gpu.py serves it on the GPU."""
+"""The CuTe DSL silu_and_mul (kernels/tsdev_kernels/ops/activation_cute.py, TSDEV_KERNELS=cute:activation). Without the
+optional package (`pip install tsdev[cute]`, as in CI) the choice fails at startup with what to install; with it the
+kernel compiles for the H200 on the CPU (CUTE_DSL_ARCH=sm_90a: nothing launches here) and an edit of the kernel changes
+its check's fingerprint. tests/test_cute_watch_gpu.py serves it on the GPU."""
 import importlib.util
 import sys
 

@@ -1,8 +1,8 @@
 """The decode step at batch 1 runs each layer's norm inside the q|k|v and gate|up projections and SwiGLU's
 activation inside the gate|up one (`NormedProjection`, one module of the decoder layer). On the CPU the fused GEMV
-runs under the Triton interpreter when NormedProjection is told Triton may run: a greedy generation must then take the fused path at
-every decode step, only there (not in the prefill), and generate what the separate ops do; it must still after a
-reload of those layers, and never for an activation other than SwiGLU's."""
+runs under the Triton interpreter when NormedProjection is told Triton may run: a greedy generation must then take the
+fused path at every decode step, only there (not in the prefill), and generate what the separate ops do; it must still
+after a reload of those layers, and never for an activation other than SwiGLU's."""
 
 import pytest
 import torch

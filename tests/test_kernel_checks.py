@@ -1,8 +1,8 @@
-"""The per-kernel check of a reload (kernels/tsdev_kernels/checks.py, runtime/tsdev_runtime/engine/kernel_checks.py) on the CPU, under Triton's
-interpreter: a kernel against its reference on fresh random inputs (NaN never passes, a wrong result is reported with
-its error), which ops an edit changed (through an inlined helper too), and a server whose reload checks the changed
-ops: a harmless edit reports ok, a wrong one reports not ok, and under --kernel-check strict rolls the reload back
-naming the op and the shape."""
+"""The per-kernel check of a reload (kernels/tsdev_kernels/checks.py, runtime/tsdev_runtime/engine/kernel_checks.py) on
+the CPU, under Triton's interpreter: a kernel against its reference on fresh random inputs (NaN never passes, a wrong
+result is reported with its error), which ops an edit changed (through an inlined helper too), and a server whose reload
+checks the changed ops: a harmless edit reports ok, a wrong one reports not ok, and under --kernel-check strict rolls
+the reload back naming the op and the shape."""
 import math
 import time
 from dataclasses import replace
@@ -135,7 +135,8 @@ def test_an_edit_of_an_inlined_helper_changes_the_fingerprint_of_the_ops_whose_k
         helper.__code__ = original
     assert checks.changed(before, declared) == [] and kernel is activation._silu_and_mul_kernel
     reached = {c.op: checks.modules_reached(c) for c in declared}  # what the old code's timing before an edit takes
-    assert reached["silu_and_mul"] == {"tsdev_kernels.ops.activation", "tsdev_kernels.ops"}  # wait_for_previous is in tsdev_kernels.ops
+    # wait_for_previous is in tsdev_kernels.ops
+    assert reached["silu_and_mul"] == {"tsdev_kernels.ops.activation", "tsdev_kernels.ops"}
     assert {"tsdev_kernels.ops.linear", "tsdev_kernels.ops.activation", "tsdev_kernels.ops.norm"} <= reached["gemv_norm_gate_up"]
     assert "tsdev_kernels.ops.activation" not in reached["rms_norm"]
 

@@ -1,6 +1,6 @@
-"""Every kernel on the decode path (and every Gluon kernel) compiles for the H200 (sm_90, through ptxas) on a machine without a GPU: the
-interpreter runs the kernels' Python, not Triton's compiler, which refuses more (a name rebound to another type
-inside an `if`, ops the interpreter lacks such as programmatic dependent launch's waits)."""
+"""Every kernel on the decode path (and every Gluon kernel) compiles for the H200 (sm_90, through ptxas) on a machine
+without a GPU: the interpreter runs the kernels' Python, not Triton's compiler, which refuses more (a name rebound to
+another type inside an `if`, ops the interpreter lacks such as programmatic dependent launch's waits)."""
 import pytest
 import os
 import subprocess

@@ -291,8 +291,8 @@ def test_a_chat_requests_prompt_is_the_checkpoints_template_as_transformers_rend
 def hf_fp8_model(model_dir) -> transformers.PreTrainedModel:
     """transformers' model with every projection (q, k, v, o, gate, up, down; not the embedding or lm_head) running
     the numerics `--quantization fp8` documents: its weight quantized per output row (`quantize_fp8_rows`), the
-    product by the CPU references of kernels/tsdev_kernels/ops/fp8.py (weight-only up to SKINNY_ROWS rows, else activations
-    quantized per token), through `fp8_linear` itself."""
+    product by the CPU references of kernels/tsdev_kernels/ops/fp8.py (weight-only up to SKINNY_ROWS rows, else
+    activations quantized per token), through `fp8_linear` itself."""
     model = hf_model(model_dir)
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.endswith("_proj"):

@@ -1,5 +1,5 @@
-"""kernels/tsdev_kernels/ops/moe.py on CPU: the Triton path (alignment, both grouped GEMMs, the sum over k) in the interpreter
-against the reference; the reference against a naive per-token loop and transformers' Qwen3-MoE block; the
+"""kernels/tsdev_kernels/ops/moe.py on CPU: the Triton path (alignment, both grouped GEMMs, the sum over k) in the
+interpreter against the reference; the reference against a naive per-token loop and transformers' Qwen3-MoE block; the
 config lookup. Tiny shapes: the interpreter runs one program at a time."""
 import json
 import logging
@@ -159,7 +159,8 @@ def test_few_tokens_take_the_gemv_path_and_more_the_aligned_gemms(monkeypatch):
 
 
 def fp8_experts(E):
-    """e4m3 experts with one scale per (expert, row), from random float32 ones (kernels/tsdev_kernels/ops/fp8.py's quantizer)."""
+    """e4m3 experts with one scale per (expert, row), from random float32 ones (kernels/tsdev_kernels/ops/fp8.py's
+    quantizer)."""
     w13, w2 = experts(E)
     (q13, s13), (q2, s2) = fp8.quantize_fp8_rows(w13), fp8.quantize_fp8_rows(w2)
     return q13, s13.squeeze(-1), q2, s2.squeeze(-1)

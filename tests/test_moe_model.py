@@ -296,7 +296,8 @@ def test_fp8_experts_are_transformers_with_dequantized_experts_and_fp8_projectio
         torch.testing.assert_close(teacher_forced_logits(engine, prompt, theirs[-1][:-1]), torch.cat(out.logits),
                                    rtol=1e-4, atol=1e-4)
     assert theirs != expected  # quantizing changed something
-    # one prompt at a time: the dense projections' fp8 numerics follow the step's row count (kernels/tsdev_kernels/ops/fp8.py)
+    # one prompt at a time: the dense projections' fp8 numerics follow the step's row count
+    # (kernels/tsdev_kernels/ops/fp8.py)
     assert [engine.generate([prompt], GREEDY)[0]["token_ids"] for prompt in PROMPTS] == theirs
 
 

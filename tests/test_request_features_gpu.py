@@ -1,5 +1,6 @@
 """The request features on CUDA (Triton penalties kernel, device-side counts, logprobs) give the CPU's tokens and
-logprobs (torch references) on the tiny model in float32, and run on the real shape (run on the H200: `pytest -m gpu`)."""
+logprobs (torch references) on the tiny model in float32, and run on the real shape (run on the H200: `pytest -m
+gpu`)."""
 import pytest
 import torch
 

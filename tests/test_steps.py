@@ -1,5 +1,5 @@
-"""The reload's transaction loop (runtime/tsdev_runtime/engine/steps.py): steps run in order and are timed; a failure leaves the
-steps begun -- the failed one too -- to be undone last first, guards included, each undo told why."""
+"""The reload's transaction loop (runtime/tsdev_runtime/engine/steps.py): steps run in order and are timed; a failure
+leaves the steps begun -- the failed one too -- to be undone last first, guards included, each undo told why."""
 import asyncio
 
 import pytest

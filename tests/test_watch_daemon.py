@@ -97,7 +97,8 @@ def test_reload_all_forces_every_module_the_server_has_imported(tmp_path):
     server.answer = lambda request: ok_worker(reloaded=request.modules)
     events = session(project, server, lambda daemon: daemon.reload_all())
     assert [request.modules for request in server.reloads] == [
-        ["tsdev_kernels.ops", "tsdev_kernels.ops.act", "tsdev_runtime.layers", "tsdev_runtime.layers.norm"]]  # on disk and imported
+        # on disk and imported
+        ["tsdev_kernels.ops", "tsdev_kernels.ops.act", "tsdev_runtime.layers", "tsdev_runtime.layers.norm"]]
     assert finished(events)[0].ok
 
 

@@ -57,7 +57,8 @@ def test_reload_row_with_timings_then_an_error_with_file_line_and_code(tmp_path)
     row = next(line for line in first.splitlines() if re.search(r" 1 +\d\d:\d\d:\d\d +save …\S*/ops/act\.py", line))
     for cell in ("0.01", "0.00", "0.03", "0.12", "0.46", "0.08", "0.63", "0.64", "changed @3", "ok"):
         assert cell in row, (cell, row)
-    assert "✓ warm 0.12 s" in first and "✓ recapture 0.46 s (decode 0.30, prefill 0.16)" in first  # the current reload's steps
+    # the current reload's steps
+    assert "✓ warm 0.12 s" in first and "✓ recapture 0.46 s (decode 0.30, prefill 0.16)" in first
     assert "golden: output changed at token 3 of 24" in first
     assert "fake-model" in first and "serving" in first
     # the error: message with file:line first, then the code around that line

@@ -53,7 +53,8 @@ def test_pinned_load_is_bit_identical_to_plain_and_reports_gb_per_s(model_dir):
 def test_a_small_staging_buffer_splits_large_tensors_and_stays_identical(model_dir):
     plain, staged = cuda_model(model_dir), cuda_model(model_dir)
     load_weights(plain, model_dir, "plain")
-    report = load_weights(staged, model_dir, "pinned", memory_limit=64 << 20).report  # 32 MiB slots: the 311 MB embedding is split
+    # 32 MiB slots: the 311 MB embedding is split
+    report = load_weights(staged, model_dir, "pinned", memory_limit=64 << 20).report
     print(f"\n{report}")
     assert report.format == "pinned" and "32 MiB" in report.detail
     assert_bit_identical(plain, staged)

@@ -146,7 +146,8 @@ def test_pinned_staging_loads_the_same_bits_as_plain(tiny_model_dir, fake_pinnin
     plain = tiny_model(tiny_model_dir)
     assert load_weights(plain, tiny_model_dir, "plain").report.format == "plain"
     staged = tiny_model(tiny_model_dir)
-    report = load_weights(staged, tiny_model_dir, "pinned", memory_limit=16 << 10).report  # 8 KiB slots: splits the embedding
+    # 8 KiB slots: splits the embedding
+    report = load_weights(staged, tiny_model_dir, "pinned", memory_limit=16 << 10).report
     assert report.format == "pinned" and "chunk(s)" in report.detail
     assert_identical(plain, staged)
     assert [c[0] for c in fake_pinning] == ["register", "unregister"]  # and the buffer is unmapped:

@@ -251,7 +251,8 @@ def serve(
         metavar="BYTES", help="Largest request body accepted (4 MiB by default); a larger one is answered 413 "
                               "before it is parsed.", min=1)] = ServerConfig.max_request_body_bytes,
 ):
-    """Serve a Llama 3.x, Qwen2.5 or Qwen3 model over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
+    """Serve a Llama 3.x, Qwen2.5 or Qwen3 model over an OpenAI-compatible HTTP API (completions, chat, streaming,
+    /metrics)."""
     from rich.console import Console
 
     console = Console(stderr=True, soft_wrap=True)
@@ -638,7 +639,8 @@ def hook(
     install: Annotated[bool, typer.Option("--install", help="Write it where the editor reads it (and say where) instead of printing it.")] = False,
     url: Annotated[Optional[str], typer.Option(help="The server to reload, if not http://127.0.0.1:8000.")] = None,
 ):
-    """Print (or --install) an editor hook that runs `tsdev reload --file PATH` on every save. See docs/editor-hooks.md."""
+    """Print (or --install) an editor hook that runs `tsdev reload --file PATH` on every save. See
+    docs/editor-hooks.md."""
     from tsdev.hooks import EDITORS, install as install_hook, snippet
 
     if editor not in EDITORS:

@@ -2,8 +2,8 @@
 
 Each capture range is opened with POST /start_profile (cudaProfilerStart under nsys, which writes one
 report per range with --capture-range-end=repeat) while a small fixed workload runs, and closes itself
-after N engine steps. nsys (2025.3, measured on the H200) writes the reports only when the server exits, so with nsys they are
-renamed after their reloads (reload-3.nsys-rep) and summarised when `tsdev profile` stops: with
+after N engine steps. nsys (2025.3, measured on the H200) writes the reports only when the server exits, so with nsys
+they are renamed after their reloads (reload-3.nsys-rep) and summarised when `tsdev profile` stops: with
 `nsys stats` (top kernels by GPU time, NVTX step ranges) into reload-3.summary.csv / .md, with the
 change per kernel against the previous range. Without nsys, the torch profiler writes a trace per range,
 summarised as it closes: its GPU kernels, or on a CPU server its operators by self CPU time, and the same

@@ -215,9 +215,9 @@ def time_call(check: KernelCheck, shape: tuple[int, ...], dtype: torch.dtype, de
     """(microseconds per call of the kernel at `shape`, how they were timed). On CUDA: "graph", the device time of
     `calls` launches captured in one CUDA graph (what a captured step pays: no host launch cost, unmoved by the
     server's other threads), over up to INPUT_SETS distinct inputs as serving's layers bring their own, the median
-    of `repeats` runs of back-to-back replays (`_replays`) -- benchmarks/kernels_bench.py's graph column; "eager" where the op cannot be captured
-    (it waits on the host): the same launches one by one between two events, launch cost included. Off CUDA,
-    "wall": the wall clock of eager launches."""
+    of `repeats` runs of back-to-back replays (`_replays`) -- benchmarks/kernels_bench.py's graph column; "eager" where
+    the op cannot be captured (it waits on the host): the same launches one by one between two events, launch cost
+    included. Off CUDA, "wall": the wall clock of eager launches."""
     inputs = timing_inputs(check, tuple(shape), dtype, device)
     for args in inputs:
         check.kernel(*args)  # loaded and launched once before timing

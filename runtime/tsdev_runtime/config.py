@@ -93,7 +93,8 @@ class EngineConfig:
     max_batched_tokens: int = 2048  # per-step token budget; longer prompts are prefilled in chunks
     max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings, capped at 8192
     page_size: int = 16
-    kv_pages: int | None = None  # default: the memory budget (CUDA: free memory; CPU: 512 MiB), at most max_running full contexts
+    # default: the memory budget (CUDA: free memory; CPU: 512 MiB), at most max_running full contexts
+    kv_pages: int | None = None
     gpu_memory_utilization: float = 0.9
     seed: int = 0
     enable_prefix_caching: bool = True
@@ -116,8 +117,8 @@ class EngineConfig:
     load_memory_limit: int = 16 << 30  # bytes of host memory the pinned staging buffer may take
     quantization: str | None = None  # "fp8": e4m3 projections with per-channel scales derived at load (docs/runtime.md)
     kv_cache_dtype: str = "auto"  # fp8 / fp8_e4m3: the KV pool in e4m3, one scale per tensor (docs/runtime.md)
-    # a reload checks the kernels it changed against their references (runtime/tsdev_runtime/engine/kernel_checks.py): report,
-    # strict (a failure rolls the reload back) or off
+    # a reload checks the kernels it changed against their references (runtime/tsdev_runtime/engine/kernel_checks.py):
+    # report, strict (a failure rolls the reload back) or off
     kernel_check: str = "report"
 
     def torch_dtype(self, model_config: ModelConfig) -> "torch.dtype":
@@ -164,7 +165,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port (the listening line says which)
     served_model_name: str | None = None  # default: the hub id, else the checkpoint directory's name
-    chat_template: str | None = None  # a jinja2 file; default: the checkpoint's own (runtime/tsdev_runtime/server/chat.py)
+    # a jinja2 file; default: the checkpoint's own (runtime/tsdev_runtime/server/chat.py)
+    chat_template: str | None = None
     allow_reload_forward: bool = False
     # processes compiling an edit's kernels side by side (tsdev/hotreload/pool.py); 0: none; None: the default
     compile_workers: int | None = None

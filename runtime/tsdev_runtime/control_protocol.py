@@ -52,7 +52,8 @@ GRAPH_KINDS = ("decode", "prefill")  # recapture is reported split by graph kind
 TIMINGS = (*STEPS, "jit_slowest", "rebuild", "kernel_check", "check_prepare", "commit",
            *(f"recapture_{kind}" for kind in GRAPH_KINDS), "pause", "resumed", "total")
 TimingName = Literal[TIMINGS]
-# What a server is doing now (runtime/tsdev_runtime/engine/state.py), the first that holds: /server_info's and the events' `state`
+# What a server is doing now (runtime/tsdev_runtime/engine/state.py), the first that holds: /server_info's and the
+# events' `state`
 Phase = Literal["stopping", "sleeping", "weights_unloaded", "paused", "holding", "serving"]
 StepName = Literal[STEPS]
 
@@ -119,7 +120,8 @@ class StaleDefinition(_Message):
 
 
 class KernelCheckResult(_Message):
-    """One changed op at one serving shape against its torch reference (kernels/tsdev_kernels/checks.py), on fresh random inputs."""
+    """One changed op at one serving shape against its torch reference (kernels/tsdev_kernels/checks.py), on fresh
+    random inputs."""
     op: str
     shape: list[int]
     dtype: str
@@ -149,7 +151,8 @@ class WorkerReport(_Message):
     needs_restart: list[str] = []  # changed modules outside the reloadable packages
     rebuilt: list[str] = []  # model modules rebuilt (their class's __init__ or post-load hook changed)
     jit_kernels: int = 0  # Triton kernels compiled ahead (or reset to compile on their next launch)
-    kernels: dict[str, str] = {}  # module.name -> dialect ("triton", "gluon", "cute") of each kernel the reload replaced
+    # module.name -> dialect ("triton", "gluon", "cute") of each kernel the reload replaced
+    kernels: dict[str, str] = {}
     kernels_only: bool = False  # only Triton kernel bodies changed (binaries loaded): the warm step ran nothing
     compiled_in_pause: dict[str, float] = {}  # module.name -> seconds its new binaries compiled in the reload step
     #                                            (in the pause): none of them had been compiled ahead

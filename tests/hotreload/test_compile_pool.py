@@ -88,8 +88,9 @@ def test_a_worker_compiles_the_edited_kernel_into_the_cache_where_another_proces
 
 
 def test_a_module_needing_an_extra_that_is_not_installed_leaves_the_workers_compiling(pkg, tmp_path, monkeypatch):
-    """A package holds modules for optional extras (kernels/tsdev_kernels/ops/activation_cute.py needs `tsdev[cute]`): the server
-    imports them only when picked, and the workers, which import every module of the packages, must skip them."""
+    """A package holds modules for optional extras (kernels/tsdev_kernels/ops/activation_cute.py needs `tsdev[cute]`):
+    the server imports them only when picked, and the workers, which import every module of the packages, must skip
+    them."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))
     pkg.write("ops", KERNEL)
     pkg.write("extra_ops", "import a_package_that_is_not_installed  # noqa: F401\n")

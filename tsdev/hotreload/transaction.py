@@ -45,7 +45,8 @@ class Report:
     graph_swaps: dict[int, tuple[int, int, int]] | None = None
     # module.name -> seconds of each kernel whose new binaries compiled inside the reload (none found compiled ahead)
     compiled_in_pause: dict[str, float] = field(default_factory=dict)
-    timings: dict[str, float] = field(default_factory=dict)  # seconds: read plan compile execute patch kernels stale total
+    # seconds: read plan compile execute patch kernels stale total
+    timings: dict[str, float] = field(default_factory=dict)
     error: str | None = None  # "file:line: Type: message"
 
     def to_dict(self) -> dict:

@@ -104,7 +104,9 @@ class RestartRecord:
 
 @dataclass
 class Event:
-    kind: str  # state | message | reload_started (a WeightsRecord too) | reload_step | reload_finished | restart_started | restart_finished
+    # state | message | reload_started (a WeightsRecord too) | reload_step | reload_finished | restart_started |
+    # restart_finished
+    kind: str
     record: ReloadRecord | RestartRecord | None = None
     text: str = ""
     level: str = "info"  # info | warning | error

@@ -26,7 +26,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 FAMILIES = ("norm", "rope", "activation", "linear", "fp8", "attention", "sampling", "moe")
 GLUON_FAMILIES = ("norm",)  # the families with a Gluon kernel too (triton.experimental.gluon)
-CUTE_FAMILIES = ("activation",)  # ... with a CuTe DSL kernel (nvidia-cutlass-dsl: kernels/tsdev_kernels/ops/activation_cute.py)
+# ... with a CuTe DSL kernel (nvidia-cutlass-dsl: kernels/tsdev_kernels/ops/activation_cute.py)
+CUTE_FAMILIES = ("activation",)
 IMPLS = {"ref": FAMILIES, "gluon": GLUON_FAMILIES, "cute": CUTE_FAMILIES}  # what TSDEV_KERNELS can pick, for which
 
 

@@ -1,6 +1,6 @@
 """SwiGLU's silu_and_mul written in CuTe DSL (NVIDIA's CUTLASS Python DSL, `pip install tsdev[cute]`), served under
-TSDEV_KERNELS=cute:activation in place of the Triton kernel (kernels/tsdev_kernels/ops/activation.py; same reference, same
-rounding: silu rounded to the output dtype, then the product). A first CuTe DSL kernel to edit under `tsdev watch`,
+TSDEV_KERNELS=cute:activation in place of the Triton kernel (kernels/tsdev_kernels/ops/activation.py; same reference,
+same rounding: silu rounded to the output dtype, then the product). A first CuTe DSL kernel to edit under `tsdev watch`,
 not a fast one: a thread per output element.
 
 Compiled kernels are kept in `_COMPILED`, a module-level cache keyed by dtype (the tensors' layouts are dynamic: one

@@ -542,8 +542,8 @@ def paged_attention(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Checks on reload (kernels/tsdev_kernels/checks.py): batches as serving builds them -- pages in random order, sequences of
-# mixed length, prefill chunks behind a cached prefix, this step's K/V stored by the kernel -- against the reference.
+# Checks on reload (kernels/tsdev_kernels/checks.py): batches as serving builds them -- pages in random order, sequences
+# of mixed length, prefill chunks behind a cached prefix, this step's K/V stored by the kernel -- against the reference.
 
 ATTENTION_TOLERANCE = {
     torch.bfloat16: Tolerance(1e-2, 2e-2, "bf16 q/K/V and output: softmax and sums in float32 (online, in another "

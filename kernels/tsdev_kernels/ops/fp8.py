@@ -104,14 +104,16 @@ def fp8_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
 def fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                     bias: torch.Tensor | None = None, **config) -> torch.Tensor:
     """x [..., K] holding one row, weight [N, K] e4m3, weight_scale [N] float32 -> [..., N] in x's dtype:
-    kernels/tsdev_kernels/ops/linear.py's GEMV with the row scales (config: its block_n, block_k, num_warps, num_stages)."""
+    kernels/tsdev_kernels/ops/linear.py's GEMV with the row scales (config: its block_n, block_k, num_warps,
+    num_stages)."""
     return linear_ops.gemv_triton(x, weight, bias, weight_scale=weight_scale, **config)
 
 
 def fp8_skinny_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                       bias: torch.Tensor | None = None, **config) -> torch.Tensor:
-    """x [..., K] with at most 16 rows, weight [N, K] e4m3, weight_scale [N] -> [..., N]: kernels/tsdev_kernels/ops/linear.py's
-    skinny kernel with the row scales (e4m3 converted exactly to x's dtype before tl.dot)."""
+    """x [..., K] with at most 16 rows, weight [N, K] e4m3, weight_scale [N] -> [..., N]:
+    kernels/tsdev_kernels/ops/linear.py's skinny kernel with the row scales (e4m3 converted exactly to x's dtype before
+    tl.dot)."""
     return linear_ops.skinny_triton(x, weight, bias, weight_scale=weight_scale, **config)
 
 

@@ -18,8 +18,8 @@ capture it:
 3. `_moe_gemm` again, over those rows and w2: times the slot's router weight, written per slot [T*K, H].
 4. The sum over K in float32 (`view(T, K, H).sum(1)`), one rounding: deterministic, bit for bit run to run (no
    atomics).
-Up to GEMV_MAX_TOKENS tokens (decode at batch 1) two launches do it all, with no alignment (`fused_moe_gemv_triton`): a GEMV
-per (slot, features) for gate|up with the activation, and one per (token, outputs) that runs the token's K experts
+Up to GEMV_MAX_TOKENS tokens (decode at batch 1) two launches do it all, with no alignment (`fused_moe_gemv_triton`): a
+GEMV per (slot, features) for gate|up with the activation, and one per (token, outputs) that runs the token's K experts
 over w2 and sums them in the kernel, in slot order, in float32.
 FP8 experts (`--quantization fp8`) are weight-only: e4m3 weights with one float32 scale per (expert, output row),
 converted exactly to x's dtype in the kernels; each GEMM's float32 sum is multiplied by its row's scale, then
@@ -538,8 +538,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
 
 # ---------------------------------------------------------------------------------------------------
-# Checks on reload (kernels/tsdev_kernels/checks.py): the served layer's width, top-k and token counts, at most CHECK_EXPERTS
-# experts (the weights are drawn for each check; the kernels' specialisations do not depend on the count).
+# Checks on reload (kernels/tsdev_kernels/checks.py): the served layer's width, top-k and token counts, at most
+# CHECK_EXPERTS experts (the weights are drawn for each check; the kernels' specialisations do not depend on the count).
 
 CHECK_EXPERTS = 16
 MOE_TOLERANCE = {

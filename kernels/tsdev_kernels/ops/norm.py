@@ -39,7 +39,8 @@ def fused_add_rms_norm_ref(
 def rms_norm_values(x, w, N, eps, dt):
     """w * round(x * rsqrt(mean(x^2) + eps)) in float32, for one row x (float32 values of dtype dt, masked
     lanes 0) and its weight w (float32): round to dt before the weight, as the reference does (the caller
-    rounds the product). The one-row GEMV runs it too, on the projection's input (kernels/tsdev_kernels/ops/linear.py)."""
+    rounds the product). The one-row GEMV runs it too, on the projection's input
+    (kernels/tsdev_kernels/ops/linear.py)."""
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
     return w * (x * rstd).to(dt).to(tl.float32)
 

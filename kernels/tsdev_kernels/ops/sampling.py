@@ -469,7 +469,8 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int
 
 
 # ---------------------------------------------------------------------------------------------------
-# Checks on reload (kernels/tsdev_kernels/checks.py): the float32 logits ops at the decode batches served, over the whole vocab
+# Checks on reload (kernels/tsdev_kernels/checks.py): the float32 logits ops at the decode batches served, over the
+# whole vocab
 
 def _logits_tolerance(atol: float, rtol: float, why: str) -> dict:
     """The logits are float32 whatever the model's dtype."""

@@ -3,9 +3,9 @@ arriving while the model computes. Changes to the engine's request set (add, abo
 applied between steps, so the engine itself is only ever touched by one thread at a time.
 
 Control calls (pause, continue, reload) take turns through one FIFO lock. What the server is doing now is the
-engine's `state` (runtime/tsdev_runtime/engine/state.py): its phase gates the steps (paused: nothing is computed; holding: a
-reload's drain, running requests finish, new ones wait in the queue without being admitted) and each change of
-phase is an event (`StateChanged`).
+engine's `state` (runtime/tsdev_runtime/engine/state.py): its phase gates the steps (paused: nothing is computed;
+holding: a reload's drain, running requests finish, new ones wait in the queue without being admitted) and each change
+of phase is an event (`StateChanged`).
 """
 import asyncio
 import logging

@@ -4,8 +4,8 @@ A decode batch of n sequences runs the graph of the smallest captured size >= n;
 padding (slot -1: they write no KV; their logits are dropped). Inputs live in static buffers that each
 step overwrites. A reload captures only the sizes the steps used since the last capture (`capture(sizes)`); the
 others are pending, captured one at a time between steps once serving resumed (`capture_next`; AsyncEngine
-decides when), and run eagerly until then. On CPU nothing is captured and `run` executes the same padded static batch eagerly,
-so CPU tests exercise everything but the capture itself. A step under other capture-time properties
+decides when), and run eagerly until then. On CPU nothing is captured and `run` executes the same padded static batch
+eagerly, so CPU tests exercise everything but the capture itself. A step under other capture-time properties
 (`graph_properties`) than the capture's runs eagerly rather than replaying the wrong kernels.
 """
 import contextlib

@@ -1,5 +1,5 @@
-"""The per-kernel check of a reload (kernels/tsdev_kernels/checks.py): which ops an edit changed, their error against the
-reference at the serving shapes (`strict`: inside the pause, before the reload commits, which a failure rolls back;
+"""The per-kernel check of a reload (kernels/tsdev_kernels/checks.py): which ops an edit changed, their error against
+the reference at the serving shapes (`strict`: inside the pause, before the reload commits, which a failure rolls back;
 `report`: once serving resumed, between its steps; when the engine is idle the inputs and the reference's outputs are
 drawn before the pause, so the check runs only the new kernels and the comparisons), and their time
 per call before and after (never while requests run, never in a reload's save → serving: the old code is timed

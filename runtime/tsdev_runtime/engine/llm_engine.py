@@ -179,7 +179,8 @@ class LLMEngine:
         with compiles.install().expected():  # startup compiles every specialisation serving reaches
             self.startup_timings = {"checkpoint": opened, "load": time.perf_counter() - start - opened,
                                     **self.ranked.start()}
-        self.state = EngineState(self.runner.sleep_state)  # what the server is doing now (runtime/tsdev_runtime/engine/state.py)
+        # what the server is doing now (runtime/tsdev_runtime/engine/state.py)
+        self.state = EngineState(self.runner.sleep_state)
         self.block_manager = BlockManager(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_running, config.max_batched_tokens, self.max_model_len,
                                    admitting=lambda: not self.state.holding)

@@ -396,8 +396,8 @@ class ModelRunner:
                 "prefill": self.prefill_graphs.capture(strict, buckets) if self.prefill_graphs else {}}
 
     def patch_graphs(self, swaps: Mapping[int, tuple[int, int, int]]) -> int:
-        """Point the captured graphs' kernel nodes at new binaries (runtime/tsdev_runtime/engine/graph_patch.py): nodes patched.
-        GraphPatchError (nothing changed) when the driver refuses one."""
+        """Point the captured graphs' kernel nodes at new binaries (runtime/tsdev_runtime/engine/graph_patch.py): nodes
+        patched. GraphPatchError (nothing changed) when the driver refuses one."""
         sets = [s for s in (self.decode_graphs, self.prefill_graphs) if s is not None]
         graphs = [graph for graph_set in sets for graph in graph_set.cuda_graphs()]
         return graph_patch.patch(graphs, swaps) if graphs else 0  # none (the CPU, eager): the driver is not asked

@@ -12,9 +12,9 @@ anywhere is rolled back everywhere (it runs no collective, so the ranks stay in 
 on every rank with the same error (a broken edit's warm-up, a checkpoint every rank refuses) raises on rank 0 as
 it is, and rank 0 decides (e.g. rolls every rank back). But a runner call that failed on some ranks only, or with
 different errors, may have left them at different points of their collectives, or in different states: the
-server stops (`tsdev_runtime.engine.errors.stop_server`, status 70, naming the call and the ranks; `tsdev watch` restarts it). So
-does a rank that does not answer within the control group's timeout, or a message that cannot be sent (a rank
-is gone). `RankLedger` keeps each rank's outcome and seconds per call, for the reload reply's per-rank entries.
+server stops (`tsdev_runtime.engine.errors.stop_server`, status 70, naming the call and the ranks; `tsdev watch`
+restarts it). So does a rank that does not answer within the control group's timeout, or a message that cannot be sent
+(a rank is gone). `RankLedger` keeps each rank's outcome and seconds per call, for the reload reply's per-rank entries.
 """
 import time
 from dataclasses import dataclass, field

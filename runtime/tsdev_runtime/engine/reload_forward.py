@@ -1,21 +1,22 @@
 """reload_forward: run new forward-pass code in a live server, keeping weights, KV pools and graphs' pool.
 
 Steps, each timed: jit (edited Triton kernels compiled ahead into Triton's disk cache while the old
-code still serves, when the reloader can), drain (new requests held, running ones finish or are aborted), flush (the prefix
-cache: KV computed by old code is not reused), reload (the reloader re-executes the edited modules and
+code still serves, when the reloader can), drain (new requests held, running ones finish or are aborted), flush (the
+prefix cache: KV computed by old code is not reused), reload (the reloader re-executes the edited modules and
 patches live objects; a layer whose class changed its `__init__` or post-load hook makes the runner rebuild
-the model with the new code and load the checkpoint into it, `rebuild`), warm (the startup warm-up, while the old graphs still exist), recapture (the
-decode graphs, then the prefill graphs; the reply's timings also carry recapture_decode and
+the model with the new code and load the checkpoint into it, `rebuild`), warm (the startup warm-up, while the old graphs
+still exist), recapture (the decode graphs, then the prefill graphs; the reply's timings also carry recapture_decode and
 recapture_prefill); then serving resumes (not a timed step). The warm step runs nothing when the reloader reports
 `kernels_only` (every change inside Triton kernel bodies, their new binaries loaded for every specialisation the
 old ones had: the recapture is their first launch) and no layer was rebuilt; then, with one rank and without
---full-recapture, the recapture step captures nothing either when the reloader also reports `graph_swaps` (each new binary launches as its old one did):
-the captured graphs' kernel nodes are pointed at the new binaries (runtime/tsdev_runtime/engine/graph_patch.py, all graphs, the
-pending ones too, in milliseconds). Kernel checks (`kernel_check`, timed, no event of its own) run between warm and
-recapture under `strict`, so that a failed one rolls the reload back; under `report` they run once serving resumed
-(the pause does not wait for what cannot change its outcome). The steps are one list (`_Reload.in_pause`) run by runtime/tsdev_runtime/engine/steps.py: any failure undoes
-the steps begun, last first -- the code and the model back, then the graphs recaptured with the old code -- and
-the old code keeps serving.
+--full-recapture, the recapture step captures nothing either when the reloader also reports `graph_swaps` (each new
+binary launches as its old one did):
+the captured graphs' kernel nodes are pointed at the new binaries (runtime/tsdev_runtime/engine/graph_patch.py, all
+graphs, the pending ones too, in milliseconds). Kernel checks (`kernel_check`, timed, no event of its own) run between
+warm and recapture under `strict`, so that a failed one rolls the reload back; under `report` they run once serving
+resumed (the pause does not wait for what cannot change its outcome). The steps are one list (`_Reload.in_pause`) run by
+runtime/tsdev_runtime/engine/steps.py: any failure undoes the steps begun, last first -- the code and the model back,
+then the graphs recaptured with the old code -- and the old code keeps serving.
 
 The reloader is anything that satisfies `ForwardReloader` below (a `typing.Protocol`: the runtime never
 imports the toolkit): `read_sources()`, `plan(sources=, modules=)` (what changed: `reloaded`,

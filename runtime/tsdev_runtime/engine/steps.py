@@ -1,10 +1,11 @@
 """A transaction of steps: each runs in turn and is timed; after a failure, `undo` undoes the steps begun (the one
-that failed too), last first. A reload of the forward pass is one (runtime/tsdev_runtime/engine/reload_forward.py): its steps
-are listed in the order they run, and what a failure undoes is read off the same list.
+that failed too), last first. A reload of the forward pass is one (runtime/tsdev_runtime/engine/reload_forward.py): its
+steps are listed in the order they run, and what a failure undoes is read off the same list.
 
 A step's undo must hold wherever its run stopped; one that raises is reported and the others still run. The last
-step may be a point of no return (a reload's commit), whose failure is not undone. A step with no run is a guard: it only adds an undo at its place in
-the order (what must be undone after the later steps' undos, e.g. graphs recaptured once the code is restored).
+step may be a point of no return (a reload's commit), whose failure is not undone. A step with no run is a guard: it
+only adds an undo at its place in the order (what must be undone after the later steps' undos, e.g. graphs recaptured
+once the code is restored).
 """
 from __future__ import annotations
 

@@ -11,7 +11,8 @@ Tensor parallelism (`tsdev_runtime.distributed`) splits the projections Megatron
 gate|up) by output rows, each rank keeping its rows of every shard (its heads, its part of the MLP), so no
 collective is needed; o_proj and down_proj (`RowParallelLinear`) by input columns, matching the split of their
 input, and their partial outputs are summed over the ranks. Each rank loads only its slice of the checkpoint's
-full tensors (`weight_slice`, runtime/tsdev_runtime/weights/keys.py), and quantizes its own weight (fp8 scales per local output channel)."""
+full tensors (`weight_slice`, runtime/tsdev_runtime/weights/keys.py), and quantizes its own weight (fp8 scales per local
+output channel)."""
 import torch
 from torch import nn
 

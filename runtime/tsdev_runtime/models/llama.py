@@ -1,8 +1,8 @@
 """Llama (3.x): attention with rotary positions (scaled: llama3, linear, yarn), SwiGLU MLP, RMSNorm before each.
 
-Qwen2 and Qwen3 are this model with a difference or two (`runtime/tsdev_runtime/models/qwen2.py`, `qwen3.py`), as in Hugging
-Face's modular definitions. Under tensor parallelism each rank builds its part: its attention heads and key/value
-heads (replicated when there are fewer than ranks), its part of the MLP's intermediate features and of the
+Qwen2 and Qwen3 are this model with a difference or two (`runtime/tsdev_runtime/models/qwen2.py`, `qwen3.py`), as in
+Hugging Face's modular definitions. Under tensor parallelism each rank builds its part: its attention heads and
+key/value heads (replicated when there are fewer than ranks), its part of the MLP's intermediate features and of the
 vocabulary (`tsdev_runtime.layers.linear`, `tsdev_runtime.layers.embedding`)."""
 import torch
 from torch import nn
@@ -112,7 +112,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    architectures = ("LlamaForCausalLM",)  # the Hugging Face names this class serves (runtime/tsdev_runtime/models/__init__.py)
+    # the Hugging Face names this class serves (runtime/tsdev_runtime/models/__init__.py)
+    architectures = ("LlamaForCausalLM",)
     attention = LlamaAttention  # what a family changes (qwen2.py, qwen3.py), with `mlp` (qwen3_moe.py)
 
     @staticmethod

@@ -2,10 +2,10 @@
 `w2 [E, H, I]`, so one grouped kernel (`kernels/tsdev_kernels/ops/moe.py`) runs every expert a step chose.
 
 Loaded per expert from the hub's names (`mlp.experts.E.gate_proj.weight`, `up_proj`, `down_proj`) through the
-declared-keys protocol (`runtime/tsdev_runtime/weights/keys.py`): w13 expects the keys (e, "gate") and (e, "up") of every expert,
-w2 the keys (e, "down"), so "is this layer complete" is exact however the tensors arrive. Under tensor parallelism
-each rank holds its slice of every expert's intermediate features (rows of gate and up, columns of down); the
-partial outputs are summed after the layer.
+declared-keys protocol (`runtime/tsdev_runtime/weights/keys.py`): w13 expects the keys (e, "gate") and (e, "up") of
+every expert, w2 the keys (e, "down"), so "is this layer complete" is exact however the tensors arrive. Under tensor
+parallelism each rank holds its slice of every expert's intermediate features (rows of gate and up, columns of down);
+the partial outputs are summed after the layer.
 
 FP8 (`quantize("fp8")`, `--quantization fp8`): the experts still load their checkpoint weights into w13 and w2 (so
 layouts, direct updates and the checksum are unchanged), and each load's post-processing derives the e4m3 weights

@@ -1,6 +1,6 @@
 """The sparse MLP block of a mixture-of-experts layer: route each token to its top-k experts, run them in one fused
-kernel (`kernels/tsdev_kernels/ops/moe.py`: the alignment of tokens to experts, the gate|up GEMM with SiLU-and-mul, the down GEMM
-with the router weights and the sum over k), and under tensor parallelism sum the ranks' partial outputs."""
+kernel (`kernels/tsdev_kernels/ops/moe.py`: the alignment of tokens to experts, the gate|up GEMM with SiLU-and-mul, the
+down GEMM with the router weights and the sum over k), and under tensor parallelism sum the ranks' partial outputs."""
 import torch
 from torch import nn
 

@@ -57,7 +57,8 @@ class CountedHistogram:
 class CountsAtScrape:
     """A counter family by one label, read from the engine's own counts at scrape time (nothing to keep in step):
     vLLM's request_success_total by finish reason (aborts never pass through a step's outputs), Triton compiles
-    by kernel (startup's, reloads', and any while serving, each of those also a warning: runtime/tsdev_runtime/engine/compiles.py)."""
+    by kernel (startup's, reloads', and any while serving, each of those also a warning:
+    runtime/tsdev_runtime/engine/compiles.py)."""
 
     def __init__(self, name: str, documentation: str, label: str, read: Callable[[], dict[str, int]],
                  model_name: str, registry: CollectorRegistry):

@@ -12,9 +12,9 @@ the other (`--load-format`):
 * `auto` (the default): `pinned` on CUDA, `plain` on CPU (where the device is host memory already).
 
 Either way every parameter is bit-identical, and each module's post-load hook runs once its parameters
-have every key their modules declare (`runtime/tsdev_runtime/weights/keys.py`, `runtime/tsdev_runtime/weights/processing.py`). The first
-load returns a `LoadedWeights`, and every later load (a weight update from disk, streamed tensors, a rerun of
-the hooks) goes through it, into the same storage.
+have every key their modules declare (`runtime/tsdev_runtime/weights/keys.py`,
+`runtime/tsdev_runtime/weights/processing.py`). The first load returns a `LoadedWeights`, and every later load (a weight
+update from disk, streamed tensors, a rerun of the hooks) goes through it, into the same storage.
 
 Under tensor parallelism the checkpoint still holds full tensors and every rank reads it: a module split over the
 ranks says, per parameter and key, which slice of the full tensor this rank holds (`weight_slice`, a

@@ -12,7 +12,8 @@ steps, each testable on its own:
   page-locked (`host_register`: cuMemHostRegister, or cudaHostRegister through torch), so copies from it
   are asynchronous DMA. Unregistered and unmapped after the load.
 * copy (`StagedLoad`): two slots; while a side stream copies chunk i to the device and the loaders copy
-  its tensors into the parameters, the threads read chunk i+1 into the other slot. Events order it: the host waits for a slot's previous upload before
+  its tensors into the parameters, the threads read chunk i+1 into the other slot. Events order it: the host waits for a
+  slot's previous upload before
   refilling it; the side stream waits for the loaders (current stream) to be done with the device slot
   before overwriting it; the current stream waits for the upload before the loaders read it.
 

@@ -2,9 +2,9 @@
 
 A module that derives tensors (the rotary cos/sin table, fp8 weights and scales) allocates them at construction
 and fills them in its hook, which runs once per load session as soon as the module is complete: every parameter
-it owns has every key its module declared (`runtime/tsdev_runtime/weights/keys.py`), and every child module has been processed
-(children before parents, so a parent may use what its children derived). A later session (a weight update) runs
-the hooks again into the same storage: derived tensors are written with `copy_`, never rebound, because CUDA
+it owns has every key its module declared (`runtime/tsdev_runtime/weights/keys.py`), and every child module has been
+processed (children before parents, so a parent may use what its children derived). A later session (a weight update)
+runs the hooks again into the same storage: derived tensors are written with `copy_`, never rebound, because CUDA
 graphs captured their addresses; a rebinding hook fails the session.
 
 "Complete" is the declared keys, never element counts: loads may arrive in any order and any number of times (a
