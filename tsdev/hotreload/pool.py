@@ -1,16 +1,8 @@
-"""A warm pool of compiler processes for the kernels of an edit (the way torch inductor's asynchronous compile keeps
-its workers): each process has imported Triton and the reloadable packages before any edit arrives, keeps its copy
-of them at the server's newest sources (it applies each batch of sources through its own `Reloader`), and compiles
-the kernels it is given for the specialisations the serving process had compiled. The binaries land in Triton's
-disk cache, keyed by source, specialisation and target, where the reload's `jit.load_binaries` finds them: the
-kernels of an edit compile side by side instead of one after another on the serving process's thread.
-
-Workers compile for an explicit target (no GPU context: they hold no device memory) and never run Triton's
-interpreter (TRITON_INTERPRET is dropped before they import Triton: the interpreter has no binaries). Given the
-target, each worker compiles a throwaway kernel as it starts (into a scratch cache): a process's first compile pays
-about a second of backend set-up that an edit should not wait for. A worker that dies breaks the pool
-(`concurrent.futures`' rule); the next call starts a new pool and runs again once. Workers ignore Ctrl-C (the server
-ends them) and exit when the server does, however it ends: they share its output, which a reader waits on.
+"""A warm pool of compiler processes for the kernels of an edit, so that an edit's kernels compile side by side
+instead of one after another on the serving thread (as torch inductor's asynchronous compile keeps its workers).
+Each worker keeps its own copy of the reloadable packages at the server's newest sources and writes binaries into
+Triton's disk cache, where the reload's load finds them. How it starts, what it compiles and how it fails:
+docs/hotreload.md ("Triton").
 """
 from __future__ import annotations
 

@@ -42,8 +42,7 @@ def end_pool_routing(pool: tuple, device: torch.device) -> None:
     """After a capture that failed, make sure torch's allocator no longer routes allocations into the graph's pool.
     A failed `capture_end` can leave that routing in place (torch 2.11), and from then on `empty_cache` releases
     nothing (on the H200, after the fallback to eager prefill, sleep freed 0.16 of 9 GB). A no-op if it ended.
-    Prefill's capture calls it; a decode capture that fails (torch.cuda.graph, its pool id unknown until a capture
-    succeeds) does not yet."""
+    Prefill's capture calls it (the decode capture's case: docs/runtime.md, "On the GPU")."""
     try:
         torch._C._cuda_endAllocateToPool(torch.device(device).index or 0, pool)
     except RuntimeError:  # not routing into that pool any more: capture_end did end it

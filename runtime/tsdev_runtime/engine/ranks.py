@@ -1,20 +1,10 @@
 """Rank 0 drives the other ranks of a tensor-parallel engine (`tsdev_runtime.distributed`).
 
-Rank 0 owns the scheduler, the HTTP server and the reload; every other rank owns only a model runner (its shard
-of the weights and its heads' KV pool) and `follow`s: it receives each call rank 0 makes on its runner, over the
-control group, and makes the same call, so their forwards' collectives meet. A step's batch (sequences, their
-pages) travels pickled with the call; every rank samples the same tokens (same logits, same seeds), so a step's
-still-pending tokens are on every rank's device for the next step.
-
-Calls that may fail (warm-up, graph capture, a model rebuild, a code reload and its commit or rollback, sleep,
-wake-up, a weight update's begin and load) end with every rank's outcome (`gather`). A code reload that fails
-anywhere is rolled back everywhere (it runs no collective, so the ranks stay in step). A runner call that failed
-on every rank with the same error (a broken edit's warm-up, a checkpoint every rank refuses) raises on rank 0 as
-it is, and rank 0 decides (e.g. rolls every rank back). But a runner call that failed on some ranks only, or with
-different errors, may have left them at different points of their collectives, or in different states: the
-server stops (`tsdev_runtime.engine.errors.stop_server`, status 70, naming the call and the ranks; `tsdev watch`
-restarts it). So does a rank that does not answer within the control group's timeout, or a message that cannot be sent
-(a rank is gone). `RankLedger` keeps each rank's outcome and seconds per call, for the reload reply's per-rank entries.
+Why: the ranks' forwards meet in collectives, so every rank must make the same runner calls in the same order.
+Rank 0 (scheduler, HTTP server, reload) sends each call it makes on its runner; the others `follow`, with only a
+model runner each. A call that fails on every rank alike raises on rank 0; one that fails on some ranks only, or
+differently, or a rank that does not answer, stops the server, since the ranks may be out of step
+(docs/parallel.md, "What runs in step, and what is agreed"). `RankLedger` keeps each rank's outcome per call for the reload reply.
 """
 import time
 from dataclasses import dataclass, field

@@ -1,30 +1,13 @@
-"""reload_forward: run new forward-pass code in a live server, keeping weights, KV pools and graphs' pool.
+"""reload_forward: new forward-pass code serving in a live server without a restart, the weights, the KV pool and the
+graphs' memory kept, everything undone if any step fails.
 
-Steps, each timed: jit (edited Triton kernels compiled ahead into Triton's disk cache while the old
-code still serves, when the reloader can), drain (new requests held, running ones finish or are aborted), flush (the
-prefix cache: KV computed by old code is not reused), reload (the reloader re-executes the edited modules and
-patches live objects; a layer whose class changed its `__init__` or post-load hook makes the runner rebuild
-the model with the new code and load the checkpoint into it, `rebuild`), warm (the startup warm-up, while the old graphs
-still exist), recapture (the decode graphs, then the prefill graphs; the reply's timings also carry recapture_decode and
-recapture_prefill); then serving resumes (not a timed step). The warm step runs nothing when the reloader reports
-`kernels_only` (every change inside Triton kernel bodies, their new binaries loaded for every specialisation the
-old ones had: the recapture is their first launch) and no layer was rebuilt; then, with one rank and without
---full-recapture, the recapture step captures nothing either when the reloader also reports `graph_swaps` (each new
-binary launches as its old one did):
-the captured graphs' kernel nodes are pointed at the new binaries (runtime/tsdev_runtime/engine/graph_patch.py, all
-graphs, the pending ones too, in milliseconds). Kernel checks (`kernel_check`, timed, no event of its own) run between
-warm and recapture under `strict`, so that a failed one rolls the reload back; under `report` they run once serving
-resumed (the pause does not wait for what cannot change its outcome). The steps are one list (`_Reload.in_pause`) run by
-runtime/tsdev_runtime/engine/steps.py: any failure undoes the steps begun, last first -- the code and the model back,
-then the graphs recaptured with the old code -- and the old code keeps serving.
+Why it is a list of steps with undos: a reload touches the code, the model, the graphs and the serving state at
+once, and a failure at any point must leave the old code serving. The list is `_Reload.in_pause` (run by
+steps.py); what each step does and reports: docs/reload.md; the path from the client: docs/architecture.md.
 
-The reloader is anything that satisfies `ForwardReloader` below (a `typing.Protocol`: the runtime never
-imports the toolkit): `read_sources()`, `plan(sources=, modules=)` (what changed: `reloaded`,
-`needs_restart`), `reload(modules=, sources=)` returning a transaction (its `report`, `commit()`,
-`rollback(reason)`), `modules()` (what a reload may force) and `compile_ahead(sources=, modules=)` returning
-(binaries compiled, seconds[, seconds of the slowest compile]) -- (0, 0.0) for a library that compiles nothing
-ahead. tsdev's `tsdev.hotreload.Reloader` is one (tests/test_reloader_protocol.py checks it), another
-library's may be. Requests, worker reports, the reply and the events are tsdev_runtime.control_protocol's models.
+The reloader is anything that satisfies `ForwardReloader` (a `typing.Protocol`: the runtime never imports the
+toolkit); tsdev's `tsdev.hotreload.Reloader` is one (tests/test_reloader_protocol.py), another library's may be.
+Requests, worker reports, the reply and the events are tsdev_runtime.control_protocol's models.
 """
 import asyncio
 import logging
@@ -385,9 +368,9 @@ class _Reload:
         engine, ae = self.engine, self.ae
         self.graphs_swapped = True  # the decode graphs may be new even when the prefill capture then fails
         swaps = getattr(self.tx.report, "graph_swaps", None) if self.warm_skipped else None
-        if swaps is not None and not (self.request.recapture or engine.config.full_recapture
-                                      or engine.ranks is not None):  # (several ranks: each would patch by its own
-            try:                                                      # binaries; not built)
+        patchable = not (self.request.recapture or engine.config.full_recapture or engine.ranks is not None)
+        if swaps is not None and patchable:  # several ranks recapture (docs/parallel.md, "Not yet")
+            try:
                 self.nodes_patched = await ae.run_on_engine_thread(lambda: engine.patch_graphs(swaps))
             except Exception as exc:  # set back: the graphs are captured as any reload's
                 self.warnings.append(f"patching the graphs failed, they were captured again: {describe_error(exc)}")
