@@ -3,8 +3,6 @@ too; those only a type checker reads aside). The reloader orders re-execution by
 circle re-executes both, and a circle is two modules that cannot be read apart."""
 import sys
 
-import grimp
-
 PACKAGES = ("tsdev", "tsdev_runtime", "tsdev_kernels")
 
 
@@ -45,6 +43,8 @@ def circles(graph) -> list[list[str]]:
 
 
 def test_the_project_has_no_import_circles():
+    import grimp  # import-linter's, in the dev extras (imported here: collecting needs no dev extras)
+
     graph = grimp.build_graph(*PACKAGES, exclude_type_checking_imports=True, cache_dir=None)
     assert len(graph.modules) > 100  # the three packages were found
     assert circles(graph) == []
@@ -61,6 +61,8 @@ def test_the_circle_finder_finds_a_circle_and_only_it(tmp_path, monkeypatch):
     (package / "e.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from circled import f\n")
     (package / "f.py").write_text("from circled import e\n")  # a circle only through a type-checking import
     monkeypatch.syspath_prepend(str(tmp_path))
+    import grimp
+
     graph = grimp.build_graph("circled", exclude_type_checking_imports=True, cache_dir=None)
     assert circles(graph) == [["circled.a", "circled.b", "circled.c"]]
     sys.modules.pop("circled", None)
