@@ -204,30 +204,17 @@ class ReloadForward:
             reload.warnings.append(self.checks_off)  # a kernel edit that was not checked
         await reload.steps.run(reload.before_pause())  # the old code keeps serving meanwhile
         if reload.check_mode != "off":  # the checks' inputs, drawn if nothing runs on the GPU now
-            prepare_start = time.perf_counter()
-            await ae.run_on_engine_thread(lambda: self.checker.prepare(reload.serving, self._idle(), plan.reloaded))
-            reload.before_edit = self.checker.fingerprints()
-            reload.steps.timings["check_prepare"] = time.perf_counter() - prepare_start
+            with reload.steps.timed("check_prepare"):
+                await ae.run_on_engine_thread(lambda: self.checker.prepare(reload.serving, self._idle(),
+                                                                           plan.reloaded))
+                reload.before_edit = self.checker.fingerprints()
         ae.hold(True)
-        pause_start = time.perf_counter()
         try:
-            await reload.steps.run(reload.in_pause())
-        except RankLost as exc:  # a wedged rank cannot roll back: nothing can run in step any more
-            stop_server(f"FATAL: reload {request.id}, step '{reload.steps.current}': {exc}. The server stops (tsdev "
-                        "watch restarts it).")
-        except Exception as exc:
-            reload.error = str(exc) if isinstance(exc, (_ReportedFailure, StepTimeout)) else describe_error(exc)
-            if isinstance(exc, _NeedsRestart):
-                reload.needs_restart = exc.modules
-            if failures := await reload.steps.undo(reload.error):
-                reload.error += f" (rollback incomplete: {'; '.join(failures)})"
-                if engine.ranks is not None:  # a rank's state is unknown now: they may no longer run in step
-                    stop_server(f"FATAL: reload {request.id}: {reload.error}. The server stops (tsdev watch "
-                                "restarts it).")
+            with reload.steps.timed("pause"):
+                await self._in_pause(reload)
         finally:
             ae.hold(False)
-            reload.steps.timings["pause"] = time.perf_counter() - pause_start
-            reload.steps.timings["resumed"] = time.perf_counter() - start  # the new code serves from here
+            reload.steps.record("resumed", time.perf_counter() - start)  # the new code serves from here
         if reload.error is None and reload.check_mode == "report":  # serving resumed: between its steps
             try:
                 await reload.check_kernels()
@@ -238,6 +225,23 @@ class ReloadForward:
             await ae.run_on_engine_thread(lambda: self.checker.time_new(reload.kernel_checks, reload.serving,
                                                                         idle=self._idle()))
         return self._finish(request, reload.report())
+
+    async def _in_pause(self, reload: "_Reload") -> None:
+        """The pause's steps; a failure undoes the steps begun (every undo guarded) and is kept in `reload.error`."""
+        try:
+            await reload.steps.run(reload.in_pause())
+        except RankLost as exc:  # a wedged rank cannot roll back: nothing can run in step any more
+            stop_server(f"FATAL: reload {reload.request.id}, step '{reload.steps.current}': {exc}. The server stops "
+                        "(tsdev watch restarts it).")
+        except Exception as exc:
+            reload.error = str(exc) if isinstance(exc, (_ReportedFailure, StepTimeout)) else describe_error(exc)
+            if isinstance(exc, _NeedsRestart):
+                reload.needs_restart = exc.modules
+            if failures := await reload.steps.undo(reload.error):
+                reload.error += f" (rollback incomplete: {'; '.join(failures)})"
+                if reload.engine.ranks is not None:  # a rank's state is unknown now: they may no longer run in step
+                    stop_server(f"FATAL: reload {reload.request.id}: {reload.error}. The server stops (tsdev watch "
+                                "restarts it).")
 
     def _idle(self) -> bool:
         """Nothing runs on the GPU: no request, no step in flight (on the engine thread)."""
@@ -297,7 +301,7 @@ class _Reload:
             self.jit_kernels, _, *slowest = await asyncio.to_thread(self.owner.reloader.compile_ahead, self.sources,
                                                                     self.request.modules)
             if slowest:
-                self.steps.timings["jit_slowest"] = slowest[0]
+                self.steps.record("jit_slowest", slowest[0])
         except Exception as exc:  # only an optimisation: the warm step compiles what is missing
             self.warnings.append(f"compiling ahead failed, kernels compile during the warm step: {describe_error(exc)}")
 
@@ -321,15 +325,13 @@ class _Reload:
         self.changed = changed_classes(before)
         self.rebuilt = [name or "(model)" for name, m in engine.model.named_modules() if type(m) in self.changed]
         if self.rebuilt:
-            rebuild_start = time.perf_counter()
             try:
-                self.old_model = await self.ae.run_on_engine_thread(engine.rebuild_model)
+                with self.steps.timed("rebuild"):
+                    self.old_model = await self.ae.run_on_engine_thread(engine.rebuild_model)
             except ValueError as exc:  # the checkpoint no longer fits the new code
                 restart = sorted({cls.__module__ for cls in self.changed})
                 raise _NeedsRestart(f"needs restart: the weights do not fit the new code of "
                                     f"{', '.join(sorted(map(class_name, self.changed)))}: {exc}", restart) from exc
-            finally:
-                self.steps.timings["rebuild"] = time.perf_counter() - rebuild_start
         self._check_deadline()
 
     async def _undo_reload(self, why: str) -> None:
@@ -354,12 +356,10 @@ class _Reload:
 
     async def check_kernels(self) -> None:
         """The changed ops against their references; under `strict` (in the pause) a failed one raises."""
-        checker, start = self.owner.checker, time.perf_counter()
-        try:
+        checker = self.owner.checker
+        with self.steps.timed("kernel_check"):
             self.kernel_checks = await self.ae.run_on_engine_thread(lambda: checker.check(self.before_edit,
                                                                                           self.serving))
-        finally:
-            self.steps.timings["kernel_check"] = time.perf_counter() - start
         failed = next((r for r in self.kernel_checks if not r.ok), None)
         if failed is not None and self.check_mode == "strict":
             raise _ReportedFailure(describe_failure(failed))
@@ -377,7 +377,7 @@ class _Reload:
         if self.nodes_patched is None:
             graph_timings = await ae.run_on_engine_thread(lambda: engine.capture_graphs(deferring=True))
             for kind, seconds in graph_timings.items():
-                self.steps.timings[f"recapture_{kind}"] = sum(seconds.values())
+                self.steps.record(f"recapture_{kind}", sum(seconds.values()))
 
     async def _recapture_old_code(self, why: str) -> None:
         """Graphs were replaced by ones of the new code: recapture them with the restored old code."""
@@ -391,8 +391,8 @@ class _Reload:
 
     def report(self) -> WorkerReport:
         """This rank's entry of the reply."""
+        self.steps.record("total", time.perf_counter() - self.start)
         timings = self.steps.timings
-        timings["total"] = time.perf_counter() - self.start
         self.old_model = None
         fields = reported(self.tx.report) if self.tx is not None else {}
         if self.rebuilt:

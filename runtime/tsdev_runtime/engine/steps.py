@@ -10,7 +10,8 @@ once the code is restored).
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from tsdev_runtime.engine.errors import describe_error
@@ -27,7 +28,8 @@ class Step:
 class Steps:
     def __init__(self, on_event: Callable[[str, str, dict], None] = lambda name, state, fields: None):
         """`on_event(name, state, fields)`: state "started" (fields: the step's `started`), "done" or "failed"
-        (fields: seconds)."""
+        (fields: seconds). `timings` is the one place a transaction's seconds are kept: the steps', and what
+        `timed` and `record` add."""
         self.on_event = on_event
         self.timings: dict[str, float] = {}
         self.current = "read"  # the step running, or the last one run
@@ -59,6 +61,20 @@ class Steps:
                 except Exception as exc:
                     failures.append(f"{step.name}: {describe_error(exc)}")
         return failures
+
+    @contextmanager
+    def timed(self, name: str) -> Iterator[None]:
+        """Time a part that is not a step of its own (a step's sub-part, the pause around the steps) into `timings`,
+        however it ends."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[name] = time.perf_counter() - start
+
+    def record(self, name: str, seconds: float) -> None:
+        """A figure measured elsewhere (a compile pool's slowest compile, each graph kind's capture)."""
+        self.timings[name] = seconds
 
     def _ended(self, name: str, start: float, state: str) -> None:
         seconds = time.perf_counter() - start
