@@ -228,19 +228,28 @@ def test_model_and_device_come_from_server_info_else_from_v1_models(tmp_path, ha
     assert (info["model"], info["device"]) == ("fake-model", "cpu" if has_route else None)
 
 
-def test_the_daemon_shows_a_sleeping_server_and_skips_its_checks(tmp_path):
-    from tsdev_runtime.control_protocol import Awake, Sleeping
+def test_the_daemon_shows_the_phase_the_server_publishes_and_skips_its_checks_unless_serving(tmp_path):
+    """The daemon reads the server's published phase (Hello, StateChanged), as the server sends them beside its
+    Sleeping / Awake / Paused events, instead of rebuilding it from those: awake without weights is not serving."""
+    from tsdev_runtime.control_protocol import Awake, Continued, Paused, Sleeping, StateChanged
 
     project, server, events = make_project(tmp_path), FakeServer(), []
 
     async def main():
         daemon, task = await running(project, server, events)
-        server.pending_events.append(Sleeping(level=2, freed_bytes=10))
+        server.pending_events += [Sleeping(level=2, freed_bytes=10), StateChanged(state="sleeping")]
         await until(lambda: daemon.info["state"] == "sleeping")
         assert any("server sleeping (level 2)" in (e.text or "") for e in events if e.kind == "message")
-        server.pending_events.append(Awake(weights_loaded=False))
+        server.pending_events += [Awake(weights_loaded=False), StateChanged(state="weights_unloaded")]
+        await until(lambda: any("weights not loaded" in (e.text or "") for e in events if e.kind == "message"))
+        assert daemon.info["state"] == "sleeping" and daemon.sleeping  # no weights: the checks would fail
+        server.pending_events.append(StateChanged(state="serving"))  # a weight load
         await until(lambda: daemon.info["state"] == "serving")
-        assert any("weights not loaded" in (e.text or "") for e in events if e.kind == "message")
+        server.pending_events += [Paused(mode="keep"), StateChanged(state="paused")]
+        await until(lambda: daemon.info["state"] == "paused")
+        assert daemon.paused and not daemon.sleeping
+        server.pending_events += [Continued(), StateChanged(state="serving")]
+        await until(lambda: daemon.info["state"] == "serving")
         await stop(daemon, task)
 
     asyncio.run(main())

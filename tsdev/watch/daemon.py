@@ -21,7 +21,8 @@ from collections.abc import Callable
 
 import httpx
 
-from tsdev_runtime.control_protocol import Awake, Continued, Hello, Paused, ProfileFinished, Sleeping, WeightsReloaded
+from tsdev_runtime.control_protocol import (Awake, Hello, ProfileFinished, Sleeping, StateChanged,
+                                            WeightsReloaded)
 from tsdev.outcome import outside
 from tsdev.server_process import ServerProcess
 from tsdev.watch.args import WatchConfig
@@ -68,8 +69,8 @@ class Daemon:
         self.reloads = Reloads(self)
         self.restarts = Restarts(self)
         self.weight_updates = WeightUpdates(self, self.weights) if self.weights else None
-        self.paused = False  # generation paused by a client (pause_generation): the checks would wait forever
-        self.sleeping = False  # put to sleep by a client (POST /sleep): requests get 503 until /wake_up
+        # the server's phase as it publishes it (Hello, then StateChanged: runtime/tsdev_runtime/engine/state.py)
+        self.server_phase = "serving"
         self.down = False  # the server failed to start or exited, and no restart has brought it back yet
         self._stop = asyncio.Event()
 
@@ -105,6 +106,16 @@ class Daemon:
 
     def message(self, text: str, level: str = "info") -> None:
         self.emit("message", text=text, level=level)
+
+    @property
+    def paused(self) -> bool:
+        """Generation paused by a client (pause_generation): the checks would wait forever."""
+        return self.server_phase == "paused"
+
+    @property
+    def sleeping(self) -> bool:
+        """Asleep, or awake without weights (POST /sleep, a level-2 wake): requests get 503 until a load."""
+        return self.server_phase in ("sleeping", "weights_unloaded")
 
     def set_state(self, state: str, **info) -> None:
         if state == "serving" and (self.sleeping or self.paused):
@@ -160,18 +171,15 @@ class Daemon:
 
     async def _listen(self) -> None:
         async for event in self.link.events():
-            if isinstance(event, (Hello, Paused, Continued, Sleeping, Awake)):
-                if isinstance(event, Hello):
-                    self.paused, self.sleeping = event.paused, event.sleeping
-                elif isinstance(event, (Paused, Continued)):
-                    self.paused = isinstance(event, Paused)
-                else:
-                    self.sleeping = isinstance(event, Sleeping)
-                    self.message(f"server sleeping (level {event.level}): POST /wake_up (tsdev wake) to serve again"
-                                 if self.sleeping else "server awake" + ("" if event.weights_loaded else
-                                                                          ": weights not loaded (tsdev weights reload)"))
+            if isinstance(event, (Hello, StateChanged)):  # what the server says it is doing: read, not rebuilt
+                self.server_phase = event.state
                 if self.info["state"] in ("serving", "paused", "sleeping"):
                     self.set_state("serving")
+            elif isinstance(event, Sleeping):
+                self.message(f"server sleeping (level {event.level}): POST /wake_up (tsdev wake) to serve again")
+            elif isinstance(event, Awake):
+                self.message("server awake" + ("" if event.weights_loaded else
+                                               ": weights not loaded (tsdev weights reload)"))
             elif isinstance(event, WeightsReloaded):
                 if not (self.weight_updates and self.weight_updates.ours(event.id)):  # our own: its record says it
                     self.message(f"weights updated by another client ({event.mode}, {event.path}): the golden "
