@@ -353,12 +353,12 @@ def test_sleep_wake_and_reload_on_the_llama_checkpoint_restore_its_weights_and_t
     engine.wake_up()
     assert not engine.sleep_state.sleeping
     if level == 2:
-        assert not engine.state.weights_loaded and "reload_weights" in engine.unavailable()
+        assert not engine.state.weights_loaded and "reload_weights" in engine.cannot_step()
         engine.reload_weights()
     else:
         assert engine.weights_checksum() == checksum  # back from host memory, before any reload
         engine.reload_weights()  # an in-place reload of the same checkpoint changes nothing
-    assert engine.state.weights_loaded and engine.unavailable() is None
+    assert engine.state.weights_loaded and engine.cannot_step() is None
     assert engine.weights_checksum() == checksum
     assert [r["token_ids"] for r in engine.generate(PROMPTS, GREEDY)] == expected("llama")
 

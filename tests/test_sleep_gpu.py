@@ -54,7 +54,7 @@ def test_level_1_wake_is_bit_identical_without_a_reload():
     checksum, expected = e.weights_checksum(), greedy(e)
     e.sleep(1)
     e.wake_up()
-    assert e.unavailable() is None and e.weights_checksum() == checksum and greedy(e) == expected
+    assert e.cannot_step() is None and e.weights_checksum() == checksum and greedy(e) == expected
 
 
 def test_reload_when_awake_keeps_every_address_the_graphs_captured():

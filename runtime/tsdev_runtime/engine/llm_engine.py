@@ -400,8 +400,9 @@ class LLMEngine:
 
     # --- sleep, wake, weights (run between steps, on the engine's thread, with nothing running) --------
 
-    def unavailable(self) -> str | None:
-        """Why requests cannot be served now (sleeping, weights not loaded), else None."""
+    def cannot_step(self) -> str | None:
+        """Why the engine cannot compute now (sleeping, weights not loaded), else None. (Why the server refuses new
+        requests, which also covers a sleep still draining, is `AsyncEngine.unavailable`.)"""
         return self.state.cannot_step()
 
     @property

@@ -117,7 +117,7 @@ class ReloadForward:
             async with self.async_engine.control_lock:
                 if epoch != self.cancel_epoch:
                     reply = ReloadReply.of(request.id, [self._worker("cancelled by continue_generation before it started")])
-                elif why := self.async_engine.engine.unavailable():  # asleep: no memory to warm up or capture in
+                elif why := self.async_engine.engine.cannot_step():  # asleep: no memory to warm up or capture in
                     reply = ReloadReply.of(request.id, [self._worker(f"cannot reload the forward now: {why}")])
                 else:
                     with COMPILES.expected():  # compiling is what a reload does

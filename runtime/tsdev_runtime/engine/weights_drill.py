@@ -51,12 +51,12 @@ def drill(engine: LLMEngine, rounds: int, mode: str = "",
         start = time.perf_counter()
         report.freed_bytes.append(engine.sleep(2)["freed"])
         times["sleep"] = time.perf_counter() - start
-        if engine.unavailable() is None:
+        if engine.cannot_step() is None:
             raise DrillFailed(f"round {n}: the engine says it can serve while asleep")
         start = time.perf_counter()
         engine.wake_up()
         times["wake"] = time.perf_counter() - start
-        if engine.unavailable() is None:
+        if engine.cannot_step() is None:
             raise DrillFailed(f"round {n}: after a level-2 wake the engine says it can serve before a weight load")
         start = time.perf_counter()
         try:
