@@ -56,8 +56,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """From silu(gate) * up (the decoder layer's `mlp_input` runs the norm, gate|up and the activation) to down_proj's
-    output."""
+    """gate|up, silu(gate) * up, down. The first two run in the decoder layer's `mlp_input`, with the norm before
+    them (one kernel at one row on CUDA): this forward takes their output, silu(gate) * up, to down_proj's."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -71,35 +71,47 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rope: RotaryEmbedding, attention: type[LlamaAttention], mlp: nn.Module):
+    """RMSNorm, attention, RMSNorm, MLP, each norm adding the residual stream first. What a family changes is a
+    subclass's (qwen2.py, qwen3.py, qwen3_moe.py): `attention_class`, `make_mlp`, `make_mlp_input`."""
+    attention_class = LlamaAttention
+
+    def __init__(self, config: ModelConfig, rope: RotaryEmbedding, layer: int):
         super().__init__()
-        self.self_attn = attention(config, rope)
-        self.mlp = mlp
+        self.self_attn = self.attention_class(config, rope)
+        self.mlp = self.make_mlp(config, layer)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # each norm with the projection after it, fused into one kernel where that pays (decode at batch 1)
         self.attn_input = NormedProjection(self.input_layernorm, self.self_attn.qkv_proj)
-        self.mlp_input = (NormedProjection(self.post_attention_layernorm, mlp.gate_up_proj, mlp.act_fn)
-                          if isinstance(mlp, LlamaMLP) else NormedProjection(self.post_attention_layernorm))
+        self.mlp_input = self.make_mlp_input()
+
+    def make_mlp(self, config: ModelConfig, layer: int) -> nn.Module:
+        return LlamaMLP(config)
+
+    def make_mlp_input(self) -> NormedProjection:
+        """The post-attention norm, gate|up and SwiGLU's activation: what reaches the MLP's forward."""
+        return NormedProjection(self.post_attention_layernorm, self.mlp.gate_up_proj, self.mlp.act_fn)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's output, the residual stream before it is added): the next norm adds them."""
-        qkv, residual = self.attn_input(hidden, residual)
-        hidden = self.self_attn(positions, qkv)
-        gated, residual = self.mlp_input(hidden, residual)
-        return self.mlp(gated), residual
+        qkv, residual = self.attn_input(hidden, residual)  # input_layernorm, then q|k|v
+        hidden = self.self_attn(positions, qkv)  # rotary, attention, o_proj
+        mlp_in, residual = self.mlp_input(hidden, residual)  # post_attention_layernorm (then gate|up, SwiGLU)
+        return self.mlp(mlp_in), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, family: type["LlamaForCausalLM"]):
+    decoder_layer_class = LlamaDecoderLayer  # a family's model names its own
+
+    def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         # one rotary table for every layer of this model (it is large: max positions x head_dim floats); never
         # shared between models, whose memory sleeps and wakes on its own
         theta, scaling = rope_settings(config.raw)
         rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, theta, scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rope, family.attention, family.mlp(config, i))
+        self.layers = nn.ModuleList(self.decoder_layer_class(config, rope, i)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -114,16 +126,11 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     # the Hugging Face names this class serves (runtime/tsdev_runtime/models/__init__.py)
     architectures = ("LlamaForCausalLM",)
-    attention = LlamaAttention  # what a family changes (qwen2.py, qwen3.py), with `mlp` (qwen3_moe.py)
-
-    @staticmethod
-    def mlp(config: ModelConfig, layer: int) -> nn.Module:
-        """Layer `layer`'s MLP."""
-        return LlamaMLP(config)
+    model_class = LlamaModel  # a family's causal LM names its model (whose decoder layer carries the differences)
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.model = LlamaModel(config, type(self))
+        self.model = self.model_class(config)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -4,7 +4,7 @@ import torch
 from tsdev_runtime.config import ModelConfig
 from tsdev_runtime.layers.norm import RMSNorm
 from tsdev_runtime.layers.rotary import QKNormRope, RotaryEmbedding
-from tsdev_runtime.models.llama import LlamaAttention, LlamaForCausalLM
+from tsdev_runtime.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 
 class Qwen3Attention(LlamaAttention):
@@ -18,6 +18,14 @@ class Qwen3Attention(LlamaAttention):
         return self.qk_norm_rope(positions, q, k)
 
 
+class Qwen3DecoderLayer(LlamaDecoderLayer):
+    attention_class = Qwen3Attention
+
+
+class Qwen3Model(LlamaModel):
+    decoder_layer_class = Qwen3DecoderLayer
+
+
 class Qwen3ForCausalLM(LlamaForCausalLM):
     architectures = ("Qwen3ForCausalLM",)
-    attention = Qwen3Attention
+    model_class = Qwen3Model
