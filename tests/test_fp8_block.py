@@ -1,0 +1,87 @@
+"""Block-quantized FP8 as shipped checkpoints store it (kernels/tsdev_kernels/ops/fp8_block.py): the writer against
+transformers' own fine-grained FP8 quantizer, partial blocks at the edges, the dequantized weight against the one
+quantized, and the w8a8-block reference arithmetic against a loop over the blocks and against the unquantized product.
+Fresh random inputs."""
+import pytest
+import torch
+
+from tsdev_kernels.ops.fp8_block import (E4M3_MAX, dequantize_fp8_blocks, fp8_block_linear_ref, quantize_fp8_blocks,
+                                         quantize_fp8_token_groups)
+
+
+def test_the_writer_stores_what_transformers_fine_grained_fp8_quantizer_stores():
+    from types import SimpleNamespace
+
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+
+    g = torch.Generator().manual_seed(0)
+    weight = (torch.randn(256, 384, generator=g) * torch.rand(256, 1, generator=g) * 3).bfloat16()
+    weight[:128, :128] = 0  # an all-zero block: scale 1
+    quantizer = Fp8Quantize(SimpleNamespace(quantization_config=SimpleNamespace(weight_block_size=[128, 128],
+                                                                                 scale_fmt=None)))
+    theirs = quantizer.convert({"layer.weight": weight})
+    q, scale_inv = quantize_fp8_blocks(weight)
+    assert q.dtype == torch.float8_e4m3fn and scale_inv.dtype == torch.float32 and scale_inv.shape == (2, 3)
+    assert torch.equal(q.view(torch.uint8), theirs["layer.weight"].view(torch.uint8))
+    assert torch.equal(scale_inv, theirs["layer.weight_scale_inv"])
+    assert scale_inv[0, 0] == 1.0
+
+
+@pytest.mark.parametrize("n, k", [(200, 300), (128, 128), (7, 130)])
+def test_partial_blocks_at_the_edges_and_the_dequantized_weight_is_within_e4m3s_rounding(n, k):
+    g = torch.Generator().manual_seed(n * k)
+    weight = torch.randn(n, k, generator=g) * torch.logspace(-2, 1, k)[None, :]  # magnitudes vary across blocks
+    q, scale_inv = quantize_fp8_blocks(weight)
+    assert q.shape == (n, k) and scale_inv.shape == (-(-n // 128), -(-k // 128))
+    back = dequantize_fp8_blocks(q, scale_inv)
+    scales = scale_inv.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    # e4m3: 3 mantissa bits, so a normal value rounds within 1/16 of itself; subnormals within half their step
+    assert ((back - weight).abs() <= weight.abs() / 16 + scales * 2.0**-10).all()
+    for bn in range(scale_inv.shape[0]):  # each block's largest magnitude maps to 448 exactly
+        for bk in range(scale_inv.shape[1]):
+            tile = weight[bn * 128:(bn + 1) * 128, bk * 128:(bk + 1) * 128]
+            assert torch.isclose(tile.abs().max() / scale_inv[bn, bk], torch.tensor(E4M3_MAX), rtol=1e-6)
+    with pytest.raises(ValueError, match="expected"):
+        dequantize_fp8_blocks(q, torch.ones(scale_inv.shape[0] + 1, scale_inv.shape[1]))
+
+
+def test_activations_are_quantized_per_token_and_group():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 300, generator=g) * torch.tensor([0.01, 1, 10, 100, 0.5])[:, None]
+    x[2, 128:256] = 0
+    q, scale = quantize_fp8_token_groups(x)
+    assert q.shape == (5, 300) and scale.shape == (5, 3) and scale[2, 1] == 1.0
+    for t in range(5):
+        for group in range(3):
+            columns = slice(group * 128, min((group + 1) * 128, 300))
+            if x[t, columns].abs().max() > 0:
+                assert torch.isclose(q[t, columns].float().abs().max(), torch.tensor(E4M3_MAX))
+
+
+def loop_over_blocks(x, q, scale_inv):
+    """The same arithmetic written the plain way: one block of the weight at a time."""
+    xq, x_scale = quantize_fp8_token_groups(x)
+    n, k = q.shape
+    y = torch.zeros(x.shape[0], n)
+    for bn in range(scale_inv.shape[0]):
+        rows = slice(bn * 128, min((bn + 1) * 128, n))
+        for bk in range(scale_inv.shape[1]):
+            cols = slice(bk * 128, min((bk + 1) * 128, k))
+            y[:, rows] += (xq[:, cols].float() @ q[rows, cols].float().t()) * x_scale[:, bk:bk + 1] * scale_inv[bn, bk]
+    return y
+
+
+@pytest.mark.parametrize("tokens, n, k", [(1, 256, 384), (9, 200, 300), (33, 128, 1024)])
+def test_the_block_linear_reference_is_the_blockwise_sum_and_close_to_the_unquantized_product(tokens, n, k):
+    g = torch.Generator().manual_seed(tokens + n)
+    x = torch.randn(tokens, k, generator=g)
+    weight = torch.randn(n, k, generator=g) * k**-0.5
+    bias = torch.randn(n, generator=g)
+    q, scale_inv = quantize_fp8_blocks(weight)
+    y = fp8_block_linear_ref(x, q, scale_inv, bias=bias)
+    torch.testing.assert_close(y, loop_over_blocks(x, q, scale_inv) + bias, rtol=1e-5, atol=1e-5)
+    exact = x @ weight.t() + bias
+    cosine = torch.nn.functional.cosine_similarity(y.flatten(), exact.flatten(), dim=0)
+    assert cosine > 0.999, cosine
+    assert fp8_block_linear_ref(x.bfloat16(), q, scale_inv).dtype == torch.bfloat16
+    assert fp8_block_linear_ref(x.view(1, tokens, k), q, scale_inv).shape == (1, tokens, n)
