@@ -18,6 +18,22 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # --kv-cache-dtype (vLLM's names)
 KERNEL_CHECK_MODES = ("report", "strict", "off")  # --kernel-check; runtime/tsdev_runtime/engine/kernel_checks.py
 
 
+def refuse_prequantized(path: Path, quantization: dict | None) -> None:
+    """Raise ValueError, saying what to serve instead, for a checkpoint whose weights are stored quantized: tsdev
+    loads high-precision weights (and quantizes them itself with --quantization fp8)."""
+    if not quantization:
+        return
+    method = quantization.get("quant_method", "?")
+    if method == "fp8":
+        blocks = quantization.get("weight_block_size")
+        stored = f"with one scale per {blocks[0]} x {blocks[1]} block" if blocks else "with per-tensor or per-channel scales"
+        raise ValueError(f"{path}: the weights are stored as FP8 {stored} (quantization_config: quant_method fp8), "
+                         "which tsdev cannot load yet: serve the model's bf16 checkpoint, with --quantization fp8 for "
+                         "FP8 projections quantized at load")
+    raise ValueError(f"{path}: the weights are stored quantized (quantization_config: quant_method {method}), which "
+                     "tsdev cannot load: serve the model's unquantized (bf16 or float32) checkpoint")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What every served family has (the engine sizes its KV pool and graphs from it); `raw` is the whole
@@ -52,6 +68,7 @@ class ModelConfig:
                                "num_attention_heads", "rms_norm_eps") if k not in raw]
         if missing:
             raise ValueError(f"{path} lacks {', '.join(missing)}")
+        refuse_prequantized(path, raw.get("quantization_config"))
         eos = _read_eos(Path(model_dir), raw)
         return cls(
             architecture=arch,
