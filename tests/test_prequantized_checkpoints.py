@@ -1,7 +1,7 @@
-"""A checkpoint whose weights are stored quantized (quantization_config in config.json: Qwen's *-FP8 releases with
-128 x 128 block scales, AWQ, GPTQ, ...) is refused before anything loads, naming what it is and what to serve
-instead -- not with "tensors this model does not use ... is config.json's architecture right?", which is what the
-FP8 one got."""
+"""A checkpoint whose weights are stored in a quantized format tsdev does not load (AWQ, GPTQ, FP8 with per-tensor
+scales; block FP8 loads: tests/test_fp8_block_checkpoints.py) is refused before anything loads, naming what it is
+and what to serve instead -- not with "tensors this model does not use ... is config.json's architecture right?",
+which is what such checkpoints got; a block-FP8 one whose stacked shards split its blocks says so."""
 import json
 
 import pytest
@@ -29,15 +29,20 @@ def quantized_copy(out, quantization: dict):
     return out
 
 
-def test_an_fp8_block_checkpoint_is_refused_naming_its_format_and_what_to_serve(tmp_path):
+def test_a_block_fp8_checkpoint_whose_stacked_shards_split_its_blocks_is_refused_naming_them(tmp_path):
     model = quantized_copy(tmp_path, {"quant_method": "fp8", "weight_block_size": [128, 128],
-                                      "activation_scheme": "dynamic"})
+                                      "activation_scheme": "dynamic"})  # the tiny shape: q 64 rows, k and v 32
     assert any(t.dtype == torch.float8_e4m3fn for t in load_file(str(model / "model.safetensors")).values())
     with pytest.raises(ValueError) as refused:
         LLMEngine(EngineConfig(model=str(model), device="cpu"))
     message = str(refused.value)
-    assert "stored as FP8 with one scale per 128 x 128 block" in message and "--quantization fp8" in message
-    assert "architecture" not in message
+    assert "q: 64 rows" in message and "whole 128-row blocks" in message and "architecture" not in message
+
+
+def test_fp8_with_per_tensor_scales_is_refused_naming_what_loads(tmp_path):
+    model = quantized_copy(tmp_path, {"quant_method": "fp8", "activation_scheme": "static"})
+    with pytest.raises(ValueError, match="per-tensor or per-channel scales.*weight_block_size \\[128, 128\\]"):
+        LLMEngine(EngineConfig(model=str(model), device="cpu"))
 
 
 def test_another_quantization_method_is_refused_by_name(tmp_path):

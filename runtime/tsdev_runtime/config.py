@@ -18,20 +18,27 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # --kv-cache-dtype (vLLM's names)
 KERNEL_CHECK_MODES = ("report", "strict", "off")  # --kernel-check; runtime/tsdev_runtime/engine/kernel_checks.py
 
 
-def refuse_prequantized(path: Path, quantization: dict | None) -> None:
-    """Raise ValueError, saying what to serve instead, for a checkpoint whose weights are stored quantized: tsdev
-    loads high-precision weights (and quantizes them itself with --quantization fp8)."""
+FP8_BLOCK = (128, 128)  # the only weight_block_size of a pre-quantized FP8 checkpoint tsdev loads
+
+
+def stored_fp8_blocks(raw: dict) -> tuple[int, int] | None:
+    """The (block_n, block_k) of a checkpoint stored as block-quantized FP8 (Qwen's *-FP8 releases, DeepSeek-V3),
+    None for a high-precision one; ValueError, saying what to serve instead, for a stored format tsdev cannot load."""
+    quantization = raw.get("quantization_config")
     if not quantization:
-        return
+        return None
     method = quantization.get("quant_method", "?")
-    if method == "fp8":
-        blocks = quantization.get("weight_block_size")
-        stored = f"with one scale per {blocks[0]} x {blocks[1]} block" if blocks else "with per-tensor or per-channel scales"
-        raise ValueError(f"{path}: the weights are stored as FP8 {stored} (quantization_config: quant_method fp8), "
-                         "which tsdev cannot load yet: serve the model's bf16 checkpoint, with --quantization fp8 for "
-                         "FP8 projections quantized at load")
-    raise ValueError(f"{path}: the weights are stored quantized (quantization_config: quant_method {method}), which "
-                     "tsdev cannot load: serve the model's unquantized (bf16 or float32) checkpoint")
+    if method != "fp8":
+        raise ValueError(f"the weights are stored quantized (quantization_config: quant_method {method}), which "
+                         "tsdev cannot load: serve the model's unquantized (bf16 or float32) checkpoint")
+    blocks = quantization.get("weight_block_size")
+    if blocks is None or tuple(blocks) != FP8_BLOCK or quantization.get("activation_scheme", "dynamic") != "dynamic":
+        stored = f"one scale per {blocks[0]} x {blocks[1]} block" if blocks else "per-tensor or per-channel scales"
+        raise ValueError(f"the weights are stored as FP8 with {stored} and {quantization.get('activation_scheme')} "
+                         f"activations (quantization_config), which tsdev cannot load: it loads FP8 checkpoints with "
+                         f"weight_block_size {list(FP8_BLOCK)} and dynamic activations; serve the model's bf16 "
+                         "checkpoint, with --quantization fp8 for FP8 projections quantized at load")
+    return FP8_BLOCK
 
 
 @dataclass(frozen=True)
@@ -68,7 +75,10 @@ class ModelConfig:
                                "num_attention_heads", "rms_norm_eps") if k not in raw]
         if missing:
             raise ValueError(f"{path} lacks {', '.join(missing)}")
-        refuse_prequantized(path, raw.get("quantization_config"))
+        try:
+            stored_fp8_blocks(raw)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
         eos = _read_eos(Path(model_dir), raw)
         return cls(
             architecture=arch,

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from tsdev_kernels.ops import fp8 as fp8_ops
+from tsdev_kernels.ops import fp8_block
 from tsdev_kernels.ops import linear as linear_ops
 from tsdev_kernels.ops import use_fused_triton
 from tsdev_runtime import distributed
@@ -54,6 +55,19 @@ class Linear(DeclaredLoading, nn.Module):
         self.register_buffer("weight_scale", torch.ones(n, dtype=torch.float32, device=device), persistent=False)
         self.quantization = method
 
+    def store_fp8_blocks(self, block: tuple[int, int]) -> None:
+        """Hold the weight as a block-FP8 checkpoint stores it: e4m3 [N, K] and one float32 multiplier per block
+        (`weight_scale_inv`, loaded as stored: nothing is derived), run by the w8a8-block arithmetic
+        (kernels/tsdev_kernels/ops/fp8_block.py; its torch reference: the Triton kernels are issue 50's)."""
+        if distributed.size() > 1:
+            raise ValueError("block-FP8 checkpoints under tensor parallelism are not supported yet: serve with --tp 1")
+        n, k = self.weight.shape
+        device = self.weight.device
+        self.weight = nn.Parameter(torch.empty(n, k, dtype=fp8_block.E4M3, device=device), requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(torch.empty(-(-n // block[0]), -(-k // block[1]), dtype=torch.float32,
+                                                         device=device), requires_grad=False)
+        self.block, self.quantization = block, "fp8_block"
+
     def process_weights_after_loading(self) -> None:
         if self.quantization == "fp8":
             values, scales = fp8_ops.quantize_fp8_rows(self.weight)
@@ -64,6 +78,8 @@ class Linear(DeclaredLoading, nn.Module):
         return self.project(x, self.bias)
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quantization == "fp8_block":
+            return fp8_block.fp8_block_linear_ref(x, self.weight, self.weight_scale_inv, self.block, bias)
         if self.quantization == "fp8":
             return fp8_ops.fp8_linear(x, self.weight_fp8, self.weight_scale, bias)
         return linear_ops.linear(x, self.weight, bias)
@@ -111,20 +127,35 @@ class MergedLinear(Linear):
             self.shard_offsets[name] = (offset, part.length)
             offset += part.length
 
+    def store_fp8_blocks(self, block: tuple[int, int]) -> None:
+        """Linear's, each shard's block scales stacked as its rows are: every shard must start on a block."""
+        uneven = {name: size for name, (_, size) in self.shard_offsets.items() if size % block[0]}
+        if uneven and len(self.shard_offsets) > 1:
+            raise ValueError(f"a stacked projection's shards ({', '.join(f'{n}: {s} rows' for n, s in uneven.items())}) "
+                             f"do not fill whole {block[0]}-row blocks of FP8 scales: this checkpoint cannot be "
+                             "served stacked")
+        super().store_fp8_blocks(block)
+
     def checkpoint_names(self, attr: str) -> dict[str, tuple[str, Key]]:
         """Each shard's own tensors, beside this module in the checkpoint: q_proj.weight -> (weight, (q,))."""
         params = ["weight"] + (["bias"] if self.bias is not None else [])
+        params += ["weight_scale_inv"] if self.quantization == "fp8_block" else []
         return {f"{self.checkpoint_name.format(shard)}.{param}": (param, (shard,))
                 for shard in self.shard_slices for param in params}
 
     def weight_slice(self, param: str, key: Key) -> RankSlice:
         """This rank's rows of the checkpoint tensor of shard `key` (of the bias: the same rows)."""
         part = self.shard_slices[key[0]]
+        if param == "weight_scale_inv":  # one rank holds them all (block-FP8 refuses tensor parallelism)
+            rows = -(-part.shape[0] // self.block[0])
+            return RankSlice((rows, self.weight_scale_inv.shape[1]), 0, 0, rows)
         return part if param == "weight" else RankSlice(part.shape[:1], 0, part.start, part.length)
 
     def load_weight(self, param: str, key: Key, tensor: torch.Tensor) -> None:
-        """Copy this rank's rows of shard `key` into their place in `param` (weight or bias)."""
+        """Copy this rank's rows of shard `key` into their place in `param` (weight, bias or block scales)."""
         offset, size = self.shard_offsets[key[0]]
+        if param == "weight_scale_inv":  # a block of rows per scale row
+            offset, size = offset // self.block[0], -(-size // self.block[0])
         target = getattr(self, param).data[offset : offset + size]
         if target.shape != tensor.shape:
             raise ValueError(f"shard {key[0]}: expected shape {tuple(target.shape)}, checkpoint has {tuple(tensor.shape)}")
@@ -156,7 +187,8 @@ class NormedProjection(nn.Module):
         if proj is None:  # the norm alone (before a mixture of experts, whose router reads the normed input)
             return (norm(x), x) if residual is None else norm(x, residual)
         families = ("norm", proj.quantization or "linear", *(("activation",) if act is not None else ()))
-        if (x.numel() == x.shape[-1] and use_fused_triton(x, *families) and type(norm) is RMSNorm
+        if (x.numel() == x.shape[-1] and proj.quantization != "fp8_block" and use_fused_triton(x, *families)
+                and type(norm) is RMSNorm
                 and (act is None or type(act) is SiluAndMul) and norm.weight.dtype == x.dtype
                 and (residual is None or residual.dtype == x.dtype)):
             weight, scale = (proj.weight_fp8, proj.weight_scale) if proj.quantization == "fp8" else (proj.weight, None)

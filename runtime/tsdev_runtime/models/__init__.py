@@ -1,14 +1,18 @@
 """Model definitions, one file per family; each model class names the Hugging Face architectures it serves."""
+import logging
+
 import torch
 from torch import nn
 
-from tsdev_runtime.config import ModelConfig
+from tsdev_runtime.config import ModelConfig, stored_fp8_blocks
 from tsdev_runtime.layers.linear import Linear, check_quantization
 from tsdev_runtime.models.llama import LlamaForCausalLM
 from tsdev_runtime.models.qwen2 import Qwen2ForCausalLM
 from tsdev_runtime.models.qwen3 import Qwen3ForCausalLM
 from tsdev_runtime.models.qwen3_moe import Qwen3MoeForCausalLM
 from tsdev_runtime.moe.experts import StackedExperts
+
+log = logging.getLogger(__name__)
 
 MODELS: dict[str, type[nn.Module]] = {
     arch: cls for cls in (Qwen3ForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3MoeForCausalLM) for arch in cls.architectures}
@@ -21,7 +25,15 @@ def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dt
 
     `quantization` ("fp8"): every projection (`Linear`: q|k|v, o, gate|up, down; not the embedding, the logits or
     a router) and the experts (`StackedExperts`) derive quantized weights at each load and run on them; a device
-    that cannot run them fails here, before any weight loads."""
+    that cannot run them fails here, before any weight loads.
+
+    A checkpoint stored as block-quantized FP8 (its config.json's `quantization_config`): every projection the
+    config does not leave unconverted (`modules_to_not_convert`) holds its e4m3 weight and block scales as stored;
+    its sparse experts are not supported yet (ValueError)."""
+    blocks = stored_fp8_blocks(config.raw)
+    if quantization is not None and blocks:
+        raise ValueError(f"--quantization {quantization}: this checkpoint is stored quantized already "
+                         "(quantization_config in its config.json): leave --quantization out")
     if quantization is not None:
         check_quantization(quantization, device)
     default_dtype = torch.get_default_dtype()
@@ -33,6 +45,30 @@ def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dt
                 for module in model.modules():
                     if isinstance(module, (Linear, StackedExperts)):
                         module.quantize(quantization)
+            if blocks:
+                store_fp8_blocks(model, blocks, config.raw["quantization_config"].get("modules_to_not_convert") or [])
+                if torch.device(device).type == "cuda":
+                    log.warning("block-FP8 projections run their torch reference on the GPU (slow: the Triton "
+                                "kernels are not written yet)")
             return model
     finally:
         torch.set_default_dtype(default_dtype)
+
+
+def store_fp8_blocks(model: nn.Module, block: tuple[int, int], unconverted: list[str]) -> None:
+    """Every projection but those under `unconverted` (module names or their prefixes, as the checkpoint names
+    them) holds block-FP8 weights; sparse experts cannot yet."""
+    if any(isinstance(m, StackedExperts) for m in model.modules()):
+        raise ValueError("block-FP8 checkpoints of a mixture of experts are not supported yet: serve its bf16 "
+                         "checkpoint, with --quantization fp8 for FP8 experts")
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and not any(name == u or name.startswith(u + ".") or
+                                                  _checkpoint_names(name, module).intersection({u}) for u in unconverted):
+            module.store_fp8_blocks(block)
+
+
+def _checkpoint_names(name: str, module: Linear) -> set[str]:
+    """The checkpoint's module names for `module` (a stacked q|k|v is q_proj, k_proj and v_proj)."""
+    parent = name.rpartition(".")[0]
+    shards = getattr(module, "shard_slices", None)
+    return {f"{parent}.{module.checkpoint_name.format(s)}" for s in shards} if shards else {name}

@@ -1,0 +1,141 @@
+"""Serving a checkpoint stored as block-quantized FP8 (Qwen's *-FP8 format: e4m3 weights, one float32 multiplier per
+128 x 128 block, activations quantized per token and group of 128 at run time), dense models, one rank. The
+checkpoint: a Qwen3 that transformers wrote, its projections quantized by the writer that stores what transformers'
+own quantizer stores (tests/test_fp8_block.py). The oracle: transformers' model on the same checkpoint with each
+projection replaced by the plain-torch w8a8-block arithmetic -- greedy tokens equal; the logits close to the
+unquantized model's; a missing scale, a scale of the wrong shape, another block size are refused by name."""
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tsdev_kernels.ops.fp8_block import fp8_block_linear_ref, quantize_fp8_blocks
+from tsdev_runtime.config import EngineConfig
+from tsdev_runtime.engine.llm_engine import LLMEngine
+from tsdev_runtime.engine.sequence import SamplingParams
+
+PROMPTS = [[5, 17, 300, 42, 9, 77, 123, 8], [900, 3, 3, 250, 61]]
+TOKENS = 12
+QUANTIZATION = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic",
+                "modules_to_not_convert": ["model.layers.1.mlp.down_proj"]}
+
+
+@pytest.fixture(scope="module")
+def source_dir(tiny_model_dir, tmp_path_factory):
+    """A Qwen3 that transformers wrote, float32, shaped so that every stacked shard fills whole 128-row blocks (q 256,
+    k and v 128 rows; gate and up 384), with K sizes that leave partial blocks (hidden 192)."""
+    import transformers
+
+    out = tmp_path_factory.mktemp("hf-qwen3-blocks")
+    config = transformers.Qwen3Config(vocab_size=1024, hidden_size=192, intermediate_size=384, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                                      max_position_embeddings=1024, tie_word_embeddings=False, initializer_range=0.1)
+    torch.manual_seed(5)
+    transformers.Qwen3ForCausalLM(config).to(torch.float32).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, out / name)
+    return out
+
+
+def write_fp8_blocks(source, out, quantization=QUANTIZATION, drop=None, reshape=None):
+    """`source`'s checkpoint with every projection not left unconverted stored as block FP8."""
+    shutil.copytree(source, out)
+    path = next(out.glob("*.safetensors"))
+    tensors = {}
+    for name, tensor in load_file(str(path)).items():
+        module = name.removesuffix(".weight")
+        if name.endswith("proj.weight") and module not in quantization.get("modules_to_not_convert", []):
+            tensors[name], tensors[module + ".weight_scale_inv"] = quantize_fp8_blocks(tensor)
+        else:
+            tensors[name] = tensor
+    if drop:
+        del tensors[drop]
+    if reshape:
+        tensors[reshape] = tensors[reshape][:1]
+    save_file(tensors, str(path))
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
+    return out
+
+
+class BlockFP8Linear(torch.nn.Module):
+    """A transformers projection run as the plain-torch w8a8-block arithmetic on the checkpoint's tensors."""
+
+    def __init__(self, weight, scale):
+        super().__init__()
+        self.weight, self.scale = weight, scale
+
+    def forward(self, x):
+        return fp8_block_linear_ref(x, self.weight, self.scale)
+
+
+def oracle_greedy(source, fp8_dir, prompts):
+    import transformers
+
+    model = transformers.Qwen3ForCausalLM.from_pretrained(source, dtype=torch.float32)
+    tensors = load_file(str(next(fp8_dir.glob("*.safetensors"))))
+    for name, module in list(model.named_modules()):
+        if f"{name}.weight_scale_inv" in tensors:
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, BlockFP8Linear(tensors[f"{name}.weight"],
+                                                                      tensors[f"{name}.weight_scale_inv"]))
+    outputs = []
+    for prompt in prompts:
+        ids = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+        outputs.append(ids[0, len(prompt):].tolist())
+    return outputs
+
+
+def served(model_dir, prompts, **config):
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", **config))
+    out = [r["token_ids"] for r in engine.generate(prompts, SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True))]
+    return engine, out
+
+
+def test_a_block_fp8_checkpoint_serves_the_greedy_tokens_of_the_same_arithmetic_in_plain_torch(source_dir, tmp_path):
+    fp8_dir = write_fp8_blocks(source_dir, tmp_path / "fp8")
+    engine, ours = served(fp8_dir, PROMPTS)
+    qkv = engine.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight_scale_inv.shape == (4, 2)  # 512 rows, 192 columns
+    assert engine.model.model.layers[1].mlp.down_proj.weight.dtype == torch.float32  # left unconverted
+    assert ours == oracle_greedy(source_dir, fp8_dir, PROMPTS)
+    assert len({tuple(t) for t in ours}) == len(ours)
+
+
+def prefill_logits(model_dir, prompt) -> torch.Tensor:
+    from tsdev_runtime.engine.scheduler import ScheduledBatch
+    from tsdev_runtime.engine.sequence import Sequence
+
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32"))
+    seq = Sequence("a", prompt, SamplingParams(max_tokens=1, temperature=0))
+    engine.block_manager.allocate(seq, len(prompt))
+    return engine.runner.compute_logits(ScheduledBatch([seq], [len(prompt)]))[0].clone()
+
+
+def test_its_logits_are_close_to_the_unquantized_models(source_dir, tmp_path):
+    fp8_dir = write_fp8_blocks(source_dir, tmp_path / "fp8")
+    for prompt in PROMPTS:
+        exact, quantized = prefill_logits(source_dir, prompt), prefill_logits(fp8_dir, prompt)
+        assert not torch.equal(exact, quantized)  # the FP8 arithmetic ran
+        cosine = torch.nn.functional.cosine_similarity(exact, quantized, dim=0)
+        assert cosine > 0.99, cosine
+
+
+@pytest.mark.parametrize("change, expected", [
+    (dict(drop="model.layers.0.self_attn.k_proj.weight_scale_inv"), "lacks 1 tensor.*k_proj.weight_scale_inv"),
+    (dict(reshape="model.layers.0.mlp.up_proj.weight_scale_inv"), "up_proj.weight_scale_inv has shape"),
+    (dict(quantization={**QUANTIZATION, "weight_block_size": [64, 64]}), "64 x 64 block.*weight_block_size \\[128, 128\\]"),
+])
+def test_a_broken_or_unsupported_block_fp8_checkpoint_is_refused_by_name(source_dir, tmp_path, change, expected):
+    fp8_dir = write_fp8_blocks(source_dir, tmp_path / "fp8", **change)
+    with pytest.raises(ValueError, match=expected):
+        LLMEngine(EngineConfig(model=str(fp8_dir), device="cpu", dtype="float32"))
+
+
+def test_quantizing_again_is_refused(source_dir, tmp_path):
+    fp8_dir = write_fp8_blocks(source_dir, tmp_path / "fp8")
+    with pytest.raises(ValueError, match="stored quantized already"):
+        LLMEngine(EngineConfig(model=str(fp8_dir), device="cpu", dtype="float32", quantization="fp8"))
