@@ -139,3 +139,36 @@ def test_quantizing_again_is_refused(source_dir, tmp_path):
     fp8_dir = write_fp8_blocks(source_dir, tmp_path / "fp8")
     with pytest.raises(ValueError, match="stored quantized already"):
         LLMEngine(EngineConfig(model=str(fp8_dir), device="cpu", dtype="float32", quantization="fp8"))
+
+
+def test_sleep_wake_reload_and_a_direct_update_keep_the_stored_tensors_and_tokens(source_dir, tmp_path):
+    """The weights lifecycle on a block-FP8 model: the drill (sleep level 2, wake, reload_weights: every tensor equal
+    to a fresh load, greedy output unchanged), then a direct update to another block-FP8 checkpoint serves what a
+    fresh engine on it serves, and back."""
+    from tsdev_runtime.engine.weights_drill import DrillFailed, drill
+    from tsdev_runtime.weights.processing import DEBUG_DERIVED_ENV
+
+    fp8_dir = write_fp8_blocks(source_dir, tmp_path / "fp8")
+    other_source = tmp_path / "other-source"
+    shutil.copytree(source_dir, other_source)
+    path = next(other_source.glob("*.safetensors"))
+    generator = torch.Generator().manual_seed(11)
+    save_file({name: t + 0.05 * torch.randn(t.shape, generator=generator) if name.endswith("proj.weight") else t
+               for name, t in load_file(str(path)).items()}, str(path))
+    other = write_fp8_blocks(other_source, tmp_path / "other-fp8")
+    engine, before = served(fp8_dir, PROMPTS)
+    report = drill(engine, rounds=2)
+    assert report.rounds == 2 and len(report.seconds["reload"]) == 2
+    with pytest.MonkeyPatch.context() as patch:  # the negative control: derived tensors not refreshed
+        patch.setenv(DEBUG_DERIVED_ENV, "skip")
+        with pytest.raises(DrillFailed, match="differ from the fresh load"):
+            drill(engine, rounds=1)
+    engine.state.set(weights_loaded=True)
+    engine.reload_weights()  # repaired
+    engine.update_weights(str(other), "direct")
+    after = [r["token_ids"] for r in engine.generate(PROMPTS, SamplingParams(max_tokens=TOKENS, temperature=0,
+                                                                             ignore_eos=True))]
+    assert after == served(other, PROMPTS)[1] and after != before
+    engine.update_weights(str(fp8_dir), "direct")
+    assert [r["token_ids"] for r in engine.generate(PROMPTS, SamplingParams(max_tokens=TOKENS, temperature=0,
+                                                                             ignore_eos=True))] == before
