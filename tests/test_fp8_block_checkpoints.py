@@ -25,13 +25,14 @@ QUANTIZATION = {"quant_method": "fp8", "weight_block_size": [128, 128], "activat
 @pytest.fixture(scope="module")
 def source_dir(tiny_model_dir, tmp_path_factory):
     """A Qwen3 that transformers wrote, float32, shaped so that every stacked shard fills whole 128-row blocks (q 256,
-    k and v 128 rows; gate and up 384), with K sizes that leave partial blocks (hidden 192)."""
+    k and v 128 rows; gate and up 512), also on each of two ranks (q 128 rows each, k and v replicated, gate and up 256,
+    down's 512 input features 256 each), with K sizes that leave partial blocks (hidden 192)."""
     import transformers
 
     out = tmp_path_factory.mktemp("hf-qwen3-blocks")
-    config = transformers.Qwen3Config(vocab_size=1024, hidden_size=192, intermediate_size=384, num_hidden_layers=2,
+    config = transformers.Qwen3Config(vocab_size=1024, hidden_size=192, intermediate_size=512, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=1, head_dim=128,
-                                      max_position_embeddings=1024, tie_word_embeddings=False, initializer_range=0.1)
+                                      max_position_embeddings=1024, tie_word_embeddings=False)
     torch.manual_seed(5)
     transformers.Qwen3ForCausalLM(config).to(torch.float32).save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -172,3 +173,42 @@ def test_sleep_wake_reload_and_a_direct_update_keep_the_stored_tensors_and_token
     engine.update_weights(str(fp8_dir), "direct")
     assert [r["token_ids"] for r in engine.generate(PROMPTS, SamplingParams(max_tokens=TOKENS, temperature=0,
                                                                              ignore_eos=True))] == before
+
+
+def tp_rank(model_dir: str) -> list:
+    from tsdev_runtime import distributed
+    from tsdev_runtime.engine.llm_engine import serve_rank
+
+    config = EngineConfig(model=model_dir, device="cpu", dtype="float32", world_size=2, cudagraph_capture_sizes=[1, 4])
+    if distributed.rank() != 0:
+        serve_rank(config)
+        return []
+    engine = LLMEngine(config)
+    try:
+        return [r["token_ids"] for r in engine.generate(PROMPTS, SamplingParams(max_tokens=TOKENS, temperature=0,
+                                                                                ignore_eos=True))]
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+def test_two_ranks_each_hold_their_blocks_and_serve_the_tokens_of_one(source_dir, tmp_path):
+    from ranks import run_ranks
+
+    fp8_dir = write_fp8_blocks(source_dir, tmp_path / "fp8")
+    rank0, _ = run_ranks(tp_rank, 2, str(fp8_dir), timeout=240)
+    assert rank0 == served(fp8_dir, PROMPTS)[1]
+
+
+def test_a_rank_split_that_cuts_a_block_of_scales_is_refused():
+    """A row-parallel projection whose rank halves fall inside a 128-column block of scales (down_proj's 384 input
+    features: 192 per rank); the loader prefixes the module's checkpoint name."""
+    from tsdev_runtime.layers.linear import block_part
+    from tsdev_runtime.weights.layout import RankSlice
+
+    with pytest.raises(ValueError, match="192 of 384 starts at 192, which splits a 128-wide block"):
+        block_part(RankSlice((192, 384), 1, 192, 192), 128, "down_proj's input features")
+    whole = block_part(RankSlice((192, 512), 1, 256, 256), 128, "down_proj's input features")
+    assert (whole.shape, whole.dim, whole.start, whole.length) == ((2, 4), 1, 2, 2)
+    last = block_part(RankSlice((300, 192), 0, 256, 44), 128, "rows")  # a partial last block
+    assert (last.shape, last.start, last.length) == ((3, 2), 2, 1)

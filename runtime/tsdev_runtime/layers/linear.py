@@ -37,6 +37,19 @@ def check_quantization(method: str, device: torch.device | str) -> None:
         raise ValueError(reason)
 
 
+def block_part(part: RankSlice, block: int, what: str) -> RankSlice:
+    """The blocks of FP8 scales that cover a rank's `part` of a tensor along `part.dim` (`block` entries each); a
+    part that does not start and end on a block boundary (or the tensor's end) cannot be served: ValueError."""
+    full = part.shape[part.dim]
+    end = part.start + part.length
+    if part.start % block or (end % block and end != full):
+        raise ValueError(f"{what}: this rank's {part.length} of {full} starts at {part.start}, which splits a "
+                         f"{block}-wide block of FP8 scales: serve with a --tp that divides the blocks evenly")
+    blocks = -(-full // block)
+    shape = tuple(blocks if d == part.dim else -(-size // block) for d, size in enumerate(part.shape))
+    return RankSlice(shape, part.dim, part.start // block, -(-part.length // block))
+
+
 class Linear(DeclaredLoading, nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -59,14 +72,13 @@ class Linear(DeclaredLoading, nn.Module):
         """Hold the weight as a block-FP8 checkpoint stores it: e4m3 [N, K] and one float32 multiplier per block
         (`weight_scale_inv`, loaded as stored: nothing is derived), run by the w8a8-block arithmetic
         (kernels/tsdev_kernels/ops/fp8_block.py; its torch reference: the Triton kernels are issue 50's)."""
-        if distributed.size() > 1:
-            raise ValueError("block-FP8 checkpoints under tensor parallelism are not supported yet: serve with --tp 1")
         n, k = self.weight.shape
         device = self.weight.device
         self.weight = nn.Parameter(torch.empty(n, k, dtype=fp8_block.E4M3, device=device), requires_grad=False)
         self.weight_scale_inv = nn.Parameter(torch.empty(-(-n // block[0]), -(-k // block[1]), dtype=torch.float32,
                                                          device=device), requires_grad=False)
         self.block, self.quantization = block, "fp8_block"
+
 
     def process_weights_after_loading(self) -> None:
         if self.quantization == "fp8":
@@ -97,7 +109,10 @@ class RowParallelLinear(Linear):
         self.columns = RankSlice((out_features, in_features), 1, start, length)
 
     def weight_slice(self, param: str, key: Key) -> RankSlice | None:
-        """This rank's columns of the checkpoint's weight (None: the whole tensor, as the bias)."""
+        """This rank's columns of the checkpoint's weight, or of its block scales (None: the whole tensor, as the
+        bias)."""
+        if param == "weight_scale_inv":
+            return block_part(self.columns, self.block[1], "a row-parallel projection's input features")
         return self.columns if param == "weight" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -146,9 +161,8 @@ class MergedLinear(Linear):
     def weight_slice(self, param: str, key: Key) -> RankSlice:
         """This rank's rows of the checkpoint tensor of shard `key` (of the bias: the same rows)."""
         part = self.shard_slices[key[0]]
-        if param == "weight_scale_inv":  # one rank holds them all (block-FP8 refuses tensor parallelism)
-            rows = -(-part.shape[0] // self.block[0])
-            return RankSlice((rows, self.weight_scale_inv.shape[1]), 0, 0, rows)
+        if param == "weight_scale_inv":  # the blocks of this rank's rows
+            return block_part(part, self.block[0], f"the {key[0]} projection's rows")
         return part if param == "weight" else RankSlice(part.shape[:1], 0, part.start, part.length)
 
     def load_weight(self, param: str, key: Key, tensor: torch.Tensor) -> None:

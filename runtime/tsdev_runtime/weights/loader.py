@@ -180,8 +180,11 @@ class _Targets:
                 param = getattr(module, attr_name)
                 canonical_name = canonical[id(param)]
                 full = f"{parent}.{name}" if parent else name
-                self.index.setdefault(full, _Target(canonical_name, param, spec, attr_name, key,
-                                                    spec.weight_slice(attr_name, key)))
+                try:
+                    part = spec.weight_slice(attr_name, key)
+                except ValueError as exc:  # a rank's part this module cannot hold: say which module
+                    raise ValueError(f"{full}: {exc}") from None
+                self.index.setdefault(full, _Target(canonical_name, param, spec, attr_name, key, part))
                 self.keys[canonical_name] = self.keys.get(canonical_name, frozenset()) | {key}
                 self.names.setdefault((canonical_name, key), full)
 
