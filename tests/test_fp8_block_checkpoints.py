@@ -212,3 +212,24 @@ def test_a_rank_split_that_cuts_a_block_of_scales_is_refused():
     assert (whole.shape, whole.dim, whole.start, whole.length) == ((2, 4), 1, 2, 2)
     last = block_part(RankSlice((300, 192), 0, 256, 44), 128, "rows")  # a partial last block
     assert (last.shape, last.start, last.length) == ((3, 2), 2, 1)
+
+
+def test_the_embedded_default_fp8_serves_the_default_kind_stored_as_block_fp8(tmp_path, monkeypatch):
+    """`tsdev serve --model default-fp8`: written once, as the FP8 releases store their weights; its logits close to
+    the same random model unquantized."""
+    from tsdev_runtime.weights.default_model import DEFAULT_FP8, SHAPES, write_checkpoint
+
+    monkeypatch.setenv("TSDEV_CACHE_DIR", str(tmp_path / "cache"))
+    engine = LLMEngine(EngineConfig(model=DEFAULT_FP8, device="cpu"))
+    config = json.loads((engine.model_dir / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [128, 128]
+    assert engine.model.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.float8_e4m3fn
+    tokens = engine.generate(PROMPTS, SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True))
+    assert all(len(r["token_ids"]) == TOKENS for r in tokens)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    write_checkpoint(plain, SHAPES["tiny-blocks"])  # the same seed, unquantized
+    for prompt in PROMPTS:
+        cosine = torch.nn.functional.cosine_similarity(prefill_logits(plain, prompt),
+                                                       prefill_logits(engine.model_dir, prompt), dim=0)
+        assert cosine > 0.99, cosine

@@ -126,7 +126,8 @@ def serve(
     model: Annotated[Optional[str], typer.Argument(help="A Hugging Face checkpoint directory (Llama, Qwen2, Qwen3), or a hub id "
                                                         "(ORG/NAME) found in the local Hugging Face cache (never "
                                                         "downloaded). Omit it to serve the embedded default model; default-moe serves the embedded "
-                                                        "mixture of experts (Qwen3-MoE).")] = None,
+                                                        "mixture of experts (Qwen3-MoE), default-fp8 the default "
+                                                        "stored as block-quantized FP8.")] = None,
     model_opt: Annotated[Optional[str], typer.Option("--model", help="Same as the MODEL argument.")] = None,
     revision: Annotated[Optional[str], typer.Option(help="The cached revision of a hub id: a branch or tag "
                                                          "(refs/ in the cache) or a commit hash. Default: main.")] = None,
@@ -281,12 +282,12 @@ def serve(
         load_memory_bytes = parse_size(load_memory_limit)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--load-memory-limit") from None
-    from tsdev_runtime.weights.default_model import DEFAULT_MOE
+    from tsdev_runtime.weights.default_model import DEFAULT_NAMES
     from tsdev_runtime.weights.hub import is_hub_id, resolve_model
 
     name = model or model_opt
     try:
-        checkpoint = name if name in (None, DEFAULT_MOE) else str(resolve_model(name, revision))
+        checkpoint = name if name in DEFAULT_NAMES else str(resolve_model(name, revision))
         tokenizer_dir = None if tokenizer is None else str(resolve_model(tokenizer))
     except (FileNotFoundError, ValueError) as exc:
         console.print(f"[red]error:[/red] {exc}")
@@ -326,7 +327,7 @@ def serve(
         config.cudagraph_capture_first = parse_sizes("--cudagraph-capture-first", cudagraph_capture_first)
     if prefill_graph_capture_first:
         config.prefill_graph_capture_first = parse_sizes("--prefill-graph-capture-first", prefill_graph_capture_first)
-    if served_model_name is None and name is not None and (is_hub_id(name) or name == DEFAULT_MOE):
+    if served_model_name is None and name is not None and (is_hub_id(name) or name in DEFAULT_NAMES):
         served_model_name = name  # the hub id, as vLLM serves it
     server = ServerConfig(host=host, port=port, served_model_name=served_model_name, log_level=log_level,
                           chat_template=str(chat_template) if chat_template else None,

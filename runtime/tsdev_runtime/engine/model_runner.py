@@ -27,7 +27,7 @@ from tsdev_runtime.layers.attention import Attention
 from tsdev_runtime.models import MODELS, build_model
 from tsdev_kernels.ops.sampling import token_logprobs
 from tsdev_runtime.sampling.sampler import Extras, Sampled, Sampler, SamplerState
-from tsdev_runtime.weights.default_model import DEFAULT_MOE, default_model_dir
+from tsdev_runtime.weights.default_model import DEFAULT_NAMES, default_model_dir
 from tsdev_runtime.weights.layout import named_tensors
 from tsdev_runtime.weights.loader import LoadedWeights, LoadReport, load_weights
 
@@ -59,8 +59,8 @@ class Checkpoint:
 
     @classmethod
     def open(cls, config: EngineConfig) -> "Checkpoint":
-        if config.model in (None, DEFAULT_MOE):
-            model_dir = default_model_dir(config.device, moe=config.model == DEFAULT_MOE)
+        if config.model in DEFAULT_NAMES:
+            model_dir = default_model_dir(config.device, config.model)
         else:
             model_dir = Path(config.model)
         if not model_dir.is_dir():

@@ -42,8 +42,15 @@ SHAPES = {
                             num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                             num_experts=32, num_experts_per_tok=4, moe_intermediate_size=512, mlp_only_layers=[],
                             torch_dtype="bfloat16"),
+    # `tsdev serve --model default-fp8` on the CPU: the default's kind, shaped so that every stacked shard fills whole
+    # 128-row blocks of FP8 scales (on a GPU the default shape does)
+    "tiny-blocks": dict(vocab_size=1024, hidden_size=192, intermediate_size=512, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=128, max_position_embeddings=4096,
+                        torch_dtype="float32"),
 }
 DEFAULT_MOE = "default-moe"  # the model name that serves the embedded mixture of experts
+DEFAULT_FP8 = "default-fp8"  # ... the embedded dense model stored as block-quantized FP8 (Qwen's *-FP8 format)
+DEFAULT_NAMES = (None, DEFAULT_MOE, DEFAULT_FP8)  # what `--model` takes for an embedded model
 
 
 def cache_dir() -> Path:
@@ -51,18 +58,20 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def default_model_dir(device: str, moe: bool = False) -> Path:
-    """The default checkpoint for this device (`moe`: the mixture of experts), created (once, atomically) if it
-    is not there yet."""
-    shape = ("qwen3-moe-small" if moe else "qwen3-0.6b") if device.startswith("cuda") else ("tiny-moe" if moe else "tiny")
-    final = cache_dir() / f"default-{shape}-v{VERSION}"
+def default_model_dir(device: str, name: str | None = None) -> Path:
+    """The embedded checkpoint `name` (None: the default; DEFAULT_MOE, DEFAULT_FP8) for this device, created (once,
+    atomically) if it is not there yet."""
+    gpu = device.startswith("cuda")
+    moe, fp8 = name == DEFAULT_MOE, name == DEFAULT_FP8
+    shape = ("qwen3-moe-small" if moe else "qwen3-0.6b") if gpu else ("tiny-moe" if moe else "tiny-blocks" if fp8 else "tiny")
+    final = cache_dir() / f"default-{shape}{'-fp8' if fp8 else ''}-v{VERSION}"
     if (final / "config.json").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     logging.getLogger("tsdev_runtime.startup").info("writing the default checkpoint %s (once, on first use)", final)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     try:
-        write_checkpoint(tmp, SHAPES[shape])
+        write_checkpoint(tmp, SHAPES[shape], fp8_blocks=fp8)
         os.rename(tmp, final)
     except OSError:
         if not (final / "config.json").is_file():  # not a lost race with another process: a real failure
@@ -72,8 +81,10 @@ def default_model_dir(device: str, moe: bool = False) -> Path:
     return final
 
 
-def write_checkpoint(out: Path, shape: dict, seed: int = 0, std: float | None = None) -> None:
-    """Write config, tokenizer and random weights for a Qwen3 model of `shape` into `out`.
+def write_checkpoint(out: Path, shape: dict, seed: int = 0, std: float | None = None, fp8_blocks: bool = False) -> None:
+    """Write config, tokenizer and random weights for a Qwen3 model of `shape` into `out`; `fp8_blocks`: its
+    projections stored as block-quantized FP8 (e4m3 and a float32 multiplier per 128 x 128 block, as Qwen's *-FP8
+    releases and transformers' fine-grained FP8 quantizer store them).
 
     Matrices get std 1/sqrt(fan_in) unless `std` is given: each layer then keeps its input's scale, so
     greedy output varies from token to token (with small weights a tied-embedding model only echoes its
@@ -88,6 +99,9 @@ def write_checkpoint(out: Path, shape: dict, seed: int = 0, std: float | None = 
                   **(dict(decoder_sparse_step=1, norm_topk_prob=True) if moe else {}),
                   hidden_act="silu", rms_norm_eps=1e-6, rope_theta=1_000_000.0, rope_scaling=None,
                   tie_word_embeddings=True, bos_token_id=None, eos_token_id=eos[1], **shape)
+    if fp8_blocks:
+        config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                         "activation_scheme": "dynamic"}
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}, indent=2))
     (out / "tokenizer_config.json").write_text(json.dumps(
@@ -95,7 +109,13 @@ def write_checkpoint(out: Path, shape: dict, seed: int = 0, std: float | None = 
          "model_max_length": shape["max_position_embeddings"], "tokenizer_class": "PreTrainedTokenizerFast"},
         indent=2))
     dtype = getattr(torch, shape["torch_dtype"])
-    save_file(random_weights(shape, seed, std, dtype), str(out / "model.safetensors"), metadata={"format": "pt"})
+    weights = random_weights(shape, seed, std, dtype)
+    if fp8_blocks:
+        from tsdev_kernels.ops.fp8_block import quantize_fp8_blocks
+
+        for name in [n for n in weights if n.endswith("proj.weight")]:
+            weights[name], weights[name.removesuffix("weight") + "weight_scale_inv"] = quantize_fp8_blocks(weights[name])
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
 def random_weights(shape: dict, seed: int, std: float | None, dtype: torch.dtype) -> dict[str, torch.Tensor]:
