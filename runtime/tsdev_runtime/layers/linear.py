@@ -1,7 +1,8 @@
 """Linear layers. Merged projections (q|k|v, gate|up) run as one matmul and load per shard.
 
-With `quantize("fp8")` (`--quantization fp8`) a layer still loads the checkpoint's weight into its
-parameter (so the checkpoint layout, weight updates and reloads are unchanged), and its
+With `store_fp8_blocks` (a checkpoint stored as block-quantized FP8) a layer holds the e4m3 weight and its block
+scales as the checkpoint stores them, nothing derived. With `quantize("fp8")` (`--quantization fp8`) a layer still loads
+the checkpoint's weight into its parameter (so the checkpoint layout, weight updates and reloads are unchanged), and its
 `process_weights_after_loading` derives, into buffers allocated once by `quantize`, the e4m3 weight and
 one float32 scale per output channel (`tsdev_kernels.ops.fp8.quantize_fp8_rows`); the forward uses only those.
 The high-precision weight stays allocated: a weight update loads into it and reprocesses (a known cost:
@@ -78,7 +79,6 @@ class Linear(DeclaredLoading, nn.Module):
         self.weight_scale_inv = nn.Parameter(torch.empty(-(-n // block[0]), -(-k // block[1]), dtype=torch.float32,
                                                          device=device), requires_grad=False)
         self.block, self.quantization = block, "fp8_block"
-
 
     def process_weights_after_loading(self) -> None:
         if self.quantization == "fp8":
