@@ -28,3 +28,19 @@ def test_the_fused_router_matches_the_reference_on_the_gpu(experts, hidden, top_
     same = (ids == want_ids).all(dim=-1)
     assert same.float().mean() >= (0.98 if tokens > 64 else 0.9), same.float().mean()
     torch.testing.assert_close(weights[same], want_weights[same], atol=8e-3, rtol=8e-3)
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 4096])
+def test_deepseek_v3s_grouped_routing_matches_its_reference_on_the_gpu(tokens):
+    """DeepSeek-V3's gate: 256 experts over 7168 in 8 groups, 4 groups allowed, top 8, scaling 2.5. Both take the
+    same float32 logits (one F.linear), so the ids are the reference's."""
+    from tsdev_kernels.ops.router import route_grouped_ref, route_grouped_triton
+
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, 7168, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(256, 7168, device="cuda", generator=g) * 7168**-0.5).to(torch.bfloat16)
+    bias = torch.randn(256, device="cuda", generator=g) * 0.1
+    weights, ids = route_grouped_triton(x, w, bias, 8, 8, 4, True, 2.5)
+    want_weights, want_ids = route_grouped_ref(x, w, bias, 8, 8, 4, True, 2.5)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-5)

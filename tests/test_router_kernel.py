@@ -56,3 +56,53 @@ def test_experts_no_token_picks_and_every_token_to_one_expert():
     picked = set(ids.flatten().tolist())
     assert len(picked) < 16  # some experts no token picks
     assert_same_routing(x, w, 2, True)
+
+
+def transformers_grouped_route(x, w, bias, top_k, n_group, topk_group, renormalize, scaling):
+    """transformers' DeepseekV3TopkRouter on the same weights: (weights, ids) of each token, in its order."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    config = DeepseekV3Config(hidden_size=x.shape[1], n_routed_experts=w.shape[0], num_experts_per_tok=top_k,
+                              n_group=n_group, topk_group=topk_group, norm_topk_prob=renormalize,
+                              routed_scaling_factor=scaling)
+    router = DeepseekV3TopkRouter(config)
+    with torch.no_grad():
+        router.weight.copy_(w.float())
+        router.e_score_correction_bias.copy_(bias.float())
+        _, weights, ids = router(x)
+    return weights, ids
+
+
+def by_id(weights, ids):
+    """Each row's (id, weight) pairs in id order: transformers' top k is unsorted."""
+    order = ids.long().argsort(dim=-1)
+    return ids.long().gather(1, order), weights.gather(1, order)
+
+
+@pytest.mark.parametrize("tokens, experts, hidden, top_k, n_group, topk_group, renormalize", [
+    (6, 16, 32, 4, 4, 2, True), (5, 64, 48, 8, 8, 4, True), (3, 32, 40, 6, 4, 1, False), (1, 256, 64, 8, 8, 4, True)])
+def test_grouped_routing_chooses_what_transformers_deepseek_v3_router_chooses(tokens, experts, hidden, top_k, n_group,
+                                                                             topk_group, renormalize):
+    from tsdev_kernels.ops.router import route_grouped_ref, route_grouped_triton
+
+    g = torch.Generator().manual_seed(experts * 10 + tokens)
+    x = torch.randn(tokens, hidden, generator=g)
+    w = torch.randn(experts, hidden, generator=g) * hidden**-0.5
+    bias = torch.randn(experts, generator=g) * 0.1
+    want_ids, want_weights = by_id(*transformers_grouped_route(x, w, bias, top_k, n_group, topk_group, renormalize, 2.5))
+    for route in (route_grouped_ref, route_grouped_triton):
+        weights, ids = route(x, w, bias, top_k, n_group, topk_group, renormalize, 2.5)
+        assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+        got_ids, got_weights = by_id(weights, ids)
+        assert torch.equal(got_ids, want_ids), route.__name__
+        torch.testing.assert_close(got_weights, want_weights, rtol=1e-5, atol=1e-6)
+    chosen_groups = (ids.long() // (experts // n_group))
+    assert all(len(set(row)) <= topk_group for row in chosen_groups.tolist())
+
+
+def test_grouped_routing_refuses_groups_it_cannot_hold():
+    from tsdev_kernels.ops.router import route_grouped_triton
+
+    with pytest.raises(ValueError, match="power-of-two"):
+        route_grouped_triton(torch.randn(2, 8), torch.randn(24, 8), torch.zeros(24), 2, 4, 2, True, 1.0)
