@@ -65,6 +65,7 @@ def run_workload(engine: LLMEngine, prompts, params, device: str, label: str = "
     """Generate, print the throughput and the time per kind of step; returns output tokens per second."""
     steps = time_steps(engine)
     pauses = []
+    clock = (engine.num_steps, engine.step_seconds, engine.gpu_wait_seconds)
     with collector_pauses(pauses), nvtx.annotate("offline-workload"):  # an nsys capture range
         start = time.perf_counter()
         results = engine.generate(prompts, params)
@@ -81,6 +82,11 @@ def run_workload(engine: LLMEngine, prompts, params, device: str, label: str = "
             print(f"  {kind} steps: {count}, {secs:.2f} s, {1e3 * secs / count:.2f} ms/step, "
                   f"{rows / count:.0f} sequences/step")
             print(f"    {histogram(times)}")
+    launched = engine.num_steps - clock[0]
+    host = (engine.step_seconds - clock[1]) - (engine.gpu_wait_seconds - clock[2])
+    if launched:
+        print(f"  host per step: {1e3 * host / launched:.2f} ms (the steps' time less their waits for the GPU's "
+              f"results; {1e3 * (engine.gpu_wait_seconds - clock[2]) / launched:.2f} ms waited)")
     # last, so that the tail of a log holds it
     print(f"tsdev{label}: {len(prompts)} requests, {in_tokens} prompt + {out_tokens} output tokens in {seconds:.2f} s: "
           f"{out_tokens / seconds:,.0f} output tok/s, {(in_tokens + out_tokens) / seconds:,.0f} total tok/s "

@@ -111,6 +111,11 @@ def test_models_health_and_metrics(client):
                  "tsdev_generation_tokens_per_second", "tsdev_step_seconds_bucket", "tsdev_prefix_cache_hit_rate"):
         assert name in text
     assert generated(text) - before == 2
+    value = lambda name: next(float(line.split()[1]) for line in text.splitlines()  # noqa: E731
+                              if line.startswith(name + "{") or line.startswith(name + " "))
+    # the host's part of every step: as many observations as steps, never more seconds than the steps took
+    assert value("tsdev_step_host_seconds_count") == value("tsdev_step_seconds_count") > 0
+    assert 0 < value("tsdev_step_host_seconds_sum") <= value("tsdev_step_seconds_sum")
 
 
 def test_return_token_ids_gives_the_generated_ids(client, tiny_model_dir):

@@ -123,6 +123,7 @@ class _Launched:
     sampled: Sampled | None  # on the device
     host: list[torch.Tensor] | None = None  # pinned copies of sampled.tensors(), complete once `ready` passed (CUDA)
     ready: object = None  # torch.cuda.Event
+    waited: float = 0.0  # seconds `read` waited for the GPU to reach `ready`
 
     @property
     def in_flight(self):
@@ -135,7 +136,9 @@ class _Launched:
             return [], None, None
         if self.ready is None:
             return self.sampled.unpack(self.sampled.tensors())
+        start = time.perf_counter()
         self.ready.synchronize()
+        self.waited = time.perf_counter() - start
         return self.sampled.unpack(self.host)
 
 
@@ -192,6 +195,7 @@ class LLMEngine:
         self.num_generated_tokens = self.num_prompt_tokens = 0
         self.num_finished: collections.Counter[str] = collections.Counter()
         self.num_steps = self.num_decode_steps = self.num_rows = self.num_decode_rows = 0
+        self.step_seconds = self.gpu_wait_seconds = self.last_gpu_wait = 0.0  # `step`'s clock
         freeze_heap()
 
     def jit_compiles(self) -> dict[str, int]:
@@ -507,7 +511,17 @@ class LLMEngine:
             prefill_graphs_used=sorted(prefill.used) if prefill else [], graphs_pending=self.graphs_pending)
 
     def step(self) -> list[RequestOutput]:
-        """Schedule and launch a step, then read the previous one (async scheduling) or this one."""
+        """Schedule and launch a step, then read the previous one (async scheduling) or this one. Its seconds and
+        those it waited for the GPU's results accumulate in `step_seconds` and `gpu_wait_seconds` (the host's share
+        of a step: the difference; on the CPU the forward itself is host time)."""
+        start, self.last_gpu_wait = time.perf_counter(), 0.0
+        try:
+            return self._step()
+        finally:
+            self.step_seconds += time.perf_counter() - start
+            self.gpu_wait_seconds += self.last_gpu_wait
+
+    def _step(self) -> list[RequestOutput]:
         with step_range("schedule"):
             batch = self.scheduler.schedule()
         launched = self._launch(batch) if batch.seqs else None
@@ -553,6 +567,7 @@ class LLMEngine:
         """Wait for a launched step's tokens and turn them into outputs; sequences that finished (or were
         aborted) since it was launched drop theirs."""
         tokens, drawn, prompt = launched.read()
+        self.last_gpu_wait += launched.waited
         if prompt is not None:
             self._record_prompt_logprobs(launched.batch, prompt)
         logprobs = {}

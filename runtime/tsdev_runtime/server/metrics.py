@@ -100,9 +100,12 @@ class EngineMetrics:
                        engine.jit_compiles, model_name, r)
         self.tokens_per_second = gauge("tsdev_generation_tokens_per_second",
                                        "Generated tokens per second over the last few seconds")
+        step_buckets = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
         self.step_seconds = Histogram("tsdev_step_seconds", "Engine step time", **label,
-                                      buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
-                                      ).labels(model_name)
+                                      buckets=step_buckets).labels(model_name)
+        self.step_host_seconds = Histogram(
+            "tsdev_step_host_seconds", "Engine step time on the host: the step less its wait for the GPU's results "
+            "(on the CPU the forward itself is host time)", **label, buckets=step_buckets).labels(model_name)
         self.ttft = CountedHistogram("tsdev_time_to_first_token_seconds",
                                      "Time from a request's arrival to its first token", TTFT_BUCKETS, r, model_name)
         self.itl = CountedHistogram("tsdev_inter_token_latency_seconds",
@@ -126,6 +129,7 @@ class EngineMetrics:
     def on_step(self, seconds: float, outputs: list[RequestOutput]) -> None:
         stats = self.engine.stats()
         self.step_seconds.observe(seconds)
+        self.step_host_seconds.observe(max(seconds - self.engine.last_gpu_wait, 0.0))
         self.observe_latencies(outputs)
         self.prompt_tokens.inc(stats.prompt_tokens - self._seen_prompt)
         generated = stats.generated_tokens - self._seen_generated
