@@ -77,42 +77,37 @@ async def one_save(app, pilot, project) -> None:
     await pilot.pause(0.3)
 
 
-def screens_around_k(tmp_path, worker) -> tuple[str, str]:
-    """The screen after one save answered with `worker`, and after pressing `k` then (200x48)."""
+def screens_after_one_save(tmp_path, workers, press: str | None = None) -> list[str]:
+    """The screen after one save answered with `workers`, and after pressing `press` then (200x48)."""
     project, server = make_project(tmp_path), FakeServer()
-    server.answer = lambda request: [worker]
+    server.answer = lambda request: workers
     app = WatchApp(WatchConfig(attach=URL, project=project, probe_batch=2, probe_steps=4), server.transport())
 
     async def main():
         async with app.run_test(size=(200, 48)) as pilot:
             await one_save(app, pilot, project)
-            before = screen_text(app)
-            await pilot.press("k")
-            await pilot.pause(0.3)
-            after = screen_text(app)
+            screens = [screen_text(app)]
+            if press:
+                await pilot.press(press)
+                await pilot.pause(0.3)
+                screens.append(screen_text(app))
             await pilot.press("q")
             await until(lambda: app.return_code is not None)
-            return before, after
+            return screens
 
     return asyncio.run(main())
+
+
+def screens_around_k(tmp_path, worker) -> tuple[str, str]:
+    """The screen after one save answered with `worker`, and after pressing `k` then."""
+    before, after = screens_after_one_save(tmp_path, [worker], press="k")
+    return before, after
 
 
 def test_a_reload_on_two_ranks_shows_each_ranks_line(tmp_path):
     from fake_server import ok_worker
 
-    project, server = make_project(tmp_path), FakeServer()
-    server.answer = lambda request: [ok_worker(), ok_worker().model_copy(update={"rank": 1})]
-    app = WatchApp(WatchConfig(attach=URL, project=project, probe_batch=2, probe_steps=4), server.transport())
-
-    async def main():
-        async with app.run_test(size=(200, 48)) as pilot:
-            await one_save(app, pilot, project)
-            shown = screen_text(app)
-            await pilot.press("q")
-            await until(lambda: app.return_code is not None)
-            return shown
-
-    shown = asyncio.run(main())
+    [shown] = screens_after_one_save(tmp_path, [ok_worker(), ok_worker().model_copy(update={"rank": 1})])
     assert "rank 0: ok | jit 0.08" in shown and "rank 1: ok | jit 0.08" in shown, shown
 
 
