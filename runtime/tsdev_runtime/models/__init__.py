@@ -56,19 +56,22 @@ def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dt
 
 
 def store_fp8_blocks(model: nn.Module, block: tuple[int, int], unconverted: list[str]) -> None:
-    """Every projection but those under `unconverted` (module names or their prefixes, as the checkpoint names
-    them) holds block-FP8 weights; sparse experts cannot yet."""
+    """Every projection but those under `unconverted` (checkpoint module names, or prefixes of them) holds block-FP8
+    weights; sparse experts cannot yet."""
     if any(isinstance(m, StackedExperts) for m in model.modules()):
         raise ValueError("block-FP8 checkpoints of a mixture of experts are not supported yet: serve its bf16 "
                          "checkpoint, with --quantization fp8 for FP8 experts")
     for name, module in model.named_modules():
-        if isinstance(module, Linear) and not any(name == u or name.startswith(u + ".") or
-                                                  _checkpoint_names(name, module).intersection({u}) for u in unconverted):
+        if isinstance(module, Linear) and not any(checkpoint_name == u or checkpoint_name.startswith(u + ".")
+                                                  for checkpoint_name in _checkpoint_names(name, module)
+                                                  for u in unconverted):
             module.store_fp8_blocks(block)
 
 
-def _checkpoint_names(name: str, module: Linear) -> set[str]:
+def _checkpoint_names(name: str, module: Linear) -> list[str]:
     """The checkpoint's module names for `module` (a stacked q|k|v is q_proj, k_proj and v_proj)."""
-    parent = name.rpartition(".")[0]
     shards = getattr(module, "shard_slices", None)
-    return {f"{parent}.{module.checkpoint_name.format(s)}" for s in shards} if shards else {name}
+    if not shards:
+        return [name]
+    parent = name.rpartition(".")[0]
+    return [f"{parent}.{module.checkpoint_name.format(shard)}" for shard in shards]
