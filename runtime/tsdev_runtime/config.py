@@ -58,6 +58,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     torch_dtype: str = "bfloat16"
     eos_token_ids: tuple[int, ...] = ()
+    fp8_blocks: tuple[int, int] | None = None  # (block_n, block_k) of weights stored as block-quantized FP8
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -76,12 +77,13 @@ class ModelConfig:
         if missing:
             raise ValueError(f"{path} lacks {', '.join(missing)}")
         try:
-            stored_fp8_blocks(raw)
+            fp8_blocks = stored_fp8_blocks(raw)
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from None
         eos = _read_eos(Path(model_dir), raw)
         return cls(
             architecture=arch,
+            fp8_blocks=fp8_blocks,
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],

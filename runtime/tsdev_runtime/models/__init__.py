@@ -4,7 +4,7 @@ import logging
 import torch
 from torch import nn
 
-from tsdev_runtime.config import ModelConfig, stored_fp8_blocks
+from tsdev_runtime.config import ModelConfig
 from tsdev_runtime.layers.linear import Linear, check_quantization
 from tsdev_runtime.models.llama import LlamaForCausalLM
 from tsdev_runtime.models.qwen2 import Qwen2ForCausalLM
@@ -30,7 +30,7 @@ def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dt
     A checkpoint stored as block-quantized FP8 (its config.json's `quantization_config`): every projection the
     config does not leave unconverted (`modules_to_not_convert`) holds its e4m3 weight and block scales as stored;
     its sparse experts are not supported yet (ValueError)."""
-    blocks = stored_fp8_blocks(config.raw)
+    blocks = config.fp8_blocks
     if quantization is not None and blocks:
         raise ValueError(f"--quantization {quantization}: this checkpoint is stored quantized already "
                          "(quantization_config in its config.json): leave --quantization out")
