@@ -19,6 +19,7 @@ triton is never imported here; without it nothing is a kernel.
 from __future__ import annotations
 
 import collections
+import contextlib
 import inspect
 import sys
 import time
@@ -152,7 +153,22 @@ def refresh_callers(patcher, modules: Iterable[types.ModuleType]) -> None:
             _set(patcher, k, device_caches=collections.defaultdict(k.create_binder), hash=None)
 
 
-COMPILED_NOT_LOADED_S = 0.05  # a binary from Triton's disk cache loads in milliseconds: longer, it compiled
+@contextlib.contextmanager
+def _cache_misses(misses: list):
+    """Appends to `misses` each compile Triton's disk cache did not answer (its compilation listener says)."""
+    knobs = sys.modules["triton"].knobs.compilation
+    chained = knobs.listener
+
+    def listener(*, cache_hit, **kwargs):
+        if not cache_hit:
+            misses.append(kwargs.get("src"))
+        if chained:
+            chained(cache_hit=cache_hit, **kwargs)
+    knobs.listener = listener
+    try:
+        yield
+    finally:
+        knobs.listener = chained
 
 
 def load_binaries(patcher) -> bool:
@@ -181,15 +197,16 @@ def load_binaries(patcher) -> bool:
                 work.append((kernel, device, key, spec, compiled))
     swaps = {}
     for kernel, device, key, (signature, constexprs, attrs, options), old in work:
-        start = time.perf_counter()
+        start, misses = time.perf_counter(), []
         try:
-            new = kernel._do_compile(key, signature, device, constexprs, options, attrs, warmup=True)
+            with _cache_misses(misses):
+                new = kernel._do_compile(key, signature, device, constexprs, options, attrs, warmup=True)
             new._init_handles()
         except Exception as exc:
             code = base_function(kernel).__code__
             raise KernelCompileError(f"{code.co_filename}:{code.co_firstlineno}: {type(exc).__name__}: {exc}") from exc
-        if (seconds := time.perf_counter() - start) > COMPILED_NOT_LOADED_S:  # not found compiled ahead
-            fn = base_function(kernel)
+        if misses:  # not found compiled ahead
+            seconds, fn = time.perf_counter() - start, base_function(kernel)
             name = f"{fn.__module__}.{fn.__qualname__}"
             patcher.compiled_in_pause[name] = patcher.compiled_in_pause.get(name, 0.0) + seconds
         if swaps is not None and getattr(old, "function", None):  # launched before: captured graphs may hold it
