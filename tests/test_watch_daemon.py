@@ -339,3 +339,34 @@ def test_the_decode_figure_is_a_fit_over_every_chunk_so_one_late_chunk_hardly_mo
     bursts = [arrivals[0]] + [a for i, a in enumerate(arrivals[1:]) if i % 3 == 2]  # three tokens a chunk
     assert seconds_per_token(bursts) == pytest.approx(step, rel=1e-6)
     assert seconds_per_token(arrivals[:2]) is None  # one decode chunk: no slope
+
+
+def test_the_decode_figure_is_the_fastest_of_its_rounds():
+    """What slows a round (the host busy: the H200's decode at batch 8 is host-bound) only adds time, so the
+    figure is the fastest round's: here the server's steps take 12, 4 and 8 ms in the three rounds."""
+    import json
+
+    import httpx
+
+    from tsdev.watch.checks import PROBE_ROUNDS, decode_ms
+
+    step_seconds, served = [0.012, 0.004, 0.008], []
+
+    async def stream(step: float, tokens: int):
+        for i in range(tokens):
+            await asyncio.sleep(step)
+            yield f"data: {json.dumps({'choices': [{'text': 'x', 'token_ids': [i]}]})}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        served.append(body["max_tokens"])
+        step = step_seconds[(len(served) - 1) // 2]  # two streams a round
+        return httpx.Response(200, content=stream(step, body["max_tokens"]))
+
+    async def probe() -> float:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await decode_ms(client, URL, vocab=256, batch=2, steps=12)
+
+    assert PROBE_ROUNDS == 3
+    assert asyncio.run(probe()) == pytest.approx(4.0, abs=1.5) and served == [12] * 6  # never the 8 or 12

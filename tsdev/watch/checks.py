@@ -70,8 +70,10 @@ async def greedy(client: httpx.AsyncClient, url: str, vocab: int, tokens: int = 
     return (await _stream(client, url, body))[0]
 
 
-PROBE_ROUNDS = 2  # the probe's figure is the faster round: what slows a round (a GPU clocking up after idle, the
-# host busy) only ever adds time; on the H200 one 128-step round moved by ±6 % from reload to reload
+PROBE_ROUNDS = 3  # the probe's figure is the fastest round: what slows a round only ever adds time. On the H200
+# the default model's decode at batch 8 is host-bound (the host ~95 % of the step; its time per step moves by 30 %
+# from round to round at a fixed SM clock): one round moved by 11 %, the faster of two by ±5 %, of three by ±2 %
+# (benchmarks/probe_spread.py, docs/results.md)
 
 
 async def decode_ms(client: httpx.AsyncClient, url: str, vocab: int, batch: int, steps: int,
