@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -70,27 +70,42 @@ async def greedy(client: httpx.AsyncClient, url: str, vocab: int, tokens: int = 
     return (await _stream(client, url, body))[0]
 
 
-PROBE_ROUNDS = 3  # the probe's figure is the fastest round: what slows a round only ever adds time. On the H200
-# the default model's decode at batch 8 is host-bound (the host ~95 % of the step; its time per step moves by 30 %
-# from round to round at a fixed SM clock): one round moved by 11 %, the faster of two by ±5 %, of three by ±2 %
-# (benchmarks/probe_spread.py, docs/results.md)
+PROBE_AGREE = 0.03  # rounds within 3 % of each other: the figure is steady
+PROBE_ROUNDS = (2, 5)  # the probe's rounds: at least, at most
+
+
+async def until_steady(take_round: Callable[[], Awaitable[float]], rounds: tuple[int, int] = PROBE_ROUNDS) -> list[float]:
+    """Rounds (ms/step) one after another until the two fastest agree within PROBE_AGREE, or the most allowed.
+
+    The figure is the fastest round: what slows a round only adds time. On the H200 the default model's decode at
+    batch 8 is host-bound (the host ~95 % of the step, its time per step moving by 30 % from round to round at a
+    fixed SM clock, benchmarks/probe_spread.py): one round moved by 11 % with nothing changed, the fastest of three
+    by ±2 % on one host and by up to 17 % on a busier one. Two rounds that agree say the host let the steps run."""
+    figures = []
+    while len(figures) < rounds[0] or (not steady(figures) and len(figures) < rounds[1]):
+        figures.append(await take_round())
+    return figures
+
+
+def steady(figures: list[float]) -> bool:
+    fastest = sorted(figures)[:2]
+    return len(fastest) == 2 and fastest[1] <= fastest[0] * (1 + PROBE_AGREE)
 
 
 async def decode_ms(client: httpx.AsyncClient, url: str, vocab: int, batch: int, steps: int,
-                    rounds: int = PROBE_ROUNDS) -> float:
-    """Decode step time (ms) with `batch` streams of `steps` tokens running together: the median over the streams,
-    the fastest of `rounds` rounds one after another."""
+                    rounds: tuple[int, int] = PROBE_ROUNDS) -> list[float]:
+    """Decode step time (ms) with `batch` streams of `steps` tokens running together, the median over the streams,
+    of each round `until_steady` took."""
     async def one(i: int) -> float | None:
         body = {"prompt": prompt_ids(i + 1, vocab), "max_tokens": steps, "temperature": 0, "ignore_eos": True}
         return seconds_per_token((await _stream(client, url, body))[1])
 
-    figures = []
-    for _ in range(rounds):
+    async def take_round() -> float:
         spans = [s for s in await asyncio.gather(*(one(i) for i in range(batch))) if s is not None]
         if not spans:
             raise RuntimeError("the probe got no tokens back")
-        figures.append(statistics.median(spans) * 1e3)
-    return min(figures)
+        return statistics.median(spans) * 1e3
+    return await until_steady(take_round, rounds)
 
 
 @dataclass
@@ -120,16 +135,27 @@ def compare(expected: list, got: list) -> Verdict:
 
 @dataclass
 class Probe:
-    ms: float
+    rounds: list[float]  # ms/step of each round
     batch: int
-    previous: float | None = None  # the probe of the code before this one
+    previous: float | None = None  # the last steady probe before this one
+
+    @property
+    def ms(self) -> float:
+        return min(self.rounds)
+
+    @property
+    def steady(self) -> bool:
+        return steady(self.rounds)
 
     @property
     def delta(self) -> float | None:
-        return None if self.previous is None else self.ms - self.previous
+        return None if self.previous is None or not self.steady else self.ms - self.previous
 
     def text(self) -> str:
         line = f"decode {self.ms:.2f} ms/step at batch {self.batch}"
+        if not self.steady:
+            return line + (f" (unsteady, not compared: no two of {len(self.rounds)} rounds within "
+                           f"{100 * PROBE_AGREE:.0f} %, {min(self.rounds):.2f}-{max(self.rounds):.2f} ms)")
         if self.delta is not None:
             line += f" ({self.delta:+.2f} ms, {100 * self.delta / self.previous:+.1f}%)"
         return line
@@ -172,8 +198,9 @@ class Checker:
                     self.message(problem, "warning")
                 else:
                     record.note = "profiled: the decode probe is recorded"
-            ms = await decode_ms(client, url, self.vocab, config.probe_batch, self.probe_steps)
-            record.probe = Probe(ms, config.probe_batch, self.last_probe)
-            self.last_probe = ms
+            rounds = await decode_ms(client, url, self.vocab, config.probe_batch, self.probe_steps)
+            record.probe = Probe(rounds, config.probe_batch, self.last_probe)
+            if record.probe.steady:  # the next figure is compared with the last steady one
+                self.last_probe = record.probe.ms
         except (httpx.HTTPError, RuntimeError) as exc:
             record.note = f"checks failed: {exc}"
