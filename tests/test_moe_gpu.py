@@ -52,6 +52,18 @@ def test_fp8_experts_equal_their_reference_in_bf16(tokens):
     assert (ref.float() - moe.fused_moe_ref(x, w13, w2, weights, ids).float()).abs().max() > 0  # quantized
 
 
+def test_the_row_quantizer_kernel_is_torchs_bit_for_bit():
+    """W8A8's activation rows (x per token, the SiLU's output per slot): one launch, torch's arithmetic exactly."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for rows, k in ((1, 2048), (64, 768), (300, 7168)):
+        t = (torch.randn(rows, k, generator=g, device="cuda") * 5).bfloat16()
+        t[0] = 0
+        q, scales = fp8.quantize_fp8_rows_triton(t)
+        want_q, want_scales = fp8.quantize_fp8_rows(t)
+        assert torch.equal(scales, want_scales.squeeze(-1)) and scales[0] == 1
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
 @pytest.mark.parametrize("tokens", [1, 16])
 def test_the_layer_replays_from_a_cuda_graph_with_new_inputs(tokens):
     x, w13, w2, weights, ids = layer_inputs(tokens, 0)

@@ -167,10 +167,11 @@ def fp8_experts(E):
 
 
 @pytest.mark.parametrize("T, kind", [(1, "random"), (3, "one"), (9, "random")])
-def test_fp8_experts_are_the_dequantized_experts_on_both_paths(T, kind):
-    """Weight-only FP8: e4m3 tiles converted exactly, each GEMM's sum times its (expert, row) scale, the input not
-    quantized -- so the same as float32 experts holding the dequantized values (up to the order of float32 sums),
-    on the GEMV path, the aligned GEMMs and the reference."""
+def test_fp8_experts_are_the_dequantized_experts_weight_only_and_w8a8_on_the_aligned_gemms(T, kind):
+    """Weight-only FP8 (the GEMV path, one token): e4m3 tiles converted exactly, each GEMM's sum times its (expert,
+    row) scale, the input not quantized -- so the same as float32 experts holding the dequantized values (up to
+    the order of float32 sums). The aligned GEMMs are W8A8: each GEMM's input rows quantized too (x per token, the
+    activation per slot), as the reference does with w8a8."""
     E = 6
     q13, s13, q2, s2 = fp8_experts(E)
     x = torch.randn(T, H)
@@ -178,15 +179,31 @@ def test_fp8_experts_are_the_dequantized_experts_on_both_paths(T, kind):
     scales = dict(w13_scale=s13, w2_scale=s2)
     dequantized = moe.fused_moe_ref(x, fp8.dequantize_fp8_rows(q13, s13), fp8.dequantize_fp8_rows(q2, s2), weights,
                                     ids)
-    want = moe.fused_moe_ref(x, q13, q2, weights, ids, **scales)
-    torch.testing.assert_close(want, dequantized, **TOL)
-    got = {"gemm": moe.fused_moe_triton(x, q13, q2, weights, ids, config=SMALL, **scales)}
+    weight_only = moe.fused_moe_ref(x, q13, q2, weights, ids, **scales, w8a8=False)
+    torch.testing.assert_close(weight_only, dequantized, **TOL)
     if T <= moe.GEMV_MAX_TOKENS:
-        got["gemv"] = moe.fused_moe_gemv_triton(x, q13, q2, weights, ids, **scales)
-    for path, out in got.items():
-        torch.testing.assert_close(out, want, **TOL, msg=path)
+        torch.testing.assert_close(moe.fused_moe_gemv_triton(x, q13, q2, weights, ids, **scales), weight_only, **TOL)
+    w8a8 = moe.fused_moe_ref(x, q13, q2, weights, ids, **scales, w8a8=True)
+    torch.testing.assert_close(moe.fused_moe_triton(x, q13, q2, weights, ids, config=SMALL, **scales), w8a8, **TOL)
+    torch.testing.assert_close(moe.fused_moe_ref(x, q13, q2, weights, ids, **scales),
+                               w8a8 if T > moe.GEMV_MAX_TOKENS else weight_only, rtol=0, atol=0)  # the default
+    activations_quantized = (w8a8 - weight_only).abs().max()
+    assert 1e-4 < activations_quantized < 0.05 * weight_only.abs().max()  # a quantization's error, not garbage
     unscaled = moe.fused_moe_ref(x, q13.float(), q2.float(), weights, ids)
-    assert (want - unscaled).abs().max() > 0.1  # the scales matter
+    assert (weight_only - unscaled).abs().max() > 0.1  # the scales matter
+
+
+def test_the_row_quantizer_kernel_is_torchs_where_the_interpreter_casts_exactly():
+    """One launch per matrix (a row per program): scale amax / 448 (1 for a zero row), values on e4m3's grid. Values
+    that e4m3 holds exactly after the division (the interpreter's cast rounds others a binade down; the GPU test
+    compares random rows bit for bit)."""
+    grid = fp8.quantize_fp8_rows(torch.randn(6, 40) * 100)[0].float()  # e4m3 values
+    grid[:, 0] = 448.0  # each row's amax: its scale is then the power of two below
+    t = grid * torch.tensor([2.0**-3, 1.0, 2.0**5, 2.0**-10, 0.5, 0.0])[:, None]
+    q, scales = fp8.quantize_fp8_rows_triton(t)
+    want_q, want_scales = fp8.quantize_fp8_rows(t)
+    assert torch.equal(scales, want_scales.squeeze(-1)) and scales[-1] == 1.0
+    assert torch.equal(q.float(), want_q.float()) and q.dtype == torch.float8_e4m3fn
 
 
 def truncate_bf16(t):
@@ -237,10 +254,10 @@ def test_gemm_skips_unused_blocks_and_writes_only_real_slots():
     sorted_ids, expert_ids, _ = moe.moe_align_triton(ids, E, 16)
     assert (expert_ids == -1).any()  # the allocation's spare blocks
     inter = torch.full((T * K, I), float("nan"))
-    moe._moe_gemm[(expert_ids.numel(), 2)](x, w13, x, inter, sorted_ids, expert_ids, x, I, H, T * K, K, x.stride(0),
-                                           w13.stride(0), w13.stride(1), 0, inter.stride(0), GATED=True,
-                                           MUL_WEIGHT=False, HAS_SCALE=False, F32_DOT=True, BLOCK_M=16, BLOCK_N=16,
-                                           BLOCK_K=16, PDL=False)
+    moe._moe_gemm[(expert_ids.numel(), 2)](x, x, w13, x, inter, sorted_ids, expert_ids, x, I, H, T * K, K,
+                                           x.stride(0), w13.stride(0), w13.stride(1), 0, inter.stride(0), GATED=True,
+                                           MUL_WEIGHT=False, HAS_SCALE=False, A_FP8=False, F32_DOT=True, BLOCK_M=16,
+                                           BLOCK_N=16, BLOCK_K=16, PDL=False)
     flat = ids.reshape(-1).long()
     gu = torch.einsum("sh,sih->si", x[torch.arange(T * K) // K], w13[flat])
     torch.testing.assert_close(inter, F.silu(gu[:, :I]) * gu[:, I:], **TOL)

@@ -2,11 +2,14 @@
 sparse ones) computes what transformers computes (float32, CPU): greedy tokens alone, batched and under --tp 2 on
 gloo (the experts split on their intermediate features); its stacked experts load per expert through the declared
 keys, and a layer's expert tensors streamed out of file order are processed exactly once, after the last key."""
+import functools
+
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from tsdev_kernels.ops import fp8
+from tsdev_kernels.ops import fp8, moe
 from ranks import run_ranks
 from tsdev_runtime.engine.llm_engine import LLMEngine
 from tsdev_runtime.engine.sequence import SamplingParams
@@ -264,7 +267,8 @@ def test_pinned_staging_loads_the_experts_bit_identical_to_plain(hf_qwen3_moe_di
 def hf_fp8_moe_model(model_dir):
     """transformers' Qwen3-MoE with `--quantization fp8`'s numerics: every projection through fp8_linear (as
     test_model_families' oracle: the attention's and the dense layer's), the router untouched, and the experts
-    holding their dequantized e4m3 values (weight-only FP8: the input is not quantized)."""
+    holding their dequantized e4m3 values; past the GEMV path's tokens (W8A8) each expert GEMM's input rows
+    quantized per row too (x per token, the activation per slot), written out as transformers' expert loop."""
     from test_model_families import hf_fp8_model
 
     model = hf_fp8_model(model_dir)
@@ -272,7 +276,24 @@ def hf_fp8_moe_model(model_dir):
         for name, param in model.named_parameters():
             if ".mlp.experts." in name:  # gate_up_proj [E, 2I, H], down_proj [E, H, I]: a scale per expert and row
                 param.copy_(fp8.dequantize_fp8_rows(*fp8.quantize_fp8_rows(param)))
+    for name, module in model.named_modules():
+        if name.endswith(".mlp.experts"):
+            module.forward = functools.partial(w8a8_experts, module)
     return model
+
+
+def w8a8_experts(experts, hidden_states, top_k_index, top_k_weights):
+    quantized = lambda t: fp8.dequantize_fp8_rows(*fp8.quantize_fp8_rows(t))  # noqa: E731
+    w8a8 = hidden_states.shape[0] > moe.GEMV_MAX_TOKENS
+    rows = quantized(hidden_states) if w8a8 else hidden_states
+    out = torch.zeros_like(hidden_states)
+    for e in top_k_index.unique().tolist():
+        token, k = torch.where(top_k_index == e)
+        gate, up = F.linear(rows[token], experts.gate_up_proj[e]).chunk(2, dim=-1)
+        h = experts.act_fn(gate) * up
+        y = F.linear(quantized(h) if w8a8 else h, experts.down_proj[e]) * top_k_weights[token, k, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out
 
 
 @pytest.mark.slow

@@ -23,14 +23,17 @@ On CUDA both need compute capability >= 8.9 (e4m3 conversion in Triton, e4m3 mat
 (`gemv_config` reads e4m3 rows in 4096-element chunks, 4 KB as for bf16; not swept for e4m3 yet).
 """
 import torch
+import triton
+import triton.language as tl
 
 from tsdev_kernels.checks import KernelCheck
 from tsdev_kernels.ops import linear as linear_ops
-from tsdev_kernels.ops import use_triton
+from tsdev_kernels.ops import pdl, use_triton, wait_for_previous
 
 SKINNY_ROWS = linear_ops.SKINNY_ROWS
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 FP8_DTYPE = torch.float8_e4m3fn
+_E4M3_MAX = tl.constexpr(E4M3_MAX)  # the kernels' copy
 
 
 def fp8_unsupported_reason(device: torch.device | str, flag: str = "--quantization") -> str | None:
@@ -58,6 +61,34 @@ def quantize_fp8_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = t32.abs().amax(dim=-1, keepdim=True)
     scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
     q = (t32 / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+@triton.jit
+def _quantize_rows_kernel(X, Q, S, K, stride_x, stride_q, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """One row per program, whole in registers: `quantize_fp8_rows`' arithmetic (float32 amax / 448, 1 for a zero
+    row; the values divided by it, clamped, rounded to nearest even)."""
+    wait_for_previous(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    ks = tl.arange(0, BLOCK)
+    t = tl.load(X + row * stride_x + ks, mask=ks < K, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(t), axis=0)
+    scale = tl.where(amax > 0, amax / _E4M3_MAX, 1.0)
+    q = tl.clamp(t / scale, -_E4M3_MAX, _E4M3_MAX)
+    tl.store(Q + row * stride_q + ks, q.to(Q.dtype.element_ty), mask=ks < K)
+    tl.store(S + row, scale)
+
+
+def quantize_fp8_rows_triton(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_fp8_rows` of t [M, K] (last dim contiguous) in one launch: (e4m3 [M, K], float32 scales [M])."""
+    M, K = t.shape
+    q = torch.empty(M, K, dtype=FP8_DTYPE, device=t.device)
+    scale = torch.empty(M, dtype=torch.float32, device=t.device)
+    if M:
+        block = triton.next_power_of_2(K)
+        use_pdl = pdl(t)
+        _quantize_rows_kernel[(M,)](t, q, scale, K, t.stride(0), q.stride(0), BLOCK=block, PDL=use_pdl,
+                                    num_warps=4 if block <= 2048 else 8, launch_pdl=use_pdl)
     return q, scale
 
 

@@ -21,9 +21,12 @@ capture it:
 Up to GEMV_MAX_TOKENS tokens (decode at batch 1) two launches do it all, with no alignment (`fused_moe_gemv_triton`): a
 GEMV per (slot, features) for gate|up with the activation, and one per (token, outputs) that runs the token's K experts
 over w2 and sums them in the kernel, in slot order, in float32.
-FP8 experts (`--quantization fp8`) are weight-only: e4m3 weights with one float32 scale per (expert, output row),
-converted exactly to x's dtype in the kernels; each GEMM's float32 sum is multiplied by its row's scale, then
-rounds where the bf16 path rounds.
+FP8 experts (`--quantization fp8`): e4m3 weights with one float32 scale per (expert, output row); the numerics of
+fp8.py's dense layers. The GEMV path is weight-only (the e4m3 rows converted exactly to float32, each sum
+multiplied by its row's scale). The aligned GEMMs are W8A8 (`uses_w8a8`): each GEMM's input quantized per row
+(x per token, the activation per slot: one launch each, `quantize_fp8_rows_triton`, dynamic scales) and the tiles
+multiplied as e4m3 on the FP8 tensor cores, each float32 sum times its row's and its column's scale. Both round
+where the bf16 path rounds.
 Rounding, on both paths: to x's dtype after each GEMM, after the SiLU, after silu * up, after the router weight
 multiply, and after the float32 sum over K -- where transformers' Qwen3-MoE (its default grouped_mm experts)
 rounds, given router weights already rounded to x's dtype as it rounds them (runtime/tsdev_runtime/moe/router.py).
@@ -44,6 +47,7 @@ import triton.language as tl
 from tsdev_kernels.checks import KernelCheck, Tolerance
 from tsdev_kernels.ops import pdl, use_triton, wait_for_previous
 from tsdev_kernels.ops.activation import silu_and_mul_values
+from tsdev_kernels.ops.fp8 import quantize_fp8_rows, quantize_fp8_rows_triton
 
 log = logging.getLogger(__name__)
 
@@ -225,15 +229,18 @@ def _dot(a, w, acc, F32_DOT: tl.constexpr):
 
 
 @triton.jit
-def _moe_gemm(A, W, S, OUT, SORTED, EXPERT_IDS, TOPK_W, N, K, num_slots, a_div, stride_am, stride_we, stride_wn,
-              stride_se, stride_om, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr,
-              F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              PDL: tl.constexpr):
+def _moe_gemm(A, A_S, W, S, OUT, SORTED, EXPERT_IDS, TOPK_W, N, K, num_slots, a_div, stride_am, stride_we,
+              stride_wn, stride_se, stride_om, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr,
+              A_FP8: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """OUT[slot, n] for the block's slots and BLOCK_N columns: A's row slot // a_div @ W[expert].T, float32 sums.
     GATED: W's rows n (gate) and N + n (up), written as silu(gate) * up. MUL_WEIGHT: times TOPK_W[slot].
-    HAS_SCALE: W is e4m3, converted exactly to A's dtype for tl.dot; each sum times S[expert, row].
+    HAS_SCALE: W is e4m3 with a scale per (expert, row): each sum times S[expert, row]; A_FP8: A is e4m3 too, with a
+    scale per row (A_S[slot // a_div]), the tiles multiplied as e4m3 (Hopper's FP8 tensor cores) and each sum times
+    its row's scale; else W converted exactly to A's dtype for tl.dot.
     F32_DOT: the tiles go to tl.dot as float32 (IEEE), for float32 inputs and under the interpreter, whose bf16
-    tl.dot returns garbage (~1e10); a bf16 product is exact in float32, so only the order of the sums differs."""
+    tl.dot returns garbage (~1e10); a bf16 or e4m3 product is exact in float32, so only the order of the sums
+    differs."""
     wait_for_previous(PDL)
     block = tl.program_id(0)
     expert = tl.load(EXPERT_IDS + block)
@@ -256,14 +263,19 @@ def _moe_gemm(A, W, S, OUT, SORTED, EXPERT_IDS, TOPK_W, N, K, num_slots, a_div, 
         w = tl.load(w_rows + (k0 + ks)[None, :], mask=w_mask, other=0.0)
         if F32_DOT:
             a = a.to(tl.float32)
-        if HAS_SCALE:
+        if HAS_SCALE and not A_FP8:
             w = w.to(a.dtype)
         acc = _dot(a, w, acc, F32_DOT)
         if GATED:
             u = tl.load(w_rows + N * stride_wn + (k0 + ks)[None, :], mask=w_mask, other=0.0)
-            if HAS_SCALE:
+            if HAS_SCALE and not A_FP8:
                 u = u.to(a.dtype)
             acc_up = _dot(a, u, acc_up, F32_DOT)
+    if A_FP8:
+        a_scales = tl.load(A_S + slots // a_div, mask=row_ok, other=0.0)[:, None]
+        acc *= a_scales
+        if GATED:
+            acc_up *= a_scales
     if HAS_SCALE:
         scales = S + expert.to(tl.int64) * stride_se + cols
         acc *= tl.load(scales, mask=col_ok, other=0.0)[None, :]
@@ -411,18 +423,25 @@ def moe_config(num_experts: int, intermediate: int, hidden: int, dtype: torch.dt
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, masked: bool | None = None, *, w13_scale: torch.Tensor | None = None,
-                  w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  w2_scale: torch.Tensor | None = None, w8a8: bool | None = None) -> torch.Tensor:
     """Per chosen expert: its slots' rows through the MLP (float32 GEMMs; the module docstring's rounding), each
     slot's result put in place (index_add into zeros), then the float32 sum over K. masked (default: while a CUDA
     graph is being captured, as under TSDEV_KERNELS=ref:moe): every expert over every slot instead, each slot
     keeping its own expert's result (no host sync, E times the work). With scales the weights are e4m3 and each
-    GEMM's float32 result is multiplied by its (expert, row) scale before rounding."""
+    GEMM's float32 result is multiplied by its (expert, row) scale before rounding; w8a8 (default: as the Triton
+    path at this many tokens, `uses_w8a8`) quantizes each GEMM's input rows first (`quantize_fp8_rows`) and
+    multiplies by their scales too."""
     T, H = x.shape
     K, dt, E = topk_ids.shape[1], x.dtype, w13.shape[0]
     flat_ids, flat_w = topk_ids.reshape(-1).long(), topk_weights.reshape(-1).float()
     per_slot = torch.zeros(T * K, H, dtype=dt, device=x.device)
+    if w8a8 is None:
+        w8a8 = uses_w8a8(T, w13_scale)
 
     def project(rows: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, e: int) -> torch.Tensor:
+        if w8a8:
+            q, row_scales = quantize_fp8_rows(rows)
+            return (F.linear(q.float(), w[e].float()) * row_scales * scale[e]).to(dt)
         y = F.linear(rows.float(), w[e].float())
         return (y if scale is None else y * scale[e]).to(dt)
 
@@ -451,6 +470,20 @@ GEMV_MAX_TOKENS = 1  # up to this many tokens the GEMV path (no alignment): each
 # --sweep-gemv` at one token on the H200 for Qwen3-30B-A3B's layer (28.4 us against 35.1 us for linear.py's dense GEMV
 # rule; at 4 tokens the best pair took 84.0 us, the aligned GEMMs 76.7 us: hence one token)
 GEMV_CONFIGS = ((8, 1024, 4), (2, 1024, 4))
+
+
+def uses_w8a8(tokens: int, w13_scale: torch.Tensor | None) -> bool:
+    """FP8 experts past the GEMV path's tokens quantize their activations (the aligned GEMMs multiply e4m3 by e4m3)."""
+    return w13_scale is not None and tokens > GEMV_MAX_TOKENS
+
+
+def _quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W8A8's activation rows: the Triton kernel on CUDA; elsewhere torch's (Triton's interpreter casts some values
+    to e4m3 a binade down, 125.2 to 64, where a GPU and torch give 128)."""
+    if t.is_cuda:
+        return quantize_fp8_rows_triton(t)
+    q, scales = quantize_fp8_rows(t)
+    return q, scales.squeeze(-1)
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -509,14 +542,16 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     per_slot = torch.empty(num_slots, H, dtype=x.dtype, device=x.device)
     if blocks:
         use_pdl = pdl(x)
-        launch = dict(HAS_SCALE=fp8, F32_DOT=x.dtype == torch.float32 or not x.is_cuda, BLOCK_M=bm, BLOCK_N=bn,
-                      BLOCK_K=bk, PDL=use_pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        launch = dict(HAS_SCALE=fp8, A_FP8=fp8, F32_DOT=x.dtype == torch.float32 or not x.is_cuda, BLOCK_M=bm,
+                      BLOCK_N=bn, BLOCK_K=bk, PDL=use_pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                       launch_pdl=use_pdl)
+        a, a_s = _quantize_rows(x) if fp8 else (x, weights)  # W8A8: x per token
         _moe_gemm[(blocks, triton.cdiv(I, bn))](
-            x, w13, s13, inter, sorted_ids, expert_ids, weights, I, H, num_slots, K, x.stride(0), w13.stride(0),
+            a, a_s, w13, s13, inter, sorted_ids, expert_ids, weights, I, H, num_slots, K, a.stride(0), w13.stride(0),
             w13.stride(1), s13.stride(0), inter.stride(0), GATED=True, MUL_WEIGHT=False, **launch)
+        a, a_s = _quantize_rows(inter) if fp8 else (inter, weights)  # the activation per slot
         _moe_gemm[(blocks, triton.cdiv(H, bn))](
-            inter, w2, s2, per_slot, sorted_ids, expert_ids, weights, H, I, num_slots, 1, inter.stride(0),
+            a, a_s, w2, s2, per_slot, sorted_ids, expert_ids, weights, H, I, num_slots, 1, a.stride(0),
             w2.stride(0), w2.stride(1), s2.stride(0), per_slot.stride(0), GATED=False, MUL_WEIGHT=True, **launch)
     return per_slot.view(T, K, H).sum(1, dtype=torch.float32).to(x.dtype)
 
@@ -527,8 +562,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     """sum over k of topk_weights[t, k] * MLP_{topk_ids[t, k]}(x[t]), MLP_e(v) = (silu(v @ gate_e.T) * (v @ up_e.T))
     @ w2[e].T with gate_e = w13[e, :I], up_e = w13[e, I:]. x [T, H]; w13 [E, 2*I, H]; w2 [E, H, I]; topk_weights
     [T, K] float32; topk_ids [T, K] int32/int64 in [0, E). FP8 experts: w13 and w2 in e4m3 with w13_scale [E, 2*I]
-    and w2_scale [E, H] float32, one per (expert, output row): weight-only, x is not quantized (each e4m3 tile is
-    converted exactly to x's dtype and each GEMM's float32 sum multiplied by its row's scale before it rounds).
+    and w2_scale [E, H] float32, one per (expert, output row): weight-only on the GEMV path, W8A8 with dynamic
+    per-row activation scales on the aligned GEMMs (the module docstring).
     Returns [T, H] in x's dtype, rounded as the module docstring says. Triton on CUDA (no host sync, capturable),
     the reference elsewhere."""
     scales = dict(w13_scale=w13_scale, w2_scale=w2_scale)
