@@ -8,7 +8,7 @@ reads.
 For each token bucket (1, 16, 64, 256, 1024 by default) it times `fused_moe_triton` (alignment, both GEMMs, the sum)
 on random routings, replayed from a CUDA graph (triton.testing.do_bench_cudagraph), for every config of a small
 grid, and keeps the fastest: kernels/tsdev_kernels/moe_configs/E=..,I=..,H=..,dtype=..,device=...json (--out to write
-elsewhere).
+elsewhere), written after each bucket; --resume goes on from the buckets a stopped run wrote.
 --intermediate is one rank's share of moe_intermediate_size under tensor parallelism. --fp8 tunes FP8 experts (e4m3
 weights, a scale per row; activations in --dtype) into their own file (dtype=float8_e4m3fn).
 """
@@ -75,7 +75,13 @@ def main(args: argparse.Namespace) -> None:
     weight_dtype = fp8.FP8_DTYPE if args.fp8 else dtype  # moe_config looks the file up by the weights' dtype
     path = args.out or moe.moe_config_path(args.experts, args.intermediate, args.hidden, weight_dtype, name)
     best_of = {}
+    if args.resume and os.path.exists(path):
+        with open(path) as f:
+            best_of = json.load(f)
+        print(f"resuming {path}: buckets {', '.join(best_of)} kept")
     for tokens in args.tokens:
+        if str(tokens) in best_of:
+            continue
         data = inputs(tokens, args, dtype, generator)
         default = time_ms(moe.default_moe_config(tokens), args.rep, *data)
         timed = [(ms, config) for config in candidates(tokens, args.topk, args.experts, QUICK_GRID if args.quick else GRID)
@@ -83,11 +89,16 @@ def main(args: argparse.Namespace) -> None:
         ms, config = min(timed, key=lambda pair: pair[0])
         best_of[str(tokens)] = config
         print(f"T={tokens:5d}: {ms * 1e3:8.1f} us  (default {default * 1e3:8.1f} us)  {config}", flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(best_of, f, indent=2)
-        f.write("\n")
+        write(path, best_of)  # after each bucket: --resume goes on from here
     print(f"wrote {path}")
+
+
+def write(path: str, best_of: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(dict(sorted(best_of.items(), key=lambda item: int(item[0]))), f, indent=2)
+        f.write("\n")
+    os.replace(path + ".tmp", path)
 
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -101,6 +112,8 @@ parser.add_argument("--rep", type=int, default=50, help="ms of replays per measu
 parser.add_argument("--quick", action="store_true", help="a 16-config grid (minutes, not an hour)")
 parser.add_argument("--fp8", action="store_true", help="FP8 experts (e4m3 weights): their own file")
 parser.add_argument("--out", help="where to write the JSON (default: the file moe_config reads)")
+parser.add_argument("--resume", action="store_true", help="keep the buckets the file has (it is written after each "
+                    "bucket) and tune the others")
 
 if __name__ == "__main__":
     args = parser.parse_args()
