@@ -73,7 +73,7 @@ def main(args: argparse.Namespace) -> None:
     generator = torch.Generator(device="cuda").manual_seed(0)
     name = torch.cuda.get_device_name()
     weight_dtype = fp8.FP8_DTYPE if args.fp8 else dtype  # moe_config looks the file up by the weights' dtype
-    path = args.out or moe.moe_config_path(args.experts, args.intermediate, args.hidden, weight_dtype, name)
+    path = args.out or str(moe.moe_config_path(args.experts, args.intermediate, args.hidden, weight_dtype, name))
     best_of = {}
     if args.resume and os.path.exists(path):
         with open(path) as f:
