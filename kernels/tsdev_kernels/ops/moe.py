@@ -221,14 +221,14 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 
 @triton.jit
-def _dot(a, w, acc, F32_DOT: tl.constexpr, FP8_K: tl.constexpr):
-    """acc + a @ w.T, a [M, K] and w [N, K] tiles. FP8_K (e4m3 tiles, K of them): Hopper's FP8 tensor cores keep
-    a sum of reduced precision (Triton's default lets it run the whole loop: 2e-2 relative error at 64 tokens),
-    so each tile's product is added to the float32 `acc` on its own."""
+def _dot(a, w, acc, F32_DOT: tl.constexpr, EXACT_FP8: tl.constexpr):
+    """acc + a @ w.T, a [M, K] and w [N, K] tiles. EXACT_FP8 (e4m3 tiles, BLOCK_M >= 64): converted exactly to bf16
+    first -- at that size Triton multiplies e4m3 on Hopper's wgmma, whose reduced-precision sum gave 2e-2 relative
+    error at 64 tokens, even with `max_num_imprecise_acc` at the tile (BLOCK_M 16 runs mma.sync, exact sums)."""
     if F32_DOT:
         return tl.dot(a, tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-    if FP8_K:
-        return tl.dot(a, tl.trans(w), acc, max_num_imprecise_acc=FP8_K)
+    if EXACT_FP8:
+        return tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
     return tl.dot(a, tl.trans(w), acc)
 
 
@@ -269,12 +269,12 @@ def _moe_gemm(A, A_S, W, S, OUT, SORTED, EXPERT_IDS, TOPK_W, N, K, num_slots, a_
             a = a.to(tl.float32)
         if HAS_SCALE and not A_FP8:
             w = w.to(a.dtype)
-        acc = _dot(a, w, acc, F32_DOT, BLOCK_K if A_FP8 else 0)
+        acc = _dot(a, w, acc, F32_DOT, A_FP8 and BLOCK_M >= 64)
         if GATED:
             u = tl.load(w_rows + N * stride_wn + (k0 + ks)[None, :], mask=w_mask, other=0.0)
             if HAS_SCALE and not A_FP8:
                 u = u.to(a.dtype)
-            acc_up = _dot(a, u, acc_up, F32_DOT, BLOCK_K if A_FP8 else 0)
+            acc_up = _dot(a, u, acc_up, F32_DOT, A_FP8 and BLOCK_M >= 64)
     if A_FP8:
         a_scales = tl.load(A_S + slots // a_div, mask=row_ok, other=0.0)[:, None]
         acc *= a_scales
