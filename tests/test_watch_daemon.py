@@ -392,4 +392,4 @@ def test_the_probe_measures_each_round_through_the_completions_route():
 
     rounds = asyncio.run(probe())
     assert len(rounds) >= 3 and len(served) == 2 * len(rounds) and set(served) == {12}
-    assert rounds[:3] == pytest.approx([12, 4, 8], abs=1.5) and min(rounds) == pytest.approx(4.0, abs=1.5)
+    assert rounds[1] < rounds[2] < rounds[0] and min(rounds) < 0.6 * rounds[0]  # each round its own steps' time
