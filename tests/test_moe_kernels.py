@@ -390,3 +390,16 @@ def test_tuner_imports_and_prints_help():
     result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     assert "--experts" in result.stdout and "--intermediate" in result.stdout and "--hidden" in result.stdout
+
+
+def test_a_tensor_parallel_rank_looks_up_the_file_of_its_shard(monkeypatch):
+    """Under --tp N each rank holds I/N of every expert's features: its GEMMs read the tuned file of that width
+    (benchmarks/tune_moe.py --intermediate I/N), found by the shard's own shape."""
+    asked = []
+    monkeypatch.setattr(moe, "moe_config", lambda *args, **kwargs: asked.append(args) or SMALL)
+    E, T, shard = 6, 5, I // 2
+    w13, w2 = experts(E)
+    x, (weights, ids) = torch.randn(T, H), routing(T, E, 2)
+    rank_w13 = torch.cat([w13[:, :shard], w13[:, I:I + shard]], dim=1)  # rank 0's gate rows, then its up rows
+    moe.fused_moe_triton(x, rank_w13, w2[:, :, :shard].contiguous(), weights, ids)
+    assert asked == [(E, shard, H, torch.float32, T)]
