@@ -6,7 +6,7 @@ For each round it prints the probe's ms/step beside what the server measured ove
 and the host's share of it, from /metrics' tsdev_step_seconds and tsdev_step_host_seconds) and the GPU's SM clock
 and power during the round (nvidia-smi, sampled every 50 ms, where there is one). The summary gives each column's
 spread, and how far the fastest of 1, 2 or 3 rounds in a row moved from one group of rounds to the next (what a
-reload that changed nothing would show) and how many groups the daemon would call steady (their two fastest rounds
+reload that changed nothing would show) and how many groups the daemon would call steady (two of their rounds
 within 3 %).
 
     python3 benchmarks/probe_spread.py                     # CUDA, the default model, 24 rounds
@@ -26,7 +26,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tsdev.server_process import ServerProcess
-from tsdev.watch.checks import decode_ms, steady
+from tsdev.watch.checks import decode_ms, steady_ms
 
 
 class ClockSampler:
@@ -80,14 +80,16 @@ def spread(values: list[float]) -> str:
 async def probe_rounds(url: str, args, clocks: ClockSampler) -> list[dict]:
     rows = []
     async with httpx.AsyncClient(timeout=120) as client:
-        await decode_ms(client, url, 256, args.batch, args.steps, rounds=(1, 1))  # the first round after start: left out
+        await decode_ms(client, url, 256, args.batch, args.steps,
+                        rounds=(1, 1))  # the first round after start: left out
         for i in range(args.rounds):
             await asyncio.sleep(args.gap)
             before, start = await step_totals(client, url), time.perf_counter()
             [probe] = await decode_ms(client, url, 256, args.batch, args.steps, rounds=(1, 1))
             end, after = time.perf_counter(), await step_totals(client, url)
             steps, seconds, host = (a - b for a, b in zip(after, before))
-            row = {"probe": probe, "step": 1e3 * seconds / steps, "host": 1e3 * host / steps, "gpu": clocks.between(start, end)}
+            row = {"probe": probe, "step": 1e3 * seconds / steps, "host": 1e3 * host / steps,
+                   "gpu": clocks.between(start, end)}
             rows.append(row)
             gpu = f"SM {row['gpu'][0]:.0f} MHz, {row['gpu'][1]:.0f} W" if row["gpu"] else "no nvidia-smi"
             print(f"round {i + 1}: probe {probe:.3f} ms/step | server step {row['step']:.3f} ms, host "
@@ -107,7 +109,8 @@ def main() -> None:
     args = parser.parse_args()
     clocks = ClockSampler()
     with tempfile.TemporaryDirectory() as tmp:
-        server = ServerProcess(["--device", args.device, *args.server_args], args.port, log_path=Path(tmp) / "serve.log")
+        server = ServerProcess(["--device", args.device, *args.server_args], args.port,
+                               log_path=Path(tmp) / "serve.log")
         server.start()
         try:
             server.wait_healthy()
@@ -121,10 +124,11 @@ def main() -> None:
         groups = [[r["probe"] for r in rows[i:i + size]] for i in range(0, len(rows) - size + 1, size)]
         figures = [min(group) for group in groups]
         moves = [100 * (b - a) / a for a, b in zip(figures, figures[1:])]
+        steady = sum(steady_ms(group) is not None for group in groups)
         if moves:
             print(f"fastest of {size} round(s) in a row, change from one group to the next: {min(moves):+.1f} to "
                   f"{max(moves):+.1f} %, {sum(abs(m) <= 5 for m in moves)} of {len(moves)} within 5 %"
-                  + (f"; {sum(map(steady, groups))} of {len(groups)} groups steady" if size > 1 else ""))
+                  + (f"; {steady} of {len(groups)} groups steady" if size > 1 else ""))
     if len(rows) > 2:
         probe, step, host = ([r[k] for r in rows] for k in ("probe", "step", "host"))
         print(f"correlation over rounds: probe~server step {statistics.correlation(probe, step):+.2f}, "

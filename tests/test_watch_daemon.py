@@ -73,9 +73,11 @@ def test_saves_during_a_reload_are_coalesced_into_one_next_reload(tmp_path):
 def test_each_reload_is_checked_against_the_golden_completion_and_probed(tmp_path):
     project, server = make_project(tmp_path), FakeServer()
     server.output_changed_at = 5
-    events = session(project, server, lambda daemon: (project / "kernels/tsdev_kernels/ops/act.py").write_text("def act(x):\n    return -x\n"))
+    events = session(project, server, lambda daemon: (project / "kernels/tsdev_kernels/ops/act.py").write_text(
+        "def act(x):\n    return -x\n"))
     record = finished(events)[0]
-    assert record.ok and record.reloaded == ["tsdev_kernels.ops.act"] and record.dependents == ["tsdev_runtime.layers.norm"]
+    assert (record.ok and record.reloaded == ["tsdev_kernels.ops.act"]
+            and record.dependents == ["tsdev_runtime.layers.norm"])
     assert record.steps["warm"] == pytest.approx(0.123) and record.steps["recapture"] == pytest.approx(0.456)
     assert record.verdict.position == 5 and "output changed at token 5 of 24" in record.verdict.text()
     assert record.probe is not None and record.probe.previous is not None  # compared with the startup probe
@@ -85,7 +87,8 @@ def test_a_failed_reload_keeps_its_error_and_skips_the_checks(tmp_path):
     project, server = make_project(tmp_path), FakeServer()
     error = f"{project}/kernels/ops/act.py:2: SyntaxError: invalid syntax"
     server.answer = lambda request: failed_worker(error)
-    events = session(project, server, lambda daemon: (project / "kernels/tsdev_kernels/ops/act.py").write_text("def act(x):\n    return x)\n"))
+    events = session(project, server, lambda daemon: (project / "kernels/tsdev_kernels/ops/act.py").write_text(
+        "def act(x):\n    return x)\n"))
     record = finished(events)[0]
     assert record.error == error and record.verdict is None and record.probe is None
 
@@ -93,7 +96,8 @@ def test_a_failed_reload_keeps_its_error_and_skips_the_checks(tmp_path):
 def test_reload_all_forces_every_module_the_server_has_imported(tmp_path):
     project, server = make_project(tmp_path), FakeServer()
     (project / "kernels/tsdev_kernels/ops/unused.py").write_text("Z = 0\n")
-    server.loaded = ["tsdev_kernels.ops", "tsdev_kernels.ops.act", "tsdev_runtime.layers", "tsdev_runtime.layers.norm", "tsdev_runtime.models.x"]
+    server.loaded = ["tsdev_kernels.ops", "tsdev_kernels.ops.act", "tsdev_runtime.layers", "tsdev_runtime.layers.norm",
+                     "tsdev_runtime.models.x"]
     server.answer = lambda request: ok_worker(reloaded=request.modules)
     events = session(project, server, lambda daemon: daemon.reload_all())
     assert [request.modules for request in server.reloads] == [
@@ -106,7 +110,8 @@ def test_reload_all_without_the_modules_route_forces_what_is_on_disk(tmp_path):
     project, server = make_project(tmp_path), FakeServer()
     server.answer = lambda request: ok_worker(reloaded=request.modules)
     session(project, server, lambda daemon: daemon.reload_all())
-    assert server.reloads[0].modules == ["tsdev_kernels.ops", "tsdev_kernels.ops.act", "tsdev_runtime.layers", "tsdev_runtime.layers.norm"]
+    assert server.reloads[0].modules == ["tsdev_kernels.ops", "tsdev_kernels.ops.act", "tsdev_runtime.layers",
+                                         "tsdev_runtime.layers.norm"]
 
 
 def test_reloads_by_other_clients_appear_and_are_checked(tmp_path):
@@ -125,7 +130,8 @@ def test_reloads_by_other_clients_appear_and_are_checked(tmp_path):
 
 def test_an_edit_outside_the_reloadable_packages_cannot_restart_an_attached_server(tmp_path):
     project, server = make_project(tmp_path), FakeServer()
-    events = session(project, server, lambda daemon: (project / "runtime/tsdev_runtime/engine/scheduler.py").write_text("Y = 2\n"),
+    events = session(project, server,
+                     lambda daemon: (project / "runtime/tsdev_runtime/engine/scheduler.py").write_text("Y = 2\n"),
                      done=lambda events: any(e.level == "warning" for e in events))
     warning = next(e.text for e in events if e.level == "warning")
     assert "tsdev_runtime.engine.scheduler changed outside the reloadable packages" in warning
@@ -196,7 +202,8 @@ def test_a_reload_on_two_ranks_shows_a_line_per_rank(tmp_path):
     from tsdev.watch.plain import reload_line
 
     project, server, events = make_project(tmp_path), FakeServer(), []
-    server.answer = lambda request: [ok_worker(), failed_worker("rank 1 refuses this edit").model_copy(update={"rank": 1})]
+    server.answer = lambda request: [ok_worker(),
+                                     failed_worker("rank 1 refuses this edit").model_copy(update={"rank": 1})]
 
     async def main():
         daemon, task = await running(project, server, events)
@@ -341,10 +348,11 @@ def test_the_decode_figure_is_a_fit_over_every_chunk_so_one_late_chunk_hardly_mo
     assert seconds_per_token(arrivals[:2]) is None  # one decode chunk: no slope
 
 
-def test_the_probe_takes_rounds_until_two_agree_and_its_figure_is_the_fastest():
-    """What slows a round (the host busy: the H200's decode at batch 8 is host-bound) only adds time: the figure is
-    the fastest round's, taken once two rounds agree within 3 %; five rounds without two that agree make a figure
-    that says so and is not compared (the last steady one stays the baseline)."""
+def test_the_probe_takes_rounds_until_two_agree_and_its_figure_is_the_faster_of_them():
+    """What slows a round (the host busy: the H200's decode at batch 8 is host-bound) only adds time, and a round
+    alone far below the others is the client reading a burst late (0.01 ms/step on a loaded 2-core CI machine):
+    the figure is the faster of the fastest two rounds that agree within 3 %; five rounds without two that agree
+    give their median, marked and not compared (the last steady figure stays the baseline)."""
     from tsdev.watch.checks import Probe, until_steady
 
     def taking(figures):
@@ -356,12 +364,14 @@ def test_the_probe_takes_rounds_until_two_agree_and_its_figure_is_the_fastest():
 
     assert asyncio.run(until_steady(taking([5.0, 5.1, 9.9]))) == [5.0, 5.1]  # two agree: done
     assert asyncio.run(until_steady(taking([6.0, 4.0, 4.1, 9.9]))) == [6.0, 4.0, 4.1]
+    assert asyncio.run(until_steady(taking([0.01, 4.0, 4.1, 9.9]))) == [0.01, 4.0, 4.1]
     unsteady = asyncio.run(until_steady(taking([6.0, 4.0, 5.0, 4.5, 7.0, 9.9])))
     assert unsteady == [6.0, 4.0, 5.0, 4.5, 7.0]  # at most five
     assert Probe([6.0, 4.0, 4.1], 8, previous=4.4).text() == "decode 4.00 ms/step at batch 8 (-0.40 ms, -9.1%)"
+    assert Probe([0.01, 4.0, 4.1], 8, previous=4.0).ms == 4.0  # the lone fast round is not the figure
     probe = Probe(unsteady, 8, previous=4.4)
     assert probe.delta is None and probe.text() == (
-        "decode 4.00 ms/step at batch 8 (unsteady, not compared: no two of 5 rounds within 3 %, 4.00-7.00 ms)")
+        "decode 5.00 ms/step at batch 8 (unsteady, not compared: no two of 5 rounds within 3 %, 4.00-7.00 ms)")
 
 
 def test_the_probe_measures_each_round_through_the_completions_route():

@@ -91,7 +91,9 @@ def test_layer_edit_gives_one_reload_line_with_step_timings_and_golden_verdict(w
     assert "(save runtime/tsdev_runtime/layers/activation.py): tsdev_runtime.layers.activation + " in line
     for step in ("drain", "flush", "reload", "warm", "recapture", "jit", "pause", "total"):
         assert re.search(rf"\b{step} \d+\.\d\d\b", line), (step, line)
-    assert re.search(r"golden: output changed at token \d+ of 24 \| decode [\d.]+ ms/step at batch 4 \([+-]", line)
+    # compared with the code before, or (a loaded CPU) marked as not comparable
+    assert re.search(r"golden: output changed at token \d+ of 24 \| decode [\d.]+ ms/step at batch 4 \(([+-]|unsteady)",
+                     line)
     split = re.search(r"\| save → serving (\d+\.\d\d) s = ([^|(]+)", line)
     seconds = float(split.group(1))
     assert 0 < seconds < 60  # from the file's modification time to serving resumed
@@ -108,7 +110,8 @@ def test_layer_edit_gives_one_reload_line_with_step_timings_and_golden_verdict(w
 def test_reload_from_an_editor_hook_appears_in_the_daemon(watch):
     proc, out, project, url = watch
     env = {**os.environ, "PYTHONPATH": project_pythonpath(project, "")}
-    hook = subprocess.run([sys.executable, "-m", "tsdev", "reload", "--url", url, "--modules", "tsdev_kernels.ops.norm"],
+    hook = subprocess.run([sys.executable, "-m", "tsdev", "reload", "--url", url, "--modules",
+                           "tsdev_kernels.ops.norm"],
                           capture_output=True, text=True, env=env, cwd=project)
     assert hook.returncode == 0, hook.stdout + hook.stderr
     assert "reloaded tsdev_kernels.ops.norm" in hook.stdout
