@@ -30,8 +30,9 @@ def main() -> None:
         config = BenchConfig(url=args.url, num_prompts=args.requests, input_len=16, output_len=32,
                              max_concurrency=args.concurrency)
         metrics = asyncio.run(run_bench(config))["metrics"]
-        print(f"round {round_ + 1}: tsdev bench: {args.requests} requests, {metrics['output_tokens']} tokens, client CPU "
-              f"{metrics['client_cpu_s']:.2f} s = {metrics['client_cpu_ms_per_request']:.2f} ms per request", flush=True)
+        print(f"round {round_ + 1}: tsdev bench: {args.requests} requests, {metrics['output_tokens']} tokens, "
+              f"client CPU {metrics['client_cpu_s']:.2f} s = {metrics['client_cpu_ms_per_request']:.2f} ms per request",
+              flush=True)
         env = {**os.environ, "REQUESTS": str(args.requests)}
         out = subprocess.run([args.locust, "-f", str(locustfile), "--headless", "-u", str(args.concurrency), "-r",
                               str(args.concurrency), "-H", args.url, "--only-summary"], env=env, capture_output=True,

@@ -79,12 +79,14 @@ def main() -> None:
     args = parser.parse_args()
 
     config = EngineConfig(model=args.model, device="cuda", max_running=max(args.batch_sizes),
-                          max_model_len=max(2 * args.context, 1024), prefill_graph_max_tokens=args.prefill_graph_max_tokens,
+                          max_model_len=max(2 * args.context, 1024),
+                          prefill_graph_max_tokens=args.prefill_graph_max_tokens,
                           quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     engine = LLMEngine(config)  # first: built after a freed runner, its host step at 256 rows measured ~1 ms slower
     decoding = lambda iters: SamplingParams(max_tokens=iters, temperature=args.temperature, ignore_eos=True)
     engine_times = {bs: engine_step_time(engine, bs, args.context, args.iters, decoding) for bs in args.batch_sizes}
-    print("a full garbage collection: %.1f ms with the engine's startup heap frozen, %.1f ms thawed" % full_collection_ms())
+    print("a full garbage collection: %.1f ms with the engine's startup heap frozen, %.1f ms thawed"
+          % full_collection_ms())
     del engine  # the runner sizes its KV pool to the memory left
     thaw_heap()
     torch.cuda.empty_cache()
@@ -96,12 +98,15 @@ def main() -> None:
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     for m in runner.model.modules():  # fp8 projections read their e4m3 copy and scales, not the kept weight
         if getattr(m, "quantization", None) == "fp8":
-            weight_bytes += m.weight_fp8.numel() + 4 * m.weight_scale.numel() - m.weight.numel() * m.weight.element_size()
+            weight_bytes += (m.weight_fp8.numel() + 4 * m.weight_scale.numel()
+                             - m.weight.numel() * m.weight.element_size())
     kv_dtype = config.kv_torch_dtype(runner.dtype)
     kv_bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * kv_dtype.itemsize
-    print(f"{checkpoint.dir.name}{' fp8' if args.quantization else ''}, KV {str(kv_dtype).removeprefix('torch.')}: {weight_bytes / 1e9:.2f} GB of weights read per step, copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
+    print(f"{checkpoint.dir.name}{' fp8' if args.quantization else ''}, KV {str(kv_dtype).removeprefix('torch.')}: "
+          f"{weight_bytes / 1e9:.2f} GB of weights read per step, copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
           f"context {args.context}, graphs {runner.decode_graphs.sizes if runner.decode_graphs else 'off'}")
-    print(f"{'batch':>5} {'step ms':>8} {'graph ms':>8} {'engine ms':>9} {'floor ms':>8} {'step/floor':>10} {'tok/s':>9} {'GB/s':>7}")
+    print(f"{'batch':>5} {'step ms':>8} {'graph ms':>8} {'engine ms':>9} {'floor ms':>8} {'step/floor':>10} "
+          f"{'tok/s':>9} {'GB/s':>7}")
     params = SamplingParams(max_tokens=1, temperature=args.temperature, ignore_eos=True)
     breakdown = []
     for bs in args.batch_sizes:
@@ -113,19 +118,23 @@ def main() -> None:
             seqs.append(seq)
         batch = ScheduledBatch(seqs, [1] * bs)
         step = time_cuda(lambda: runner.run(batch), args.iters)
-        size = next(s for s in runner.decode_graphs.sizes if s >= bs) if runner.decode_graphs and bs <= runner.decode_graphs.max_size else None
+        size = (next(s for s in runner.decode_graphs.sizes if s >= bs)
+                if runner.decode_graphs and bs <= runner.decode_graphs.max_size else None)
         with nvtx.annotate(f"decode-replay-{bs}"):  # what an nsys capture range can select (docstring)
-            graph = time_cuda(runner.decode_graphs.graphs[size].replay, args.iters) if size in (runner.decode_graphs.graphs if runner.decode_graphs else {}) else float("nan")
+            graph = (time_cuda(runner.decode_graphs.graphs[size].replay, args.iters)
+                     if size in (runner.decode_graphs.graphs if runner.decode_graphs else {}) else float("nan"))
         if args.breakdown and size in runner.decode_graphs.graphs:
             breakdown.append((bs, kernel_breakdown(runner.decode_graphs.graphs[size].replay, args.iters)))
         for seq in seqs:
             bm.free_pages(seq)
         floor = (weight_bytes + bs * args.context * kv_bytes_per_token) / bandwidth
-        print(f"{bs:>5} {step * 1e3:>8.3f} {graph * 1e3:>8.3f} {engine_times[bs] * 1e3:>9.3f} {floor * 1e3:>8.3f} {step / floor:>10.2f} "
+        print(f"{bs:>5} {step * 1e3:>8.3f} {graph * 1e3:>8.3f} {engine_times[bs] * 1e3:>9.3f} {floor * 1e3:>8.3f} "
+              f"{step / floor:>10.2f} "
               f"{bs / step:>9,.0f} {(weight_bytes + bs * args.context * kv_bytes_per_token) / step / 1e9:>7.0f}")
     for bs, kernels in breakdown:
         total = sum(us for us, _ in kernels.values())
-        print(f"\nbatch {bs}: {total:.1f} us of kernels per replay ({sum(n for _, n in kernels.values()):.0f} launches)")
+        print(f"\nbatch {bs}: {total:.1f} us of kernels per replay "
+              f"({sum(n for _, n in kernels.values()):.0f} launches)")
         for name, (us, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0]):
             print(f"{us:>9.1f} us {us / total:>6.1%} {n:>6.0f}x  {name[:110]}")
 

@@ -62,7 +62,8 @@ async def run(project: Path, device: str, edits: int, calls_to: Path | None = No
     calls = []
     for i in range(edits):
         profile = cProfile.Profile() if i < 2 else None
-        ae._on_engine_thread = (lambda fn, *a, p=profile: on_thread(lambda: p.runcall(fn, *a))) if profile else on_thread
+        ae._on_engine_thread = ((lambda fn, *a, p=profile: on_thread(lambda: p.runcall(fn, *a))) if profile
+                                else on_thread)
         file.write_text(original.replace(LINE, f"    return act * up * {1 + rng.random() / 1000:.9f}\n"))
         reply = await forward(ReloadRequest(id=f"first-{i}", kernel_check="off"))
         worker = reply.workers[0]
@@ -70,8 +71,9 @@ async def run(project: Path, device: str, edits: int, calls_to: Path | None = No
         print(f"reload {i + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in worker.timings.items()))
         print("  transaction: " + ", ".join(f"{k} {v:.3f}" for k, v in transactions[-1].report.timings.items()))
         if profile:
-            calls.append({"timings": worker.timings, "calls": {f"{path}:{line}({name})": stat[1] for (path, line, name), stat
-                                                               in pstats.Stats(profile).stats.items()}})
+            calls.append({"timings": worker.timings,
+                          "calls": {f"{path}:{line}({name})": stat[1] for (path, line, name), stat
+                                    in pstats.Stats(profile).stats.items()}})
             out = io.StringIO()
             pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(25)
             print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:5000])

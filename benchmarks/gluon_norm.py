@@ -27,7 +27,8 @@ def main() -> None:
             for op, residual in (("rms_norm", False), ("fused_add_rms_norm", True)):
                 us = {}
                 for gluon in (False, True):
-                    calls = [lambda x=x, r=r, g=gluon: norm.rms_norm_triton(x, w, 1e-6, r if residual else None, gluon=g)
+                    calls = [lambda x=x, r=r, g=gluon: norm.rms_norm_triton(x, w, 1e-6, r if residual else None,
+                                                                           gluon=g)
                              for x, r in zip(xs, rs)]
                     us[gluon] = graph_ms(calls, iters=50) * 1e3
                 ratios.append(us[True] / us[False])

@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tsdev_runtime.control_protocol import RELOAD_ROUTE, ReloadReply, WorkerReport
 from tsdev.server_process import ServerProcess, copy_project
 
-HELPER, FILE, MODULE = "    return act * up\n", "kernels/tsdev_kernels/ops/activation.py", "tsdev_kernels.ops.activation"
+HELPER, FILE, MODULE = ("    return act * up\n", "kernels/tsdev_kernels/ops/activation.py",
+                        "tsdev_kernels.ops.activation")
 PROMPT = {"prompt": "The three laws of thermodynamics are", "max_tokens": 24, "temperature": 0}
 
 
@@ -82,7 +83,8 @@ def main() -> None:
           f"({median(recaptured, 'recapture') / median(patched, 'recapture'):.0f}x)")
     print(f"pause, median: patched {median(patched, 'pause'):.1f} ms, captured {median(recaptured, 'pause'):.1f} ms "
           f"(-{median(recaptured, 'pause') - median(patched, 'pause'):.1f} ms)")
-    print("the patched graphs served the recaptured graphs' tokens after every edit, and the original after each revert")
+    print("the patched graphs served the recaptured graphs' tokens after every edit, "
+          "and the original after each revert")
 
 
 if __name__ == "__main__":

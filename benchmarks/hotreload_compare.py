@@ -119,7 +119,8 @@ SCENARIOS = [
       "from {p}.a import f", "f(1) == 3"),
     S("super() added",
       {"a": "class B:\n    def f(self):\n        return 1\nclass C(B):\n    def f(self):\n        return 10\n"},
-      {"a": "class B:\n    def f(self):\n        return 1\nclass C(B):\n    def f(self):\n        return super().f() + 100\n"},
+      {"a": "class B:\n    def f(self):\n        return 1\nclass C(B):\n"
+            "    def f(self):\n        return super().f() + 100\n"},
       "from {p}.a import C; c = C()", "c.f() == 101"),
     S("decorator added", {"deco": DECO, "a": "def f(x):\n    return x\n"},
       {"a": "from .deco import twice\n@twice\ndef f(x):\n    return x + 1\n"},
@@ -141,19 +142,24 @@ SCENARIOS = [
       {"a": "class A:\n    @property\n    def v(self):\n        return 2\n"},
       "from {p}.a import A; a = A()", "a.v == 2"),
     S("classmethod / staticmethod",
-      {"a": "class A:\n    @classmethod\n    def c(cls):\n        return 1\n    @staticmethod\n    def s():\n        return 1\n"},
-      {"a": "class A:\n    @classmethod\n    def c(cls):\n        return 2\n    @staticmethod\n    def s():\n        return 2\n"},
+      {"a": "class A:\n    @classmethod\n    def c(cls):\n        return 1\n"
+            "    @staticmethod\n    def s():\n        return 1\n"},
+      {"a": "class A:\n    @classmethod\n    def c(cls):\n        return 2\n"
+            "    @staticmethod\n    def s():\n        return 2\n"},
       "from {p}.a import A; c, s = A.c, A.s", "c() == 2 and s() == 2 and A.c() == 2"),
     S("base class changed",
-      {"a": "class X:\n    def f(self):\n        return 'x'\nclass Y:\n    def f(self):\n        return 'y'\nclass C(X):\n    pass\n"},
-      {"a": "class X:\n    def f(self):\n        return 'x'\nclass Y:\n    def f(self):\n        return 'y'\nclass C(Y):\n    pass\n"},
+      {"a": "class X:\n    def f(self):\n        return 'x'\nclass Y:\n    def f(self):\n        return 'y'\n"
+            "class C(X):\n    pass\n"},
+      {"a": "class X:\n    def f(self):\n        return 'x'\nclass Y:\n    def f(self):\n        return 'y'\n"
+            "class C(Y):\n    pass\n"},
       "from {p}.a import C; c = C()", "c.f() == 'y'"),
     S("constant used by a dependent via `from x import C`",
       {"a": "SIZE = 4\n", "b": "from .a import SIZE\ndef size():\n    return SIZE\n"}, {"a": "SIZE = 8\n"},
       "from {p}.b import size", "size() == 8"),
     S("new name imported by another module",
       {"a": "def f():\n    return 1\n", "b": "from .a import f\ndef g():\n    return f()\n"},
-      {"a": "def f():\n    return 1\ndef h():\n    return 41\n", "b": "from .a import f, h\ndef g():\n    return f() + h()\n"},
+      {"a": "def f():\n    return 1\ndef h():\n    return 41\n",
+       "b": "from .a import f, h\ndef g():\n    return f() + h()\n"},
       "from {p}.b import g", "g() == 42"),
     S("dependents re-executed in provider order",
       {"log": "ORDER = []\n", "a": "from . import log\nA = 1\nlog.ORDER.append('a')\n",
@@ -174,7 +180,8 @@ SCENARIOS = [
     S("exception in top-level code of the 2nd of 3 modules: all revert",
       {"a": "def fa():\n    return 1\n", "b": "from .a import fa\ndef fb():\n    return 1\n",
        "c": "from .b import fb\ndef fc():\n    return 1\n"},
-      {"a": "def fa():\n    return 2\n", "b": "from .a import fa\ndef fb():\n    return 2\nraise RuntimeError('boom')\n",
+      {"a": "def fa():\n    return 2\n",
+       "b": "from .a import fa\ndef fb():\n    return 2\nraise RuntimeError('boom')\n",
        "c": "from .b import fb\ndef fc():\n    return 2\n"},
       "from {p}.a import fa; from {p}.b import fb; from {p}.c import fc", "(fa(), fb(), fc()) == (1, 1, 1)"),
     S("failure injected after patching: all revert", {"a": CLS.format(1) + "X = 1\n"},
@@ -208,8 +215,9 @@ SCENARIOS = [
       {"a": "CACHE = {}\n"}, {}, "import {p}.a as m; m.CACHE[1] = 1", "m.CACHE == {}", needs={"forced"}, forced=["a"]),
     # issue 16.5: what keeps running old code is fixed, or reported (never silently wrong)
     S("`__init__` sets a new attribute the new method reads, live instance: migrated or reported stale",
-      {"a": NORM, "engine": "MODEL = []\n"}, {"a": NORM.replace("self.dim = dim", "self.dim = dim\n        self.eps = 1")
-                                            .replace("x * self.dim", "x * self.dim + self.eps")},
+      {"a": NORM, "engine": "MODEL = []\n"},
+      {"a": NORM.replace("self.dim = dim", "self.dim = dim\n        self.eps = 1")
+                .replace("x * self.dim", "x * self.dim + self.eps")},
       "import {p}.a as m, {p}.engine as e; e.MODEL.append(m.Norm(2)); n = e.MODEL[0]",
       "hasattr(n, 'eps') and n.forward(1) == 3 or (not hasattr(n, 'eps') and reported('Norm'))", packages=["a"]),
     S("lambda held in another module's registry: patched or reported stale",
@@ -229,7 +237,8 @@ SCENARIOS = [
     S("function that became a class: reported stale",
       {"a": "def Norm(x):\n    return x\n", "reg": "from .a import Norm\nOPS = [Norm]\n"},
       {"a": "class Norm:\n    def __init__(self, x):\n        self.x = x\n"},
-      "import {p}.a as m, {p}.reg as reg; ops = reg.OPS", "isinstance(m.Norm, type) and ops[0](1) == 1 and reported('Norm')"),
+      "import {p}.a as m, {p}.reg as reg; ops = reg.OPS",
+      "isinstance(m.Norm, type) and ops[0](1) == 1 and reported('Norm')"),
 ]
 
 

@@ -6,8 +6,8 @@ benchmarks/kernels_bench.py's for the same kernel and shape.
 
 1. One server of the default model given --cycles never-seen edits of `silu_and_mul_values` (its output times a
    fresh constant near 1, so the checks pass) and their reverts, one reload of each pair with the checks off and the
-   other with `report`, the edit's mode alternating (after one such pair not counted): the median pause of each mode, and of the
-   checks (the target: the pause grows by at most 10 ms).
+   other with `report`, the edit's mode alternating (after one such pair not counted): the median pause of each mode,
+   and of the checks (the target: the pause grows by at most 10 ms).
 2. The times the `report` server gave in its reload replies (the ops the edit reached, the median over the reloads
    per shape) against kernels_bench's `graph_ms` in this process once the server stopped, on the same number of
    distinct inputs; then each declared op's `tsdev_kernels.checks.time_call` in this process against `graph_ms`, at the

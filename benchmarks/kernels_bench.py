@@ -144,7 +144,8 @@ def bench_attention(bw: float, sweep: bool) -> None:
         q, caches, cu, sl, pt = layer_batches([ctx] * B, [1] * B, layers=layers)
         kv_bytes = B * ctx * HK * D * 2 * 2
         report("paged_attention decode", f"B={B} ctx={ctx}",
-               [lambda kc=kc, vc=vc: attention.paged_attention_ref(q, kc, vc, cu, sl, pt, scale) for kc, vc in caches[:2]],
+               [lambda kc=kc, vc=vc: attention.paged_attention_ref(q, kc, vc, cu, sl, pt, scale)
+                for kc, vc in caches[:2]],
                [lambda kc=kc, vc=vc: attention.paged_attention(q, kc, vc, cu, sl, pt, scale, max_q_len=1)
                 for kc, vc in caches], kv_bytes, bw, ref_capturable=False)
         if sweep:
@@ -153,7 +154,8 @@ def bench_attention(bw: float, sweep: bool) -> None:
                     (1, 4, 8, 16, 32, 64) if B <= 8 else (default,), (16, 32, 64) if B <= 8 else (32, 64, 128),
                     (4,) if B <= 8 else (4, 8), (2, 3, 4)):
                 t = graph_ms([lambda kc=kc, vc=vc: attention.paged_decode_triton(
-                    q, kc, vc, cu, sl, pt, scale, splits, block_n, num_warps=warps, num_stages=stages) for kc, vc in caches])
+                    q, kc, vc, cu, sl, pt, scale, splits, block_n, num_warps=warps, num_stages=stages)
+                              for kc, vc in caches])
                 print(f"  sweep B={B} ctx={ctx} splits={splits} block_n={block_n} warps={warps} stages={stages}: "
                       f"{t * 1e3:.1f} us ({kv_bytes / (t * 1e-3) / bw:.0%} of copy bw)", flush=True)
     for B in (64, 139, 256):  # the offline workload's decode: contexts of 100-2048 tokens, admission order
@@ -167,14 +169,16 @@ def bench_attention(bw: float, sweep: bool) -> None:
                           for kc, vc in caches])
             print(f"  decode B={B} ctx 100-2048 (sum {sum(lens)}), {label}: {t * 1e3:.1f} us "
                   f"({kv_bytes / (t * 1e-3) / bw:.0%} of copy bw)", flush=True)
-    for name, seq_lens, q_lens in [("1 x 2048 fresh", [2048], [2048]), ("4 x 512 after 1024 cached", [1536] * 4, [512] * 4),
+    for name, seq_lens, q_lens in [("1 x 2048 fresh", [2048], [2048]),
+                                   ("4 x 512 after 1024 cached", [1536] * 4, [512] * 4),
                                    ("16 x 128 fresh", [128] * 16, [128] * 16)]:
         q, caches, cu, sl, pt = layer_batches(seq_lens, q_lens, layers=4)
         flops = sum(4 * HQ * D * ql * (s - ql / 2) for s, ql in zip(seq_lens, q_lens))
         new = [lambda kc=kc, vc=vc: attention.paged_attention(q, kc, vc, cu, sl, pt, scale, max_q_len=max(q_lens))
                for kc, vc in caches]
         report("paged_attention prefill", name,
-               [lambda kc=kc, vc=vc: attention.paged_attention_ref(q, kc, vc, cu, sl, pt, scale) for kc, vc in caches[:1]], new,
+               [lambda kc=kc, vc=vc: attention.paged_attention_ref(q, kc, vc, cu, sl, pt, scale)
+                for kc, vc in caches[:1]], new,
                ref_capturable=False)
         t = graph_ms(new)
         print(f"  prefill {name}: {flops / (t * 1e-3) / 1e12:.0f} TFLOP/s (causal flops)", flush=True)
@@ -235,7 +239,8 @@ def bench_linear(bw: float, sweep: bool) -> None:
     for m in (2, 4, 8, 16):
         for name, n, k, _ in PROJECTIONS:
             x = rand(m, k)
-            report(f"linear {name} (skinny)", f"{m}x{k} @ {k}x{n}", [lambda w=w: linear.linear_ref(x, w) for w in weights[name]],
+            report(f"linear {name} (skinny)", f"{m}x{k} @ {k}x{n}",
+                   [lambda w=w: linear.linear_ref(x, w) for w in weights[name]],
                    [lambda w=w: linear.skinny_triton(x, w) for w in weights[name]], n * k * 2, bw)
     if not sweep:
         return
@@ -245,9 +250,11 @@ def bench_linear(bw: float, sweep: bool) -> None:
         for bn, bk, warps, stages in itertools.product((16, 32, 64), (64, 128, 256, 512), (2, 4), (2, 3, 4)):
             times = [graph_ms([lambda w=w, x=rows[k]: linear.skinny_triton(x, w, None, bn, bk, warps, stages)
                                for w in weights[name]]) for name, n, k, _ in PROJECTIONS]
-            skinny[(bn, bk, warps, stages)] = (sum((t or float("inf")) * c for t, (*_, c) in zip(times, PROJECTIONS)), times)
-        print_sweep(f"skinny M={m}", skinny, [graph_ms([lambda w=w, x=rows[k]: linear.linear_ref(x, w) for w in weights[name]])
-                                               for name, n, k, _ in PROJECTIONS])
+            skinny[(bn, bk, warps, stages)] = (sum((t or float("inf")) * c for t, (*_, c) in zip(times, PROJECTIONS)),
+                                               times)
+        print_sweep(f"skinny M={m}", skinny,
+                    [graph_ms([lambda w=w, x=rows[k]: linear.linear_ref(x, w) for w in weights[name]])
+                     for name, n, k, _ in PROJECTIONS])
     configs = itertools.product((2, 4, 8, 16), (256, 512, 1024), (2, 4, 8), (2, 3))
     per_step = {}
     for bn, bk, warps, stages in configs:
@@ -277,7 +284,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="*", default=["rows", "linear", "attention", "sampling"],
                         choices=["rows", "linear", "attention", "sampling"])
-    parser.add_argument("--sweep", action="store_true", help="time the configurations of the linear and attention kernels")
+    parser.add_argument("--sweep", action="store_true",
+                        help="time the configurations of the linear and attention kernels")
     args = parser.parse_args()
     bw = copy_bandwidth(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bw / 1e9:.0f} GB/s\n")

@@ -49,7 +49,8 @@ def write_synthetic(out: Path, shape: dict) -> None:
         shapes |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
                    p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
-                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i),
+                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                   p + "mlp.down_proj.weight": (h, i),
                    p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
     pool = (torch.randn(1 << 26, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
     shards, current, size = [], {}, 0
@@ -102,7 +103,8 @@ def identical(model, reference: dict[str, torch.Tensor]) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--synthetic-8b", type=Path, metavar="DIR", help="write (once) and load a 16 GB Qwen3-8B-shaped checkpoint")
+    parser.add_argument("--synthetic-8b", type=Path, metavar="DIR",
+                        help="write (once) and load a 16 GB Qwen3-8B-shaped checkpoint")
     parser.add_argument("--model", type=Path, help="a checkpoint directory instead of the default model")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--memory-limit", default="16GiB", help="--load-memory-limit")

@@ -37,7 +37,8 @@ from decode_step import copy_bandwidth, engine_step_time
 from tsdev_runtime.config import EngineConfig
 from tsdev_runtime.engine.llm_engine import LLMEngine, thaw_heap
 from tsdev_runtime.engine.sequence import SamplingParams
-from tsdev_runtime.weights.default_model import CHATML, build_tokenizer, cache_dir, default_model_dir, eos_token_ids, random_weights
+from tsdev_runtime.weights.default_model import (CHATML, build_tokenizer, cache_dir, default_model_dir, eos_token_ids,
+                                                 random_weights)
 
 HBM_PEAK = 4.8e12  # bytes/s, H200
 VERSION = 1  # bump when what `write_checkpoint` writes changes: checkpoints are cached by this name
@@ -132,7 +133,8 @@ def shape_rows(name: str, args, bandwidth: float) -> list[str]:
     for batch in args.batch_sizes:
         step = engine_step_time(engine, batch, args.context, args.iters, decoding)
         kv = batch * args.context * kv_per_token
-        read = weights - (experts - experts * (1 - (1 - top_k / experts) ** batch)) * expert_bytes if experts else weights
+        read = (weights - (experts - experts * (1 - (1 - top_k / experts) ** batch)) * expert_bytes if experts
+                else weights)
         floor, floor_kv = read / bandwidth, (read + kv) / bandwidth
         values = [name, batch, f"{step * 1e3:.3f}", f"{read / 1e9:.2f}", f"{read / HBM_PEAK * 1e3:.3f}",
                   f"{floor * 1e3:.3f}", f"{step / floor:.2f}", f"{kv / 1e9:.2f}", f"{floor_kv * 1e3:.3f}",

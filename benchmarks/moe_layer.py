@@ -1,7 +1,7 @@
 """One fused MoE layer (alignment, the gate|up GEMM with SiLU-and-mul, the down GEMM with the router weights, the sum
 over k: `tsdev_kernels.ops.moe.fused_moe_triton`) against its weight-read floor and against the torch reference.
 
-    python3 benchmarks/moe_layer.py                                  # Qwen3-30B-A3B's layer: E 128, top 8, I 768, H 2048
+    python3 benchmarks/moe_layer.py                                 # Qwen3-30B-A3B's layer: E 128, top 8, I 768, H 2048
     python3 benchmarks/moe_layer.py --tokens 1 16 64 256 --experts 128 --intermediate 768 --hidden 2048
 
 floor: the bytes of the experts the routing touched (w13 and w2 of each, once) at the copy bandwidth measured in the
@@ -50,7 +50,8 @@ def main() -> None:
     if args.sweep_gemv:
         return sweep_gemv(args, w13, w2, g)
     print("| tokens | experts touched | floor us | layer us | layer / floor | aligned GEMMs us | GEMV path us | "
-          "fp8 floor us | fp8 layer us | fp8 / its floor | torch ref us | ref / layer | max rel err | fp8 max rel err |")
+          "fp8 floor us | fp8 layer us | fp8 / its floor | torch ref us | ref / layer | "
+          "max rel err | fp8 max rel err |")
     print("|" + "---:|" * 14)
     (q13, s13), (q2, s2) = fp8.quantize_fp8_rows(w13), fp8.quantize_fp8_rows(w2)
     scales = dict(w13_scale=s13.squeeze(-1), w2_scale=s2.squeeze(-1))
@@ -131,7 +132,8 @@ def sweep_gemv(args, w13, w2, g) -> None:
             c = min(times, key=times.get)
             best.append(c)
             top = sorted(times.items(), key=lambda kv: kv[1])[:5]
-            print(f"T={T} {'up' if which == 0 else 'down'}: current {rule[which]} {times.get(rule[which], float('nan')):.1f} "
+            print(f"T={T} {'up' if which == 0 else 'down'}: current {rule[which]} "
+                  f"{times.get(rule[which], float('nan')):.1f} "
                   f"us; best {', '.join(f'{k} {v:.1f}' for k, v in top)}", flush=True)
         gemm = triton.testing.do_bench_cudagraph(lambda: moe.fused_moe_triton(
             x, w13, w2, weights, ids, config=moe.moe_config(E, I, H, x.dtype, T))) * 1e3

@@ -42,7 +42,8 @@ def main() -> None:
                                     max_model_len=2 * args.max_len + 1, kv_cache_dtype=args.kv_cache_dtype))
     rng = random.Random(args.seed)
     vocab = min(engine.model_config.vocab_size, 10_000)
-    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(args.min_len, args.max_len))] for _ in range(args.num_requests)]
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(args.min_len, args.max_len))]
+               for _ in range(args.num_requests)]
     params = [SamplingParams(max_tokens=rng.randint(args.min_len, args.max_len), temperature=0.6, ignore_eos=True)
               for _ in range(args.num_requests)]
     engine_dir = engine.model_dir

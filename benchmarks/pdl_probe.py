@@ -39,7 +39,8 @@ def main() -> None:
     torch.manual_seed(0)
     layers = [{name: torch.randn(n, k, device="cuda", dtype=BF16) * k ** -0.5 for name, (n, k) in SHAPES.items()}
               for _ in range(LAYERS)]
-    norms = [(torch.randn(HIDDEN, device="cuda", dtype=BF16), torch.randn(HIDDEN, device="cuda", dtype=BF16)) for _ in range(LAYERS)]
+    norms = [(torch.randn(HIDDEN, device="cuda", dtype=BF16), torch.randn(HIDDEN, device="cuda", dtype=BF16))
+             for _ in range(LAYERS)]
     x = torch.randn(1, HIDDEN, device="cuda", dtype=BF16)
     gb = sum(w.numel() * 2 for layer in layers for w in layer.values()) / 1e9
 
@@ -69,7 +70,8 @@ def main() -> None:
     a, b = torch.randn(1, HIDDEN, device="cuda", dtype=BF16), torch.randn(HIDDEN, device="cuda", dtype=BF16)
     for on in (False, True):
         set_pdl(on)
-        print(f"300 rms_norm launches, pdl={on}: {graph_us(lambda: [norm.rms_norm_triton(a, b, 1e-6) for _ in range(300)]):.1f} us",
+        print(f"300 rms_norm launches, pdl={on}: "
+              f"{graph_us(lambda: [norm.rms_norm_triton(a, b, 1e-6) for _ in range(300)]):.1f} us",
               flush=True)
     if args.no_sweep:
         return
@@ -79,12 +81,15 @@ def main() -> None:
     for name, (n, k) in SHAPES.items():
         fuse = name in ("qkv", "gate_up")
         results = []
-        block_ks = [triton.next_power_of_2(k)] if fuse else [bk for bk in (512, 1024, 2048, 4096) if bk <= triton.next_power_of_2(k)]
+        block_ks = ([triton.next_power_of_2(k)] if fuse
+                    else [bk for bk in (512, 1024, 2048, 4096) if bk <= triton.next_power_of_2(k)])
         for block_n, block_k, warps in itertools.product((1, 2, 4, 8, 16), block_ks, (1, 2, 4, 8)):
             if block_n * block_k > 16384:
                 continue
-            kwargs = dict(residual=inputs[name], norm_weight=norms[0][0], eps=1e-6, gated=name == "gate_up") if fuse else {}
-            t = graph_us(lambda: [linear.gemv_triton(inputs[name], w[name], block_n=block_n, block_k=block_k, num_warps=warps, **kwargs)
+            kwargs = (dict(residual=inputs[name], norm_weight=norms[0][0], eps=1e-6, gated=name == "gate_up") if fuse
+                      else {})
+            t = graph_us(lambda: [linear.gemv_triton(inputs[name], w[name], block_n=block_n, block_k=block_k,
+                                                     num_warps=warps, **kwargs)
                                   for w in layers]) / LAYERS
             results.append((t, block_n, block_k, warps))
             print(f"  {name} [{n}x{k}]{' fused' if fuse else ''} block_n={block_n} block_k={block_k} warps={warps}: "

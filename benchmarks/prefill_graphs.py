@@ -99,7 +99,8 @@ def main() -> None:
             batch = fresh_batch(pages, total, num_seqs)
             eager = time_ms(lambda: runner.compute_logits(batch, use_graphs=False), args.iters)
             graph = time_ms(lambda: runner.compute_logits(batch), args.iters)
-            print(f"| {total} | {num_seqs} | {graphs.size_for(total)} | {eager:.2f} | {graph:.2f} | {eager / graph:.2f}x |",
+            print(f"| {total} | {num_seqs} | {graphs.size_for(total)} | {eager:.2f} | {graph:.2f} | "
+                  f"{eager / graph:.2f}x |",
                   flush=True)
             for seq in batch.seqs:
                 pages.free_pages(seq)

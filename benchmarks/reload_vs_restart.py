@@ -88,14 +88,18 @@ def main() -> None:
         print(f"restart (process start -> first completion): {restart:.2f} s; steady request {steady * 1e3:.1f} ms")
         columns = ("jit", "drain", "flush", "reload", "warm", "recapture", "recapture_decode", "recapture_prefill",
                    "pause", "total", "wall", "first_request")
-        print(f"{'':8}" + "".join(f"{k.replace('recapture_', 'rc ').replace('first_request', '1st req'):>11}" for k in columns))
+        print(f"{'':8}" + "".join(f"{k.replace('recapture_', 'rc ').replace('first_request', '1st req'):>11}"
+                                  for k in columns))
         for row in rows:
             print(f"{row['label']:8}" + "".join(f"{row.get(k, 0):>11.3f}" for k in columns))
-        med = {k: statistics.median(r[k] for r in rows) for k in ("reload", "warm", "recapture", "pause", "total", "wall",
-                                                                 "first_request")}
-        print(f"median of {len(rows)} reloads: reload+warm+recapture {med['reload'] + med['warm'] + med['recapture']:.3f} s, "
-              f"pause {med['pause']:.3f} s (target <= 0.25), restart / pause = {restart / med['pause']:.1f}x (target >= 30), "
-              f"restart / total = {restart / med['total']:.1f}x, first request after reload {med['first_request'] * 1e3:.1f} "
+        med = {k: statistics.median(r[k] for r in rows)
+               for k in ("reload", "warm", "recapture", "pause", "total", "wall", "first_request")}
+        print(f"median of {len(rows)} reloads: reload+warm+recapture "
+              f"{med['reload'] + med['warm'] + med['recapture']:.3f} s, "
+              f"pause {med['pause']:.3f} s (target <= 0.25), "
+              f"restart / pause = {restart / med['pause']:.1f}x (target >= 30), "
+              f"restart / total = {restart / med['total']:.1f}x, "
+              f"first request after reload {med['first_request'] * 1e3:.1f} "
               f"ms vs steady {steady * 1e3:.1f} ms; outputs changed with each edit and came back with each revert")
         print(json.dumps({"summary": {"restart": round(restart, 3), **{k: round(v, 4) for k, v in med.items()},
                                       "restart_over_pause": round(restart / med["pause"], 1), "reloads": len(rows)}}))

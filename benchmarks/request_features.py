@@ -27,7 +27,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--top-logprobs", type=int, default=5)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--cases", nargs="+", default=None, help="only these cases (by name, e.g. 'penalties+logprobs')")
+    parser.add_argument("--cases", nargs="+", default=None,
+                        help="only these cases (by name, e.g. 'penalties+logprobs')")
     args = parser.parse_args()
 
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device, max_running=args.batch,

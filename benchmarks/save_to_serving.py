@@ -116,7 +116,8 @@ def main() -> None:
                 seconds[kind].append(float(SECONDS.search(line.group(0)).group(1)))
         for kind, target in (("fresh", "0.6, each <= 1.0"), ("repeated", "0.25")):
             values = seconds[kind]
-            print(f"save → serving, {kind} edits, over {len(values)} reloads: median {statistics.median(values):.3f} s, "
+            print(f"save → serving, {kind} edits, over {len(values)} reloads: "
+                  f"median {statistics.median(values):.3f} s, "
                   f"{min(values):.2f}–{max(values):.2f} s (target <= {target})")
         engine_file = project / ENGINE_FILE
         engine_source = engine_file.read_text()

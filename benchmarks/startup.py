@@ -43,7 +43,8 @@ def main() -> None:
     args = parser.parse_args()
     for i in range(args.starts):
         first_line, wall, split = start_once(args.port, args.server_args)
-        print(f"start {i + 1}: process start -> first line {first_line:.2f} s, healthy {wall:.2f} s; {split}", flush=True)
+        print(f"start {i + 1}: process start -> first line {first_line:.2f} s, healthy {wall:.2f} s; {split}",
+              flush=True)
 
 
 if __name__ == "__main__":

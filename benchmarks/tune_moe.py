@@ -84,7 +84,8 @@ def main(args: argparse.Namespace) -> None:
             continue
         data = inputs(tokens, args, dtype, generator)
         default = time_ms(moe.default_moe_config(tokens), args.rep, *data)
-        timed = [(ms, config) for config in candidates(tokens, args.topk, args.experts, QUICK_GRID if args.quick else GRID)
+        timed = [(ms, config)
+                 for config in candidates(tokens, args.topk, args.experts, QUICK_GRID if args.quick else GRID)
                  if (ms := time_ms(config, args.rep, *data)) is not None]
         ms, config = min(timed, key=lambda pair: pair[0])
         best_of[str(tokens)] = config

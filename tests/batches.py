@@ -27,7 +27,8 @@ def make_batch(engine, spec: list[tuple[int, int]], seed: int = 0) -> ScheduledB
         seqs.append(seq)
     prefixes = [(s, c) for s, (_, c) in zip(seqs, spec) if c]
     if prefixes:
-        engine.runner.compute_logits(ScheduledBatch([s for s, _ in prefixes], [c for _, c in prefixes]), use_graphs=False)
+        engine.runner.compute_logits(ScheduledBatch([s for s, _ in prefixes], [c for _, c in prefixes]),
+                                     use_graphs=False)
         for seq, cached in prefixes:
             seq.num_computed_tokens = cached
     return ScheduledBatch(seqs, [length - cached for length, cached in spec])

@@ -35,7 +35,8 @@ def main() -> None:
                      dict(X=BF16, R=BF16, NW=BF16, W="*fp8e4nv" if fp8 else BF16, B=BF16, S=F32, OUT=BF16, R_OUT=BF16),
                      dict(NORM=norm_in, HAS_RESIDUAL=norm_in, GATED=gated, HAS_BIAS=False, HAS_SCALE=fp8, BLOCK_N=4,
                           BLOCK_K=1024, PDL=True), num_warps=2, num_stages=3)
-    compile_sm90(rope._rope_kernel, dict(Q=BF16, K=BF16, QW=BF16, KW=BF16, Q_OUT=BF16, K_OUT=BF16, POS=I64, COS_SIN=F32),
+    compile_sm90(rope._rope_kernel,
+                 dict(Q=BF16, K=BF16, QW=BF16, KW=BF16, Q_OUT=BF16, K_OUT=BF16, POS=I64, COS_SIN=F32),
                  dict(HALF=64, BLOCK_HQ=16, BLOCK_HK=8, BLOCK_HALF=64, NORM=True, PDL=True), num_warps=4)
     compile_sm90(attention._store_kvcache_kernel, dict(K=BF16, V=BF16, K_CACHE=BF16, V_CACHE=BF16, SLOTS=I64),
                  dict(PAGE_SIZE=16, BLOCK_H=8, BLOCK_D=128, PDL=True), num_warps=4)

@@ -70,7 +70,8 @@ LLAMA3_STYLE_TEMPLATE = (
     "{%- set messages = messages[1:] %}{%- else %}{%- set system = 'You are a tiny model.' %}{%- endif %}"
     "{{- '<|start_header_id|>system<|end_header_id|>\n\n' + system + '<|eot_id|>' }}"
     "{%- for message in messages %}"
-    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim "
+    "+ '<|eot_id|>' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"
 )
@@ -146,7 +147,8 @@ def hf_qwen3_moe_dir(tiny_model_dir, tmp_path_factory) -> Path:
     import transformers
 
     out = tmp_path_factory.mktemp("hf-qwen3-moe")
-    config = transformers.Qwen3MoeConfig(vocab_size=1024, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    config = transformers.Qwen3MoeConfig(vocab_size=1024, hidden_size=64, intermediate_size=96,
+                                         moe_intermediate_size=32,
                                          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                                          head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
                                          decoder_sparse_step=1, mlp_only_layers=[1], max_position_embeddings=1024,

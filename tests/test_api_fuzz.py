@@ -16,8 +16,8 @@ import pytest
 import schemathesis
 from schemathesis.python import asgi
 
-from tsdev_runtime.control_protocol import (CONTINUE_ROUTE, EVENTS_ROUTE, PAUSE_ROUTE, RELOAD_ROUTE, RELOAD_WEIGHTS_ROUTE,
-                                      SLEEP_ROUTE, START_PROFILE_ROUTE, STOP_PROFILE_ROUTE,
+from tsdev_runtime.control_protocol import (CONTINUE_ROUTE, EVENTS_ROUTE, PAUSE_ROUTE, RELOAD_ROUTE,
+                                      RELOAD_WEIGHTS_ROUTE, SLEEP_ROUTE, START_PROFILE_ROUTE, STOP_PROFILE_ROUTE,
                                       UPDATE_WEIGHTS_FROM_DISK_ROUTE, WAKE_UP_ROUTE, ErrorBody, Hello, parse_event)
 from tsdev_runtime.server.app import build_app
 from tsdev_runtime.server.security import SecurityPolicy

@@ -21,7 +21,8 @@ def workload(make_engine) -> dict[str, tuple[list[int], SamplingParams]]:
     """Greedy and seeded requests of several lengths, one of length 1, and two that end on a stop string
     taken from the middle of their own greedy text (a stop the scheduler cannot see coming)."""
     probe = make_engine(async_scheduling=False)
-    texts = [r["text"] for r in probe.generate(PROMPTS[:2], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))]
+    texts = [r["text"]
+             for r in probe.generate(PROMPTS[:2], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))]
     assert all(len(t) >= 6 for t in texts), texts
     requests = {f"greedy{i}": (p, SamplingParams(max_tokens=3 + 4 * i, temperature=0, ignore_eos=True))
                 for i, p in enumerate(PROMPTS)}
@@ -29,8 +30,8 @@ def workload(make_engine) -> dict[str, tuple[list[int], SamplingParams]]:
     requests["seeded"] = (PROMPTS[3], SamplingParams(max_tokens=12, temperature=0.9, top_k=50, seed=7, ignore_eos=True))
     for i, text in enumerate(texts):
         middle = len(text) // 2
-        requests[f"stop{i}"] = (PROMPTS[i], SamplingParams(max_tokens=20, temperature=0, stop=[text[middle : middle + 2]],
-                                                           ignore_eos=True))
+        requests[f"stop{i}"] = (PROMPTS[i], SamplingParams(max_tokens=20, temperature=0,
+                                                           stop=[text[middle : middle + 2]], ignore_eos=True))
     return requests
 
 
@@ -46,7 +47,8 @@ def test_async_scheduling_gives_every_request_the_same_outputs(make_engine):
 @pytest.mark.slow
 def test_async_scheduling_under_preemption_and_chunked_prefill(make_engine):
     requests = workload(make_engine)
-    sync = outputs_per_request(make_engine(async_scheduling=False, kv_pages=24, max_batched_tokens=16, max_model_len=80), requests)
+    sync = outputs_per_request(make_engine(async_scheduling=False, kv_pages=24, max_batched_tokens=16,
+                                           max_model_len=80), requests)
     engine = make_engine(kv_pages=24, max_batched_tokens=16, max_model_len=80)
     assert outputs_per_request(engine, requests) == sync
     assert engine.scheduler.num_preemptions > 0

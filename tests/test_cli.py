@@ -282,7 +282,8 @@ def test_reload_line_shows_decode_and_prefill_recapture_apart_or_the_graph_nodes
                           timings={"reload": 0.01, "warm": 0.1, "recapture": 0.5, "recapture_decode": 0.2,
                                    "recapture_prefill": 0.3, "pause": 0.6})
     assert "recaptured in 0.50 s (decode 0.20, prefill 0.30)" in worker_text(worker)
-    patched = WorkerReport(ok=True, reloaded=["tsdev_kernels.ops.norm"], patched=3, kernels_only=True, graph_nodes_patched=412,
+    patched = WorkerReport(ok=True, reloaded=["tsdev_kernels.ops.norm"], patched=3, kernels_only=True,
+                           graph_nodes_patched=412,
                            timings={"reload": 0.01, "warm": 0.0, "recapture": 0.004, "pause": 0.1})
     assert "graphs patched in 0.004 s (412 kernel nodes pointed at the new binaries)" in worker_text(patched)
 
@@ -290,22 +291,26 @@ def test_reload_line_shows_decode_and_prefill_recapture_apart_or_the_graph_nodes
 def test_reload_lines_count_the_kernels_replaced_per_dialect():
     from tsdev.outcome import steps_text
 
-    kernels = {"tsdev_kernels.ops.norm._rms_norm_gluon_kernel": "gluon", "tsdev_kernels.ops.norm.rms_norm_values_gluon": "gluon",
+    kernels = {"tsdev_kernels.ops.norm._rms_norm_gluon_kernel": "gluon",
+               "tsdev_kernels.ops.norm.rms_norm_values_gluon": "gluon",
                "tsdev_kernels.ops.activation._silu_and_mul_kernel": "triton"}
     worker = WorkerReport(ok=True, reloaded=["tsdev_kernels.ops.norm"], patched=3, jit_kernels=2, kernels=kernels,
                           timings={"jit": 0.3, "reload": 0.01, "pause": 0.1})
     assert "JIT-compiled 2 kernel(s) (gluon 2, triton 1) in 0.30 s" in worker_text(worker)
-    assert steps_text(worker.timings, jit_kernels=2, kernels=kernels).endswith("(2 kernel(s) (gluon 2, triton 1) compiled)")
+    assert steps_text(worker.timings, jit_kernels=2, kernels=kernels).endswith(
+        "(2 kernel(s) (gluon 2, triton 1) compiled)")
     cute = {"tsdev_kernels.ops.activation_cute._silu_and_mul_kernel": "cute"}  # compiled on its next call, not ahead
     assert steps_text(worker.timings, kernels=cute).endswith("(kernels edited (cute 1): none compiled ahead)")
     assert not steps_text(worker.timings).endswith(")")
 
 
 def test_reload_lines_name_the_kernels_that_compiled_in_the_pause_slowest_first():
-    worker = WorkerReport(ok=True, reloaded=["tsdev_kernels.ops.norm"], patched=3, timings={"reload": 2.0, "pause": 2.1},
-                          compiled_in_pause={"tsdev_kernels.ops.norm.a": 0.4, "tsdev_kernels.ops.norm._rms_norm_gluon_kernel": 1.9})
-    assert ("compiled in the pause, not ahead: tsdev_kernels.ops.norm._rms_norm_gluon_kernel 1.90 s, tsdev_kernels.ops.norm.a "
-            "0.40 s") in worker_text(worker)
+    worker = WorkerReport(ok=True, reloaded=["tsdev_kernels.ops.norm"], patched=3,
+                          timings={"reload": 2.0, "pause": 2.1},
+                          compiled_in_pause={"tsdev_kernels.ops.norm.a": 0.4,
+                                             "tsdev_kernels.ops.norm._rms_norm_gluon_kernel": 1.9})
+    assert ("compiled in the pause, not ahead: tsdev_kernels.ops.norm._rms_norm_gluon_kernel 1.90 s, "
+            "tsdev_kernels.ops.norm.a 0.40 s") in worker_text(worker)
     assert "compiled in the pause" not in worker_text(WorkerReport(ok=True, reloaded=["tsdev_kernels.ops.norm"]))
 
 

@@ -96,7 +96,8 @@ def test_serving_compiles_no_triton_kernel_after_startup():
         engine.generate([prompt(engine.config.max_batched_tokens + 100, next(seeds))], greedy)
         # batched prefill, then decode in the graphs at 17 and 35 sequences
         for size in (17, 35):
-            engine.generate([prompt(20 + 7 * i, next(seeds)) for i in range(size)], [greedy, sampled] * (size // 2) + [greedy])
+            engine.generate([prompt(20 + 7 * i, next(seeds)) for i in range(size)],
+                            [greedy, sampled] * (size // 2) + [greedy])
         torch.cuda.synchronize()
     assert not compiled, "Triton compiled while serving:\n" + "\n".join(compiled)
     assert engine.jit_compiles() == counted

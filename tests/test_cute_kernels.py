@@ -40,7 +40,8 @@ def test_the_cute_kernel_compiles_for_sm90_and_an_edit_changes_its_check(monkeyp
     serving = checks.Serving(tokens=(1, 8), hidden=64, intermediate=32, dtype=torch.bfloat16, device="cpu")
     assert check.shapes(serving) == []  # GPU only
     before = checks.fingerprints([check])
-    source = open(activation_cute.__file__).read().replace("(1.0 + cute.math.exp(-gate))", "(2.0 + cute.math.exp(-gate))")
+    source = open(activation_cute.__file__).read().replace("(1.0 + cute.math.exp(-gate))",
+                                                           "(2.0 + cute.math.exp(-gate))")
     scratch = {"__name__": activation_cute.__name__}
     exec(compile(source, activation_cute.__file__, "exec"), scratch)  # the edited kernel, as a reload would run it
     monkeypatch.setattr(activation_cute, "_silu_and_mul_kernel", scratch["_silu_and_mul_kernel"])

@@ -10,7 +10,8 @@ from watch_gpu import edit_and_revert_under_watch
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("cutlass.cute", reason="the optional CuTe DSL package (tsdev[cute]) is not installed")
-KERNEL, LINE = "kernels/tsdev_kernels/ops/activation_cute.py", "        out[row, col] = (act * up).to(out.element_type)\n"
+KERNEL, LINE = ("kernels/tsdev_kernels/ops/activation_cute.py",
+                "        out[row, col] = (act * up).to(out.element_type)\n")
 
 
 def test_a_cute_kernel_edit_reaches_the_served_tokens_and_its_revert_restores_them(tiny_model_dir, tmp_path):

@@ -63,8 +63,8 @@ def test_the_server_captures_the_pending_graphs_while_serving_after_the_reload_a
         ae = AsyncEngine(engine)
         await ae.start()
         try:
-            reply = await ReloadForward(ae, Reloader(PACKAGES))(ReloadRequest(id="r1", modules=["tsdev_runtime.layers.activation"],
-                                                                        recapture=True))  # (no graph patch)
+            reply = await ReloadForward(ae, Reloader(PACKAGES))(
+                ReloadRequest(id="r1", modules=["tsdev_runtime.layers.activation"], recapture=True))  # (no graph patch)
             assert reply.ok, reply
             pending_after_reload = len(captured_later) + engine.graphs_pending
             outputs = await asyncio.gather(*(collect(ae, f"q{i}", p) for i, p in enumerate(prompts)))
@@ -134,7 +134,8 @@ def test_a_start_told_what_to_capture_first_captures_the_rest_while_serving(make
         ae = AsyncEngine(engine)
         await ae.start()
         try:
-            got = await asyncio.gather(*(collect(ae, f"s{i}", p) for i, p in enumerate(([7, 8, 9], list(range(3, 40))))))
+            got = await asyncio.gather(*(collect(ae, f"s{i}", p)
+                                         for i, p in enumerate(([7, 8, 9], list(range(3, 40))))))
             for _ in range(100):
                 if not engine.graphs_pending:
                     break

@@ -19,7 +19,8 @@ def test_a_collection_after_startup_walks_only_what_serving_made(tiny_model_dir)
     assert gc.get_freeze_count() > 10_000  # torch, the model, the engine
     made_since = len(gc.get_objects())  # the collector's generations: the frozen objects are not in them
     assert made_since < gc.get_freeze_count() / 10
-    assert all(r["finish_reason"] == "length" for r in first.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True)))
+    assert all(r["finish_reason"] == "length"
+               for r in first.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True)))
 
 
 @pytest.mark.slow

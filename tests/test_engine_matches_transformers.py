@@ -19,7 +19,8 @@ def hf_model(tiny_model_dir):
 
 
 def hf_greedy(hf_model, prompt, n):
-    out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 

@@ -92,7 +92,8 @@ def oracle_greedy(source, fp8_dir, prompts):
 
 def served(model_dir, prompts, **config):
     engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", **config))
-    out = [r["token_ids"] for r in engine.generate(prompts, SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True))]
+    out = [r["token_ids"]
+           for r in engine.generate(prompts, SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True))]
     return engine, out
 
 
@@ -128,7 +129,8 @@ def test_its_logits_are_close_to_the_unquantized_models(source_dir, tmp_path):
 @pytest.mark.parametrize("change, expected", [
     (dict(drop="model.layers.0.self_attn.k_proj.weight_scale_inv"), "lacks 1 tensor.*k_proj.weight_scale_inv"),
     (dict(reshape="model.layers.0.mlp.up_proj.weight_scale_inv"), "up_proj.weight_scale_inv has shape"),
-    (dict(quantization={**QUANTIZATION, "weight_block_size": [64, 64]}), "64 x 64 block.*weight_block_size \\[128, 128\\]"),
+    (dict(quantization={**QUANTIZATION, "weight_block_size": [64, 64]}),
+     "64 x 64 block.*weight_block_size \\[128, 128\\]"),
 ])
 def test_a_broken_or_unsupported_block_fp8_checkpoint_is_refused_by_name(source_dir, tmp_path, change, expected):
     fp8_dir = write_fp8_blocks(source_dir, tmp_path / "fp8", **change)

@@ -68,8 +68,8 @@ def engine(model_dir, quantization, **kw):
     from tsdev_runtime.config import EngineConfig
     from tsdev_runtime.engine.llm_engine import LLMEngine
 
-    return LLMEngine(EngineConfig(model=str(model_dir) if model_dir else None, device="cuda", kv_pages=256, max_running=16,
-                                  quantization=quantization, **kw))
+    return LLMEngine(EngineConfig(model=str(model_dir) if model_dir else None, device="cuda", kv_pages=256,
+                                  max_running=16, quantization=quantization, **kw))
 
 
 @pytest.fixture(scope="module")

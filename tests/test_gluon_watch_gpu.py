@@ -8,7 +8,8 @@ import pytest
 from watch_gpu import edit_and_revert_under_watch
 
 pytestmark = pytest.mark.gpu
-NORM, HELPER = "kernels/tsdev_kernels/ops/norm.py", "    return w * (x * gl.expand_dims(rstd, 1)).to(dt).to(gl.float32)\n"
+NORM, HELPER = ("kernels/tsdev_kernels/ops/norm.py",
+                "    return w * (x * gl.expand_dims(rstd, 1)).to(dt).to(gl.float32)\n")
 
 
 def test_a_gluon_kernel_edit_reaches_the_served_tokens_and_its_revert_restores_them(tiny_model_dir, tmp_path):

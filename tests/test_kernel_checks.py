@@ -26,7 +26,8 @@ def test_a_kernel_matches_its_reference_on_fresh_inputs_and_two_checks_draw_diff
     first, second = (checks.run(SILU, (5, 96), torch.float32, "cpu") for _ in range(2))
     assert first.ok and second.ok and first.error is None
     assert 0 < first.max_abs <= 1e-5 and first.seed != second.seed
-    inputs = [SILU.inputs((5, 96), torch.float32, "cpu", torch.Generator().manual_seed(r.seed)) for r in (first, second)]
+    inputs = [SILU.inputs((5, 96), torch.float32, "cpu", torch.Generator().manual_seed(r.seed))
+              for r in (first, second)]
     assert not torch.equal(inputs[0][0], inputs[1][0]) and bool(inputs[0][0].abs().min() > 0)  # never zeros
 
 
@@ -51,7 +52,8 @@ def test_an_fp8_pool_is_checked_in_e4m3_instead_and_a_wrong_v_scale_fails():
                              head_dim=16, max_context=100, device="cpu")
     assert fp8_decode.shapes(serving) == [] and decode.shapes(serving)  # a bf16 pool: the plain checks
     served = replace(serving, kv_fp8=True)
-    assert decode.shapes(served) == [] and fp8_decode.shapes(served) == [(3, 4, 2, 16, 16, 100), (20, 4, 2, 16, 16, 100)]
+    assert (decode.shapes(served) == []
+            and fp8_decode.shapes(served) == [(3, 4, 2, 16, 16, 100), (20, 4, 2, 16, 16, 100)])
     _, k_cache, *_ = fp8_decode.inputs((3, 4, 2, 16, 16, 100), torch.float32, "cpu", torch.Generator().manual_seed(2))
     assert k_cache.dtype == attention.FP8_KV_DTYPE
     assert all(checks.run(c, c.shapes(served)[0], torch.float32, "cpu").ok for c in (fp8_decode, fp8_prefill))
@@ -137,7 +139,8 @@ def test_an_edit_of_an_inlined_helper_changes_the_fingerprint_of_the_ops_whose_k
     reached = {c.op: checks.modules_reached(c) for c in declared}  # what the old code's timing before an edit takes
     # wait_for_previous is in tsdev_kernels.ops
     assert reached["silu_and_mul"] == {"tsdev_kernels.ops.activation", "tsdev_kernels.ops"}
-    assert {"tsdev_kernels.ops.linear", "tsdev_kernels.ops.activation", "tsdev_kernels.ops.norm"} <= reached["gemv_norm_gate_up"]
+    assert ({"tsdev_kernels.ops.linear", "tsdev_kernels.ops.activation", "tsdev_kernels.ops.norm"}
+            <= reached["gemv_norm_gate_up"])
     assert "tsdev_kernels.ops.activation" not in reached["rms_norm"]
 
 

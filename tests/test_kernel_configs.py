@@ -257,7 +257,8 @@ def main(shard: int, shards: int) -> None:
         fn, args, kwargs = launches[labels[0]]
         usage = compile_sm90(fn, *specialise(fn, args, kwargs))
         for label in labels:
-            config = {k: v for k, v in launches[label][2].items() if k.startswith("BLOCK") or k in ("num_warps", "SPLIT")}
+            config = {k: v for k, v in launches[label][2].items()
+                      if k.startswith("BLOCK") or k in ("num_warps", "SPLIT")}
             print(json.dumps({"label": label, "kernel": fn.__name__, **config, **usage}), flush=True)
 
 

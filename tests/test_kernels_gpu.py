@@ -123,14 +123,16 @@ def test_gemv_with_norm_and_activation(dtype, gated, residual):
     """The one-row GEMV that normalises its input (and applies SwiGLU's activation to a gate|up output) against
     the torch references, and against the separate kernels one after another."""
     N = INTER if gated else (HQ + 2 * HK) * D
-    x, nw, w = rand(1, HIDDEN, dtype=dtype), rand(HIDDEN, dtype=dtype), rand(2 * N if gated else N, HIDDEN, dtype=dtype, scale=HIDDEN ** -0.5)
+    x, nw, w = (rand(1, HIDDEN, dtype=dtype), rand(HIDDEN, dtype=dtype),
+                rand(2 * N if gated else N, HIDDEN, dtype=dtype, scale=HIDDEN ** -0.5))
     r = rand(1, HIDDEN, dtype=dtype) if residual else None
     y, res = linear.gemv_triton(x, w, residual=r, norm_weight=nw, eps=1e-6, gated=gated)
     normed, want_res = norm.fused_add_rms_norm_ref(x, r, nw, 1e-6) if residual else (norm.rms_norm_ref(x, nw, 1e-6), x)
     ref = linear.linear_ref(normed, w)
     torch.testing.assert_close(y, activation.silu_and_mul_ref(ref) if gated else ref, **tol(dtype, loose=True))
     assert torch.equal(res, want_res)
-    separate = linear.gemv_triton(norm.rms_norm_triton(x, nw, 1e-6, r)[0] if residual else norm.rms_norm_triton(x, nw, 1e-6), w)
+    separate = linear.gemv_triton(norm.rms_norm_triton(x, nw, 1e-6, r)[0] if residual
+                                  else norm.rms_norm_triton(x, nw, 1e-6), w)
     torch.testing.assert_close(y, activation.silu_and_mul_triton(separate) if gated else separate, **tol(dtype))
 
 
@@ -142,8 +144,10 @@ def test_a_pdl_chain_in_a_graph_computes_what_it_computes_without_pdl(monkeypatc
     q, kc, vc, cu, sl, pt = paged_batch([512], [1], 16, dt)
     slots = (pt[0, 31].long() * 16 + 15).view(1)  # the sequence's last slot
     cache = rope.rope_cos_sin_cache(D, 1024, 1e6).cuda()
-    weights = [dict(qkv=rand((HQ + 2 * HK) * D, HIDDEN, dtype=dt, scale=HIDDEN ** -0.5), o=rand(HIDDEN, HQ * D, dtype=dt, scale=0.1),
-                    gate_up=rand(2 * INTER, HIDDEN, dtype=dt, scale=HIDDEN ** -0.5), down=rand(HIDDEN, INTER, dtype=dt, scale=0.1),
+    weights = [dict(qkv=rand((HQ + 2 * HK) * D, HIDDEN, dtype=dt, scale=HIDDEN ** -0.5),
+                    o=rand(HIDDEN, HQ * D, dtype=dt, scale=0.1),
+                    gate_up=rand(2 * INTER, HIDDEN, dtype=dt, scale=HIDDEN ** -0.5),
+                    down=rand(HIDDEN, INTER, dtype=dt, scale=0.1),
                     n1=rand(HIDDEN, dtype=dt), n2=rand(HIDDEN, dtype=dt), qn=rand(D, dtype=dt), kn=rand(D, dtype=dt))
                for _ in range(layers)]
     x, pos = rand(1, HIDDEN, dtype=dt), torch.tensor([511], device="cuda")
@@ -154,9 +158,11 @@ def test_a_pdl_chain_in_a_graph_computes_what_it_computes_without_pdl(monkeypatc
             qkv, residual = linear.gemv_triton(hidden, w["qkv"], residual=residual, norm_weight=w["n1"], eps=1e-6)
             qq, k, v = qkv.split([HQ * D, HK * D, HK * D], dim=-1)
             qq, k = rope.qk_norm_rope(qq.view(1, HQ, D), k.view(1, HK, D), w["qn"], w["kn"], 1e-6, pos, cache)
-            o = attention.paged_attention(qq, kc, vc, cu, sl, pt, D**-0.5, max_q_len=1, store=(k, v.view(1, HK, D), slots))
+            o = attention.paged_attention(qq, kc, vc, cu, sl, pt, D**-0.5, max_q_len=1,
+                                          store=(k, v.view(1, HK, D), slots))
             hidden = linear.linear(o.flatten(1), w["o"])
-            act, residual = linear.gemv_triton(hidden, w["gate_up"], residual=residual, norm_weight=w["n2"], eps=1e-6, gated=True)
+            act, residual = linear.gemv_triton(hidden, w["gate_up"], residual=residual, norm_weight=w["n2"], eps=1e-6,
+                                               gated=True)
             hidden = linear.linear(act, w["down"])
         return norm.rms_norm(hidden + residual, weights[0]["n1"], 1e-6)
 
@@ -225,7 +231,8 @@ def test_decode_attention(case, page_size, dtype):
     seq_lens = DECODE_CASES[case] or torch.randint(1, 1500, (256,)).tolist()
     q, kc, vc, cu, sl, pt = paged_batch(seq_lens, [1] * len(seq_lens), page_size, dtype)
     got = attention.paged_attention(q, kc, vc, cu, sl, pt, D**-0.5, max_q_len=1)
-    torch.testing.assert_close(got, attention.paged_attention_ref(q, kc, vc, cu, sl, pt, D**-0.5), **tol(dtype, loose=True))
+    torch.testing.assert_close(got, attention.paged_attention_ref(q, kc, vc, cu, sl, pt, D**-0.5),
+                               **tol(dtype, loose=True))
     # with this step's keys and values stored by the kernel itself (one row a padding row: slot -1)
     k, v = rand(len(seq_lens), HK, D, dtype=dtype), rand(len(seq_lens), HK, D, dtype=dtype)
     last = (sl.long() - 1)
@@ -253,7 +260,8 @@ def test_prefill_attention(case, page_size, dtype):
     seq_lens, q_lens = PREFILL_CASES[case]
     q, kc, vc, cu, sl, pt = paged_batch(seq_lens, q_lens, page_size, dtype)
     got = attention.paged_attention(q, kc, vc, cu, sl, pt, D**-0.5, max_q_len=max(q_lens))
-    torch.testing.assert_close(got, attention.paged_attention_ref(q, kc, vc, cu, sl, pt, D**-0.5), **tol(dtype, loose=True))
+    torch.testing.assert_close(got, attention.paged_attention_ref(q, kc, vc, cu, sl, pt, D**-0.5),
+                               **tol(dtype, loose=True))
     # without the host hints the op finds max_q_len itself (one sync) and agrees
     torch.testing.assert_close(attention.paged_attention(q, kc, vc, cu, sl, pt, D**-0.5), got, atol=0, rtol=0)
 
@@ -372,7 +380,8 @@ def test_sample_draws_from_the_distribution():
     temps, seeds = torch.full((n,), 0.8, device="cuda"), torch.arange(n, device="cuda") * 7919
     probs = (logits[0, :5] / 0.8).softmax(-1)
     for max_top_k, top_k, top_p in [(0, 0, 1.0), (8, 4, 0.9)]:
-        tokens = sampling.sample(logits, temps, torch.full((n,), top_k, device="cuda"), torch.full((n,), top_p, device="cuda"),
+        tokens = sampling.sample(logits, temps, torch.full((n,), top_k, device="cuda"),
+                                 torch.full((n,), top_p, device="cuda"),
                                  seeds, max_top_k=max_top_k)
         p = probs.clone()
         if top_k:

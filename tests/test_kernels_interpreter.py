@@ -163,7 +163,8 @@ def test_a_fused_triton_kernel_stands_in_only_for_families_left_on_triton(monkey
 def test_qk_norm_rope_unfused_is_its_reference_bit_for_bit():
     """What a pick of norm or rope off Triton serves: the two ops one after the other, rounded as the fused one."""
     q, k = torch.randn(5, 4, 64).bfloat16(), torch.randn(5, 2, 64).bfloat16()
-    qw, kw, positions = torch.rand(64).bfloat16() + 0.5, torch.rand(64).bfloat16() + 0.5, torch.tensor([0, 3, 7, 8, 100])
+    qw, kw, positions = (torch.rand(64).bfloat16() + 0.5, torch.rand(64).bfloat16() + 0.5,
+                         torch.tensor([0, 3, 7, 8, 100]))
     cache = rope.rope_cos_sin_cache(64, 128, 10000.0)
     for got, want in zip(rope.qk_norm_rope(q, k, qw, kw, 1e-6, positions, cache),
                          rope.qk_norm_rope_ref(q, k, qw, kw, 1e-6, positions, cache)):
@@ -433,7 +434,8 @@ def penalties_batch(S: int, V: int, slots: int, generator: torch.Generator):
     logits = torch.randn(S, V, generator=generator) * 3
     counts = torch.randint(0, 4, (slots, V), generator=generator, dtype=torch.int32)
     counts |= torch.where(torch.rand(slots, V, generator=generator) < 0.2, sampling.PROMPT_BIT, 0).int()
-    params = torch.stack([torch.rand(slots, generator=generator) * 4 - 2, torch.rand(slots, generator=generator) * 4 - 2,
+    params = torch.stack([torch.rand(slots, generator=generator) * 4 - 2,
+                          torch.rand(slots, generator=generator) * 4 - 2,
                           torch.rand(slots, generator=generator) * 1.9 + 0.1], dim=1)
     bias_ids = torch.stack([torch.randperm(V, generator=generator)[:6] for _ in range(slots)]).int()
     bias_values = torch.rand(slots, 6, generator=generator) * 200 - 100
@@ -504,7 +506,8 @@ def test_public_ops_use_the_references_on_cpu(monkeypatch):
     def triton_called(*args, **kwargs):
         raise AssertionError("a Triton entry point ran for CPU tensors")
 
-    for module, name in ((sampling, "race_triton"), (sampling, "sample_top_k_triton"), (sampling, "apply_penalties_triton"),
+    for module, name in ((sampling, "race_triton"), (sampling, "sample_top_k_triton"),
+                         (sampling, "apply_penalties_triton"),
                          (sampling, "token_logprobs_triton"),
                          (attention, "paged_decode_triton"), (attention, "paged_prefill_triton"),
                          (linear, "gemv_triton"), (linear, "skinny_triton"), (norm, "rms_norm_triton"),

@@ -16,7 +16,8 @@ def triton_version() -> tuple[int, int]:
     return tuple(int(p) for p in triton.__version__.split(".")[:2])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="without a GPU, pytest runs test_kernels_interpreter.py itself")
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="without a GPU, pytest runs test_kernels_interpreter.py itself")
 @pytest.mark.skipif(triton_version() < (3, 9), reason="Triton < 3.9's interpreter fails on NumPy 2 scalars (\"only "
                     "0-dimensional arrays can be converted\", seen with Triton 3.6 on the H200 image): there "
                     "`pytest -m gpu tests/test_kernels_gpu.py` checks the kernels")

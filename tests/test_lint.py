@@ -1,6 +1,6 @@
-"""Pyflakes' checks (ruff, rules F) hold over the project: a name a GPU-only branch uses but never imports fails here,
-on the CPU, instead of first on the H200 (kernels/tsdev_kernels/ops/activation.py once called `use_cute` without
-importing it)."""
+"""Ruff's checks hold over the project: pyflakes (rules F) -- a name a GPU-only branch uses but never imports fails
+here, on the CPU, instead of first on the H200 (kernels/tsdev_kernels/ops/activation.py once called `use_cute`
+without importing it) -- and lines of at most 120 characters (E501)."""
 import subprocess
 import sys
 from pathlib import Path

@@ -247,8 +247,9 @@ def test_the_generation_configs_eos_list_ends_generation_at_either_id(hf_llama_d
         data = json.loads((copy / file).read_text())
         (copy / file).write_text(json.dumps({**data, "eos_token_id": value}))
     model = transformers.AutoModelForCausalLM.from_pretrained(copy, dtype=torch.float32).eval()
-    theirs = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=16,
-                             do_sample=False, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    theirs = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                             max_new_tokens=16, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+              for p in prompts]
     assert theirs == [free[0][: k1 + 1], free[1][: k2 + 1]]  # transformers stops at a, then at b
     engine = LLMEngine(engine_config(copy))
     until_eos = SamplingParams(max_tokens=16, temperature=0)

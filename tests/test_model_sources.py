@@ -161,7 +161,8 @@ def test_tokenizer_dir_gives_the_tokenizer_and_chat_template_of_a_checkpoint_wit
         shutil.copy(tiny_model_dir / name, weights_only / name)
     with pytest.raises(FileNotFoundError, match="--tokenizer"):
         LLMEngine(EngineConfig(model=str(weights_only), device="cpu", kv_pages=64))
-    assert engine_config(monkeypatch, str(weights_only), "--tokenizer", str(tokenizer_dir)).tokenizer == str(tokenizer_dir)
+    assert (engine_config(monkeypatch, str(weights_only), "--tokenizer", str(tokenizer_dir)).tokenizer
+            == str(tokenizer_dir))
     engine = LLMEngine(EngineConfig(model=str(weights_only), tokenizer=str(tokenizer_dir), device="cpu", kv_pages=64))
     want = transformers.AutoTokenizer.from_pretrained(tokenizer_dir).apply_chat_template(
         MESSAGES[1:2], add_generation_prompt=True, tokenize=True)
@@ -175,7 +176,8 @@ def test_tokenizer_dir_gives_the_tokenizer_and_chat_template_of_a_checkpoint_wit
 # The part of Qwen3's template that chat_template_kwargs reach: the generation prompt, closed thinking when
 # enable_thinking is false (as Qwen3's own template writes it).
 QWEN3_STYLE = (
-    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] "
+    "+ '<|im_end|>\\n' }}"
     "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
     "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
     "{%- endif %}"

@@ -116,8 +116,8 @@ def test_the_embedded_moe_default_graphed_generates_what_it_generates_eagerly():
     prompts = [[5, 17, 300, 42, 9, 77, 123, 4], list(range(100, 160))]
     out = {}
     for eager in (False, True):
-        engine = LLMEngine(EngineConfig(model="default-moe", device="cuda", kv_pages=256, max_model_len=1024, max_running=8,
-                                        enforce_eager=eager))
+        engine = LLMEngine(EngineConfig(model="default-moe", device="cuda", kv_pages=256, max_model_len=1024,
+                                        max_running=8, enforce_eager=eager))
         out[eager] = [r["token_ids"] for r in engine.generate(prompts, params)]
         del engine
         torch.cuda.empty_cache()

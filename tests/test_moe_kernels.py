@@ -387,7 +387,8 @@ def test_tuner_imports_and_prints_help():
     from pathlib import Path
 
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "tune_moe.py"
-    result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120, check=False)
+    result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120,
+                            check=False)
     assert result.returncode == 0, result.stderr
     assert "--experts" in result.stdout and "--intermediate" in result.stdout and "--hidden" in result.stdout
 

@@ -17,7 +17,8 @@ from tsdev_runtime.moe.experts import StackedExperts
 from tsdev_runtime.moe.layer import SparseMoeBlock
 from test_model_families import engine_config, hf_greedy, hf_model
 
-PROMPTS = [[5, 17, 300, 42, 9, 77, 123, 4, 8, 15, 16, 23], [200, 201, 202], [(13 * j + 1) % 1000 + 3 for j in range(40)]]
+PROMPTS = [[5, 17, 300, 42, 9, 77, 123, 4, 8, 15, 16, 23], [200, 201, 202],
+           [(13 * j + 1) % 1000 + 3 for j in range(40)]]
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
 
@@ -110,7 +111,8 @@ def test_expert_tensors_out_of_order_and_repeated_process_the_layer_once_after_i
 
     from tsdev_runtime.weights.loader import load_weights
 
-    save_file(dict(expert_tensor(e, p) for e in range(4) for p in ("gate", "up", "down")), tmp_path / "model.safetensors")
+    save_file(dict(expert_tensor(e, p) for e in range(4) for p in ("gate", "up", "down")),
+              tmp_path / "model.safetensors")
     layer = OneLayer()
     weights = load_weights(layer, tmp_path)
     assert set(weights.keys["experts.w13"]) == {(e, p) for e in range(4) for p in ("gate", "up")}  # E x 2 keys
@@ -341,7 +343,8 @@ def test_a_weight_update_refreshes_the_fp8_kernel_configuration_in_place(hf_qwen
     assert "model.layers.2.mlp.experts.fp8_w13_scale" in checksum
     engine.update_weights(b, "direct")
     assert experts.fp8 is config and [t.data_ptr() for t in vars(config).values()] == addresses
-    for weight, values, scales in ((experts.w13, config.w13, config.w13_scale), (experts.w2, config.w2, config.w2_scale)):
+    for weight, values, scales in ((experts.w13, config.w13, config.w13_scale),
+                                   (experts.w2, config.w2, config.w2_scale)):
         q, s = fp8.quantize_fp8_rows(weight)
         assert torch.equal(values.float(), q.float()) and torch.equal(scales, s.squeeze(-1))
     changed = {n for n in checksum if engine.weights_checksum()[n] != checksum[n]}

@@ -10,7 +10,8 @@ from offline_throughput import histogram  # noqa: E402
 def test_the_histogram_counts_every_step_and_its_percentiles_are_ordered():
     times = [random.uniform(0.001, 0.02) for _ in range(500)]
     text = histogram(times, bins=5)
-    percentiles = [float(text.split(f"{name} ")[1].split()[0].rstrip(";")) for name in ("p10", "p50", "p90", "p99", "max")]
+    percentiles = [float(text.split(f"{name} ")[1].split()[0].rstrip(";"))
+                   for name in ("p10", "p50", "p90", "p99", "max")]
     assert percentiles == sorted(percentiles) and abs(percentiles[-1] - max(times) * 1e3) < 0.01
     cells = text.split("steps) ")[1].split()
     assert len(cells) == 5 and sum(int(c.split(":")[1]) for c in cells) == 500

@@ -78,7 +78,8 @@ def test_default_model_replay_equals_eager_in_bf16():
 @pytest.mark.parametrize("recapture", [False, True], ids=["patched", "recaptured"])
 def test_reload_edit_changes_the_prefill_graphs_output(tiny_model_dir, recapture):
     engine = tiny_engine(tiny_model_dir)
-    edit = EditedSources(Reloader(["tsdev_kernels.ops", "tsdev_runtime.layers", "tsdev_runtime.models", "tsdev_runtime.sampling"]),
+    edit = EditedSources(Reloader(["tsdev_kernels.ops", "tsdev_runtime.layers", "tsdev_runtime.models",
+                                   "tsdev_runtime.sampling"]),
                          "tsdev_kernels.ops.activation", STORE, EDITED)
     spec = [(40, 0), (25, 10)]
     batch = make_batch(engine, spec)

@@ -24,7 +24,8 @@ def test_profile_without_nsys_takes_a_torch_range_per_reload_and_summarises_it(t
     try:
         deadline = time.monotonic() + 180
         while not (out / "reload-0.summary.md").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "timeout"
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                proc.stdout.read() if proc.poll() is not None else "timeout")
             time.sleep(0.5)
         reply = reload_forward(f"http://127.0.0.1:{port}", ["tsdev_runtime.layers.activation"], timeout_s=120,
                                api_key="prof-key")
@@ -119,7 +120,8 @@ def test_summary_compares_against_the_previous_range(tmp_path):
 
 def test_kernel_csv_parser_skips_notices_before_the_header():
     text = ('Processing [x.sqlite] with [cuda_gpu_kern_sum.py]...\n'
-            '"Time (%)","Total Time (ns)","Instances","Avg (ns)","Med (ns)","Min (ns)","Max (ns)","StdDev (ns)","Name"\n'
+            '"Time (%)","Total Time (ns)","Instances","Avg (ns)","Med (ns)","Min (ns)","Max (ns)",'
+            '"StdDev (ns)","Name"\n'
             '60.0,600,3,200.0,200.0,100,300,100.0,"small_kernel"\n'
             '40.0,900,1,900.0,900.0,900,900,0.0,"big_kernel"\n')
     rows = parse_kernel_csv(text)

@@ -39,7 +39,8 @@ def test_profile_takes_one_report_per_reload(tmp_path):
         wait_for_line(log, "range reload-0 taken", proc)
         source = project / "kernels/tsdev_kernels/ops/activation.py"
         source.write_text(source.read_text().replace(STORE, "    return -act * up\n"))
-        reply = httpx.post(f"http://127.0.0.1:{port}/v1/rl/engine/reload_forward", json={"id": "p1"}, timeout=300).json()
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/rl/engine/reload_forward", json={"id": "p1"},
+                           timeout=300).json()
         assert reply["ok"], reply
         assert proc.wait(timeout=400) == 0, log.read_text()
     finally:

@@ -18,7 +18,8 @@ def test_torch_range_closes_after_n_steps_and_writes_a_trace(tiny_server, tiny_s
     assert again.status_code == 409 and "still open" in again.json()["error"]["message"]
     trace = tiny_server_profile_dir / "reload-1.trace.json"
     assert not trace.exists()
-    httpx.post(tiny_server + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 8, "ignore_eos": True}, timeout=30)
+    httpx.post(tiny_server + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 8, "ignore_eos": True},
+               timeout=30)
     assert trace.exists()
     events = json.loads(trace.read_text())["traceEvents"]
     assert any("aten::" in e.get("name", "") for e in events)

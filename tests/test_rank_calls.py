@@ -22,6 +22,7 @@ def test_driven_runner_has_a_method_per_rank_call_with_the_runners_parameters():
 
 
 def test_ranked_reloader_writes_out_the_reloader_protocol():
-    protocol = {name for name in vars(ForwardReloader) if not name.startswith("_") and callable(vars(ForwardReloader)[name])}
+    protocol = {name for name in vars(ForwardReloader)
+                if not name.startswith("_") and callable(vars(ForwardReloader)[name])}
     assert protocol <= public(RankedReloader)
     assert "__getattr__" not in vars(RankedReloader)

@@ -8,8 +8,8 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from tsdev_runtime.control_protocol import (ModulesReply, PauseReply, ReloadFinished, ReloadReply, ReloadStarted, ReloadStep,
-                                      WorkerReport, parse_event)
+from tsdev_runtime.control_protocol import (ModulesReply, PauseReply, ReloadFinished, ReloadReply, ReloadStarted,
+                                      ReloadStep, WorkerReport, parse_event)
 from serve_process import copy_project, serve
 from tsdev.cli import app
 from tsdev.client import iter_sse_data
@@ -105,7 +105,8 @@ def test_error_in_warm_up_rolls_back(server, project):
 
 
 def test_edit_outside_reloadable_packages_needs_restart(server, project):
-    with edited(project, "runtime/tsdev_runtime/engine/scheduler.py", '"""Continuous batching', '"""Edited. Continuous batching'):
+    with edited(project, "runtime/tsdev_runtime/engine/scheduler.py", '"""Continuous batching',
+                '"""Edited. Continuous batching'):
         worker = reload(server, new_id()).workers[0]
         assert worker.needs_restart == ["tsdev_runtime.engine.scheduler"]
         assert worker.reloaded == []
@@ -211,7 +212,8 @@ def test_concurrent_reloads_run_one_after_the_other(server):
     time.sleep(0.3)
     ids = [new_id(), new_id()]
     replies = [None, None]
-    workers = [threading.Thread(target=lambda i=i: replies.__setitem__(i, reload(server, ids[i], modules=["tsdev_kernels.ops.norm"])))
+    workers = [threading.Thread(target=lambda i=i: replies.__setitem__(
+                   i, reload(server, ids[i], modules=["tsdev_kernels.ops.norm"])))
                for i in range(2)]
     for w in workers:
         w.start()
@@ -258,10 +260,12 @@ def test_reload_is_refused_without_the_flag(tiny_model_dir, tmp_path):
 def test_continue_generation_cancels_a_reload_that_has_not_started(server):
     threads, results = start_streams(server, 1, max_tokens=600)  # keeps the first reload draining a while
     replies = {}
-    first = threading.Thread(target=lambda: replies.__setitem__("first", reload(server, new_id(), modules=["tsdev_kernels.ops.norm"])))
+    first = threading.Thread(target=lambda: replies.__setitem__(
+        "first", reload(server, new_id(), modules=["tsdev_kernels.ops.norm"])))
     first.start()
     time.sleep(0.3)
-    second = threading.Thread(target=lambda: replies.__setitem__("second", reload(server, new_id(), modules=["tsdev_kernels.ops.norm"])))
+    second = threading.Thread(target=lambda: replies.__setitem__(
+        "second", reload(server, new_id(), modules=["tsdev_kernels.ops.norm"])))
     second.start()
     time.sleep(0.3)
     assert httpx.post(server + "/v1/rl/engine/continue_generation", json={}, timeout=60).status_code == 200
@@ -338,7 +342,8 @@ def test_reload_shows_the_drain_waiting_for_running_requests(server):
         t.join(60)
     assert waited.exit_code == 0, waited.output
     lines = waited.output.splitlines()  # not a terminal: plain lines, the first after 0.5 s of draining
-    assert re.match(r"draining \d+\.\d s: waiting for 2 running request\(s\) to finish before reloading", lines[0]), lines
+    assert re.match(r"draining \d+\.\d s: waiting for 2 running request\(s\) to finish before reloading",
+                    lines[0]), lines
     assert re.fullmatch(r"drained in \d+\.\d s", lines[-3]) and lines[-2].startswith("reloaded tsdev_kernels.ops.norm")
     immediate = tsdev_reload(server, "--modules", "tsdev_kernels.ops.norm")
     assert immediate.output.startswith("reloaded tsdev_kernels.ops.norm")  # nothing extra when nothing waits
@@ -355,7 +360,8 @@ def test_layer_init_edit_rebuilds_the_model_and_matches_a_fresh_server(server, p
     and serves what a server started on the edited code serves; reverting rebuilds back."""
     before = complete(server)["text"]
     with edited(project, NORM, NORM_WEIGHT, NORM_SCALED), \
-            edited(project, NORM, NORM_FORWARD, "            return norm_ops.rms_norm(x, self.weight * self.scale, self.eps)\n"):
+            edited(project, NORM, NORM_FORWARD,
+                   "            return norm_ops.rms_norm(x, self.weight * self.scale, self.eps)\n"):
         reply = reload(server, new_id())
         assert reply.ok, reply
         worker = reply.workers[0]
@@ -364,7 +370,8 @@ def test_layer_init_edit_rebuilds_the_model_and_matches_a_fresh_server(server, p
         assert not [s for s in worker.stale if s.name == "tsdev_runtime.layers.norm.RMSNorm"]
         rebuilt = complete(server)["text"]
         assert rebuilt != before
-        args = [str(tiny_model_dir), "--device", "cpu", "--max-model-len", "1024", "--cudagraph-capture-sizes", "1", "4"]
+        args = [str(tiny_model_dir), "--device", "cpu", "--max-model-len", "1024",
+                "--cudagraph-capture-sizes", "1", "4"]
         with serve(args, project / "fresh.log", cwd=project) as fresh:
             assert complete(fresh)["text"] == rebuilt
     reply = reload(server, new_id())

@@ -64,7 +64,8 @@ def compiled_kernels() -> int:
 
 async def greedy(ae: AsyncEngine, rid: str) -> list[int]:
     tokens = []
-    async for out in ae.generate(rid, [5, 17, 300, 42, 9, 77], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)):
+    async for out in ae.generate(rid, [5, 17, 300, 42, 9, 77],
+                                 SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)):
         tokens += out.new_token_ids
     return tokens
 
@@ -89,7 +90,8 @@ def replay_and_eager(engine: LLMEngine, lengths: list[int]):
 def test_edited_kernel_runs_in_the_captured_graphs_and_nothing_recompiles(tiny_model_dir, full_recapture):
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cuda", kv_pages=256,
                                     cudagraph_capture_sizes=[1, 2, 4], full_recapture=full_recapture))
-    edit = EditedSources(Reloader(["tsdev_kernels.ops", "tsdev_runtime.layers", "tsdev_runtime.models", "tsdev_runtime.sampling"]),
+    edit = EditedSources(Reloader(["tsdev_kernels.ops", "tsdev_runtime.layers", "tsdev_runtime.models",
+                                   "tsdev_runtime.sampling"]),
                          "tsdev_kernels.ops.activation", STORE, EDITED)
 
     async def scenario():
@@ -144,9 +146,11 @@ def test_layer_init_edit_rebuilds_the_default_model_without_a_restart():
     start = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=None, device="cuda", kv_pages=4096, max_running=64))
     restart = time.perf_counter() - start
-    edit = EditedSources(Reloader(["tsdev_kernels.ops", "tsdev_runtime.layers", "tsdev_runtime.models", "tsdev_runtime.sampling"]),
+    edit = EditedSources(Reloader(["tsdev_kernels.ops", "tsdev_runtime.layers", "tsdev_runtime.models",
+                                   "tsdev_runtime.sampling"]),
                          "tsdev_runtime.layers.norm", NORM_WEIGHT, NORM_SCALED,
-                         (NORM_FORWARD, "            return norm_ops.rms_norm(x, self.weight * self.scale, self.eps)\n"))
+                         (NORM_FORWARD,
+                          "            return norm_ops.rms_norm(x, self.weight * self.scale, self.eps)\n"))
 
     async def scenario():
         ae = AsyncEngine(engine)

@@ -147,12 +147,14 @@ def hf_greedy(hf_model, prompt, n: int, processors=(), **kwargs) -> list[int]:
     (dict(frequency_penalty=0.7), lambda: dict(processors=[GeneratedPenalties(len(PROMPT), 0, 0.7)])),
     (dict(frequency_penalty=-0.9, presence_penalty=-0.4),
      lambda: dict(processors=[GeneratedPenalties(len(PROMPT), -0.4, -0.9)])),
-    (dict(logit_bias={"300": 4.0, "42": 2.5, "7": -100}), lambda: dict(sequence_bias={(300,): 4.0, (42,): 2.5, (7,): -100.0})),
+    (dict(logit_bias={"300": 4.0, "42": 2.5, "7": -100}),
+     lambda: dict(sequence_bias={(300,): 4.0, (42,): 2.5, (7,): -100.0})),
     (dict(logit_bias={"17": 3.0}, repetition_penalty=1.4, frequency_penalty=0.3),
      lambda: dict(sequence_bias={(17,): 3.0}, repetition_penalty=1.4,
                   processors=[GeneratedPenalties(len(PROMPT), 0, 0.3)])),
 ], ids=["repetition", "repetition-below-1", "presence", "frequency", "negative", "logit_bias", "all"])
-def test_penalties_and_logit_bias_steer_greedy_decoding_as_the_reference_over_transformers(client, hf_model, params, hf):
+def test_penalties_and_logit_bias_steer_greedy_decoding_as_the_reference_over_transformers(
+        client, hf_model, params, hf):
     n = 24
     plain = completion(client, max_tokens=n, temperature=0, ignore_eos=True)["choices"][0]["token_ids"]
     steered = completion(client, max_tokens=n, temperature=0, ignore_eos=True, **params)["choices"][0]["token_ids"]

@@ -90,7 +90,8 @@ def test_grouped_routing_chooses_what_transformers_deepseek_v3_router_chooses(to
     x = torch.randn(tokens, hidden, generator=g)
     w = torch.randn(experts, hidden, generator=g) * hidden**-0.5
     bias = torch.randn(experts, generator=g) * 0.1
-    want_ids, want_weights = by_id(*transformers_grouped_route(x, w, bias, top_k, n_group, topk_group, renormalize, 2.5))
+    want_ids, want_weights = by_id(
+        *transformers_grouped_route(x, w, bias, top_k, n_group, topk_group, renormalize, 2.5))
     for route in (route_grouped_ref, route_grouped_triton):
         weights, ids = route(x, w, bias, top_k, n_group, topk_group, renormalize, 2.5)
         assert ids.dtype == torch.int32 and weights.dtype == torch.float32

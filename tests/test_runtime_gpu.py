@@ -22,7 +22,8 @@ def test_default_model_on_cuda_has_the_qwen3_0_6b_shape_and_generates():
     c = engine.model_config
     assert (c.num_hidden_layers, c.hidden_size, c.vocab_size) == (28, 1024, 151936)
     assert engine.runner.dtype == torch.bfloat16
-    out = engine.generate(PROMPTS, [GREEDY, SamplingParams(max_tokens=16, temperature=0.7, seed=3, ignore_eos=True), GREEDY])
+    out = engine.generate(PROMPTS, [GREEDY, SamplingParams(max_tokens=16, temperature=0.7, seed=3, ignore_eos=True),
+                                    GREEDY])
     assert [len(r["token_ids"]) for r in out] == [16, 16, 16]
     assert all(0 <= t < c.vocab_size for r in out for t in r["token_ids"])
     assert engine.block_manager.num_used_pages == 0

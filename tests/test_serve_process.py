@@ -19,7 +19,8 @@ def client(server):
 
 def metric(url: str, name: str) -> float:
     text = httpx.get(url + "/metrics").text
-    return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith((name + " ", name + "{")))
+    return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith((name + " ", name + "{")))
 
 
 def test_openai_completions(client):

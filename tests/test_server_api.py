@@ -102,7 +102,8 @@ def test_models_health_and_metrics(client):
     assert client.get("/health").json() == {"status": "ok"}
     assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
     def generated(text: str) -> float:
-        return next(float(line.split()[1]) for line in text.splitlines() if line.startswith("tsdev_generation_tokens_total"))
+        return next(float(line.split()[1]) for line in text.splitlines()
+                    if line.startswith("tsdev_generation_tokens_total"))
 
     before = generated(client.get("/metrics").text)
     client.post("/v1/completions", json={"prompt": "metrics", "max_tokens": 2, "ignore_eos": True})
@@ -126,7 +127,8 @@ def test_return_token_ids_gives_the_generated_ids(client, tiny_model_dir):
     req = {"prompt": [3, 4, 5], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
     whole = client.post("/v1/completions", json=req).json()["choices"][0]["token_ids"]
     offline = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", max_model_len=128, kv_pages=256))
-    assert whole == offline.generate([[3, 4, 5]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]["token_ids"]
+    assert whole == offline.generate([[3, 4, 5]],
+                                     SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]["token_ids"]
     with client.stream("POST", "/v1/completions", json={**req, "stream": True}) as r:
         streamed = [t for e in sse_events(r) for t in e["choices"][0]["token_ids"]]
     assert streamed == whole
@@ -193,11 +195,13 @@ def test_a_body_that_is_not_an_object_says_what_to_send(client, path, body, need
 
 
 def test_an_oversize_body_is_refused_413_before_parsing(client):
-    error = error_of(client.post("/v1/completions", content=b"[" * (5 << 20), headers={"content-type": "application/json"}), 413)
+    error = error_of(client.post("/v1/completions", content=b"[" * (5 << 20),
+                                 headers={"content-type": "application/json"}), 413)
     assert "--max-request-body-bytes" in error["message"]
 
 
-@pytest.mark.parametrize("nesting", ["[" * 100_000 + "]" * 100_000, '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}"])
+@pytest.mark.parametrize("nesting", ["[" * 100_000 + "]" * 100_000,
+                                     '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}"])
 def test_json_nested_too_deeply_to_parse_is_a_400_that_says_so(client, nesting):
     error = error_of(client.post("/v1/completions", content=nesting.encode(),
                                  headers={"content-type": "application/json"}), 400)

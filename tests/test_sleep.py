@@ -8,8 +8,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tsdev_runtime.config import EngineConfig
-from tsdev_runtime.control_protocol import (CONTINUE_ROUTE, PAUSE_ROUTE, ErrorBody, Hello, ReloadWeightsReply, SleepReply, SleepStatus, WakeUpReply,
-                                      parse_event)
+from tsdev_runtime.control_protocol import (CONTINUE_ROUTE, PAUSE_ROUTE, ErrorBody, Hello, ReloadWeightsReply,
+                                      SleepReply, SleepStatus, WakeUpReply, parse_event)
 from tsdev_runtime.weights.loader import LoadedWeights
 from tsdev_runtime.engine.llm_engine import LLMEngine
 from tsdev_runtime.weights.layout import named_tensors
@@ -225,7 +225,8 @@ def test_cli_sleep_wake_and_reload_on_a_keyed_reload_forward_server(tiny_model_d
         result = run("sleep", "--level", "2")
         assert result.exit_code == 0 and "sleeping (level 2" in result.output, result.output
         assert httpx.post(url + "/v1/completions", json=COMPLETION, headers=headers).status_code == 503
-        reload_forward = httpx.post(url + "/v1/rl/engine/reload_forward", json={"id": "r1"}, headers=headers, timeout=60)
+        reload_forward = httpx.post(url + "/v1/rl/engine/reload_forward", json={"id": "r1"}, headers=headers,
+                                    timeout=60)
         assert reload_forward.status_code == 200 and not reload_forward.json()["ok"]  # asleep: refused, nothing done
         assert "sleeping" in reload_forward.json()["workers"][0]["error"]
         result = run("wake")

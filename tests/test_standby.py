@@ -82,6 +82,7 @@ def test_a_standby_prepared_before_a_broken_edit_reports_it_when_it_starts(tmp_p
     (tmp_path / "tsdev_runtime").mkdir()
     (tmp_path / "tsdev_runtime" / "__init__.py").write_text("raise RuntimeError('broken on purpose')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    standby = subprocess.run([sys.executable, "-m", "tsdev.standby"], input='prepare\n["serve", "--device", "cpu", "--port", "0"]\n',
+    standby = subprocess.run([sys.executable, "-m", "tsdev.standby"],
+                             input='prepare\n["serve", "--device", "cpu", "--port", "0"]\n',
                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert standby.returncode != 0 and "broken on purpose" in standby.stderr

@@ -108,7 +108,8 @@ def counted_scenario(engine):
         ae = AsyncEngine(engine)
         await ae.start()
         try:
-            return await ReloadForward(ae, Reloader(PACKAGES))(ReloadRequest(id="one-rank", modules=["tsdev_runtime.layers.activation"]))
+            return await ReloadForward(ae, Reloader(PACKAGES))(
+                ReloadRequest(id="one-rank", modules=["tsdev_runtime.layers.activation"]))
         finally:
             await ae.stop()
 
@@ -151,7 +152,8 @@ def test_a_reload_changes_the_output_on_both_ranks_and_the_reply_has_both(tiny_m
     (before, reply, after, back, restored), _ = run_ranks(on_rank, 2, str(tiny_model_dir), 2, reload_scenario, edit)
     assert reply["ok"], reply
     assert [w["rank"] for w in reply["workers"]] == [0, 1]
-    assert reply["workers"][1]["reloaded"] == ["tsdev_kernels.ops.activation"] and "warm" in reply["workers"][1]["timings"]
+    assert (reply["workers"][1]["reloaded"] == ["tsdev_kernels.ops.activation"]
+            and "warm" in reply["workers"][1]["timings"])
     assert after != before  # both ranks run the edit (a rank without it would disagree in the all-reduce)
     assert back["ok"] and restored == before
 
@@ -188,8 +190,10 @@ def test_sleep_wake_and_weight_updates_reach_every_rank(tiny_model_dir, tmp_path
     other = tmp_path / "other"
     other.mkdir()
     write_checkpoint(other, {**SHAPES["tiny"], "max_position_embeddings": 1024}, seed=2, std=0.2)
-    expected, expected_other = generate(LLMEngine(config(str(tiny_model_dir), 1))), generate(LLMEngine(config(str(other), 1)))
-    (before, after_sleep, on_other, back), _ = run_ranks(on_rank, 2, str(tiny_model_dir), 2, weights_scenario, str(other))
+    expected, expected_other = (generate(LLMEngine(config(str(tiny_model_dir), 1))),
+                                generate(LLMEngine(config(str(other), 1))))
+    (before, after_sleep, on_other, back), _ = run_ranks(on_rank, 2, str(tiny_model_dir), 2, weights_scenario,
+                                                         str(other))
     assert before == after_sleep == back == expected  # level 2 discarded every rank's weights; the reload refilled all
     assert on_other == expected_other != expected
 

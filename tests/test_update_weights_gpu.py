@@ -67,7 +67,8 @@ def test_direct_update_keeps_every_address_and_graph_and_matches_a_fresh_engine(
     start = time.perf_counter()
     sums = engine.weights_checksum(derived=False)
     checksum_seconds = time.perf_counter() - start
-    assert sums == fresh_checksum(EngineConfig(model=None, device="cuda", quantization=quantization), str(other_weights))
+    assert sums == fresh_checksum(EngineConfig(model=None, device="cuda", quantization=quantization),
+                                  str(other_weights))
     fresh = LLMEngine(EngineConfig(model=str(other_weights), device="cuda", kv_pages=4096, max_running=64,
                                    quantization=quantization))
     assert greedy(fresh) == updated

@@ -13,7 +13,8 @@ def screen_text(app) -> str:
     """The characters on the screen, line by line, from Textual's SVG screenshot (text placed by its x)."""
     spans = re.findall(r'<text class="[^"]*" x="([\d.]+)" y="([\d.]+)" textLength="([\d.]+)"[^>]*>([^<]*)</text>',
                        app.export_screenshot())
-    spans = [(float(x), float(y), float(width), html.unescape(text).replace("\xa0", " ")) for x, y, width, text in spans]
+    spans = [(float(x), float(y), float(width), html.unescape(text).replace("\xa0", " "))
+             for x, y, width, text in spans]
     cell = next(width / len(text) for _, _, width, text in sorted(spans, key=lambda s: -len(s[3])))
     rows: dict[float, dict[int, str]] = {}
     for x, y, _, text in spans:
@@ -163,7 +164,8 @@ def test_a_reloads_kernel_checks_show_as_one_summary_per_op_and_k_shows_them_per
     summary, table = screens_around_k(tmp_path, ok_worker(kernel_checks=[check(1, 4.0, 3.6), check(256, 21.0, 19.0)]))
     assert "silu_and_mul: err 2e-03 ok · 12.5 → 11.3 µs (-10%) at 2 shape(s)" in summary, summary
     assert "kernel checks of reload #1:" in table
-    assert re.search(r"silu_and_mul +1x6144 +bfloat16 +2\.00e-03", table) and re.search(r"256x6144 .* 21\.0 +19\.0", table)
+    assert (re.search(r"silu_and_mul +1x6144 +bfloat16 +2\.00e-03", table)
+            and re.search(r"256x6144 .* 21\.0 +19\.0", table))
 
 
 @pytest.mark.slow

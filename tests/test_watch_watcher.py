@@ -15,13 +15,17 @@ SOURCE = "def act(x):\n    return x\n"
 
 @pytest.fixture
 def project(tmp_path):
-    for path, text in {"kernels/tsdev_kernels/__init__.py": "", "kernels/tsdev_kernels/ops/__init__.py": "", ACT: SOURCE,
+    for path, text in {"kernels/tsdev_kernels/__init__.py": "", "kernels/tsdev_kernels/ops/__init__.py": "",
+                       ACT: SOURCE,
                        "runtime/tsdev_runtime/__init__.py": "", "runtime/tsdev_runtime/layers/__init__.py": "",
-                       "runtime/tsdev_runtime/layers/norm.py": "X = 1\n", "runtime/tsdev_runtime/engine/__init__.py": "",
-                       "runtime/tsdev_runtime/engine/scheduler.py": "Y = 1\n", "kernels/tsdev_kernels/ops/README.md": "notes\n"}.items():
+                       "runtime/tsdev_runtime/layers/norm.py": "X = 1\n",
+                       "runtime/tsdev_runtime/engine/__init__.py": "",
+                       "runtime/tsdev_runtime/engine/scheduler.py": "Y = 1\n",
+                       "kernels/tsdev_kernels/ops/README.md": "notes\n"}.items():
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text(text)
-    (tmp_path / "pyproject.toml").write_text('[tool.tsdev]\nreload-packages = ["tsdev_kernels.ops", "tsdev_runtime.layers"]\n'
+    (tmp_path / "pyproject.toml").write_text('[tool.tsdev]\n'
+                                             'reload-packages = ["tsdev_kernels.ops", "tsdev_runtime.layers"]\n'
                                              '[tool.setuptools.packages.find]\nwhere = [".", "runtime", "kernels"]\n')
     return tmp_path
 
@@ -115,6 +119,7 @@ def test_files_map_to_modules_by_their_packages(project):
     assert module_name(project / "kernels/tsdev_kernels/ops/__init__.py") == "tsdev_kernels.ops"
     assert module_name(project / "pyproject.toml") is None
     reload, others, ignored = classify_files([project / ACT, project / "runtime/tsdev_runtime/engine/scheduler.py",
-                                              project / "pyproject.toml", project / "kernels/tsdev_kernels/ops/README.md"])
+                                              project / "pyproject.toml",
+                                              project / "kernels/tsdev_kernels/ops/README.md"])
     assert reload == ["tsdev_kernels.ops.act"] and others == ["tsdev_runtime.engine.scheduler"]
     assert ignored == [str(project / "pyproject.toml"), str(project / "kernels/tsdev_kernels/ops/README.md")]

@@ -153,4 +153,5 @@ def test_the_history_row_shows_a_weights_update_like_a_reload():
     record = WeightsRecord(1, "weights /c/step-1", modules=["/c/step-1"], path="/c/step-1", done=True,
                            verdict=Verdict(24, 3), probe=Probe([4.0, 4.1], 2, 5.0), steps={"update": 0.1})
     cells = WatchApp.cells(record)
-    assert (cells["#"], cells["total"], str(cells["golden"]), str(cells["outcome"])) == ("W1", "0.10", "new @3", "weights")
+    assert ((cells["#"], cells["total"], str(cells["golden"]), str(cells["outcome"]))
+            == ("W1", "0.10", "new @3", "weights"))

@@ -26,8 +26,10 @@ def odd_tensors(seed: int) -> dict[str, torch.Tensor]:
     floats[0, :3] = torch.tensor([float("nan"), -0.0, float("inf")])
     return {
         "a.bf16": floats.to(torch.bfloat16), "b.f32": floats, "c.f16": floats[:5].to(torch.float16),
-        "d.i64": torch.randint(-2**40, 2**40, (1000,), generator=g), "e.i32": torch.randint(-99, 99, (3, 7), generator=g, dtype=torch.int32),
-        "f.u8": torch.randint(0, 255, (4099,), generator=g, dtype=torch.uint8), "g.bool": torch.rand(17, generator=g) > 0.5,
+        "d.i64": torch.randint(-2**40, 2**40, (1000,), generator=g),
+        "e.i32": torch.randint(-99, 99, (3, 7), generator=g, dtype=torch.int32),
+        "f.u8": torch.randint(0, 255, (4099,), generator=g, dtype=torch.uint8),
+        "g.bool": torch.rand(17, generator=g) > 0.5,
         "h.scalar": torch.tensor(3.5), "i.empty": torch.empty(0, 4), "j.i8": torch.arange(-5, 6, dtype=torch.int8),
         "k.big": torch.randn(300_000, generator=g),  # 1.2 MB: larger than the small slots below, so it is split
     }
@@ -142,7 +144,8 @@ def fake_pinning(monkeypatch):
 
 def test_pinned_staging_loads_the_same_bits_as_plain(tiny_model_dir, fake_pinning, monkeypatch, capsys):
     buffers = []
-    monkeypatch.setattr(pinned.HostBuffer, "pin", lambda self, pin=pinned.HostBuffer.pin: buffers.append(self) or pin(self))
+    monkeypatch.setattr(pinned.HostBuffer, "pin",
+                        lambda self, pin=pinned.HostBuffer.pin: buffers.append(self) or pin(self))
     plain = tiny_model(tiny_model_dir)
     assert load_weights(plain, tiny_model_dir, "plain").report.format == "plain"
     staged = tiny_model(tiny_model_dir)
@@ -162,7 +165,8 @@ def test_a_failing_register_falls_back_to_plain_with_one_warning(tiny_model_dir,
     monkeypatch.setattr(pinned, "check_pinnable", lambda device: None)
     monkeypatch.setattr(pinned, "host_register", fail)
     closed = []
-    monkeypatch.setattr(pinned.HostBuffer, "close", lambda self, close=pinned.HostBuffer.close: closed.append(1) or close(self))
+    monkeypatch.setattr(pinned.HostBuffer, "close",
+                        lambda self, close=pinned.HostBuffer.close: closed.append(1) or close(self))
     fallback = tiny_model(tiny_model_dir)
     assert load_weights(fallback, tiny_model_dir, "pinned").report.format == "plain"
     err = capsys.readouterr().err

@@ -137,7 +137,8 @@ def build_requests(config: BenchConfig, vocab: int, count: int, rng: random.Rand
     return bodies
 
 
-async def fit_chat(session: aiohttp.ClientSession, url: str, model: str, bodies: list[dict], rng: random.Random) -> None:
+async def fit_chat(session: aiohttp.ClientSession, url: str, model: str, bodies: list[dict],
+                   rng: random.Random) -> None:
     """Each chat body's user message, of random words, sized so that its whole prompt -- the chat template's own
     tokens counted in -- has `prompt_tokens` tokens, as the server's /tokenize (vLLM's too) counts them."""
     per_word = 1.5  # tokens per word, learnt as messages are fitted

@@ -7,7 +7,8 @@ from typing import Annotated, Optional
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from tsdev_runtime.config import API_KEY_ENV_VARS, KERNEL_CHECK_MODES, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS, EngineConfig, ServerConfig, parse_size  # no torch: serve's defaults are the configs'
+from tsdev_runtime.config import (API_KEY_ENV_VARS, KERNEL_CHECK_MODES, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS,
+                                  EngineConfig, ServerConfig, parse_size)  # no torch: serve's defaults are the configs'
 
 LIST_FLAGS = ("--cudagraph-capture-sizes", "--prefill-graph-capture-sizes")
 # Every reload recaptures every prefill bucket: the ladder (40 buckets up to 2048 tokens) takes 1.2-1.7 s of
@@ -123,70 +124,89 @@ def _default_device() -> str:
 
 @app.command(short_help="Serve a model over an OpenAI-compatible HTTP API.")
 def serve(
-    model: Annotated[Optional[str], typer.Argument(help="A Hugging Face checkpoint directory (Llama, Qwen2, Qwen3), or a hub id "
-                                                        "(ORG/NAME) found in the local Hugging Face cache (never "
-                                                        "downloaded). Omit it to serve the embedded default model; default-moe serves the embedded "
-                                                        "mixture of experts (Qwen3-MoE), default-fp8 the default "
-                                                        "stored as block-quantized FP8.")] = None,
+    model: Annotated[Optional[str], typer.Argument(
+        help="A Hugging Face checkpoint directory (Llama, Qwen2, Qwen3), or a hub id (ORG/NAME) found in the local "
+             "Hugging Face cache (never downloaded). Omit it to serve the embedded default model; default-moe serves "
+             "the embedded mixture of experts (Qwen3-MoE), default-fp8 the default "
+             "stored as block-quantized FP8.")] = None,
     model_opt: Annotated[Optional[str], typer.Option("--model", help="Same as the MODEL argument.")] = None,
-    revision: Annotated[Optional[str], typer.Option(help="The cached revision of a hub id: a branch or tag "
-                                                         "(refs/ in the cache) or a commit hash. Default: main.")] = None,
+    revision: Annotated[Optional[str], typer.Option(
+        help="The cached revision of a hub id: a branch or tag (refs/ in the cache) or a "
+             "commit hash. Default: main.")] = None,
     tokenizer: Annotated[Optional[str], typer.Option(metavar="DIR", help="Where tokenizer.json (and the chat "
                                                      "template, tokenizer_config.json) come from, when not the "
                                                      "model's directory: a directory or a cached hub id.")] = None,
-    chat_template: Annotated[Optional[Path], typer.Option(metavar="FILE", help="A jinja2 chat template to render "
-                                                          "chat prompts with, instead of the checkpoint's own "
-                                                          "(chat_template.jinja, else tokenizer_config.json's).")] = None,
+    chat_template: Annotated[Optional[Path], typer.Option(
+        metavar="FILE", help="A jinja2 chat template to render chat prompts with, instead of the checkpoint's "
+                             "own (chat_template.jinja, else tokenizer_config.json's).")] = None,
     device: Annotated[Optional[str], typer.Option(help="cuda or cpu; default: cuda when a GPU is visible.")] = None,
-    host: Annotated[str, typer.Option(help="Address to bind. The default keeps the server private to this machine.")] = "127.0.0.1",
+    host: Annotated[str, typer.Option(
+        help="Address to bind. The default keeps the server private to this machine.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port for the HTTP API.")] = 8000,
-    max_running: Annotated[int, typer.Option("--max-running", "--max-num-seqs", help="Most requests computed at once (the batch size). Decode graphs are "
-                                                 "captured up to it: a larger value serves bigger batches from graphs "
-                                                 "but makes startup and every reload's recapture longer.")] = EngineConfig.max_running,
-    max_batched_tokens: Annotated[int, typer.Option("--max-batched-tokens", "--max-num-batched-tokens", help="Token budget per engine step; longer prompts are prefilled in chunks of this size.")] = EngineConfig.max_batched_tokens,
-    kv_pages: Annotated[Optional[int], typer.Option("--kv-pages", "--num-gpu-blocks-override", help="Pages (vLLM: blocks) in the KV pool; default: fit the free GPU memory "
-                                                         "(or max-running full contexts on CPU).")] = EngineConfig.kv_pages,
-    page_size: Annotated[int, typer.Option("--page-size", "--block-size", help="Tokens per KV page (vLLM: block).")] = EngineConfig.page_size,
-    max_model_len: Annotated[Optional[int], typer.Option(help="Longest prompt + completion, in tokens; default: "
-                                                              "the model's, capped at 8192.")] = EngineConfig.max_model_len,
-    dtype: Annotated[str, typer.Option(help="auto (checkpoint dtype on CUDA, float32 on CPU), bfloat16, float16, float32.")] = EngineConfig.dtype,
-    gpu_memory_utilization: Annotated[float, typer.Option(help="Fraction of GPU memory the server may use in all.")] = EngineConfig.gpu_memory_utilization,
+    max_running: Annotated[int, typer.Option(
+        "--max-running", "--max-num-seqs",
+        help="Most requests computed at once (the batch size). Decode graphs are captured up to it: a larger value "
+             "serves bigger batches from graphs but makes startup and "
+             "every reload's recapture longer.")] = EngineConfig.max_running,
+    max_batched_tokens: Annotated[int, typer.Option(
+        "--max-batched-tokens", "--max-num-batched-tokens",
+        help="Token budget per engine step; longer prompts are prefilled in "
+             "chunks of this size.")] = EngineConfig.max_batched_tokens,
+    kv_pages: Annotated[Optional[int], typer.Option(
+        "--kv-pages", "--num-gpu-blocks-override",
+        help="Pages (vLLM: blocks) in the KV pool; default: fit the free GPU memory (or max-running "
+             "full contexts on CPU).")] = EngineConfig.kv_pages,
+    page_size: Annotated[int, typer.Option(
+        "--page-size", "--block-size", help="Tokens per KV page (vLLM: block).")] = EngineConfig.page_size,
+    max_model_len: Annotated[Optional[int], typer.Option(
+        help="Longest prompt + completion, in tokens; default: the "
+             "model's, capped at 8192.")] = EngineConfig.max_model_len,
+    dtype: Annotated[str, typer.Option(
+        help="auto (checkpoint dtype on CUDA, float32 on CPU), bfloat16, float16, float32.")] = EngineConfig.dtype,
+    gpu_memory_utilization: Annotated[float, typer.Option(
+        help="Fraction of GPU memory the server may use in all.")] = EngineConfig.gpu_memory_utilization,
     load_format: Annotated[str, typer.Option(
         metavar="auto|pinned|plain", help="How weights reach the GPU. pinned: reader threads fill a page-locked "
              "staging buffer, copied to the GPU while the next part is read; plain: safetensors, one tensor at a "
-             "time. auto: pinned on CUDA (plain, with a warning, if pinning fails), plain on CPU.")] = EngineConfig.load_format,
+             "time. auto: pinned on CUDA (plain, with a warning, if pinning fails), "
+             "plain on CPU.")] = EngineConfig.load_format,
     load_memory_limit: Annotated[str, typer.Option(
         metavar="SIZE", help="Most host memory the pinned staging buffer may take: bytes, or e.g. 16GiB, "
                              "512MB.")] = f"{EngineConfig.load_memory_limit >> 30}GiB",
     quantization: Annotated[Optional[str], typer.Option(
         "--quantization", "-q", metavar="fp8", help="fp8: projections and MoE experts in e4m3 with per-output-channel "
-             "scales derived from the checkpoint's weights at load (which stay loaded too); CUDA needs compute capability >= 8.9, "
-             "CPU runs the torch references.")] = EngineConfig.quantization,
+             "scales derived from the checkpoint's weights at load (which stay loaded too); CUDA needs compute "
+             "capability >= 8.9, CPU runs the torch references.")] = EngineConfig.quantization,
     kv_cache_dtype: Annotated[str, typer.Option(
-        "--kv-cache-dtype", metavar="auto|fp8|fp8_e4m3", help="The KV pool's dtype. auto: the model's; fp8 (= fp8_e4m3): "
-             "e4m3 with a scale of 1 per tensor, half the bytes per token, so the pool holds twice the tokens in the "
-             "same memory and decode attention reads half as much; keys and values are rounded to 3 mantissa bits "
-             "(docs/runtime.md, \"An fp8 KV cache\").")] = EngineConfig.kv_cache_dtype,
+        "--kv-cache-dtype", metavar="auto|fp8|fp8_e4m3", help="The KV pool's dtype. auto: the model's; fp8 (= "
+             "fp8_e4m3): e4m3 with a scale of 1 per tensor, half the bytes per token, so the pool holds twice the "
+             "tokens in the same memory and decode attention reads half as much; keys and values are rounded to 3 "
+             "mantissa bits (docs/runtime.md, \"An fp8 KV cache\").")] = EngineConfig.kv_cache_dtype,
     no_prefix_caching: Annotated[bool, typer.Option(
         "--no-prefix-caching/--enable-prefix-caching", "--no-enable-prefix-caching", show_default=False,
-        help="Do not share KV pages between requests with a common prefix (shared by default).")] = not EngineConfig.enable_prefix_caching,
-    served_model_name: Annotated[Optional[str], typer.Option(help="Model name in the API; default: the checkpoint directory's name.")] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the noise for requests that give no seed of their own.")] = EngineConfig.seed,
+        help="Do not share KV pages between requests with a common prefix "
+             "(shared by default).")] = not EngineConfig.enable_prefix_caching,
+    served_model_name: Annotated[Optional[str], typer.Option(
+        help="Model name in the API; default: the checkpoint directory's name.")] = None,
+    seed: Annotated[int, typer.Option(
+        help="Seed of the noise for requests that give no seed of their own.")] = EngineConfig.seed,
     cudagraph_capture_sizes: Annotated[Optional[str], typer.Option(
-        metavar="SIZES", help="Decode batch sizes to capture as CUDA graphs, e.g. `--cudagraph-capture-sizes 1 16 64` (or 1,16,64); larger "
-             "batches run eagerly. Default: 1 2 4 8 16 24 ... 256 (up to --max-running). Fewer sizes capture "
-             "faster (and reload faster).")] = None,
-    enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="No CUDA graphs: every step runs eagerly.")] = EngineConfig.enforce_eager,
+        metavar="SIZES", help="Decode batch sizes to capture as CUDA graphs, e.g. `--cudagraph-capture-sizes 1 16 64` "
+             "(or 1,16,64); larger batches run eagerly. Default: 1 2 4 8 16 24 ... 256 (up to --max-running). Fewer "
+             "sizes capture faster (and reload faster).")] = None,
+    enforce_eager: Annotated[bool, typer.Option(
+        "--enforce-eager", help="No CUDA graphs: every step runs eagerly.")] = EngineConfig.enforce_eager,
     prefill_graph_max_tokens: Annotated[int, typer.Option(
-        help="Largest token count of a prefill (or mixed prefill + decode) step replayed from a breakable CUDA "
-             "graph (attention runs eagerly between graph pieces); clamped to --max-batched-tokens. Buckets "
-             "step from 16 by about 1/8 of their size. 0 turns prefill graphs off.", min=0)] = EngineConfig.prefill_graph_max_tokens,
+        help="Largest token count of a prefill (or mixed prefill + decode) step replayed from a breakable CUDA graph "
+             "(attention runs eagerly between graph pieces); clamped to --max-batched-tokens. Buckets step from 16 by "
+             "about 1/8 of their size. 0 turns prefill graphs off.", min=0)] = EngineConfig.prefill_graph_max_tokens,
     disable_prefill_graph: Annotated[bool, typer.Option(
         "--disable-prefill-graph", help="Run prefill and mixed steps eagerly (decode graphs stay on).")] = False,
     prefill_graph_capture_sizes: Annotated[Optional[str], typer.Option(
-        metavar="SIZES", help="Explicit prefill token buckets instead of the ladder, e.g. `--prefill-graph-capture-sizes 64 256 "
-             "1024`; clamped to the largest, which is always captured. Default: the ladder; with "
-             "--allow-reload-forward, 256 1024 (fewer graphs to recapture after each reload).")] = None,
+        metavar="SIZES", help="Explicit prefill token buckets instead of the ladder, e.g. "
+             "`--prefill-graph-capture-sizes 64 256 1024`; clamped to the largest, which is always captured. Default: "
+             "the ladder; with --allow-reload-forward, 256 1024 (fewer graphs to "
+             "recapture after each reload).")] = None,
     cudagraph_capture_first: Annotated[Optional[str], typer.Option(
         metavar="SIZES", help="Capture only these decode batch sizes before serving, the others between steps after "
              "(eager until then): a shorter start. tsdev watch passes, on a restart, the sizes the server it replaces "
@@ -239,15 +259,16 @@ def serve(
     tp: Annotated[int, typer.Option(
         "--tp", "--tensor-parallel-size", min=1, help="Tensor-parallel ranks: the heads, the MLP and the vocabulary "
         "split over N GPUs (CPU: N processes over gloo), one process each, started by this command (or by torchrun: "
-        "docs/parallel.md). Weight checksums (and tsdev weights verify) need --tp 1 for now.")] = EngineConfig.world_size,
+        "docs/parallel.md). Weight checksums (and tsdev weights verify) need "
+        "--tp 1 for now.")] = EngineConfig.world_size,
     dp: Annotated[int, typer.Option(
         "--dp", "--data-parallel-size", min=1, help="Engine replicas (each with --tp ranks of its own, on its own "
         "GPUs) behind one HTTP front: completions go to the least busy replica; reloads, weight loads and other "
         "control calls reach every replica (docs/parallel.md).")] = 1,
     rank_timeout: Annotated[float, typer.Option(
-        metavar="SECONDS", min=1, help="With --tp: how long rank 0 waits for another rank's outcome of a call (warm-up, "
-        "graph capture, a reload) before it takes that rank for wedged and stops the server (status 70; tsdev "
-        "watch restarts it).")] = EngineConfig.rank_timeout_s,
+        metavar="SECONDS", min=1, help="With --tp: how long rank 0 waits for another rank's outcome of a call "
+        "(warm-up, graph capture, a reload) before it takes that rank for wedged and stops the server (status 70; "
+        "tsdev watch restarts it).")] = EngineConfig.rank_timeout_s,
     max_request_body_bytes: Annotated[int, typer.Option(
         metavar="BYTES", help="Largest request body accepted (4 MiB by default); a larger one is answered 413 "
                               "before it is parsed.", min=1)] = ServerConfig.max_request_body_bytes,
@@ -269,8 +290,8 @@ def serve(
         import torch
 
         if not torch.cuda.is_available():
-            console.print(f"[red]error:[/red] --device {device}, but this torch ({torch.__version__}) sees no CUDA GPU: "
-                          "use --device cpu, or install a CUDA build of torch on a machine with a GPU")
+            console.print(f"[red]error:[/red] --device {device}, but this torch ({torch.__version__}) sees no CUDA "
+                          "GPU: use --device cpu, or install a CUDA build of torch on a machine with a GPU")
             raise typer.Exit(2)
     if load_format not in LOAD_FORMATS:
         raise typer.BadParameter(f"use one of {', '.join(LOAD_FORMATS)}", param_hint="--load-format")
@@ -298,13 +319,15 @@ def serve(
         raise typer.BadParameter(f"{chat_template}: no such file (give a jinja2 template file)",
                                  param_hint="--chat-template")
     config = EngineConfig(
-        model=checkpoint, tokenizer=tokenizer_dir, device=device or _default_device(), dtype=dtype, max_running=max_running,
+        model=checkpoint, tokenizer=tokenizer_dir, device=device or _default_device(), dtype=dtype,
+        max_running=max_running,
         max_batched_tokens=max_batched_tokens, max_model_len=max_model_len, page_size=page_size, kv_pages=kv_pages,
         gpu_memory_utilization=gpu_memory_utilization, seed=seed, enable_prefix_caching=not no_prefix_caching,
         enforce_eager=enforce_eager, prefill_graph_max_tokens=0 if disable_prefill_graph else prefill_graph_max_tokens,
         load_format=load_format, load_memory_limit=load_memory_bytes, quantization=quantization,
         kv_cache_dtype=kv_cache_dtype, world_size=tp,
-        rank_timeout_s=rank_timeout, full_recapture=full_recapture, kernel_check=kernel_check or EngineConfig.kernel_check,
+        rank_timeout_s=rank_timeout, full_recapture=full_recapture,
+        kernel_check=kernel_check or EngineConfig.kernel_check,
     )
     if cudagraph_capture_sizes:
         config.cudagraph_capture_sizes = parse_sizes("--cudagraph-capture-sizes", cudagraph_capture_sizes)
@@ -345,12 +368,20 @@ def serve(
 
 @app.command(short_help="Reload the server's forward pass after an edit.")
 def reload(
-    url: Annotated[str, typer.Option(help="The server (started with --allow-reload-forward, or by `tsdev watch`).")] = "http://127.0.0.1:8000",
-    modules: Annotated[Optional[list[str]], typer.Option("--modules", "-m", metavar="MODULE", help="Force these modules (and their dependents) to re-execute, changed or not. Repeat the flag for several.")] = None,
-    mode: Annotated[str, typer.Option(help="wait: running requests finish first; abort: they are aborted.")] = "wait",
-    timeout_s: Annotated[Optional[float], typer.Option(help="Give up (changing nothing) if drain + reload take longer.")] = None,
-    files: Annotated[Optional[list[str]], typer.Option("--file", "-f", metavar="PATH", help="A file just saved (for editor save hooks): reload what changed, or say that "
-                                                       "nothing did; files outside the reloadable packages' projects are ignored. Repeatable.")] = None,
+    url: Annotated[str, typer.Option(
+        help="The server (started with --allow-reload-forward, or by `tsdev watch`).")] = "http://127.0.0.1:8000",
+    modules: Annotated[Optional[list[str]], typer.Option(
+        "--modules", "-m", metavar="MODULE",
+        help="Force these modules (and their dependents) to re-execute, changed or not. Repeat "
+             "the flag for several.")] = None,
+    mode: Annotated[str, typer.Option(
+        help="wait: running requests finish first; abort: they are aborted.")] = "wait",
+    timeout_s: Annotated[Optional[float], typer.Option(
+        help="Give up (changing nothing) if drain + reload take longer.")] = None,
+    files: Annotated[Optional[list[str]], typer.Option(
+        "--file", "-f", metavar="PATH",
+        help="A file just saved (for editor save hooks): reload what changed, or say that nothing did; files outside "
+             "the reloadable packages' projects are ignored. Repeatable.")] = None,
     recapture: Annotated[bool, typer.Option(help="Capture the CUDA graphs again even when only Triton kernel bodies "
                                                  "changed (the server then points the captured graphs at the new "
                                                  "binaries instead).")] = False,
@@ -426,9 +457,11 @@ def reload(
 
 @app.command(short_help="Check the server's Triton kernels against their torch references, now.")
 def check(
-    ops: Annotated[Optional[list[str]], typer.Argument(metavar="OPS", show_default=False,
-                                                     help="Ops to check (e.g. silu_and_mul rms_norm); default: all.")] = None,
-    url: Annotated[str, typer.Option(help="The server (started with --allow-reload-forward, or by `tsdev watch`).")] = "http://127.0.0.1:8000",
+    ops: Annotated[Optional[list[str]], typer.Argument(
+        metavar="OPS", show_default=False,
+        help="Ops to check (e.g. silu_and_mul rms_norm); default: all.")] = None,
+    url: Annotated[str, typer.Option(
+        help="The server (started with --allow-reload-forward, or by `tsdev watch`).")] = "http://127.0.0.1:8000",
     shapes: Annotated[bool, typer.Option("--shapes", help="A line per op and shape instead of one per op.")] = False,
     api_key: Annotated[Optional[str], api_key_option()] = None,
 ):
@@ -469,7 +502,8 @@ def check(
 
 @app.command(short_help="Load-test a server: throughput, TTFT, TPOT, ITL.")
 def bench(
-    url: Annotated[str, typer.Option("--url", "--base-url", help="Any OpenAI-compatible server.")] = "http://127.0.0.1:8000",
+    url: Annotated[str, typer.Option(
+        "--url", "--base-url", help="Any OpenAI-compatible server.")] = "http://127.0.0.1:8000",
     endpoint: Annotated[str, typer.Option(
         metavar="ENDPOINT", help="/v1/completions (token-id prompts) or /v1/chat/completions (text prompts); "
                                  "completions and chat work too.")] = "/v1/completions",
@@ -481,23 +515,30 @@ def bench(
         "--dataset-path", "--prompts", metavar="FILE.jsonl",
         help='The jsonl dataset: {"prompt": ..., "max_tokens": ...} or {"messages": [...]} per line.')] = None,
     num_prompts: Annotated[int, typer.Option(help="Requests to measure.")] = 100,
-    input_len: Annotated[int, typer.Option("--random-input-len", "--input-len", help="Prompt tokens per request (random dataset).")] = 256,
-    output_len: Annotated[int, typer.Option("--random-output-len", "--output-len", help="Output tokens per request (max_tokens; random dataset).")] = 128,
+    input_len: Annotated[int, typer.Option(
+        "--random-input-len", "--input-len", help="Prompt tokens per request (random dataset).")] = 256,
+    output_len: Annotated[int, typer.Option(
+        "--random-output-len", "--output-len", help="Output tokens per request (max_tokens; random dataset).")] = 128,
     range_ratio: Annotated[float, typer.Option(
-        "--random-range-ratio", "--range-ratio", help="Lengths uniform in [len*(1-r), len*(1+r)], as in `vllm bench serve`.")] = 0.0,
-    request_rate: Annotated[float, typer.Option(help="Requests per second (Poisson arrivals); inf sends all at once.")] = float("inf"),
+        "--random-range-ratio", "--range-ratio",
+        help="Lengths uniform in [len*(1-r), len*(1+r)], as in `vllm bench serve`.")] = 0.0,
+    request_rate: Annotated[float, typer.Option(
+        help="Requests per second (Poisson arrivals); inf sends all at once.")] = float("inf"),
     max_concurrency: Annotated[Optional[int], typer.Option(help="Most requests in flight at once.")] = None,
-    ignore_eos: Annotated[bool, typer.Option(help="Generate exactly max_tokens (the server must support ignore_eos).")] = True,
+    ignore_eos: Annotated[bool, typer.Option(
+        help="Generate exactly max_tokens (the server must support ignore_eos).")] = True,
     seed: Annotated[int, typer.Option(help="Seed of the workload (lengths, token ids, arrivals).")] = 0,
     warmup: Annotated[int, typer.Option(help="Requests sent (one at a time) before measuring.")] = 0,
     save_result: Annotated[Optional[str], typer.Option(
         metavar="[FILE.json]", help="Write metrics, config and per-request records as JSON: to FILE.json, or (vLLM's "
-                                    "flag form, no value) to --result-filename, default bench-MODEL-DATE-TIME.json.")] = None,
+                                    "flag form, no value) "
+                                    "to --result-filename, default bench-MODEL-DATE-TIME.json.")] = None,
     result_filename: Annotated[Optional[str], typer.Option(help="File name for --save-result (implies it).")] = None,
     result_dir: Annotated[Optional[Path], typer.Option(help="Folder for --save-result's file; default: here.")] = None,
     baseline: Annotated[Optional[Path], typer.Option(
         help="A JSON from --save-result: print the change per metric. Refused (exit status 2) when its endpoint or "
-             "workload (dataset, lengths, range ratio, prompts, rate, concurrency, seed) differs from this run's.")] = None,
+             "workload (dataset, lengths, range ratio, prompts, rate, concurrency, seed) "
+             "differs from this run's.")] = None,
     api_key: Annotated[Optional[str], api_key_option()] = None,
 ):
     """Load-test a server and report throughput, TTFT, TPOT, ITL and latency (mean, median, p90, p99).
@@ -534,9 +575,9 @@ def bench(
     except (ValueError, OSError, KeyError, TypeError) as exc:
         refuse(str(exc) if not isinstance(exc, (KeyError, TypeError)) else f"--baseline {baseline}: not a saved result")
     if differences:
-        refuse(f"--baseline {baseline} measured another workload, so the change per metric would compare unlike runs:\n  "
-               + "\n  ".join(differences) + "\nRun with the baseline's values of these flags, or save a new baseline "
-               "with --save-result (and drop --baseline).")
+        refuse(f"--baseline {baseline} measured another workload, so the change per metric would compare unlike "
+               "runs:\n  " + "\n  ".join(differences) + "\nRun with the baseline's values of these flags, or save "
+               "a new baseline with --save-result (and drop --baseline).")
     with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as bar:
         task = bar.add_task("requests", total=num_prompts)
@@ -546,7 +587,8 @@ def bench(
             refuse(str(exc))
     console.print(render(result, before))
     if save_result is not None or result_filename:
-        name = result_filename or save_result or f"bench-{result['model'].replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        name = (result_filename or save_result
+                or f"bench-{result['model'].replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}.json")
         path = (result_dir or Path()) / name
         path.write_text(json.dumps(result, indent=1))
         console.print(f"saved to {path}")
@@ -586,20 +628,34 @@ def profile(
                                  api_key or None))
 
 
-@app.command(short_help="Serve and reload on every save, with a live TUI.", context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+@app.command(short_help="Serve and reload on every save, with a live TUI.",
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
              options_metavar="[MODEL] [SERVER FLAGS] [OPTIONS]")
 def watch(
     ctx: typer.Context,
-    attach: Annotated[Optional[str], typer.Option(help="Watch for a server that is already running at this URL instead of starting one "
-                                                       "(it cannot be restarted for you then).")] = None,
-    no_tui: Annotated[bool, typer.Option("--no-tui", help="One plain line per event instead of the screen (CI, editors, logs).")] = False,
-    settle_ms: Annotated[int, typer.Option(help="Quiet time after the last file event before reloading, on top of watchfiles' 50 ms "
-                                                "(editors write in bursts; raise it if a formatter rewrites the file after each save).")] = 50,
+    attach: Annotated[Optional[str], typer.Option(
+        help="Watch for a server that is already running at this URL instead of starting one (it cannot be "
+             "restarted for you then).")] = None,
+    no_tui: Annotated[bool, typer.Option(
+        "--no-tui", help="One plain line per event instead of the screen (CI, editors, logs).")] = False,
+    settle_ms: Annotated[int, typer.Option(
+        help="Quiet time after the last file event before reloading, on top of watchfiles' 50 ms (editors write in "
+             "bursts; raise it if a formatter rewrites the file after each save).")] = 50,
     probe_batch: Annotated[int, typer.Option(help="Batch size of the decode probe run after every reload.")] = 8,
-    probe_steps: Annotated[Optional[int], typer.Option(help="Tokens per request of the decode probe (fewer: faster checks, a noisier figure). Default: 128 on a GPU, 32 on the CPU.", show_default=False)] = None,
-    server_log: Annotated[Optional[Path], typer.Option(help="Where the child server's output goes; default $TMPDIR/tsdev-watch-PORT.log.")] = None,
-    profile_each_reload: Annotated[bool, typer.Option("--profile-each-reload", help="Record every reload's decode probe in a profiler capture range (POST /start_profile), as `p` does for the next one.")] = False,
-    weights: Annotated[Optional[Path], typer.Option("--weights", metavar="DIR", help="Load each new complete checkpoint written into DIR (DIR itself, or its newest subdirectory such as DIR/step-123) with update_weights (direct), then run the checks; the server watch starts gets --allowed-weight-dir DIR.")] = None,
+    probe_steps: Annotated[Optional[int], typer.Option(
+        help="Tokens per request of the decode probe (fewer: faster checks, a noisier figure). Default: 128 on a GPU, "
+             "32 on the CPU.", show_default=False)] = None,
+    server_log: Annotated[Optional[Path], typer.Option(
+        help="Where the child server's output goes; default $TMPDIR/tsdev-watch-PORT.log.")] = None,
+    profile_each_reload: Annotated[bool, typer.Option(
+        "--profile-each-reload",
+        help="Record every reload's decode probe in a profiler capture range (POST /start_profile), as `p` does "
+             "for the next one.")] = False,
+    weights: Annotated[Optional[Path], typer.Option(
+        "--weights", metavar="DIR",
+        help="Load each new complete checkpoint written into DIR (DIR itself, or its newest subdirectory such as "
+             "DIR/step-123) with update_weights (direct), then run the checks; the server watch "
+             "starts gets --allowed-weight-dir DIR.")] = None,
     api_key: Annotated[Optional[str], api_key_option(
         "An API key: the server watch starts requires it (passed in its environment, not its argv), and watch "
         "sends it. With --attach: the running server's key.")] = None,
@@ -618,9 +674,11 @@ def watch(
     from tsdev.watch import WatchConfig, run, serve_flags, split_server_args
 
     try:
-        model, server_args = split_server_args(list(ctx.args), serve_flags(typer.main.get_command(app).get_command(ctx, "serve")))
+        model, server_args = split_server_args(list(ctx.args),
+                                               serve_flags(typer.main.get_command(app).get_command(ctx, "serve")))
         if attach and (model or server_args):
-            raise ValueError("--attach watches a running server: MODEL and server flags are for the server tsdev watch starts")
+            raise ValueError("--attach watches a running server: MODEL and server flags are for the server tsdev "
+                             "watch starts")
         config = WatchConfig(model=model, server_args=server_args, attach=attach, settle=settle_ms / 1000,
                              probe_batch=probe_batch, probe_steps=probe_steps, server_log=server_log,
                              profile_each_reload=profile_each_reload, api_key=api_key or None,
@@ -637,7 +695,8 @@ def watch(
 @app.command(short_help="Print or install an editor save hook.")
 def hook(
     editor: Annotated[str, typer.Argument(help="vscode, neovim, emacs or jetbrains.")],
-    install: Annotated[bool, typer.Option("--install", help="Write it where the editor reads it (and say where) instead of printing it.")] = False,
+    install: Annotated[bool, typer.Option(
+        "--install", help="Write it where the editor reads it (and say where) instead of printing it.")] = False,
     url: Annotated[Optional[str], typer.Option(help="The server to reload, if not http://127.0.0.1:8000.")] = None,
 ):
     """Print (or --install) an editor hook that runs `tsdev reload --file PATH` on every save. See

@@ -9,8 +9,8 @@ from typing import TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from tsdev_runtime.control_protocol import (EVENTS_ROUTE, RELOAD_ROUTE, ErrorBody, Event, Hello, ReloadReply, ReloadRequest,
-                                      parse_event)
+from tsdev_runtime.control_protocol import (EVENTS_ROUTE, RELOAD_ROUTE, ErrorBody, Event, Hello, ReloadReply,
+                                      ReloadRequest, parse_event)
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 Reply = TypeVar("Reply", bound=BaseModel)

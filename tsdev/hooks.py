@@ -67,7 +67,8 @@ vim.api.nvim_create_autocmd("BufWritePost", {{
       stdout_buffered = true, stderr_buffered = true, on_stdout = collect, on_stderr = collect,
       on_exit = function(_, code)
         local msg = vim.trim(table.concat(out, "\\n"))
-        local level = ({{ [{RELOADED}] = vim.log.levels.INFO, [{NEEDS_RESTART}] = vim.log.levels.WARN }})[code] or vim.log.levels.ERROR
+        local level = ({{ [{RELOADED}] = vim.log.levels.INFO, [{NEEDS_RESTART}] = vim.log.levels.WARN }})[code] \
+or vim.log.levels.ERROR
         if msg ~= "" then vim.notify("tsdev: " .. msg, level) end
       end,
     }})

@@ -9,7 +9,8 @@ from collections.abc import Iterable, Mapping
 from rich.console import Console
 from rich.markup import escape
 
-from tsdev_runtime.control_protocol import GRAPH_KINDS, STEPS, Event, KernelCheckResult, ReloadReply, ReloadStep, WorkerReport
+from tsdev_runtime.control_protocol import (GRAPH_KINDS, STEPS, Event, KernelCheckResult, ReloadReply, ReloadStep,
+                                            WorkerReport)
 
 SHOWN_STEPS = (*STEPS, "pause")  # the timings shown as steps, in server order; pause: what serving saw
 KEEPS_SERVING = "the old code keeps serving"
@@ -123,7 +124,8 @@ def notes(worker: WorkerReport) -> list[str]:
     found = [f"warning: {w}" for w in worker.warnings]
     if worker.compiled_in_pause:
         found.append("compiled in the pause, not ahead: " + ", ".join(
-            f"{name} {seconds:.2f} s" for name, seconds in sorted(worker.compiled_in_pause.items(), key=lambda i: -i[1])))
+            f"{name} {seconds:.2f} s"
+            for name, seconds in sorted(worker.compiled_in_pause.items(), key=lambda i: -i[1])))
     if worker.stale:
         found.append(f"stale (could not be patched): {', '.join(s.name for s in worker.stale)}")
     return found
@@ -161,7 +163,8 @@ def slowest(timings: dict[str, float]) -> str:
 def recapture_text(worker: WorkerReport) -> str:
     seconds = worker.timings.get("recapture", 0)
     if worker.graph_nodes_patched:
-        return f"graphs patched in {seconds:.3f} s ({worker.graph_nodes_patched} kernel nodes pointed at the new binaries)"
+        return (f"graphs patched in {seconds:.3f} s ({worker.graph_nodes_patched} kernel nodes pointed at the new "
+                "binaries)")
     return f"recaptured in {seconds:.2f} s{graph_split(worker.timings)}"
 
 

@@ -150,7 +150,8 @@ def write_summary(prefix: Path, kernels: list[KernelRow], nvtx: list[KernelRow],
                 w.writerow([row_kind, r.name, f"{r.total_ns / 1e6:.4f}", r.instances, f"{r.avg_ns / 1e3:.3f}",
                             f"{old.total_ns / 1e6:.4f}" if old else "", _pct(r, old)])
     total = sum(k.total_ns for k in kernels) or 1
-    head = "| CPU op | self CPU time (ms) | share | calls |" if cpu else "| kernel | GPU time (ms) | share | instances |"
+    head = ("| CPU op | self CPU time (ms) | share | calls |" if cpu
+            else "| kernel | GPU time (ms) | share | instances |")
     lines = [f"## {prefix.name}", "", head + " mean (us) | vs previous |", "|---|---:|---:|---:|---:|---:|"]
     for r in kernels[:top]:
         lines.append(f"| `{r.name[:80]}` | {r.total_ns / 1e6:.3f} | {r.total_ns / total:.0%} | {r.instances} | "
@@ -171,7 +172,8 @@ def nsys_stats(nsys: str, report: Path) -> tuple[list[KernelRow], list[KernelRow
     """Kernel and NVTX summaries of one report (runs `nsys stats`)."""
     prefix = report.with_suffix("")
     subprocess.run([nsys, "stats", "--force-export=true", "--report", "cuda_gpu_kern_sum", "--report", "nvtx_sum",
-                    "--format", "csv", "--output", str(prefix), str(report)], check=True, capture_output=True, timeout=300)
+                    "--format", "csv", "--output", str(prefix), str(report)], check=True, capture_output=True,
+                   timeout=300)
     kern = Path(f"{prefix}_cuda_gpu_kern_sum.csv")
     nvtx = Path(f"{prefix}_nvtx_sum.csv")
     return (parse_kernel_csv(kern.read_text()) if kern.exists() else [],

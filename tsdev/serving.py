@@ -262,10 +262,12 @@ def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, cons
     console.print(
         f"loaded [bold]{name}[/bold] ({info.architecture}, {info.parameters / 1e6:.1f} M parameters, "
         f"{info.dtype}) from {info.model_dir} on {info.device} in {time.perf_counter() - start:.1f} s\n"
-        f"KV pool: {info.kv_pages} pages x {info.page_size} tokens{kv_pool_note(info)}; context length {info.max_model_len}; "
+        f"KV pool: {info.kv_pages} pages x {info.page_size} tokens{kv_pool_note(info)}; "
+        f"context length {info.max_model_len}; "
         f"up to {info.max_running} requests at once\n"
         f"warmed in {engine.startup_timings['warm']:.2f} s; {graphs}\n"
-        f"{describe_startup(before, imports, engine.startup_timings, sum(engine.jit_compiles().values()), process_age())}"
+        f"""{describe_startup(before, imports, engine.startup_timings, sum(engine.jit_compiles().values()),
+                              process_age())}"""
     )
     reloader = None
     if server.allow_reload_forward:

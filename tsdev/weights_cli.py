@@ -104,7 +104,8 @@ def update_weights(
     api_key: Annotated[Optional[str], API_KEY] = None,
 ):
     """Update the served weights from a checkpoint (POST /v1/rl/engine/update_weights)."""
-    from tsdev_runtime.control_protocol import UPDATE_MODES, UPDATE_WEIGHTS_ROUTE, ReloadWeightsReply, UpdateWeightsRequest
+    from tsdev_runtime.control_protocol import (UPDATE_MODES, UPDATE_WEIGHTS_ROUTE, ReloadWeightsReply,
+                                                UpdateWeightsRequest)
 
     if mode not in UPDATE_MODES:
         raise typer.BadParameter(f"{mode}: use {' or '.join(UPDATE_MODES)}", param_hint="--mode")
@@ -128,7 +129,8 @@ def verify(
     import dataclasses
 
     from tsdev_runtime.config import EngineConfig
-    from tsdev_runtime.control_protocol import SERVER_INFO_ROUTE, WEIGHTS_CHECKSUM_ROUTE, ServerInfo, WeightsChecksumReply
+    from tsdev_runtime.control_protocol import (SERVER_INFO_ROUTE, WEIGHTS_CHECKSUM_ROUTE, ServerInfo,
+                                                WeightsChecksumReply)
     from tsdev_runtime.engine.weights_drill import fresh_checksum
 
     info = _call(url, "GET", SERVER_INFO_ROUTE, ServerInfo, None, api_key)

@@ -12,7 +12,8 @@ a newer server.
 import re
 from typing import Annotated, Literal, Union
 
-from pydantic import AfterValidator, AliasChoices, BaseModel, ConfigDict, Field, TypeAdapter, ValidationInfo, field_validator
+from pydantic import (AfterValidator, AliasChoices, BaseModel, ConfigDict, Field, TypeAdapter, ValidationInfo,
+                      field_validator)
 
 RELOAD_ROUTE = "/v1/rl/engine/reload_forward"
 MODULES_ROUTE = "/v1/rl/engine/modules"
@@ -440,8 +441,8 @@ class ProfileFinished(ProfileRange, _Event):
     type: Literal["profile_finished"] = "profile_finished"
 
 
-Event = Annotated[Union[Hello, StateChanged, Paused, Continued, ReloadStarted, ReloadStep, ReloadFinished, ProfileStarted,
-                        ProfileFinished, Sleeping, Awake, WeightsReloaded], Field(discriminator="type")]
+Event = Annotated[Union[Hello, StateChanged, Paused, Continued, ReloadStarted, ReloadStep, ReloadFinished,
+                        ProfileStarted, ProfileFinished, Sleeping, Awake, WeightsReloaded], Field(discriminator="type")]
 _EVENT = TypeAdapter(Event)
 
 

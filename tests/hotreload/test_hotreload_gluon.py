@@ -83,7 +83,8 @@ def test_a_gluon_helper_edit_drops_its_callers_binaries_names_the_dialect_and_ro
     assert type(kern.scale).__name__ == "GluonJITFunction"
     for kernel in (kern.uses_scale, kern.independent):
         stand_in_binary(kernel)
-    live, hashes, before = kern.uses_scale, [kern.uses_scale.hash, kern.independent.hash], ptx(pkg, "kern", "uses_scale")
+    live, hashes, before = (kern.uses_scale, [kern.uses_scale.hash, kern.independent.hash],
+                            ptx(pkg, "kern", "uses_scale"))
     r = pkg.reloader()
     pkg.edit("kern", GLUON.replace("return x * 2.0", "return x * 3.0"))
     tx = r.reload()

@@ -158,10 +158,12 @@ def test_decorator_changed(pkg):
                 return wrapper
             return deco
     """)
-    pkg.write("a", "from .deco import times, plus\n@times(2)\ndef f(x):\n    return x\n@times(2)\ndef g(x):\n    return x\n")
+    pkg.write("a", "from .deco import times, plus\n@times(2)\ndef f(x):\n    return x\n"
+                   "@times(2)\ndef g(x):\n    return x\n")
     f, g = pkg.mod("a").f, pkg.mod("a").g
     r = pkg.reloader()
-    pkg.edit("a", "from .deco import times, plus\n@times(5)\ndef f(x):\n    return x\n@plus(5)\ndef g(x):\n    return x\n")
+    pkg.edit("a", "from .deco import times, plus\n@times(5)\ndef f(x):\n    return x\n"
+                  "@plus(5)\ndef g(x):\n    return x\n")
     pkg.reload(r)
     assert f(1) == 5  # same decorator, new argument: patched in place
     assert g(1) == 6  # another decorator: redirected
@@ -190,7 +192,8 @@ def test_property_body(pkg):
     a = pkg.mod("a").A()
     getter = type(a).v.fget
     r = pkg.reloader()
-    pkg.edit("a", "class A:\n    @property\n    def v(self):\n        return 2\n    @v.setter\n    def v(self, x):\n        self.x = x\n")
+    pkg.edit("a", "class A:\n    @property\n    def v(self):\n        return 2\n"
+                  "    @v.setter\n    def v(self, x):\n        self.x = x\n")
     pkg.reload(r)
     assert a.v == 2 and getter(a) == 2
     a.v = 9
@@ -518,11 +521,12 @@ def test_report_is_json_and_timed(pkg):
     pkg.edit("a", "def f():\n    return 2\n")
     tx = r.reload()
     data = json.loads(json.dumps(tx.report.to_dict()))
-    assert set(data) == {"ok", "reloaded", "dependents", "patched", "stale", "needs_restart", "jit_kernels", "kernels", "kernels_only",
-                         "graph_swaps", "compiled_in_pause", "timings", "error"}
+    assert set(data) == {"ok", "reloaded", "dependents", "patched", "stale", "needs_restart", "jit_kernels", "kernels",
+                         "kernels_only", "graph_swaps", "compiled_in_pause", "timings", "error"}
     assert {"read", "plan", "compile", "execute", "patch", "kernels", "total"} <= set(data["timings"])
     assert 0 < data["timings"]["total"] < 5 and data["ok"] and data["patched"] == 1
-    assert tx.report.summary().startswith(f"reloaded {pkg.full('a')[0]} and 0 dependent module(s), 1 object(s) patched in ")
+    assert tx.report.summary().startswith(f"reloaded {pkg.full('a')[0]} and 0 dependent module(s), "
+                                          "1 object(s) patched in ")
     with pytest.raises(RuntimeError, match="pending"):  # a second reload while one is pending is refused
         r.reload()
     tx.commit()

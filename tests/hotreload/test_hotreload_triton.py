@@ -44,7 +44,8 @@ def test_kernel_body_edit(pkg):
     run, kernel = m.run, m.add_kernel
     assert run(X).tolist() == [1, 2, 3, 4]
     r = pkg.reloader()
-    pkg.edit("ops", KERNEL.replace("_helper(tl.load(x_ptr + offs, mask=mask))", "tl.load(x_ptr + offs, mask=mask) * 10"))
+    pkg.edit("ops", KERNEL.replace("_helper(tl.load(x_ptr + offs, mask=mask))",
+                                   "tl.load(x_ptr + offs, mask=mask) * 10"))
     report = pkg.reload(r)
     assert run(X).tolist() == [0, 10, 20, 30]
     # the interpreter also caches each helper it ran; a GPU compiles helpers into their callers
@@ -242,7 +243,8 @@ class StandInBinary:
     scratch = 0  # global scratch bytes the next stand-ins are built with
 
     def __init__(self, fn):
-        self.src = SimpleNamespace(fn=fn, signature={"x_ptr": "*fp32"}, constants={(1,): 8}, attrs={(0,): [["tt.divisibility", 16]]})
+        self.src = SimpleNamespace(fn=fn, signature={"x_ptr": "*fp32"}, constants={(1,): 8},
+                                   attrs={(0,): [["tt.divisibility", 16]]})
         self.metadata = collections.namedtuple("Metadata", "num_warps launch_pdl shared global_scratch_size")(
             4, [True], 1024, StandInBinary.scratch)
         self.loaded, self.function = False, None
@@ -377,7 +379,8 @@ def test_jit_options_change_drops_binary(pkg, monkeypatch):
     independent = kern.independent
     fake_compile(independent)
     r = pkg.reloader()
-    pkg.edit("kern", COMPILED.replace("@triton.jit\ndef independent", "@triton.jit(do_not_specialize=['x_ptr'])\ndef independent"))
+    pkg.edit("kern", COMPILED.replace("@triton.jit\ndef independent",
+                                      "@triton.jit(do_not_specialize=['x_ptr'])\ndef independent"))
     report = pkg.reload(r)
     assert report.jit_kernels == 1 and dict(independent.device_caches) == {}
     assert independent.do_not_specialize == ["x_ptr"]
@@ -455,7 +458,8 @@ def test_compile_ahead_raises_when_any_binary_did_not_compile_not_only_when_all_
     monkeypatch.setattr(ahead, "_recompile", recompile)
     r = pkg.reloader()
     pkg.edit("kern", COMPILED.replace("return x + 1", "return x + 3"))  # uses_helper and outside_caller
-    with pytest.raises(RuntimeError, match=r"1 of 2 binaries did not compile: outside_caller: RuntimeError: no backend"):
+    with pytest.raises(RuntimeError,
+                       match=r"1 of 2 binaries did not compile: outside_caller: RuntimeError: no backend"):
         r.compile_ahead()
 
 

@@ -162,7 +162,8 @@ def _recompile(new_fn, compiled, target, backend) -> int:
     if spec is None:
         return 0
     signature, constexprs, attrs, options = spec
-    triton.compile(jit.ast_source(new_fn)(new_fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    triton.compile(jit.ast_source(new_fn)(new_fn, signature, constexprs, attrs), target=target,
+                   options=options.__dict__)
     return 1
 
 

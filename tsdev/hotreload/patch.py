@@ -128,7 +128,8 @@ class Patcher:
             for old_cell, new_cell in zip(old.__closure__ or (), new.__closure__ or ()):
                 self._cell(old_cell, new_cell, module, name)
             old.__defaults__ = tuple(map(self.translate, new.__defaults__)) if new.__defaults__ else None
-            old.__kwdefaults__ = {k: self.translate(v) for k, v in new.__kwdefaults__.items()} if new.__kwdefaults__ else None
+            old.__kwdefaults__ = ({k: self.translate(v) for k, v in new.__kwdefaults__.items()}
+                                  if new.__kwdefaults__ else None)
             old.__annotations__ = dict(new.__annotations__)
             old.__dict__ = {k: self.translate(v) for k, v in new.__dict__.items()}
             old.__doc__, old.__name__, old.__qualname__ = new.__doc__, new.__name__, new.__qualname__

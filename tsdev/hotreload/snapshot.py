@@ -12,7 +12,8 @@ import tomllib
 from pathlib import Path
 from types import ModuleType
 
-DEFAULT_PACKAGES = ("tsdev_runtime.models", "tsdev_runtime.layers", "tsdev_runtime.moe", "tsdev_runtime.sampling", "tsdev_kernels.ops")
+DEFAULT_PACKAGES = ("tsdev_runtime.models", "tsdev_runtime.layers", "tsdev_runtime.moe", "tsdev_runtime.sampling",
+                    "tsdev_kernels.ops")
 
 
 def _project_config(project_root: str | Path | None) -> tuple[Path, dict] | None:

@@ -217,7 +217,8 @@ class Daemon:
                 self.message(f"needs a restart ({'; '.join(reasons)}), but tsdev watch did not start this server: "
                              "restart it yourself", "warning")
             if changes.reload:
-                await self.reloads.run(self.reloads.new("save", changes.files, changes.reload, saved_at=changes.saved_at))
+                await self.reloads.run(self.reloads.new("save", changes.files, changes.reload,
+                                                        saved_at=changes.saved_at))
         if batch.weights is not None:
             if self.down:
                 self.message(f"new checkpoint {batch.weights} not loaded: the server is down", "warning")

@@ -64,7 +64,8 @@ class ServerLink:
             return []
         flags = []
         for flag, sizes, used in (("--cudagraph-capture-first", info.decode_graph_sizes, info.decode_graphs_used),
-                                  ("--prefill-graph-capture-first", info.prefill_graph_buckets, info.prefill_graphs_used)):
+                                  ("--prefill-graph-capture-first", info.prefill_graph_buckets,
+                                   info.prefill_graphs_used)):
             if sizes:
                 flags += [flag, ",".join(map(str, used or sizes[:1]))]
         return flags

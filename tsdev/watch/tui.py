@@ -347,7 +347,8 @@ class WatchApp(App):
         if isinstance(record, WeightsRecord) and record.verdict is not None and not record.verdict.same:
             cells["golden"] = Text(f"new @{record.verdict.position}", "cyan")  # expected with new weights
         elif record.verdict is not None:
-            cells["golden"] = Text("same", "green") if record.verdict.same else Text(f"changed @{record.verdict.position}", "yellow")
+            cells["golden"] = (Text("same", "green") if record.verdict.same
+                               else Text(f"changed @{record.verdict.position}", "yellow"))
         if record.probe is not None:
             delta = record.probe.delta
             cells["decode ms/step"] = f"{record.probe.ms:.2f}" + (f" ({delta:+.2f})" if delta is not None else "")
@@ -361,7 +362,8 @@ class WatchApp(App):
             elif isinstance(record, ReloadRecord) and not record.reloaded:
                 cells["outcome"] = Text("no change", "dim")
             else:
-                cells["outcome"] = Text("restarted" if record.n and isinstance(record, RestartRecord) else "ok", "green")
+                cells["outcome"] = Text("restarted" if record.n and isinstance(record, RestartRecord) else "ok",
+                                        "green")
         else:
             cells["outcome"] = Text("running", "yellow")
         return cells

@@ -123,7 +123,8 @@ class Changes:
         def union(a, b):
             return sorted(set(a) | set(b))
         return Changes(union(self.files, other.files), union(self.reload, other.reload),
-                       union(self.restart, other.restart), max(filter(None, (self.saved_at, other.saved_at)), default=None))
+                       union(self.restart, other.restart),
+                       max(filter(None, (self.saved_at, other.saved_at)), default=None))
 
 
 def _digest(path: Path) -> str | None:

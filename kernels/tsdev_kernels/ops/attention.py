@@ -86,7 +86,8 @@ def paged_attention_ref(
     out = torch.zeros_like(q) if out is None else out.zero_()
     page_size = k_cache.shape[1]
     group = q.shape[1] // k_cache.shape[2]
-    for i, (start, end, seq_len) in enumerate(zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist(), seq_lens.tolist())):
+    for i, (start, end, seq_len) in enumerate(zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist(),
+                                                  seq_lens.tolist())):
         q_len = end - start
         if q_len == 0:
             continue
@@ -335,7 +336,8 @@ def paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table,
                         num_splits: int | None = None, block_n: int | None = None, out=None,
                         store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                         num_warps: int = 4, num_stages: int = 3, order: torch.Tensor | None = None,
-                        kv_scales: tuple[float, float] = (1.0, 1.0), fp8_dot: torch.dtype | None = None) -> torch.Tensor:
+                        kv_scales: tuple[float, float] = (1.0, 1.0),
+                        fp8_dot: torch.dtype | None = None) -> torch.Tensor:
     """Decode attention; with store = (k, v, slot_mapping) this step's keys and values are written into the cache
     first, by the kernel itself (each by the split that reads its position back). order [B] (a permutation of
     the sequences, longest first): the order their programs start in, so the last to start are the shortest
@@ -567,8 +569,8 @@ def _paged_batch(q_lens: list[int], cached: list[int], heads: tuple[int, int, in
     for i, n in enumerate(pages_of):
         table[i, :n] = pool[start:start + n]
         start += n
-    cache = lambda: quantize_kv(torch.randn(len(pool), page_size, hk, d, generator=generator, device=device),  # noqa: E731
-                                1.0, kv_dtype or dtype)
+    cache = lambda: quantize_kv(  # noqa: E731
+        torch.randn(len(pool), page_size, hk, d, generator=generator, device=device), 1.0, kv_dtype or dtype)
     k_cache, v_cache = cache(), cache()
     tokens = sum(q_lens)
     q = torch.randn(tokens, hq, d, generator=generator, device=device).to(dtype)
@@ -578,7 +580,8 @@ def _paged_batch(q_lens: list[int], cached: list[int], heads: tuple[int, int, in
         # checks the store's rounding bit for bit there)
         k, v = (quantize_kv(x, 1.0, kv_dtype).to(dtype) for x in (k, v))
     slots = torch.cat([table[i, torch.arange(c, n, device=device) // page_size].long() * page_size
-                       + torch.arange(c, n, device=device) % page_size for i, (c, n) in enumerate(zip(cached, seq_lens))])
+                       + torch.arange(c, n, device=device) % page_size
+                       for i, (c, n) in enumerate(zip(cached, seq_lens))])
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     order = torch.tensor(longest_first(seq_lens), dtype=torch.int64, device=device)  # as the runner's metadata

@@ -110,7 +110,8 @@ def gemv_config(n_out: int, k: int, fused_norm: bool, gated: bool, weight_bytes:
     lm_head (4, 1024, 2). Other shapes' configurations follow from the rule: compiled for sm_90 without spills
     (tests/test_kernel_configs.py), not measured."""
     gates = 2 if gated else 1
-    block_k = triton.next_power_of_2(k) if fused_norm else min(triton.next_power_of_2(k), GEMV_ROW_BYTES // weight_bytes)
+    block_k = (triton.next_power_of_2(k) if fused_norm
+               else min(triton.next_power_of_2(k), GEMV_ROW_BYTES // weight_bytes))
     block_n = next(b for b in (4, 2, 1) if n_out >= b * GEMV_PROGRAMS or b == 1)
     block_n = min(block_n, max(1, GEMV_WEIGHTS_PER_THREAD * 32 * 8 // (block_k * gates)))
     num_warps = min(8, max(2, block_n * block_k * gates // (GEMV_WEIGHTS_PER_THREAD * 32)))

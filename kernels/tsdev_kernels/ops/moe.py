@@ -349,7 +349,8 @@ def _moe_down_gemv(A, W, S, OUT, IDS, TOPK_W, N, K, stride_am, stride_we, stride
         for k0 in range(0, K, BLOCK_K):
             k_ok = (k0 + ks) < K
             a = tl.load(a_row + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            acc += tl.load(rows + (k0 + ks)[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * a
+            acc += tl.load(rows + (k0 + ks)[None, :], mask=col_ok[:, None] & k_ok[None, :],
+                           other=0.0).to(tl.float32) * a
         y = tl.sum(acc, axis=1)
         if HAS_SCALE:
             y *= tl.load(S + expert * stride_se + cols, mask=col_ok, other=0.0)

@@ -216,7 +216,8 @@ def rope_triton(
     T, Hq, D = q.shape
     Hk = k.shape[1]
     norm = q_weight is not None
-    q_out, k_out = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    q_out, k_out = (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+                    torch.empty(k.shape, dtype=k.dtype, device=k.device))
     if T == 0:
         return q_out, k_out
     half = D // 2

@@ -355,7 +355,8 @@ def _penalties_kernel(LOGITS, SLOTS, COUNTS, PARAMS, V, stride_l, stride_c,
         history = tl.load(COUNTS + slot.to(tl.int64) * stride_c + cols, mask=mask, other=0)
         generated = (history & (PROMPT_BIT - 1)).to(tl.float32)
         x = tl.load(LOGITS + row.to(tl.int64) * stride_l + cols, mask=mask, other=0.0)
-        presence, frequency, rep = tl.load(PARAMS + slot * 3), tl.load(PARAMS + slot * 3 + 1), tl.load(PARAMS + slot * 3 + 2)
+        presence, frequency, rep = (tl.load(PARAMS + slot * 3), tl.load(PARAMS + slot * 3 + 1),
+                                    tl.load(PARAMS + slot * 3 + 2))
         x = tl.where(history != 0, tl.where(x > 0, x / rep, x * rep), x)
         x = x - frequency * generated - presence * (generated > 0).to(tl.float32)
         tl.store(LOGITS + row.to(tl.int64) * stride_l + cols, x, mask=mask)

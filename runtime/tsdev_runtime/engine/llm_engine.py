@@ -162,7 +162,8 @@ class LLMEngine:
         self.config = config
         checkpoint = Checkpoint.open(config)
         opened = time.perf_counter() - start  # the first use of the default model writes it
-        self.model_dir, self.model_config, self.max_model_len = checkpoint.dir, checkpoint.config, checkpoint.max_model_len
+        self.model_dir, self.model_config, self.max_model_len = (checkpoint.dir, checkpoint.config,
+                                                                 checkpoint.max_model_len)
         self.weights_dir = self.model_dir  # where the weights now served came from (an update changes it)
         self.tokenizer_dir = Path(config.tokenizer) if config.tokenizer else self.model_dir  # and the chat template
         tokenizer_file = self.tokenizer_dir / "tokenizer.json"
@@ -185,8 +186,8 @@ class LLMEngine:
         # what the server is doing now (runtime/tsdev_runtime/engine/state.py)
         self.state = EngineState(self.runner.sleep_state)
         self.block_manager = BlockManager(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_running, config.max_batched_tokens, self.max_model_len,
-                                   admitting=lambda: not self.state.holding)
+        self.scheduler = Scheduler(self.block_manager, config.max_running, config.max_batched_tokens,
+                                   self.max_model_len, admitting=lambda: not self.state.holding)
         self.in_flight: _Launched | None = None
         self.detokenizers: dict[Sequence, Detokenizer] = {}
         self.free_slots = list(range(config.max_running))  # the sampler's state rows (penalties, logit_bias)
@@ -489,7 +490,8 @@ class LLMEngine:
         bm = self.block_manager
         return EngineStats(
             running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting) + sum(map(len, self.waiting_for.values())), kv_pages_used=bm.num_used_pages,
+            waiting=len(self.scheduler.waiting) + sum(map(len, self.waiting_for.values())),
+            kv_pages_used=bm.num_used_pages,
             kv_pages_total=bm.num_pages, prefix_cache_hits=bm.hits, prefix_cache_queries=bm.queries,
             prompt_tokens=self.num_prompt_tokens, generated_tokens=self.num_generated_tokens, steps=self.num_steps,
             decode_steps=self.num_decode_steps, rows=self.num_rows, decode_rows=self.num_decode_rows,
@@ -535,7 +537,8 @@ class LLMEngine:
     def _launch(self, batch: ScheduledBatch) -> _Launched:
         # prompt tokens computed (a recompute after preemption counts them again: they are computed again)
         self.num_prompt_tokens += sum(min(n, s.num_prompt_tokens - s.num_computed_tokens)
-                                      for s, n in zip(batch.seqs, batch.num_tokens) if s.num_computed_tokens < s.num_prompt_tokens)
+                                      for s, n in zip(batch.seqs, batch.num_tokens)
+                                      if s.num_computed_tokens < s.num_prompt_tokens)
         self.num_steps += 1
         self.num_rows += len(batch.seqs)
         if max(batch.num_tokens) == 1:
@@ -576,7 +579,8 @@ class LLMEngine:
             entries = logprob_entries(drawn, [tokens[i] for i in rows],
                                       [launched.sampling[i].params.logprobs for i in rows])
             logprobs = dict(zip(rows, entries))
-        live = [(i, seq, pos, token) for i, (seq, pos, token) in enumerate(zip(launched.sampling, launched.positions, tokens))
+        live = [(i, seq, pos, token)
+                for i, (seq, pos, token) in enumerate(zip(launched.sampling, launched.positions, tokens))
                 if not seq.is_finished]
         for _, seq, pos, token in live:
             seq.token_ids[pos] = token
@@ -594,7 +598,8 @@ class LLMEngine:
                 self._finish(seq, "length")
                 outputs.append(self._output(seq, [], now))
                 continue
-            stopped = self.detokenizers[seq].add(token, check_stop=pos + 1 - seq.num_prompt_tokens >= seq.params.min_tokens)
+            stopped = self.detokenizers[seq].add(token,
+                                                 check_stop=pos + 1 - seq.num_prompt_tokens >= seq.params.min_tokens)
             reason = self._finish_reason(seq, token, stopped, length=pos + 1)
             if reason:
                 del seq.token_ids[pos + 1 :]  # a token the next step sampled for it is dropped

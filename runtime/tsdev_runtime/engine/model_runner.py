@@ -225,11 +225,13 @@ class ModelRunner:
         table = [pages + [0] * (max_pages - len(pages)) for pages in inputs["page_table"]]
 
         def tensor(values, dtype=torch.int32):
-            return torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
+            return torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda").to(
+                self.device, non_blocking=True)
 
         context = Context(
             cu_seqlens_q=tensor(inputs["cu_seqlens_q"]), seq_lens=tensor(inputs["seq_lens"]), page_table=tensor(table),
-            slot_mapping=tensor(inputs["slots"], torch.int64), logits_indices=tensor(inputs["logits_indices"], torch.int64),
+            slot_mapping=tensor(inputs["slots"], torch.int64),
+            logits_indices=tensor(inputs["logits_indices"], torch.int64),
             max_q_len=max(batch.num_tokens),
             order=tensor(longest_first(inputs["seq_lens"]), torch.int64),
         )
@@ -339,7 +341,8 @@ class ModelRunner:
         # batch the graphs will serve
         largest = self.decode_graphs.max_size if self.decode_graphs else self.config.max_running
         for size in sorted({1, min(2, largest), largest}):
-            seqs = [dummy(min(100 + i, longest), min(100 + i, longest) - 1, sampled if i % 2 else greedy) for i in range(size)]
+            seqs = [dummy(min(100 + i, longest), min(100 + i, longest) - 1, sampled if i % 2 else greedy)
+                    for i in range(size)]
             batch = ScheduledBatch(seqs, [1] * size)
             logits = self.compute_logits(batch, use_graphs=False)
             self.sample(logits, seqs)
@@ -376,7 +379,8 @@ class ModelRunner:
         progress.info("capturing %d decode and %d prefill graph(s) before serving",
                       *(len(all_ if now is None else now) for all_, now in zip((sizes, buckets), first)))
         graphs = self.capture_graphs(strict=False, first=first)
-        return {"warm": warm, "capture": sum(graphs["decode"].values()), "capture_prefill": sum(graphs["prefill"].values())}
+        return {"warm": warm, "capture": sum(graphs["decode"].values()),
+                "capture_prefill": sum(graphs["prefill"].values())}
 
     @staticmethod
     def _first(sizes: list[int] | None, wanted: list[int] | None) -> list[int] | None:

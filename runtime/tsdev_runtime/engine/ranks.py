@@ -4,7 +4,8 @@ Why: the ranks' forwards meet in collectives, so every rank must make the same r
 Rank 0 (scheduler, HTTP server, reload) sends each call it makes on its runner; the others `follow`, with only a
 model runner each. A call that fails on every rank alike raises on rank 0; one that fails on some ranks only, or
 differently, or a rank that does not answer, stops the server, since the ranks may be out of step
-(docs/parallel.md, "What runs in step, and what is agreed"). `RankLedger` keeps each rank's outcome per call for the reload reply.
+(docs/parallel.md, "What runs in step, and what is agreed"). `RankLedger` keeps each rank's outcome per call for the
+reload reply.
 """
 import time
 from dataclasses import dataclass, field

@@ -17,13 +17,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 from tsdev_kernels import checks
-from tsdev_runtime.control_protocol import (STEPS, KernelCheckReply, KernelCheckRequest, ReloadFinished, ReloadReply, ReloadRequest, ReloadStarted, ReloadStep,
-                                      WorkerReport)
+from tsdev_runtime.control_protocol import (STEPS, KernelCheckReply, KernelCheckRequest, ReloadFinished, ReloadReply,
+                                      ReloadRequest, ReloadStarted, ReloadStep, WorkerReport)
 from tsdev_runtime.engine.compiles import COMPILES
 from tsdev_runtime.engine.async_engine import AsyncEngine
 from tsdev_runtime.engine.errors import describe_error, stop_server
-from tsdev_runtime.engine.kernel_checks import (KernelChecker, describe_failure, reported as reported_checks, serving_of,
-                                                why_off)
+from tsdev_runtime.engine.kernel_checks import (KernelChecker, describe_failure, reported as reported_checks,
+                                                serving_of, why_off)
 from tsdev_runtime.engine.ranks import RankedReloader, RankLost, rank_entries, reported
 from tsdev_runtime.engine.steps import Step, Steps
 
@@ -116,7 +116,8 @@ class ReloadForward:
         try:
             async with self.async_engine.control_lock:
                 if epoch != self.cancel_epoch:
-                    reply = ReloadReply.of(request.id, [self._worker("cancelled by continue_generation before it started")])
+                    reply = ReloadReply.of(request.id,
+                                           [self._worker("cancelled by continue_generation before it started")])
                 elif why := self.async_engine.engine.cannot_step():  # asleep: no memory to warm up or capture in
                     reply = ReloadReply.of(request.id, [self._worker(f"cannot reload the forward now: {why}")])
                 else:
@@ -310,7 +311,8 @@ class _Reload:
             await self.ae.between_steps(lambda: self.ae.abort_all(running_only=True))
         remaining = self.deadline - time.perf_counter()
         try:
-            await asyncio.wait_for(self.ae.wait_until_drained(), None if remaining == float("inf") else max(remaining, 0))
+            await asyncio.wait_for(self.ae.wait_until_drained(),
+                                   None if remaining == float("inf") else max(remaining, 0))
         except TimeoutError:
             raise StepTimeout(f"timed out after {self.request.timeout_s} s in step '{DRAIN}' "
                               f"({self.engine.num_running} request(s) still running); nothing was changed") from None

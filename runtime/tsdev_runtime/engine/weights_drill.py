@@ -31,7 +31,8 @@ class DrillReport:
     def __str__(self) -> str:
         mean = {k: sum(v) / max(len(v), 1) for k, v in self.seconds.items()}
         return (f"{self.mode}: {self.rounds} round(s) identical to a fresh load; mean sleep {mean['sleep']:.3f} s, "
-                f"wake {mean['wake']:.3f} s, reload {mean['reload']:.3f} s, freed {max(self.freed_bytes, default=0) / 1e9:.2f} GB")
+                f"wake {mean['wake']:.3f} s, reload {mean['reload']:.3f} s, "
+                f"freed {max(self.freed_bytes, default=0) / 1e9:.2f} GB")
 
 
 def greedy(engine: LLMEngine, max_tokens: int = 12) -> list[list[int]]:
@@ -67,9 +68,11 @@ def drill(engine: LLMEngine, rounds: int, mode: str = "",
         for key, seconds in times.items():
             report.seconds[key].append(seconds)
         checksum = engine.weights_checksum()
-        differ = sorted(name for name in reference.keys() | checksum.keys() if reference.get(name) != checksum.get(name))
+        differ = sorted(name for name in reference.keys() | checksum.keys()
+                        if reference.get(name) != checksum.get(name))
         if differ:
-            raise DrillFailed(f"round {n}: {len(differ)} tensor(s) differ from the fresh load, e.g. {', '.join(differ[:5])}")
+            raise DrillFailed(f"round {n}: {len(differ)} tensor(s) differ from the fresh load, "
+                              f"e.g. {', '.join(differ[:5])}")
         output = greedy(engine)
         if output != expected:
             raise DrillFailed(f"round {n}: greedy output changed: {expected} -> {output}")

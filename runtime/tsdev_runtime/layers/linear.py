@@ -146,7 +146,8 @@ class MergedLinear(Linear):
         """Linear's, each shard's block scales stacked as its rows are: every shard must start on a block."""
         uneven = {name: size for name, (_, size) in self.shard_offsets.items() if size % block[0]}
         if uneven and len(self.shard_offsets) > 1:
-            raise ValueError(f"a stacked projection's shards ({', '.join(f'{n}: {s} rows' for n, s in uneven.items())}) "
+            raise ValueError("a stacked projection's shards "
+                             f"({', '.join(f'{n}: {s} rows' for n, s in uneven.items())}) "
                              f"do not fill whole {block[0]}-row blocks of FP8 scales: this checkpoint cannot be "
                              "served stacked")
         super().store_fp8_blocks(block)
@@ -172,7 +173,8 @@ class MergedLinear(Linear):
             offset, size = offset // self.block[0], -(-size // self.block[0])
         target = getattr(self, param).data[offset : offset + size]
         if target.shape != tensor.shape:
-            raise ValueError(f"shard {key[0]}: expected shape {tuple(target.shape)}, checkpoint has {tuple(tensor.shape)}")
+            raise ValueError(f"shard {key[0]}: expected shape {tuple(target.shape)}, "
+                             f"checkpoint has {tuple(tensor.shape)}")
         target.copy_(tensor)
 
 

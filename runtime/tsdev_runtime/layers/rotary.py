@@ -9,7 +9,8 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
         # derived, not loaded: filled by process_weights_after_loading, in place (CUDA graphs read it)
-        self.register_buffer("cos_sin_cache", torch.empty(max_positions, head_dim, dtype=torch.float32), persistent=False)
+        self.register_buffer("cos_sin_cache", torch.empty(max_positions, head_dim, dtype=torch.float32),
+                             persistent=False)
 
     def process_weights_after_loading(self) -> None:
         table = rope_ops.rope_cos_sin_cache(self.head_dim, self.max_positions, self.theta, self.cos_sin_cache.device,

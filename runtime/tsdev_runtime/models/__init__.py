@@ -15,7 +15,8 @@ from tsdev_runtime.moe.experts import StackedExperts
 log = logging.getLogger(__name__)
 
 MODELS: dict[str, type[nn.Module]] = {
-    arch: cls for cls in (Qwen3ForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3MoeForCausalLM) for arch in cls.architectures}
+    arch: cls for cls in (Qwen3ForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3MoeForCausalLM)
+    for arch in cls.architectures}
 
 
 def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dtype,

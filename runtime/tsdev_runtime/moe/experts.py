@@ -96,7 +96,8 @@ class StackedExperts(DeclaredLoading, nn.Module):
     def load_weight(self, param: str, key: Key, tensor: torch.Tensor) -> None:
         expert, proj = key
         i = self.local_intermediate
-        target = {"gate": self.w13.data[expert, :i], "up": self.w13.data[expert, i:], "down": self.w2.data[expert]}[proj]
+        target = {"gate": self.w13.data[expert, :i], "up": self.w13.data[expert, i:],
+                  "down": self.w2.data[expert]}[proj]
         if target.shape != tensor.shape:
             raise ValueError(f"expert {expert} {proj}_proj: expected shape {tuple(target.shape)}, checkpoint has "
                              f"{tuple(tensor.shape)}")

@@ -136,7 +136,8 @@ class Sampler(nn.Module):
         else:
             tokens = sampling_ops.sample(logits, tensor(temperatures, torch.float32), tensor(top_ks, torch.int64),
                                          tensor(top_ps, torch.float32), tensor(seeds, torch.int64),
-                                         max_top_k=max_top_k([top_ks[i] for i in sampled], [top_ps[i] for i in sampled]))
+                                         max_top_k=max_top_k([top_ks[i] for i in sampled],
+                                                             [top_ps[i] for i in sampled]))
         if slots is not None:
             state.count(slots, tokens)
         if extras is None or not extras.logprob_rows:

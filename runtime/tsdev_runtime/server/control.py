@@ -7,12 +7,12 @@ import time
 
 from fastapi import APIRouter
 
-from tsdev_runtime.control_protocol import (CONTINUE_ROUTE, EVENTS_ROUTE, FLUSH_ROUTE, IS_SLEEPING_ROUTE, KERNEL_CHECK_ROUTE,
-                                      KernelCheckRequest, MODULES_ROUTE,
+from tsdev_runtime.control_protocol import (CONTINUE_ROUTE, EVENTS_ROUTE, FLUSH_ROUTE, IS_SLEEPING_ROUTE,
+                                      KERNEL_CHECK_ROUTE, KernelCheckRequest, MODULES_ROUTE,
                                       PAUSE_ROUTE, RELOAD_ROUTE, RELOAD_WEIGHTS_ROUTE, SLEEP_ROUTE, START_PROFILE_ROUTE,
                                       STOP_PROFILE_ROUTE, UPDATE_WEIGHTS_FROM_DISK_ROUTE, UPDATE_WEIGHTS_ROUTE,
-                                      WAKE_UP_ROUTE, WEIGHTS_CHECKSUM_ROUTE, UpdateWeightsRequest, WeightsChecksumReply, Awake,
-                                      Continued, ContinueReply, FlushReply, ModulesReply, Paused, PauseReply,
+                                      WAKE_UP_ROUTE, WEIGHTS_CHECKSUM_ROUTE, UpdateWeightsRequest, WeightsChecksumReply,
+                                      Awake, Continued, ContinueReply, FlushReply, ModulesReply, Paused, PauseReply,
                                       PauseRequest, ProfileFinished, ProfileRequest, ProfileStarted, ReloadRequest,
                                       ReloadWeightsReply, ReloadWeightsRequest, Sleeping, SleepReply, SleepRequest,
                                       SleepStatus, WakeUpReply, WakeUpRequest, WeightsReloaded)
@@ -145,7 +145,8 @@ def weights_router(ae: AsyncEngine, security: SecurityPolicy) -> APIRouter:
             try:
                 await ae.drain()
                 await ae.between_steps(lambda: ae.fail_all(Unavailable(
-                    "the server went to sleep (POST /sleep) before this request ran: POST /wake_up, then send it again")))
+                    "the server went to sleep (POST /sleep) before this request ran: POST /wake_up, then send it "
+                    "again")))
                 info = await ae.run_on_engine_thread(engine.sleep, level)
             finally:
                 ae.refuse(None)

@@ -98,7 +98,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _internal_error(request, exc: Exception):
         log.exception("unhandled error in %s %s", request.method, request.url.path)
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc} (see the server log)", None, "server_error")
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc} (see the server log)", None,
+                              "server_error")
 
 
 def unknown_field(path: str, field: str) -> str:

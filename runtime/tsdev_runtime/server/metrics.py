@@ -62,7 +62,8 @@ class CountsAtScrape:
 
     def __init__(self, name: str, documentation: str, label: str, read: Callable[[], dict[str, int]],
                  model_name: str, registry: CollectorRegistry):
-        self.name, self.documentation, self.label, self.read, self.model_name = name, documentation, label, read, model_name
+        self.name, self.documentation, self.label, self.read, self.model_name = (name, documentation, label, read,
+                                                                                 model_name)
         registry.register(self)
 
     def describe(self):

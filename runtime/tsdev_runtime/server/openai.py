@@ -130,7 +130,8 @@ def openai_router(deps: ServerDeps) -> APIRouter:
         vocab = deps.engine.model_config.vocab_size
         if bad := next((t for t in body.tokens if not 0 <= t < vocab), None):
             raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", "tokens")
-        return {"prompt": await deps.off_loop(lambda: deps.engine.tokenizer.decode(body.tokens, skip_special_tokens=False))}
+        return {"prompt": await deps.off_loop(
+            lambda: deps.engine.tokenizer.decode(body.tokens, skip_special_tokens=False))}
 
     return router
 
@@ -159,7 +160,8 @@ async def complete(deps: ServerDeps, body: CompletionRequest, request: Request):
     def prepare():
         token_lists = [deps.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         params = deps.check_sampling([body.sampling_params(deps.check_length(ids, max_tokens), j, body.logprobs,
-                                                           prompt_logprobs) for ids in token_lists for j in range(body.n)])
+                                                           prompt_logprobs)
+                                      for ids in token_lists for j in range(body.n)])
         echoes = [(p if isinstance(p, str) else engine.tokenizer.decode(ids, skip_special_tokens=False), ids)
                   for p, ids in zip(prompts, token_lists)] if body.echo else None
         return token_lists, params, echoes

@@ -99,7 +99,8 @@ class SamplingRequest(Strict):
     @classmethod
     def _prompt_logprobs(cls, value: Any) -> Any:
         return refuse_unless(value, (None,), "vLLM's prompt_logprobs output is not implemented: send "
-                             "/v1/completions with \"echo\": true and \"logprobs\": N (the prompt's tokens and logprobs)")
+                             "/v1/completions with \"echo\": true and \"logprobs\": N (the prompt's tokens and "
+                             "logprobs)")
 
     @model_validator(mode="after")
     def _consistent(self):

@@ -56,7 +56,8 @@ DEFAULT_NAMES = (None, DEFAULT_MOE, DEFAULT_FP8)  # what `--model` takes for an 
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("TSDEV_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tsdev"
+    root = (os.environ.get("TSDEV_CACHE_DIR")
+            or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tsdev")
     return Path(root)
 
 
@@ -65,7 +66,8 @@ def default_model_dir(device: str, name: str | None = None) -> Path:
     atomically) if it is not there yet."""
     gpu = device.startswith("cuda")
     moe, fp8 = name == DEFAULT_MOE, name == DEFAULT_FP8
-    shape = ("qwen3-moe-small" if moe else "qwen3-0.6b") if gpu else ("tiny-moe" if moe else "tiny-blocks" if fp8 else "tiny")
+    shape = (("qwen3-moe-small" if moe else "qwen3-0.6b") if gpu
+             else ("tiny-moe" if moe else "tiny-blocks" if fp8 else "tiny"))
     final = cache_dir() / f"default-{shape}{'-fp8' if fp8 else ''}-v{VERSION}"
     if (final / "config.json").is_file():
         return final
@@ -116,7 +118,8 @@ def write_checkpoint(out: Path, shape: dict, seed: int = 0, std: float | None = 
         from tsdev_kernels.ops.fp8_block import quantize_fp8_blocks
 
         for name in [n for n in weights if n.endswith("proj.weight")]:
-            weights[name], weights[name.removesuffix("weight") + "weight_scale_inv"] = quantize_fp8_blocks(weights[name])
+            weights[name], weights[name.removesuffix("weight") + "weight_scale_inv"] = (
+                quantize_fp8_blocks(weights[name]))
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
