@@ -85,3 +85,35 @@ def test_the_block_linear_reference_is_the_blockwise_sum_and_close_to_the_unquan
     assert cosine > 0.999, cosine
     assert fp8_block_linear_ref(x.bfloat16(), q, scale_inv).dtype == torch.bfloat16
     assert fp8_block_linear_ref(x.view(1, tokens, k), q, scale_inv).shape == (1, tokens, n)
+
+
+def test_the_token_group_kernel_is_the_reference_where_the_interpreter_casts_exactly():
+    """One program per token and group. Values e4m3 holds exactly after the division (each group's largest 448 times
+    a power of two; an all-zero group: scale 1) -- the interpreter's cast rounds others a binade down; the GPU test
+    compares random values bit for bit."""
+    from tsdev_kernels.ops.fp8_block import quantize_fp8_token_groups_triton
+
+    g = torch.Generator().manual_seed(5)
+    grid = quantize_fp8_token_groups(torch.randn(3, 300, generator=g) * 50)[0].float()
+    grid[:, ::128] = 448.0  # each group's amax
+    t = grid * torch.tensor([2.0**-4, 1.0, 8.0])[:, None]
+    t[1, 128:256] = 0
+    q, scale = quantize_fp8_token_groups_triton(t)
+    want_q, want_scale = quantize_fp8_token_groups(t)
+    assert scale.shape == (3, 3) and torch.equal(scale, want_scale) and scale[1, 1] == 1
+    assert torch.equal(q.float(), want_q.float())
+
+
+@pytest.mark.parametrize("tokens, n, k", [(1, 256, 384), (5, 200, 300), (40, 128, 130)])
+def test_the_block_gemm_kernel_is_the_block_linear_reference(tokens, n, k):
+    """Given the token-group quantization, the kernel's K loop (a block's product from zero, times both scales, into
+    a float32 sum) is the reference's blockwise sum up to float32 order; partial blocks at both edges, a bias."""
+    from tsdev_kernels.ops.fp8_block import fp8_block_gemm_triton
+
+    g = torch.Generator().manual_seed(tokens)
+    weight, scale_inv = quantize_fp8_blocks(torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g))
+    x, bias = torch.randn(tokens, k, generator=g) * 3, torch.randn(n, generator=g)
+    xq, x_scale = quantize_fp8_token_groups(x)
+    got = fp8_block_gemm_triton(xq, x_scale, weight, scale_inv, bias=bias, out_dtype=torch.float32)
+    torch.testing.assert_close(got, fp8_block_linear_ref(x, weight, scale_inv, bias=bias), rtol=1e-5, atol=1e-4)
+    assert not torch.allclose(got, fp8_block_linear_ref(x, weight, scale_inv), rtol=1e-5, atol=1e-4)  # the bias

@@ -1,14 +1,23 @@
 """Block-quantized FP8, as the FP8 checkpoints people serve store it (Qwen's `*-FP8` releases, DeepSeek-V3): e4m3
 weights with one float32 multiplier per block of 128 x 128 (`<name>.weight_scale_inv`: weight ~ e4m3 x the scale of its
 block), and activations quantized at run time per token and per group of 128 columns (`activation_scheme:
-dynamic`). The torch references of that arithmetic: what the checkpoint writer of the tests stores, what the Triton
-kernels to come (issue 50) are checked against.
+dynamic`). The torch references of that arithmetic (what the checkpoint writer of the tests stores) and the Triton
+kernels checked against them: `quantize_fp8_token_groups_triton` (one program per token and group) and
+`fp8_block_linear_triton` (a GEMM whose K loop steps one block at a time: each block's e4m3 product starts from
+zero, is multiplied by the token's group scale and the weight block's scale and added to a float32 sum -- so the
+reduced-precision sums of Hopper's FP8 tensor cores never run past one block, the scheme of DeepSeek's DeepGEMM).
+Layers still run the reference: the kernels switch in once `pytest -m gpu tests/test_fp8_block_gpu.py` has passed
+on the H200.
 
 A weight whose sizes are not multiples of the block has partial blocks at its edges (the scales' shape is
 ceil(N / block_n) x ceil(K / block_k), as DeepSeek's); each block's scale is its largest magnitude / 448 (e4m3's
 largest finite value), 1 for an all-zero block, as transformers' fine-grained FP8 quantizer writes it.
 """
 import torch
+import triton
+import triton.language as tl
+
+from tsdev_kernels.ops import pdl, wait_for_previous
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
@@ -75,3 +84,102 @@ def fp8_block_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).view(*x.shape[:-1], n)
+
+
+_MAX = tl.constexpr(448.0)  # E4M3_MAX, for the kernels
+
+
+@triton.jit
+def _token_group_quant_kernel(X, Q, S, K, stride_x, stride_q, stride_s, GROUP: tl.constexpr, PDL: tl.constexpr):
+    """One token's (program 0) group of GROUP columns (program 1): `quantize_fp8_token_groups`' arithmetic."""
+    wait_for_previous(PDL)
+    row, group = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    cols = group * GROUP + tl.arange(0, GROUP)
+    t = tl.load(X + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(t), axis=0)
+    scale = tl.where(amax > 0, amax / _MAX, 1.0)
+    tl.store(Q + row * stride_q + cols, tl.clamp(t / scale, -_MAX, _MAX).to(Q.dtype.element_ty), mask=cols < K)
+    tl.store(S + row * stride_s + group, scale)
+
+
+def quantize_fp8_token_groups_triton(x: torch.Tensor, group: int = BLOCK[1]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_fp8_token_groups` of x [T, K] (last dim contiguous) in one launch."""
+    t, k = x.shape
+    groups = -(-k // group)
+    q = torch.empty(t, k, dtype=E4M3, device=x.device)
+    scale = torch.empty(t, groups, dtype=torch.float32, device=x.device)
+    if t:
+        use_pdl = pdl(x)
+        _token_group_quant_kernel[(t, groups)](x, q, scale, k, x.stride(0), q.stride(0), scale.stride(0), GROUP=group,
+                                               PDL=use_pdl, num_warps=1 if group <= 128 else 4, launch_pdl=use_pdl)
+    return q, scale
+
+
+@triton.jit
+def _block_gemm_kernel(A, A_S, W, W_S, B, OUT, M, N, K, stride_am, stride_as, stride_wn, stride_ws, stride_om,
+                       BLOCK_N_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, F32_DOT: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """OUT[m, n] for a BLOCK_M x BLOCK_N tile: over the K blocks (BLOCK_K = the checkpoint's block_k), the e4m3 tiles'
+    product from zero, times A_S[m, block] and W_S[n // BLOCK_N_SCALE, block], added to a float32 sum; plus the bias,
+    rounded once. BLOCK_N divides BLOCK_N_SCALE, so a tile's columns share one weight scale per K block.
+    F32_DOT: the tiles multiplied as float32 (the interpreter; e4m3 products are exact in float32)."""
+    wait_for_previous(PDL)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < M, cols < N
+    ks = tl.arange(0, BLOCK_K)
+    a_rows = A + rows[:, None].to(tl.int64) * stride_am
+    w_rows = W + cols[:, None].to(tl.int64) * stride_wn
+    w_scales = W_S + (tl.program_id(1) * BLOCK_N // BLOCK_N_SCALE) * stride_ws
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for block in range(0, tl.cdiv(K, BLOCK_K)):
+        k = block * BLOCK_K + ks
+        a = tl.load(a_rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
+        w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & (k < K)[None, :], other=0.0)
+        if F32_DOT:
+            part = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            part = tl.dot(a, tl.trans(w))
+        a_s = tl.load(A_S + rows.to(tl.int64) * stride_as + block, mask=row_ok, other=0.0)
+        acc += part * a_s[:, None] * tl.load(w_scales + block)
+    if HAS_BIAS:
+        acc += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(OUT + rows[:, None].to(tl.int64) * stride_om + cols[None, :], acc.to(OUT.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def block_gemm_config(rows: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps): untuned -- 16 rows (tl.dot's smallest) up to 16 tokens, 64 above."""
+    return (16, 64, 4) if rows <= 16 else (64, 128, 4)
+
+
+def fp8_block_gemm_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+                          weight_scale_inv: torch.Tensor, block: tuple[int, int] = BLOCK,
+                          bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+                          config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """xq [T, K] e4m3 with its group scales [T, ceil(K / block_k)] (`quantize_fp8_token_groups`) @ the block-FP8
+    weight [N, K].T (+ bias) -> [T, N] in out_dtype: `_block_gemm_kernel`, config (BLOCK_M, BLOCK_N, num_warps)."""
+    block_n, block_k = block
+    t, n, k = xq.shape[0], weight.shape[0], weight.shape[1]
+    out = torch.empty(t, n, dtype=out_dtype, device=xq.device)
+    bm, bn, warps = config or block_gemm_config(t)
+    bn = min(bn, block_n)
+    if t:
+        use_pdl = pdl(xq)
+        _block_gemm_kernel[(triton.cdiv(t, bm), triton.cdiv(n, bn))](
+            xq, x_scale, weight, weight_scale_inv, bias if bias is not None else x_scale, out, t, n, k, xq.stride(0),
+            x_scale.stride(0), weight.stride(0), weight_scale_inv.stride(0), out.stride(0), BLOCK_N_SCALE=block_n,
+            HAS_BIAS=bias is not None, F32_DOT=not xq.is_cuda, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, PDL=use_pdl,
+            num_warps=warps, launch_pdl=use_pdl)
+    return out
+
+
+def fp8_block_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                            block: tuple[int, int] = BLOCK, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`fp8_block_linear_ref`'s arithmetic in two launches: the token-group quantization, then the block GEMM."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    xq, x_scale = quantize_fp8_token_groups_triton(rows, block[1])
+    out = fp8_block_gemm_triton(xq, x_scale, weight, weight_scale_inv, block, bias, x.dtype)
+    return out.view(*x.shape[:-1], weight.shape[0])

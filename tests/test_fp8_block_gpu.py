@@ -1,0 +1,37 @@
+"""Block-FP8 kernels on the H200 (`pytest -m gpu tests/test_fp8_block_gpu.py`): the token-group quantization bit for
+bit torch's on fresh random activations, and the block linear (quantization + block GEMM) against its torch reference
+at Qwen3-8B's projection shapes, on both of Hopper's instruction paths (BLOCK_M 16: mma.sync; 64: the FP8 wgmma, whose
+reduced-precision sums the K loop restarts every block). Until these pass, layers run the reference."""
+import pytest
+import torch
+
+from tsdev_kernels.ops.fp8_block import (fp8_block_gemm_triton, fp8_block_linear_ref, fp8_block_linear_triton,
+                                         quantize_fp8_blocks, quantize_fp8_token_groups,
+                                         quantize_fp8_token_groups_triton)
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("tokens, k", [(1, 4096), (64, 12288), (300, 1000)])
+def test_the_token_group_kernel_is_torchs_bit_for_bit(tokens, k):
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    x = (torch.randn(tokens, k, generator=g, device="cuda") * 7).bfloat16()
+    x[0, :128] = 0
+    q, scale = quantize_fp8_token_groups_triton(x)
+    want_q, want_scale = quantize_fp8_token_groups(x)
+    assert torch.equal(scale, want_scale) and scale[0, 0] == 1
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("config", [(16, 64, 4), (64, 128, 4)], ids=["mma", "wgmma"])
+@pytest.mark.parametrize("tokens, n, k", [(1, 6144, 4096), (16, 4096, 4096), (256, 24576, 4096), (200, 4096, 12288)])
+def test_the_block_linear_is_its_reference_in_bf16(tokens, n, k, config):
+    g = torch.Generator(device="cuda").manual_seed(n + tokens)
+    weight, scale_inv = quantize_fp8_blocks(torch.randn(n, k, generator=g, device="cuda") * k**-0.5)
+    x = torch.randn(tokens, k, generator=g, device="cuda").bfloat16()
+    ref = fp8_block_linear_ref(x, weight, scale_inv).float()
+    xq, x_scale = quantize_fp8_token_groups_triton(x)
+    ours = fp8_block_gemm_triton(xq, x_scale, weight, scale_inv, out_dtype=torch.bfloat16, config=config).float()
+    assert (ours - ref).abs().max() / ref.abs().max() < 6e-3  # a bf16 rounding's few 1e-3 at most
+    served = fp8_block_linear_triton(x, weight, scale_inv).float()  # both launches, the default configuration
+    assert (served - ref).abs().max() / ref.abs().max() < 6e-3
