@@ -48,6 +48,7 @@ from tsdev_kernels.checks import KernelCheck, Tolerance
 from tsdev_kernels.ops import pdl, use_triton, wait_for_previous
 from tsdev_kernels.ops.activation import silu_and_mul_values
 from tsdev_kernels.ops.fp8 import quantize_fp8_rows, quantize_fp8_rows_triton
+from tsdev_kernels.ops.fp8_block import fp8_block_linear_ref
 
 log = logging.getLogger(__name__)
 
@@ -428,22 +429,26 @@ def moe_config(num_experts: int, intermediate: int, hidden: int, dtype: torch.dt
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, masked: bool | None = None, *, w13_scale: torch.Tensor | None = None,
-                  w2_scale: torch.Tensor | None = None, w8a8: bool | None = None) -> torch.Tensor:
+                  w2_scale: torch.Tensor | None = None, w8a8: bool | None = None,
+                  block: tuple[int, int] | None = None) -> torch.Tensor:
     """Per chosen expert: its slots' rows through the MLP (float32 GEMMs; the module docstring's rounding), each
     slot's result put in place (index_add into zeros), then the float32 sum over K. masked (default: while a CUDA
     graph is being captured, as under TSDEV_KERNELS=ref:moe): every expert over every slot instead, each slot
     keeping its own expert's result (no host sync, E times the work). With scales the weights are e4m3 and each
     GEMM's float32 result is multiplied by its (expert, row) scale before rounding; w8a8 (default: as the Triton
     path at this many tokens, `uses_w8a8`) quantizes each GEMM's input rows first (`quantize_fp8_rows`) and
-    multiplies by their scales too."""
+    multiplies by their scales too. `block` (a block-FP8 checkpoint's experts): the scales are each expert's block
+    multipliers ([E, rows / block_n, columns / block_k]) and each GEMM is `fp8_block_linear_ref`."""
     T, H = x.shape
     K, dt, E = topk_ids.shape[1], x.dtype, w13.shape[0]
     flat_ids, flat_w = topk_ids.reshape(-1).long(), topk_weights.reshape(-1).float()
     per_slot = torch.zeros(T * K, H, dtype=dt, device=x.device)
     if w8a8 is None:
-        w8a8 = uses_w8a8(T, w13_scale)
+        w8a8 = block is None and uses_w8a8(T, w13_scale)
 
     def project(rows: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, e: int) -> torch.Tensor:
+        if block is not None:
+            return fp8_block_linear_ref(rows, w[e], scale[e], block)
         if w8a8:
             q, row_scales = quantize_fp8_rows(rows)
             return (F.linear(q.float(), w[e].float()) * row_scales * scale[e]).to(dt)
@@ -563,15 +568,19 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
-              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+              w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
     """sum over k of topk_weights[t, k] * MLP_{topk_ids[t, k]}(x[t]), MLP_e(v) = (silu(v @ gate_e.T) * (v @ up_e.T))
     @ w2[e].T with gate_e = w13[e, :I], up_e = w13[e, I:]. x [T, H]; w13 [E, 2*I, H]; w2 [E, H, I]; topk_weights
     [T, K] float32; topk_ids [T, K] int32/int64 in [0, E). FP8 experts: w13 and w2 in e4m3 with w13_scale [E, 2*I]
     and w2_scale [E, H] float32, one per (expert, output row): weight-only on the GEMV path, W8A8 with dynamic
-    per-row activation scales on the aligned GEMMs (the module docstring).
+    per-row activation scales on the aligned GEMMs (the module docstring). A block-FP8 checkpoint's experts: `block`
+    with w13_scale [E, 2*I / block_n, ceil(H / block_k)] and w2_scale [E, ceil(H / block_n), I / block_k], the
+    reference's w8a8-block arithmetic on every device for now.
     Returns [T, H] in x's dtype, rounded as the module docstring says. Triton on CUDA (no host sync, capturable),
     the reference elsewhere."""
     scales = dict(w13_scale=w13_scale, w2_scale=w2_scale)
+    if block is not None:  # a block-FP8 checkpoint's experts: the reference on every device (no kernel yet)
+        return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, **scales, block=block)
     if use_triton(x, "moe"):
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, **scales)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, **scales)

@@ -29,8 +29,8 @@ def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dt
     that cannot run them fails here, before any weight loads.
 
     A checkpoint stored as block-quantized FP8 (its config.json's `quantization_config`): every projection the
-    config does not leave unconverted (`modules_to_not_convert`) holds its e4m3 weight and block scales as stored;
-    its sparse experts are not supported yet (ValueError)."""
+    config does not leave unconverted (`modules_to_not_convert`) holds its e4m3 weight and block scales as stored, and
+    so do the sparse layers' experts."""
     blocks = config.fp8_blocks
     if quantization is not None and blocks:
         raise ValueError(f"--quantization {quantization}: this checkpoint is stored quantized already "
@@ -49,23 +49,25 @@ def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dt
             if blocks:
                 store_fp8_blocks(model, blocks, config.raw["quantization_config"].get("modules_to_not_convert") or [])
                 if torch.device(device).type == "cuda":
-                    log.warning("block-FP8 projections run their torch reference on the GPU (slow: the Triton "
-                                "kernels are not written yet)")
+                    log.warning("block-FP8 projections and experts run their torch reference on the GPU (slow: "
+                                "the Triton kernels are not switched in yet)")
             return model
     finally:
         torch.set_default_dtype(default_dtype)
 
 
 def store_fp8_blocks(model: nn.Module, block: tuple[int, int], unconverted: list[str]) -> None:
-    """Every projection but those under `unconverted` (checkpoint module names, or prefixes of them) holds block-FP8
-    weights; sparse experts cannot yet."""
-    if any(isinstance(m, StackedExperts) for m in model.modules()):
-        raise ValueError("block-FP8 checkpoints of a mixture of experts are not supported yet: serve its bf16 "
-                         "checkpoint, with --quantization fp8 for FP8 experts")
+    """Every projection and every layer's experts but those under `unconverted` (checkpoint module names, or prefixes
+    of them) hold block-FP8 weights; a layer with some experts converted and others not is refused."""
+    def left(checkpoint_name: str) -> bool:
+        return any(checkpoint_name == u or checkpoint_name.startswith(u + ".") for u in unconverted)
     for name, module in model.named_modules():
-        if isinstance(module, Linear) and not any(checkpoint_name == u or checkpoint_name.startswith(u + ".")
-                                                  for checkpoint_name in _checkpoint_names(name, module)
-                                                  for u in unconverted):
+        if isinstance(module, Linear) and not any(map(left, _checkpoint_names(name, module))):
+            module.store_fp8_blocks(block)
+        elif isinstance(module, StackedExperts) and not left(name):
+            if partly := [u for u in unconverted if u.startswith(name + ".")]:
+                raise ValueError(f"{partly[0]} is left unconverted in a block-FP8 checkpoint whose other experts of "
+                                 "that layer are converted: tsdev serves a layer's experts all alike")
             module.store_fp8_blocks(block)
 
 

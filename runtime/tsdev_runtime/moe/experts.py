@@ -13,7 +13,11 @@ and their scales, one float32 per (expert, output row), into one kernel-configur
 kernels read. That object is made once, at `quantize`, and every later load refreshes its tensors in place: CUDA
 graphs captured their addresses. (Rebuilding it at each load, as a fused-MoE implementation once did, leaves
 captured graphs reading the old tensors after sleep(2) + reload_weights: `TSDEV_DEBUG_DERIVED=rebuild` does exactly
-that, as the weights drill's negative control.)"""
+that, as the weights drill's negative control.)
+
+Block-FP8 checkpoints (`store_fp8_blocks`: Qwen's *-FP8 MoE releases): w13 and w2 hold the e4m3 weights as stored and
+`w13_scale_inv [E, 2·I / 128, ceil(H / 128)]`, `w2_scale_inv [E, ceil(H / 128), I / 128]` their blocks' multipliers
+(gate's rows of blocks, then up's), loaded per expert as stored: nothing is derived."""
 import os
 from dataclasses import dataclass
 
@@ -21,7 +25,9 @@ import torch
 from torch import nn
 
 from tsdev_kernels.ops import fp8 as fp8_ops
+from tsdev_kernels.ops import fp8_block
 from tsdev_runtime import distributed
+from tsdev_runtime.layers.linear import block_part
 from tsdev_runtime.weights.keys import DeclaredLoading, Key
 from tsdev_runtime.weights.layout import RankSlice
 from tsdev_runtime.weights.processing import DEBUG_DERIVED_ENV
@@ -70,6 +76,23 @@ class StackedExperts(DeclaredLoading, nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, i), requires_grad=False)
         self.fp8: Fp8Experts | None = None
         self.fp8_filled = False  # a load has derived into self.fp8
+        self.block: tuple[int, int] | None = None  # (block_n, block_k) of a block-FP8 checkpoint's experts
+
+    def store_fp8_blocks(self, block: tuple[int, int]) -> None:
+        """Hold the experts as a block-FP8 checkpoint stores them (module docstring); this rank's intermediate
+        features must fill whole blocks (gate's and up's rows, down's columns)."""
+        i, (bn, bk) = self.local_intermediate, block
+        if i % bn or i % bk:
+            raise ValueError(f"the experts' {i} intermediate features (on this rank) do not fill whole {bn} x {bk} "
+                             "blocks of FP8 scales: this checkpoint cannot be served (with --tp, try a smaller one)")
+        e, h, device = self.num_experts, self.hidden_size, self.w13.device
+
+        def param(*shape, dtype=fp8_block.E4M3):
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+        self.w13, self.w2 = param(e, 2 * i, h), param(e, h, i)
+        self.w13_scale_inv = param(e, 2 * i // bn, -(-h // bk), dtype=torch.float32)
+        self.w2_scale_inv = param(e, -(-h // bn), i // bk, dtype=torch.float32)
+        self.block = block
 
     def quantize(self, method: str) -> None:
         """Run the experts as `method` ("fp8") from the next load on: makes the kernel configuration, once, its
@@ -87,18 +110,30 @@ class StackedExperts(DeclaredLoading, nn.Module):
         self.fp8_filled = True
 
     def checkpoint_names(self, attr: str) -> dict[str, tuple[str, Key]]:
-        return {f"{attr}.{e}.{proj}_proj.weight": (param, (e, proj))
-                for e in range(self.num_experts) for proj, param in PROJECTIONS.items()}
+        names = {f"{attr}.{e}.{proj}_proj.weight": (param, (e, proj))
+                 for e in range(self.num_experts) for proj, param in PROJECTIONS.items()}
+        if self.block:
+            names |= {f"{attr}.{e}.{proj}_proj.weight_scale_inv": (f"{param}_scale_inv", (e, proj))
+                      for e in range(self.num_experts) for proj, param in PROJECTIONS.items()}
+        return names
 
     def weight_slice(self, param: str, key: Key) -> RankSlice:
-        return self.columns if key[1] == "down" else self.rows
+        part = self.columns if key[1] == "down" else self.rows
+        if param.endswith("_scale_inv"):
+            return block_part(part, self.block[part.dim], f"expert {key[0]}'s {key[1]}_proj")
+        return part
 
     def load_weight(self, param: str, key: Key, tensor: torch.Tensor) -> None:
         expert, proj = key
         i = self.local_intermediate
-        target = {"gate": self.w13.data[expert, :i], "up": self.w13.data[expert, i:],
-                  "down": self.w2.data[expert]}[proj]
+        if param.endswith("_scale_inv"):
+            rows = i // self.block[0]
+            target = {"gate": self.w13_scale_inv.data[expert, :rows], "up": self.w13_scale_inv.data[expert, rows:],
+                      "down": self.w2_scale_inv.data[expert]}[proj]
+        else:
+            target = {"gate": self.w13.data[expert, :i], "up": self.w13.data[expert, i:],
+                      "down": self.w2.data[expert]}[proj]
         if target.shape != tensor.shape:
-            raise ValueError(f"expert {expert} {proj}_proj: expected shape {tuple(target.shape)}, checkpoint has "
-                             f"{tuple(tensor.shape)}")
+            raise ValueError(f"expert {expert} {proj}_proj ({param}): expected shape {tuple(target.shape)}, "
+                             f"checkpoint has {tuple(tensor.shape)}")
         target.copy_(tensor)

@@ -19,7 +19,10 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         experts, fp8 = self.experts, self.experts.fp8
-        if fp8 is None:
+        if experts.block:  # a block-FP8 checkpoint's
+            out = moe_ops.fused_moe(x, experts.w13, experts.w2, weights, ids, experts.w13_scale_inv,
+                                    experts.w2_scale_inv, block=experts.block)
+        elif fp8 is None:
             out = moe_ops.fused_moe(x, experts.w13, experts.w2, weights, ids)
         else:
             out = moe_ops.fused_moe(x, fp8.w13, fp8.w2, weights, ids, fp8.w13_scale, fp8.w2_scale)

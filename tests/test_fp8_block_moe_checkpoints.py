@@ -1,0 +1,118 @@
+"""A mixture of experts stored as block-quantized FP8 (Qwen's *-FP8 MoE releases: every projection and every expert's
+gate, up and down in e4m3 with one float32 multiplier per 128 x 128 block; the router unconverted) served on the CPU.
+The checkpoint: a Qwen3-MoE that transformers wrote, quantized by the writer that stores what transformers' own
+quantizer stores. The oracle: transformers' model on the same tensors with each projection and each expert's three
+run as the plain-torch w8a8-block arithmetic -- greedy tokens equal, alone and under --tp 2 on gloo; a layer with some
+experts left unconverted is refused by name."""
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_fp8_block_checkpoints import BlockFP8Linear, served, tp_rank, write_fp8_blocks
+
+from tsdev_kernels.ops.fp8_block import fp8_block_linear_ref
+from tsdev_runtime.config import EngineConfig
+from tsdev_runtime.engine.llm_engine import LLMEngine
+
+PROMPTS = [[5, 17, 300, 42, 9, 77, 123, 8], [900, 3, 3, 250, 61]]
+TOKENS = 12
+QUANTIZATION = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic",
+                "modules_to_not_convert": ["model.layers.0.mlp.gate", "model.layers.2.mlp.gate"]}
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tiny_model_dir, tmp_path_factory):
+    """A Qwen3-MoE that transformers wrote, float32: two sparse layers around a dense one, 4 experts of 256
+    intermediate features (two 128-row blocks of gate and of up, also 128 on each of two ranks), top 2, hidden 192
+    (a partial block), q 256 rows and k, v 128."""
+    import shutil
+
+    import transformers
+
+    out = tmp_path_factory.mktemp("hf-qwen3-moe-blocks")
+    config = transformers.Qwen3MoeConfig(vocab_size=1024, hidden_size=192, intermediate_size=256,
+                                         moe_intermediate_size=256, num_hidden_layers=3, num_attention_heads=2,
+                                         num_key_value_heads=1, head_dim=128, num_experts=4, num_experts_per_tok=2,
+                                         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
+                                         max_position_embeddings=1024, tie_word_embeddings=False)
+    torch.manual_seed(7)
+    model = transformers.Qwen3MoeForCausalLM(config).to(torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".mlp.gate." in name:
+                param.normal_(0.0, 0.2)  # a router that varies its choice from token to token
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, out / name)
+    return out
+
+
+def block_experts(tensors, prefix, act_fn, hidden_states, top_k_index, top_k_weights):
+    """transformers' expert loop, each expert's projections as the w8a8-block arithmetic on the checkpoint's tensors."""
+    def project(rows, e, proj):
+        name = f"{prefix}.{e}.{proj}_proj"
+        return fp8_block_linear_ref(rows, tensors[name + ".weight"], tensors[name + ".weight_scale_inv"])
+    out = torch.zeros_like(hidden_states)
+    for e in top_k_index.unique().tolist():
+        token, k = torch.where(top_k_index == e)
+        rows = hidden_states[token]
+        h = act_fn(project(rows, e, "gate")) * project(rows, e, "up")
+        out.index_add_(0, token, project(h, e, "down") * top_k_weights[token, k, None])
+    return out
+
+
+def oracle_greedy(source, fp8_dir, prompts):
+    import functools
+
+    import transformers
+
+    model = transformers.Qwen3MoeForCausalLM.from_pretrained(source, dtype=torch.float32)
+    tensors = load_file(str(next(fp8_dir.glob("*.safetensors"))))
+    for name, module in list(model.named_modules()):
+        if f"{name}.weight_scale_inv" in tensors:
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, BlockFP8Linear(tensors[f"{name}.weight"],
+                                                                      tensors[f"{name}.weight_scale_inv"]))
+        elif name.endswith(".mlp.experts"):
+            module.forward = functools.partial(block_experts, tensors, name, module.act_fn)
+    outputs = []
+    for prompt in prompts:
+        ids = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+        outputs.append(ids[0, len(prompt):].tolist())
+    return outputs
+
+
+def test_a_block_fp8_moe_checkpoint_serves_the_greedy_tokens_of_the_same_arithmetic(moe_dir, tmp_path):
+    fp8_dir = write_fp8_blocks(moe_dir, tmp_path / "fp8", QUANTIZATION)
+    tensors = load_file(str(next(fp8_dir.glob("*.safetensors"))))
+    assert tensors["model.layers.0.mlp.experts.3.down_proj.weight"].dtype == torch.float8_e4m3fn
+    assert tensors["model.layers.0.mlp.gate.weight"].dtype == torch.float32  # the router as shipped
+    engine, ours = served(fp8_dir, PROMPTS)
+    experts = engine.model.model.layers[0].mlp.experts
+    assert experts.w13.dtype == torch.float8_e4m3fn and experts.w13_scale_inv.shape == (4, 4, 2)
+    assert experts.w2_scale_inv.shape == (4, 2, 2) and experts.block == (128, 128)
+    assert torch.equal(experts.w2_scale_inv[3], tensors["model.layers.0.mlp.experts.3.down_proj.weight_scale_inv"])
+    assert torch.equal(experts.w13_scale_inv[1, 2:], tensors["model.layers.0.mlp.experts.1.up_proj.weight_scale_inv"])
+    want = oracle_greedy(moe_dir, fp8_dir, PROMPTS)
+    assert ours == want and len({tuple(t) for t in ours}) == len(ours)
+    _, exact = served(moe_dir, PROMPTS)
+    assert exact != ours  # the FP8 arithmetic ran
+
+
+@pytest.mark.slow
+def test_two_ranks_each_hold_their_experts_blocks_and_serve_the_tokens_of_one(moe_dir, tmp_path):
+    """Each rank holds 128 of every expert's 256 intermediate features: one block of gate rows, of up rows and of
+    down's columns."""
+    from ranks import run_ranks
+
+    fp8_dir = write_fp8_blocks(moe_dir, tmp_path / "fp8", QUANTIZATION)
+    rank0, _ = run_ranks(tp_rank, 2, str(fp8_dir), timeout=240)
+    assert rank0 == served(fp8_dir, PROMPTS)[1]
+
+
+def test_a_layer_with_some_experts_left_unconverted_is_refused_by_name(moe_dir, tmp_path):
+    quantization = {**QUANTIZATION, "modules_to_not_convert": [*QUANTIZATION["modules_to_not_convert"],
+                                                               "model.layers.2.mlp.experts.1.up_proj"]}
+    fp8_dir = write_fp8_blocks(moe_dir, tmp_path / "fp8", quantization)
+    with pytest.raises(ValueError, match="model.layers.2.mlp.experts.1.up_proj is left unconverted"):
+        LLMEngine(EngineConfig(model=str(fp8_dir), device="cpu", dtype="float32"))
