@@ -3,15 +3,17 @@ gate, up and down in e4m3 with one float32 multiplier per 128 x 128 block; the r
 The checkpoint: a Qwen3-MoE that transformers wrote, quantized by the writer that stores what transformers' own
 quantizer stores. The oracle: transformers' model on the same tensors with each projection and each expert's three
 run as the plain-torch w8a8-block arithmetic -- greedy tokens equal, alone and under --tp 2 on gloo; a layer with some
-experts left unconverted is refused by name."""
+experts left unconverted is refused by name; the logits close to the unquantized model's; the weights drill and its
+negative control; the embedded `default-moe-fp8`."""
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_fp8_block_checkpoints import BlockFP8Linear, served, tp_rank, write_fp8_blocks
+from test_fp8_block_checkpoints import BlockFP8Linear, prefill_logits, served, tp_rank, write_fp8_blocks
 
 from tsdev_kernels.ops.fp8_block import fp8_block_linear_ref
 from tsdev_runtime.config import EngineConfig
 from tsdev_runtime.engine.llm_engine import LLMEngine
+from tsdev_runtime.engine.sequence import SamplingParams
 
 PROMPTS = [[5, 17, 300, 42, 9, 77, 123, 8], [900, 3, 3, 250, 61]]
 TOKENS = 12
@@ -116,3 +118,58 @@ def test_a_layer_with_some_experts_left_unconverted_is_refused_by_name(moe_dir, 
     fp8_dir = write_fp8_blocks(moe_dir, tmp_path / "fp8", quantization)
     with pytest.raises(ValueError, match="model.layers.2.mlp.experts.1.up_proj is left unconverted"):
         LLMEngine(EngineConfig(model=str(fp8_dir), device="cpu", dtype="float32"))
+
+
+def test_its_logits_are_close_to_the_unquantized_models(moe_dir, tmp_path):
+    fp8_dir = write_fp8_blocks(moe_dir, tmp_path / "fp8", QUANTIZATION)
+    for prompt in PROMPTS:
+        exact, quantized = prefill_logits(moe_dir, prompt), prefill_logits(fp8_dir, prompt)
+        assert not torch.equal(exact, quantized)  # the FP8 arithmetic ran
+        cosine = torch.nn.functional.cosine_similarity(exact, quantized, dim=0)
+        assert cosine > 0.99, cosine
+
+
+def test_the_weights_drill_holds_on_block_fp8_experts_and_catches_its_negative_control(moe_dir, tmp_path):
+    """sleep(level=2) -> wake -> reload_weights: every tensor (the experts' e4m3 weights and block scales among them)
+    equal to a fresh load, greedy output unchanged; derived tensors left stale are caught."""
+    from tsdev_runtime.engine.weights_drill import DrillFailed, drill
+    from tsdev_runtime.weights.processing import DEBUG_DERIVED_ENV
+
+    fp8_dir = write_fp8_blocks(moe_dir, tmp_path / "fp8", QUANTIZATION)
+    engine, before = served(fp8_dir, PROMPTS)
+    report = drill(engine, rounds=2)
+    assert report.rounds == 2 and len(report.seconds["reload"]) == 2
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(DEBUG_DERIVED_ENV, "skip")
+        with pytest.raises(DrillFailed, match="differ from the fresh load"):
+            drill(engine, rounds=1)
+    engine.state.set(weights_loaded=True)
+    engine.reload_weights()
+    after = [r["token_ids"] for r in engine.generate(PROMPTS, SamplingParams(max_tokens=TOKENS, temperature=0,
+                                                                             ignore_eos=True))]
+    assert after == before
+
+
+def test_the_embedded_default_moe_fp8_serves_default_moes_kind_stored_as_block_fp8(tmp_path, monkeypatch):
+    import json
+
+    from tsdev_runtime.weights.default_model import DEFAULT_MOE_FP8, SHAPES, write_checkpoint
+
+    monkeypatch.setenv("TSDEV_CACHE_DIR", str(tmp_path / "cache"))
+    engine = LLMEngine(EngineConfig(model=DEFAULT_MOE_FP8, device="cpu"))
+    assert json.loads((engine.model_dir / "config.json").read_text())["quantization_config"]["weight_block_size"] \
+        == [128, 128]
+    experts = engine.model.model.layers[0].mlp.experts
+    assert experts.w13.dtype == torch.float8_e4m3fn and experts.block == (128, 128)
+    tokens = engine.generate(PROMPTS, SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True))
+    assert all(len(r["token_ids"]) == TOKENS for r in tokens)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    write_checkpoint(plain, SHAPES["tiny-moe-blocks"])  # the same seed, unquantized
+    for prompt in PROMPTS:
+        cosine = torch.nn.functional.cosine_similarity(prefill_logits(plain, prompt),
+                                                       prefill_logits(engine.model_dir, prompt), dim=0)
+        # looser than the transformers-written model's 0.99: this router's logits (std 1 over 8 experts) are close
+        # enough that FP8's rounding sends some tokens to another expert (2 of the first prompt's rows in layer 0:
+        # cosine 0.958), which changes their output by more than rounding
+        assert cosine > 0.9, cosine

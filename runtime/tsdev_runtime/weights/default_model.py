@@ -49,10 +49,17 @@ SHAPES = {
     "tiny-blocks": dict(vocab_size=1024, hidden_size=192, intermediate_size=512, num_hidden_layers=2,
                         num_attention_heads=2, num_key_value_heads=1, head_dim=128, max_position_embeddings=4096,
                         torch_dtype="float32"),
+    # `tsdev serve --model default-moe-fp8` on the CPU: default-moe's kind with each expert's 128 intermediate
+    # features one block (on a GPU the default-moe shape, 512, fills four)
+    "tiny-moe-blocks": dict(vocab_size=1024, hidden_size=192, intermediate_size=256, num_hidden_layers=3,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=128, max_position_embeddings=4096,
+                            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, mlp_only_layers=[1],
+                            torch_dtype="float32"),
 }
 DEFAULT_MOE = "default-moe"  # the model name that serves the embedded mixture of experts
 DEFAULT_FP8 = "default-fp8"  # ... the embedded dense model stored as block-quantized FP8 (Qwen's *-FP8 format)
-DEFAULT_NAMES = (None, DEFAULT_MOE, DEFAULT_FP8)  # what `--model` takes for an embedded model
+DEFAULT_MOE_FP8 = "default-moe-fp8"  # ... the embedded mixture of experts stored that way
+DEFAULT_NAMES = (None, DEFAULT_MOE, DEFAULT_FP8, DEFAULT_MOE_FP8)  # what `--model` takes for an embedded model
 
 
 def cache_dir() -> Path:
@@ -62,12 +69,15 @@ def cache_dir() -> Path:
 
 
 def default_model_dir(device: str, name: str | None = None) -> Path:
-    """The embedded checkpoint `name` (None: the default; DEFAULT_MOE, DEFAULT_FP8) for this device, created (once,
-    atomically) if it is not there yet."""
+    """The embedded checkpoint `name` (None: the default; DEFAULT_MOE, DEFAULT_FP8, DEFAULT_MOE_FP8) for this device,
+    created (once, atomically) if it is not there yet."""
     gpu = device.startswith("cuda")
-    moe, fp8 = name == DEFAULT_MOE, name == DEFAULT_FP8
-    shape = (("qwen3-moe-small" if moe else "qwen3-0.6b") if gpu
-             else ("tiny-moe" if moe else "tiny-blocks" if fp8 else "tiny"))
+    moe, fp8 = name in (DEFAULT_MOE, DEFAULT_MOE_FP8), name in (DEFAULT_FP8, DEFAULT_MOE_FP8)
+    if gpu:
+        shape = "qwen3-moe-small" if moe else "qwen3-0.6b"
+    else:
+        shape = {(False, False): "tiny", (True, False): "tiny-moe", (False, True): "tiny-blocks",
+                 (True, True): "tiny-moe-blocks"}[moe, fp8]
     final = cache_dir() / f"default-{shape}{'-fp8' if fp8 else ''}-v{VERSION}"
     if (final / "config.json").is_file():
         return final
