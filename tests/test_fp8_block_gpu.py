@@ -1,7 +1,8 @@
 """Block-FP8 kernels on the H200 (`pytest -m gpu tests/test_fp8_block_gpu.py`): the token-group quantization bit for
 bit torch's on fresh random activations, and the block linear (quantization + block GEMM) against its torch reference
 at Qwen3-8B's projection shapes, on both of Hopper's instruction paths (BLOCK_M 16: mma.sync; 64: the FP8 wgmma, whose
-reduced-precision sums the K loop restarts every block). Until these pass, layers run the reference."""
+reduced-precision sums the K loop restarts every block), and the block-FP8 experts on the aligned MoE GEMMs. Until
+these pass, layers and experts run the reference."""
 import pytest
 import torch
 
@@ -35,3 +36,24 @@ def test_the_block_linear_is_its_reference_in_bf16(tokens, n, k, config):
     assert (ours - ref).abs().max() / ref.abs().max() < 6e-3  # a bf16 rounding's few 1e-3 at most
     served = fp8_block_linear_triton(x, weight, scale_inv).float()  # both launches, the default configuration
     assert (served - ref).abs().max() / ref.abs().max() < 6e-3
+
+
+@pytest.mark.parametrize("block_m", [16, 64], ids=["mma", "wgmma"])
+@pytest.mark.parametrize("tokens", [1, 16, 256])
+def test_block_fp8_experts_are_their_reference_at_qwen3_30b_a3bs_layer(tokens, block_m):
+    """128 experts, top 8, I 768 (six blocks), H 2048: each expert's blocks quantized as the checkpoint stores them."""
+    from tsdev_kernels.ops import moe
+
+    E, K, I, H = 128, 8, 768, 2048
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    blocks = [[quantize_fp8_blocks(w) for w in torch.randn(E, rows, cols, generator=g, device="cuda") * cols**-0.5]
+              for rows, cols in ((2 * I, H), (H, I))]
+    (q13, s13), (q2, s2) = ([torch.stack(t) for t in zip(*b)] for b in blocks)
+    x = torch.randn(tokens, H, generator=g, device="cuda").bfloat16()
+    weights, ids = torch.randn(tokens, E, generator=g, device="cuda").softmax(-1).topk(K, dim=-1)
+    weights, ids = (weights / weights.sum(-1, keepdim=True)).float(), ids.int()
+    scales = dict(w13_scale=s13, w2_scale=s2, block=(128, 128))
+    ref = moe.fused_moe_ref(x, q13, q2, weights, ids, **scales).float()
+    config = dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+    ours = moe.fused_moe_triton(x, q13, q2, weights, ids, config=config, **scales).float()
+    assert (ours - ref).abs().max() / ref.abs().max() < 6e-3

@@ -255,9 +255,9 @@ def test_gemm_skips_unused_blocks_and_writes_only_real_slots():
     assert (expert_ids == -1).any()  # the allocation's spare blocks
     inter = torch.full((T * K, I), float("nan"))
     moe._moe_gemm[(expert_ids.numel(), 2)](x, x, w13, x, inter, sorted_ids, expert_ids, x, I, H, T * K, K,
-                                           x.stride(0), w13.stride(0), w13.stride(1), 0, inter.stride(0), GATED=True,
-                                           MUL_WEIGHT=False, HAS_SCALE=False, A_FP8=False, F32_DOT=True, BLOCK_M=16,
-                                           BLOCK_N=16, BLOCK_K=16, PDL=False)
+                                           x.stride(0), 0, w13.stride(0), w13.stride(1), 0, 0, inter.stride(0),
+                                           GATED=True, MUL_WEIGHT=False, HAS_SCALE=False, A_FP8=False,
+                                           SCALE_BLOCK_N=0, F32_DOT=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, PDL=False)
     flat = ids.reshape(-1).long()
     gu = torch.einsum("sh,sih->si", x[torch.arange(T * K) // K], w13[flat])
     torch.testing.assert_close(inter, F.silu(gu[:, :I]) * gu[:, I:], **TOL)
@@ -404,3 +404,27 @@ def test_a_tensor_parallel_rank_looks_up_the_file_of_its_shard(monkeypatch):
     rank_w13 = torch.cat([w13[:, :shard], w13[:, I:I + shard]], dim=1)  # rank 0's gate rows, then its up rows
     moe.fused_moe_triton(x, rank_w13, w2[:, :, :shard].contiguous(), weights, ids)
     assert asked == [(E, shard, H, torch.float32, T)]
+
+
+@pytest.mark.parametrize("T, kind", [(1, "random"), (6, "one"), (11, "random")])
+def test_block_fp8_experts_on_the_aligned_gemms_are_the_block_reference(T, kind):
+    """A block-FP8 checkpoint's experts (128 x 128 blocks of scales per expert; gate's rows of blocks, then up's):
+    each GEMM's input quantized per row and group of 128 columns, each K block's e4m3 product times both scales into
+    a float32 sum -- the reference's `fp8_block_linear_ref` per expert, up to the order of float32 sums; partial
+    blocks along H (200 = 128 + 72)."""
+    from tsdev_kernels.ops import fp8_block
+
+    E, hidden, inter = 3, 200, 256
+    g = torch.Generator().manual_seed(T)
+    w13 = torch.randn(E, 2 * inter, hidden, generator=g) * hidden**-0.5
+    w2 = torch.randn(E, hidden, inter, generator=g) * inter**-0.5
+    (q13, s13), (q2, s2) = ([torch.stack(t) for t in zip(*map(fp8_block.quantize_fp8_blocks, w))] for w in (w13, w2))
+    assert s13.shape == (E, 4, 2) and s2.shape == (E, 2, 2)
+    x = torch.randn(T, hidden, generator=g)
+    weights, ids = routing(T, E, 2, kind)
+    scales = dict(w13_scale=s13, w2_scale=s2, block=(128, 128))
+    want = moe.fused_moe_ref(x, q13, q2, weights, ids, **scales)
+    got = moe.fused_moe_triton(x, q13, q2, weights, ids, config=dict(SMALL, BLOCK_N=256), **scales)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    exact = moe.fused_moe_ref(x, w13, w2, weights, ids)
+    assert 0 < (got - exact).abs().max() < 0.1 * exact.abs().max()  # FP8's rounding, not garbage

@@ -27,6 +27,8 @@ multiplied by its row's scale). The aligned GEMMs are W8A8 (`uses_w8a8`): each G
 (x per token, the activation per slot: one launch each, `quantize_fp8_rows_triton`, dynamic scales) and the tiles
 multiplied as e4m3 on the FP8 tensor cores, each float32 sum times its row's and its column's scale. Both round
 where the bf16 path rounds.
+A block-FP8 checkpoint's experts (128 x 128 blocks of scales per expert): the reference, `fused_moe_ref(block=)`, on
+every device for now; `fused_moe_triton(block=)` (the aligned GEMMs, SCALE_BLOCK_N) waits for its GPU test.
 Rounding, on both paths: to x's dtype after each GEMM, after the SiLU, after silu * up, after the router weight
 multiply, and after the float32 sum over K -- where transformers' Qwen3-MoE (its default grouped_mm experts)
 rounds, given router weights already rounded to x's dtype as it rounds them (runtime/tsdev_runtime/moe/router.py).
@@ -48,7 +50,8 @@ from tsdev_kernels.checks import KernelCheck, Tolerance
 from tsdev_kernels.ops import pdl, use_triton, wait_for_previous
 from tsdev_kernels.ops.activation import silu_and_mul_values
 from tsdev_kernels.ops.fp8 import quantize_fp8_rows, quantize_fp8_rows_triton
-from tsdev_kernels.ops.fp8_block import fp8_block_linear_ref
+from tsdev_kernels.ops.fp8_block import (fp8_block_linear_ref, quantize_fp8_token_groups,
+                                         quantize_fp8_token_groups_triton)
 
 log = logging.getLogger(__name__)
 
@@ -234,15 +237,18 @@ def _dot(a, w, acc, F32_DOT: tl.constexpr, EXACT_FP8: tl.constexpr):
 
 
 @triton.jit
-def _moe_gemm(A, A_S, W, S, OUT, SORTED, EXPERT_IDS, TOPK_W, N, K, num_slots, a_div, stride_am, stride_we,
-              stride_wn, stride_se, stride_om, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr,
-              A_FP8: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _moe_gemm(A, A_S, W, S, OUT, SORTED, EXPERT_IDS, TOPK_W, N, K, num_slots, a_div, stride_am, stride_as,
+              stride_we, stride_wn, stride_se, stride_sb, stride_om, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+              HAS_SCALE: tl.constexpr, A_FP8: tl.constexpr, SCALE_BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """OUT[slot, n] for the block's slots and BLOCK_N columns: A's row slot // a_div @ W[expert].T, float32 sums.
     GATED: W's rows n (gate) and N + n (up), written as silu(gate) * up. MUL_WEIGHT: times TOPK_W[slot].
     HAS_SCALE: W is e4m3 with a scale per (expert, row): each sum times S[expert, row]; A_FP8: A is e4m3 too, with a
     scale per row (A_S[slot // a_div]), the tiles multiplied as e4m3 (Hopper's FP8 tensor cores) and each sum times
-    its row's scale; else W converted exactly to A's dtype for tl.dot.
+    its row's scale; else W converted exactly to A's dtype for tl.dot. SCALE_BLOCK_N (a block-FP8 checkpoint's
+    experts, BLOCK_K its block_k): A_S[row, k block] and S[expert, row block, k block] instead, each K block's e4m3
+    product from zero times its two scales added to the float32 sum (so an FP8 tensor core's reduced-precision sum
+    never runs past a block).
     F32_DOT: the tiles go to tl.dot as float32 (IEEE), for float32 inputs and under the interpreter, whose bf16
     tl.dot returns garbage (~1e10); a bf16 or e4m3 product is exact in float32, so only the order of the sums
     differs."""
@@ -261,6 +267,9 @@ def _moe_gemm(A, A_S, W, S, OUT, SORTED, EXPERT_IDS, TOPK_W, N, K, num_slots, a_
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SCALE_BLOCK_N:  # this tile's rows of weight-scale blocks (gate's; up's N // SCALE_BLOCK_N rows of blocks on)
+        a_scale_rows = A_S + (slots // a_div).to(tl.int64) * stride_as
+        w_scales = S + expert.to(tl.int64) * stride_se + (tl.program_id(1) * BLOCK_N // SCALE_BLOCK_N) * stride_sb
     for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + ks) < K
         a = tl.load(a_rows[:, None] + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -270,18 +279,27 @@ def _moe_gemm(A, A_S, W, S, OUT, SORTED, EXPERT_IDS, TOPK_W, N, K, num_slots, a_
             a = a.to(tl.float32)
         if HAS_SCALE and not A_FP8:
             w = w.to(a.dtype)
-        acc = _dot(a, w, acc, F32_DOT, A_FP8 and BLOCK_M >= 64)
+        if SCALE_BLOCK_N:
+            a_s = tl.load(a_scale_rows + k0 // BLOCK_K, mask=row_ok, other=0.0)[:, None]
+            part = _dot(a, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), F32_DOT, False)
+            acc += part * a_s * tl.load(w_scales + k0 // BLOCK_K)
+        else:
+            acc = _dot(a, w, acc, F32_DOT, A_FP8 and BLOCK_M >= 64)
         if GATED:
             u = tl.load(w_rows + N * stride_wn + (k0 + ks)[None, :], mask=w_mask, other=0.0)
             if HAS_SCALE and not A_FP8:
                 u = u.to(a.dtype)
-            acc_up = _dot(a, u, acc_up, F32_DOT, A_FP8 and BLOCK_M >= 64)
-    if A_FP8:
-        a_scales = tl.load(A_S + slots // a_div, mask=row_ok, other=0.0)[:, None]
+            if SCALE_BLOCK_N:
+                part = _dot(a, u, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), F32_DOT, False)
+                acc_up += part * a_s * tl.load(w_scales + (N // SCALE_BLOCK_N) * stride_sb + k0 // BLOCK_K)
+            else:
+                acc_up = _dot(a, u, acc_up, F32_DOT, A_FP8 and BLOCK_M >= 64)
+    if A_FP8 and not SCALE_BLOCK_N:
+        a_scales = tl.load(A_S + (slots // a_div).to(tl.int64) * stride_as, mask=row_ok, other=0.0)[:, None]
         acc *= a_scales
         if GATED:
             acc_up *= a_scales
-    if HAS_SCALE:
+    if HAS_SCALE and not SCALE_BLOCK_N:
         scales = S + expert.to(tl.int64) * stride_se + cols
         acc *= tl.load(scales, mask=col_ok, other=0.0)[None, :]
         if GATED:
@@ -496,6 +514,13 @@ def _quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales.squeeze(-1)
 
 
+def _quantize_groups(t: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-FP8's activation rows, per group of `group` columns: Triton on CUDA, torch's elsewhere (as above)."""
+    if t.is_cuda:
+        return quantize_fp8_token_groups_triton(t, group)
+    return quantize_fp8_token_groups(t, group)
+
+
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -532,14 +557,18 @@ def fused_moe_gemv_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, config: dict | None = None, *, w13_scale: torch.Tensor | None = None,
-                     w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+                     w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
     """The Triton path (module docstring): up to GEMV_MAX_TOKENS tokens `fused_moe_gemv_triton`, else the aligned
-    grouped GEMMs; config (`moe_config`'s keys, default `moe_config`'s choice) forces the GEMMs."""
+    grouped GEMMs; config (`moe_config`'s keys, default `moe_config`'s choice) forces the GEMMs. `block`: a block-FP8
+    checkpoint's experts (`fused_moe`'s scales), always the aligned GEMMs, each input quantized per row and group of
+    block_k columns, BLOCK_K block_k and BLOCK_N at most block_n."""
     T, H = x.shape
-    if config is None and T <= GEMV_MAX_TOKENS:
+    if config is None and T <= GEMV_MAX_TOKENS and block is None:
         return fused_moe_gemv_triton(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale, w2_scale=w2_scale)
     E, I, K = w13.shape[0], w13.shape[1] // 2, topk_ids.shape[1]
-    cfg = config or moe_config(E, I, H, w13.dtype, T, device=x.device)
+    cfg = dict(config or moe_config(E, I, H, w13.dtype, T, device=x.device))
+    if block is not None:
+        cfg["BLOCK_N"], cfg["BLOCK_K"] = min(cfg["BLOCK_N"], block[0]), block[1]
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     x, w13, w2 = _last_dim_contiguous(x), _last_dim_contiguous(w13), _last_dim_contiguous(w2)
     weights = topk_weights.reshape(-1).float().contiguous()
@@ -552,17 +581,19 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     per_slot = torch.empty(num_slots, H, dtype=x.dtype, device=x.device)
     if blocks:
         use_pdl = pdl(x)
-        launch = dict(HAS_SCALE=fp8, A_FP8=fp8, F32_DOT=x.dtype == torch.float32 or not x.is_cuda, BLOCK_M=bm,
-                      BLOCK_N=bn, BLOCK_K=bk, PDL=use_pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-                      launch_pdl=use_pdl)
-        a, a_s = _quantize_rows(x) if fp8 else (x, weights)  # W8A8: x per token
-        _moe_gemm[(blocks, triton.cdiv(I, bn))](
-            a, a_s, w13, s13, inter, sorted_ids, expert_ids, weights, I, H, num_slots, K, a.stride(0), w13.stride(0),
-            w13.stride(1), s13.stride(0), inter.stride(0), GATED=True, MUL_WEIGHT=False, **launch)
-        a, a_s = _quantize_rows(inter) if fp8 else (inter, weights)  # the activation per slot
-        _moe_gemm[(blocks, triton.cdiv(H, bn))](
-            a, a_s, w2, s2, per_slot, sorted_ids, expert_ids, weights, H, I, num_slots, 1, a.stride(0),
-            w2.stride(0), w2.stride(1), s2.stride(0), per_slot.stride(0), GATED=False, MUL_WEIGHT=True, **launch)
+        launch = dict(HAS_SCALE=fp8, A_FP8=fp8, SCALE_BLOCK_N=block[0] if block else 0,
+                      F32_DOT=x.dtype == torch.float32 or not x.is_cuda, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                      PDL=use_pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=use_pdl)
+        quantize = functools.partial(_quantize_groups, group=block[1]) if block else _quantize_rows
+
+        def gemm(a, w, scale, out, n, k, a_div, **flags):
+            a, a_s = quantize(a) if fp8 else (a, weights)  # W8A8: each GEMM's input rows (per group of a block)
+            _moe_gemm[(blocks, triton.cdiv(n, bn))](
+                a, a_s, w, scale, out, sorted_ids, expert_ids, weights, n, k, num_slots, a_div, a.stride(0),
+                a_s.stride(0), w.stride(0), w.stride(1), scale.stride(0), scale.stride(1) if block else 0,
+                out.stride(0), **flags, **launch)
+        gemm(x, w13, s13, inter, I, H, K, GATED=True, MUL_WEIGHT=False)  # x per token
+        gemm(inter, w2, s2, per_slot, H, I, 1, GATED=False, MUL_WEIGHT=True)  # the activation per slot
     return per_slot.view(T, K, H).sum(1, dtype=torch.float32).to(x.dtype)
 
 
