@@ -10,6 +10,8 @@ run. The Triton layer is replayed from a CUDA graph (triton.testing.do_bench_cud
 GEMV path up to 16 tokens), so the threshold can be read off; the same with FP8 experts (e4m3 + a scale per row,
 floor = their bytes). The reference (a loop over the chosen experts, with a host sync) runs eagerly. Then the router
 before the layer: the torch one against the fused kernel (tsdev_kernels.ops.router), against its weight-read floor.
+Then the layer's launches one by one (torch.profiler over eager calls: each kernel's own time), bf16 and FP8, the
+GEMMs (or GEMVs) against the read of their weights.
 Configurations: `moe_config` (the tuned file for this shape and GPU when there is one: benchmarks/tune_moe.py). Random
 bf16 weights and routings.
 """
@@ -77,6 +79,47 @@ def main() -> None:
               f"{gemv_us:.1f} | {fp8_floor_us:.1f} | {fp8_us:.1f} | {fp8_us / fp8_floor_us:.2f} | {ref_us:.1f} | "
               f"{ref_us / layer_us:.1f} | {errors[0]:.1e} | {errors[1]:.1e} |", flush=True)
     router_table(args, bandwidth, g)
+    launch_table(args, w13, w2, (q13, q2, scales), bandwidth, g)
+
+
+def launches_us(fn, iters: int = 20) -> list[tuple[str, float]]:
+    """Each GPU kernel (or memset) one call of `fn` runs, in order, and its mean duration in us over `iters` eager
+    calls under torch.profiler: the kernels' own time, without the launch gaps a graph replay removes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    per_call, left = divmod(len(kernels), iters)
+    if left or not per_call:
+        sys.exit(f"the profiler saw {len(kernels)} kernels over {iters} calls: not one sequence per call")
+    return [(kernels[i].name, sum(kernels[c * per_call + i].time_range.elapsed_us() for c in range(iters)) / iters)
+            for i in range(per_call)]
+
+
+def launch_table(args, w13, w2, fp8_experts, bandwidth: float, g: torch.Generator) -> None:
+    """The layer's launches one by one at each token count, bf16 then FP8, the two GEMMs against their floors (the
+    touched experts' w13, then w2, read once at the copy bandwidth)."""
+    E, K, H = args.experts, args.topk, args.hidden
+    q13, q2, scales = fp8_experts
+    print("\n| tokens | experts in | launch | kernel | us | floor us |")
+    print("|---:|---|---:|---|---:|---:|")
+    for T in args.tokens:
+        x = torch.randn(T, H, generator=g, device="cuda").bfloat16()
+        weights, ids = torch.randn(T, E, generator=g, device="cuda").softmax(-1).topk(K, dim=-1)
+        weights, ids = (weights / weights.sum(-1, keepdim=True)).float(), ids.int()
+        touched = int(ids.unique().numel())
+        for kind, a, b, extra in (("bf16", w13, w2, {}), ("fp8", q13, q2, scales)):
+            gemm_floors = iter(touched * w[0].numel() * w.element_size() / bandwidth * 1e6 for w in (a, b))
+            for i, (name, us) in enumerate(launches_us(lambda: moe.fused_moe_triton(x, a, b, weights, ids, **extra))):
+                is_gemm = "gemm" in name or "gemv" in name
+                floor = f"{next(gemm_floors, float('nan')):.1f}" if is_gemm else ""
+                print(f"| {T} | {kind} | {i + 1} | {name[:60]} | {us:.1f} | {floor} |", flush=True)
 
 
 def torch_router(x: torch.Tensor, w: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
