@@ -205,7 +205,7 @@ def test_two_ranks_each_hold_their_blocks_and_serve_the_tokens_of_one(source_dir
 def test_a_rank_split_that_cuts_a_block_of_scales_is_refused():
     """A row-parallel projection whose rank halves fall inside a 128-column block of scales (down_proj's 384 input
     features: 192 per rank); the loader prefixes the module's checkpoint name."""
-    from tsdev_runtime.layers.linear import block_part
+    from tsdev_runtime.weights.layout import block_part
     from tsdev_runtime.weights.layout import RankSlice
 
     with pytest.raises(ValueError, match="192 of 384 starts at 192, which splits a 128-wide block"):

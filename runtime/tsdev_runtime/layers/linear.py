@@ -26,7 +26,7 @@ from tsdev_runtime.config import QUANTIZATIONS  # --quantization
 from tsdev_runtime.layers.activation import SiluAndMul
 from tsdev_runtime.layers.norm import RMSNorm
 from tsdev_runtime.weights.keys import DeclaredLoading, Key
-from tsdev_runtime.weights.layout import RankSlice
+from tsdev_runtime.weights.layout import RankSlice, block_part
 
 
 def check_quantization(method: str, device: torch.device | str) -> None:
@@ -36,19 +36,6 @@ def check_quantization(method: str, device: torch.device | str) -> None:
     reason = fp8_ops.fp8_unsupported_reason(device)
     if reason:
         raise ValueError(reason)
-
-
-def block_part(part: RankSlice, block: int, what: str) -> RankSlice:
-    """The blocks of FP8 scales that cover a rank's `part` of a tensor along `part.dim` (`block` entries each); a
-    part that does not start and end on a block boundary (or the tensor's end) cannot be served: ValueError."""
-    full = part.shape[part.dim]
-    end = part.start + part.length
-    if part.start % block or (end % block and end != full):
-        raise ValueError(f"{what}: this rank's {part.length} of {full} starts at {part.start}, which splits a "
-                         f"{block}-wide block of FP8 scales: serve with a --tp that divides the blocks evenly")
-    blocks = -(-full // block)
-    shape = tuple(blocks if d == part.dim else -(-size // block) for d, size in enumerate(part.shape))
-    return RankSlice(shape, part.dim, part.start // block, -(-part.length // block))
 
 
 class Linear(DeclaredLoading, nn.Module):

@@ -27,9 +27,8 @@ from torch import nn
 from tsdev_kernels.ops import fp8 as fp8_ops
 from tsdev_kernels.ops import fp8_block
 from tsdev_runtime import distributed
-from tsdev_runtime.layers.linear import block_part
 from tsdev_runtime.weights.keys import DeclaredLoading, Key
-from tsdev_runtime.weights.layout import RankSlice
+from tsdev_runtime.weights.layout import RankSlice, block_part
 from tsdev_runtime.weights.processing import DEBUG_DERIVED_ENV
 
 PROJECTIONS = {"gate": "w13", "up": "w13", "down": "w2"}

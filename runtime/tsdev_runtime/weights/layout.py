@@ -71,6 +71,19 @@ class RankSlice:
         return tensor.narrow(self.dim, self.start, self.length)
 
 
+def block_part(part: RankSlice, block: int, what: str) -> RankSlice:
+    """The blocks of FP8 scales that cover a rank's `part` of a tensor along `part.dim` (`block` entries each); a
+    part that does not start and end on a block boundary (or the tensor's end) cannot be served: ValueError."""
+    full = part.shape[part.dim]
+    end = part.start + part.length
+    if part.start % block or (end % block and end != full):
+        raise ValueError(f"{what}: this rank's {part.length} of {full} starts at {part.start}, which splits a "
+                         f"{block}-wide block of FP8 scales: serve with a --tp that divides the blocks evenly")
+    blocks = -(-full // block)
+    shape = tuple(blocks if d == part.dim else -(-size // block) for d, size in enumerate(part.shape))
+    return RankSlice(shape, part.dim, part.start // block, -(-part.length // block))
+
+
 def named_tensors(model: nn.Module, derived: bool = False) -> dict[str, torch.Tensor]:
     """Every parameter and persistent buffer (what a checkpoint may fill), by name; `derived`: every buffer too
     (rotary tables, fp8 scales: what sleep frees and the full checksum covers)."""
