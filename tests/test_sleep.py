@@ -142,6 +142,22 @@ def test_a_reload_that_fails_midway_ends_queued_requests_with_503_instead_of_lea
     assert status(client).weights_loaded and greedy_ids(client)
 
 
+def test_a_sleep_that_fails_takes_its_steps_back_and_the_server_serves_on(served, monkeypatch):
+    """Sleep's steps (runtime/tsdev_runtime/engine/operations.py): refuse new requests, drain, fail the queued, free;
+    an engine that fails to free is undone -- new requests accepted again, the server awake, serving as before."""
+    client, engine, _ = served
+    before = greedy_ids(client)
+
+    def broken(level):
+        raise RuntimeError("the allocator refused")
+
+    monkeypatch.setattr(engine, "sleep", broken)
+    with pytest.raises(RuntimeError, match="the allocator refused"):  # the test client re-raises the server's error
+        client.post("/sleep", json={"level": 1})
+    monkeypatch.undo()
+    assert not status(client).is_sleeping and greedy_ids(client) == before
+
+
 def test_tsdev_sleep_says_how_much_device_memory_came_free_not_how_much_is_free(monkeypatch):
     from typer.testing import CliRunner
 

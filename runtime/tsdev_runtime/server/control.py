@@ -12,11 +12,12 @@ from tsdev_runtime.control_protocol import (CONTINUE_ROUTE, EVENTS_ROUTE, FLUSH_
                                       PAUSE_ROUTE, RELOAD_ROUTE, RELOAD_WEIGHTS_ROUTE, SLEEP_ROUTE, START_PROFILE_ROUTE,
                                       STOP_PROFILE_ROUTE, UPDATE_WEIGHTS_FROM_DISK_ROUTE, UPDATE_WEIGHTS_ROUTE,
                                       WAKE_UP_ROUTE, WEIGHTS_CHECKSUM_ROUTE, UpdateWeightsRequest, WeightsChecksumReply,
-                                      Awake, Continued, ContinueReply, FlushReply, ModulesReply, Paused, PauseReply,
+                                      Continued, ContinueReply, FlushReply, ModulesReply, Paused, PauseReply,
                                       PauseRequest, ProfileFinished, ProfileRequest, ProfileStarted, ReloadRequest,
-                                      ReloadWeightsReply, ReloadWeightsRequest, Sleeping, SleepReply, SleepRequest,
-                                      SleepStatus, WakeUpReply, WakeUpRequest, WeightsReloaded)
-from tsdev_runtime.engine.async_engine import AsyncEngine, Unavailable
+                                      ReloadWeightsReply, ReloadWeightsRequest, SleepReply, SleepRequest,
+                                      SleepStatus, WakeUpReply, WakeUpRequest)
+from tsdev_runtime.engine import operations
+from tsdev_runtime.engine.async_engine import AsyncEngine
 from tsdev_runtime.engine.llm_engine import CheckpointRefused, WeightsAsleep
 from tsdev_runtime.engine.profiler import RangeOpen
 from tsdev_runtime.engine.sleep import overall_digest
@@ -130,39 +131,26 @@ def sleep_status(ae: AsyncEngine) -> dict:
 
 
 def weights_router(ae: AsyncEngine, security: SecurityPolicy) -> APIRouter:
-    """vLLM's sleep mode and the weight reload (SGLang's /update_weights_from_disk too). Each takes its turn in the
-    control lock, after the control calls before it; sleep and reload_weights drain first, as a reload does."""
-    router, engine = APIRouter(), ae.engine
+    """vLLM's sleep mode and the weight reload (SGLang's /update_weights_from_disk too): each an operation of
+    runtime/tsdev_runtime/engine/operations.py (in its turn in the control lock; sleep and reload_weights drain
+    first, as a reload does), translated."""
+    router = APIRouter()
 
     @router.post(SLEEP_ROUTE)
     async def sleep(body: SleepRequest | None = None):
         level = (body or SleepRequest()).level
         start = time.perf_counter()
-        async with ae.control_lock:
-            if engine.sleep_state.sleeping:  # asleep already: nothing more to free
-                return SleepReply(**sleep_status(ae)).dump()
-            ae.refuse("the server is going to sleep (POST /sleep): POST /wake_up once it sleeps to serve again")
-            try:
-                await ae.drain()
-                await ae.between_steps(lambda: ae.fail_all(Unavailable(
-                    "the server went to sleep (POST /sleep) before this request ran: POST /wake_up, then send it "
-                    "again")))
-                info = await ae.run_on_engine_thread(engine.sleep, level)
-            finally:
-                ae.refuse(None)
-        device_freed = None if info["free_after"] is None else info["free_after"] - info["free_before"]
-        ae.publish(Sleeping(level=level, freed_bytes=info["freed"]))
-        return SleepReply(**sleep_status(ae), freed_bytes=info["freed"], device_freed_bytes=device_freed,
+        report = await operations.sleep(ae, level)
+        if report is None:  # asleep already
+            return SleepReply(**sleep_status(ae)).dump()
+        device_freed = None if report["free_after"] is None else report["free_after"] - report["free_before"]
+        return SleepReply(**sleep_status(ae), freed_bytes=report["freed"], device_freed_bytes=device_freed,
                           seconds=round(time.perf_counter() - start, 6)).dump()
 
     @router.post(WAKE_UP_ROUTE)
     async def wake_up(body: WakeUpRequest | None = None):
-        tags = (body or WakeUpRequest()).tags
         start = time.perf_counter()
-        async with ae.control_lock:
-            woken, recapture = await ae.run_on_engine_thread(engine.wake_up, tags)
-        if woken and not engine.sleep_state.sleeping:
-            ae.publish(Awake(weights_loaded=ae.state.weights_loaded))
+        woken, recapture = await operations.wake_up(ae, (body or WakeUpRequest()).tags)
         return WakeUpReply(**sleep_status(ae), woken=woken, recapture_seconds=round(sum(recapture.values()), 6),
                            seconds=round(time.perf_counter() - start, 6)).dump()
 
@@ -184,8 +172,7 @@ def weights_router(ae: AsyncEngine, security: SecurityPolicy) -> APIRouter:
     @router.get(WEIGHTS_CHECKSUM_ROUTE)
     async def weights_checksum():
         start = time.perf_counter()
-        async with ae.control_lock:  # in its turn: after an update sent before it
-            tensors = await ae.run_on_engine_thread(engine.weights_checksum, False)
+        tensors = await operations.weights_checksum(ae)
         return WeightsChecksumReply(overall=overall_digest(tensors), tensors=tensors,
                                     seconds=round(time.perf_counter() - start, 6)).dump()
 
@@ -193,33 +180,20 @@ def weights_router(ae: AsyncEngine, security: SecurityPolicy) -> APIRouter:
 
 
 async def load(ae: AsyncEngine, security: SecurityPolicy, path_field: str | None, mode: str, update_id: str | None):
-    """reload_weights and update_weights: one engine method (`LLMEngine.update_weights`), drained first, in its
-    turn in the control lock."""
-    engine = ae.engine
+    """reload_weights and update_weights (`operations.load_weights`), translated."""
     try:
-        path = security.weight_path(path_field, engine.model_dir) if path_field else engine.model_dir
+        path = security.weight_path(path_field, ae.engine.model_dir) if path_field else ae.engine.model_dir
     except PathNotAllowed as exc:
         raise APIError(400, str(exc), exc.param, "invalid_request_error") from None
-    start = time.perf_counter()
-    async with ae.control_lock:
-        await ae.drain()
-        try:
-            update = await ae.run_on_engine_thread(engine.update_weights, path, mode)
-        except WeightsAsleep as exc:
-            raise APIError(409, str(exc), None, "invalid_request_error") from None
-        except CheckpointRefused as exc:  # before any weight changed
-            raise APIError(400, f"{path}: {exc}", "path", "invalid_request_error") from None
-        except NotImplementedError:  # not with this server's parallelism: refused before anything changed
-            raise
-        except Exception as exc:
-            why = (f"loading {path} failed midway ({type(exc).__name__}: {exc}); the engine runs no step and "
-                   "requests get 503 until a weight load succeeds: the next full update (POST "
-                   f"{UPDATE_WEIGHTS_ROUTE} {{\"mode\": \"full\"}}, or reload_weights) repairs it")
-            # the engine steps no more until then: end the queued (or paused) requests instead of leaving them hung
-            await ae.between_steps(lambda: ae.fail_all(Unavailable(why)))
-            raise APIError(500, why, None, "server_error") from None
-    seconds, report = time.perf_counter() - start, update.load
-    ae.publish(WeightsReloaded(path=str(path), seconds=round(seconds, 6), mode=mode, id=update_id))
+    try:
+        update, seconds = await operations.load_weights(ae, path, mode, update_id)
+    except WeightsAsleep as exc:
+        raise APIError(409, str(exc), None, "invalid_request_error") from None
+    except CheckpointRefused as exc:  # before any weight changed
+        raise APIError(400, f"{path}: {exc}", "path", "invalid_request_error") from None
+    except operations.LoadFailedMidway as exc:
+        raise APIError(500, str(exc), None, "server_error") from None
+    report = update.load
     graphs = (f"; graphs recaptured in {update.recapture_seconds:.2f} s" if update.recapture_seconds
               else "" if mode == "full" else "; in place, graphs kept")
     return ReloadWeightsReply(message=f"loaded {path} ({mode}): {report}{graphs}", path=str(path),

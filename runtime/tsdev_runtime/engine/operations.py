@@ -1,0 +1,102 @@
+"""The control operations that change what the engine holds -- sleep, wake, a weight load -- each in its turn in the
+control lock, its sequence a list of steps (steps.py, as a reload's: run in order, what began undone after a failure),
+and the events they publish. The HTTP handlers (runtime/tsdev_runtime/server/control.py) only translate a request into
+a call here and its outcome into a reply."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from tsdev_runtime.control_protocol import UPDATE_WEIGHTS_ROUTE, Awake, Sleeping, WeightsReloaded
+from tsdev_runtime.engine.async_engine import AsyncEngine, Unavailable
+from tsdev_runtime.engine.errors import describe_error
+from tsdev_runtime.engine.llm_engine import CheckpointRefused, WeightsAsleep
+from tsdev_runtime.engine.steps import Step, Steps
+
+
+class LoadFailedMidway(RuntimeError):
+    """A weight load failed after it began changing weights: the engine steps no more until a load succeeds."""
+
+
+async def in_turn(steps: list[Step]) -> None:
+    """Run `steps`; after a failure undo what began, then raise."""
+    done = Steps()
+    try:
+        await done.run(steps)
+    except BaseException as exc:
+        await done.undo(describe_error(exc))
+        raise
+
+
+async def sleep(ae: AsyncEngine, level: int) -> dict | None:
+    """Refuse new requests, drain the running ones, fail the queued, free the engine's memory at `level`; new
+    requests are accepted again (and refused by the sleeping state) once it sleeps, or after a failure. The engine's
+    report (freed bytes, device memory before and after), None when it sleeps already."""
+    engine, report = ae.engine, {}
+
+    async def refuse() -> None:
+        ae.refuse("the server is going to sleep (POST /sleep): POST /wake_up once it sleeps to serve again")
+
+    async def accept(_reason: str = "") -> None:
+        ae.refuse(None)
+
+    async def fail_queued() -> None:
+        await ae.between_steps(lambda: ae.fail_all(Unavailable(
+            "the server went to sleep (POST /sleep) before this request ran: POST /wake_up, then send it again")))
+
+    async def free() -> None:
+        report.update(await ae.run_on_engine_thread(engine.sleep, level))
+
+    async with ae.control_lock:
+        if engine.sleep_state.sleeping:  # asleep already: nothing more to free
+            return None
+        await in_turn([Step("refuse", refuse, accept), Step("drain", ae.drain), Step("fail queued", fail_queued),
+                       Step("sleep", free), Step("accept", accept)])
+    ae.publish(Sleeping(level=level, freed_bytes=report["freed"]))
+    return report
+
+
+async def wake_up(ae: AsyncEngine, tags: list[str] | None) -> tuple[bool, dict[str, float]]:
+    """Give back the memory of `tags` (None: all); (whether anything woke, each graph kind's recapture seconds)."""
+    engine, outcome = ae.engine, {}
+
+    async def wake() -> None:
+        outcome["woken"], outcome["recapture"] = await ae.run_on_engine_thread(engine.wake_up, tags)
+
+    async with ae.control_lock:
+        await in_turn([Step("wake", wake)])
+    if outcome["woken"] and not engine.sleep_state.sleeping:
+        ae.publish(Awake(weights_loaded=ae.state.weights_loaded))
+    return outcome["woken"], outcome["recapture"]
+
+
+async def load_weights(ae: AsyncEngine, path: Path, mode: str, update_id: str | None):
+    """reload_weights and update_weights: drain, then `LLMEngine.update_weights`. WeightsAsleep, CheckpointRefused
+    and NotImplementedError (refused before any weight changed) pass through; any other failure ends the queued
+    requests (the engine steps no more until a load succeeds) and raises LoadFailedMidway saying what repairs it.
+    Returns (the engine's update report, the call's seconds, its wait for its turn included)."""
+    engine, outcome, start = ae.engine, {}, time.perf_counter()
+
+    async def load() -> None:
+        try:
+            outcome["update"] = await ae.run_on_engine_thread(engine.update_weights, path, mode)
+        except (WeightsAsleep, CheckpointRefused, NotImplementedError):
+            raise
+        except Exception as exc:
+            why = (f"loading {path} failed midway ({type(exc).__name__}: {exc}); the engine runs no step and "
+                   "requests get 503 until a weight load succeeds: the next full update (POST "
+                   f"{UPDATE_WEIGHTS_ROUTE} {{\"mode\": \"full\"}}, or reload_weights) repairs it")
+            await ae.between_steps(lambda: ae.fail_all(Unavailable(why)))  # not left hung behind a stopped engine
+            raise LoadFailedMidway(why) from exc
+
+    async with ae.control_lock:
+        await in_turn([Step("drain", ae.drain), Step("load", load)])
+    seconds = time.perf_counter() - start
+    ae.publish(WeightsReloaded(path=str(path), seconds=round(seconds, 6), mode=mode, id=update_id))
+    return outcome["update"], seconds
+
+
+async def weights_checksum(ae: AsyncEngine) -> dict:
+    """The served tensors' digests, in its turn (after an update sent before it)."""
+    async with ae.control_lock:
+        return await ae.run_on_engine_thread(ae.engine.weights_checksum, False)
