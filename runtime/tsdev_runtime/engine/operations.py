@@ -1,13 +1,13 @@
-"""The control operations that change what the engine holds -- sleep, wake, a weight load -- each in its turn in the
-control lock, its sequence a list of steps (steps.py, as a reload's: run in order, what began undone after a failure),
-and the events they publish. The HTTP handlers (runtime/tsdev_runtime/server/control.py) only translate a request into
-a call here and its outcome into a reply."""
+"""The control operations -- pause, continue, the prefix-cache flush, sleep, wake, a weight load, the checksum -- each
+in its turn in the control lock, its sequence a list of steps (steps.py, as a reload's: run in order, what began
+undone after a failure), and the events they publish. The HTTP handlers (runtime/tsdev_runtime/server/control.py)
+only translate a request into a call here and its outcome into a reply."""
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
-from tsdev_runtime.control_protocol import UPDATE_WEIGHTS_ROUTE, Awake, Sleeping, WeightsReloaded
+from tsdev_runtime.control_protocol import UPDATE_WEIGHTS_ROUTE, Awake, Continued, Paused, Sleeping, WeightsReloaded
 from tsdev_runtime.engine.async_engine import AsyncEngine, Unavailable
 from tsdev_runtime.engine.errors import describe_error
 from tsdev_runtime.engine.llm_engine import CheckpointRefused, WeightsAsleep
@@ -26,6 +26,42 @@ async def in_turn(steps: list[Step]) -> None:
     except BaseException as exc:
         await done.undo(describe_error(exc))
         raise
+
+
+async def pause(ae: AsyncEngine, mode: str) -> int:
+    """Stop scheduling: "abort" the requests in flight, "wait" for them, "keep" them (they resume on continue). The
+    number aborted."""
+    aborted = {"n": 0}
+
+    async def abort() -> None:
+        aborted["n"] = await ae.between_steps(lambda: ae.abort_all(running_only=False))
+
+    async def hold() -> None:
+        ae.set_paused(True)
+
+    first = {"abort": [Step("abort", abort)], "wait": [Step("drain", ae.drain)]}.get(mode, [])
+    async with ae.control_lock:
+        await in_turn([*first, Step("pause", hold)])
+    ae.publish(Paused(mode=mode, aborted=aborted["n"]))
+    return aborted["n"]
+
+
+async def continue_generation(ae: AsyncEngine, reload_forward=None) -> None:
+    """Schedule again; a reload_forward waiting for the pause to end (`reload_forward` given) gives up first."""
+    if reload_forward is not None:
+        reload_forward.cancel_pending()
+
+    async def resume() -> None:
+        ae.set_paused(False)
+
+    async with ae.control_lock:
+        await in_turn([Step("continue", resume)])
+    ae.publish(Continued())
+
+
+async def flush_prefix_cache(ae: AsyncEngine) -> None:
+    """Forget the cached prefixes, between two steps (not in the control lock: it changes no weights nor state)."""
+    await ae.between_steps(ae.engine.flush_prefix_cache)
 
 
 async def sleep(ae: AsyncEngine, level: int) -> dict | None:

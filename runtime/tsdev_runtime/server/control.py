@@ -12,7 +12,7 @@ from tsdev_runtime.control_protocol import (CONTINUE_ROUTE, EVENTS_ROUTE, FLUSH_
                                       PAUSE_ROUTE, RELOAD_ROUTE, RELOAD_WEIGHTS_ROUTE, SLEEP_ROUTE, START_PROFILE_ROUTE,
                                       STOP_PROFILE_ROUTE, UPDATE_WEIGHTS_FROM_DISK_ROUTE, UPDATE_WEIGHTS_ROUTE,
                                       WAKE_UP_ROUTE, WEIGHTS_CHECKSUM_ROUTE, UpdateWeightsRequest, WeightsChecksumReply,
-                                      Continued, ContinueReply, FlushReply, ModulesReply, Paused, PauseReply,
+                                      ContinueReply, FlushReply, ModulesReply, PauseReply,
                                       PauseRequest, ProfileFinished, ProfileRequest, ProfileStarted, ReloadRequest,
                                       ReloadWeightsReply, ReloadWeightsRequest, SleepReply, SleepRequest,
                                       SleepStatus, WakeUpReply, WakeUpRequest)
@@ -61,28 +61,16 @@ def control_router(ae: AsyncEngine, reload_forward: ReloadForward | None) -> API
     @router.post(PAUSE_ROUTE)
     async def pause(body: PauseRequest | None = None):
         mode = (body or PauseRequest()).mode
-        async with ae.control_lock:
-            aborted = 0
-            if mode == "abort":
-                aborted = await ae.between_steps(lambda: ae.abort_all(running_only=False))
-            elif mode == "wait":
-                await ae.drain()
-            ae.set_paused(True)
-        ae.publish(Paused(mode=mode, aborted=aborted))
-        return PauseReply(mode=mode, aborted=aborted).dump()
+        return PauseReply(mode=mode, aborted=await operations.pause(ae, mode)).dump()
 
     @router.post(CONTINUE_ROUTE)
     async def continue_generation():
-        if reload_forward is not None:
-            reload_forward.cancel_pending()
-        async with ae.control_lock:
-            ae.set_paused(False)
-        ae.publish(Continued())
+        await operations.continue_generation(ae, reload_forward)
         return ContinueReply().dump()
 
     @router.post(FLUSH_ROUTE)
     async def flush_cache():
-        await ae.between_steps(ae.engine.flush_prefix_cache)
+        await operations.flush_prefix_cache(ae)
         return FlushReply().dump()
 
     @router.get(EVENTS_ROUTE)
