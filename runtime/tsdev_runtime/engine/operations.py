@@ -18,7 +18,7 @@ class LoadFailedMidway(RuntimeError):
     """A weight load failed after it began changing weights: the engine steps no more until a load succeeds."""
 
 
-async def in_turn(steps: list[Step]) -> None:
+async def run_steps(steps: list[Step]) -> None:
     """Run `steps`; after a failure undo what began, then raise."""
     done = Steps()
     try:
@@ -41,7 +41,7 @@ async def pause(ae: AsyncEngine, mode: str) -> int:
 
     first = {"abort": [Step("abort", abort)], "wait": [Step("drain", ae.drain)]}.get(mode, [])
     async with ae.control_lock:
-        await in_turn([*first, Step("pause", hold)])
+        await run_steps([*first, Step("pause", hold)])
     ae.publish(Paused(mode=mode, aborted=aborted["n"]))
     return aborted["n"]
 
@@ -55,7 +55,7 @@ async def continue_generation(ae: AsyncEngine, reload_forward=None) -> None:
         ae.set_paused(False)
 
     async with ae.control_lock:
-        await in_turn([Step("continue", resume)])
+        await run_steps([Step("continue", resume)])
     ae.publish(Continued())
 
 
@@ -86,7 +86,7 @@ async def sleep(ae: AsyncEngine, level: int) -> dict | None:
     async with ae.control_lock:
         if engine.sleep_state.sleeping:  # asleep already: nothing more to free
             return None
-        await in_turn([Step("refuse", refuse, accept), Step("drain", ae.drain), Step("fail queued", fail_queued),
+        await run_steps([Step("refuse", refuse, accept), Step("drain", ae.drain), Step("fail queued", fail_queued),
                        Step("sleep", free), Step("accept", accept)])
     ae.publish(Sleeping(level=level, freed_bytes=report["freed"]))
     return report
@@ -100,7 +100,7 @@ async def wake_up(ae: AsyncEngine, tags: list[str] | None) -> tuple[bool, dict[s
         outcome["woken"], outcome["recapture"] = await ae.run_on_engine_thread(engine.wake_up, tags)
 
     async with ae.control_lock:
-        await in_turn([Step("wake", wake)])
+        await run_steps([Step("wake", wake)])
     if outcome["woken"] and not engine.sleep_state.sleeping:
         ae.publish(Awake(weights_loaded=ae.state.weights_loaded))
     return outcome["woken"], outcome["recapture"]
@@ -126,7 +126,7 @@ async def load_weights(ae: AsyncEngine, path: Path, mode: str, update_id: str | 
             raise LoadFailedMidway(why) from exc
 
     async with ae.control_lock:
-        await in_turn([Step("drain", ae.drain), Step("load", load)])
+        await run_steps([Step("drain", ae.drain), Step("load", load)])
     seconds = time.perf_counter() - start
     ae.publish(WeightsReloaded(path=str(path), seconds=round(seconds, 6), mode=mode, id=update_id))
     return outcome["update"], seconds
