@@ -139,21 +139,27 @@ def main() -> None:
             print(f"{us:>9.1f} us {us / total:>6.1%} {n:>6.0f}x  {name[:110]}")
 
 
-def kernel_breakdown(replay, iters: int) -> dict[str, tuple[float, float]]:
-    """GPU microseconds and launches per replay, by kernel name."""
+def cuda_kernels(fn, iters: int) -> list:
+    """The GPU kernels (and memsets) of `iters` calls of `fn` after one untimed call, in the order they ran:
+    torch.profiler's events (`name`, `device_time_total` in us)."""
     from torch.profiler import ProfilerActivity, profile
 
-    replay()
+    fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
-            replay()
+            fn()
         torch.cuda.synchronize()
+    return sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                  key=lambda e: e.time_range.start)
+
+
+def kernel_breakdown(replay, iters: int) -> dict[str, tuple[float, float]]:
+    """GPU microseconds and launches per replay, by kernel name."""
     kernels: dict[str, tuple[float, float]] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            us, n = kernels.get(event.name, (0.0, 0.0))
-            kernels[event.name] = (us + event.device_time_total / iters, n + 1 / iters)
+    for event in cuda_kernels(replay, iters):
+        us, n = kernels.get(event.name, (0.0, 0.0))
+        kernels[event.name] = (us + event.device_time_total / iters, n + 1 / iters)
     return kernels
 
 

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.testing
 
-from decode_step import copy_bandwidth
+from decode_step import copy_bandwidth, cuda_kernels
 from tsdev_kernels.ops import fp8, moe, router
 
 
@@ -85,20 +85,11 @@ def main() -> None:
 def launches_us(fn, iters: int = 20) -> list[tuple[str, float]]:
     """Each GPU kernel (or memset) one call of `fn` runs, in order, and its mean duration in us over `iters` eager
     calls under torch.profiler: the kernels' own time, without the launch gaps a graph replay removes."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                     key=lambda e: e.time_range.start)
+    kernels = cuda_kernels(fn, iters)
     per_call, left = divmod(len(kernels), iters)
     if left or not per_call:
         sys.exit(f"the profiler saw {len(kernels)} kernels over {iters} calls: not one sequence per call")
-    return [(kernels[i].name, sum(kernels[c * per_call + i].time_range.elapsed_us() for c in range(iters)) / iters)
+    return [(kernels[i].name, sum(kernels[c * per_call + i].device_time_total for c in range(iters)) / iters)
             for i in range(per_call)]
 
 
