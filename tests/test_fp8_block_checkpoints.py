@@ -72,16 +72,20 @@ class BlockFP8Linear(torch.nn.Module):
         return fp8_block_linear_ref(x, self.weight, self.scale)
 
 
-def oracle_greedy(source, fp8_dir, prompts):
+def oracle_greedy(source, fp8_dir, prompts, model_class: str = "Qwen3ForCausalLM", patch=None):
+    """transformers' `model_class` on `source` with each projection the FP8 checkpoint quantized run as
+    BlockFP8Linear; `patch(name, module, tensors)` for every other module (a mixture of experts' expert loop)."""
     import transformers
 
-    model = transformers.Qwen3ForCausalLM.from_pretrained(source, dtype=torch.float32)
+    model = getattr(transformers, model_class).from_pretrained(source, dtype=torch.float32)
     tensors = load_file(str(next(fp8_dir.glob("*.safetensors"))))
     for name, module in list(model.named_modules()):
         if f"{name}.weight_scale_inv" in tensors:
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent), attr, BlockFP8Linear(tensors[f"{name}.weight"],
                                                                       tensors[f"{name}.weight_scale_inv"]))
+        elif patch is not None:
+            patch(name, module, tensors)
     outputs = []
     for prompt in prompts:
         ids = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),

@@ -5,18 +5,19 @@ quantizer stores. The oracle: transformers' model on the same tensors with each 
 run as the plain-torch w8a8-block arithmetic -- greedy tokens equal, alone and under --tp 2 on gloo; a layer with some
 experts left unconverted is refused by name; the logits close to the unquantized model's; the weights drill and its
 negative control; the embedded `default-moe-fp8`."""
+import functools
+
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_fp8_block_checkpoints import BlockFP8Linear, prefill_logits, served, tp_rank, write_fp8_blocks
+from test_fp8_block_checkpoints import (PROMPTS, TOKENS, oracle_greedy, prefill_logits, served, tp_rank,  # the
+                                        write_fp8_blocks)  # dense model's oracle, prompts and rank function
 
 from tsdev_kernels.ops.fp8_block import fp8_block_linear_ref
 from tsdev_runtime.config import EngineConfig
 from tsdev_runtime.engine.llm_engine import LLMEngine
 from tsdev_runtime.engine.sequence import SamplingParams
 
-PROMPTS = [[5, 17, 300, 42, 9, 77, 123, 8], [900, 3, 3, 250, 61]]
-TOKENS = 12
 QUANTIZATION = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic",
                 "modules_to_not_convert": ["model.layers.0.mlp.gate", "model.layers.2.mlp.gate"]}
 
@@ -62,26 +63,10 @@ def block_experts(tensors, prefix, act_fn, hidden_states, top_k_index, top_k_wei
     return out
 
 
-def oracle_greedy(source, fp8_dir, prompts):
-    import functools
-
-    import transformers
-
-    model = transformers.Qwen3MoeForCausalLM.from_pretrained(source, dtype=torch.float32)
-    tensors = load_file(str(next(fp8_dir.glob("*.safetensors"))))
-    for name, module in list(model.named_modules()):
-        if f"{name}.weight_scale_inv" in tensors:
-            parent, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent), attr, BlockFP8Linear(tensors[f"{name}.weight"],
-                                                                      tensors[f"{name}.weight_scale_inv"]))
-        elif name.endswith(".mlp.experts"):
-            module.forward = functools.partial(block_experts, tensors, name, module.act_fn)
-    outputs = []
-    for prompt in prompts:
-        ids = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-        outputs.append(ids[0, len(prompt):].tolist())
-    return outputs
+def expert_loops(name, module, tensors):
+    """oracle_greedy's patch: each sparse layer's experts run `block_experts`."""
+    if name.endswith(".mlp.experts"):
+        module.forward = functools.partial(block_experts, tensors, name, module.act_fn)
 
 
 def test_a_block_fp8_moe_checkpoint_serves_the_greedy_tokens_of_the_same_arithmetic(moe_dir, tmp_path):
@@ -95,7 +80,7 @@ def test_a_block_fp8_moe_checkpoint_serves_the_greedy_tokens_of_the_same_arithme
     assert experts.w2_scale_inv.shape == (4, 2, 2) and experts.block == (128, 128)
     assert torch.equal(experts.w2_scale_inv[3], tensors["model.layers.0.mlp.experts.3.down_proj.weight_scale_inv"])
     assert torch.equal(experts.w13_scale_inv[1, 2:], tensors["model.layers.0.mlp.experts.1.up_proj.weight_scale_inv"])
-    want = oracle_greedy(moe_dir, fp8_dir, PROMPTS)
+    want = oracle_greedy(moe_dir, fp8_dir, PROMPTS, "Qwen3MoeForCausalLM", expert_loops)
     assert ours == want and len({tuple(t) for t in ours}) == len(ours)  # (that it is not the unquantized model's:
     # the logits test below)
 
