@@ -505,20 +505,16 @@ def uses_w8a8(tokens: int, w13_scale: torch.Tensor | None) -> bool:
     return w13_scale is not None and tokens > GEMV_MAX_TOKENS
 
 
-def _quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """W8A8's activation rows: the Triton kernel on CUDA; elsewhere torch's (Triton's interpreter casts some values
-    to e4m3 a binade down, 125.2 to 64, where a GPU and torch give 128)."""
+def _quantized(t: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """W8A8's input rows in e4m3 with their scales: one per row (group None: [rows]) or per group of `group` columns
+    (a block-FP8 checkpoint's: [rows, groups]). The Triton kernels on CUDA; elsewhere torch's (Triton's interpreter
+    casts some values to e4m3 a binade down, 125.2 to 64, where a GPU and torch give 128)."""
+    if group is not None:
+        return (quantize_fp8_token_groups_triton if t.is_cuda else quantize_fp8_token_groups)(t, group)
     if t.is_cuda:
         return quantize_fp8_rows_triton(t)
     q, scales = quantize_fp8_rows(t)
     return q, scales.squeeze(-1)
-
-
-def _quantize_groups(t: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-FP8's activation rows, per group of `group` columns: Triton on CUDA, torch's elsewhere (as above)."""
-    if t.is_cuda:
-        return quantize_fp8_token_groups_triton(t, group)
-    return quantize_fp8_token_groups(t, group)
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -584,10 +580,11 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         launch = dict(HAS_SCALE=fp8, A_FP8=fp8, SCALE_BLOCK_N=block[0] if block else 0,
                       F32_DOT=x.dtype == torch.float32 or not x.is_cuda, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                       PDL=use_pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=use_pdl)
-        quantize = functools.partial(_quantize_groups, group=block[1]) if block else _quantize_rows
+
+        group = block[1] if block else None  # a block-FP8 checkpoint's activations: per group of block_k columns
 
         def gemm(a, w, scale, out, n, k, a_div, **flags):
-            a, a_s = quantize(a) if fp8 else (a, weights)  # W8A8: each GEMM's input rows (per group of a block)
+            a, a_s = _quantized(a, group) if fp8 else (a, weights)  # W8A8: each GEMM's input rows
             _moe_gemm[(blocks, triton.cdiv(n, bn))](
                 a, a_s, w, scale, out, sorted_ids, expert_ids, weights, n, k, num_slots, a_div, a.stride(0),
                 a_s.stride(0), w.stride(0), w.stride(1), scale.stride(0), scale.stride(1) if block else 0,
