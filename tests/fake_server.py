@@ -2,9 +2,11 @@
 watch daemon and its screen quickly and deterministically: it records the reloads it is asked for and
 answers them as told. The real server is exercised by tests/test_watch_e2e.py."""
 import asyncio
+import itertools
 import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 
@@ -105,6 +107,15 @@ class FakeServer:
             ids[self._changed_at] += 1
         return sse([{"choices": [{"index": 0, "text": f"t{i}", "token_ids": [i], "finish_reason": None}]}
                     for i in ids] + ["[DONE]"])
+
+
+def paced_probe(monkeypatch, step: float = 0.004) -> None:
+    """The probe's clock advances `step` per chunk read: this server answers a stream at once, so a probe's real
+    figure is the client's parsing time (microseconds), unsteady on a loaded 2-core machine."""
+    from tsdev.watch import checks
+
+    ticks = itertools.count()
+    monkeypatch.setattr(checks, "time", SimpleNamespace(perf_counter=lambda: next(ticks) * step))
 
 
 def make_project(root: Path) -> Path:

@@ -3,7 +3,7 @@ import asyncio
 
 import pytest
 
-from fake_server import URL, FakeServer, failed_worker, make_project, ok_worker, until
+from fake_server import URL, FakeServer, failed_worker, make_project, ok_worker, paced_probe, until
 from tsdev_runtime.control_protocol import ReloadFinished, ReloadStarted, ReloadStep, StaleDefinition
 from tsdev.watch.args import WatchConfig, split_server_args
 from tsdev.watch.daemon import Daemon
@@ -70,8 +70,9 @@ def test_saves_during_a_reload_are_coalesced_into_one_next_reload(tmp_path):
     assert second.modules == ["tsdev_kernels.ops.act", "tsdev_runtime.layers.norm"]
 
 
-def test_each_reload_is_checked_against_the_golden_completion_and_probed(tmp_path):
+def test_each_reload_is_checked_against_the_golden_completion_and_probed(tmp_path, monkeypatch):
     project, server = make_project(tmp_path), FakeServer()
+    paced_probe(monkeypatch)
     server.output_changed_at = 5
     events = session(project, server, lambda daemon: (project / "kernels/tsdev_kernels/ops/act.py").write_text(
         "def act(x):\n    return -x\n"))
@@ -81,6 +82,7 @@ def test_each_reload_is_checked_against_the_golden_completion_and_probed(tmp_pat
     assert record.steps["warm"] == pytest.approx(0.123) and record.steps["recapture"] == pytest.approx(0.456)
     assert record.verdict.position == 5 and "output changed at token 5 of 24" in record.verdict.text()
     assert record.probe is not None and record.probe.previous is not None  # compared with the startup probe
+    assert record.probe.delta == pytest.approx(0.0, abs=1e-9)  # both at the paced 4 ms a step
 
 
 def test_a_failed_reload_keeps_its_error_and_skips_the_checks(tmp_path):
