@@ -50,6 +50,8 @@ class Serving:
     q_heads: int = 16  # per rank, as intermediate
     kv_heads: int = 8
     head_dim: int = 128
+    latent_dim: int = 0  # a latent-attention model's kv_lora_rank and qk_rope_head_dim (0: attention.py's layout)
+    rope_dim: int = 0
     page_size: int = 16  # tokens per KV page
     max_context: int = 1024  # the longest sequence a check draws (the served context length, at most 1024)
     max_running: int = 256  # the largest decode batch (the rows above are prefill steps)

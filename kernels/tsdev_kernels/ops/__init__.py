@@ -1,4 +1,4 @@
-"""Op families: norm, rope, activation, linear, fp8, attention, sampling. Import the submodules directly.
+"""Op families: norm, rope, activation, linear, fp8, attention, mla, sampling, moe. Import the submodules directly.
 
 Each public op runs its Triton kernel when its inputs are on CUDA and its torch reference otherwise.
 Set TSDEV_KERNELS=ref to run the references on CUDA too (to compare speed or rule a kernel out), or
@@ -24,7 +24,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
-FAMILIES = ("norm", "rope", "activation", "linear", "fp8", "attention", "sampling", "moe")
+FAMILIES = ("norm", "rope", "activation", "linear", "fp8", "attention", "mla", "sampling", "moe")
 GLUON_FAMILIES = ("norm",)  # the families with a Gluon kernel too (triton.experimental.gluon)
 # ... with a CuTe DSL kernel (nvidia-cutlass-dsl: kernels/tsdev_kernels/ops/activation_cute.py)
 CUTE_FAMILIES = ("activation",)

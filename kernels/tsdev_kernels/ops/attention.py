@@ -626,7 +626,7 @@ def _prefill_check(q, k_cache, v_cache, cu, lens, table, k, v, slots, order, max
 def _attention_shapes(decode: bool, fp8: bool = False):
     """The served batches, for the pool's dtype only: the fp8 checks where the pool is e4m3, the others elsewhere."""
     def shapes(s):
-        if fp8 != s.kv_fp8:
+        if fp8 != s.kv_fp8 or s.latent_dim:  # a latent-attention model's are mla.py's
             return []
         rows = [t for t in s.tokens if t <= s.max_running] if decode else [t for t in s.tokens if t >= 4]
         return [(t, s.q_heads, s.kv_heads, s.head_dim, s.page_size, s.max_context) for t in rows]

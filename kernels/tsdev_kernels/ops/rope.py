@@ -42,7 +42,7 @@ def _rope_type(scaling: dict | None) -> str:
     return rope_type
 
 
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
@@ -53,9 +53,9 @@ def _yarn(powers: torch.Tensor, head_dim: int, theta: float, s: dict) -> tuple[t
     if attention_factor is None:
         mscale, mscale_all_dim = s.get("mscale"), s.get("mscale_all_dim")
         if mscale and mscale_all_dim:  # DeepSeek's form; transformers ignores one given alone
-            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
         else:
-            attention_factor = _yarn_mscale(factor)
+            attention_factor = yarn_mscale(factor)
 
     def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over the original context
         return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))

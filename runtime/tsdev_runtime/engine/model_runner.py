@@ -1,6 +1,7 @@
 """Owns the model, the KV pool and the sampler; turns a scheduled batch into sampled tokens."""
 import contextlib
 import logging
+import math
 import random
 import sys
 import time
@@ -118,9 +119,7 @@ class ModelRunner:
         buckets = prefill_buckets(min(config.prefill_graph_max_tokens, max_model_len), config.max_batched_tokens,
                                   config.prefill_graph_capture_sizes)  # (a longer step, of several prompts, is eager)
         if buckets and not config.enforce_eager:
-            _, heads = distributed.shard(model_config.num_attention_heads, "the attention heads")  # this rank's
-            self.prefill_graphs = PrefillGraphs(self.model, buckets, model_config.hidden_size, heads,
-                                                model_config.head_dim, self.dtype, self.device)
+            self.prefill_graphs = PrefillGraphs(self.model, buckets, model_config.hidden_size, self.dtype, self.device)
 
     @property
     def num_pages(self) -> int:
@@ -144,19 +143,24 @@ class ModelRunner:
         model = self.model = weights.model
         layers = [m for m in model.modules() if isinstance(m, Attention)]
         for layer, layer_kv in zip(layers, self.kv_cache):
-            layer.k_cache, layer.v_cache = layer_kv[0], layer_kv[1]
+            layer.bind(layer_kv)
         if self.decode_graphs is not None:
             self.decode_graphs.model = model
         if self.prefill_graphs is not None:
             self.prefill_graphs.model, self.prefill_graphs.attention = model, layers
 
     def _allocate_kv_cache(self, max_model_len: int) -> torch.Tensor:
-        c, page = self.model_config, self.config.page_size
-        _, kv_heads = distributed.shard_kv_heads(c.num_key_value_heads)  # this rank's
+        page = self.config.page_size
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        layouts = {layer.cache_layout() for layer in layers}  # (caches, heads, values) per token: this rank's
+        if len(layouts) != 1:
+            raise ValueError(f"the model's attention layers keep different caches ({sorted(layouts)}): one KV pool "
+                             "holds one layout")
+        layout = layouts.pop()
         kv_dtype = self.config.kv_torch_dtype(self.dtype)
         if kv_dtype == torch.float8_e4m3fn and (why := fp8_unsupported_reason(self.device, "--kv-cache-dtype fp8")):
             raise ValueError(why)
-        page_bytes = 2 * c.num_hidden_layers * page * kv_heads * c.head_dim * kv_dtype.itemsize
+        page_bytes = len(layers) * page * math.prod(layout) * kv_dtype.itemsize
         num_pages = self.config.kv_pages
         if num_pages is None:
             if self.device.type == "cuda":
@@ -174,11 +178,11 @@ class ModelRunner:
             )
         scratch = -(-min(self.config.max_batched_tokens, max_model_len) // page) + 1
         self.scratch_pages = list(range(num_pages, num_pages + scratch))
-        kv = torch.zeros(c.num_hidden_layers, 2, num_pages + scratch, page, kv_heads, c.head_dim,
-                         dtype=kv_dtype, device=self.device)
-        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        caches, heads, values = layout
+        kv = torch.zeros(len(layers), caches, num_pages + scratch, page, heads, values, dtype=kv_dtype,
+                         device=self.device)
         for layer, layer_kv in zip(layers, kv):
-            layer.k_cache, layer.v_cache = layer_kv[0], layer_kv[1]
+            layer.bind(layer_kv)
         return kv
 
     def host_inputs(self, batch: ScheduledBatch) -> dict[str, list]:

@@ -105,8 +105,8 @@ class _Bucket:
 
 
 class PrefillGraphs(GraphSet):
-    def __init__(self, model: torch.nn.Module, buckets: list[int], hidden_size: int, num_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(self, model: torch.nn.Module, buckets: list[int], hidden_size: int, dtype: torch.dtype,
+                 device: torch.device):
         super().__init__(buckets)
         self.model, self.device = model, device
         self.attention = [m for m in model.modules() if isinstance(m, Attention)]  # where every bucket is cut
@@ -114,7 +114,7 @@ class PrefillGraphs(GraphSet):
         with device:
             self.embeds = torch.zeros(n, hidden_size, dtype=dtype)
             self.positions = torch.zeros(n, dtype=torch.int64)
-            self.attn_out = torch.zeros(n, num_heads, head_dim, dtype=dtype)
+            self.attn_out = torch.zeros(n, *self.attention[0].out_shape(), dtype=dtype)  # every layer's, in turn
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.disabled: str | None = None  # why prefill runs eagerly after a failed capture

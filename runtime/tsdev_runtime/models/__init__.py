@@ -6,6 +6,7 @@ from torch import nn
 
 from tsdev_runtime.config import ModelConfig
 from tsdev_runtime.layers.linear import Linear, check_quantization
+from tsdev_runtime.models.deepseek import DeepseekForCausalLM
 from tsdev_runtime.models.llama import LlamaForCausalLM
 from tsdev_runtime.models.qwen2 import Qwen2ForCausalLM
 from tsdev_runtime.models.qwen3 import Qwen3ForCausalLM
@@ -15,7 +16,8 @@ from tsdev_runtime.moe.experts import StackedExperts
 log = logging.getLogger(__name__)
 
 MODELS: dict[str, type[nn.Module]] = {
-    arch: cls for cls in (Qwen3ForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3MoeForCausalLM)
+    arch: cls for cls in (Qwen3ForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3MoeForCausalLM,
+                          DeepseekForCausalLM)
     for arch in cls.architectures}
 
 

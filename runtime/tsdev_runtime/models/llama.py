@@ -59,9 +59,9 @@ class LlamaMLP(nn.Module):
     """gate|up, silu(gate) * up, down. The first two run in the decoder layer's `mlp_input`, with the norm before
     them (one kernel at one row on CUDA): this forward takes their output, silu(gate) * up, to down_proj's."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        size, bias = config.intermediate_size, bool(config.raw.get("mlp_bias", False))
+        size, bias = intermediate_size or config.intermediate_size, bool(config.raw.get("mlp_bias", False))
         self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias=bias)
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
@@ -72,7 +72,8 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     """RMSNorm, attention, RMSNorm, MLP, each norm adding the residual stream first. What a family changes is a
-    subclass's (qwen2.py, qwen3.py, qwen3_moe.py): `attention_class`, `make_mlp`, `make_mlp_input`."""
+    subclass's (qwen2.py, qwen3.py, qwen3_moe.py, deepseek.py): `attention_class`, `make_mlp`, `make_attn_input`,
+    `make_mlp_input`."""
     attention_class = LlamaAttention
 
     def __init__(self, config: ModelConfig, rope: RotaryEmbedding, layer: int):
@@ -82,11 +83,15 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # each norm with the projection after it, fused into one kernel where that pays (decode at batch 1)
-        self.attn_input = NormedProjection(self.input_layernorm, self.self_attn.qkv_proj)
+        self.attn_input = self.make_attn_input()
         self.mlp_input = self.make_mlp_input()
 
     def make_mlp(self, config: ModelConfig, layer: int) -> nn.Module:
         return LlamaMLP(config)
+
+    def make_attn_input(self) -> NormedProjection:
+        """The input norm and q|k|v: what reaches the attention's forward."""
+        return NormedProjection(self.input_layernorm, self.self_attn.qkv_proj)
 
     def make_mlp_input(self) -> NormedProjection:
         """The post-attention norm, gate|up and SwiGLU's activation: what reaches the MLP's forward."""
@@ -110,10 +115,15 @@ class LlamaModel(nn.Module):
         # one rotary table for every layer of this model (it is large: max positions x head_dim floats); never
         # shared between models, whose memory sleeps and wakes on its own
         theta, scaling = rope_settings(config.raw)
-        rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings, theta, scaling)
+        rope = RotaryEmbedding(self.rotary_dim(config), config.max_position_embeddings, theta, scaling)
         self.layers = nn.ModuleList(self.decoder_layer_class(config, rope, i)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    @staticmethod
+    def rotary_dim(config: ModelConfig) -> int:
+        """The features each query and key rotates."""
+        return config.head_dim
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = embeds, None

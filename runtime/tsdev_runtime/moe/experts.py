@@ -26,6 +26,7 @@ from torch import nn
 
 from tsdev_kernels.ops import fp8 as fp8_ops
 from tsdev_kernels.ops import fp8_block
+from tsdev_kernels.ops import moe as moe_ops
 from tsdev_runtime import distributed
 from tsdev_runtime.weights.keys import DeclaredLoading, Key
 from tsdev_runtime.weights.layout import RankSlice, block_part
@@ -107,6 +108,17 @@ class StackedExperts(DeclaredLoading, nn.Module):
             self.fp8 = Fp8Experts.like(self.w13, self.w2)
         self.fp8.refresh(self.w13, self.w2)
         self.fp8_filled = True
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each token's chosen experts (`ids` [T, k]) weighted by `weights` [T, k] and summed: this rank's part of
+        every expert's output (the caller sums the ranks')."""
+        if self.block:  # a block-FP8 checkpoint's
+            return moe_ops.fused_moe(x, self.w13, self.w2, weights, ids, self.w13_scale_inv, self.w2_scale_inv,
+                                     block=self.block)
+        if self.fp8 is None:
+            return moe_ops.fused_moe(x, self.w13, self.w2, weights, ids)
+        fp8 = self.fp8
+        return moe_ops.fused_moe(x, fp8.w13, fp8.w2, weights, ids, fp8.w13_scale, fp8.w2_scale)
 
     def checkpoint_names(self, attr: str) -> dict[str, tuple[str, Key]]:
         names = {f"{attr}.{e}.{proj}_proj.weight": (param, (e, proj))

@@ -1,10 +1,9 @@
 """The sparse MLP block of a mixture-of-experts layer: route each token to its top-k experts, run them in one fused
-kernel (`kernels/tsdev_kernels/ops/moe.py`: the alignment of tokens to experts, the gate|up GEMM with SiLU-and-mul, the
-down GEMM with the router weights and the sum over k), and under tensor parallelism sum the ranks' partial outputs."""
+kernel (`StackedExperts.forward`: the alignment of tokens to experts, the gate|up GEMM with SiLU-and-mul, the down GEMM
+with the router weights and the sum over k), and under tensor parallelism sum the ranks' partial outputs."""
 import torch
 from torch import nn
 
-from tsdev_kernels.ops import moe as moe_ops
 from tsdev_runtime import distributed
 from tsdev_runtime.moe.experts import StackedExperts
 from tsdev_runtime.moe.router import TopKRouter
@@ -17,13 +16,4 @@ class SparseMoeBlock(nn.Module):
         self.experts = StackedExperts(num_experts, hidden_size, intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
-        experts, fp8 = self.experts, self.experts.fp8
-        if experts.block:  # a block-FP8 checkpoint's
-            out = moe_ops.fused_moe(x, experts.w13, experts.w2, weights, ids, experts.w13_scale_inv,
-                                    experts.w2_scale_inv, block=experts.block)
-        elif fp8 is None:
-            out = moe_ops.fused_moe(x, experts.w13, experts.w2, weights, ids)
-        else:
-            out = moe_ops.fused_moe(x, fp8.w13, fp8.w2, weights, ids, fp8.w13_scale, fp8.w2_scale)
-        return distributed.all_reduce(out)
+        return distributed.all_reduce(self.experts(x, *self.gate(x)))

@@ -118,7 +118,7 @@ class LoadedWeights:
 
 def _load(targets: "_Targets", model_dir: Path, load_format: str, memory_limit: int, reprocessing: bool) -> LoadReport:
     begin = time.perf_counter()
-    entries = read_entries(checkpoint_files(model_dir))
+    entries = [e for e in read_entries(checkpoint_files(model_dir)) if not targets.skips(e.name)]
     targets.check(entries, model_dir)
     session = LoadSession(targets.model, targets.keys, reprocessing)
     device = next(targets.model.parameters()).device
@@ -188,10 +188,18 @@ class _Targets:
                 self.keys[canonical_name] = self.keys.get(canonical_name, frozenset()) | {key}
                 self.names.setdefault((canonical_name, key), full)
 
+    def skips(self, name: str) -> bool:
+        """Whether the model leaves this checkpoint tensor unread (`skips_checkpoint_tensor`: DeepSeek-V3's
+        multi-token-prediction layer)."""
+        skips = getattr(self.model, "skips_checkpoint_tensor", None)
+        return skips is not None and skips(name)
+
     def check(self, entries: list[TensorEntry], model_dir: Path) -> None:
         """Fail, naming them, on tensors that are mis-shaped, missing (a declared key no tensor brings) or extra."""
         provided, unexpected = set(), []
         for entry in entries:
+            if self.skips(entry.name):
+                continue
             target = self.index.get(entry.name)
             if target is None:
                 unexpected.append(entry.name)
@@ -234,6 +242,8 @@ class _Targets:
     def load(self, ckpt_name: str, tensor: torch.Tensor, session: LoadSession) -> None:
         """Copy `tensor` (the checkpoint's whole tensor, or this rank's slice of it read alone) into place."""
         target = self.index.get(ckpt_name)
+        if target is None and self.skips(ckpt_name):
+            return
         if target is None:
             raise ValueError(f"{ckpt_name}: this model has no parameter for it")
         part = target.part

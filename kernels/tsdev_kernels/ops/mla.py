@@ -1,0 +1,352 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over a paged latent cache, in the absorbed form.
+
+Cache layout, per layer: [num_pages, page_size, 1, L + R], each token's latent (kv_lora_rank L values, after
+kv_a_layernorm) then its rotated rope key (qk_rope_head_dim R values), shared by every head: 576 values per token and
+layer for DeepSeek-V3 (a GQA model of its size would store 2 x 128 heads x 128). A slot is page * page_size + offset,
+-1 a padding row that writes nothing, as in attention.py.
+
+The absorbed form: head h's nope key is W_UK[h] @ latent and its value W_UV[h] @ latent (W_UK, W_UV: kv_b_proj's
+rows of that head), so q_nope . k_nope = (W_UK[h]^T q_nope) . latent. The model multiplies each head's q_nope into the
+latent space first and passes q = [q_latent | q_pe] (L + R values per head); attention then runs as multi-query
+attention with one key [latent | k_pe] and one value `latent` per token, and the model multiplies the output (L
+values per head) by W_UV[h]. The kernels never see W_UK or W_UV (runtime/tsdev_runtime/models/deepseek.py owns them).
+
+Triton (CUDA; the tests run it under the interpreter), one kernel for every step: a program owns a tile of
+(query row, head) pairs, HEADS heads of QUERIES rows of one sequence, and one of `num_splits` shares of the keys
+its rows can see. It streams that share's cache rows in blocks of BLOCK_N through the page table, the latent and the
+rope part loaded apart (512 + 64 columns, not one block padded to 1024), with an online softmax in float32; every
+head of the tile reads each cache row once. Decode steps (max_q_len == 1) take 16 heads of one row per tile and cut
+each sequence into splits (flash-decoding) so that batch 1 at a long context fills the GPU; a second launch merges
+the splits by their log-sum-exp. Prefill steps take 16 rows of one head per tile, causal, the cached prefix first
+(row j of a query of q_len sits at position seq_len - q_len + j), no splits. The grid depends on the batch size and
+head count only (graph-safe); `num_splits` and the page table's width are not specialised on (module docstring of
+attention.py says why). Configurations are not measured yet (no GPU run of this kernel: docs/mla.md).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from tsdev_kernels.checks import KernelCheck, Tolerance
+from tsdev_kernels.ops import sm_count, use_triton
+from tsdev_kernels.ops.attention import FP8_KV_DTYPE, LOG2E, dequantize_kv, longest_first, quantize_kv
+
+
+def store_latent_ref(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, scale: float = 1.0) -> None:
+    """rows [T, 1, L + R] into cache [P, page, 1, L + R] at slot_mapping [T] (-1: nothing), quantized in an e4m3
+    cache."""
+    valid = slot_mapping >= 0
+    cache.view(-1, *cache.shape[2:])[slot_mapping[valid]] = quantize_kv(rows[valid], scale, cache.dtype)
+
+
+def mla_attention_ref(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                      page_table: torch.Tensor, scale: float, latent_dim: int, out: torch.Tensor | None = None,
+                      kv_scale: float = 1.0) -> torch.Tensor:
+    """q [T, H, L + R] -> [T, H, L]: causal attention of each sequence's rows over its cached rows (keys: whole rows,
+    values: their first L values), one sequence at a time in float32."""
+    T, H, _ = q.shape
+    out = q.new_zeros(T, H, latent_dim) if out is None else out.zero_()
+    page_size = cache.shape[1]
+    for i, (start, end, seq_len) in enumerate(zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist(),
+                                                  seq_lens.tolist())):
+        q_len = end - start
+        if q_len == 0:
+            continue
+        pages = page_table[i, : -(-seq_len // page_size)].long()
+        rows = dequantize_kv(cache[pages].flatten(0, 1)[:seq_len, 0], kv_scale)  # [S, L + R]
+        scores = torch.einsum("qhd,kd->hqk", q[start:end].float(), rows) * scale
+        positions = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        visible = torch.arange(seq_len, device=q.device)[None, :] <= positions[:, None]
+        weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        out[start:end] = torch.einsum("hqk,kd->qhd", weights, rows[:, :latent_dim]).to(out.dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Triton
+
+
+@triton.jit
+def _store_latent_kernel(ROWS, CACHE, SLOTS, stride_rt, stride_cp, stride_cs, scale, WIDTH: tl.constexpr,
+                         PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr, QUANTIZED: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    if slot >= 0:
+        cols = tl.arange(0, BLOCK)
+        row = tl.load(ROWS + t * stride_rt + cols, mask=cols < WIDTH)
+        if QUANTIZED:
+            row = tl.clamp(row.to(tl.float32) / scale, -448.0, 448.0).to(CACHE.dtype.element_ty)
+        tl.store(CACHE + (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_cs + cols, row,
+                 mask=cols < WIDTH)
+
+
+def store_latent_triton(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, scale: float = 1.0):
+    T, _, width = rows.shape
+    if T == 0:
+        return
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    _store_latent_kernel[(T,)](rows, cache, slot_mapping, rows.stride(0), cache.stride(0), cache.stride(1), scale,
+                               WIDTH=width, PAGE_SIZE=cache.shape[1], BLOCK=triton.next_power_of_2(width),
+                               QUANTIZED=cache.dtype == FP8_KV_DTYPE, num_warps=4)
+
+
+@triton.jit(do_not_specialize=["stride_pt", "num_splits"])  # attention.py's module docstring says why
+def _mla_kernel(
+    Q, CACHE, O, PART_O, PART_LSE, CU, SEQ_LENS, PAGE_TABLE, ORDER,
+    scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_cp, stride_cs, stride_pt, H, num_splits, kv_scale,
+    LATENT: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr, QUERIES: tl.constexpr, HEADS: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    ORDERED: tl.constexpr, PRECISION: tl.constexpr, QUANTIZED: tl.constexpr,
+):
+    head_block = tl.program_id(0)
+    m_block = tl.program_id(1) // num_splits
+    split = tl.program_id(1) % num_splits
+    b = tl.program_id(2)
+    if ORDERED:
+        b = tl.load(ORDER + b).to(tl.int32)
+    q_start = tl.load(CU + b)
+    q_len = tl.load(CU + b + 1) - q_start
+    if m_block * QUERIES < q_len:  # the grid covers the longest query; shorter ones leave programs idle
+        seq_len = tl.load(SEQ_LENS + b)
+        r = tl.arange(0, QUERIES * HEADS)  # the tile's (query row, head) pairs, a row's heads side by side
+        m = m_block * QUERIES + r // HEADS
+        h = head_block * HEADS + r % HEADS
+        live = (m < q_len) & (h < H)
+        t = (q_start + m).to(tl.int64)
+        lat = tl.arange(0, BLOCK_L)
+        rot = tl.arange(0, BLOCK_R)
+        q_row = Q + t[:, None] * stride_qt + h[:, None] * stride_qh
+        q_lat = tl.load(q_row + lat[None, :], mask=live[:, None] & (lat < LATENT)[None, :], other=0.0)
+        q_rot = tl.load(q_row + LATENT + rot[None, :], mask=live[:, None] & (rot < ROPE)[None, :], other=0.0)
+        pos = seq_len - q_len + m  # each row's position: the cached prefix comes first
+        end = tl.minimum(seq_len, seq_len - q_len + (m_block + 1) * QUERIES)  # causal: nothing past the last row
+        chunk = tl.cdiv(tl.cdiv(end, num_splits), BLOCK_N) * BLOCK_N  # this split's share, in whole blocks
+        start = split * chunk
+        stop = tl.minimum(start + chunk, end)
+
+        m_i = tl.full([QUERIES * HEADS], float("-inf"), tl.float32)
+        l_i = tl.zeros([QUERIES * HEADS], tl.float32)
+        acc = tl.zeros([QUERIES * HEADS, BLOCK_L], tl.float32)
+        for n0 in range(start, stop, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = n < stop
+            page = tl.load(PAGE_TABLE + b * stride_pt + n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+            cache_row = CACHE + (page * stride_cp + (n % PAGE_SIZE) * stride_cs)[:, None]
+            k_lat = tl.load(cache_row + lat[None, :], mask=n_mask[:, None] & (lat < LATENT)[None, :], other=0.0)
+            k_rot = tl.load(cache_row + LATENT + rot[None, :], mask=n_mask[:, None] & (rot < ROPE)[None, :],
+                            other=0.0)
+            if QUANTIZED:  # e4m3 rows to q's dtype, exactly; the scale is in scale_log2 and applied to acc
+                k_lat = k_lat.to(Q.dtype.element_ty)
+                k_rot = k_rot.to(Q.dtype.element_ty)
+            s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)
+            s += tl.dot(q_rot, tl.trans(k_rot), input_precision=PRECISION)
+            s = tl.where(n_mask[None, :] & (n[None, :] <= pos[:, None]), s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(k_lat.dtype), k_lat, input_precision=PRECISION)
+            m_i = m_new
+        if QUANTIZED:
+            acc = acc * kv_scale
+        out_mask = live[:, None] & (lat < LATENT)[None, :]
+        if SPLIT:  # partial result + its log2-sum-exp; a share past the sequence's end has l_i == 0, writes -inf
+            part = (b * H + h) * num_splits + split
+            tl.store(PART_O + part[:, None] * LATENT + lat[None, :], acc / tl.maximum(l_i, 1e-30)[:, None],
+                     mask=out_mask)
+            tl.store(PART_LSE + part, tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf")),
+                     mask=live)
+        else:
+            out = acc / l_i[:, None]
+            tl.store(O + t[:, None] * stride_ot + h[:, None] * stride_oh + lat[None, :], out.to(O.dtype.element_ty),
+                     mask=out_mask)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _mla_merge_kernel(PART_O, PART_LSE, O, CU, stride_ot, stride_oh, H, num_splits, LATENT: tl.constexpr,
+                      BLOCK_L: tl.constexpr):
+    """One program per (sequence, head) of a decode step: the splits' partial outputs weighted by their sums."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row = tl.load(CU + b)
+    if tl.load(CU + b + 1) > row:  # a sequence with no row this step has nothing to merge
+        lat = tl.arange(0, BLOCK_L)
+        first = (b * H + h) * num_splits
+        top = float("-inf")
+        for s in range(num_splits):
+            top = tl.maximum(top, tl.load(PART_LSE + first + s))
+        acc = tl.zeros([BLOCK_L], tl.float32)
+        total = 0.0
+        for s in range(num_splits):
+            weight = tl.exp2(tl.load(PART_LSE + first + s) - top)  # an empty share: 0
+            acc += weight * tl.load(PART_O + (first + s) * LATENT + lat, mask=lat < LATENT, other=0.0)
+            total += weight
+        tl.store(O + row.to(tl.int64) * stride_ot + h * stride_oh + lat, (acc / total).to(O.dtype.element_ty),
+                 mask=lat < LATENT)
+
+
+DECODE_HEADS, PREFILL_QUERIES = 16, 16  # the tiles: heads of one decode row; rows of one prefill head
+
+
+def mla_splits(batch: int, heads: int, device: torch.device) -> int:
+    """KV splits per sequence of a decode step: about 4 programs per SM (at most 64), from shapes only (graph-safe);
+    2 off CUDA (the interpreter tests)."""
+    if device.type != "cuda":
+        return 2
+    programs = batch * triton.cdiv(heads, DECODE_HEADS)
+    return max(1, min(64, triton.cdiv(4 * sm_count(device.index or 0), programs)))
+
+
+def mla_attention_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                         page_table: torch.Tensor, scale: float, latent_dim: int, max_q_len: int,
+                         out: torch.Tensor | None = None, num_splits: int | None = None,
+                         order: torch.Tensor | None = None, kv_scale: float = 1.0,
+                         block_n: int | None = None) -> torch.Tensor:
+    """`mla_attention_ref` in one launch (prefill) or two (decode: the splits, then their merge)."""
+    B = seq_lens.shape[0]
+    T, H, width = q.shape
+    out = q.new_empty(T, H, latent_dim) if out is None else out
+    if B == 0 or max_q_len == 0:
+        return out
+    decode = max_q_len == 1
+    if num_splits is None:
+        num_splits = mla_splits(B, H, q.device) if decode else 1
+    if num_splits > 1 and not decode:
+        raise ValueError("splitting the keys is for decode steps (max_q_len 1)")
+    queries, heads = (1, DECODE_HEADS) if decode else (PREFILL_QUERIES, 1)
+    split = num_splits > 1
+    part_o = q.new_empty((B, H, num_splits, latent_dim) if split else (1,), dtype=torch.float32)
+    part_lse = q.new_empty((B, H, num_splits) if split else (1,), dtype=torch.float32)
+    quantized = cache.dtype == FP8_KV_DTYPE
+    _mla_kernel[(triton.cdiv(H, heads), triton.cdiv(max_q_len, queries) * num_splits, B)](
+        q, cache, out, part_o, part_lse, cu_seqlens_q, seq_lens, page_table, order if order is not None else seq_lens,
+        scale * LOG2E * (kv_scale if quantized else 1.0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        cache.stride(0), cache.stride(1), page_table.stride(0), H, num_splits, kv_scale,
+        LATENT=latent_dim, ROPE=width - latent_dim, PAGE_SIZE=cache.shape[1], QUERIES=queries, HEADS=heads,
+        BLOCK_L=triton.next_power_of_2(latent_dim), BLOCK_R=max(16, triton.next_power_of_2(width - latent_dim)),
+        BLOCK_N=block_n or (32 if q.is_cuda else 16), SPLIT=split, ORDERED=order is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANTIZED=quantized,
+        num_warps=4 if q.is_cuda else 1, num_stages=2,
+    )
+    if split:
+        _mla_merge_kernel[(B, H)](part_o, part_lse, out, cu_seqlens_q, out.stride(0), out.stride(1), H, num_splits,
+                                  LATENT=latent_dim, BLOCK_L=triton.next_power_of_2(latent_dim), num_warps=4)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Public op
+
+
+def mla_attention(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                  page_table: torch.Tensor, scale: float, latent_dim: int, *, max_q_len: int | None = None,
+                  out: torch.Tensor | None = None, store: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  order: torch.Tensor | None = None, kv_scale: float = 1.0) -> torch.Tensor:
+    """Causal latent attention of a mixed batch over the paged latent cache, this step's rows stored first when
+    `store` = (rows [T, 1, L + R], slot_mapping [T]) is given.
+
+    q [T, H, L + R] (last dim contiguous): each head's q_nope multiplied into the latent space, then its rotated q_pe;
+    cache [num_pages, page_size, 1, L + R]; cu_seqlens_q, seq_lens, page_table and order as `paged_attention`'s
+    (attention.py). Returns [T, H, L] in q's dtype (into `out` when given), softmax in float32. max_q_len: a host int
+    (1 takes the decode path); left out it costs a device->host sync."""
+    triton_ok = use_triton(q, "mla")
+    if store is not None:
+        rows, slot_mapping = store
+        (store_latent_triton if triton_ok else store_latent_ref)(rows, cache, slot_mapping, kv_scale)
+    if not triton_ok:
+        return mla_attention_ref(q, cache, cu_seqlens_q, seq_lens, page_table, scale, latent_dim, out=out,
+                                 kv_scale=kv_scale)
+    if max_q_len is None:
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if seq_lens.numel() else 0
+    if seq_lens.shape[0] == 1:
+        order = None
+    return mla_attention_triton(q, cache, cu_seqlens_q, seq_lens, page_table, scale, latent_dim, max_q_len, out=out,
+                                order=order, kv_scale=kv_scale)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checks on reload (kernels/tsdev_kernels/checks.py): batches as serving builds them, pages in random order, mixed
+# lengths, a prefill chunk behind a cached prefix, this step's rows stored by the op.
+
+MLA_TOLERANCE = {
+    torch.bfloat16: Tolerance(1e-2, 2e-2, "bf16 q and cache rows, softmax and sums in float32 (online, in another "
+                              "order than the reference's), tf32 products, one bf16 rounding"),
+    torch.float16: Tolerance(2e-3, 4e-3, "fp16, as bf16 with 3 more mantissa bits"),
+    torch.float32: Tolerance(1e-4, 1e-4, "float32 throughout (IEEE products): the online softmax's order"),
+}
+
+
+def mla_batch(q_lens: list[int], cached: list[int], heads: int, latent: int, rope: int, page_size: int, dtype,
+              device, generator, kv_dtype=None) -> tuple:
+    """q, cache, cu_seqlens_q, seq_lens, page_table, rows, slot_mapping, order, max_q_len, L for sequences of q_lens new
+    tokens behind `cached` ones, every sequence's pages drawn in random order from one pool; q scaled as the model's
+    (latent-space queries are sums over 128 nope features: a plain randn q would make every softmax one-hot)."""
+    seq_lens = [q + c for q, c in zip(q_lens, cached)]
+    pages_of = [-(-n // page_size) for n in seq_lens]
+    pool = torch.randperm(sum(pages_of) + 3, generator=generator, device=device).to(torch.int32)
+    table = torch.zeros(len(seq_lens), max(pages_of), dtype=torch.int32, device=device)
+    start = 0
+    for i, n in enumerate(pages_of):
+        table[i, :n] = pool[start:start + n]
+        start += n
+    width = latent + rope
+    cache = quantize_kv(torch.randn(len(pool), page_size, 1, width, generator=generator, device=device), 1.0,
+                        kv_dtype or dtype)
+    tokens = sum(q_lens)
+    q = (torch.randn(tokens, heads, width, generator=generator, device=device) * width ** -0.25).to(dtype)
+    rows = torch.randn(tokens, 1, width, generator=generator, device=device).to(dtype)
+    if kv_dtype == FP8_KV_DTYPE:  # on e4m3's grid, as attention.py's checks (the interpreter rounds otherwise)
+        rows = quantize_kv(rows, 1.0, kv_dtype).to(dtype)
+    slots = torch.cat([table[i, torch.arange(c, n, device=device) // page_size].long() * page_size
+                       + torch.arange(c, n, device=device) % page_size
+                       for i, (c, n) in enumerate(zip(cached, seq_lens))])
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    order = torch.tensor(longest_first(seq_lens), dtype=torch.int64, device=device)
+    return q, cache, cu, lens, table, rows, slots, order, max(q_lens), latent
+
+
+def _inputs(decode: bool, kv_dtype=None):
+    def inputs(shape, dtype, device, generator):
+        tokens, heads, latent, rope, page_size, context = shape
+        if decode:
+            q_lens = [1] * tokens
+            cached = torch.randint(0, context, (tokens,), generator=generator, device=device).tolist()
+        else:  # a chunk behind a cached prefix, a whole prompt, two decode rows: a mixed step
+            decoding = min(2, tokens - 2)
+            chunk = (tokens - decoding) // 2
+            q_lens = [chunk, tokens - decoding - chunk, *[1] * decoding]
+            cached = [int(torch.randint(1, max(context - chunk, 2), (1,), generator=generator, device=device)), 0,
+                      *torch.randint(1, context, (decoding,), generator=generator, device=device).tolist()]
+        return mla_batch(q_lens, cached, heads, latent, rope, page_size, dtype, device, generator, kv_dtype)
+    return inputs
+
+
+def _reference(q, cache, cu, lens, table, rows, slots, order, max_q_len, latent):
+    cache = cache.clone()
+    store_latent_ref(rows, cache, slots)
+    return mla_attention_ref(q, cache, cu, lens, table, q.shape[-1] ** -0.5, latent)
+
+
+def _kernel(q, cache, cu, lens, table, rows, slots, order, max_q_len, latent):
+    """In place, as serving runs it (storing this step's rows again writes the same values)."""
+    store_latent_triton(rows, cache, slots)
+    return mla_attention_triton(q, cache, cu, lens, table, q.shape[-1] ** -0.5, latent, max_q_len, order=order)
+
+
+def _shapes(decode: bool, fp8: bool = False):
+    def shapes(s):
+        if not s.latent_dim or fp8 != s.kv_fp8:
+            return []
+        rows = [t for t in s.tokens if t <= s.max_running] if decode else [t for t in s.tokens if t >= 4]
+        return [(t, s.q_heads, s.latent_dim, s.rope_dim, s.page_size, s.max_context) for t in rows]
+    return shapes
+
+
+CHECKS = [
+    KernelCheck(op=f"mla_{step}{suffix}", kernels=("_mla_kernel", "_mla_merge_kernel", "_store_latent_kernel"),
+                shapes=_shapes(step == "decode", kv_dtype is not None),
+                inputs=_inputs(step == "decode", kv_dtype), kernel=_kernel, reference=_reference,
+                tolerance=MLA_TOLERANCE)
+    for step in ("decode", "prefill") for suffix, kv_dtype in (("", None), ("_fp8", FP8_KV_DTYPE))
+]
