@@ -166,6 +166,63 @@ def hf_qwen3_moe_dir(tiny_model_dir, tmp_path_factory) -> Path:
     return out
 
 
+DEEPSEEK_SHAPE = dict(vocab_size=1024, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                      num_experts_per_tok=2, kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                      max_position_embeddings=1024, tie_word_embeddings=False, eos_token_id=0)
+
+
+def _deepseek_dir(tmp_path_factory, tiny_model_dir, name: str, config) -> Path:
+    """`config`'s model as transformers writes it (float32, per-expert names), every weight random at 0.2 (routing
+    and attention vary from token to token), the norms near one, the routing bias random; the tiny tokenizer."""
+    import shutil
+
+    import transformers
+
+    out = tmp_path_factory.mktemp(name)
+    torch.manual_seed(21)
+    model = getattr(transformers, config.architectures[0])(config).to(torch.float32)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if not param_name.endswith("norm.weight"):
+                param.normal_(0.0, 0.2)
+        for buffer_name, buffer in model.named_buffers():
+            if buffer_name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.1)
+    _randomize_norms_and_biases(model, 22)
+    model.save_pretrained(out)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / file, out / file)
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_deepseek_v2_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """A tiny DeepseekV2ForCausalLM (V2-Lite's form): q_proj without q LoRA, softmax top-2 of 8 experts scaled by
+    1.5, two shared experts, every layer sparse."""
+    import transformers
+
+    config = transformers.DeepseekV2Config(**DEEPSEEK_SHAPE, q_lora_rank=None, n_shared_experts=2,
+                                           first_k_dense_replace=0, routed_scaling_factor=1.5,
+                                           architectures=["DeepseekV2ForCausalLM"])
+    return _deepseek_dir(tmp_path_factory, tiny_model_dir, "hf-deepseek-v2", config)
+
+
+@pytest.fixture(scope="session")
+def hf_deepseek_v3_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """A tiny DeepseekV3ForCausalLM: q LoRA, sigmoid routing with the correction bias in 2 groups of 4 experts (the
+    best group allowed), renormalised and scaled by 2.5, one shared expert, layer 0 dense, YaRN (factor 4 over 256
+    positions, mscale 0.9 over mscale_all_dim 1.0: both the rotary table's factor and the softmax scale change)."""
+    import transformers
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "mscale": 0.9,
+            "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1, "rope_theta": 10000.0}
+    config = transformers.DeepseekV3Config(**DEEPSEEK_SHAPE, q_lora_rank=32, n_shared_experts=1, n_group=2,
+                                           topk_group=1, first_k_dense_replace=1, rope_parameters=yarn,
+                                           architectures=["DeepseekV3ForCausalLM"])
+    return _deepseek_dir(tmp_path_factory, tiny_model_dir, "hf-deepseek-v3", config)
+
+
 @pytest.fixture
 def make_engine(tiny_model_dir):
     """Engine on the tiny checkpoint with small pages (4 tokens) so sequences span many pages."""

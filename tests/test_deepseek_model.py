@@ -1,0 +1,100 @@
+"""DeepSeek-V2 (q_proj, softmax routing, two shared experts) and -V3 (q LoRA, grouped sigmoid routing with the
+correction bias, YaRN with mscale, a dense first layer) on tiny checkpoints that transformers itself wrote serve
+transformers' greedy tokens (float32, CPU): alone, batched, across chunked prefill, behind a warm prefix cache and
+under --tp 2 on gloo; the KV pool holds one latent row per token and layer, and W_UK / W_UV are kv_b_proj's rows."""
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ranks import run_ranks
+from test_model_families import engine_config, hf_greedy, hf_model
+from tsdev_runtime.engine.llm_engine import LLMEngine
+from tsdev_runtime.engine.sequence import SamplingParams
+from tsdev_runtime.layers.attention import LatentAttention
+from tsdev_runtime.models.deepseek import DeepseekMoE
+
+FAMILIES = {"v2": "hf_deepseek_v2_dir", "v3": "hf_deepseek_v3_dir"}
+PROMPTS = [[5, 17, 300, 42, 9, 77, 123, 4, 8, 15, 16, 23], [200, 201, 202],
+           [(13 * j + 1) % 1000 + 3 for j in range(40)]]
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request):
+    return request.param, request.getfixturevalue(FAMILIES[request.param])
+
+
+@pytest.fixture(scope="module")
+def oracle(family):
+    return hf_model(family[1])
+
+
+@pytest.fixture(scope="module")
+def expected(oracle) -> list[list[int]]:
+    return [hf_greedy(oracle, p, GREEDY.max_tokens) for p in PROMPTS]
+
+
+def test_the_pool_keeps_one_latent_row_per_token_and_layer_and_w_uk_w_uv_are_kv_b_projs_rows(family):
+    name, model_dir = family
+    engine = LLMEngine(engine_config(model_dir))
+    layers, pool = engine.model.model.layers, engine.runner.kv_cache
+    assert pool.shape[:2] == (2, 1) and pool.shape[3:] == (4, 1, 32 + 8)  # layers, one cache, page 4, latent | rope
+    assert all(isinstance(layer.self_attn.attn, LatentAttention) for layer in layers)
+    assert [isinstance(layer.mlp, DeepseekMoE) for layer in layers] == ([True, True] if name == "v2" else [False, True])
+    attention = layers[1].self_attn
+    kv_b = load_file(model_dir / "model.safetensors")["model.layers.1.self_attn.kv_b_proj.weight"].view(4, 32, 32)
+    assert torch.equal(attention.w_uk, kv_b[:, :16]) and torch.equal(attention.w_uv, kv_b[:, 16:].transpose(1, 2))
+
+
+def test_greedy_tokens_equal_transformers_alone_and_batched(family, expected):
+    assert len({tuple(e) for e in expected}) == len(expected)
+    engine = LLMEngine(engine_config(family[1]))
+    for prompt, want in zip(PROMPTS, expected):
+        assert engine.generate([prompt], GREEDY)[0]["token_ids"] == want
+    assert [r["token_ids"] for r in engine.generate(PROMPTS, GREEDY)] == expected
+
+
+def test_chunked_prefill_and_a_warm_prefix_cache_serve_transformers_tokens(family, oracle):
+    engine = LLMEngine(engine_config(family[1], max_batched_tokens=7))
+    chunks, schedule = [], engine.scheduler.schedule
+
+    def recording_schedule():
+        batch = schedule()
+        chunks.append(batch.total_tokens)
+        return batch
+
+    engine.scheduler.schedule = recording_schedule
+    shared = PROMPTS[2]
+    engine.generate([shared + [7, 8, 9]], GREEDY)
+    assert chunks[:6] == [7, 7, 7, 7, 7, 7]  # 43 prompt tokens in chunks of at most 7
+    hits = engine.block_manager.hits
+    second = shared + [10, 11]
+    out = engine.generate([second], GREEDY)[0]["token_ids"]
+    assert engine.block_manager.hits - hits >= len(shared) // 4 - 1  # the shared prefix's pages, from the cache
+    assert out == hf_greedy(oracle, second, GREEDY.max_tokens)
+
+
+def tp_rank(model_dir: str) -> dict:
+    from tsdev_runtime import distributed
+    from tsdev_runtime.engine.llm_engine import serve_rank
+
+    config = engine_config(model_dir, world_size=2, cudagraph_capture_sizes=[1, 4])
+    if distributed.rank() != 0:
+        serve_rank(config)
+        return {}
+    engine = LLMEngine(config)
+    try:
+        attention = engine.model.model.layers[1].self_attn
+        return dict(tokens=[r["token_ids"] for r in engine.generate(PROMPTS, GREEDY)],
+                    heads=attention.num_heads, w_uk=tuple(attention.w_uk.shape),
+                    pool=tuple(engine.runner.kv_cache.shape[3:]))
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+def test_two_ranks_split_the_heads_and_serve_the_greedy_tokens_of_transformers(family, expected):
+    rank0, _ = run_ranks(tp_rank, 2, str(family[1]), timeout=240)
+    assert rank0["heads"] == 2 and rank0["w_uk"] == (2, 16, 32)  # half of the 4 heads; the whole latent
+    assert rank0["pool"] == (4, 1, 40)  # every rank caches the same latent rows
+    assert rank0["tokens"] == expected
