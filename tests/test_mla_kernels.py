@@ -1,0 +1,84 @@
+"""The MLA kernels (kernels/tsdev_kernels/ops/mla.py) against their torch reference under Triton's interpreter, on
+fresh random inputs: pages in random order, mixed lengths, a prefill chunk behind a cached prefix beside decode rows,
+head counts and latent widths that are not multiples of the tiles, padding slots, KV splits past a short sequence's
+end, an e4m3 cache; and their reload checks, which a wrong scale fails. The same kernels on CUDA:
+tests/test_mla_gpu.py."""
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tsdev_kernels import checks
+from tsdev_kernels.ops import mla
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="run in a process without the GPU (tests/test_kernels_interpreter_process.py)")
+
+
+def reference(q, cache, cu, lens, table, rows, slots, latent):
+    cache = cache.clone()
+    mla.store_latent_ref(rows, cache, slots)
+    return mla.mla_attention_ref(q, cache, cu, lens, table, q.shape[-1] ** -0.5, latent), cache
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
+@pytest.mark.parametrize("splits", [1, 2, 5])
+def test_decode_matches_the_reference_with_and_without_splits(splits, kv_dtype):
+    g = torch.Generator().manual_seed(7 + splits)
+    # 6 heads (a tile of 16 half empty), latent 24 of a 32 block, rope 8; a sequence of 1 token leaves splits empty
+    q, cache, cu, lens, table, rows, slots, order, _, latent = mla.mla_batch(
+        [1] * 4, [0, 13, 37, 6], 6, 24, 8, 4, torch.float32, "cpu", g, kv_dtype)
+    want, want_cache = reference(q, cache, cu, lens, table, rows, slots, latent)
+    mla.store_latent_triton(rows, cache, slots)
+    got = mla.mla_attention_triton(q, cache, cu, lens, table, q.shape[-1] ** -0.5, latent, 1, num_splits=splits,
+                                   order=order)
+    assert torch.equal(cache.float(), want_cache.float())
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_prefill_of_a_mixed_step_matches_the_reference_and_padding_slots_write_nothing():
+    g = torch.Generator().manual_seed(3)
+    # a 21-row chunk behind 30 cached tokens, a whole 18-token prompt, two decode rows
+    q, cache, cu, lens, table, rows, slots, order, max_q_len, latent = mla.mla_batch(
+        [21, 18, 1, 1], [30, 0, 9, 25], 3, 32, 8, 4, torch.float32, "cpu", g)
+    slots[5] = -1  # a padding row of a graph: its row must not reach the cache
+    want, want_cache = reference(q, cache, cu, lens, table, rows, slots, latent)
+    before = cache.clone()
+    mla.store_latent_triton(rows, cache, slots)
+    assert torch.equal(cache, want_cache) and not torch.equal(cache, before)
+    got = mla.mla_attention_triton(q, cache, cu, lens, table, q.shape[-1] ** -0.5, latent, max_q_len, order=order)
+    keep = torch.ones(len(q), dtype=torch.bool)
+    keep[5] = False  # the padding row's own output is unspecified (its key never stored)
+    torch.testing.assert_close(got[keep], want[keep], atol=2e-5, rtol=2e-5)
+
+
+def test_the_public_op_stores_the_rows_then_attends_on_any_device():
+    g = torch.Generator().manual_seed(4)
+    q, cache, cu, lens, table, rows, slots, order, max_q_len, latent = mla.mla_batch(
+        [5, 1], [3, 11], 2, 16, 8, 4, torch.float32, "cpu", g)
+    want, _ = reference(q, cache, cu, lens, table, rows, slots, latent)
+    got = mla.mla_attention(q, cache, cu, lens, table, q.shape[-1] ** -0.5, latent, max_q_len=max_q_len,
+                            store=(rows, slots), order=order)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_the_checks_run_where_the_model_keeps_a_latent_cache_and_a_wrong_scale_fails():
+    by_op = {c.op: c for c in checks.declared()}
+    serving = checks.Serving(tokens=(3, 20), hidden=64, intermediate=128, dtype=torch.float32, q_heads=4,
+                             max_context=60, device="cpu")
+    assert all(by_op[op].shapes(serving) == [] for op in ("mla_decode", "mla_prefill"))  # a GQA model: none
+    latent = replace(serving, latent_dim=32, rope_dim=8)
+    assert by_op["paged_decode"].shapes(latent) == [] and by_op["mla_decode"].shapes(latent) == [
+        (3, 4, 32, 8, 16, 60), (20, 4, 32, 8, 16, 60)]
+    for op in ("mla_decode", "mla_prefill"):
+        assert checks.run(by_op[op], by_op[op].shapes(latent)[0], torch.float32, "cpu").ok
+    fp8 = replace(latent, kv_fp8=True)
+    assert checks.run(by_op["mla_decode_fp8"], by_op["mla_decode_fp8"].shapes(fp8)[0], torch.float32, "cpu").ok
+
+    def wrong(q, cache, cu, lens, table, rows, slots, order, max_q_len, latent):
+        mla.store_latent_triton(rows, cache, slots)
+        return mla.mla_attention_triton(q, cache, cu, lens, table, q.shape[-1] ** -0.5 * 1.05, latent, max_q_len)
+
+    check = by_op["mla_decode"]
+    assert not checks.run(replace(check, kernel=wrong), (3, 4, 32, 8, 16, 60), torch.float32, "cpu").ok
