@@ -98,3 +98,53 @@ def test_two_ranks_split_the_heads_and_serve_the_greedy_tokens_of_transformers(f
     assert rank0["heads"] == 2 and rank0["w_uk"] == (2, 16, 32)  # half of the 4 heads; the whole latent
     assert rank0["pool"] == (4, 1, 40)  # every rank caches the same latent rows
     assert rank0["tokens"] == expected
+
+
+# --- what reloads: an edit of the MLA kernel module, and weights after sleep(2) --------------------------------------
+
+
+@pytest.mark.slow
+def test_an_edit_of_the_mla_kernel_changes_the_output_and_its_revert_restores_it_bit_for_bit(hf_deepseek_v3_dir):
+    """The edit halves the attention's softmax scale in the MLA module's reference (what the CPU runs)."""
+    import importlib
+    import inspect
+
+    from test_model_families import teacher_forced_logits
+    from tsdev.hotreload import Reloader
+
+    module, old = "tsdev_kernels.ops.mla", 'torch.einsum("qhd,kd->hqk", q[start:end].float(), rows) * scale'
+    engine = LLMEngine(engine_config(hf_deepseek_v3_dir))
+    source = inspect.getsource(importlib.import_module(module))
+    assert source.count(old) == 1
+    prompt, feed = PROMPTS[0], [7, 8, 9]
+    before = teacher_forced_logits(engine, prompt, feed)
+    reloader = Reloader(["tsdev_runtime.models", "tsdev_runtime.layers", "tsdev_runtime.moe", "tsdev_kernels.ops"])
+    tx = reloader.reload(sources={module: source.replace(old, old + " * 0.5").encode()})
+    assert tx.report.ok, tx.report.error
+    tx.commit()
+    try:
+        edited = teacher_forced_logits(engine, prompt, feed)
+    finally:  # the revert, as a user's undo and save: the file's old source again
+        back = reloader.reload(sources={module: source.encode()})
+        assert back.report.ok, back.report.error
+        back.commit()
+    assert not torch.allclose(edited, before, atol=1e-3)
+    assert torch.equal(teacher_forced_logits(engine, prompt, feed), before)
+
+
+@pytest.mark.slow
+def test_the_drill_holds_on_deepseek_and_catches_absorbed_tensors_rebuilt_into_new_storage(hf_deepseek_v3_dir,
+                                                                                          monkeypatch):
+    """Three rounds of sleep(2) -> wake -> reload_weights: every parameter and buffer (W_UK and W_UV too) equal to
+    the fresh load, greedy output equal. The negative control derives W_UK / W_UV into new tensors at the reload, as
+    an MLA backend that rebuilds them would (graphs would go on reading the freed ones): the drill must fail."""
+    from tsdev_runtime.engine.weights_drill import DrillFailed, drill
+    from tsdev_runtime.weights.processing import DEBUG_DERIVED_ENV
+
+    engine = LLMEngine(engine_config(hf_deepseek_v3_dir))
+    assert any(name.endswith("self_attn.w_uk") for name in engine.weights_checksum())  # the drill compares them
+    report = drill(engine, rounds=3)
+    assert report.rounds == 3
+    monkeypatch.setenv(DEBUG_DERIVED_ENV, "rebuild")
+    with pytest.raises(DrillFailed, match="rebound w_uk, w_uv"):
+        drill(engine, rounds=1)
