@@ -148,3 +148,14 @@ def test_the_drill_holds_on_deepseek_and_catches_absorbed_tensors_rebuilt_into_n
     monkeypatch.setenv(DEBUG_DERIVED_ENV, "rebuild")
     with pytest.raises(DrillFailed, match="rebound w_uk, w_uv"):
         drill(engine, rounds=1)
+
+
+def test_the_embedded_mla_default_serves_without_a_checkpoint_as_transformers_reads_it(monkeypatch, tmp_path):
+    from test_cli import engine_config as serve_config
+
+    monkeypatch.setenv("TSDEV_CACHE_DIR", str(tmp_path))
+    assert serve_config(monkeypatch, "--model", "default-mla").model == "default-mla"
+    engine = LLMEngine(engine_config("default-mla", max_model_len=256))
+    assert engine.model_config.architecture == "DeepseekV3ForCausalLM" and engine.model_dir.parent == tmp_path
+    ours = engine.generate([PROMPTS[0]], GREEDY)[0]["token_ids"]
+    assert ours == hf_greedy(hf_model(engine.model_dir), PROMPTS[0], GREEDY.max_tokens)

@@ -47,7 +47,8 @@ def write_fp8_blocks(source, out, quantization=QUANTIZATION, drop=None, reshape=
     tensors = {}
     for name, tensor in load_file(str(path)).items():
         module = name.removesuffix(".weight")
-        if name.endswith("proj.weight") and module not in quantization.get("modules_to_not_convert", []):
+        if (name.endswith(("proj.weight", "proj_with_mqa.weight"))  # every projection (DeepSeek's latent one too)
+                and module not in quantization.get("modules_to_not_convert", [])):
             tensors[name], tensors[module + ".weight_scale_inv"] = quantize_fp8_blocks(tensor)
         else:
             tensors[name] = tensor
@@ -72,9 +73,11 @@ class BlockFP8Linear(torch.nn.Module):
         return fp8_block_linear_ref(x, self.weight, self.scale)
 
 
-def oracle_greedy(source, fp8_dir, prompts, model_class: str = "Qwen3ForCausalLM", patch=None):
+def oracle_greedy(source, fp8_dir, prompts, model_class: str = "Qwen3ForCausalLM", patch=None,
+                  projection=lambda name, weight, scale: BlockFP8Linear(weight, scale)):
     """transformers' `model_class` on `source` with each projection the FP8 checkpoint quantized run as
-    BlockFP8Linear; `patch(name, module, tensors)` for every other module (a mixture of experts' expert loop)."""
+    `projection(name, weight, scale)` (BlockFP8Linear); `patch(name, module, tensors)` for every other module (a
+    mixture of experts' expert loop)."""
     import transformers
 
     model = getattr(transformers, model_class).from_pretrained(source, dtype=torch.float32)
@@ -82,8 +85,8 @@ def oracle_greedy(source, fp8_dir, prompts, model_class: str = "Qwen3ForCausalLM
     for name, module in list(model.named_modules()):
         if f"{name}.weight_scale_inv" in tensors:
             parent, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent), attr, BlockFP8Linear(tensors[f"{name}.weight"],
-                                                                      tensors[f"{name}.weight_scale_inv"]))
+            setattr(model.get_submodule(parent), attr, projection(name, tensors[f"{name}.weight"],
+                                                                  tensors[f"{name}.weight_scale_inv"]))
         elif patch is not None:
             patch(name, module, tensors)
     outputs = []

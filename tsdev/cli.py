@@ -125,10 +125,11 @@ def _default_device() -> str:
 @app.command(short_help="Serve a model over an OpenAI-compatible HTTP API.")
 def serve(
     model: Annotated[Optional[str], typer.Argument(
-        help="A Hugging Face checkpoint directory (Llama, Qwen2, Qwen3), or a hub id (ORG/NAME) found in the local "
-             "Hugging Face cache (never downloaded). Omit it to serve the embedded default model; default-moe serves "
-             "the embedded mixture of experts (Qwen3-MoE), default-fp8 and default-moe-fp8 "
-             "those stored as block-quantized FP8.")] = None,
+        help="A Hugging Face checkpoint directory (Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V2/V3), or a hub id "
+             "(ORG/NAME) found in the local Hugging Face cache (never downloaded). Omit it to serve the embedded "
+             "default model; default-moe serves the embedded mixture of experts (Qwen3-MoE), default-fp8 and "
+             "default-moe-fp8 those stored as block-quantized FP8, default-mla a DeepSeek-V3-kind model (multi-head "
+             "latent attention).")] = None,
     model_opt: Annotated[Optional[str], typer.Option("--model", help="Same as the MODEL argument.")] = None,
     revision: Annotated[Optional[str], typer.Option(
         help="The cached revision of a hub id: a branch or tag (refs/ in the cache) or a "

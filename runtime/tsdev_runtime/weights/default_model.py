@@ -55,11 +55,26 @@ SHAPES = {
                             num_attention_heads=2, num_key_value_heads=1, head_dim=128, max_position_embeddings=4096,
                             num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, mlp_only_layers=[1],
                             torch_dtype="float32"),
+    # `tsdev serve --model default-mla`: DeepSeek-V3's kind (latent attention with q LoRA, YaRN, grouped sigmoid
+    # routing with a shared expert, a dense first layer); on a GPU V3's attention shapes exactly (128 heads, latent 512,
+    # rope 64, q LoRA 1536, hidden 7168) with three layers and 16 experts of V3's width, so kernel timings are real
+    "tiny-mla": dict(vocab_size=1024, hidden_size=64, intermediate_size=192, num_hidden_layers=3,
+                     num_attention_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+                     v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                     moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                     max_position_embeddings=4096, original_max_position_embeddings=1024, torch_dtype="float32"),
+    "deepseek-v3-small": dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_hidden_layers=3,
+                              num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
+                              qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=16, num_experts_per_tok=4,
+                              n_group=4, topk_group=2, moe_intermediate_size=2048, n_shared_experts=1,
+                              first_k_dense_replace=1, max_position_embeddings=163840,
+                              original_max_position_embeddings=4096, torch_dtype="bfloat16"),
 }
 DEFAULT_MOE = "default-moe"  # the model name that serves the embedded mixture of experts
 DEFAULT_FP8 = "default-fp8"  # ... the embedded dense model stored as block-quantized FP8 (Qwen's *-FP8 format)
 DEFAULT_MOE_FP8 = "default-moe-fp8"  # ... the embedded mixture of experts stored that way
-DEFAULT_NAMES = (None, DEFAULT_MOE, DEFAULT_FP8, DEFAULT_MOE_FP8)  # what `--model` takes for an embedded model
+DEFAULT_MLA = "default-mla"  # ... the embedded DeepSeek-V3-kind model (multi-head latent attention)
+DEFAULT_NAMES = (None, DEFAULT_MOE, DEFAULT_FP8, DEFAULT_MOE_FP8, DEFAULT_MLA)  # what `--model` takes for one
 
 
 def cache_dir() -> Path:
@@ -69,11 +84,13 @@ def cache_dir() -> Path:
 
 
 def default_model_dir(device: str, name: str | None = None) -> Path:
-    """The embedded checkpoint `name` (None: the default; DEFAULT_MOE, DEFAULT_FP8, DEFAULT_MOE_FP8) for this device,
-    created (once, atomically) if it is not there yet."""
+    """The embedded checkpoint `name` (None: the default; DEFAULT_MOE, DEFAULT_FP8, DEFAULT_MOE_FP8, DEFAULT_MLA) for
+    this device, created (once, atomically) if it is not there yet."""
     gpu = device.startswith("cuda")
     moe, fp8 = name in (DEFAULT_MOE, DEFAULT_MOE_FP8), name in (DEFAULT_FP8, DEFAULT_MOE_FP8)
-    if gpu:
+    if name == DEFAULT_MLA:
+        shape = "deepseek-v3-small" if gpu else "tiny-mla"
+    elif gpu:
         shape = "qwen3-moe-small" if moe else "qwen3-0.6b"
     else:
         shape = {(False, False): "tiny", (True, False): "tiny-moe", (False, True): "tiny-blocks",
@@ -107,12 +124,8 @@ def write_checkpoint(out: Path, shape: dict, seed: int = 0, std: float | None = 
     tokenizer = build_tokenizer(shape["vocab_size"])
     tokenizer.save(str(out / "tokenizer.json"))
     eos = eos_token_ids(tokenizer)
-    moe = "num_experts" in shape
-    config = dict(architectures=["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"],
-                  model_type="qwen3_moe" if moe else "qwen3", attention_bias=False,
-                  **(dict(decoder_sparse_step=1, norm_topk_prob=True) if moe else {}),
-                  hidden_act="silu", rms_norm_eps=1e-6, rope_theta=1_000_000.0, rope_scaling=None,
-                  tie_word_embeddings=True, bos_token_id=None, eos_token_id=eos[1], **shape)
+    config = dict(**_family_config(shape), attention_bias=False, hidden_act="silu", rms_norm_eps=1e-6,
+                  bos_token_id=None, eos_token_id=eos[1])
     if fp8_blocks:
         config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128],
                                          "activation_scheme": "dynamic"}
@@ -133,19 +146,37 @@ def write_checkpoint(out: Path, shape: dict, seed: int = 0, std: float | None = 
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
+def _family_config(shape: dict) -> dict:
+    """config.json's family fields for `shape`: Qwen3, Qwen3-MoE (experts) or DeepSeek-V3 (a latent rank)."""
+    if "kv_lora_rank" in shape:
+        shape = dict(shape)
+        original = shape.pop("original_max_position_embeddings")
+        yarn = {"type": "yarn", "factor": shape["max_position_embeddings"] / original,
+                "original_max_position_embeddings": original, "mscale": 1.0, "mscale_all_dim": 1.0,
+                "beta_fast": 32, "beta_slow": 1}
+        return dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", rope_theta=10000.0,
+                    rope_scaling=yarn, rope_interleave=True, num_key_value_heads=shape["num_attention_heads"],
+                    topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5,
+                    tie_word_embeddings=False, **shape)
+    moe = "num_experts" in shape
+    return dict(architectures=["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"],
+                model_type="qwen3_moe" if moe else "qwen3",
+                **(dict(decoder_sparse_step=1, norm_topk_prob=True) if moe else {}),
+                rope_theta=1_000_000.0, rope_scaling=None, tie_word_embeddings=True, **shape)
+
+
 def random_weights(shape: dict, seed: int, std: float | None, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Each matrix from a generator of its own (seeded by `seed` and its name), drawn on every core at once: the
     0.6B default in about a second on a 16-core host, where one generator for all took 4-5 s."""
-    h, d = shape["hidden_size"], shape["head_dim"]
-    q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
+    h = shape["hidden_size"]
     matrices, ones = {"model.embed_tokens.weight": (shape["vocab_size"], h)}, {"model.norm.weight": h}
+    if "kv_lora_rank" in shape:  # untied
+        matrices["lm_head.weight"] = (shape["vocab_size"], h)
     for n in range(shape["num_hidden_layers"]):
         p = f"model.layers.{n}."
-        matrices |= {p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                     p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                     **_mlp_matrices(shape, n)}
-        ones |= {p + "self_attn.q_norm.weight": d, p + "self_attn.k_norm.weight": d,
-                 p + "input_layernorm.weight": h, p + "post_attention_layernorm.weight": h}
+        attention, norms = (_latent_attention if "kv_lora_rank" in shape else _attention)(shape, p + "self_attn.")
+        matrices |= {**attention, **_mlp_matrices(shape, n)}
+        ones |= {**norms, p + "input_layernorm.weight": h, p + "post_attention_layernorm.weight": h}
 
     def normal(item: tuple[str, tuple[int, int]]) -> tuple[str, torch.Tensor]:
         name, (rows, fan_in) = item
@@ -153,21 +184,49 @@ def random_weights(shape: dict, seed: int, std: float | None, dtype: torch.dtype
         return name, (torch.randn(rows, fan_in, generator=g) * (std or fan_in**-0.5)).to(dtype)
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
         weights = dict(pool.map(normal, matrices.items()))
-    return weights | {name: torch.ones(size, dtype=dtype) for name, size in ones.items()}
+    # DeepSeek-V3's routing bias, float32 as its checkpoints store it (zero: the scores alone choose)
+    biases = {name.removesuffix("weight") + "e_score_correction_bias": torch.zeros(rows, dtype=torch.float32)
+              for name, (rows, _) in matrices.items() if "kv_lora_rank" in shape and name.endswith("mlp.gate.weight")}
+    return weights | biases | {name: torch.ones(size, dtype=dtype) for name, size in ones.items()}
+
+
+def _attention(shape: dict, p: str) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
+    """Qwen3's attention: (rows, fan_in) of q, k, v and o; the q and k norms' sizes."""
+    h, d = shape["hidden_size"], shape["head_dim"]
+    q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
+    return ({p + "q_proj.weight": (q, h), p + "k_proj.weight": (kv, h), p + "v_proj.weight": (kv, h),
+             p + "o_proj.weight": (h, q)}, {p + "q_norm.weight": d, p + "k_norm.weight": d})
+
+
+def _latent_attention(shape: dict, p: str) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
+    """DeepSeek-V3's: q LoRA, the latent projection (with the rope key), its expansion, o; the two LoRA norms."""
+    h, heads, q_rank, latent = (shape[k] for k in ("hidden_size", "num_attention_heads", "q_lora_rank",
+                                                    "kv_lora_rank"))
+    nope, rope, v = shape["qk_nope_head_dim"], shape["qk_rope_head_dim"], shape["v_head_dim"]
+    matrices = {p + "q_a_proj.weight": (q_rank, h), p + "q_b_proj.weight": (heads * (nope + rope), q_rank),
+                p + "kv_a_proj_with_mqa.weight": (latent + rope, h),
+                p + "kv_b_proj.weight": (heads * (nope + v), latent), p + "o_proj.weight": (h, heads * v)}
+    return matrices, {p + "q_a_layernorm.weight": q_rank, p + "kv_a_layernorm.weight": latent}
 
 
 def _mlp_matrices(shape: dict, layer: int) -> dict[str, tuple[int, int]]:
-    """(rows, fan_in) of a dense MLP's three projections, or (a sparse layer of a mixture of experts) the router's
-    and each expert's."""
+    """(rows, fan_in) of a dense MLP's three projections, or (a sparse layer of a mixture of experts) the router's,
+    each expert's and the shared experts'."""
     p, h = f"model.layers.{layer}.mlp.", shape["hidden_size"]
-    if "num_experts" not in shape or layer in shape["mlp_only_layers"]:
-        i = shape["intermediate_size"]
-        return {p + "gate_proj.weight": (i, h), p + "up_proj.weight": (i, h), p + "down_proj.weight": (h, i)}
-    i, matrices = shape["moe_intermediate_size"], {p + "gate.weight": (shape["num_experts"], h)}
-    for e in range(shape["num_experts"]):
-        matrices |= {f"{p}experts.{e}.gate_proj.weight": (i, h), f"{p}experts.{e}.up_proj.weight": (i, h),
-                     f"{p}experts.{e}.down_proj.weight": (h, i)}
+    experts = shape.get("num_experts") or shape.get("n_routed_experts")
+    dense = layer in shape.get("mlp_only_layers", ()) or layer < shape.get("first_k_dense_replace", 0)
+    if not experts or dense:
+        return _swiglu(p, h, shape["intermediate_size"])
+    i, matrices = shape["moe_intermediate_size"], {p + "gate.weight": (experts, h)}
+    for e in range(experts):
+        matrices |= _swiglu(f"{p}experts.{e}.", h, i)
+    if shape.get("n_shared_experts"):
+        matrices |= _swiglu(p + "shared_experts.", h, i * shape["n_shared_experts"])
     return matrices
+
+
+def _swiglu(p: str, h: int, i: int) -> dict[str, tuple[int, int]]:
+    return {p + "gate_proj.weight": (i, h), p + "up_proj.weight": (i, h), p + "down_proj.weight": (h, i)}
 
 
 def eos_token_ids(tokenizer) -> list[int]:
