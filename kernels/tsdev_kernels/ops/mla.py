@@ -193,16 +193,17 @@ def mla_splits(batch: int, heads: int, device: torch.device) -> int:
     2 off CUDA (the interpreter tests)."""
     if device.type != "cuda":
         return 2
-    programs = batch * triton.cdiv(heads, DECODE_HEADS)
+    programs = batch * triton.cdiv(heads, DECODE_HEADS)  # (a sweep's other tile sizes keep these splits)
     return max(1, min(64, triton.cdiv(4 * sm_count(device.index or 0), programs)))
 
 
 def mla_attention_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                          page_table: torch.Tensor, scale: float, latent_dim: int, max_q_len: int,
                          out: torch.Tensor | None = None, num_splits: int | None = None,
-                         order: torch.Tensor | None = None, kv_scale: float = 1.0,
-                         block_n: int | None = None) -> torch.Tensor:
-    """`mla_attention_ref` in one launch (prefill) or two (decode: the splits, then their merge)."""
+                         order: torch.Tensor | None = None, kv_scale: float = 1.0, block_n: int | None = None,
+                         heads: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """`mla_attention_ref` in one launch (prefill) or two (decode: the splits, then their merge). block_n, heads (a
+    decode tile's) and num_warps: the configuration, for benchmarks/mla_decode.py's sweep."""
     B = seq_lens.shape[0]
     T, H, width = q.shape
     out = q.new_empty(T, H, latent_dim) if out is None else out
@@ -213,7 +214,7 @@ def mla_attention_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: tor
         num_splits = mla_splits(B, H, q.device) if decode else 1
     if num_splits > 1 and not decode:
         raise ValueError("splitting the keys is for decode steps (max_q_len 1)")
-    queries, heads = (1, DECODE_HEADS) if decode else (PREFILL_QUERIES, 1)
+    queries, heads = (1, heads or DECODE_HEADS) if decode else (PREFILL_QUERIES, 1)
     split = num_splits > 1
     part_o = q.new_empty((B, H, num_splits, latent_dim) if split else (1,), dtype=torch.float32)
     part_lse = q.new_empty((B, H, num_splits) if split else (1,), dtype=torch.float32)
@@ -226,7 +227,7 @@ def mla_attention_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: tor
         BLOCK_L=triton.next_power_of_2(latent_dim), BLOCK_R=max(16, triton.next_power_of_2(width - latent_dim)),
         BLOCK_N=block_n or (32 if q.is_cuda else 16), SPLIT=split, ORDERED=order is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANTIZED=quantized,
-        num_warps=4 if q.is_cuda else 1, num_stages=2,
+        num_warps=num_warps or (4 if q.is_cuda else 1), num_stages=2,
     )
     if split:
         _mla_merge_kernel[(B, H)](part_o, part_lse, out, cu_seqlens_q, out.stride(0), out.stride(1), H, num_splits,

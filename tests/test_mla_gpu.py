@@ -1,0 +1,107 @@
+"""DeepSeek's multi-head latent attention on the H200 (`pytest -m gpu`): the MLA kernels against their torch reference
+at DeepSeek-V3's shapes (128 heads, latent 512, rope 64) on fresh random pages, bf16 and an e4m3 cache, decode with
+splits and a mixed prefill step, the same inside a CUDA graph; the transformers-written tiny DeepSeek-V2 and -V3
+served with graphs equal to transformers in float32 (and to themselves eagerly); the drill on V3 with graphs, 10
+rounds, W_UK / W_UV compared, and its negative control (the absorbed tensors rebuilt into new storage) failing."""
+import pytest
+import torch
+
+from tsdev_kernels.ops import mla
+from tsdev_runtime.config import EngineConfig
+from tsdev_runtime.engine.llm_engine import LLMEngine
+from tsdev_runtime.engine.sequence import SamplingParams
+from tsdev_runtime.engine.weights_drill import DrillFailed, drill
+from tsdev_runtime.weights.processing import DEBUG_DERIVED_ENV
+
+pytestmark = pytest.mark.gpu
+HEADS, LATENT, ROPE = 128, 512, 64
+PROMPTS = [[5, 17, 300, 42, 9, 77, 123, 4], [200, 201, 202], [(13 * j + 1) % 1000 + 3 for j in range(40)]]
+
+
+def assert_close_in_bf16(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    assert ours.isfinite().all() and ref.abs().max() > 0.1
+    check = mla.MLA_TOLERANCE[torch.bfloat16]
+    torch.testing.assert_close(ours.float(), ref.float(), atol=check.atol, rtol=check.rtol)
+
+
+def kernel_vs_reference(q_lens, cached, kv_dtype, seed, graph=False):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, cache, cu, lens, table, rows, slots, order, max_q_len, latent = mla.mla_batch(
+        q_lens, cached, HEADS, LATENT, ROPE, 16, torch.bfloat16, "cuda", g, kv_dtype)
+    scale = (128 + ROPE) ** -0.5
+    ref_cache = cache.clone()
+    mla.store_latent_ref(rows, ref_cache, slots)
+    want = mla.mla_attention_ref(q, ref_cache, cu, lens, table, scale, latent)
+    out = torch.empty_like(want)
+
+    def call():
+        mla.mla_attention(q, cache, cu, lens, table, scale, latent, max_q_len=max_q_len, out=out, store=(rows, slots),
+                          order=order)
+    call()
+    if graph:  # captured once, replayed on other lengths as serving replays decode graphs
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            call()
+        lens.sub_(torch.randint(0, 8, lens.shape, device="cuda", generator=g).int().clamp(max=lens - 1))
+        ref_cache = cache.clone()
+        want = mla.mla_attention_ref(q, ref_cache, cu, lens, table, scale, latent)
+        captured.replay()
+    assert torch.equal(cache.float(), ref_cache.float())
+    assert_close_in_bf16(out, want)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("batch", [1, 64, 256])
+def test_decode_equals_the_reference_at_deepseek_v3_shapes(batch, kv_dtype):
+    g = torch.Generator().manual_seed(batch)
+    kernel_vs_reference([1] * batch, torch.randint(0, 1024, (batch,), generator=g).tolist(), kv_dtype, batch)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_a_mixed_prefill_step_equals_the_reference(kv_dtype):
+    kernel_vs_reference([300, 77, 1, 1], [500, 0, 90, 2000], kv_dtype, 5)
+
+
+def test_decode_replayed_from_a_cuda_graph_on_other_lengths_equals_the_reference():
+    kernel_vs_reference([1] * 8, [100, 900, 3, 64, 2000, 17, 512, 33], None, 8, graph=True)
+
+
+@pytest.mark.parametrize("fixture", ["hf_deepseek_v2_dir", "hf_deepseek_v3_dir"])
+def test_transformers_written_deepseeks_serve_transformers_greedy_tokens_with_graphs(fixture, request):
+    import transformers
+
+    model_dir = request.getfixturevalue(fixture)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    want = []
+    for p in PROMPTS:
+        ids = torch.tensor([p], device="cuda")
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+        want.append(out[0, len(p):].tolist())
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    for eager in (False, True):
+        engine = LLMEngine(EngineConfig(model=str(model_dir), device="cuda", dtype="float32", kv_pages=256,
+                                        cudagraph_capture_sizes=[1, 2, 4], enforce_eager=eager))
+        assert (engine.runner.decode_graphs is None) == eager
+        assert [r["token_ids"] for r in engine.generate(PROMPTS, params)] == want, f"eager={eager}"
+        del engine
+
+
+def test_the_mla_drill_holds_ten_rounds_with_graphs_and_catches_rebuilt_absorbed_tensors(hf_deepseek_v3_dir,
+                                                                                         monkeypatch):
+    """The MLA half of the seed's post-sleep failure: W_UK / W_UV derived from kv_b_proj must be refreshed in the
+    memory the captured graphs read. Ten rounds of sleep(2) -> wake -> reload_weights with graphs, every tensor equal
+    to the fresh load and greedy output unchanged; then the reload that derives them into new storage must fail."""
+    def engine() -> LLMEngine:
+        return LLMEngine(EngineConfig(model=str(hf_deepseek_v3_dir), device="cuda", dtype="bfloat16", kv_pages=256,
+                                      cudagraph_capture_sizes=[1, 2, 4]))
+
+    served = engine()
+    assert served.runner.decode_graphs is not None
+    report = drill(served, rounds=10)
+    print(f"\n{report}")
+    assert report.mode == "graphs" and all(len(times) == 10 for times in report.seconds.values())
+    del served
+    monkeypatch.setenv(DEBUG_DERIVED_ENV, "rebuild")
+    with pytest.raises(DrillFailed, match="w_uk"):
+        drill(engine(), rounds=1)
