@@ -371,6 +371,8 @@ def test_the_probe_takes_rounds_until_two_agree_and_its_figure_is_the_faster_of_
     assert unsteady == [6.0, 4.0, 5.0, 4.5, 7.0]  # at most five
     assert Probe([6.0, 4.0, 4.1], 8, previous=4.4).text() == "decode 4.00 ms/step at batch 8 (-0.40 ms, -9.1%)"
     assert Probe([0.01, 4.0, 4.1], 8, previous=4.0).ms == 4.0  # the lone fast round is not the figure
+    assert Probe([4.0, 4.1], 8).text() == "decode 4.00 ms/step at batch 8 (not compared: no earlier figure was steady)"
+    assert Probe([4.0, 4.1], 8, first=True).text() == "decode 4.00 ms/step at batch 8"  # the startup's: a baseline
     probe = Probe(unsteady, 8, previous=4.4)
     assert probe.delta is None and probe.text() == (
         "decode 5.00 ms/step at batch 8 (unsteady, not compared: no two of 5 rounds within 3 %, 4.00-7.00 ms)")

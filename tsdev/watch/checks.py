@@ -142,6 +142,7 @@ class Probe:
     rounds: list[float]  # ms/step of each round
     batch: int
     previous: float | None = None  # the last steady probe before this one
+    first: bool = False  # the daemon's first probe: nothing to compare with, by design
 
     @property
     def ms(self) -> float:
@@ -164,6 +165,8 @@ class Probe:
                            f"{100 * PROBE_AGREE:.0f} %, {min(self.rounds):.2f}-{max(self.rounds):.2f} ms)")
         if self.delta is not None:
             line += f" ({self.delta:+.2f} ms, {100 * self.delta / self.previous:+.1f}%)"
+        elif not self.first:
+            line += " (not compared: no earlier figure was steady)"
         return line
 
 
@@ -175,6 +178,7 @@ class Checker:
         self.vocab = 256  # prompts stay below it (the server's vocabulary, once known)
         self.golden: list | None = None
         self.last_probe: float | None = None
+        self.probes = 0  # taken so far
         self.profile_next = False  # `p`: record the next reload's probe
         self.device: str | None = None  # the server's (describe), for the probe's default length
 
@@ -205,7 +209,8 @@ class Checker:
                 else:
                     record.note = "profiled: the decode probe is recorded"
             rounds = await decode_ms(client, url, self.vocab, config.probe_batch, self.probe_steps)
-            record.probe = Probe(rounds, config.probe_batch, self.last_probe)
+            record.probe = Probe(rounds, config.probe_batch, self.last_probe, first=self.probes == 0)
+            self.probes += 1
             if record.probe.steady:  # the next figure is compared with the last steady one
                 self.last_probe = record.probe.ms
         except (httpx.HTTPError, RuntimeError) as exc:
