@@ -172,11 +172,11 @@ def _mla_merge_kernel(PART_O, PART_LSE, O, CU, stride_ot, stride_oh, H, num_spli
     if tl.load(CU + b + 1) > row:  # a sequence with no row this step has nothing to merge
         lat = tl.arange(0, BLOCK_L)
         first = (b * H + h) * num_splits
-        top = float("-inf")
-        for s in range(num_splits):
+        top = tl.load(PART_LSE + first)  # loop-carried values start as float32 tensors, not Python floats
+        for s in range(1, num_splits):
             top = tl.maximum(top, tl.load(PART_LSE + first + s))
         acc = tl.zeros([BLOCK_L], tl.float32)
-        total = 0.0
+        total = tl.sum(acc, axis=0)
         for s in range(num_splits):
             weight = tl.exp2(tl.load(PART_LSE + first + s) - top)  # an empty share: 0
             acc += weight * tl.load(PART_O + (first + s) * LATENT + lat, mask=lat < LATENT, other=0.0)
