@@ -105,3 +105,21 @@ def test_the_mla_drill_holds_ten_rounds_with_graphs_and_catches_rebuilt_absorbed
     monkeypatch.setenv(DEBUG_DERIVED_ENV, "rebuild")
     with pytest.raises(DrillFailed, match="w_uk"):
         drill(engine(), rounds=1)
+
+
+def test_an_fp8_latent_cache_keeps_the_logits_within_cosine_099_of_bf16(hf_deepseek_v3_dir):
+    """--kv-cache-dtype fp8 on a DeepSeek model: each latent row stored as e4m3 (scale 1), read by the MLA kernels."""
+    import torch.nn.functional as F
+    from test_model_families import teacher_forced_logits
+
+    prompt, feed = [(13 * j + 1) % 1000 + 3 for j in range(200)], [5, 17, 300, 42, 9, 77, 123, 4]
+    logits = {}
+    for kv in ("auto", "fp8"):
+        engine = LLMEngine(EngineConfig(model=str(hf_deepseek_v3_dir), device="cuda", dtype="bfloat16", kv_pages=256,
+                                        kv_cache_dtype=kv, cudagraph_capture_sizes=[1, 2, 4]))
+        assert (engine.runner.kv_cache.dtype == torch.float8_e4m3fn) == (kv == "fp8")
+        logits[kv] = teacher_forced_logits(engine, prompt, feed).float()
+        del engine
+    cos = F.cosine_similarity(logits["fp8"], logits["auto"], dim=-1)
+    print(f"\nfp8 vs bf16 latent cache: cosine min {cos.min():.4f} mean {cos.mean():.4f}")
+    assert cos.min() >= 0.99, cos
