@@ -1,0 +1,20 @@
+"""An edit of the MLA Triton kernel through `tsdev watch` on the GPU, on the transformers-written tiny DeepSeek-V3:
+the reload reaches the served tokens (its kernel check catches the edit), and the revert restores them."""
+import re
+
+import pytest
+
+from watch_gpu import edit_and_revert_under_watch
+
+pytestmark = pytest.mark.gpu
+MLA = "kernels/tsdev_kernels/ops/mla.py"
+LINE = "            out = acc / l_i[:, None]\n"  # the unsplit tiles' output: every prefill
+
+
+def test_an_mla_kernel_edit_reaches_the_served_tokens_and_its_revert_restores_them(hf_deepseek_v3_dir, tmp_path):
+    changed, reverted = edit_and_revert_under_watch(hf_deepseek_v3_dir, tmp_path, "triton", MLA, LINE,
+                                                    LINE.replace("l_i[:, None]", "l_i[:, None] * 1.5"))
+    assert " ok " in changed and "golden: output changed at token" in changed, changed
+    assert re.search(r"mla_prefill: err \S+ FAILED", changed), changed  # its kernel check caught the edit
+    assert re.search(r"\| save → serving \d+\.\d\d s ", changed) and re.search(r"\bpause \d+\.\d\d\b", changed)
+    assert " ok " in reverted and "golden: same 24 tokens" in reverted, reverted
