@@ -93,7 +93,7 @@ def main() -> None:
     checkpoint = Checkpoint.open(config)
     runner = ModelRunner(config, checkpoint)
     runner.start()
-    bm, c = BlockManager(runner.num_pages, config.page_size), checkpoint.config
+    bm = BlockManager(runner.num_pages, config.page_size)
     bandwidth = copy_bandwidth(runner.device)
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     for m in runner.model.modules():  # fp8 projections read their e4m3 copy and scales, not the kept weight
@@ -101,7 +101,8 @@ def main() -> None:
             weight_bytes += (m.weight_fp8.numel() + 4 * m.weight_scale.numel()
                              - m.weight.numel() * m.weight.element_size())
     kv_dtype = config.kv_torch_dtype(runner.dtype)
-    kv_bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * kv_dtype.itemsize
+    # from the pool's layout: a key and a value per KV head, or (DeepSeek) one latent row, in every layer
+    kv_bytes_per_token = runner.kv_cache[:, :, 0, 0].numel() * kv_dtype.itemsize
     print(f"{checkpoint.dir.name}{' fp8' if args.quantization else ''}, KV {str(kv_dtype).removeprefix('torch.')}: "
           f"{weight_bytes / 1e9:.2f} GB of weights read per step, copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
           f"context {args.context}, graphs {runner.decode_graphs.sizes if runner.decode_graphs else 'off'}")
