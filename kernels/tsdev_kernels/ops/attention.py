@@ -36,6 +36,8 @@ a batch size no graph has) would compile new ones while serving. So the warm-up 
 compile every binary a step can launch.
 """
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -555,22 +557,61 @@ ATTENTION_TOLERANCE = {
 }
 
 
+@dataclass(frozen=True)
+class PagedSteps:
+    """A step's metadata as the runner builds it, for sequences of q_lens new tokens behind `cached` ones: every
+    sequence's pages drawn in random order from one pool of `num_pages` (3 more than they use)."""
+    num_pages: int
+    page_table: torch.Tensor  # [B, max pages] int32
+    slot_mapping: torch.Tensor  # [T] int64: each new token's slot
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    order: torch.Tensor  # longest first, as the runner's
+    max_q_len: int
+
+    @classmethod
+    def draw(cls, q_lens: list[int], cached: list[int], page_size: int, device, generator) -> "PagedSteps":
+        seq_lens = [q + c for q, c in zip(q_lens, cached)]
+        pages_of = [-(-n // page_size) for n in seq_lens]
+        pool = torch.randperm(sum(pages_of) + 3, generator=generator, device=device).to(torch.int32)
+        table = torch.zeros(len(seq_lens), max(pages_of), dtype=torch.int32, device=device)
+        start = 0
+        for i, n in enumerate(pages_of):
+            table[i, :n] = pool[start:start + n]
+            start += n
+        slots = torch.cat([table[i, torch.arange(c, n, device=device) // page_size].long() * page_size
+                           + torch.arange(c, n, device=device) % page_size
+                           for i, (c, n) in enumerate(zip(cached, seq_lens))])
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        return cls(len(pool), table, slots, cu, torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                   torch.tensor(longest_first(seq_lens), dtype=torch.int64, device=device), max(q_lens))
+
+
+def decode_step(batch: int, context: int, generator, device) -> tuple[list[int], list[int]]:
+    """(q_lens, cached) of a decode step: one row per sequence, behind 0..context cached tokens (mixed lengths)."""
+    return [1] * batch, torch.randint(0, context, (batch,), generator=generator, device=device).tolist()
+
+
+def mixed_step(tokens: int, context: int, generator, device) -> tuple[list[int], list[int]]:
+    """(q_lens, cached) of a mixed step of `tokens` rows: a chunk behind a cached prefix, a whole prompt, and decode
+    rows."""
+    decode = min(2, tokens - 2)
+    chunk = (tokens - decode) // 2
+    q_lens = [chunk, tokens - decode - chunk, *[1] * decode]
+    cached = [int(torch.randint(1, max(context - chunk, 2), (1,), generator=generator, device=device)), 0,
+              *torch.randint(1, context, (decode,), generator=generator, device=device).tolist()]
+    return q_lens, cached
+
+
 def _paged_batch(q_lens: list[int], cached: list[int], heads: tuple[int, int, int], page_size: int, dtype, device,
                  generator, kv_dtype=None) -> tuple:
-    """q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, k, v, slot_mapping for sequences of q_lens new
-    tokens behind `cached` ones: every sequence's pages drawn in random order from one pool, the cache random (in
-    `kv_dtype`, default `dtype`: an e4m3 pool holds the random values as its store would)."""
+    """q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, k, v, slot_mapping, order, max_q_len for a step
+    (`PagedSteps`), the cache random (in `kv_dtype`, default `dtype`: an e4m3 pool holds the random values as its
+    store would)."""
     hq, hk, d = heads
-    seq_lens = [q + c for q, c in zip(q_lens, cached)]
-    pages_of = [-(-n // page_size) for n in seq_lens]
-    pool = torch.randperm(sum(pages_of) + 3, generator=generator, device=device).to(torch.int32)  # 3 unused pages
-    table = torch.zeros(len(seq_lens), max(pages_of), dtype=torch.int32, device=device)
-    start = 0
-    for i, n in enumerate(pages_of):
-        table[i, :n] = pool[start:start + n]
-        start += n
+    step = PagedSteps.draw(q_lens, cached, page_size, device, generator)
     cache = lambda: quantize_kv(  # noqa: E731
-        torch.randn(len(pool), page_size, hk, d, generator=generator, device=device), 1.0, kv_dtype or dtype)
+        torch.randn(step.num_pages, page_size, hk, d, generator=generator, device=device), 1.0, kv_dtype or dtype)
     k_cache, v_cache = cache(), cache()
     tokens = sum(q_lens)
     q = torch.randn(tokens, hq, d, generator=generator, device=device).to(dtype)
@@ -579,30 +620,20 @@ def _paged_batch(q_lens: list[int], cached: list[int], heads: tuple[int, int, in
         # under Triton's interpreter too, whose e4m3 rounding differs from the GPU's (tests/test_fp8_kv_gpu.py
         # checks the store's rounding bit for bit there)
         k, v = (quantize_kv(x, 1.0, kv_dtype).to(dtype) for x in (k, v))
-    slots = torch.cat([table[i, torch.arange(c, n, device=device) // page_size].long() * page_size
-                       + torch.arange(c, n, device=device) % page_size
-                       for i, (c, n) in enumerate(zip(cached, seq_lens))])
-    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-    order = torch.tensor(longest_first(seq_lens), dtype=torch.int64, device=device)  # as the runner's metadata
-    return q, k_cache, v_cache, cu, lens, table, k, v, slots, order, max(q_lens)
+    return (q, k_cache, v_cache, step.cu_seqlens_q, step.seq_lens, step.page_table, k, v, step.slot_mapping,
+            step.order, step.max_q_len)
 
 
 def _decode_inputs(shape, dtype, device, generator, kv_dtype=None):
     batch, hq, hk, d, page_size, context = shape
-    cached = torch.randint(0, context, (batch,), generator=generator, device=device).tolist()  # mixed lengths
-    return _paged_batch([1] * batch, cached, (hq, hk, d), page_size, dtype, device, generator, kv_dtype)
+    return _paged_batch(*decode_step(batch, context, generator, device), (hq, hk, d), page_size, dtype, device,
+                        generator, kv_dtype)
 
 
 def _prefill_inputs(shape, dtype, device, generator, kv_dtype=None):
-    """`tokens` rows: a chunk behind a cached prefix, a whole prompt, and decode rows (a mixed step)."""
     tokens, hq, hk, d, page_size, context = shape
-    decode = min(2, tokens - 2)
-    chunk = (tokens - decode) // 2
-    q_lens = [chunk, tokens - decode - chunk, *[1] * decode]
-    cached = [int(torch.randint(1, max(context - chunk, 2), (1,), generator=generator, device=device)), 0,
-              *torch.randint(1, context, (decode,), generator=generator, device=device).tolist()]
-    return _paged_batch(q_lens, cached, (hq, hk, d), page_size, dtype, device, generator, kv_dtype)
+    return _paged_batch(*mixed_step(tokens, context, generator, device), (hq, hk, d), page_size, dtype, device,
+                        generator, kv_dtype)
 
 
 def _attention_ref(q, k_cache, v_cache, cu, lens, table, k, v, slots, order, max_q_len):

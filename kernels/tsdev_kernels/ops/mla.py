@@ -26,9 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tsdev_kernels.checks import KernelCheck, Tolerance
+from tsdev_kernels.checks import KernelCheck
 from tsdev_kernels.ops import sm_count, use_triton
-from tsdev_kernels.ops.attention import FP8_KV_DTYPE, LOG2E, dequantize_kv, longest_first, quantize_kv
+from tsdev_kernels.ops.attention import (ATTENTION_TOLERANCE, FP8_KV_DTYPE, LOG2E, PagedSteps, decode_step,
+                                         dequantize_kv, mixed_step, quantize_kv)
 
 
 def store_latent_ref(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, scale: float = 1.0) -> None:
@@ -269,56 +270,31 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.Tens
 # Checks on reload (kernels/tsdev_kernels/checks.py): batches as serving builds them, pages in random order, mixed
 # lengths, a prefill chunk behind a cached prefix, this step's rows stored by the op.
 
-MLA_TOLERANCE = {
-    torch.bfloat16: Tolerance(1e-2, 2e-2, "bf16 q and cache rows, softmax and sums in float32 (online, in another "
-                              "order than the reference's), tf32 products, one bf16 rounding"),
-    torch.float16: Tolerance(2e-3, 4e-3, "fp16, as bf16 with 3 more mantissa bits"),
-    torch.float32: Tolerance(1e-4, 1e-4, "float32 throughout (IEEE products): the online softmax's order"),
-}
+MLA_TOLERANCE = ATTENTION_TOLERANCE  # the same arithmetic: float32 softmax and sums, tf32 (or IEEE) products
 
 
 def mla_batch(q_lens: list[int], cached: list[int], heads: int, latent: int, rope: int, page_size: int, dtype,
               device, generator, kv_dtype=None) -> tuple:
-    """q, cache, cu_seqlens_q, seq_lens, page_table, rows, slot_mapping, order, max_q_len, L for sequences of q_lens new
-    tokens behind `cached` ones, every sequence's pages drawn in random order from one pool; q scaled as the model's
-    (latent-space queries are sums over 128 nope features: a plain randn q would make every softmax one-hot)."""
-    seq_lens = [q + c for q, c in zip(q_lens, cached)]
-    pages_of = [-(-n // page_size) for n in seq_lens]
-    pool = torch.randperm(sum(pages_of) + 3, generator=generator, device=device).to(torch.int32)
-    table = torch.zeros(len(seq_lens), max(pages_of), dtype=torch.int32, device=device)
-    start = 0
-    for i, n in enumerate(pages_of):
-        table[i, :n] = pool[start:start + n]
-        start += n
+    """q, cache, cu_seqlens_q, seq_lens, page_table, rows, slot_mapping, order, max_q_len, L for a step
+    (`PagedSteps`), the cache random (in `kv_dtype`, default `dtype`); q scaled as the model's (latent-space queries
+    are sums over 128 nope features: a plain randn q would make every softmax one-hot)."""
+    step = PagedSteps.draw(q_lens, cached, page_size, device, generator)
     width = latent + rope
-    cache = quantize_kv(torch.randn(len(pool), page_size, 1, width, generator=generator, device=device), 1.0,
+    cache = quantize_kv(torch.randn(step.num_pages, page_size, 1, width, generator=generator, device=device), 1.0,
                         kv_dtype or dtype)
     tokens = sum(q_lens)
     q = (torch.randn(tokens, heads, width, generator=generator, device=device) * width ** -0.25).to(dtype)
     rows = torch.randn(tokens, 1, width, generator=generator, device=device).to(dtype)
     if kv_dtype == FP8_KV_DTYPE:  # on e4m3's grid, as attention.py's checks (the interpreter rounds otherwise)
         rows = quantize_kv(rows, 1.0, kv_dtype).to(dtype)
-    slots = torch.cat([table[i, torch.arange(c, n, device=device) // page_size].long() * page_size
-                       + torch.arange(c, n, device=device) % page_size
-                       for i, (c, n) in enumerate(zip(cached, seq_lens))])
-    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-    order = torch.tensor(longest_first(seq_lens), dtype=torch.int64, device=device)
-    return q, cache, cu, lens, table, rows, slots, order, max(q_lens), latent
+    return (q, cache, step.cu_seqlens_q, step.seq_lens, step.page_table, rows, step.slot_mapping, step.order,
+            step.max_q_len, latent)
 
 
 def _inputs(decode: bool, kv_dtype=None):
     def inputs(shape, dtype, device, generator):
         tokens, heads, latent, rope, page_size, context = shape
-        if decode:
-            q_lens = [1] * tokens
-            cached = torch.randint(0, context, (tokens,), generator=generator, device=device).tolist()
-        else:  # a chunk behind a cached prefix, a whole prompt, two decode rows: a mixed step
-            decoding = min(2, tokens - 2)
-            chunk = (tokens - decoding) // 2
-            q_lens = [chunk, tokens - decoding - chunk, *[1] * decoding]
-            cached = [int(torch.randint(1, max(context - chunk, 2), (1,), generator=generator, device=device)), 0,
-                      *torch.randint(1, context, (decoding,), generator=generator, device=device).tolist()]
+        q_lens, cached = (decode_step if decode else mixed_step)(tokens, context, generator, device)
         return mla_batch(q_lens, cached, heads, latent, rope, page_size, dtype, device, generator, kv_dtype)
     return inputs
 
