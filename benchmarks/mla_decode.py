@@ -7,8 +7,8 @@
 
 floor: the cache rows every sequence reads (576 values x 2 bytes, 1 in an e4m3 cache, per token) at the copy bandwidth
 measured in the same run (FlashMLA reports ~3,000 GB/s for this read on an H800). The kernel is replayed from a CUDA
-graph (triton.testing.do_bench_cudagraph) as serving replays it: the splits' launch, then the merge; the error against
-the torch reference is checked on every configuration timed.
+graph (triton.testing.do_bench_cudagraph) as serving replays it: the splits' launch (storing the step's rows), then the
+merge; the error against the torch reference is checked on every configuration timed.
 """
 import argparse
 import datetime
@@ -39,8 +39,9 @@ def time_decode(args, sequences: int, kv_dtype, **config) -> tuple[float, float]
     want = mla.mla_attention_ref(q, cache, cu, lens, table, scale, latent)
     out = torch.empty_like(want)
 
-    def call():
-        mla.mla_attention_triton(q, cache, cu, lens, table, scale, latent, 1, out=out, order=order, **config)
+    def call():  # as serving calls it: the step's rows stored by the kernel (again: the same values)
+        mla.mla_attention_triton(q, cache, cu, lens, table, scale, latent, 1, out=out, order=order,
+                                 store=(rows, slots), **config)
     call()
     error = float(((out.float() - want.float()).abs().max() / want.float().abs().max()))
     return triton.testing.do_bench_cudagraph(call, rep=200) * 1e3, error

@@ -37,6 +37,20 @@ def test_decode_matches_the_reference_with_and_without_splits(splits, kv_dtype):
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
+def test_decode_stores_the_steps_rows_itself_and_a_padding_slot_writes_nothing(kv_dtype):
+    g = torch.Generator().manual_seed(11)
+    q, cache, cu, lens, table, rows, slots, order, _, latent = mla.mla_batch(
+        [1] * 5, [0, 13, 37, 6, 20], 6, 24, 8, 4, torch.float32, "cpu", g, kv_dtype)
+    slots[3] = -1  # a graph's padding row
+    want, want_cache = reference(q, cache, cu, lens, table, rows, slots, latent)
+    got = mla.mla_attention_triton(q, cache, cu, lens, table, q.shape[-1] ** -0.5, latent, 1, num_splits=3,
+                                   order=order, store=(rows, slots))
+    assert torch.equal(cache.float(), want_cache.float())
+    keep = torch.arange(5) != 3  # the padding row's own output is unspecified (its row never stored)
+    torch.testing.assert_close(got[keep], want[keep], atol=2e-5, rtol=2e-5)
+
+
 def test_prefill_of_a_mixed_step_matches_the_reference_and_padding_slots_write_nothing():
     g = torch.Generator().manual_seed(3)
     # a 21-row chunk behind 30 cached tokens, a whole 18-token prompt, two decode rows

@@ -16,8 +16,9 @@ Triton (CUDA; the tests run it under the interpreter), one kernel for every step
 its rows can see. It streams that share's cache rows in blocks of BLOCK_N through the page table, the latent and the
 rope part loaded apart (512 + 64 columns, not one block padded to 1024), with an online softmax in float32; every
 head of the tile reads each cache row once. Decode steps (max_q_len == 1) take 16 heads of one row per tile and cut
-each sequence into splits (flash-decoding) so that batch 1 at a long context fills the GPU; a second launch merges
-the splits by their log-sum-exp. Prefill steps take 16 rows of one head per tile, causal, the cached prefix first
+each sequence into splits (flash-decoding) so that batch 1 at a long context fills the GPU, and store this step's
+rows themselves (the programs whose share holds a row's position); a second launch merges the splits by their
+log-sum-exp. Prefill steps take 16 rows of one head per tile, causal, the cached prefix first
 (row j of a query of q_len sits at position seq_len - q_len + j), no splits. The grid depends on the batch size and
 head count only (graph-safe); `num_splits` and the page table's width are not specialised on (module docstring of
 attention.py says why). Configurations are not measured yet (no GPU run of this kernel: docs/mla.md).
@@ -93,11 +94,11 @@ def store_latent_triton(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: t
 
 @triton.jit(do_not_specialize=["stride_pt", "num_splits"])  # attention.py's module docstring says why
 def _mla_kernel(
-    Q, CACHE, O, PART_O, PART_LSE, CU, SEQ_LENS, PAGE_TABLE, ORDER,
-    scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_cp, stride_cs, stride_pt, H, num_splits, kv_scale,
-    LATENT: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr, QUERIES: tl.constexpr, HEADS: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    ORDERED: tl.constexpr, PRECISION: tl.constexpr, QUANTIZED: tl.constexpr,
+    Q, CACHE, O, PART_O, PART_LSE, CU, SEQ_LENS, PAGE_TABLE, ORDER, ROWS, SLOTS,
+    scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_cp, stride_cs, stride_pt, stride_rt, H, num_splits,
+    kv_scale, LATENT: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr, QUERIES: tl.constexpr,
+    HEADS: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    STORE: tl.constexpr, ORDERED: tl.constexpr, PRECISION: tl.constexpr, QUANTIZED: tl.constexpr,
 ):
     head_block = tl.program_id(0)
     m_block = tl.program_id(1) // num_splits
@@ -124,6 +125,20 @@ def _mla_kernel(
         chunk = tl.cdiv(tl.cdiv(end, num_splits), BLOCK_N) * BLOCK_N  # this split's share, in whole blocks
         start = split * chunk
         stop = tl.minimum(start + chunk, end)
+        if STORE:  # decode: this step's row goes to the cache from every program whose share holds its position,
+            # each writing the same values and reading back its own write (no order between programs is needed)
+            if (seq_len - 1 >= start) & (seq_len - 1 < stop):
+                slot = tl.load(SLOTS + q_start).to(tl.int64)
+                if slot >= 0:  # -1: a padding row, writes nothing
+                    dst = CACHE + (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_cs
+                    new_lat = tl.load(ROWS + q_start * stride_rt + lat, mask=lat < LATENT)
+                    new_rot = tl.load(ROWS + q_start * stride_rt + LATENT + rot, mask=rot < ROPE)
+                    if QUANTIZED:
+                        new_lat = tl.clamp(new_lat.to(tl.float32) / kv_scale, -448.0, 448.0)
+                        new_rot = tl.clamp(new_rot.to(tl.float32) / kv_scale, -448.0, 448.0)
+                    tl.store(dst + lat, new_lat.to(CACHE.dtype.element_ty), mask=lat < LATENT)
+                    tl.store(dst + LATENT + rot, new_rot.to(CACHE.dtype.element_ty), mask=rot < ROPE)
+            tl.debug_barrier()  # every thread of this program reads it back below
 
         m_i = tl.full([QUERIES * HEADS], float("-inf"), tl.float32)
         l_i = tl.zeros([QUERIES * HEADS], tl.float32)
@@ -202,9 +217,12 @@ def mla_attention_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: tor
                          page_table: torch.Tensor, scale: float, latent_dim: int, max_q_len: int,
                          out: torch.Tensor | None = None, num_splits: int | None = None,
                          order: torch.Tensor | None = None, kv_scale: float = 1.0, block_n: int | None = None,
-                         heads: int | None = None, num_warps: int | None = None) -> torch.Tensor:
-    """`mla_attention_ref` in one launch (prefill) or two (decode: the splits, then their merge). block_n, heads (a
-    decode tile's) and num_warps: the configuration, for benchmarks/mla_decode.py's sweep."""
+                         heads: int | None = None, num_warps: int | None = None,
+                         store: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """`mla_attention_ref` in one launch (prefill) or two (decode: the splits, then their merge). store = (rows,
+    slot_mapping), decode only: this step's rows are written by the attention kernel itself (one launch fewer per
+    layer). block_n, heads (a decode tile's) and num_warps: the configuration, for benchmarks/mla_decode.py's
+    sweep."""
     B = seq_lens.shape[0]
     T, H, width = q.shape
     out = q.new_empty(T, H, latent_dim) if out is None else out
@@ -213,8 +231,11 @@ def mla_attention_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: tor
     decode = max_q_len == 1
     if num_splits is None:
         num_splits = mla_splits(B, H, q.device) if decode else 1
-    if num_splits > 1 and not decode:
-        raise ValueError("splitting the keys is for decode steps (max_q_len 1)")
+    if (num_splits > 1 or store is not None) and not decode:
+        raise ValueError("splitting the keys and storing the rows in the kernel are for decode steps (max_q_len 1)")
+    rows, slots = store if store is not None else (q, cu_seqlens_q)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
     queries, heads = (1, heads or DECODE_HEADS) if decode else (PREFILL_QUERIES, 1)
     split = num_splits > 1
     part_o = q.new_empty((B, H, num_splits, latent_dim) if split else (1,), dtype=torch.float32)
@@ -222,11 +243,11 @@ def mla_attention_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: tor
     quantized = cache.dtype == FP8_KV_DTYPE
     _mla_kernel[(triton.cdiv(H, heads), triton.cdiv(max_q_len, queries) * num_splits, B)](
         q, cache, out, part_o, part_lse, cu_seqlens_q, seq_lens, page_table, order if order is not None else seq_lens,
-        scale * LOG2E * (kv_scale if quantized else 1.0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        cache.stride(0), cache.stride(1), page_table.stride(0), H, num_splits, kv_scale,
+        rows, slots, scale * LOG2E * (kv_scale if quantized else 1.0), q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), cache.stride(0), cache.stride(1), page_table.stride(0), rows.stride(0), H, num_splits, kv_scale,
         LATENT=latent_dim, ROPE=width - latent_dim, PAGE_SIZE=cache.shape[1], QUERIES=queries, HEADS=heads,
         BLOCK_L=triton.next_power_of_2(latent_dim), BLOCK_R=max(16, triton.next_power_of_2(width - latent_dim)),
-        BLOCK_N=block_n or (32 if q.is_cuda else 16), SPLIT=split, ORDERED=order is not None,
+        BLOCK_N=block_n or (32 if q.is_cuda else 16), SPLIT=split, STORE=store is not None, ORDERED=order is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANTIZED=quantized,
         num_warps=num_warps or (4 if q.is_cuda else 1), num_stages=2,
     )
@@ -252,18 +273,19 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.Tens
     (attention.py). Returns [T, H, L] in q's dtype (into `out` when given), softmax in float32. max_q_len: a host int
     (1 takes the decode path); left out it costs a device->host sync."""
     triton_ok = use_triton(q, "mla")
+    if triton_ok and max_q_len is None:
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if seq_lens.numel() else 0
+    if triton_ok and max_q_len == 1:  # the decode kernel stores this step's rows itself
+        return mla_attention_triton(q, cache, cu_seqlens_q, seq_lens, page_table, scale, latent_dim, 1, out=out,
+                                    order=None if seq_lens.shape[0] == 1 else order, kv_scale=kv_scale, store=store)
     if store is not None:
         rows, slot_mapping = store
         (store_latent_triton if triton_ok else store_latent_ref)(rows, cache, slot_mapping, kv_scale)
     if not triton_ok:
         return mla_attention_ref(q, cache, cu_seqlens_q, seq_lens, page_table, scale, latent_dim, out=out,
                                  kv_scale=kv_scale)
-    if max_q_len is None:
-        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if seq_lens.numel() else 0
-    if seq_lens.shape[0] == 1:
-        order = None
     return mla_attention_triton(q, cache, cu_seqlens_q, seq_lens, page_table, scale, latent_dim, max_q_len, out=out,
-                                order=order, kv_scale=kv_scale)
+                                order=None if seq_lens.shape[0] == 1 else order, kv_scale=kv_scale)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -306,7 +328,11 @@ def _reference(q, cache, cu, lens, table, rows, slots, order, max_q_len, latent)
 
 
 def _kernel(q, cache, cu, lens, table, rows, slots, order, max_q_len, latent):
-    """In place, as serving runs it (storing this step's rows again writes the same values)."""
+    """In place, as serving runs it (storing this step's rows again writes the same values): decode stores them in
+    its kernel, prefill before it."""
+    if max_q_len == 1:
+        return mla_attention_triton(q, cache, cu, lens, table, q.shape[-1] ** -0.5, latent, 1, order=order,
+                                    store=(rows, slots))
     store_latent_triton(rows, cache, slots)
     return mla_attention_triton(q, cache, cu, lens, table, q.shape[-1] ** -0.5, latent, max_q_len, order=order)
 
