@@ -8,6 +8,7 @@ from safetensors.torch import load_file
 
 from ranks import run_ranks
 from test_model_families import engine_config, hf_greedy, hf_model
+from tsdev_runtime.context import get_context
 from tsdev_runtime.engine.llm_engine import LLMEngine
 from tsdev_runtime.engine.sequence import SamplingParams
 from tsdev_runtime.layers.attention import LatentAttention
@@ -159,3 +160,24 @@ def test_the_embedded_mla_default_serves_without_a_checkpoint_as_transformers_re
     assert engine.model_config.architecture == "DeepseekV3ForCausalLM" and engine.model_dir.parent == tmp_path
     ours = engine.generate([PROMPTS[0]], GREEDY)[0]["token_ids"]
     assert ours == hf_greedy(hf_model(engine.model_dir), PROMPTS[0], GREEDY.max_tokens)
+
+
+def test_long_prompts_attend_in_the_expanded_form_to_the_same_tokens(family, oracle, monkeypatch):
+    """A step whose every sequence brings at least EXPANDED_MIN_ROWS rows expands the cached rows into per-head keys
+    and values (here from 4 rows): prompts alone and behind a warm prefix give transformers' tokens."""
+    expanded = []
+    original = LatentAttention.attend_expanded
+
+    def counting(self, *args):
+        expanded.append(get_context().max_q_len)
+        return original(self, *args)
+
+    monkeypatch.setattr(LatentAttention, "EXPANDED_MIN_ROWS", 4)
+    monkeypatch.setattr(LatentAttention, "attend_expanded", counting)
+    engine = LLMEngine(engine_config(family[1]))
+    shared = PROMPTS[2]
+    for prompt in (PROMPTS[0], shared + [7, 8, 9], shared + [10, 11, 12, 13, 14]):
+        expanded.clear()
+        assert engine.generate([prompt], GREEDY)[0]["token_ids"] == hf_greedy(oracle, prompt, GREEDY.max_tokens)
+        assert expanded and min(expanded) >= 4  # the prefill expanded (in every layer), the decodes absorbed
+    assert engine.block_manager.hits > 0  # the last prompt's prefix came from the cache

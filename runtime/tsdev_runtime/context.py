@@ -21,6 +21,9 @@ class Context:
     max_q_len: int  # longest query of the batch: 1 takes the decode kernel
     # [B] int64: the order the attention kernels start the sequences in (attention.longest_first)
     order: torch.Tensor | None = None
+    # the host's copies of each sequence's new rows and KV length (None inside graphs, whose steps are decodes)
+    q_lens: list[int] | None = None
+    seq_lens_host: list[int] | None = None
 
 
 _context: Context | None = None

@@ -261,6 +261,11 @@ def mla_attention_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: tor
 # Public op
 
 
+def store_latent(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, scale: float = 1.0) -> None:
+    """rows [T, 1, L + R] into the latent cache at slot_mapping (-1: nothing), quantized in an e4m3 cache."""
+    (store_latent_triton if use_triton(rows, "mla") else store_latent_ref)(rows, cache, slot_mapping, scale)
+
+
 def mla_attention(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                   page_table: torch.Tensor, scale: float, latent_dim: int, *, max_q_len: int | None = None,
                   out: torch.Tensor | None = None, store: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -280,7 +285,7 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.Tens
                                     order=None if seq_lens.shape[0] == 1 else order, kv_scale=kv_scale, store=store)
     if store is not None:
         rows, slot_mapping = store
-        (store_latent_triton if triton_ok else store_latent_ref)(rows, cache, slot_mapping, kv_scale)
+        store_latent(rows, cache, slot_mapping, kv_scale)
     if not triton_ok:
         return mla_attention_ref(q, cache, cu_seqlens_q, seq_lens, page_table, scale, latent_dim, out=out,
                                  kv_scale=kv_scale)

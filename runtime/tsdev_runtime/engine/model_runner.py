@@ -238,6 +238,7 @@ class ModelRunner:
             logits_indices=tensor(inputs["logits_indices"], torch.int64),
             max_q_len=max(batch.num_tokens),
             order=tensor(longest_first(inputs["seq_lens"]), torch.int64),
+            q_lens=list(batch.num_tokens), seq_lens_host=inputs["seq_lens"],
         )
         input_ids = tensor(inputs["input_ids"], torch.int64)
         fill = self._pending_fill(inputs["pending"], in_flight)

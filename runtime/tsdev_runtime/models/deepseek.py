@@ -7,8 +7,9 @@ token's latent (kv_lora_rank, normed by `kv_a_layernorm`) and one rotated key sh
 expands the latent into each head's nope key and value. tsdev serves the absorbed form (docs/mla.md): the KV pool
 keeps only [latent | rope key] per token and layer (`LatentAttention`, kernels/tsdev_kernels/ops/mla.py); each head's
 q_nope is multiplied into the latent space by W_UK (kv_b_proj's key rows of that head) before attention, and the
-output, in the latent space, by W_UV (its value rows) after. W_UK and W_UV are derived from kv_b_proj at each load
-into tensors allocated once (`w_uk`, `w_uv`): CUDA graphs read them, so a later load refreshes them in place.
+output, in the latent space, by W_UV (its value rows) after; long prompts expand the cached rows instead. W_UK and
+W_UV are derived from kv_b_proj at each load into tensors allocated once (`w_uk`, `w_uv`): CUDA graphs read them, so a
+later load refreshes them in place.
 DeepSeek rotates interleaved pairs of features (x0, x1), (x2, x3)...; tsdev gathers the even features before the odd
 ones (q and k alike, so every dot product is unchanged) and rotates halves, as its rope kernel does.
 
@@ -77,11 +78,12 @@ class DeepseekAttention(nn.Module):
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias=bias)
         self.rotary_emb = rope
         self.interleaved = raw.get("rope_interleave", True)  # V2 always; V3 unless its config says otherwise
-        self.attn = LatentAttention(self.num_heads, self.latent, self.rope_dim, softmax_scale(raw))
         # derived from kv_b_proj at each load, in place (graphs read them): this rank's heads
         self.register_buffer("w_uk", torch.empty(self.num_heads, self.nope, self.latent), persistent=False)
         self.register_buffer("w_uv", torch.empty(self.num_heads, self.latent, self.v_dim), persistent=False)
         self.derived = False  # a load has filled w_uk and w_uv
+        self.attn = LatentAttention(self.num_heads, self.latent, self.rope_dim, self.nope, self.v_dim,
+                                    softmax_scale(raw), self.w_uk, self.w_uv)
 
     def process_weights_after_loading(self) -> None:
         """W_UK [heads, nope, latent] and W_UV (transposed: [heads, latent, v]) from kv_b_proj's rows, head by head
@@ -105,11 +107,10 @@ class DeepseekAttention(nn.Module):
         if self.interleaved:
             q_pe, k_pe = interleaved_to_halves(q_pe), interleaved_to_halves(k_pe)
         q_pe, k_pe = self.rotary_emb(positions, q_pe.contiguous(), k_pe.reshape(T, 1, self.rope_dim))
-        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [T, heads, latent]
         rows = torch.cat([latent[:, None], k_pe], dim=-1)  # this step's cache rows [T, 1, latent + rope]
-        # the graph cut: under prefill graphs attention runs outside the graph (Attention.graph_cut)
-        o_latent = self.attn(torch.cat([q_latent, q_pe], dim=-1), rows, rows[..., : self.latent])
-        o = torch.bmm(o_latent.transpose(0, 1), self.w_uv).transpose(0, 1)  # [T, heads, v]
+        # the graph cut: under prefill graphs attention runs outside the graph (Attention.graph_cut); W_UK and W_UV
+        # are applied inside it (LatentAttention: absorbed, or expanded for long prompts)
+        o = self.attn(torch.cat([q_nope, q_pe], dim=-1), rows, rows[..., : self.latent])  # [T, heads, v]
         return self.o_proj(o.flatten(1))
 
 
