@@ -72,7 +72,14 @@ def main() -> None:
     parser.add_argument("--ttft", action="store_true", help="also compare TTFT in `tsdev bench` (two server starts)")
     parser.add_argument("--ttft-prompts", type=int, default=32)
     parser.add_argument("--ttft-input-len", type=int, default=200)
+    parser.add_argument("--mla-expanded-min-rows", type=int, default=None,
+                        help="a DeepSeek model's LatentAttention.EXPANDED_MIN_ROWS for this run (a huge value: every "
+                             "prefill absorbed), to measure the two forms of MLA prefill against each other")
     args = parser.parse_args()
+    if args.mla_expanded_min_rows is not None:
+        from tsdev_runtime.layers.attention import LatentAttention
+
+        LatentAttention.EXPANDED_MIN_ROWS = args.mla_expanded_min_rows
 
     config = EngineConfig(model=args.model, device="cuda", max_running=16, max_model_len=4096,
                           cudagraph_capture_sizes=[1, 8])

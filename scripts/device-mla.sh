@@ -5,7 +5,8 @@
 #   kernel    benchmarks/mla_decode.py: decode attention at batch 1/64/256, context 4096, vs the KV-read floor, each
 #             tile of the sweep; a 4096-token prompt's attention
 #   step      the decode step of default-mla (V3's attention shapes, 3 layers, 16 experts) at batch 1/64/256
-#   ttft      default-mla's prefill forward of one 4096-token prompt (eager and with prefill graphs)
+#   ttft      default-mla's prefill forward of one 1024- and one 4096-token prompt (eager and with prefill graphs), its
+#             attention expanded (the default from 256 rows), then absorbed: which form to keep, and from what length
 # run: source scripts/device-setup.sh; bash scripts/device-mla.sh [STEP...]      (carry .whl .debs)
 set -u
 source "$(dirname "$0")/device-check.sh" --steps-only
@@ -16,7 +17,9 @@ for s in ${@:-tests kernel step ttft}; do
     kernel) TAIL=70 step mla-kernel 200 python3 benchmarks/mla_decode.py --sweep --prefill 4096 ;;
     step) TAIL=10 step mla-step 300 python3 benchmarks/decode_step.py --model default-mla --batch-sizes 1 64 256 \
             --context 4096 ;;
-    ttft) TAIL=10 step mla-ttft 200 python3 benchmarks/prefill_graphs.py --model default-mla --tokens 4096 ;;
+    ttft) TAIL=10 step mla-ttft-expanded 200 python3 benchmarks/prefill_graphs.py --model default-mla --tokens 1024 4096
+          TAIL=10 step mla-ttft-absorbed 200 python3 benchmarks/prefill_graphs.py --model default-mla --tokens 1024 4096 \
+            --mla-expanded-min-rows 1000000 ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done
