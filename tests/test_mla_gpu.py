@@ -1,7 +1,8 @@
 """DeepSeek's multi-head latent attention on the H200 (`pytest -m gpu`): the MLA kernels against their torch reference
 at DeepSeek-V3's shapes (128 heads, latent 512, rope 64) on fresh random pages, bf16 and an e4m3 cache, decode with
 splits and a mixed prefill step, the same inside a CUDA graph; the transformers-written tiny DeepSeek-V2 and -V3
-served with graphs equal to transformers in float32 (and to themselves eagerly); the drill on V3 with graphs, 10
+served with graphs equal to transformers in float32 (and to themselves eagerly), a 300-token prompt alone through
+the expanded form; the drill on V3 with graphs, 10
 rounds, W_UK / W_UV compared, and its negative control (the absorbed tensors rebuilt into new storage) failing."""
 import pytest
 import torch
@@ -15,7 +16,8 @@ from tsdev_runtime.weights.processing import DEBUG_DERIVED_ENV
 
 pytestmark = pytest.mark.gpu
 HEADS, LATENT, ROPE = 128, 512, 64
-PROMPTS = [[5, 17, 300, 42, 9, 77, 123, 4], [200, 201, 202], [(13 * j + 1) % 1000 + 3 for j in range(40)]]
+PROMPTS = [[5, 17, 300, 42, 9, 77, 123, 4], [200, 201, 202], [(13 * j + 1) % 1000 + 3 for j in range(40)],
+           [(7 * j + 5) % 1000 + 3 for j in range(300)]]  # alone, 300 rows: the expanded form (>= 256)
 
 
 def assert_close_in_bf16(ours: torch.Tensor, ref: torch.Tensor) -> None:
@@ -84,6 +86,7 @@ def test_transformers_written_deepseeks_serve_transformers_greedy_tokens_with_gr
                                         cudagraph_capture_sizes=[1, 2, 4], enforce_eager=eager))
         assert (engine.runner.decode_graphs is None) == eager
         assert [r["token_ids"] for r in engine.generate(PROMPTS, params)] == want, f"eager={eager}"
+        assert engine.generate(PROMPTS[-1:], params)[0]["token_ids"] == want[-1]  # alone: expanded
         del engine
 
 
