@@ -134,8 +134,8 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, *self.gate(x))
-        if (shared := self.shared_experts) is not None:
-            out = out + shared.down_proj.project(shared.act_fn(shared.gate_up_proj(x)), None)  # reduced below
+        if self.shared_experts is not None:
+            out = out + self.shared_experts.partial(x)
         return distributed.all_reduce(out)
 
 

@@ -69,6 +69,13 @@ class LlamaMLP(nn.Module):
     def forward(self, gated: torch.Tensor) -> torch.Tensor:
         return self.down_proj(gated)
 
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole MLP from its own input (a mixture of experts' shared experts): gate|up, silu(gate) * up, then
+        down_proj's product without its sum over the tensor-parallel ranks (the caller sums; the bias, as
+        RowParallelLinear adds it, with rank 0's part)."""
+        down = self.down_proj
+        return down.project(self.act_fn(self.gate_up_proj(x)), down.bias if distributed.rank() == 0 else None)
+
 
 class LlamaDecoderLayer(nn.Module):
     """RMSNorm, attention, RMSNorm, MLP, each norm adding the residual stream first. What a family changes is a
