@@ -6,10 +6,11 @@ layer for DeepSeek-V3 (a GQA model of its size would store 2 x 128 heads x 128).
 -1 a padding row that writes nothing, as in attention.py.
 
 The absorbed form: head h's nope key is W_UK[h] @ latent and its value W_UV[h] @ latent (W_UK, W_UV: kv_b_proj's
-rows of that head), so q_nope . k_nope = (W_UK[h]^T q_nope) . latent. The model multiplies each head's q_nope into the
-latent space first and passes q = [q_latent | q_pe] (L + R values per head); attention then runs as multi-query
-attention with one key [latent | k_pe] and one value `latent` per token, and the model multiplies the output (L
-values per head) by W_UV[h]. The kernels never see W_UK or W_UV (runtime/tsdev_runtime/models/deepseek.py owns them).
+rows of that head), so q_nope . k_nope = (W_UK[h]^T q_nope) . latent. The caller multiplies each head's q_nope into
+the latent space first and passes q = [q_latent | q_pe] (L + R values per head); attention then runs as multi-query
+attention with one key [latent | k_pe] and one value `latent` per token, and the caller multiplies the output (L
+values per head) by W_UV[h]. The kernels never see W_UK or W_UV (`LatentAttention` in
+runtime/tsdev_runtime/layers/attention.py applies them; it expands long prompts instead, docs/mla.md).
 
 Triton (CUDA; the tests run it under the interpreter), one kernel for every step: a program owns a tile of
 (query row, head) pairs, HEADS heads of QUERIES rows of one sequence, and one of `num_splits` shares of the keys
