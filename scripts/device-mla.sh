@@ -14,7 +14,7 @@ for s in ${@:-tests kernel step ttft}; do
   case $s in
     tests) TAIL=12 step mla-tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE -s tests/test_mla_gpu.py \
              tests/test_mla_watch_gpu.py ;;
-    kernel) TAIL=70 step mla-kernel 200 python3 benchmarks/mla_decode.py --sweep --prefill 4096 ;;
+    kernel) TAIL=200 step mla-kernel 420 python3 benchmarks/mla_decode.py --sweep --prefill 4096 ;;
     step) TAIL=10 step mla-step 300 python3 benchmarks/decode_step.py --model default-mla --batch-sizes 1 64 256 \
             --context 4096 ;;
     ttft) TAIL=10 step mla-ttft-expanded 200 python3 benchmarks/prefill_graphs.py --model default-mla --tokens 1024 4096

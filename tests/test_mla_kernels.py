@@ -51,6 +51,19 @@ def test_decode_stores_the_steps_rows_itself_and_a_padding_slot_writes_nothing(k
     torch.testing.assert_close(got[keep], want[keep], atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("heads, columns", [(32, 8), (16, 16)])
+def test_decode_tiles_that_sum_part_of_the_latent_columns_match_the_reference(heads, columns):
+    """The sweep's tiles: more heads per program, each summing `columns` of the latent output (8 or 16 of 32)."""
+    g = torch.Generator().manual_seed(heads + columns)
+    q, cache, cu, lens, table, rows, slots, order, _, latent = mla.mla_batch(
+        [1] * 3, [5, 30, 11], 40, 24, 8, 4, torch.float32, "cpu", g, torch.float8_e4m3fn)
+    want, want_cache = reference(q, cache, cu, lens, table, rows, slots, latent)
+    got = mla.mla_attention_triton(q, cache, cu, lens, table, q.shape[-1] ** -0.5, latent, 1, num_splits=2,
+                                   order=order, store=(rows, slots), heads=heads, columns=columns)
+    assert torch.equal(cache.float(), want_cache.float())
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
 def test_prefill_of_a_mixed_step_matches_the_reference_and_padding_slots_write_nothing():
     g = torch.Generator().manual_seed(3)
     # a 21-row chunk behind 30 cached tokens, a whole 18-token prompt, two decode rows

@@ -100,8 +100,12 @@ def _mla_kernel(
     kv_scale, LATENT: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr, QUERIES: tl.constexpr,
     HEADS: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     STORE: tl.constexpr, ORDERED: tl.constexpr, PRECISION: tl.constexpr, QUANTIZED: tl.constexpr,
+    COLUMNS: tl.constexpr,
 ):
-    head_block = tl.program_id(0)
+    # axis 0: a block of heads and, when COLUMNS < BLOCK_L, which COLUMNS of the latent output this program sums
+    # (every program computes the whole scores; fewer columns each leave room for more heads per tile)
+    head_block = tl.program_id(0) // (BLOCK_L // COLUMNS)
+    c0 = tl.program_id(0) % (BLOCK_L // COLUMNS) * COLUMNS
     m_block = tl.program_id(1) // num_splits
     split = tl.program_id(1) % num_splits
     b = tl.program_id(2)
@@ -143,7 +147,8 @@ def _mla_kernel(
 
         m_i = tl.full([QUERIES * HEADS], float("-inf"), tl.float32)
         l_i = tl.zeros([QUERIES * HEADS], tl.float32)
-        acc = tl.zeros([QUERIES * HEADS, BLOCK_L], tl.float32)
+        acc = tl.zeros([QUERIES * HEADS, COLUMNS], tl.float32)
+        col = c0 + tl.arange(0, COLUMNS)  # the latent columns of the output this program sums
         for n0 in range(start, stop, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             n_mask = n < stop
@@ -162,20 +167,26 @@ def _mla_kernel(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(k_lat.dtype), k_lat, input_precision=PRECISION)
+            if COLUMNS == BLOCK_L:  # the values are the rows' latent part, just loaded
+                v = k_lat
+            else:  # its COLUMNS (from L1: just read for the scores)
+                v = tl.load(cache_row + col[None, :], mask=n_mask[:, None] & (col < LATENT)[None, :], other=0.0)
+                if QUANTIZED:
+                    v = v.to(Q.dtype.element_ty)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         if QUANTIZED:
             acc = acc * kv_scale
-        out_mask = live[:, None] & (lat < LATENT)[None, :]
+        out_mask = live[:, None] & (col < LATENT)[None, :]
         if SPLIT:  # partial result + its log2-sum-exp; a share past the sequence's end has l_i == 0, writes -inf
             part = (b * H + h) * num_splits + split
-            tl.store(PART_O + part[:, None] * LATENT + lat[None, :], acc / tl.maximum(l_i, 1e-30)[:, None],
+            tl.store(PART_O + part[:, None] * LATENT + col[None, :], acc / tl.maximum(l_i, 1e-30)[:, None],
                      mask=out_mask)
             tl.store(PART_LSE + part, tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf")),
                      mask=live)
         else:
             out = acc / l_i[:, None]
-            tl.store(O + t[:, None] * stride_ot + h[:, None] * stride_oh + lat[None, :], out.to(O.dtype.element_ty),
+            tl.store(O + t[:, None] * stride_ot + h[:, None] * stride_oh + col[None, :], out.to(O.dtype.element_ty),
                      mask=out_mask)
 
 
@@ -218,12 +229,12 @@ def mla_attention_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: tor
                          page_table: torch.Tensor, scale: float, latent_dim: int, max_q_len: int,
                          out: torch.Tensor | None = None, num_splits: int | None = None,
                          order: torch.Tensor | None = None, kv_scale: float = 1.0, block_n: int | None = None,
-                         heads: int | None = None, num_warps: int | None = None,
+                         heads: int | None = None, num_warps: int | None = None, columns: int | None = None,
                          store: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`mla_attention_ref` in one launch (prefill) or two (decode: the splits, then their merge). store = (rows,
     slot_mapping), decode only: this step's rows are written by the attention kernel itself (one launch fewer per
-    layer). block_n, heads (a decode tile's) and num_warps: the configuration, for benchmarks/mla_decode.py's
-    sweep."""
+    layer). block_n, heads (a decode tile's), columns (of the latent output per program: a power of two; default
+    all) and num_warps: the configuration, for benchmarks/mla_decode.py's sweep."""
     B = seq_lens.shape[0]
     T, H, width = q.shape
     out = q.new_empty(T, H, latent_dim) if out is None else out
@@ -242,14 +253,16 @@ def mla_attention_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: tor
     part_o = q.new_empty((B, H, num_splits, latent_dim) if split else (1,), dtype=torch.float32)
     part_lse = q.new_empty((B, H, num_splits) if split else (1,), dtype=torch.float32)
     quantized = cache.dtype == FP8_KV_DTYPE
-    _mla_kernel[(triton.cdiv(H, heads), triton.cdiv(max_q_len, queries) * num_splits, B)](
+    block_l = triton.next_power_of_2(latent_dim)
+    columns = min(columns or block_l, block_l)
+    _mla_kernel[(triton.cdiv(H, heads) * (block_l // columns), triton.cdiv(max_q_len, queries) * num_splits, B)](
         q, cache, out, part_o, part_lse, cu_seqlens_q, seq_lens, page_table, order if order is not None else seq_lens,
         rows, slots, scale * LOG2E * (kv_scale if quantized else 1.0), q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), cache.stride(0), cache.stride(1), page_table.stride(0), rows.stride(0), H, num_splits, kv_scale,
         LATENT=latent_dim, ROPE=width - latent_dim, PAGE_SIZE=cache.shape[1], QUERIES=queries, HEADS=heads,
-        BLOCK_L=triton.next_power_of_2(latent_dim), BLOCK_R=max(16, triton.next_power_of_2(width - latent_dim)),
+        BLOCK_L=block_l, BLOCK_R=max(16, triton.next_power_of_2(width - latent_dim)),
         BLOCK_N=block_n or (32 if q.is_cuda else 16), SPLIT=split, STORE=store is not None, ORDERED=order is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANTIZED=quantized,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANTIZED=quantized, COLUMNS=columns,
         num_warps=num_warps or (4 if q.is_cuda else 1), num_stages=2,
     )
     if split:
