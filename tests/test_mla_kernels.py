@@ -109,3 +109,30 @@ def test_the_checks_run_where_the_model_keeps_a_latent_cache_and_a_wrong_scale_f
 
     check = by_op["mla_decode"]
     assert not checks.run(replace(check, kernel=wrong), (3, 4, 32, 8, 16, 60), torch.float32, "cpu").ok
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
+def test_the_expanded_and_the_absorbed_forms_of_latent_attention_agree(kv_dtype):
+    """LatentAttention's two forms on one step of fresh random inputs (prompts behind cached prefixes, pages in random
+    order; a bf16 or e4m3 cache): W_UK / W_UV applied to the query and output, or to every cached row."""
+    from tsdev_runtime.context import Context, step_context
+    from tsdev_runtime.layers.attention import LatentAttention
+
+    g = torch.Generator().manual_seed(21)
+    heads, latent, rope, nope, v_dim = 3, 32, 8, 16, 12
+    q_lens, cached = [9, 6], [14, 0]
+    _, cache, cu, lens, table, rows, slots, order, max_q_len, _ = mla.mla_batch(
+        q_lens, cached, heads, latent, rope, 4, torch.float32, "cpu", g, kv_dtype)
+    w_uk, w_uv = torch.randn(heads, nope, latent, generator=g) * 0.2, torch.randn(heads, latent, v_dim, generator=g)
+    attention = LatentAttention(heads, latent, rope, nope, v_dim, (nope + rope) ** -0.5, w_uk, w_uv)
+    q = torch.randn(sum(q_lens), heads, nope + rope, generator=g)
+    outputs = []
+    for min_rows in (10**6, 1):  # absorbed, then expanded
+        attention.bind(cache.clone()[None])
+        attention.EXPANDED_MIN_ROWS = min_rows
+        context = Context(cu, lens, table, slots, cu[1:] - 1, max_q_len, order, q_lens,
+                          [q + c for q, c in zip(q_lens, cached)])
+        with step_context(context):
+            outputs.append(attention.attend(q, rows, rows[..., :latent]))
+    assert outputs[0].shape == (sum(q_lens), heads, v_dim) and outputs[0].abs().max() > 0.1
+    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-4, rtol=1e-4)
