@@ -1,8 +1,8 @@
 """The projection and attention kernels' configurations follow the model's shapes: Qwen3-0.6B keeps the measured
 ones, and for every projection (bf16 and e4m3 weights) and attention variant of Qwen3-0.6B, Llama-3.2-1B and
-Qwen2.5-1.5B (the last two also per rank at --tp 2) the configuration chosen compiles for the H200 (sm_90,
-through ptxas, no GPU needed) without register spills, read from the cubin with the CUDA tools Triton's wheel
-ships (`cuobjdump -res-usage`).
+Qwen2.5-1.5B (the last two also per rank at --tp 2), and DeepSeek-V3's latent attention, the configuration chosen
+compiles for the H200 (sm_90, through ptxas, no GPU needed) without register spills, read from the cubin with the
+CUDA tools Triton's wheel ships (`cuobjdump -res-usage`).
 
 The compiling runs in a subprocess without TRITON_INTERPRET (this file run as a script): under the interpreter
 the kernels are not compilable objects. The launches are the real ones (`gemv_triton`, `paged_decode_triton`,
@@ -221,6 +221,31 @@ def record_launches() -> dict[str, tuple]:
             finally:
                 attention._prefill_kernel = kernel.fn
             recorded[f"{shape} tp{tp} prefill{pool}"] = (kernel.fn, *kernel.launches[0])
+    return recorded | record_mla_launches()
+
+
+def record_mla_launches() -> dict[str, tuple]:
+    """DeepSeek-V3's latent attention (128 heads, latent 512, rope 64) on CUDA's tile (`mla.CUDA_TILE`): decode with
+    splits and the fused store, decode unsplit, a prefill; a bf16 and an e4m3 cache."""
+    from tsdev_kernels.ops import mla
+
+    recorded, heads, latent, rope = {}, 128, 512, 64
+    for kv in (torch.bfloat16, torch.float8_e4m3fn):
+        cache, pool = meta(64, 16, 1, latent + rope, dtype=kv), "" if kv == torch.bfloat16 else " fp8 KV"
+        for label, batch, q_len, splits in (("decode split", 4, 1, 8), ("decode", 256, 1, 1), ("prefill", 2, 100, 1)):
+            rows, ints = batch * q_len, meta(batch + 1, dtype=torch.int32)
+            kernel = mla._mla_kernel = Recorder(mla._mla_kernel)
+            merge = mla._mla_merge_kernel = Recorder(mla._mla_merge_kernel)  # (not compiled here: few registers)
+            try:
+                mla.mla_attention_triton(meta(rows, heads, latent + rope), cache, ints, ints[:batch],
+                                         meta(batch, 8, dtype=torch.int32), 0.1, latent, q_len,
+                                         out=meta(rows, heads, latent), num_splits=splits,
+                                         order=meta(batch, dtype=torch.int64), **mla.CUDA_TILE,
+                                         store=(meta(rows, 1, latent + rope), meta(rows, dtype=torch.int64))
+                                         if q_len == 1 else None)
+            finally:
+                mla._mla_kernel, mla._mla_merge_kernel = kernel.fn, merge.fn
+            recorded[f"deepseek-v3 mla {label}{pool}"] = (kernel.fn, *kernel.launches[0])
     return recorded
 
 

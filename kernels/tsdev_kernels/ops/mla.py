@@ -214,6 +214,9 @@ def _mla_merge_kernel(PART_O, PART_LSE, O, CU, stride_ot, stride_oh, H, num_spli
 
 
 DECODE_HEADS, PREFILL_QUERIES = 16, 16  # the tiles: heads of one decode row; rows of one prefill head
+# KV rows per block and warps on CUDA: at V3's shapes the largest that compile for sm_90 without register spills with
+# a bf16 and with an e4m3 cache (4 warps spill with e4m3: 255 registers; tests/test_kernel_configs.py); not timed yet
+CUDA_TILE = dict(block_n=32, num_warps=8)
 
 
 def mla_splits(batch: int, heads: int, device: torch.device) -> int:
@@ -261,9 +264,9 @@ def mla_attention_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: tor
         out.stride(1), cache.stride(0), cache.stride(1), page_table.stride(0), rows.stride(0), H, num_splits, kv_scale,
         LATENT=latent_dim, ROPE=width - latent_dim, PAGE_SIZE=cache.shape[1], QUERIES=queries, HEADS=heads,
         BLOCK_L=block_l, BLOCK_R=max(16, triton.next_power_of_2(width - latent_dim)),
-        BLOCK_N=block_n or (32 if q.is_cuda else 16), SPLIT=split, STORE=store is not None, ORDERED=order is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANTIZED=quantized, COLUMNS=columns,
-        num_warps=num_warps or (4 if q.is_cuda else 1), num_stages=2,
+        BLOCK_N=block_n or (CUDA_TILE["block_n"] if q.is_cuda else 16), SPLIT=split, STORE=store is not None,
+        ORDERED=order is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANTIZED=quantized,
+        COLUMNS=columns, num_warps=num_warps or (CUDA_TILE["num_warps"] if q.is_cuda else 1), num_stages=2,
     )
     if split:
         _mla_merge_kernel[(B, H)](part_o, part_lse, out, cu_seqlens_q, out.stride(0), out.stride(1), H, num_splits,
