@@ -226,7 +226,8 @@ def record_launches() -> dict[str, tuple]:
 
 def record_mla_launches() -> dict[str, tuple]:
     """DeepSeek-V3's latent attention (128 heads, latent 512, rope 64) on CUDA's tile (`mla.CUDA_TILE`): decode with
-    splits and the fused store, decode unsplit, a prefill; a bf16 and an e4m3 cache."""
+    splits and the fused store, decode unsplit, a prefill, with a bf16 and an e4m3 cache; and the expanded form's
+    prefill."""
     from tsdev_kernels.ops import mla
 
     recorded, heads, latent, rope = {}, 128, 512, 64
@@ -246,6 +247,16 @@ def record_mla_launches() -> dict[str, tuple]:
             finally:
                 mla._mla_kernel, mla._mla_merge_kernel = kernel.fn, merge.fn
             recorded[f"deepseek-v3 mla {label}{pool}"] = (kernel.fn, *kernel.launches[0])
+    # a long prompt's expanded form: attention.py's prefill over one-token pages, heads 192 wide (a 256 block)
+    kernel = attention._prefill_kernel = Recorder(attention._prefill_kernel)
+    try:
+        ints, rows = meta(3, dtype=torch.int32), meta(8192, 1, heads, 192)
+        attention.paged_prefill_triton(meta(4096, heads, 192), rows, rows, ints, ints[:2],
+                                       meta(2, 4096, dtype=torch.int32), 0.1, 4096, *attention.prefill_blocks(192),
+                                       order=meta(2, dtype=torch.int64))
+    finally:
+        attention._prefill_kernel = kernel.fn
+    recorded["deepseek-v3 mla expanded prefill"] = (kernel.fn, *kernel.launches[0])
     return recorded
 
 

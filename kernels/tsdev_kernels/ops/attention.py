@@ -321,9 +321,10 @@ def decode_block_n(num_splits: int, head_dim: int, kv_bytes: int = 2) -> int:
 
 def prefill_blocks(head_dim: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N) of the prefill kernel on CUDA (4 warps): 64 x 64 at head_dim 128, measured on the H200
-    (within 5 % of the best of 12 configurations in every case swept); at head_dim <= 64 KV blocks of 128 rows,
-    the same bytes per K/V block (not measured; compiles for sm_90 without spills, as 64 x 64 does at 128)."""
-    return 64, (128 if triton.next_power_of_2(head_dim) <= 64 else 64)
+    (within 5 % of the best of 12 configurations in every case swept); at head_dim <= 64 KV blocks of 128 rows and
+    above 128 (DeepSeek's expanded heads, 192 wide in a 256 block) of 32, the same bytes per K/V block (not
+    measured; each compiles for sm_90 without spills, where 64 x 64 spills at 192)."""
+    return 64, 64 * 128 // min(256, max(64, triton.next_power_of_2(head_dim)))
 
 
 def longest_first(seq_lens: list[int], size: int | None = None) -> list[int]:
