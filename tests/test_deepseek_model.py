@@ -181,3 +181,27 @@ def test_long_prompts_attend_in_the_expanded_form_to_the_same_tokens(family, ora
         assert engine.generate([prompt], GREEDY)[0]["token_ids"] == hf_greedy(oracle, prompt, GREEDY.max_tokens)
         assert expanded and min(expanded) >= 4  # the prefill expanded (in every layer), the decodes absorbed
     assert engine.block_manager.hits > 0  # the last prompt's prefix came from the cache
+
+
+@pytest.mark.parametrize("method", ["greedy", "group_limited_greedy"])
+def test_the_v2_router_chooses_and_weighs_as_transformers(method):
+    """DeepSeek-V2's softmax routing (the full V2 routes within its best groups): the same experts and weights as
+    transformers' router on fresh random tokens, in float32."""
+    import transformers
+
+    from tsdev_runtime.moe.router import SoftmaxRouter
+
+    config = transformers.DeepseekV2Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4,
+                                           topk_method=method, n_group=4, topk_group=2, routed_scaling_factor=1.5)
+    theirs = transformers.models.deepseek_v2.modeling_deepseek_v2.DeepseekV2TopkRouter(config)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        theirs.weight.copy_(torch.randn(16, 32, generator=g))
+    ours = SoftmaxRouter(32, 16, 4, 1.5, method, 4, 2)
+    ours.weight.data.copy_(theirs.weight.data)
+    x = torch.randn(64, 32, generator=g)
+    _, want_weights, want_ids = theirs(x)
+    weights, ids = ours(x)
+    order, want_order = ids.sort(dim=-1), want_ids.sort(dim=-1)
+    assert torch.equal(order.values.long(), want_order.values)
+    torch.testing.assert_close(weights.gather(1, order.indices), want_weights.gather(1, want_order.indices))
