@@ -50,3 +50,19 @@ def run_ranks(fn, world_size: int = 2, *args, timeout: float = 180, device: str 
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+
+
+def on_rank0_engine(config, inspect):
+    """In a rank process: rank 0 builds an engine of `config` and returns `inspect(engine)` (then closes it); every
+    other rank follows that engine (`serve_rank`) and returns None."""
+    from tsdev_runtime import distributed
+    from tsdev_runtime.engine.llm_engine import LLMEngine, serve_rank
+
+    if distributed.rank() != 0:
+        serve_rank(config)
+        return None
+    engine = LLMEngine(config)
+    try:
+        return inspect(engine)
+    finally:
+        engine.close()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ranks import run_ranks
+from ranks import on_rank0_engine, run_ranks
 from test_model_families import engine_config, hf_greedy, hf_model
 from tsdev_runtime.context import get_context
 from tsdev_runtime.engine.llm_engine import LLMEngine
@@ -75,22 +75,13 @@ def test_chunked_prefill_and_a_warm_prefix_cache_serve_transformers_tokens(famil
     assert out == hf_greedy(oracle, second, GREEDY.max_tokens)
 
 
-def tp_rank(model_dir: str) -> dict:
-    from tsdev_runtime import distributed
-    from tsdev_runtime.engine.llm_engine import serve_rank
-
-    config = engine_config(model_dir, world_size=2, cudagraph_capture_sizes=[1, 4])
-    if distributed.rank() != 0:
-        serve_rank(config)
-        return {}
-    engine = LLMEngine(config)
-    try:
+def tp_rank(model_dir: str) -> dict | None:
+    def inspect(engine):
         attention = engine.model.model.layers[1].self_attn
         return dict(tokens=[r["token_ids"] for r in engine.generate(PROMPTS, GREEDY)],
                     heads=attention.num_heads, w_uk=tuple(attention.w_uk.shape),
                     pool=tuple(engine.runner.kv_cache.shape[3:]))
-    finally:
-        engine.close()
+    return on_rank0_engine(engine_config(model_dir, world_size=2, cudagraph_capture_sizes=[1, 4]), inspect)
 
 
 @pytest.mark.slow

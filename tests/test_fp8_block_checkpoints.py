@@ -184,20 +184,12 @@ def test_sleep_wake_reload_and_a_direct_update_keep_the_stored_tensors_and_token
                                                                              ignore_eos=True))] == before
 
 
-def tp_rank(model_dir: str) -> list:
-    from tsdev_runtime import distributed
-    from tsdev_runtime.engine.llm_engine import serve_rank
+def tp_rank(model_dir: str) -> list | None:
+    from ranks import on_rank0_engine
 
     config = EngineConfig(model=model_dir, device="cpu", dtype="float32", world_size=2, cudagraph_capture_sizes=[1, 4])
-    if distributed.rank() != 0:
-        serve_rank(config)
-        return []
-    engine = LLMEngine(config)
-    try:
-        return [r["token_ids"] for r in engine.generate(PROMPTS, SamplingParams(max_tokens=TOKENS, temperature=0,
-                                                                                ignore_eos=True))]
-    finally:
-        engine.close()
+    params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+    return on_rank0_engine(config, lambda engine: [r["token_ids"] for r in engine.generate(PROMPTS, params)])
 
 
 @pytest.mark.slow

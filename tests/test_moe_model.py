@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from tsdev_kernels.ops import fp8, moe
-from ranks import run_ranks
+from ranks import on_rank0_engine, run_ranks
 from tsdev_runtime.engine.llm_engine import LLMEngine
 from tsdev_runtime.engine.sequence import SamplingParams
 from tsdev_runtime.moe.experts import StackedExperts
@@ -53,21 +53,12 @@ def test_greedy_tokens_equal_transformers_alone_and_batched(hf_qwen3_moe_dir, ex
     assert [r["token_ids"] for r in engine.generate(PROMPTS, GREEDY)] == expected
 
 
-def tp_rank(model_dir: str) -> dict:
-    from tsdev_runtime import distributed
-    from tsdev_runtime.engine.llm_engine import serve_rank
-
-    config = engine_config(model_dir, world_size=2, cudagraph_capture_sizes=[1, 4])
-    if distributed.rank() != 0:
-        serve_rank(config)
-        return {}
-    engine = LLMEngine(config)
-    try:
+def tp_rank(model_dir: str) -> dict | None:
+    def inspect(engine):
         experts = engine.model.model.layers[0].mlp.experts
         return dict(tokens=[r["token_ids"] for r in engine.generate(PROMPTS, GREEDY)],
                     w13=tuple(experts.w13.shape), w2=tuple(experts.w2.shape))
-    finally:
-        engine.close()
+    return on_rank0_engine(engine_config(model_dir, world_size=2, cudagraph_capture_sizes=[1, 4]), inspect)
 
 
 @pytest.mark.slow
