@@ -16,6 +16,7 @@ import pytest
 os.environ.setdefault("TSDEV_CACHE_DIR", str(Path(__file__).parent.parent / ".pytest_cache" / "tsdev-cache"))
 # A developer's API key would close every server the tests start (tests that want one set it themselves).
 from tsdev_runtime.config import API_KEY_ENV_VARS  # noqa: E402
+from written import save_with_tiny_tokenizer
 
 for _name in API_KEY_ENV_VARS:
     os.environ.pop(_name, None)
@@ -35,7 +36,6 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def hf_written_dir(tiny_model_dir, tmp_path_factory) -> Path:
     """A tiny Qwen3 checkpoint that transformers itself wrote (`save_pretrained` of a seeded random model, float32),
     with the tiny model's tokenizer: the oracle for what the runtime computes from a Hugging Face directory."""
-    import shutil
 
     import transformers
 
@@ -45,10 +45,7 @@ def hf_written_dir(tiny_model_dir, tmp_path_factory) -> Path:
                                       max_position_embeddings=1024, tie_word_embeddings=True, eos_token_id=0,
                                       initializer_range=0.2)
     torch.manual_seed(3)
-    transformers.Qwen3ForCausalLM(config).to(torch.float32).save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tiny_model_dir / name, out / name)
-    return out
+    return save_with_tiny_tokenizer(transformers.Qwen3ForCausalLM(config).to(torch.float32), out, tiny_model_dir)
 
 
 def _randomize_norms_and_biases(model, seed: int) -> None:
@@ -120,7 +117,6 @@ def hf_llama_dir(tiny_model_dir, tmp_path_factory) -> Path:
 def hf_qwen2_dir(tiny_model_dir, tmp_path_factory) -> Path:
     """A tiny Qwen2ForCausalLM that transformers wrote (float32): random (non-zero) q/k/v biases, ONE key/value
     head for 4 query heads (so --tp 2 must replicate it), tied embeddings, random norm weights; the tiny tokenizer."""
-    import shutil
 
     import transformers
 
@@ -131,10 +127,7 @@ def hf_qwen2_dir(tiny_model_dir, tmp_path_factory) -> Path:
     torch.manual_seed(7)
     model = transformers.Qwen2ForCausalLM(config).to(torch.float32)
     _randomize_norms_and_biases(model, 8)  # transformers initialises the q/k/v biases to zero
-    model.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tiny_model_dir / name, out / name)
-    return out
+    return save_with_tiny_tokenizer(model, out, tiny_model_dir)
 
 
 @pytest.fixture(scope="session")
@@ -142,7 +135,6 @@ def hf_qwen3_moe_dir(tiny_model_dir, tmp_path_factory) -> Path:
     """A tiny Qwen3MoeForCausalLM that transformers wrote (float32; it saves the experts per expert, under the hub's
     names): 8 experts, top 2, renormalised; layer 1 dense (`mlp_only_layers`) between two sparse ones; random
     router, experts and norms (so routing varies from token to token); untied; the tiny tokenizer."""
-    import shutil
 
     import transformers
 
@@ -160,10 +152,7 @@ def hf_qwen3_moe_dir(tiny_model_dir, tmp_path_factory) -> Path:
             if ".mlp.experts." in name or ".mlp.gate." in name:
                 param.normal_(0.0, 0.2)
     _randomize_norms_and_biases(model, 12)
-    model.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tiny_model_dir / name, out / name)
-    return out
+    return save_with_tiny_tokenizer(model, out, tiny_model_dir)
 
 
 DEEPSEEK_SHAPE = dict(vocab_size=1024, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
@@ -175,7 +164,6 @@ DEEPSEEK_SHAPE = dict(vocab_size=1024, hidden_size=64, intermediate_size=96, moe
 def _deepseek_dir(tmp_path_factory, tiny_model_dir, name: str, config) -> Path:
     """`config`'s model as transformers writes it (float32, per-expert names), every weight random at 0.2 (routing
     and attention vary from token to token), the norms near one, the routing bias random; the tiny tokenizer."""
-    import shutil
 
     import transformers
 
@@ -190,10 +178,7 @@ def _deepseek_dir(tmp_path_factory, tiny_model_dir, name: str, config) -> Path:
             if buffer_name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, 0.1)
     _randomize_norms_and_biases(model, 22)
-    model.save_pretrained(out)
-    for file in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tiny_model_dir / file, out / file)
-    return out
+    return save_with_tiny_tokenizer(model, out, tiny_model_dir)
 
 
 @pytest.fixture(scope="session")

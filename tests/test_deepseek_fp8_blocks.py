@@ -11,6 +11,7 @@ from test_fp8_block_checkpoints import PROMPTS, oracle_greedy, served, write_fp8
 from test_fp8_block_moe_checkpoints import expert_loops
 
 from tsdev_kernels.ops.fp8_block import dequantize_fp8_blocks
+from written import save_with_tiny_tokenizer
 
 QUANTIZATION = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
 
@@ -20,7 +21,6 @@ def v3_dir(tiny_model_dir, tmp_path_factory):
     """A DeepSeek-V3 that transformers wrote, float32, shaped for whole 128-row blocks where tsdev stacks or splits
     (q_b and kv_b 256 rows: 2 heads of 64 + 64; experts and the shared expert 128 wide, the dense MLP 256) and
     partial ones elsewhere (hidden 192; kv_a_proj_with_mqa's 128 + 64 rows)."""
-    import shutil
 
     import transformers
 
@@ -38,10 +38,7 @@ def v3_dir(tiny_model_dir, tmp_path_factory):
                 param.normal_(0.0, 0.2)  # a router that varies its choice from token to token
             elif not name.endswith("norm.weight"):
                 param.normal_(0.0, 0.1)
-    model.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tiny_model_dir / name, out / name)
-    return out
+    return save_with_tiny_tokenizer(model, out, tiny_model_dir)
 
 
 class DequantizedLinear(torch.nn.Module):

@@ -15,6 +15,7 @@ from tsdev_kernels.ops.fp8_block import fp8_block_linear_ref, quantize_fp8_block
 from tsdev_runtime.config import EngineConfig
 from tsdev_runtime.engine.llm_engine import LLMEngine
 from tsdev_runtime.engine.sequence import SamplingParams
+from written import save_with_tiny_tokenizer
 
 PROMPTS = [[5, 17, 300, 42, 9, 77, 123, 8], [900, 3, 3, 250, 61]]
 TOKENS = 12
@@ -34,10 +35,7 @@ def source_dir(tiny_model_dir, tmp_path_factory):
                                       num_attention_heads=2, num_key_value_heads=1, head_dim=128,
                                       max_position_embeddings=1024, tie_word_embeddings=False)
     torch.manual_seed(5)
-    transformers.Qwen3ForCausalLM(config).to(torch.float32).save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tiny_model_dir / name, out / name)
-    return out
+    return save_with_tiny_tokenizer(transformers.Qwen3ForCausalLM(config).to(torch.float32), out, tiny_model_dir)
 
 
 def write_fp8_blocks(source, out, quantization=QUANTIZATION, drop=None, reshape=None):

@@ -17,6 +17,7 @@ from tsdev_kernels.ops.fp8_block import fp8_block_linear_ref
 from tsdev_runtime.config import EngineConfig
 from tsdev_runtime.engine.llm_engine import LLMEngine
 from tsdev_runtime.engine.sequence import SamplingParams
+from written import save_with_tiny_tokenizer
 
 QUANTIZATION = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic",
                 "modules_to_not_convert": ["model.layers.0.mlp.gate", "model.layers.2.mlp.gate"]}
@@ -27,7 +28,6 @@ def moe_dir(tiny_model_dir, tmp_path_factory):
     """A Qwen3-MoE that transformers wrote, float32: two sparse layers around a dense one, 4 experts of 256
     intermediate features (two 128-row blocks of gate and of up, also 128 on each of two ranks), top 2, hidden 192
     (a partial block), q 256 rows and k, v 128."""
-    import shutil
 
     import transformers
 
@@ -43,10 +43,7 @@ def moe_dir(tiny_model_dir, tmp_path_factory):
         for name, param in model.named_parameters():
             if ".mlp.gate." in name:
                 param.normal_(0.0, 0.2)  # a router that varies its choice from token to token
-    model.save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tiny_model_dir / name, out / name)
-    return out
+    return save_with_tiny_tokenizer(model, out, tiny_model_dir)
 
 
 def block_experts(tensors, prefix, act_fn, hidden_states, top_k_index, top_k_weights):
