@@ -30,8 +30,8 @@ import triton.language as tl
 
 from tsdev_kernels.checks import KernelCheck
 from tsdev_kernels.ops import sm_count, use_triton
-from tsdev_kernels.ops.attention import (ATTENTION_TOLERANCE, FP8_KV_DTYPE, LOG2E, PagedSteps, decode_step,
-                                         dequantize_kv, mixed_step, quantize_kv)
+from tsdev_kernels.ops.attention import (ATTENTION_TOLERANCE, FP8_KV_DTYPE, LOG2E, PagedSteps, _quantized,
+                                         decode_step, dequantize_kv, mixed_step, quantize_kv)
 
 
 def store_latent_ref(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, scale: float = 1.0) -> None:
@@ -77,7 +77,7 @@ def _store_latent_kernel(ROWS, CACHE, SLOTS, stride_rt, stride_cp, stride_cs, sc
         cols = tl.arange(0, BLOCK)
         row = tl.load(ROWS + t * stride_rt + cols, mask=cols < WIDTH)
         if QUANTIZED:
-            row = tl.clamp(row.to(tl.float32) / scale, -448.0, 448.0).to(CACHE.dtype.element_ty)
+            row = _quantized(row, scale, CACHE)
         tl.store(CACHE + (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_cs + cols, row,
                  mask=cols < WIDTH)
 
@@ -139,10 +139,9 @@ def _mla_kernel(
                     new_lat = tl.load(ROWS + q_start * stride_rt + lat, mask=lat < LATENT)
                     new_rot = tl.load(ROWS + q_start * stride_rt + LATENT + rot, mask=rot < ROPE)
                     if QUANTIZED:
-                        new_lat = tl.clamp(new_lat.to(tl.float32) / kv_scale, -448.0, 448.0)
-                        new_rot = tl.clamp(new_rot.to(tl.float32) / kv_scale, -448.0, 448.0)
-                    tl.store(dst + lat, new_lat.to(CACHE.dtype.element_ty), mask=lat < LATENT)
-                    tl.store(dst + LATENT + rot, new_rot.to(CACHE.dtype.element_ty), mask=rot < ROPE)
+                        new_lat, new_rot = _quantized(new_lat, kv_scale, CACHE), _quantized(new_rot, kv_scale, CACHE)
+                    tl.store(dst + lat, new_lat, mask=lat < LATENT)
+                    tl.store(dst + LATENT + rot, new_rot, mask=rot < ROPE)
             tl.debug_barrier()  # every thread of this program reads it back below
 
         m_i = tl.full([QUERIES * HEADS], float("-inf"), tl.float32)
