@@ -6,6 +6,7 @@ the expanded form; the drill on V3 with graphs, 10
 rounds, W_UK / W_UV compared, and its negative control (the absorbed tensors rebuilt into new storage) failing."""
 import pytest
 import torch
+from test_model_families import hf_greedy, hf_model
 
 from tsdev_kernels.ops import mla
 from tsdev_runtime.config import EngineConfig
@@ -70,16 +71,10 @@ def test_decode_replayed_from_a_cuda_graph_on_other_lengths_equals_the_reference
 
 @pytest.mark.parametrize("fixture", ["hf_deepseek_v2_dir", "hf_deepseek_v3_dir"])
 def test_transformers_written_deepseeks_serve_transformers_greedy_tokens_with_graphs(fixture, request):
-    import transformers
 
     model_dir = request.getfixturevalue(fixture)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
-    want = []
-    for p in PROMPTS:
-        ids = torch.tensor([p], device="cuda")
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-        want.append(out[0, len(p):].tolist())
+    model = hf_model(model_dir).cuda()
+    want = [hf_greedy(model, p, 12) for p in PROMPTS]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     for eager in (False, True):
         engine = LLMEngine(EngineConfig(model=str(model_dir), device="cuda", dtype="float32", kv_pages=256,

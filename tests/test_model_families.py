@@ -51,7 +51,7 @@ def hf_model(model_dir) -> transformers.PreTrainedModel:
 def hf_greedy(model, prompt: list[int], n: int = MAX_TOKENS) -> list[int]:
     """transformers' greedy continuation. The attention mask is explicit: generate() would otherwise mask every
     prompt token equal to pad_token_id (id 0 is the chat template's bos token)."""
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                          do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()

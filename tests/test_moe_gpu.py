@@ -5,6 +5,7 @@ transformers in float32, the embedded default-moe graphed equal eager, and its F
 sleep(2) -> wake -> reload_weights with graphs) with the negative control that rebuilds the kernel configuration."""
 import pytest
 import torch
+from test_model_families import hf_greedy, hf_model
 
 from tsdev_kernels.ops import fp8, moe
 from tsdev_runtime.config import EngineConfig
@@ -94,16 +95,10 @@ def test_the_layer_replays_from_a_cuda_graph_with_new_inputs(tokens):
 
 
 def test_a_transformers_written_qwen3_moe_serves_transformers_greedy_tokens_with_graphs(hf_qwen3_moe_dir):
-    import transformers
 
     prompts = [[5, 17, 300, 42, 9, 77, 123, 4], [200, 201, 202], [(13 * j + 1) % 1000 + 3 for j in range(40)]]
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_qwen3_moe_dir, dtype=torch.float32).cuda().eval()
-    want = []
-    for p in prompts:
-        ids = torch.tensor([p], device="cuda")
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-        want.append(out[0, len(p):].tolist())
+    model = hf_model(hf_qwen3_moe_dir).cuda()
+    want = [hf_greedy(model, p, 12) for p in prompts]
     engine = LLMEngine(EngineConfig(model=str(hf_qwen3_moe_dir), device="cuda", dtype="float32", kv_pages=256,
                                     cudagraph_capture_sizes=[1, 2, 4]))
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
