@@ -98,30 +98,14 @@ def test_two_ranks_split_the_heads_and_serve_the_greedy_tokens_of_transformers(f
 @pytest.mark.slow
 def test_an_edit_of_the_mla_kernel_changes_the_output_and_its_revert_restores_it_bit_for_bit(hf_deepseek_v3_dir):
     """The edit halves the attention's softmax scale in the MLA module's reference (what the CPU runs)."""
-    import importlib
-    import inspect
+    from test_moe_model import logits_edited_and_reverted
 
-    from test_model_families import teacher_forced_logits
-    from tsdev.hotreload import Reloader
-
-    module, old = "tsdev_kernels.ops.mla", 'torch.einsum("qhd,kd->hqk", q[start:end].float(), rows) * scale'
+    old = 'torch.einsum("qhd,kd->hqk", q[start:end].float(), rows) * scale'
     engine = LLMEngine(engine_config(hf_deepseek_v3_dir))
-    source = inspect.getsource(importlib.import_module(module))
-    assert source.count(old) == 1
-    prompt, feed = PROMPTS[0], [7, 8, 9]
-    before = teacher_forced_logits(engine, prompt, feed)
-    reloader = Reloader(["tsdev_runtime.models", "tsdev_runtime.layers", "tsdev_runtime.moe", "tsdev_kernels.ops"])
-    tx = reloader.reload(sources={module: source.replace(old, old + " * 0.5").encode()})
-    assert tx.report.ok, tx.report.error
-    tx.commit()
-    try:
-        edited = teacher_forced_logits(engine, prompt, feed)
-    finally:  # the revert, as a user's undo and save: the file's old source again
-        back = reloader.reload(sources={module: source.encode()})
-        assert back.report.ok, back.report.error
-        back.commit()
+    before, edited, after = logits_edited_and_reverted(engine, "tsdev_kernels.ops.mla", old, old + " * 0.5",
+                                                       PROMPTS[0], [7, 8, 9])
     assert not torch.allclose(edited, before, atol=1e-3)
-    assert torch.equal(teacher_forced_logits(engine, prompt, feed), before)
+    assert torch.equal(after, before)
 
 
 @pytest.mark.slow

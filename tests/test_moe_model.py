@@ -147,6 +147,32 @@ def test_a_trigger_on_element_counts_processes_the_experts_early_and_leaves_the_
 # --- an edit of the MoE layer reloads in place ----------------------------------------------------------------
 
 
+def logits_edited_and_reverted(engine, module: str, old: str, new: str, prompt: list[int],
+                               feed: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Teacher-forced logits before, with `old` replaced by `new` in `module`'s source (reloaded in place and
+    committed), and after the revert (the old source saved again, as a user's undo)."""
+    import importlib
+    import inspect
+
+    from test_model_families import teacher_forced_logits
+    from tsdev.hotreload import Reloader
+
+    source = inspect.getsource(importlib.import_module(module))
+    assert source.count(old) == 1
+    before = teacher_forced_logits(engine, prompt, feed)
+    reloader = Reloader(["tsdev_runtime.models", "tsdev_runtime.layers", "tsdev_runtime.moe", "tsdev_kernels.ops"])
+    tx = reloader.reload(sources={module: source.replace(old, new).encode()})
+    assert tx.report.ok, tx.report.error
+    tx.commit()
+    try:
+        edited = teacher_forced_logits(engine, prompt, feed)
+    finally:
+        back = reloader.reload(sources={module: source.encode()})
+        assert back.report.ok, back.report.error
+        back.commit()
+    return before, edited, teacher_forced_logits(engine, prompt, feed)
+
+
 @pytest.mark.parametrize("module, old, new", [
     # the router forgets to renormalise its top k
     ("tsdev_runtime.moe.router", "weights = weights / weights.sum(dim=-1, keepdim=True)", "weights = weights * 1.0"),
@@ -157,29 +183,10 @@ def test_a_trigger_on_element_counts_processes_the_experts_early_and_leaves_the_
 @pytest.mark.slow
 def test_an_edit_of_the_moe_code_changes_the_output_and_its_revert_restores_it_bit_for_bit(hf_qwen3_moe_dir, module,
                                                                                             old, new):
-    import importlib
-    import inspect
-
-    from test_model_families import teacher_forced_logits
-    from tsdev.hotreload import Reloader
-
     engine = LLMEngine(engine_config(hf_qwen3_moe_dir))
-    source = inspect.getsource(importlib.import_module(module))
-    assert old in source
-    prompt, feed = PROMPTS[0], [7, 8, 9]
-    before = teacher_forced_logits(engine, prompt, feed)
-    reloader = Reloader(["tsdev_runtime.models", "tsdev_runtime.layers", "tsdev_runtime.moe", "tsdev_kernels.ops"])
-    tx = reloader.reload(sources={module: source.replace(old, new).encode()})
-    assert tx.report.ok, tx.report.error
-    tx.commit()
-    try:
-        edited = teacher_forced_logits(engine, prompt, feed)
-    finally:  # the revert, as a user's undo and save: the file's old source again
-        back = reloader.reload(sources={module: source.encode()})
-        assert back.report.ok, back.report.error
-        back.commit()
+    before, edited, after = logits_edited_and_reverted(engine, module, old, new, PROMPTS[0], [7, 8, 9])
     assert not torch.allclose(edited, before, atol=1e-3)
-    assert torch.equal(teacher_forced_logits(engine, prompt, feed), before)
+    assert torch.equal(after, before)
 
 
 def test_the_embedded_moe_default_serves_without_a_checkpoint(monkeypatch, tmp_path):
