@@ -182,6 +182,19 @@ def test_sleep_wake_reload_and_a_direct_update_keep_the_stored_tensors_and_token
                                                                              ignore_eos=True))] == before
 
 
+def cosines_to_unquantized(model_dir, shape: str, tmp_path) -> list[float]:
+    """For each prompt, the cosine of `model_dir`'s prefill logits to those of the embedded checkpoint of `shape`
+    written unquantized with the same seed."""
+    from tsdev_runtime.weights.default_model import SHAPES, write_checkpoint
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    write_checkpoint(plain, SHAPES[shape])
+    cosine = torch.nn.functional.cosine_similarity
+    return [float(cosine(prefill_logits(plain, prompt), prefill_logits(model_dir, prompt), dim=0))
+            for prompt in PROMPTS]
+
+
 def tp_rank(model_dir: str) -> list | None:
     from ranks import on_rank0_engine
 
@@ -216,7 +229,7 @@ def test_a_rank_split_that_cuts_a_block_of_scales_is_refused():
 def test_the_embedded_default_fp8_serves_the_default_kind_stored_as_block_fp8(tmp_path, monkeypatch):
     """`tsdev serve --model default-fp8`: written once, as the FP8 releases store their weights; its logits close to
     the same random model unquantized."""
-    from tsdev_runtime.weights.default_model import DEFAULT_FP8, SHAPES, write_checkpoint
+    from tsdev_runtime.weights.default_model import DEFAULT_FP8
 
     monkeypatch.setenv("TSDEV_CACHE_DIR", str(tmp_path / "cache"))
     engine = LLMEngine(EngineConfig(model=DEFAULT_FP8, device="cpu"))
@@ -225,10 +238,5 @@ def test_the_embedded_default_fp8_serves_the_default_kind_stored_as_block_fp8(tm
     assert engine.model.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.float8_e4m3fn
     tokens = engine.generate(PROMPTS, SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True))
     assert all(len(r["token_ids"]) == TOKENS for r in tokens)
-    plain = tmp_path / "plain"
-    plain.mkdir()
-    write_checkpoint(plain, SHAPES["tiny-blocks"])  # the same seed, unquantized
-    for prompt in PROMPTS:
-        cosine = torch.nn.functional.cosine_similarity(prefill_logits(plain, prompt),
-                                                       prefill_logits(engine.model_dir, prompt), dim=0)
+    for cosine in cosines_to_unquantized(engine.model_dir, "tiny-blocks", tmp_path):
         assert cosine > 0.99, cosine

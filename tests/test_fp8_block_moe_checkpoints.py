@@ -10,8 +10,8 @@ import functools
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_fp8_block_checkpoints import (PROMPTS, TOKENS, oracle_greedy, prefill_logits, served, tp_rank,  # the
-                                        write_fp8_blocks)  # dense model's oracle, prompts and rank function
+from test_fp8_block_checkpoints import (PROMPTS, TOKENS, cosines_to_unquantized, oracle_greedy,  # the dense model's
+                                        prefill_logits, served, tp_rank, write_fp8_blocks)  # oracle, prompts, ranks
 
 from tsdev_kernels.ops.fp8_block import fp8_block_linear_ref
 from tsdev_runtime.config import EngineConfig
@@ -136,7 +136,7 @@ def test_the_weights_drill_holds_on_block_fp8_experts_and_catches_its_negative_c
 def test_the_embedded_default_moe_fp8_serves_default_moes_kind_stored_as_block_fp8(tmp_path, monkeypatch):
     import json
 
-    from tsdev_runtime.weights.default_model import DEFAULT_MOE_FP8, SHAPES, write_checkpoint
+    from tsdev_runtime.weights.default_model import DEFAULT_MOE_FP8
 
     monkeypatch.setenv("TSDEV_CACHE_DIR", str(tmp_path / "cache"))
     engine = LLMEngine(EngineConfig(model=DEFAULT_MOE_FP8, device="cpu"))
@@ -146,12 +146,7 @@ def test_the_embedded_default_moe_fp8_serves_default_moes_kind_stored_as_block_f
     assert experts.w13.dtype == torch.float8_e4m3fn and experts.block == (128, 128)
     tokens = engine.generate(PROMPTS, SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True))
     assert all(len(r["token_ids"]) == TOKENS for r in tokens)
-    plain = tmp_path / "plain"
-    plain.mkdir()
-    write_checkpoint(plain, SHAPES["tiny-moe-blocks"])  # the same seed, unquantized
-    for prompt in PROMPTS:
-        cosine = torch.nn.functional.cosine_similarity(prefill_logits(plain, prompt),
-                                                       prefill_logits(engine.model_dir, prompt), dim=0)
+    for cosine in cosines_to_unquantized(engine.model_dir, "tiny-moe-blocks", tmp_path):
         # looser than the transformers-written model's 0.99: this router's logits (std 1 over 8 experts) are close
         # enough that FP8's rounding sends some tokens to another expert (2 of the first prompt's rows in layer 0:
         # cosine 0.958), which changes their output by more than rounding
