@@ -1,4 +1,5 @@
-"""The engine's host work per step (scheduling, bookkeeping, detokenizing, outputs) with the model stubbed out.
+"""The host work per step with the model stubbed out: the engine's loop (scheduling, bookkeeping, token ids out) and,
+apart, what consumes its outputs (detokenizing, stop strings, the requests' outputs: off the loop).
 
     python3 benchmarks/engine_overhead.py                  # batch 256, tiny checkpoint, CPU
     python3 benchmarks/engine_overhead.py --profile        # plus the top functions (cProfile)
@@ -21,6 +22,7 @@ import torch
 from tsdev_runtime.config import EngineConfig
 from tsdev_runtime.engine.llm_engine import LLMEngine
 from tsdev_runtime.engine.model_runner import ModelRunner
+from tsdev_runtime.engine.outputs import OutputProcessor
 from tsdev_runtime.engine.sequence import SamplingParams
 from tsdev_runtime.sampling.sampler import Sampled
 from tsdev_runtime.weights.default_model import SHAPES, write_checkpoint
@@ -39,10 +41,11 @@ def main() -> None:
     write_checkpoint(model_dir, {**SHAPES["tiny"], "max_position_embeddings": 2048})
     engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", max_running=args.batch, max_model_len=2048,
                                     kv_pages=args.batch * 130, enforce_eager=True))
-    rng = random.Random(0)
+    rng, processor = random.Random(0), OutputProcessor(engine.tokenizer)
     for i in range(args.batch):
-        engine.add_request(str(i), [rng.randrange(800) for _ in range(100)],
-                           SamplingParams(max_tokens=args.steps + 50, temperature=0.6, ignore_eos=True))
+        params = SamplingParams(max_tokens=args.steps + 50, temperature=0.6, ignore_eos=True)
+        engine.add_request(str(i), [rng.randrange(800) for _ in range(100)], params)
+        processor.add(str(i), 100, params)
     vocab, draws = engine.tokenizer.get_vocab_size(), torch.Generator().manual_seed(0)
 
     def stub(self, batch, in_flight=None):
@@ -53,18 +56,23 @@ def main() -> None:
 
     ModelRunner.launch = stub
     for _ in range(10):
-        engine.step()
+        processor.process(engine.step())
     profiler = cProfile.Profile() if args.profile else None
     if profiler:
         profiler.enable()
-    start = time.perf_counter()
+    loop = consume = 0.0
     for _ in range(args.steps):
-        engine.step()
-    ms = (time.perf_counter() - start) / args.steps * 1e3
+        start = time.perf_counter()
+        step = engine.step()
+        middle = time.perf_counter()
+        processor.process(step)
+        loop, consume = loop + middle - start, consume + time.perf_counter() - middle
     if profiler:
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
-    print(f"engine host work: {ms:.2f} ms per step at batch {args.batch} (model stubbed out)")
+    print(f"engine loop: {loop / args.steps * 1e3:.2f} ms per step at batch {args.batch} (model stubbed out); "
+          f"its outputs' consumer (detokenizing, stop strings, request outputs): "
+          f"{consume / args.steps * 1e3:.2f} ms per step")
 
 
 if __name__ == "__main__":

@@ -2,15 +2,18 @@
 import pytest
 from tsdev_runtime.engine.sequence import PENDING, SamplingParams
 
+from consumer import Consumer
+
 PROMPTS = [[(7 * i + j) % 900 + 1 for j in range(5 + 9 * i)] for i in range(6)]
 
 
 def outputs_per_request(engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list]:
+    consumer = Consumer(engine)
     for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
+        consumer.add(rid, prompt, params)
     seen: dict[str, list] = {rid: [] for rid in requests}
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in consumer.step():
             seen[out.request_id].append((out.new_token_ids, out.new_text, out.finished, out.finish_reason,
                                          out.num_output_tokens))
     assert engine.block_manager.num_used_pages == 0 and engine.in_flight is None
@@ -58,17 +61,18 @@ def test_async_scheduling_under_preemption_and_chunked_prefill(make_engine):
 def test_abort_while_a_step_is_in_flight(make_engine):
     engine = make_engine()
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
-    engine.add_request("a", PROMPTS[3], params)
-    engine.add_request("b", PROMPTS[4], params)
+    consumer = Consumer(engine)
+    consumer.add("a", PROMPTS[3], params)
+    consumer.add("b", PROMPTS[4], params)
     for _ in range(4):
-        engine.step()
+        consumer.step()
     seq = engine.scheduler.find("a")
     assert seq.token_ids[-1] == PENDING  # its next token is being sampled
-    out = engine.abort("a")
+    out = consumer.abort("a")
     assert out.finished and out.finish_reason == "abort" and PENDING not in seq.token_ids
     assert out.num_output_tokens == len(seq) - seq.num_prompt_tokens
     later = []
     while engine.has_unfinished():
-        later += engine.step()
+        later += consumer.step()
     assert {o.request_id for o in later} == {"b"} and later[-1].num_output_tokens == 30
     assert engine.block_manager.num_used_pages == 0

@@ -11,6 +11,8 @@ from tsdev_runtime.engine.sequence import SamplingParams
 from tsdev_runtime.server.app import build_app
 from tsdev.client import iter_sse_data
 
+from consumer import Consumer
+
 VOCAB = 1024  # the tiny model's
 POISON = 666  # the seed of the request the injected failure picks
 
@@ -100,18 +102,19 @@ def outputs(engine, requests: dict, poison_after: int | None = None) -> tuple[di
     tokens = {rid: [] for rid in requests}
     failed, steps = {}, 0
     pending = dict(requests)
+    consumer = Consumer(engine)
     for rid in [r for r in requests if requests[r][1].seed != POISON]:
-        engine.add_request(rid, *pending.pop(rid))
+        consumer.add(rid, *pending.pop(rid))
     while engine.has_unfinished() or pending:
         if pending and steps == poison_after:
             for rid, request in pending.items():
-                engine.add_request(rid, *request)
+                consumer.add(rid, *request)
             pending = {}
         steps += 1
         try:
-            step_outputs = engine.step()
+            step_outputs = consumer.step()
         except RuntimeError:
-            step_outputs, aborted = engine.recover()
+            step_outputs, aborted = consumer.recover()
             failed.update(aborted)
         for out in step_outputs:
             if out.request_id not in failed:

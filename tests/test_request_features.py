@@ -15,6 +15,8 @@ from tsdev_runtime.engine.llm_engine import LLMEngine
 from tsdev_runtime.engine.sequence import SamplingParams
 from tsdev_runtime.server.app import build_app
 
+from consumer import Consumer
+
 PROMPT = [5, 17, 300, 42, 9, 77, 123, 4, 8, 15, 16, 23, 42, 99, 512, 7, 3, 42, 300]
 
 
@@ -90,10 +92,11 @@ def test_prompt_logprobs_survive_chunked_prefill_and_a_warm_prefix_cache(hf_writ
                                     page_size=4, max_batched_tokens=7))  # the prompt takes three steps
     engine.generate([PROMPT], SamplingParams(max_tokens=2, temperature=0))  # its pages are cached now
     params = SamplingParams(max_tokens=0, prompt_logprobs=1)
-    engine.add_request("p", PROMPT, params)
+    consumer = Consumer(engine)
+    consumer.add("p", PROMPT, params)
     outputs = []
     while engine.has_unfinished():
-        outputs += engine.step()
+        outputs += consumer.step()
     first, = [o for o in outputs if o.prompt_logprobs is not None]
     expected = hf_logprobs(hf_model, PROMPT)[:-1]
     assert [e.token_id for e in first.prompt_logprobs] == PROMPT[1:]

@@ -8,17 +8,20 @@ from tsdev_runtime.config import EngineConfig
 from tsdev_runtime.engine.llm_engine import LLMEngine
 from tsdev_runtime.engine.sequence import SamplingParams
 
+from consumer import Consumer
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 PROMPTS = [[5, 17, 300, 42, 9, 77, 123, 4, 8, 15, 16, 23, 42, 99, 512, 7, 3], [200, 201, 202], list(range(100, 141))]
 
 
 def run(engine: LLMEngine, prompts, params) -> dict[str, tuple[list[int], list[float], list]]:
     """request id -> (tokens, their logprobs, prompt logprobs), by stepping the engine."""
+    consumer = Consumer(engine)
     for i, (prompt, p) in enumerate(zip(prompts, params)):
-        engine.add_request(str(i), prompt, p)
+        consumer.add(str(i), prompt, p)
     got = {str(i): ([], [], []) for i in range(len(prompts))}
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in consumer.step():
             tokens, logprobs, prompt_logprobs = got[out.request_id]
             tokens += out.new_token_ids
             logprobs += [e.logprob for e in out.logprobs or []]

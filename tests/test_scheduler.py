@@ -3,6 +3,8 @@ import pytest
 from tsdev_runtime.engine.block_manager import BlockManager
 from tsdev_runtime.engine.sequence import SamplingParams, Sequence
 
+from consumer import Consumer
+
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 PROMPTS = [[(7 * i + j) % 900 + 1 for j in range(10 + 3 * i)] for i in range(6)]
 
@@ -21,17 +23,18 @@ def test_preemption_under_tiny_pool_gives_the_same_tokens(make_engine):
 @pytest.mark.slow
 def test_abort_frees_pages_and_others_continue(make_engine):
     engine = make_engine()
-    engine.add_request("a", PROMPTS[3], GREEDY)
-    engine.add_request("b", PROMPTS[4], GREEDY)
+    consumer = Consumer(engine)
+    consumer.add("a", PROMPTS[3], GREEDY)
+    consumer.add("b", PROMPTS[4], GREEDY)
     for _ in range(3):
-        engine.step()
+        consumer.step()
     used_by_both = engine.block_manager.num_used_pages
     assert engine.abort("a")
     assert engine.block_manager.num_used_pages < used_by_both
     assert not engine.abort("a")
     outputs = []
     while engine.has_unfinished():
-        outputs += engine.step()
+        outputs += consumer.step()
     assert {o.request_id for o in outputs} == {"b"}
     assert engine.block_manager.num_used_pages == 0
 

@@ -1,6 +1,7 @@
 """Runs the engine beside the HTTP front: one step at a time in a worker thread, so requests keep
 arriving while the model computes. Changes to the engine's request set (add, abort) are queued and
-applied between steps, so the engine itself is only ever touched by one thread at a time.
+applied between steps, so the engine itself is only ever touched by one thread at a time. Each step's token ids
+become the requests' outputs (text, stop strings, logprobs) here, on the event loop, not on the engine's thread.
 
 Control calls (pause, continue, reload) take turns through one FIFO lock. What the server is doing now is the
 engine's `state` (runtime/tsdev_runtime/engine/state.py): its phase gates the steps (paused: nothing is computed;
@@ -15,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tsdev_runtime.control_protocol import Event, Hello, ProfileFinished, ProfileRange, StateChanged
 from tsdev_runtime.engine.errors import stop_server
-from tsdev_runtime.engine.llm_engine import LLMEngine, RequestOutput
+from tsdev_runtime.engine.llm_engine import LLMEngine
+from tsdev_runtime.engine.outputs import OutputProcessor, RequestOutput, StepOutputs
 from tsdev_runtime.engine.profiler import StepProfiler
 from tsdev_runtime.engine.sequence import SamplingParams
 
@@ -46,6 +48,7 @@ class AsyncEngine:
         self.engine = engine
         self.on_step = on_step
         self.state = engine.state
+        self.outputs = OutputProcessor(engine.tokenizer)
         self.control_lock = asyncio.Lock()
         self._streams: dict[str, asyncio.Queue] = {}
         self._subscribers: set[asyncio.Queue] = set()
@@ -130,6 +133,7 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         arrival = time.monotonic()
+        self.outputs.add(request_id, len(prompt_token_ids), params, arrival)
 
         def add() -> None:
             try:
@@ -153,6 +157,7 @@ class AsyncEngine:
                 yield out
         finally:
             self._streams.pop(request_id, None)
+            self.outputs.drop(request_id)
             if not finished:
                 self._submit(lambda: self.engine.abort(request_id))
 
@@ -171,18 +176,18 @@ class AsyncEngine:
 
     def abort_all(self, running_only: bool) -> int:
         """Abort requests (the running ones, or all) and tell their streams; run it via between_steps."""
-        outputs = self.engine.abort_all(running_only)
-        for out in outputs:
-            self._deliver(out)
-        return len(outputs)
+        aborted = self.engine.abort_all(running_only)
+        self._hand_out(aborted)
+        return len(aborted.finished)
 
     def fail_all(self, error: EngineError) -> int:
         """Abort every request (running or waiting) and end its stream with `error`; run it via between_steps."""
-        outputs = [out for out in self.engine.abort_all(running_only=False) if out]
-        for out in outputs:
-            if (queue := self._streams.get(out.request_id)) is not None:
+        aborted = self.engine.abort_all(running_only=False)
+        for request_id in aborted.finished:
+            self.outputs.drop(request_id)
+            if (queue := self._streams.get(request_id)) is not None:
                 queue.put_nowait(error)
-        return len(outputs)
+        return len(aborted.finished)
 
     def unavailable(self) -> str | None:
         """Why requests are refused now (a sleep draining, sleeping, weights not loaded), else None."""
@@ -281,7 +286,7 @@ class AsyncEngine:
             start = time.perf_counter()
             self._steps_since_capture += 1
             try:
-                outputs, closed_range = await self._on_engine_thread(self._step)
+                step, closed_range = await self._on_engine_thread(self._step)
             except Exception as exc:  # keep serving: end the request the step failed on, not the others
                 if self.engine.ranks is not None:  # ranks that may have stopped at different points are out of step
                     stop_server(f"FATAL: an engine step failed with {self.engine.config.world_size} tensor-parallel "
@@ -291,8 +296,7 @@ class AsyncEngine:
                               "the one it fails on")
                 await self._recover(exc)
                 continue
-            for out in outputs:
-                self._deliver(out)
+            outputs = self._hand_out(step)
             if closed_range:
                 self.publish(ProfileFinished(**dict(closed_range)))
             self._stepped.set()
@@ -319,35 +323,40 @@ class AsyncEngine:
                      self._deferred_seconds)
             self._deferred_seconds, self._deferred_count = 0.0, 0
 
-    def _step(self) -> tuple[list[RequestOutput], ProfileRange | None]:
+    def _step(self) -> tuple[StepOutputs, ProfileRange | None]:
         outputs = self.engine.step()
         return outputs, self.profiler.after_step()
 
-    def _deliver(self, out: RequestOutput | None) -> None:
-        queue = self._streams.get(out.request_id) if out else None
-        if queue is not None:
-            queue.put_nowait(out)
+    def _hand_out(self, step: StepOutputs, failed: dict[str, str] | None = None) -> list[RequestOutput]:
+        """The requests' outputs of a step, each to its stream (`failed`: requests that get an error instead);
+        requests a stop string ended are ended in the engine before its next step."""
+        outputs, stopped = self.outputs.process(step)
+        for request_id in stopped:
+            self._submit(lambda request_id=request_id: self.engine.abort(request_id, "stop"))
+        for out in outputs:
+            queue = self._streams.get(out.request_id)
+            if failed and out.request_id in failed:
+                log.error("request %s aborted: its step fails when it runs alone: %s", out.request_id,
+                          failed[out.request_id])
+                out = EngineError(f"the engine failed on this request: {failed[out.request_id]}")
+            if queue is not None:
+                queue.put_nowait(out)
+        return outputs
 
     async def _recover(self, exc: Exception) -> None:
         """LLMEngine.recover: the request a step fails on alone gets the error, the others their outputs."""
         try:
-            outputs, failed = await self._on_engine_thread(self.engine.recover)
+            step, failed = await self._on_engine_thread(self.engine.recover)
         except Exception:
             log.exception("running the requests alone failed too; aborting the requests in flight")
             self._fail_all(exc)
             return
-        for out in outputs:
-            if out is None or out.request_id not in failed:
-                self._deliver(out)
-                continue
-            log.error("request %s aborted: its step fails when it runs alone: %s", out.request_id,
-                      failed[out.request_id])
-            if (queue := self._streams.get(out.request_id)) is not None:
-                queue.put_nowait(EngineError(f"the engine failed on this request: {failed[out.request_id]}"))
+        self._hand_out(step, failed)
         self._stepped.set()
 
     def _fail_all(self, exc: Exception) -> None:
         self.engine.discard_in_flight()
         for request_id, queue in list(self._streams.items()):
             self.engine.abort(request_id)
+            self.outputs.drop(request_id)
             queue.put_nowait(exc)

@@ -1,9 +1,11 @@
-"""The engine: requests in, one scheduled step at a time, token and text deltas out.
+"""The engine: requests in, one scheduled step at a time, token ids out (`StepOutputs`; the text, stop strings and
+logprob objects are made by whoever consumes them: runtime/tsdev_runtime/engine/outputs.py).
 
 With async scheduling (the default) a step is launched before the previous one's results are read: the
 host schedules and prepares step N+1 while the GPU computes step N, and its rows that decode take N's
 sampled tokens on the GPU (a PENDING placeholder on the host until N is read). A sequence that stops at
-N (EOS, a stop string) has computed one token too many in N+1; that token is dropped.
+N (EOS) has computed one token too many in N+1; that token is dropped. A stop string is found by the consumer,
+which ends the request with `abort(request_id, "stop")`; tokens drawn for it until then are dropped there.
 """
 import atexit
 import collections
@@ -20,12 +22,12 @@ from tsdev_runtime.config import EngineConfig
 from tsdev_runtime.control_protocol import EngineInfo
 from tsdev_runtime.engine import compiles
 from tsdev_runtime.engine.block_manager import BlockManager
-from tsdev_runtime.engine.detokenizer import Detokenizer
 from tsdev_runtime.engine.errors import describe_error
 from tsdev_runtime.engine.model_runner import Checkpoint, ModelRunner, step_range
+from tsdev_runtime.engine.outputs import Finish, OutputProcessor, StepOutputs
 from tsdev_runtime.engine.ranks import DrivenRunner, RankLedger, follow
 from tsdev_runtime.engine.scheduler import ScheduledBatch, Scheduler
-from tsdev_runtime.engine.sequence import PENDING, InvalidRequest, SamplingParams, Sequence, Status, TokenLogprob
+from tsdev_runtime.engine.sequence import PENDING, InvalidRequest, SamplingParams, Sequence, Status
 from tsdev_runtime.engine.sleep import WEIGHTS, SleepState, weights_checksum
 from tsdev_runtime.engine.state import EngineState
 from tsdev_runtime.sampling.sampler import Sampled
@@ -76,25 +78,6 @@ class WeightUpdate:
     recapture_seconds: float = 0.0
 
 
-@dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    # time.monotonic() stamps for the server's latency metrics (as vLLM's RequestMetrics):
-    arrival_time: float = 0.0  # when the request arrived (AsyncEngine.generate) or was added
-    first_scheduled_time: float | None = None  # first admitted by the scheduler (queue time: this - arrival)
-    token_time: float | None = None  # when new_token_ids were read (None: no new token)
-    previous_token_time: float | None = None  # when the request's previous token was read (None: none yet)
-    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for logprobs
-    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.., with the request's first output
-
-
 @dataclass(frozen=True)
 class EngineStats:
     """The engine's gauges and counters (/metrics, benchmarks); read between steps."""
@@ -142,15 +125,6 @@ class _Launched:
         return self.sampled.unpack(self.host)
 
 
-def logprob_entries(lists: list, tokens: list[int], top_ns: list[int]) -> list[TokenLogprob]:
-    """TokenLogprobs from token_logprobs' (logprob, top values, top ids) lists; each keeps its own top-N (the
-    lists hold the largest any row asked for)."""
-    chosen, values, ids = lists
-    width = len(values[0]) if values else 0
-    return [TokenLogprob(token, lp, i, v) if n == width else TokenLogprob(token, lp, i[:n], v[:n])
-            for token, lp, v, i, n in zip(tokens, chosen, values, ids, top_ns)]
-
-
 class LLMEngine:
     """Used through its methods: requests (`add_request`, `step`, `abort`, `generate`) and the operations a
     server or a benchmark needs (`stats`, `describe`, `state`, `flush_prefix_cache`, `warmup`,
@@ -189,7 +163,6 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_running, config.max_batched_tokens,
                                    self.max_model_len, admitting=lambda: not self.state.holding)
         self.in_flight: _Launched | None = None
-        self.detokenizers: dict[Sequence, Detokenizer] = {}
         self.free_slots = list(range(config.max_running))  # the sampler's state rows (penalties, logit_bias)
         self.waiting_for: dict[Sequence, list[Sequence]] = {}  # a prompt's first request -> requests sharing it
         self.eos = set(self.model_config.eos_token_ids)
@@ -243,29 +216,33 @@ class LLMEngine:
         self.check_prompt(prompt_token_ids)
         self.check_sampling(params)
         seq = Sequence(request_id, prompt_token_ids, params, arrival_time)
-        self.detokenizers[seq] = Detokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
-                                             params.skip_special_tokens)
         lead = self.scheduler.find(after) if after is not None and self.config.enable_prefix_caching else None
         if lead is not None and lead.num_computed_tokens < lead.num_prompt_tokens:
             self.waiting_for.setdefault(lead, []).append(seq)
         else:
             self.scheduler.add(seq)
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request and free its pages; returns its final output (finish_reason "abort"), or None."""
+    def abort(self, request_id: str, reason: str = "abort") -> StepOutputs | None:
+        """End a request and free its pages now (`reason`: "abort", or "stop" when its consumer found a stop
+        string); returns its finish, or None for a request that is not here (it finished already)."""
         seq = self.scheduler.find(request_id)
         if seq is None:
             for lead, followers in self.waiting_for.items():
                 if seq := next((f for f in followers if f.request_id == request_id), None):
                     followers.remove(seq)
-                    seq.status, seq.finish_reason = Status.FINISHED, "abort"
-                    self.num_finished["abort"] += 1
-                    return self._output(seq, [])
+                    seq.status, seq.finish_reason = Status.FINISHED, reason
+                    self.num_finished[reason] += 1
+                    return self._finished([seq])
             return None
-        self._finish(seq, "abort")
+        self._finish(seq, reason)
         if seq.token_ids[-1] == PENDING:  # its in-flight token is dropped
             seq.token_ids.pop()
-        return self._output(seq, [])
+        return self._finished([seq])
+
+    @staticmethod
+    def _finished(seqs: list[Sequence]) -> StepOutputs:
+        return StepOutputs(finished={seq.request_id: Finish(seq.finish_reason, seq.num_cached_tokens,
+                                                            seq.first_scheduled_time) for seq in seqs})
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         """End a scheduled sequence: its pages and sampler slot go back; requests waiting for its prompt go on."""
@@ -285,7 +262,7 @@ class LLMEngine:
         """Forget the step in flight (after a failed step: its requests are aborted)."""
         self.in_flight = None
 
-    def recover(self) -> tuple[list[RequestOutput], dict[str, str]]:
+    def recover(self) -> tuple[StepOutputs, dict[str, str]]:
         """After a step raised (one rank): find the request it failed on and end that one alone.
 
         The steps in flight are forgotten and every running request is put back to be computed again (its pages
@@ -299,30 +276,30 @@ class LLMEngine:
             self._drop_unread(seq)
             self.scheduler.preempt(seq)
             self._release_slot(seq)
-        outputs, failed = [], {}
+        outputs, failed = StepOutputs(), {}
         for seq in suspects:
             try:
-                outputs += self._run_alone(seq)
+                outputs.extend(self._run_alone(seq))
             except Exception as exc:
                 self.in_flight = None
                 self._drop_unread(seq)
                 failed[seq.request_id] = describe_error(exc)
-                outputs.append(self.abort(seq.request_id))
+                outputs.extend(self.abort(seq.request_id) or StepOutputs())
         return outputs, failed
 
-    def _run_alone(self, seq: Sequence) -> list[RequestOutput]:
+    def _run_alone(self, seq: Sequence) -> StepOutputs:
         """Steps of `seq` alone, without async scheduling, until it drew a token (or could not be admitted)."""
         sched = self.scheduler
         running, waiting = sched.running, sched.waiting
         waiting.remove(seq)
         sched.running, sched.waiting = [], collections.deque([seq])
-        drawn, outputs = seq.num_known_output_tokens, []
+        drawn, outputs = seq.num_known_output_tokens, StepOutputs()
         try:
             while not seq.is_finished and seq.num_known_output_tokens == drawn:
                 batch = sched.schedule()
                 if not batch.seqs:
                     break
-                outputs += self._read(self._launch(batch))
+                outputs.extend(self._read(self._launch(batch)))
         finally:
             running += sched.running
             waiting.extendleft(reversed(sched.waiting))
@@ -339,13 +316,15 @@ class LLMEngine:
             self.free_slots.append(seq.sampler_slot)
             seq.sampler_slot = None
 
-    def abort_all(self, running_only: bool = False) -> list[RequestOutput]:
-        """Abort the running requests (and the waiting ones unless `running_only`); their final outputs."""
+    def abort_all(self, running_only: bool = False) -> StepOutputs:
+        """Abort the running requests (and the waiting ones unless `running_only`); their finishes."""
         sched = self.scheduler
         seqs = list(sched.running) if running_only else [*sched.running, *sched.waiting]
-        outputs = [self.abort(seq.request_id) for seq in seqs]
         if not running_only:
-            outputs += [self.abort(f.request_id) for followers in list(self.waiting_for.values()) for f in followers]
+            seqs += [f for followers in self.waiting_for.values() for f in followers]
+        outputs = StepOutputs()
+        for seq in seqs:
+            outputs.extend(self.abort(seq.request_id))
         return outputs
 
     # --- what a server and a benchmark ask of the engine -------------------------------------------
@@ -512,7 +491,7 @@ class LLMEngine:
             decode_graphs_used=sorted(decode.used) if decode else [],
             prefill_graphs_used=sorted(prefill.used) if prefill else [], graphs_pending=self.graphs_pending)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> StepOutputs:
         """Schedule and launch a step, then read the previous one (async scheduling) or this one. Its seconds and
         those it waited for the GPU's results accumulate in `step_seconds` and `gpu_wait_seconds` (the host's share
         of a step: the difference; on the CPU the forward itself is host time)."""
@@ -523,14 +502,14 @@ class LLMEngine:
             self.step_seconds += time.perf_counter() - start
             self.gpu_wait_seconds += self.last_gpu_wait
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self) -> StepOutputs:
         with step_range("schedule"):
             batch = self.scheduler.schedule()
         launched = self._launch(batch) if batch.seqs else None
         previous, self.in_flight = self.in_flight, launched
-        outputs = self._read(previous) if previous else []
+        outputs = self._read(previous) if previous else StepOutputs()
         if launched and not self.config.async_scheduling:
-            outputs += self._read(launched)
+            outputs.extend(self._read(launched))
             self.in_flight = None
         return outputs
 
@@ -566,23 +545,22 @@ class LLMEngine:
             launched.ready.record()
         return launched
 
-    def _read(self, launched: _Launched) -> list[RequestOutput]:
-        """Wait for a launched step's tokens and turn them into outputs; sequences that finished (or were
-        aborted) since it was launched drop theirs."""
+    def _read(self, launched: _Launched) -> StepOutputs:
+        """Wait for a launched step's tokens and hand them out; sequences that finished (or were aborted) since it
+        was launched drop theirs."""
         tokens, drawn, prompt = launched.read()
         self.last_gpu_wait += launched.waited
+        out = StepOutputs()
         if prompt is not None:
-            self._record_prompt_logprobs(launched.batch, prompt)
-        logprobs = {}
+            self._hand_out_prompt_logprobs(launched.batch, prompt, out)
         if drawn is not None:
+            chosen, values, ids = drawn
             rows = [i for i, s in enumerate(launched.sampling) if s.params.logprobs is not None]
-            entries = logprob_entries(drawn, [tokens[i] for i in rows],
-                                      [launched.sampling[i].params.logprobs for i in rows])
-            logprobs = dict(zip(rows, entries))
-        live = [(i, seq, pos, token)
-                for i, (seq, pos, token) in enumerate(zip(launched.sampling, launched.positions, tokens))
+            out.logprobs = {launched.sampling[i].request_id: (chosen[r], values[r], ids[r]) for r, i in enumerate(rows)
+                            if not launched.sampling[i].is_finished}
+        live = [(seq, pos, token) for seq, pos, token in zip(launched.sampling, launched.positions, tokens)
                 if not seq.is_finished]
-        for _, seq, pos, token in live:
+        for seq, pos, token in live:
             seq.token_ids[pos] = token
         for seq in launched.batch.seqs:
             if not seq.is_finished:
@@ -590,66 +568,56 @@ class LLMEngine:
                 if seq in self.waiting_for and seq.num_computed_tokens >= seq.num_prompt_tokens:
                     self._release_followers(seq)  # its prompt's pages are in the prefix cache now
         self.num_generated_tokens += len(live)
-        now = time.monotonic()
-        outputs = []
-        for i, seq, pos, token in live:
+        ended = []
+        for seq, pos, token in live:
             if seq.params.max_tokens == 0:  # the prompt's logprobs were all it asked for: the token is dropped
                 del seq.token_ids[pos:]
                 self._finish(seq, "length")
-                outputs.append(self._output(seq, [], now))
+                ended.append(seq)
                 continue
-            stopped = self.detokenizers[seq].add(token,
-                                                 check_stop=pos + 1 - seq.num_prompt_tokens >= seq.params.min_tokens)
-            reason = self._finish_reason(seq, token, stopped, length=pos + 1)
-            if reason:
+            if pos == seq.num_prompt_tokens:
+                out.started[seq.request_id] = (seq.first_scheduled_time, seq.num_cached_tokens)
+            out.request_ids.append(seq.request_id)
+            out.token_ids.append(token)
+            if reason := self._finish_reason(seq, token, length=pos + 1):
                 del seq.token_ids[pos + 1 :]  # a token the next step sampled for it is dropped
                 self._finish(seq, reason)
-            outputs.append(self._output(seq, [token], now, logprobs.get(i)))
-        return outputs
+                ended.append(seq)
+        if ended:
+            out.finished = self._finished(ended).finished
+        return out
 
-    def _record_prompt_logprobs(self, batch: ScheduledBatch, lists: list) -> None:
-        """Each prompt row's logprob of the next prompt token, onto its sequence (in batch.prompt_rows order)."""
+    def _hand_out_prompt_logprobs(self, batch: ScheduledBatch, lists: list, out: StepOutputs) -> None:
+        """Each prompt row's logprob lists and the prompt token it scores (in batch.prompt_rows order)."""
         r = 0
         for i, first, count in batch.prompt_rows:
             seq = batch.seqs[i]
-            targets = seq.token_ids[first + 1 : first + 1 + count]
-            part = [column[r : r + count] for column in lists]
-            seq.prompt_logprobs += logprob_entries(part, targets, [seq.params.prompt_logprobs] * count)
+            out.prompt_logprobs[seq.request_id] = (seq.token_ids[first + 1 : first + 1 + count],
+                                                   tuple(column[r : r + count] for column in lists))
             r += count
 
-    def _finish_reason(self, seq: Sequence, token: int, stopped: bool, length: int) -> str | None:
-        """Whether the sequence ends with `token`, its `length`-th token."""
-        if stopped or (token in self.eos and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
+    def _finish_reason(self, seq: Sequence, token: int, length: int) -> str | None:
+        """Whether the sequence ends with `token`, its `length`-th token (stop strings: the consumer's)."""
+        if (token in self.eos and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
             return "stop"
         if seq.at_length_limit(length, self.max_model_len):
             return "length"
         return None
 
-    def _output(self, seq: Sequence, new_tokens: list[int], now: float | None = None,
-                logprob: TokenLogprob | None = None) -> RequestOutput:
-        """`now`: when new_tokens were read."""
-        finished = seq.is_finished
-        detok = self.detokenizers.pop(seq) if finished else self.detokenizers[seq]
-        previous = seq.last_token_time
-        if new_tokens:
-            seq.last_token_time = now
-        first = previous is None and (new_tokens or finished)  # the request's first output with a token
-        prompt_logprobs = seq.prompt_logprobs if first and seq.params.prompt_logprobs is not None else None
-        return RequestOutput(seq.request_id, new_tokens, detok.delta(finished), finished,
-                             seq.finish_reason, seq.num_prompt_tokens, seq.num_known_output_tokens,
-                             seq.num_cached_tokens, seq.arrival_time, seq.first_scheduled_time,
-                             now if new_tokens else None, previous,
-                             None if logprob is None else [logprob], prompt_logprobs)
-
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[dict]:
         """Offline: run prompts (token ids) to completion; returns token ids and text per prompt, in order."""
         params = params if isinstance(params, list) else [params] * len(prompts)
         base = f"offline-{time.monotonic_ns()}-"
+        processor = OutputProcessor(self.tokenizer)
         for i, (p, sp) in enumerate(zip(prompts, params)):
             self.add_request(base + str(i), p, sp)
+            processor.add(base + str(i), len(p), sp)
         results = {base + str(i): {"token_ids": [], "text": ""} for i in range(len(prompts))}
         while self.has_unfinished():
-            for out in self.step():
+            outputs, stopped = processor.process(self.step())
+            for request_id in stopped:
+                self.abort(request_id, "stop")
+            for out in outputs:
                 results[out.request_id]["token_ids"] += out.new_token_ids
                 results[out.request_id]["text"] += out.new_text
                 results[out.request_id]["finish_reason"] = out.finish_reason

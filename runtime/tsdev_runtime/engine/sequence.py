@@ -109,12 +109,10 @@ class Sequence:
         # time.monotonic() stamps for the latency metrics (vLLM's RequestMetrics)
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None  # first admitted by the scheduler
-        self.last_token_time: float | None = None  # when its latest token was read
         # the sampler's state row for penalties and logit_bias (engine-assigned); init_slot: its first step
         self.sampler_slot: int | None = None
         self.init_slot = False
         self.prompt_logprob_next = 0  # prompt positions whose logprobs some launched step computes
-        self.prompt_logprobs: list[TokenLogprob] = []  # for prompt tokens 1.. (read so far)
 
     def __len__(self) -> int:
         return len(self.token_ids)

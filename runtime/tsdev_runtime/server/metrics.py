@@ -13,7 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from tsdev_runtime.engine.llm_engine import LLMEngine, RequestOutput
+from tsdev_runtime.engine.llm_engine import LLMEngine
+from tsdev_runtime.engine.outputs import RequestOutput
 
 # vLLM's buckets, with finer ones below 10 ms for inter-token latency (a decode step here can take 5 ms).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,

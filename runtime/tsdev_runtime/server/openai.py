@@ -16,7 +16,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from tsdev_runtime.engine.async_engine import EngineError, Unavailable
-from tsdev_runtime.engine.llm_engine import LLMEngine, RequestOutput
+from tsdev_runtime.engine.llm_engine import LLMEngine
+from tsdev_runtime.engine.outputs import RequestOutput
 from tsdev_runtime.engine.sequence import TokenLogprob
 from tsdev_runtime.server.deps import ServerDeps
 from tsdev_runtime.server.errors import APIError, error_body
