@@ -48,7 +48,9 @@ class AsyncEngine:
         self.engine = engine
         self.on_step = on_step
         self.state = engine.state
-        self.outputs = OutputProcessor(engine.tokenizer)
+        self.outputs = OutputProcessor(engine.tokenizer)  # the outputs of the requests of `generate`
+        # where the outputs of requests added by `add_request` go (the API process: runtime/.../engine/channel.py)
+        self.remote: Callable[[StepOutputs, dict[str, str] | None], None] | None = None
         self.control_lock = asyncio.Lock()
         self._streams: dict[str, asyncio.Queue] = {}
         self._subscribers: set[asyncio.Queue] = set()
@@ -134,14 +136,7 @@ class AsyncEngine:
         self._streams[request_id] = queue
         arrival = time.monotonic()
         self.outputs.add(request_id, len(prompt_token_ids), params, arrival)
-
-        def add() -> None:
-            try:
-                self.engine.add_request(request_id, prompt_token_ids, params, arrival_time=arrival, after=after)
-            except ValueError as exc:
-                queue.put_nowait(exc)
-
-        self._submit(add)
+        self.add_request(request_id, prompt_token_ids, params, arrival, after, queue.put_nowait)
         finished = False
         try:
             while not finished:
@@ -159,7 +154,23 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             self.outputs.drop(request_id)
             if not finished:
-                self._submit(lambda: self.engine.abort(request_id))
+                self.abort(request_id)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: float,
+                    after: str | None, refused: Callable[[ValueError], None]) -> None:
+        """Queue a request to be added between steps; `refused` gets the error of one the engine refuses."""
+
+        def add() -> None:
+            try:
+                self.engine.add_request(request_id, prompt_token_ids, params, arrival_time=arrival, after=after)
+            except ValueError as exc:
+                refused(exc)
+
+        self._submit(add)
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """End a request between steps (`reason` "stop": its consumer found a stop string)."""
+        self._submit(lambda: self.engine.abort(request_id, reason))
 
     async def between_steps(self, fn: Callable):
         """Run `fn` on the event loop between two engine steps (where engine state may change) and return its result."""
@@ -183,6 +194,8 @@ class AsyncEngine:
     def fail_all(self, error: EngineError) -> int:
         """Abort every request (running or waiting) and end its stream with `error`; run it via between_steps."""
         aborted = self.engine.abort_all(running_only=False)
+        if self.remote is not None:
+            self.remote(StepOutputs(), dict.fromkeys(aborted.finished, str(error)))
         for request_id in aborted.finished:
             self.outputs.drop(request_id)
             if (queue := self._streams.get(request_id)) is not None:
@@ -330,9 +343,11 @@ class AsyncEngine:
     def _hand_out(self, step: StepOutputs, failed: dict[str, str] | None = None) -> list[RequestOutput]:
         """The requests' outputs of a step, each to its stream (`failed`: requests that get an error instead);
         requests a stop string ended are ended in the engine before its next step."""
+        if self.remote is not None:
+            self.remote(step, failed)
         outputs, stopped = self.outputs.process(step)
         for request_id in stopped:
-            self._submit(lambda request_id=request_id: self.engine.abort(request_id, "stop"))
+            self.abort(request_id, "stop")
         for out in outputs:
             queue = self._streams.get(out.request_id)
             if failed and out.request_id in failed:
@@ -360,3 +375,6 @@ class AsyncEngine:
             self.engine.abort(request_id)
             self.outputs.drop(request_id)
             queue.put_nowait(exc)
+        if self.remote is not None:  # the API process's requests
+            aborted = self.engine.abort_all(running_only=False)
+            self.remote(StepOutputs(), dict.fromkeys(aborted.finished, f"the engine failed: {exc}"))

@@ -27,7 +27,7 @@ from tsdev_runtime.engine.model_runner import Checkpoint, ModelRunner, step_rang
 from tsdev_runtime.engine.outputs import Finish, OutputProcessor, StepOutputs
 from tsdev_runtime.engine.ranks import DrivenRunner, RankLedger, follow
 from tsdev_runtime.engine.scheduler import ScheduledBatch, Scheduler
-from tsdev_runtime.engine.sequence import PENDING, InvalidRequest, SamplingParams, Sequence, Status
+from tsdev_runtime.engine.sequence import PENDING, SamplingParams, Sequence, Status, check_prompt, check_sampling
 from tsdev_runtime.engine.sleep import WEIGHTS, SleepState, weights_checksum
 from tsdev_runtime.engine.state import EngineState
 from tsdev_runtime.sampling.sampler import Sampled
@@ -182,39 +182,13 @@ class LLMEngine:
             self.ranked.stop()
             self.ranks = None
 
-    def check_prompt(self, prompt_token_ids: list[int]) -> None:
-        """Raise InvalidRequest saying what to change if this prompt cannot be served."""
-        if not prompt_token_ids:
-            raise InvalidRequest("the prompt is empty: send at least one token", "prompt")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise InvalidRequest(f"this model's maximum context length is {self.max_model_len} tokens "
-                                 f"(--max-model-len), but the prompt has {len(prompt_token_ids)}: shorten it (one "
-                                 "token of the context must be left to generate)", "prompt")
-        self._check_token_ids("prompt", prompt_token_ids)
-
-    def check_sampling(self, params: SamplingParams) -> None:
-        """Raise InvalidRequest naming the field and its valid range for a value the sampler would index the logits
-        with: a request that cannot run is refused here, before it shares a step with others."""
-        self._check_token_ids("logit_bias", params.logit_bias)
-        self._check_token_ids("stop_token_ids", params.stop_token_ids)
-        vocab = self.model_config.vocab_size
-        for name in ("logprobs", "prompt_logprobs"):
-            if (value := getattr(params, name)) is not None and value > vocab:
-                raise InvalidRequest(f"{name} {value} asks for more tokens than the vocabulary has ({vocab})", name)
-
-    def _check_token_ids(self, field: str, ids) -> None:
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequest(f"{field}: token id {bad} is outside the vocabulary (0..{vocab - 1})", field)
-
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, after: str | None = None) -> None:
         """Queue a request; `arrival_time` (time.monotonic(), default now) is when it reached the server. `after`:
         a request with the same prompt (choices of one `n` request): this one is admitted once that one computed
         the prompt, so that it finds the prompt's pages in the prefix cache instead of computing them again."""
-        self.check_prompt(prompt_token_ids)
-        self.check_sampling(params)
+        check_prompt(prompt_token_ids, self.max_model_len, self.model_config.vocab_size)
+        check_sampling(params, self.model_config.vocab_size)
         seq = Sequence(request_id, prompt_token_ids, params, arrival_time)
         lead = self.scheduler.find(after) if after is not None and self.config.enable_prefix_caching else None
         if lead is not None and lead.num_computed_tokens < lead.num_prompt_tokens:

@@ -87,6 +87,33 @@ class SamplingParams:
         return max(self.max_tokens, 1)
 
 
+def check_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
+    """Raise InvalidRequest saying what to change if this prompt cannot be served."""
+    if not prompt_token_ids:
+        raise InvalidRequest("the prompt is empty: send at least one token", "prompt")
+    if len(prompt_token_ids) >= max_model_len:
+        raise InvalidRequest(f"this model's maximum context length is {max_model_len} tokens (--max-model-len), but "
+                             f"the prompt has {len(prompt_token_ids)}: shorten it (one token of the context must be "
+                             "left to generate)", "prompt")
+    _check_token_ids("prompt", prompt_token_ids, vocab_size)
+
+
+def check_sampling(params: SamplingParams, vocab_size: int) -> None:
+    """Raise InvalidRequest naming the field and its valid range for a value the sampler would index the logits
+    with: a request that cannot run is refused before it shares a step with others."""
+    _check_token_ids("logit_bias", params.logit_bias, vocab_size)
+    _check_token_ids("stop_token_ids", params.stop_token_ids, vocab_size)
+    for name in ("logprobs", "prompt_logprobs"):
+        if (value := getattr(params, name)) is not None and value > vocab_size:
+            raise InvalidRequest(f"{name} {value} asks for more tokens than the vocabulary has ({vocab_size})", name)
+
+
+def _check_token_ids(field: str, ids, vocab_size: int) -> None:
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"{field}: token id {bad} is outside the vocabulary (0..{vocab_size - 1})", field)
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

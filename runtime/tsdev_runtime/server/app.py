@@ -9,19 +9,20 @@ from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from tsdev_runtime.config import ServerConfig
 from tsdev_runtime.control_protocol import SERVER_INFO_ROUTE, ServerInfo
 from tsdev_runtime.engine.async_engine import AsyncEngine
 from tsdev_runtime.engine.llm_engine import LLMEngine
+from tsdev_runtime.engine.outputs import RequestOutput
 from tsdev_runtime.engine.reload_forward import ForwardReloader, ReloadForward
 from tsdev_runtime.server.body_limit import BodyLimit
 from tsdev_runtime.server.chat import ChatTemplate
 from tsdev_runtime.server.control import RELOAD_DISABLED, RELOADS_ROUTES, control_router, profile_router, weights_router
-from tsdev_runtime.server.deps import ServerDeps
+from tsdev_runtime.server.deps import ServedModel, ServerDeps
 from tsdev_runtime.server.errors import APIError, install_error_handlers
-from tsdev_runtime.server.metrics import EngineMetrics
+from tsdev_runtime.server.metrics import EngineMetrics, RequestMetrics
 from tsdev_runtime.server.openai import openai_router
 from tsdev_runtime.server.security import Guard, SecurityPolicy
 
@@ -42,9 +43,15 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReload
     `security`: who may call what (API key, loopback-only control routes, profile and weight directories).
     `chat_template`: a jinja2 file to render chat prompts with instead of the checkpoint's own.
     `app.state.async_engine.shutdown()` ends its requests and streams (what a server does on SIGTERM)."""
-    metrics = EngineMetrics(engine, served_model_name)
-    async_engine = AsyncEngine(engine, on_step=metrics.on_step)
-    deps = ServerDeps(async_engine, served_model_name, ChatTemplate(engine.tokenizer_dir, chat_template))
+    metrics, request_metrics = EngineMetrics(engine, served_model_name), RequestMetrics(served_model_name)
+
+    def on_step(seconds: float, outputs: list[RequestOutput]) -> None:
+        metrics.on_step(seconds)
+        request_metrics.observe(outputs)
+
+    async_engine = AsyncEngine(engine, on_step=on_step)
+    model = ServedModel(engine.tokenizer, engine.tokenizer_dir, engine.max_model_len, engine.model_config.vocab_size)
+    deps = ServerDeps(async_engine, model, served_model_name, ChatTemplate(engine.tokenizer_dir, chat_template))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -67,14 +74,16 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReload
     app.include_router(profile_router(async_engine, security))
     app.include_router(weights_router(async_engine, security))
     install_error_handlers(app)
-    app.include_router(info_router(deps, metrics, reloads=reloader is not None))
+    app.include_router(info_router(engine, deps, (metrics.registry, request_metrics.registry),
+                                   reloads=reloader is not None))
     app.include_router(openai_router(deps))
     return app
 
 
-def info_router(deps: ServerDeps, metrics: EngineMetrics, reloads: bool) -> APIRouter:
+def info_router(engine: LLMEngine, deps: ServerDeps, registries: tuple[CollectorRegistry, ...],
+                reloads: bool) -> APIRouter:
     """What the server is: health, the served model, its version and state, Prometheus metrics."""
-    router, engine, name = APIRouter(), deps.engine, deps.served_model_name
+    router, name = APIRouter(), deps.served_model_name
 
     @router.get("/health")
     async def health():
@@ -114,6 +123,6 @@ def info_router(deps: ServerDeps, metrics: EngineMetrics, reloads: bool) -> APIR
 
     @router.get("/metrics")
     async def prometheus():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(b"".join(map(generate_latest, registries)), media_type=CONTENT_TYPE_LATEST)
 
     return router

@@ -1,9 +1,11 @@
-"""Prometheus metrics of one engine, in their own registry.
+"""Prometheus metrics: the engine's (`EngineMetrics`, kept where the engine steps) and the requests' latencies
+(`RequestMetrics`, kept where the requests' outputs are made: beside the engine, or in the API process), each in
+its own registry.
 
 The request latencies have vLLM's meaning and names (tsdev_ for vllm:): time to first token and end-to-end
 latency from the request's arrival, inter-token latency between two tokens of one request, queue time from
 arrival to the first time the scheduler admitted it. They are taken from the stamps each RequestOutput
-carries, as the engine's steps return (`on_step`).
+carries (`RequestMetrics.observe`).
 """
 import time
 from collections.abc import Callable
@@ -108,16 +110,6 @@ class EngineMetrics:
         self.step_host_seconds = Histogram(
             "tsdev_step_host_seconds", "Engine step time on the host: the step less its wait for the GPU's results "
             "(on the CPU the forward itself is host time)", **label, buckets=step_buckets).labels(model_name)
-        self.ttft = CountedHistogram("tsdev_time_to_first_token_seconds",
-                                     "Time from a request's arrival to its first token", TTFT_BUCKETS, r, model_name)
-        self.itl = CountedHistogram("tsdev_inter_token_latency_seconds",
-                                    "Time between two consecutive tokens of a request", ITL_BUCKETS, r, model_name)
-        self.e2e = CountedHistogram("tsdev_e2e_request_latency_seconds",
-                                    "Time from a request's arrival to its last token (requests that finished "
-                                    "by stop or length)", REQUEST_BUCKETS, r, model_name)
-        self.queue_time = CountedHistogram("tsdev_request_queue_time_seconds",
-                                           "Time from a request's arrival until the scheduler first admitted it",
-                                           QUEUE_BUCKETS, r, model_name)
         # Read at scrape time, so they are right even while the engine is idle.
         self.running.set_function(lambda: engine.stats().running)
         self.waiting.set_function(lambda: engine.stats().waiting)
@@ -128,11 +120,10 @@ class EngineMetrics:
         self._window_start, self._window_tokens = time.monotonic(), 0
         self._seen_prompt = self._seen_generated = self._seen_preemptions = 0
 
-    def on_step(self, seconds: float, outputs: list[RequestOutput]) -> None:
+    def on_step(self, seconds: float) -> None:
         stats = self.engine.stats()
         self.step_seconds.observe(seconds)
         self.step_host_seconds.observe(max(seconds - self.engine.last_gpu_wait, 0.0))
-        self.observe_latencies(outputs)
         self.prompt_tokens.inc(stats.prompt_tokens - self._seen_prompt)
         generated = stats.generated_tokens - self._seen_generated
         self.generation_tokens.inc(generated)
@@ -145,7 +136,25 @@ class EngineMetrics:
             self.tokens_per_second.set(self._window_tokens / elapsed)
             self._window_start, self._window_tokens = time.monotonic(), 0
 
-    def observe_latencies(self, outputs: list[RequestOutput]) -> None:
+
+
+class RequestMetrics:
+    """The requests' latencies, from the stamps of their outputs."""
+
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        self.ttft = CountedHistogram("tsdev_time_to_first_token_seconds",
+                                     "Time from a request's arrival to its first token", TTFT_BUCKETS, r, model_name)
+        self.itl = CountedHistogram("tsdev_inter_token_latency_seconds",
+                                    "Time between two consecutive tokens of a request", ITL_BUCKETS, r, model_name)
+        self.e2e = CountedHistogram("tsdev_e2e_request_latency_seconds",
+                                    "Time from a request's arrival to its last token (requests that finished "
+                                    "by stop or length)", REQUEST_BUCKETS, r, model_name)
+        self.queue_time = CountedHistogram("tsdev_request_queue_time_seconds",
+                                           "Time from a request's arrival until the scheduler first admitted it",
+                                           QUEUE_BUCKETS, r, model_name)
+
+    def observe(self, outputs: list[RequestOutput]) -> None:
         """TTFT, ITL, end-to-end latency and queue time of a step's outputs (per output: a few float
         operations; the inter-token latencies go in grouped by value)."""
         gaps: dict[float, int] = {}

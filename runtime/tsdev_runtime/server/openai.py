@@ -16,10 +16,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from tsdev_runtime.engine.async_engine import EngineError, Unavailable
-from tsdev_runtime.engine.llm_engine import LLMEngine
 from tsdev_runtime.engine.outputs import RequestOutput
 from tsdev_runtime.engine.sequence import TokenLogprob
-from tsdev_runtime.server.deps import ServerDeps
+from tsdev_runtime.server.deps import ServedModel, ServerDeps
 from tsdev_runtime.server.errors import APIError, error_body
 from tsdev_runtime.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingRequest,
                                      TokenizeRequest)
@@ -40,9 +39,9 @@ class Choice:
     """One choice's outputs as the route's deltas. `echo`: (prompt text, prompt token ids) that lead the first
     delta (chat: the final message's text, no ids); `top_n`: logprobs asked for (None: none)."""
 
-    def __init__(self, index: int, engine: LLMEngine, chat: bool, top_n: int | None,
+    def __init__(self, index: int, model: ServedModel, chat: bool, top_n: int | None,
                  echo: tuple[str, list[int]] | None = None):
-        self.index, self.engine, self.chat, self.top_n, self.echo = index, engine, chat, top_n, echo
+        self.index, self.model, self.chat, self.top_n, self.echo = index, model, chat, top_n, echo
         self.started = False
         self.offset = 0  # completions' text_offset of the next token
         self.text, self.token_ids, self.logprobs, self.final = "", [], [], None
@@ -70,7 +69,7 @@ class Choice:
 
     def format(self, entries: list[TokenLogprob]) -> list | dict:
         ids = [e.token_id for e in entries] + [t for e in entries for t in (e.top_ids or ())]
-        strings = dict(zip(ids, self.engine.tokenizer.decode_batch([[t] for t in ids], skip_special_tokens=False)))
+        strings = dict(zip(ids, self.model.tokenizer.decode_batch([[t] for t in ids], skip_special_tokens=False)))
         if self.chat:
             return [{**token_entry(strings[e.token_id], e.logprob),
                      "top_logprobs": [token_entry(strings[t], lp) for t, lp in zip(e.top_ids, e.top_logprobs)]}
@@ -122,17 +121,17 @@ def openai_router(deps: ServerDeps) -> APIRouter:
             return deps.encode(body.prompt, body.add_special_tokens is not False)
 
         tokens = await deps.off_loop(run)
-        strs = [deps.engine.tokenizer.id_to_token(t) for t in tokens] if body.return_token_strs else None
-        return {"count": len(tokens), "max_model_len": deps.engine.max_model_len, "tokens": tokens, "token_strs": strs}
+        strs = [deps.model.tokenizer.id_to_token(t) for t in tokens] if body.return_token_strs else None
+        return {"count": len(tokens), "max_model_len": deps.model.max_model_len, "tokens": tokens, "token_strs": strs}
 
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         deps.check_model(body)
-        vocab = deps.engine.model_config.vocab_size
+        vocab = deps.model.vocab_size
         if bad := next((t for t in body.tokens if not 0 <= t < vocab), None):
             raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", "tokens")
         return {"prompt": await deps.off_loop(
-            lambda: deps.engine.tokenizer.decode(body.tokens, skip_special_tokens=False))}
+            lambda: deps.model.tokenizer.decode(body.tokens, skip_special_tokens=False))}
 
     return router
 
@@ -140,7 +139,7 @@ def openai_router(deps: ServerDeps) -> APIRouter:
 def start(deps: ServerDeps, request_id: str, token_lists: list[list[int]], params: list, n: int,
           share_prompt: bool) -> list:
     """One engine stream per (prompt, choice): choice i of a prompt waits for choice 0's prompt pages."""
-    return [deps.async_engine.generate(f"{request_id}-{i}", token_lists[i // n], p,
+    return [deps.generator.generate(f"{request_id}-{i}", token_lists[i // n], p,
                                        after=f"{request_id}-{i - i % n}" if share_prompt and i % n else None)
             for i, p in enumerate(params)]
 
@@ -148,7 +147,7 @@ def start(deps: ServerDeps, request_id: str, token_lists: list[list[int]], param
 async def complete(deps: ServerDeps, body: CompletionRequest, request: Request):
     deps.check_model(body)
     deps.check_available()
-    engine, name = deps.engine, deps.served_model_name
+    model, name = deps.model, deps.served_model_name
     prompts = body.prompt
     if isinstance(prompts, str) or not prompts or isinstance(prompts[0], int):
         prompts = [prompts]  # one prompt (an empty one is refused by check_length)
@@ -163,7 +162,7 @@ async def complete(deps: ServerDeps, body: CompletionRequest, request: Request):
         params = deps.check_sampling([body.sampling_params(deps.check_length(ids, max_tokens), j, body.logprobs,
                                                            prompt_logprobs)
                                       for ids in token_lists for j in range(body.n)])
-        echoes = [(p if isinstance(p, str) else engine.tokenizer.decode(ids, skip_special_tokens=False), ids)
+        echoes = [(p if isinstance(p, str) else model.tokenizer.decode(ids, skip_special_tokens=False), ids)
                   for p, ids in zip(prompts, token_lists)] if body.echo else None
         return token_lists, params, echoes
 
@@ -171,7 +170,7 @@ async def complete(deps: ServerDeps, body: CompletionRequest, request: Request):
     request_id = f"cmpl-{uuid.uuid4().hex}"
     log_request(request_id, body, sum(map(len, token_lists)), max_tokens)
     streams = start(deps, request_id, token_lists, params, body.n, share_prompt=prompt_logprobs is None)
-    choices = [Choice(i, engine, False, body.logprobs, echoes[i // body.n] if echoes else None)
+    choices = [Choice(i, model, False, body.logprobs, echoes[i // body.n] if echoes else None)
                for i in range(len(streams))]
 
     def chunk(choice: Choice, out: RequestOutput) -> dict:
@@ -207,7 +206,7 @@ async def chat(deps: ServerDeps, body: ChatCompletionRequest, request: Request):
     streams = start(deps, request_id, [ids], params, body.n, share_prompt=True)
     final = body.messages[-1]
     echo = (final.text(), None) if body.echo and final.role == "assistant" else None  # vLLM's: same role only
-    choices = [Choice(i, deps.engine, True, top_n, echo) for i in range(body.n)]
+    choices = [Choice(i, deps.model, True, top_n, echo) for i in range(body.n)]
 
     def chunk(choice: Choice, out: RequestOutput) -> dict:
         first = not choice.started
