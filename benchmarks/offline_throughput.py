@@ -67,6 +67,7 @@ def run_workload(engine: LLMEngine, prompts, params, device: str, label: str = "
     steps = time_steps(engine)
     pauses = []
     clock = (engine.num_steps, engine.step_seconds, engine.gpu_wait_seconds)
+    gpu = (engine.gpu_busy_seconds, engine.gpu_idle_seconds)
     with collector_pauses(pauses), nvtx.annotate("offline-workload"):  # an nsys capture range
         start = time.perf_counter()
         results = engine.generate(prompts, params)
@@ -88,6 +89,11 @@ def run_workload(engine: LLMEngine, prompts, params, device: str, label: str = "
     if launched:
         print(f"  host per step: {1e3 * host / launched:.2f} ms (the steps' time less their waits for the GPU's "
               f"results; {1e3 * (engine.gpu_wait_seconds - clock[2]) / launched:.2f} ms waited)")
+    busy, idle = engine.gpu_busy_seconds - gpu[0], engine.gpu_idle_seconds - gpu[1]
+    if busy:
+        print(f"  GPU: busy {busy:.2f} s, idle between steps {idle:.2f} s = {100 * idle / seconds:.1f} % of the run "
+              f"(CUDA timing events around each step; GPU work alone: "
+              f"{out_tokens / (seconds - idle):,.0f} output tok/s without those gaps)")
     # last, so that the tail of a log holds it
     print(f"tsdev{label}: {len(prompts)} requests, {in_tokens} prompt + {out_tokens} output tokens in {seconds:.2f} s: "
           f"{out_tokens / seconds:,.0f} output tok/s, {(in_tokens + out_tokens) / seconds:,.0f} total tok/s "

@@ -257,6 +257,12 @@ def serve(
         "--allowed-weight-dir", metavar="DIR", help="A directory the weight routes may load checkpoints from, besides "
                                                     "the served model's. Repeatable.")] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level (warning shows errors only).")] = "warning",
+    api_process: Annotated[bool, typer.Option(
+        "--api-process/--no-api-process",
+        help="Serve HTTP from a process of its own: tokenizing, chat templates, detokenizing, stop strings, logprobs, "
+             "JSON and SSE run there, and the engine's process only schedules and launches steps, fed token ids "
+             "(docs/architecture.md). --no-api-process: one process does both (the host's Python then paces the "
+             "steps at large batches).")] = ServerConfig.api_process,
     tp: Annotated[int, typer.Option(
         "--tp", "--tensor-parallel-size", min=1, help="Tensor-parallel ranks: the heads, the MLP and the vocabulary "
         "split over N GPUs (CPU: N processes over gloo), one process each, started by this command (or by torchrun: "
@@ -359,7 +365,7 @@ def serve(
                           max_request_body_bytes=max_request_body_bytes,
                           api_key=api_key or None, allow_remote_control=allow_remote_control,
                           metrics_require_api_key=metrics_require_api_key, profile_dir=profile_dir,
-                          allowed_weight_dirs=list(allowed_weight_dir or []))
+                          allowed_weight_dirs=list(allowed_weight_dir or []), api_process=api_process)
     if dp > 1:
         from tsdev.data_parallel import run_front
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -35,6 +35,7 @@ from tsdev_runtime.control_protocol import (CONTINUE_ROUTE, FLUSH_ROUTE, PAUSE_R
                                       UPDATE_WEIGHTS_FROM_DISK_ROUTE, UPDATE_WEIGHTS_ROUTE, WAKE_UP_ROUTE, ErrorBody,
                                       ErrorDetail, ReloadReply)
 from tsdev_runtime.config import ServerConfig
+from tsdev_runtime.server.relay import Relayed
 from tsdev.server_process import PortInUse, ServerProcess, StartFailed
 from tsdev.serving import BACKLOG, GRACEFUL_SHUTDOWN_S, claim_address, quiet_server_class
 
@@ -95,25 +96,6 @@ def merge_reloads(replies: Sequence[ReloadReply], tp: int) -> ReloadReply:
     workers = [w.model_copy(update={"rank": replica * tp + w.rank})
                for replica, reply in enumerate(replies) for w in reply.workers]
     return ReloadReply.of(replies[0].id, workers)
-
-
-class Relayed(StreamingResponse):
-    """A replica's reply relayed as it comes (its status, type and Retry-After); `done` runs, and the upstream
-    connection is closed, however the relay ends: finished, failed, or the client gone before it began."""
-
-    def __init__(self, upstream: httpx.Response, done=None):
-        headers = {k: v for k, v in upstream.headers.items() if k.lower() == "retry-after"}
-        super().__init__(upstream.aiter_raw(), status_code=upstream.status_code, headers=headers,
-                         media_type=upstream.headers.get("content-type"))
-        self.upstream, self.done = upstream, done
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.upstream.aclose()
-            if self.done is not None:
-                self.done()
 
 
 class Front:

@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
+import shutil
 import signal
 import socket
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -28,11 +32,45 @@ from rich.console import Console
 from rich.markup import escape
 
 from tsdev_runtime.config import EngineConfig, ServerConfig
-from tsdev.ranks import fail_fast, follow, launched_rank, start_ranks, stop_ranks
 
 # uvicorn cancels what is still open this long after a stop; streams end by themselves well before.
 GRACEFUL_SHUTDOWN_S = 3
 BACKLOG = 2048  # uvicorn's default
+API_PROCESS_STOP_S = 2  # how long a stopping engine process waits for its API process before killing it
+
+
+class ApiProcess:
+    """The API process (`python -m tsdev.api_process`: the HTTP front) beside this engine process, started before
+    the model loads so that its imports overlap the load; it listens on the public socket once the engine says hello
+    over `channel` (runtime/tsdev_runtime/engine/wire.py). Either stops when the other dies: the channel closes. It
+    runs in a session of its own: Ctrl-C reaches this process, which stops it (`stop`) once its requests ended."""
+
+    def __init__(self, public: socket.socket):
+        self.channel, theirs = socket.socketpair()
+        fds = (public.fileno(), theirs.fileno())
+        self.proc = subprocess.Popen([sys.executable, "-m", "tsdev.api_process", *map(str, fds)], pass_fds=fds,
+                                     start_new_session=True)
+        theirs.close()
+        self.dir = Path(tempfile.mkdtemp(prefix="tsdev-engine-"))  # only this user may reach the socket in it
+        self.socket_path = self.dir / "app.sock"
+
+    def listen(self) -> socket.socket:
+        """The Unix socket the engine process's app answers the API process on."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(str(self.socket_path))
+        sock.listen(BACKLOG)
+        return sock
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(API_PROCESS_STOP_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.channel.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -181,6 +219,8 @@ def claim_address(server: ServerConfig, console: Console) -> socket.socket | Non
 def run_server(config: EngineConfig, server: ServerConfig, console: Console | None = None) -> int:
     """Bind, load the model, serve until SIGINT/SIGTERM. Returns the exit status: 0 once stopped, 2 when the
     security flags do not go together or the port or the model cannot be used, 130 for Ctrl-C during the load."""
+    from tsdev.ranks import fail_fast, follow, launched_rank, start_ranks, stop_ranks
+
     console = console or Console(stderr=True, soft_wrap=True)
     rank = launched_rank()
     if config.world_size > 1 and rank:  # torchrun started this process as a rank other than 0: it follows
@@ -232,21 +272,25 @@ def _load_and_serve(config: EngineConfig, server: ServerConfig, sock: socket.soc
 
     imports = time.perf_counter() - imports_start
     start = time.perf_counter()
+    api = ApiProcess(sock) if server.api_process else None  # it imports while the model loads
     pool = start_compile_pool(config, server)  # its workers import and warm up while the model loads
     try:
-        return _serve(config, server, sock, console, pool, before, imports, start)
+        return _serve(config, server, sock, console, pool, before, imports, start, api)
     finally:
         if pool is not None:
             pool.close()
+        if api is not None:
+            api.stop()
 
 
 def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, console: Console, pool,
-           before: float | None, imports: float, start: float) -> int:
+           before: float | None, imports: float, start: float, api: ApiProcess | None) -> int:
     import uvicorn
     from jinja2 import TemplateError
 
     from tsdev_runtime.engine.llm_engine import LLMEngine
     from tsdev_runtime.server.app import build_app
+    from tsdev_runtime.server.chat import ChatTemplate
     from tsdev_runtime.server.security import SecurityPolicy, describe
 
     with console.status("loading the model (the first run creates the default checkpoint)...") as status, \
@@ -283,26 +327,35 @@ def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, cons
     if access := describe(server):
         console.print(access)
     log_to_stderr(server.log_level)
+    port = sock.getsockname()[1]
     try:
+        ChatTemplate(engine.tokenizer_dir, server.chat_template)  # refused here, before either process serves
         app = build_app(engine, name, reloader, max_request_body_bytes=server.max_request_body_bytes,
-                        security=SecurityPolicy.of(server), chat_template=server.chat_template)
+                        security=SecurityPolicy.of(server), chat_template=server.chat_template,
+                        api_channel=api and api.channel,
+                        api_hello=api and {"server": dataclasses.asdict(server), "port": port,
+                                           "engine_socket": str(api.socket_path)})
     except (FileNotFoundError, ValueError, TemplateError) as exc:  # --chat-template, or the checkpoint's template
         console.print(f"[red]error:[/red] the chat template: {exc}")
         return 2
-    try:
-        sock.listen(BACKLOG)  # another server may have bound the port meanwhile (SO_REUSEADDR): one listens
-    except OSError as exc:
-        console.print(f"[red]error:[/red] {bind_error(exc, server.host, server.port)}")
-        return 2
-    port = sock.getsockname()[1]
+    if api is not None:
+        listening = api.listen()
+    else:
+        try:
+            sock.listen(BACKLOG)  # another server may have bound the port meanwhile (SO_REUSEADDR): one listens
+        except OSError as exc:
+            console.print(f"[red]error:[/red] {bind_error(exc, server.host, server.port)}")
+            return 2
+        listening = sock
 
-    def started() -> None:
-        console.print(f"listening on [bold]http://{server.host}:{port}[/bold] (OpenAI API under /v1)")
+    def started() -> None:  # (the API process says it once it listens)
+        if api is None:
+            console.print(f"listening on [bold]http://{server.host}:{port}[/bold] (OpenAI API under /v1)")
 
     uvicorn_config = uvicorn.Config(app, log_level=server.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     async_engine = app.state.async_engine
     quiet_server_class(uvicorn.Server)(uvicorn_config, started, async_engine.shutdown,
-                                       lambda: async_engine.left_behind).run(sockets=[sock])
+                                       lambda: async_engine.left_behind).run(sockets=[listening])
     engine.close()  # the other ranks, if any, stop
     return 0
 

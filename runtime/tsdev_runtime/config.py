@@ -200,6 +200,9 @@ class ServerConfig:
     # processes compiling an edit's kernels side by side (tsdev/hotreload/pool.py); 0: none; None: the default
     compile_workers: int | None = None
     log_level: str = "warning"  # uvicorn's
+    # the HTTP front (tokenizing, detokenizing, JSON, SSE) in a process of its own beside the engine's step loop
+    # (runtime/tsdev_runtime/server/api_process.py); False: both in one process
+    api_process: bool = True
     max_request_body_bytes: int = 4 * 1024 * 1024  # larger bodies are answered 413 before they are parsed
     # Who may call what (runtime/tsdev_runtime/server/security.py, docs/security.md):
     api_key: str | None = field(default=None, repr=False)  # every route but /health and /metrics needs it

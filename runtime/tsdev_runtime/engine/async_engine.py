@@ -15,25 +15,13 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from tsdev_runtime.control_protocol import Event, Hello, ProfileFinished, ProfileRange, StateChanged
-from tsdev_runtime.engine.errors import stop_server
+from tsdev_runtime.engine.errors import EngineError, ShuttingDown, Unavailable, stop_server
 from tsdev_runtime.engine.llm_engine import LLMEngine
 from tsdev_runtime.engine.outputs import OutputProcessor, RequestOutput, StepOutputs
 from tsdev_runtime.engine.profiler import StepProfiler
 from tsdev_runtime.engine.sequence import SamplingParams
 
 log = logging.getLogger("tsdev_runtime.server")
-
-
-class EngineError(RuntimeError):
-    """The engine failed while running a request; the request was aborted."""
-
-
-class Unavailable(EngineError):
-    """The server cannot serve now (sleeping, shutting down): the request was not started, or was aborted."""
-
-
-class ShuttingDown(Unavailable):
-    """The server is stopping: the request was not started."""
 
 
 STOP_WAIT_S = 0.5  # how long a stopping server waits for the engine thread's call in progress before leaving it

@@ -1,53 +1,13 @@
-"""The engine process's end of the channel to the API process (docs/architecture.md, "Two processes").
-
-One stream socket (a socketpair made before the API process started: nobody else holds it) carries pickled
-messages, each behind its 4-byte length. The API process sends requests in and aborts:
-
-    ("add", request_id, prompt_token_ids, params, after, arrival_time)    ("abort", request_id, reason)
-
-and the engine process sends, besides a first ("hello", facts) with what the routes read of the model:
-
-    ("step", StepOutputs)          one message per step: token ids, finishes, raw logprobs -- no text
-    ("error", request_id, kind, message, field)    a request refused or failed (kind: REFUSALS' keys)
-    ("unavailable", why)           why new requests are refused now (None: they are not), at every phase change
-
-Everything per request (detokenizing, stop strings, logprob objects, usage, JSON, SSE) is the API process's.
-"""
+"""The engine process's end of the channel to the API process (the messages: runtime/tsdev_runtime/engine/wire.py)."""
 from __future__ import annotations
 
 import asyncio
-import logging
-import pickle
-import struct
 from collections.abc import Callable
 
-from tsdev_runtime.engine.async_engine import AsyncEngine, EngineError, ShuttingDown, Unavailable
+from tsdev_runtime.engine.async_engine import AsyncEngine
+from tsdev_runtime.engine.errors import ShuttingDown, Unavailable
 from tsdev_runtime.engine.outputs import StepOutputs
-from tsdev_runtime.engine.sequence import InvalidRequest
-
-log = logging.getLogger("tsdev_runtime.server")
-LENGTH = struct.Struct("!I")
-# an error's kind on the wire -> the exception the API process raises in the request's stream
-# (the most specific first: ShuttingDown is an Unavailable, which is an EngineError)
-REFUSALS = {"invalid": InvalidRequest, "stopping": ShuttingDown, "unavailable": Unavailable, "failed": EngineError}
-
-
-def kind_of(exc: BaseException) -> str:
-    return next((kind for kind, cls in REFUSALS.items() if isinstance(exc, cls)), "failed")
-
-
-def frame(message: tuple) -> bytes:
-    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    return LENGTH.pack(len(body)) + body
-
-
-async def read_message(reader: asyncio.StreamReader) -> tuple | None:
-    """The next message, or None once the other side closed the socket."""
-    try:
-        length, = LENGTH.unpack(await reader.readexactly(LENGTH.size))
-        return pickle.loads(await reader.readexactly(length))
-    except (asyncio.IncompleteReadError, ConnectionError):
-        return None
+from tsdev_runtime.engine.wire import frame, kind_of, read_message
 
 
 class EngineSide:
@@ -59,14 +19,16 @@ class EngineSide:
         self.ae, self.facts, self.on_closed = async_engine, facts, on_closed
         self.writer: asyncio.StreamWriter | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._said_unavailable: str | None = None
 
     async def serve(self, sock) -> None:
         self.loop = asyncio.get_running_loop()
         reader, self.writer = await asyncio.open_unix_connection(sock=sock)
         self.ae.remote = self.hand_out
-        self.ae.state.listeners.append(self._phase_moved)
+        self.ae.state.watchers.append(self._state_changed)
         self.send(("hello", self.facts))
-        self.send(("unavailable", self.ae.unavailable()))
+        self._said_unavailable = self.ae.unavailable()
+        self.send(("unavailable", self._said_unavailable))
         try:
             while (message := await read_message(reader)) is not None:
                 if message[0] == "add":
@@ -75,9 +37,8 @@ class EngineSide:
                     self.ae.abort(message[1], message[2])
         finally:
             self.ae.remote = None
-            self.ae.state.listeners.remove(self._phase_moved)
-            if not self.ae.state.stopping:
-                log.error("the API process closed its channel (it exited): the server stops")
+            self.ae.state.watchers.remove(self._state_changed)
+            if not self.ae.state.stopping:  # the API process exited
                 self.on_closed()
 
     def _add(self, request_id: str, prompt_token_ids: list[int], params, after: str | None, arrival: float) -> None:
@@ -103,6 +64,11 @@ class EngineSide:
         if self.writer is not None and not self.writer.is_closing():
             self.writer.write(frame(message))
 
-    def _phase_moved(self, phase: str) -> None:
-        """The state's listener (on whichever thread moved it): the API process learns why requests are refused."""
-        self.loop.call_soon_threadsafe(lambda: self.send(("unavailable", self.ae.unavailable())))
+    def _state_changed(self) -> None:
+        """The state's watcher (on whichever thread changed it): the API process learns why requests are refused."""
+        self.loop.call_soon_threadsafe(self._say_unavailable)
+
+    def _say_unavailable(self) -> None:
+        if (why := self.ae.unavailable()) != self._said_unavailable:
+            self._said_unavailable = why
+            self.send(("unavailable", why))

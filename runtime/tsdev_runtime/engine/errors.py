@@ -1,5 +1,6 @@
-"""How the engine reports a failure: `describe_error` ('file:line: Type: message', the deepest frame of the project's
-own code: the same text on every rank for the same failure), and the one way the server stops itself when it
+"""How the engine reports a failure: a request's (`EngineError` and kin, raised in its stream), `describe_error`
+('file:line: Type: message', the deepest frame of the project's own code: the same text on every rank for the same
+failure), and the one way the server stops itself when it
 cannot go on safely (ranks out of step, graphs that cannot be recaptured after a failed reload): `stop_server`
 says why on stderr and exits with FATAL_EXIT_STATUS, which `tsdev watch` answers with a restart; the other ranks
 exit with rank 0."""
@@ -7,6 +8,19 @@ import os
 import sys
 import time
 import traceback
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running a request; the request was aborted."""
+
+
+class Unavailable(EngineError):
+    """The server cannot serve now (sleeping, shutting down): the request was not started, or was aborted."""
+
+
+class ShuttingDown(Unavailable):
+    """The server is stopping: the request was not started."""
+
 
 FATAL_EXIT_STATUS = 70
 CHILDREN_REPORT_S = 1.0  # how long a stopping server waits for its ranks to say why they stop (they die with it)

@@ -94,6 +94,8 @@ class EngineStats:
     rows: int  # sequences in the steps launched
     decode_rows: int  # sequences in the decode steps
     preemptions: int  # running sequences whose pages were freed for others (recomputed later)
+    gpu_busy_seconds: float  # the GPU computing the steps (CUDA timing events; 0 elsewhere)
+    gpu_idle_seconds: float  # the GPU waiting between two consecutive steps while requests ran (the host's share)
     finished: dict[str, int]  # requests finished, by finish reason
 
 
@@ -105,7 +107,8 @@ class _Launched:
     positions: list[int]  # where each sampling sequence's PENDING placeholder sits in its token_ids
     sampled: Sampled | None  # on the device
     host: list[torch.Tensor] | None = None  # pinned copies of sampled.tensors(), complete once `ready` passed (CUDA)
-    ready: object = None  # torch.cuda.Event
+    ready: object = None  # torch.cuda.Event (timing) after the step's GPU work and copies
+    started: object = None  # torch.cuda.Event (timing) before the step's GPU work
     waited: float = 0.0  # seconds `read` waited for the GPU to reach `ready`
 
     @property
@@ -170,6 +173,9 @@ class LLMEngine:
         self.num_finished: collections.Counter[str] = collections.Counter()
         self.num_steps = self.num_decode_steps = self.num_rows = self.num_decode_rows = 0
         self.step_seconds = self.gpu_wait_seconds = self.last_gpu_wait = 0.0  # `step`'s clock
+        self.gpu_busy_seconds = self.gpu_idle_seconds = 0.0  # the GPU's, between the steps' timing events
+        self._last_ready = None  # the timing event that ended the last step read, while steps follow each other
+        self._on_cuda = torch.device(config.device).type == "cuda"
         freeze_heap()
 
     def jit_compiles(self) -> dict[str, int]:
@@ -448,7 +454,8 @@ class LLMEngine:
             kv_pages_total=bm.num_pages, prefix_cache_hits=bm.hits, prefix_cache_queries=bm.queries,
             prompt_tokens=self.num_prompt_tokens, generated_tokens=self.num_generated_tokens, steps=self.num_steps,
             decode_steps=self.num_decode_steps, rows=self.num_rows, decode_rows=self.num_decode_rows,
-            preemptions=self.scheduler.num_preemptions, finished=dict(self.num_finished))
+            preemptions=self.scheduler.num_preemptions, finished=dict(self.num_finished),
+            gpu_busy_seconds=self.gpu_busy_seconds, gpu_idle_seconds=self.gpu_idle_seconds)
 
     def describe(self) -> EngineInfo:
         runner, config = self.runner, self.config
@@ -485,6 +492,8 @@ class LLMEngine:
         if launched and not self.config.async_scheduling:
             outputs.extend(self._read(launched))
             self.in_flight = None
+        if launched is None:  # nothing runs now: the GPU's wait until the next request is not the host's share
+            self._last_ready = None
         return outputs
 
     def _launch(self, batch: ScheduledBatch) -> _Launched:
@@ -501,6 +510,9 @@ class LLMEngine:
         starting = [s for s in sampling if s.params.needs_state and s.sampler_slot is None]
         for seq in starting:  # its first draw: the runner starts the slot's history from its prompt
             seq.sampler_slot, seq.init_slot = self.free_slots.pop(), True
+        started = torch.cuda.Event(enable_timing=True) if self._on_cuda else None
+        if started is not None:
+            started.record()
         sampled = self.ranked.launch(batch, self.in_flight.in_flight if self.in_flight else None)
         for seq in starting:
             seq.init_slot = False
@@ -515,7 +527,7 @@ class LLMEngine:
             launched.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
             for host, device in zip(launched.host, tensors):
                 host.copy_(device, non_blocking=True)
-            launched.ready = torch.cuda.Event()
+            launched.ready, launched.started = torch.cuda.Event(enable_timing=True), started
             launched.ready.record()
         return launched
 
@@ -524,6 +536,7 @@ class LLMEngine:
         was launched drop theirs."""
         tokens, drawn, prompt = launched.read()
         self.last_gpu_wait += launched.waited
+        self._time_gpu(launched)
         out = StepOutputs()
         if prompt is not None:
             self._hand_out_prompt_logprobs(launched.batch, prompt, out)
@@ -560,6 +573,16 @@ class LLMEngine:
         if ended:
             out.finished = self._finished(ended).finished
         return out
+
+    def _time_gpu(self, launched: _Launched) -> None:
+        """The GPU's busy time in a step read, and its idle time since the step before (both timing events are
+        complete once the step is read: the GPU runs the steps in order)."""
+        if launched.started is None:
+            return
+        if self._last_ready is not None:
+            self.gpu_idle_seconds += self._last_ready.elapsed_time(launched.started) / 1e3
+        self.gpu_busy_seconds += launched.started.elapsed_time(launched.ready) / 1e3
+        self._last_ready = launched.ready
 
     def _hand_out_prompt_logprobs(self, batch: ScheduledBatch, lists: list, out: StepOutputs) -> None:
         """Each prompt row's logprob lists and the prompt token it scores (in batch.prompt_rows order)."""

@@ -4,7 +4,7 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from tsdev_runtime.sampling.sampler import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from tsdev_runtime.sampling.limits import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 # The token a step still in flight samples: a placeholder at the end of token_ids until the engine reads
 # the step's result. A step that computes that position takes the real id on the GPU.

@@ -29,7 +29,8 @@ class EngineState:
         self.refusing: str | None = None  # why new requests are refused while a sleep drains
         self.weights_loaded = True  # False after a level-2 sleep, or a weight update that failed midway, until a load
         self.memory = memory  # what is asleep (rank 0's runner's: every rank's is the same)
-        self.listeners: list[Callable[[Phase], None]] = []
+        self.listeners: list[Callable[[Phase], None]] = []  # told when the phase moves
+        self.watchers: list[Callable[[], None]] = []  # told of every change (why requests are refused may change)
         self._phase: Phase = self.phase
 
     @property
@@ -53,6 +54,8 @@ class EngineState:
         self.changed()
 
     def changed(self) -> None:
+        for watcher in self.watchers:
+            watcher()
         phase = self.phase
         if phase != self._phase:
             self._phase = phase

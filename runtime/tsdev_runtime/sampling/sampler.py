@@ -17,10 +17,9 @@ import torch
 from torch import nn
 
 from tsdev_kernels.ops import sampling as sampling_ops
+from tsdev_runtime.sampling.limits import MAX_LOGIT_BIAS
 
 MAX_CANDIDATES = 1024  # top-k up to this uses the top-k kernel; larger needs the full sort
-MAX_LOGPROBS = 20  # top logprobs per token, as OpenAI's and vLLM's default limit
-MAX_LOGIT_BIAS = 300  # entries of one request's logit_bias (OpenAI's limit)
 
 
 @dataclass

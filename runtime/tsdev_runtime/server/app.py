@@ -1,9 +1,13 @@
-"""The HTTP front: OpenAI-compatible routes over an AsyncEngine, one router per concern (openai.py: generation and
-tokenizing; control.py: reloads, pause, profiling, sleep and weights; here: what the server is), the error shape
-for every failure (errors.py), access before anything else (security.py)."""
+"""The HTTP app over an AsyncEngine, one router per concern (openai.py: generation and tokenizing; control.py: reloads,
+pause, profiling, sleep and weights; here: what the server is), the error shape for every failure (errors.py), access
+before anything else (security.py). Beside an API process (`api_channel`), the engine process's app: the OpenAI
+routes are the API process's (api_process.py), which reaches this app's routes through a Unix socket only."""
 import asyncio
+import dataclasses
 import logging
 import os
+import socket
+import time
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 
@@ -14,6 +18,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from tsdev_runtime.config import ServerConfig
 from tsdev_runtime.control_protocol import SERVER_INFO_ROUTE, ServerInfo
 from tsdev_runtime.engine.async_engine import AsyncEngine
+from tsdev_runtime.engine.channel import EngineSide
+from tsdev_runtime.engine.errors import stop_server
 from tsdev_runtime.engine.llm_engine import LLMEngine
 from tsdev_runtime.engine.outputs import RequestOutput
 from tsdev_runtime.engine.reload_forward import ForwardReloader, ReloadForward
@@ -38,35 +44,54 @@ def server_version() -> str:
 
 def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReloader | None = None,
               max_request_body_bytes: int = ServerConfig.max_request_body_bytes,
-              security: SecurityPolicy | None = None, chat_template: str | None = None) -> FastAPI:
+              security: SecurityPolicy | None = None, chat_template: str | None = None,
+              api_channel: socket.socket | None = None, api_hello: dict | None = None) -> FastAPI:
     """The app; `reloader` (a tsdev.hotreload.Reloader or alike) enables reload_forward, None refuses it (403).
     `security`: who may call what (API key, loopback-only control routes, profile and weight directories).
     `chat_template`: a jinja2 file to render chat prompts with instead of the checkpoint's own.
+    `api_channel`: the engine process's end of the channel to an API process, which gets `api_hello` (the server's
+    settings, this app's socket, the public port) and what it reads of the model once the engine runs.
     `app.state.async_engine.shutdown()` ends its requests and streams (what a server does on SIGTERM)."""
-    metrics, request_metrics = EngineMetrics(engine, served_model_name), RequestMetrics(served_model_name)
+    metrics = EngineMetrics(engine, served_model_name)
+    request_metrics = RequestMetrics(served_model_name) if api_channel is None else None
 
     def on_step(seconds: float, outputs: list[RequestOutput]) -> None:
         metrics.on_step(seconds)
-        request_metrics.observe(outputs)
+        if request_metrics is not None:
+            request_metrics.observe(outputs)
 
     async_engine = AsyncEngine(engine, on_step=on_step)
-    model = ServedModel(engine.tokenizer, engine.tokenizer_dir, engine.max_model_len, engine.model_config.vocab_size)
-    deps = ServerDeps(async_engine, model, served_model_name, ChatTemplate(engine.tokenizer_dir, chat_template))
+    security = security or SecurityPolicy()
+    disabled = {} if reloader is not None else dict.fromkeys(RELOADS_ROUTES, RELOAD_DISABLED)
+    deps, engine_side = None, None
+    if api_channel is None:
+        model = ServedModel(engine.tokenizer, engine.tokenizer_dir, engine.max_model_len,
+                            engine.model_config.vocab_size)
+        deps = ServerDeps(async_engine, model, served_model_name, ChatTemplate(engine.tokenizer_dir, chat_template))
+    else:  # the API process applied the policy; this app answers it alone, on its Unix socket
+        hello = {**api_hello, "served_model_name": served_model_name, "tokenizer_dir": str(engine.tokenizer_dir),
+                 "max_model_len": engine.max_model_len, "vocab_size": engine.model_config.vocab_size,
+                 "disabled_routes": disabled}
+        engine_side = EngineSide(async_engine, hello, lambda: stop_server(
+            "FATAL: the API process (the HTTP front) exited: the server stops (tsdev watch restarts it)."))
+        security = dataclasses.replace(security, api_key=None, allow_remote_control=True,
+                                       metrics_require_api_key=False)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await async_engine.start()
         timing = asyncio.create_task(reload_forward.time_when_idle()) if reload_forward is not None else None
+        channel = asyncio.create_task(engine_side.serve(api_channel)) if engine_side is not None else None
         yield
-        if timing is not None:
-            timing.cancel()
+        for task in (timing, channel):
+            if task is not None:
+                task.cancel()
         await async_engine.stop()
-        deps.close()
+        if deps is not None:
+            deps.close()
 
     app = FastAPI(title="tsdev runtime", lifespan=lifespan)
-    security = security or SecurityPolicy()
     app.add_middleware(BodyLimit, max_bytes=max_request_body_bytes)
-    disabled = {} if reloader is not None else dict.fromkeys(RELOADS_ROUTES, RELOAD_DISABLED)
     app.add_middleware(Guard, policy=security, disabled=disabled)  # added last: runs first, before the body is read
     app.state.engine, app.state.async_engine, app.state.security = engine, async_engine, security
     reload_forward = ReloadForward(async_engine, reloader, engine.config.rank) if reloader is not None else None
@@ -74,16 +99,16 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReload
     app.include_router(profile_router(async_engine, security))
     app.include_router(weights_router(async_engine, security))
     install_error_handlers(app)
-    app.include_router(info_router(engine, deps, (metrics.registry, request_metrics.registry),
-                                   reloads=reloader is not None))
-    app.include_router(openai_router(deps))
+    registries = (metrics.registry,) if request_metrics is None else (metrics.registry, request_metrics.registry)
+    app.include_router(info_router(engine, served_model_name, registries, reloads=reloader is not None))
+    if deps is not None:
+        app.include_router(openai_router(deps))
     return app
 
 
-def info_router(engine: LLMEngine, deps: ServerDeps, registries: tuple[CollectorRegistry, ...],
-                reloads: bool) -> APIRouter:
+def info_router(engine: LLMEngine, name: str, registries: tuple[CollectorRegistry, ...], reloads: bool) -> APIRouter:
     """What the server is: health, the served model, its version and state, Prometheus metrics."""
-    router, name = APIRouter(), deps.served_model_name
+    router, created = APIRouter(), int(time.time())
 
     @router.get("/health")
     async def health():
@@ -101,7 +126,7 @@ def info_router(engine: LLMEngine, deps: ServerDeps, registries: tuple[Collector
 
     @router.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": deps.created,
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
                                             "owned_by": "tsdev", "max_model_len": engine.max_model_len,
                                             "vocab_size": engine.model_config.vocab_size}]}
 

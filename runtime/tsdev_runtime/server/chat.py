@@ -14,7 +14,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tsdev_runtime.engine.sequence import InvalidRequest
-from tsdev_runtime.weights.default_model import CHATML
+from tsdev_runtime.weights.chatml import CHATML
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 

@@ -7,7 +7,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tsdev_runtime.control_protocol import ErrorBody, ErrorDetail
-from tsdev_runtime.engine.async_engine import Unavailable
+from tsdev_runtime.engine.errors import Unavailable
 from tsdev_runtime.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                      supported_fields)
 

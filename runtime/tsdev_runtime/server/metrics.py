@@ -7,16 +7,21 @@ latency from the request's arrival, inter-token latency between two tokens of on
 arrival to the first time the scheduler admitted it. They are taken from the stamps each RequestOutput
 carries (`RequestMetrics.observe`).
 """
+from __future__ import annotations
+
 import time
-from collections.abc import Callable
 from bisect import bisect_left
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from tsdev_runtime.engine.llm_engine import LLMEngine
 from tsdev_runtime.engine.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from tsdev_runtime.engine.llm_engine import LLMEngine
 
 # vLLM's buckets, with finer ones below 10 ms for inter-token latency (a decode step here can take 5 ms).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -115,6 +120,11 @@ class EngineMetrics:
         self.waiting.set_function(lambda: engine.stats().waiting)
         self.kv_pages_used.set_function(lambda: engine.stats().kv_pages_used)
         self.kv_pages_total.set(engine.stats().kv_pages_total)
+        for name, read in (("busy", lambda: engine.stats().gpu_busy_seconds),
+                           ("idle", lambda: engine.stats().gpu_idle_seconds)):
+            gauge(f"tsdev_gpu_{name}_seconds", f"Seconds the GPU was {name} "
+                  + ("computing the steps" if name == "busy" else "between two consecutive steps while requests ran: "
+                     "the host's share of the steps") + " (CUDA timing events; 0 on the CPU)").set_function(read)
         hit_rate = gauge("tsdev_prefix_cache_hit_rate", "Full pages found in the prefix cache / pages looked up")
         hit_rate.set_function(lambda: (s := engine.stats()).prefix_cache_hits / max(s.prefix_cache_queries, 1))
         self._window_start, self._window_tokens = time.monotonic(), 0

@@ -15,7 +15,7 @@ from contextlib import aclosing
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from tsdev_runtime.engine.async_engine import EngineError, Unavailable
+from tsdev_runtime.engine.errors import EngineError, Unavailable
 from tsdev_runtime.engine.outputs import RequestOutput
 from tsdev_runtime.engine.sequence import TokenLogprob
 from tsdev_runtime.server.deps import ServedModel, ServerDeps

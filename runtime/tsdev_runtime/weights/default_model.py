@@ -19,13 +19,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from tsdev_runtime.weights.chatml import CHATML
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHATML = (  # also the chat template of checkpoints that have none
-    "{%- for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
-)
 VERSION = 4  # bump when the default checkpoint's contents change: it is cached by this name
 
 SHAPES = {

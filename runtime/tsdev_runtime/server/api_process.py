@@ -1,0 +1,177 @@
+"""The API process: `tsdev serve`'s HTTP front, beside the engine process (docs/architecture.md, "Two processes").
+
+`tsdev serve` binds the public address and starts this process at once, so that its imports overlap the model's
+load (it imports no torch). Once the engine is ready it says hello over the channel
+(runtime/tsdev_runtime/engine/channel.py) with the server's settings and what the routes read of the model. From
+then on this process serves the OpenAI routes itself -- tokenizing, chat templates, detokenizing, stop strings,
+logprobs, usage, JSON and SSE -- and sends the engine process only token ids and aborts: its loop schedules and
+launches steps and does nothing per request. Every other route (control, reload, events, server info, health,
+models) is relayed to the engine process's own app on a Unix socket; /metrics joins the requests' latencies kept
+here with the engine's.
+
+Either side's exit ends the other: the channel closes. The engine process then stops with FATAL_EXIT_STATUS; this one
+leaves at once (`gone`), dropping its connections as the one process of `--no-api-process` would in a crash.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from tokenizers import Tokenizer
+
+from tsdev_runtime.config import ServerConfig
+from tsdev_runtime.engine.errors import ShuttingDown, Unavailable
+from tsdev_runtime.engine.outputs import Finish, OutputProcessor, StepOutputs
+from tsdev_runtime.engine.sequence import InvalidRequest, SamplingParams
+from tsdev_runtime.engine.wire import REFUSALS, frame, read_message
+from tsdev_runtime.server.body_limit import BodyLimit
+from tsdev_runtime.server.chat import ChatTemplate
+from tsdev_runtime.server.deps import ServedModel, ServerDeps
+from tsdev_runtime.server.errors import install_error_handlers
+from tsdev_runtime.server.metrics import RequestMetrics
+from tsdev_runtime.server.openai import openai_router
+from tsdev_runtime.server.relay import Relayed
+from tsdev_runtime.server.security import Guard, SecurityPolicy
+
+RELAYED_HEADERS = ("authorization", "content-type", "accept", "last-event-id")
+
+
+class EngineChannel:
+    """What the routes generate through in the API process (a `deps.Generator`): requests go to the engine process
+    as token ids; its steps come back and become each request's outputs here."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, tokenizer: Tokenizer,
+                 metrics: RequestMetrics, gone: Callable[[], None]):
+        self.reader, self.writer, self.metrics, self.gone = reader, writer, metrics, gone
+        self.outputs = OutputProcessor(tokenizer)
+        self.streams: dict[str, asyncio.Queue] = {}
+        self.why_unavailable: str | None = None  # the engine process's word (a sleep, weights not loaded)
+        self.closed = False  # the engine process left, or this one is stopping
+
+    def unavailable(self) -> str | None:
+        return self.why_unavailable
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       after: str | None = None) -> AsyncIterator:
+        if self.closed:
+            raise ShuttingDown("the server is shutting down: the request was not started")
+        if why := self.why_unavailable:
+            raise Unavailable(why)
+        queue: asyncio.Queue = asyncio.Queue()
+        self.streams[request_id] = queue
+        arrival = time.monotonic()
+        self.outputs.add(request_id, len(prompt_token_ids), params, arrival)
+        self.send(("add", request_id, prompt_token_ids, params, after, arrival))
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    finished = True
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            self.streams.pop(request_id, None)
+            self.outputs.drop(request_id)
+            if not finished:
+                self.send(("abort", request_id, "abort"))
+
+    def send(self, message: tuple) -> None:
+        if not self.writer.is_closing():
+            self.writer.write(frame(message))
+
+    async def read(self) -> None:
+        """Until the engine process closes the channel (it exited: `gone`): its steps, made into the requests'
+        outputs."""
+        while (message := await read_message(self.reader)) is not None:
+            if message[0] == "step":
+                self.hand_out(message[1])
+            elif message[0] == "error":
+                _, request_id, kind, text, field = message
+                self.outputs.drop(request_id)
+                if (queue := self.streams.get(request_id)) is not None:
+                    queue.put_nowait(InvalidRequest(text, field) if kind == "invalid" else REFUSALS[kind](text))
+            elif message[0] == "unavailable":
+                self.why_unavailable = message[1]
+        self.closed = True
+        self.gone()
+
+    def hand_out(self, step: StepOutputs) -> None:
+        outputs, stopped = self.outputs.process(step)
+        for request_id in stopped:
+            self.send(("abort", request_id, "stop"))
+        for out in outputs:
+            if (queue := self.streams.get(out.request_id)) is not None:
+                queue.put_nowait(out)
+        self.metrics.observe(outputs)
+
+    async def shutdown(self) -> None:
+        """Stop serving (SIGINT/SIGTERM): refuse new requests; those in flight end with finish reason "abort"."""
+        self.closed = True
+        aborted = list(self.streams)
+        for request_id in aborted:
+            self.send(("abort", request_id, "abort"))
+        self.hand_out(StepOutputs(finished={rid: Finish("abort", 0, None) for rid in aborted}))
+
+
+def relay_to(engine_socket: str, gone: Callable[[], None]):
+    """A route relaying any request to the engine process's app (on its Unix socket), its reply streamed back; the
+    socket failing means the engine process is gone (`gone`)."""
+    client = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=engine_socket), base_url="http://localhost",
+                               timeout=None)
+
+    async def relay(request: Request, path: str):
+        headers = {k: v for k, v in request.headers.items() if k.lower() in RELAYED_HEADERS}
+        try:
+            upstream = await client.send(client.build_request(
+                request.method, "/" + path, content=await request.body(), headers=headers,
+                params=request.query_params), stream=True)
+        except httpx.TransportError:
+            gone()
+            raise
+        return Relayed(upstream)
+
+    return client, relay
+
+
+async def connect(channel_socket, gone: Callable[[], None]) -> tuple[EngineChannel, dict] | None:
+    """The channel once the engine process said hello (what it serves, the server's settings), or None when it
+    closed the channel first (its start failed, and it said why). `gone`: what to do when it exits later."""
+    reader, writer = await asyncio.open_unix_connection(sock=channel_socket)
+    if (hello := await read_message(reader)) is None:
+        return None
+    hello = hello[1]
+    tokenizer = Tokenizer.from_file(str(Path(hello["tokenizer_dir"]) / "tokenizer.json"))
+    return EngineChannel(reader, writer, tokenizer, RequestMetrics(hello["served_model_name"]), gone), hello
+
+
+def build_api_app(channel: EngineChannel, hello: dict) -> FastAPI:
+    """The public app: the OpenAI routes here, /metrics joined, the rest relayed to the engine process."""
+    server, metrics = ServerConfig(**hello["server"]), channel.metrics
+    model = ServedModel(channel.outputs.tokenizer, Path(hello["tokenizer_dir"]), hello["max_model_len"],
+                        hello["vocab_size"])
+    deps = ServerDeps(channel, model, hello["served_model_name"],
+                      ChatTemplate(Path(hello["tokenizer_dir"]), server.chat_template))
+    client, relay = relay_to(hello["engine_socket"], channel.gone)
+    app = FastAPI(title="tsdev runtime", docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, max_bytes=server.max_request_body_bytes)
+    disabled = hello["disabled_routes"]
+    app.add_middleware(Guard, policy=SecurityPolicy.of(server), disabled=disabled)  # last: runs first
+    install_error_handlers(app)
+    app.include_router(openai_router(deps))
+
+    @app.get("/metrics")
+    async def prometheus():
+        engine = await client.get("/metrics")
+        return Response(generate_latest(metrics.registry) + engine.content, media_type=CONTENT_TYPE_LATEST)
+
+    app.add_api_route("/{path:path}", relay, methods=["GET", "POST", "PUT", "DELETE"])  # last: it matches any path
+    app.state.channel = channel
+    return app

@@ -1,0 +1,146 @@
+"""`tsdev serve` runs its HTTP front in a process of its own (the API process: tokenizing, detokenizing, stop strings,
+logprobs, JSON, SSE) beside the engine's process, which schedules and launches steps fed token ids. What a client
+sees is what one process served; control calls reach the engine through the front; a cancelled stream frees its
+pages; either side's death stops the server and leaves no process behind."""
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tsdev.server_process import ServerProcess
+
+ARGS = ["--device", "cpu", "--max-model-len", "512", "--served-model-name", "tiny"]
+REQUESTS = [
+    {"prompt": "the quick brown fox", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 2},
+    {"prompt": [5, 17, 300, 42], "max_tokens": 8, "temperature": 0.8, "seed": 3, "echo": True, "logprobs": 1,
+     "ignore_eos": True},  # (one choice: the choices of one request share steps, as timing has it)
+    {"prompt": "hello", "max_tokens": 20, "temperature": 0, "ignore_eos": True, "stream": True,
+     "stream_options": {"include_usage": True}},
+]
+
+
+def children(pid: int) -> list[int]:
+    """The processes `pid` started (Linux /proc)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(p) for p in (task / "children").read_text().split()]
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def until(condition, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def replies(url: str) -> list:
+    """Each request's reply without what differs between servers (ids, creation times)."""
+    out = []
+    with httpx.Client(base_url=url, timeout=60) as client:
+        for body in REQUESTS:
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            if body.get("stream"):
+                chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+                out.append([(c["choices"] and c["choices"][0]["text"], c.get("usage")) for c in chunks])
+            else:
+                reply = r.json()
+                out.append((reply["choices"], reply["usage"]))
+        text = out[0][0][0]["text"]
+        stopped = client.post("/v1/completions", json={**REQUESTS[0], "stop": [text[len(text) // 2:][:2]]}).json()
+        out.append(stopped["choices"][0]["text"])
+        out.append(client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0}).json()["choices"])
+    return out
+
+
+@pytest.mark.slow
+def test_two_processes_answer_what_one_process_answers(tiny_model_dir, tmp_path):
+    one = ServerProcess([str(tiny_model_dir), *ARGS, "--no-api-process"], log_path=tmp_path / "one.log")
+    with one.running(90):
+        assert children(one.proc.pid) == []
+        expected = replies(one.url)
+    two = ServerProcess([str(tiny_model_dir), *ARGS], log_path=tmp_path / "two.log")
+    with two.running(90):
+        api, = children(two.proc.pid)
+        assert "tsdev.api_process" in Path(f"/proc/{api}/cmdline").read_text()
+        assert replies(two.url) == expected
+
+
+@pytest.fixture
+def server(tiny_model_dir, tmp_path):
+    process = ServerProcess([str(tiny_model_dir), *ARGS, "--max-running", "4"], log_path=tmp_path / "serve.log")
+    with process.running(90):
+        process.api, = children(process.proc.pid)
+        yield process
+
+
+def gauge(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+@pytest.mark.slow
+def test_control_calls_reach_the_engine_and_a_sleep_refuses_requests_at_the_front(server):
+    info = httpx.get(server.url + "/server_info").json()
+    assert info["pid"] == server.proc.pid and info["state"] == "serving"
+    assert httpx.post(server.url + "/sleep", json={"level": 1}).status_code == 200
+    assert until(lambda: httpx.post(server.url + "/v1/completions", json={"prompt": "hi"}).status_code == 503, 5)
+    refused = httpx.post(server.url + "/v1/completions", json={"prompt": "hi"}).json()["error"]["message"]
+    assert "sleeping" in refused and "/wake_up" in refused
+    assert httpx.post(server.url + "/wake_up").status_code == 200
+    assert until(lambda: httpx.post(server.url + "/v1/completions", json={"prompt": "hi"}).status_code == 200, 5)
+    bad = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "logit_bias": {"5000": 1}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias"
+    metrics = httpx.get(server.url + "/metrics").text
+    assert "tsdev_time_to_first_token_seconds_count" in metrics and "tsdev_kv_pages_total" in metrics
+
+
+@pytest.mark.slow
+def test_a_stream_closed_by_its_client_frees_its_pages(server):
+    body = {"prompt": "once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=30) as client, client.stream("POST", server.url + "/v1/completions", json=body) as r:
+        for n, _ in enumerate(r.iter_lines()):
+            if n == 6:
+                assert gauge(server.url, "tsdev_kv_pages_used") > 0
+                break
+    assert until(lambda: gauge(server.url, "tsdev_kv_pages_used") == 0, 5)
+    assert gauge(server.url, "tsdev_requests_running") == 0
+
+
+@pytest.mark.slow
+def test_the_api_process_dying_stops_the_engine_process_with_the_reason(server):
+    os.kill(server.api, signal.SIGKILL)
+    assert until(lambda: server.proc.poll() is not None)
+    assert server.proc.returncode == 70 and "the API process (the HTTP front) exited" in server.output()
+
+
+@pytest.mark.slow
+def test_the_engine_process_dying_ends_the_api_process(server):
+    os.kill(server.proc.pid, signal.SIGKILL)
+    server.proc.wait()
+    assert until(lambda: not alive(server.api))
+
+
+@pytest.mark.slow
+def test_sigterm_stops_both_within_a_second(server):
+    start = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    server.proc.wait(10)
+    assert server.proc.returncode == 0 and time.monotonic() - start < 1.0
+    assert until(lambda: not alive(server.api), 2)
