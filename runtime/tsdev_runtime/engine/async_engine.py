@@ -333,6 +333,8 @@ class AsyncEngine:
         requests a stop string ended are ended in the engine before its next step."""
         if self.remote is not None:
             self.remote(step, failed)
+            if not self.outputs.requests:  # (the API process's requests only: nothing per request here)
+                return []
         outputs, stopped = self.outputs.process(step)
         for request_id in stopped:
             self.abort(request_id, "stop")
