@@ -2,6 +2,7 @@
 
     python3 benchmarks/shutdown.py                      # the default model on this machine's default device
     python3 benchmarks/shutdown.py --runs 5 --device cpu
+    python3 benchmarks/shutdown.py --device cpu --no-api-process   # any other flag goes to `tsdev serve`
 
 Each run starts a server, sends one completion (so the engine has stepped), then SIGINT, and times the signal
 to the process's exit. Target (README): under a second whatever stdout is.
@@ -64,8 +65,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--device", default=None)
     parser.add_argument("--port", type=int, default=8311)
-    args = parser.parse_args()
-    serve_args = ["--device", args.device] if args.device else []
+    args, passed = parser.parse_known_args()
+    serve_args = (["--device", args.device] if args.device else []) + passed
     for where in ("file", "pipe", "terminal"):
         times = [one(where, serve_args, args.port) for _ in range(args.runs)]
         print(f"stdout to a {where:<8}: SIGINT -> exit median {statistics.median(times):.2f} s "

@@ -27,7 +27,7 @@ from tokenizers import Tokenizer
 
 from tsdev_runtime.config import ServerConfig
 from tsdev_runtime.engine.errors import ShuttingDown, Unavailable
-from tsdev_runtime.engine.outputs import Finish, OutputProcessor, StepOutputs
+from tsdev_runtime.engine.outputs import Finish, OutputProcessor, RequestOutput, StepOutputs
 from tsdev_runtime.engine.sequence import InvalidRequest, SamplingParams
 from tsdev_runtime.engine.wire import REFUSALS, frame, read_message
 from tsdev_runtime.server.body_limit import BodyLimit
@@ -58,7 +58,8 @@ class EngineChannel:
         return self.why_unavailable
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       after: str | None = None) -> AsyncIterator:
+                       after: str | None = None) -> AsyncIterator[RequestOutput]:
+        """As AsyncEngine.generate: the request's outputs as they come; closing the iterator early aborts it."""
         if self.closed:
             raise ShuttingDown("the server is shutting down: the request was not started")
         if why := self.why_unavailable:

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Issue 53's numbers in one device call (~9 minutes on the H200): offline on nano-vllm's workload (bf16 and the fp8
+# KV cache: tok/s, host ms/step, the GPU's idle share between steps), the same workload served at 256 streams with
+# and without the API process (`tsdev bench`), and decode at batch 1 against graph replay. Run it on two different
+# machines (fresh calls) for the spread; each log under $OUT, the tails printed.
+#   run: source scripts/device-setup.sh; bash scripts/device-host.sh      (carry .whl and .debs)
+set -u
+out=${OUT:-/tmp/device-out}
+mkdir -p "$out"
+source "$(dirname "$0")/device-check.sh" --steps-only
+echo "host: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)"
+TAIL=14 step offline-bf16 240 python3 benchmarks/offline_throughput.py
+TAIL=14 step offline-fp8 240 python3 benchmarks/offline_throughput.py --kv-cache-dtype fp8
+# nano-vllm's lengths, uniform in 100..1024 (562 +- 82.2 %), in and out
+WORKLOAD=(--num-prompts 256 --random-input-len 562 --random-output-len 562 --random-range-ratio 0.822
+          --max-concurrency 256 --warmup 4)
+for mode in api-process no-api-process; do
+    python3 -m tsdev serve --port 8400 --max-running 256 "--$mode" > "$out/serve-$mode.txt" 2>&1 &
+    pid=$!
+    for _ in $(seq 600); do curl -sf http://127.0.0.1:8400/health > /dev/null && break; sleep 0.5; done
+    TAIL=22 step "bench-$mode" 300 python3 -m tsdev bench --url http://127.0.0.1:8400 "${WORKLOAD[@]}"
+    curl -s http://127.0.0.1:8400/metrics | grep -E '^tsdev_(gpu_|step_host_seconds_(sum|count))' > "$out/metrics-$mode.txt"
+    cat "$out/metrics-$mode.txt"
+    kill "$pid"
+    wait "$pid"
+done
+TAIL=10 step decode-1 120 python3 benchmarks/decode_step.py --batch-sizes 1 --iters 200
