@@ -84,3 +84,31 @@ def test_outputs_of_several_steps_handed_out_at_once_read_as_one(tiny_model_dir)
     assert (first.time, first.request_ids, first.token_ids) == (2.0, ["a", "a"], [5, 6])
     assert first.prompt_logprobs["a"] == ([1, 2], ([-1.0, -2.0], [[-1.0], [-2.0]], [[1], [2]]))
     assert first.finished["a"].reason == "stop"
+
+
+def test_offline_generate_decodes_once_what_a_stream_decodes_token_by_token(make_engine):
+    """generate decodes a request without stop strings once, at the end (the tokenizer's decode of its tokens); a
+    stream decodes token by token and holds back the bytes of a character not complete yet, so where the tokens
+    end inside one the offline text ends with the replacement character the stream never sends."""
+    from consumer import Consumer
+
+    prompts = [[(13 * i + j) % 900 + 5 for j in range(4 + 3 * i)] for i in range(6)]
+    params = [SamplingParams(max_tokens=24, temperature=0.9, seed=i, ignore_eos=True, skip_special_tokens=i % 2 == 0)
+              for i in range(6)]
+    offline = make_engine().generate(prompts, params)
+    streamed = make_engine()
+    consumer = Consumer(streamed)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        consumer.add(str(i), prompt, p)
+    texts, tokens = [""] * 6, [[] for _ in range(6)]
+    while streamed.has_unfinished():
+        for out in consumer.step():
+            texts[int(out.request_id)] += out.new_text
+            tokens[int(out.request_id)] += out.new_token_ids
+    assert [r["token_ids"] for r in offline] == tokens
+    assert [r["text"] for r in offline] == [streamed.tokenizer.decode(t, skip_special_tokens=p.skip_special_tokens)
+                                            for t, p in zip(tokens, params)]
+    for r, text in zip(offline, texts):
+        assert r["text"] == text or (r["text"].startswith(text) and set(r["text"][len(text):]) == {"\ufffd"})
+    assert sum(r["text"] == text for r, text in zip(offline, texts)) >= 3
+    assert {r["finish_reason"] for r in offline} == {"length"}

@@ -602,22 +602,35 @@ class LLMEngine:
         return None
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[dict]:
-        """Offline: run prompts (token ids) to completion; returns token ids and text per prompt, in order."""
+        """Offline: run prompts (token ids) to completion; returns token ids, text and finish reason per prompt, in
+        order. Between steps only the requests with stop strings are detokenized (an OutputProcessor finds the
+        stop); the others' text is decoded once, at the end."""
         params = params if isinstance(params, list) else [params] * len(prompts)
         base = f"offline-{time.monotonic_ns()}-"
+        ids = [base + str(i) for i in range(len(prompts))]
         processor = OutputProcessor(self.tokenizer)
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            self.add_request(base + str(i), p, sp)
-            processor.add(base + str(i), len(p), sp)
-        results = {base + str(i): {"token_ids": [], "text": ""} for i in range(len(prompts))}
+        for request_id, p, sp in zip(ids, prompts, params):
+            self.add_request(request_id, p, sp)
+            if sp.stop:
+                processor.add(request_id, len(p), sp)
+        results = {request_id: {"token_ids": [], "text": ""} for request_id in ids}
         while self.has_unfinished():
-            outputs, stopped = processor.process(self.step())
-            for request_id in stopped:
-                self.abort(request_id, "stop")
-            for out in outputs:
-                results[out.request_id]["token_ids"] += out.new_token_ids
-                results[out.request_id]["text"] += out.new_text
-                results[out.request_id]["finish_reason"] = out.finish_reason
+            step = self.step()
+            for request_id, token in zip(step.request_ids, step.token_ids):
+                results[request_id]["token_ids"].append(token)
+            for request_id, finish in step.finished.items():
+                results[request_id]["finish_reason"] = finish.reason
+            if processor.requests:
+                outputs, stopped = processor.process(step)
+                for request_id in stopped:
+                    self.abort(request_id, "stop")
+                for out in outputs:
+                    results[out.request_id]["text"] += out.new_text
+                    results[out.request_id]["finish_reason"] = out.finish_reason
+        for request_id, sp in zip(ids, params):
+            if not sp.stop:
+                results[request_id]["text"] = self.tokenizer.decode(results[request_id]["token_ids"],
+                                                                    skip_special_tokens=sp.skip_special_tokens)
         return list(results.values())
 
 
