@@ -84,7 +84,8 @@ def test_two_processes_answer_what_one_process_answers(tiny_model_dir, tmp_path)
 
 @pytest.fixture
 def server(tiny_model_dir, tmp_path):
-    process = ServerProcess([str(tiny_model_dir), *ARGS, "--max-running", "4"], log_path=tmp_path / "serve.log")
+    process = ServerProcess([str(tiny_model_dir), *ARGS, "--max-running", "4", "--log-level", "info"],
+                            log_path=tmp_path / "serve.log")
     with process.running(90):
         process.api, = children(process.proc.pid)
         yield process
@@ -109,6 +110,7 @@ def test_control_calls_reach_the_engine_and_a_sleep_refuses_requests_at_the_fron
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias"
     metrics = httpx.get(server.url + "/metrics").text
     assert "tsdev_time_to_first_token_seconds_count" in metrics and "tsdev_kv_pages_total" in metrics
+    assert "prompt token(s), max_tokens" in server.output()  # --log-level info: the API process logs each request
 
 
 @pytest.mark.slow

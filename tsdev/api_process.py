@@ -6,7 +6,7 @@ import os
 import socket
 import sys
 
-from tsdev.serving import BACKLOG, GRACEFUL_SHUTDOWN_S, bind_error, leave, quiet_server_class
+from tsdev.serving import BACKLOG, GRACEFUL_SHUTDOWN_S, bind_error, leave, log_to_stderr, quiet_server_class
 from tsdev_runtime.engine.errors import FATAL_EXIT_STATUS
 
 
@@ -21,6 +21,7 @@ async def serve(listen: socket.socket, channel_socket: socket.socket) -> int:
     channel, hello = connected
     app = build_api_app(channel, hello)
     server = ServerConfig(**hello["server"])
+    log_to_stderr(server.log_level)  # a line per completion request with --log-level info, errors always
     try:
         listen.listen(BACKLOG)  # another server may have bound the port meanwhile (SO_REUSEADDR): one listens
     except OSError as exc:

@@ -161,7 +161,7 @@ def build_api_app(channel: EngineChannel, hello: dict) -> FastAPI:
     deps = ServerDeps(channel, model, hello["served_model_name"],
                       ChatTemplate(Path(hello["tokenizer_dir"]), server.chat_template))
     client, relay = relay_to(hello["engine_socket"], channel.gone)
-    app = FastAPI(title="tsdev runtime", docs_url=None, redoc_url=None)
+    app = FastAPI(title="tsdev runtime")  # (/docs: the routes served here; the rest are relayed)
     app.add_middleware(BodyLimit, max_bytes=server.max_request_body_bytes)
     disabled = hello["disabled_routes"]
     app.add_middleware(Guard, policy=SecurityPolicy.of(server), disabled=disabled)  # last: runs first
