@@ -546,13 +546,15 @@ class LLMEngine:
             out.logprobs = {launched.sampling[i].request_id: (chosen[r], values[r], ids[r]) for r, i in enumerate(rows)
                             if not launched.sampling[i].is_finished}
         live = [(seq, pos, token) for seq, pos, token in zip(launched.sampling, launched.positions, tokens)
-                if not seq.is_finished]
+                if seq.status is not Status.FINISHED]
         for seq, pos, token in live:
             seq.token_ids[pos] = token
+        page, caching, waiting_for = self.block_manager.page_size, self.config.enable_prefix_caching, self.waiting_for
         for seq in launched.batch.seqs:
-            if not seq.is_finished:
-                self.block_manager.commit_full_pages(seq)
-                if seq in self.waiting_for and seq.num_computed_tokens >= seq.num_prompt_tokens:
+            if seq.status is not Status.FINISHED:
+                if caching and seq.num_computed_tokens // page > len(seq.page_hashes):  # a page became full
+                    self.block_manager.commit_full_pages(seq)
+                if waiting_for and seq in waiting_for and seq.num_computed_tokens >= seq.num_prompt_tokens:
                     self._release_followers(seq)  # its prompt's pages are in the prefix cache now
         self.num_generated_tokens += len(live)
         ended = []
@@ -566,7 +568,7 @@ class LLMEngine:
                 out.started[seq.request_id] = (seq.first_scheduled_time, seq.num_cached_tokens)
             out.request_ids.append(seq.request_id)
             out.token_ids.append(token)
-            if reason := self._finish_reason(seq, token, length=pos + 1):
+            if reason := self._finish_reason(seq, token, pos + 1):
                 del seq.token_ids[pos + 1 :]  # a token the next step sampled for it is dropped
                 self._finish(seq, reason)
                 ended.append(seq)
@@ -595,9 +597,10 @@ class LLMEngine:
 
     def _finish_reason(self, seq: Sequence, token: int, length: int) -> str | None:
         """Whether the sequence ends with `token`, its `length`-th token (stop strings: the consumer's)."""
-        if (token in self.eos and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
+        if (token in self.eos and not seq.params.ignore_eos) or (seq.params.stop_token_ids
+                                                                 and token in seq.params.stop_token_ids):
             return "stop"
-        if seq.at_length_limit(length, self.max_model_len):
+        if length >= seq.max_tokens_limit or length >= self.max_model_len:
             return "length"
         return None
 

@@ -61,14 +61,23 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        budget = self.max_batched_tokens
+        budget, page, max_len = self.max_batched_tokens, self.block_manager.page_size, self.max_model_len
         scheduled: dict[Sequence, int] = {}
-        for seq in sorted(self.running, key=lambda s: s.num_uncomputed > 1):
+        running = self.running
+        decoding = [s for s in running if len(s.token_ids) - s.num_computed_tokens <= 1]
+        if len(decoding) < len(running):  # decodes first, then unfinished prefills
+            decoding += [s for s in running if len(s.token_ids) - s.num_computed_tokens > 1]
+        for seq in decoding:
             if seq.status is not Status.RUNNING or budget == 0:
                 continue
-            if seq.at_length_limit(len(seq), self.max_model_len):
+            length = len(seq.token_ids)
+            if length >= seq.max_tokens_limit or length >= max_len:
                 continue  # its last token is being sampled by the step in flight
-            n = min(seq.num_uncomputed, budget)
+            n = min(length - seq.num_computed_tokens, budget)
+            if n == 1 and seq.num_computed_tokens % page:  # a decode inside its last page: no page to allocate
+                scheduled[seq] = 1
+                budget -= 1
+                continue
             while not self.block_manager.allocate(seq, n):
                 victim = self.running[-1]
                 budget += scheduled.pop(victim, 0)

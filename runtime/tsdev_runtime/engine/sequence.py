@@ -127,6 +127,7 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
+        self.max_tokens_limit = self.num_prompt_tokens + params.generates  # the length at which max_tokens stops it
         self.status = Status.WAITING
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # of those, how many came from the prefix cache
@@ -177,7 +178,7 @@ class Sequence:
 
     def at_length_limit(self, length: int, max_model_len: int) -> bool:
         """Whether a sequence of `length` tokens has generated all it may (max_tokens or the context)."""
-        return length - self.num_prompt_tokens >= self.params.generates or length >= max_model_len
+        return length >= self.max_tokens_limit or length >= max_model_len
 
     @property
     def num_uncomputed(self) -> int:
