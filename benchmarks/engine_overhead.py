@@ -5,6 +5,7 @@ apart, what consumes its outputs (detokenizing, stop strings, the requests' outp
     python3 benchmarks/engine_overhead.py --profile        # plus the top functions (cProfile)
     python3 benchmarks/engine_overhead.py --unknown-tokens # ids beyond the tokenizer: nothing to decode
     python3 benchmarks/engine_overhead.py --gpu-ms 3       # LLMEngine.generate against a GPU that takes 3 ms a step
+                                                           # and the served engine's loop (AsyncEngine) the same
 
 The model runner's `launch` is replaced (on its class, after the engine has started) by one that returns
 random tokens of the tokenizer at once (decoded as text, as a real model's are), so what is left is the Python that
@@ -12,9 +13,11 @@ every real step also pays before and after the GPU's work; on a GPU it adds to e
 
 With --gpu-ms, a step's tokens are ready that long after its launch (reading them sleeps until then, releasing the
 interpreter lock as waiting on a CUDA event does), and the figure is offline `LLMEngine.generate`'s time per step:
-what the host adds to the GPU's time once the two overlap.
+what the host adds to the GPU's time once the two overlap; then the same requests through the engine process's
+loop (AsyncEngine, each step's StepOutputs pickled as for the API process).
 """
 import argparse
+import asyncio
 import cProfile
 import pstats
 import random
@@ -26,10 +29,12 @@ import torch
 
 from tsdev_runtime.config import EngineConfig
 from tsdev_runtime.engine import llm_engine
+from tsdev_runtime.engine.async_engine import AsyncEngine
 from tsdev_runtime.engine.llm_engine import LLMEngine
 from tsdev_runtime.engine.model_runner import ModelRunner
 from tsdev_runtime.engine.outputs import OutputProcessor
 from tsdev_runtime.engine.sequence import SamplingParams
+from tsdev_runtime.engine.wire import frame
 from tsdev_runtime.sampling.sampler import Sampled
 from tsdev_runtime.weights.default_model import SHAPES, write_checkpoint
 
@@ -111,6 +116,32 @@ def simulated_gpu(engine: LLMEngine, args, rng: random.Random) -> None:
     ms = (time.perf_counter() - start) / (engine.num_steps - steps) * 1e3
     print(f"LLMEngine.generate: {ms:.2f} ms per step at batch {args.batch} against a simulated GPU of "
           f"{args.gpu_ms:.2f} ms per step: the host adds {ms - args.gpu_ms:+.2f} ms")
+    ms = asyncio.run(served(engine, prompts, params))
+    print(f"the served engine's loop (AsyncEngine, outputs pickled for the API process): {ms:.2f} ms per step: the "
+          f"host adds {ms - args.gpu_ms:+.2f} ms")
+
+
+async def served(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> float:
+    """Milliseconds per step of the engine process's loop running `prompts` as the API process's requests."""
+    engine_loop = AsyncEngine(engine)
+    await engine_loop.start()
+    left, done = {str(i) for i in range(len(prompts))}, asyncio.Event()
+
+    def to_the_api_process(step, failed) -> None:
+        frame(("step", step))
+        left.difference_update(step.finished)
+        if not left:
+            done.set()
+
+    engine_loop.remote = to_the_api_process
+    steps, start = engine.num_steps, time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine_loop.add_request(str(i), prompt, params, time.monotonic(), None, print)
+    await done.wait()
+    ms = (time.perf_counter() - start) / (engine.num_steps - steps) * 1e3
+    await engine_loop.shutdown()
+    await engine_loop.stop()
+    return ms
 
 
 if __name__ == "__main__":
