@@ -19,9 +19,14 @@ async def serve(listen: socket.socket, channel_socket: socket.socket) -> int:
     if (connected := await connect(channel_socket, engine_gone)) is None:  # the engine did not start (it said why)
         return 0
     channel, hello = connected
-    app = build_api_app(channel, hello)
+    try:
+        app = build_api_app(channel, hello)
+    except Exception:  # a chat template that does not load: the engine process says so and stops
+        return 0
     server = ServerConfig(**hello["server"])
     log_to_stderr(server.log_level)  # a line per completion request with --log-level info, errors always
+    if not await channel.ready():  # the engine's start failed (it said why)
+        return 0
     try:
         listen.listen(BACKLOG)  # another server may have bound the port meanwhile (SO_REUSEADDR): one listens
     except OSError as exc:

@@ -47,12 +47,31 @@ class ApiProcess:
 
     def __init__(self, public: socket.socket):
         self.channel, theirs = socket.socketpair()
+        self.port = public.getsockname()[1]
         fds = (public.fileno(), theirs.fileno())
         self.proc = subprocess.Popen([sys.executable, "-m", "tsdev.api_process", *map(str, fds)], pass_fds=fds,
                                      start_new_session=True)
         theirs.close()
         self.dir = Path(tempfile.mkdtemp(prefix="tsdev-engine-"))  # only this user may reach the socket in it
         self.socket_path = self.dir / "app.sock"
+
+    def hello(self, config: EngineConfig, server: ServerConfig, name: str) -> float:
+        """Tell the API process what it serves -- the checkpoint's facts, the server's settings -- so that it builds
+        its app while the model loads; returns the seconds the checkpoint took to open (the default model's is
+        written on first use)."""
+        from tsdev_runtime.engine.model_runner import Checkpoint
+        from tsdev_runtime.engine.wire import frame
+        from tsdev_runtime.server.control import disabled_routes
+
+        start = time.perf_counter()
+        checkpoint = Checkpoint.open(config)
+        opened = time.perf_counter() - start
+        self.channel.sendall(frame(("hello", {
+            "server": dataclasses.asdict(server), "served_model_name": name, "port": self.port,
+            "engine_socket": str(self.socket_path), "tokenizer_dir": str(config.tokenizer_dir(checkpoint.dir)),
+            "max_model_len": checkpoint.max_model_len, "vocab_size": checkpoint.config.vocab_size,
+            "disabled_routes": disabled_routes(server.allow_reload_forward)})))
+        return opened
 
     def listen(self) -> socket.socket:
         """The Unix socket the engine process's app answers the API process on."""
@@ -293,14 +312,16 @@ def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, cons
     from tsdev_runtime.server.chat import ChatTemplate
     from tsdev_runtime.server.security import SecurityPolicy, describe
 
+    name = server.served_model_name or ("tsdev-default" if config.model is None else Path(config.model).name)
     with console.status("loading the model (the first run creates the default checkpoint)...") as status, \
             StartupProgress(console, status):
         try:
+            opened = api.hello(config, server, name) if api is not None else 0.0
             engine = LLMEngine(config)
         except (FileNotFoundError, ValueError) as exc:
             console.print(f"[red]error:[/red] {exc}")
             return 2
-    name = server.served_model_name or ("tsdev-default" if config.model is None else Path(config.model).name)
+    engine.startup_timings["checkpoint"] += opened  # (opened for the API process's hello, before the engine)
     info = engine.describe()
     graphs = describe_graphs(info, config.device.startswith("cuda"), engine.startup_timings)
     console.print(
@@ -332,9 +353,7 @@ def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, cons
         ChatTemplate(engine.tokenizer_dir, server.chat_template)  # refused here, before either process serves
         app = build_app(engine, name, reloader, max_request_body_bytes=server.max_request_body_bytes,
                         security=SecurityPolicy.of(server), chat_template=server.chat_template,
-                        api_channel=api and api.channel,
-                        api_hello=api and {"server": dataclasses.asdict(server), "port": port,
-                                           "engine_socket": str(api.socket_path)})
+                        api_channel=api and api.channel)
     except (FileNotFoundError, ValueError, TemplateError) as exc:  # --chat-template, or the checkpoint's template
         console.print(f"[red]error:[/red] the chat template: {exc}")
         return 2

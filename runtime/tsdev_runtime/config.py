@@ -161,6 +161,10 @@ class EngineConfig:
         except KeyError:
             raise ValueError(f"dtype {name!r} not supported: use auto, bfloat16, float16 or float32") from None
 
+    def tokenizer_dir(self, model_dir: Path) -> Path:
+        """Where the tokenizer (and the chat template) are: --tokenizer, else the model's directory."""
+        return Path(self.tokenizer) if self.tokenizer else model_dir
+
     def kv_torch_dtype(self, model_dtype: "torch.dtype") -> "torch.dtype":
         """The KV pool's dtype: the model's (auto), or e4m3 (fp8, fp8_e4m3)."""
         import torch

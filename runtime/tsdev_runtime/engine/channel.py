@@ -15,8 +15,8 @@ class EngineSide:
     every step's StepOutputs go out as they are (`AsyncEngine.remote`). `on_closed` runs when the API process
     closed its end (it exited): the engine process stops."""
 
-    def __init__(self, async_engine: AsyncEngine, facts: dict, on_closed: Callable[[], None]):
-        self.ae, self.facts, self.on_closed = async_engine, facts, on_closed
+    def __init__(self, async_engine: AsyncEngine, on_closed: Callable[[], None]):
+        self.ae, self.on_closed = async_engine, on_closed
         self.writer: asyncio.StreamWriter | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._said_unavailable: str | None = None
@@ -26,7 +26,7 @@ class EngineSide:
         reader, self.writer = await asyncio.open_unix_connection(sock=sock)
         self.ae.remote = self.hand_out
         self.ae.state.watchers.append(self._state_changed)
-        self.send(("hello", self.facts))
+        self.send(("ready",))
         self._said_unavailable = self.ae.unavailable()
         self.send(("unavailable", self._said_unavailable))
         try:

@@ -142,7 +142,7 @@ class LLMEngine:
         self.model_dir, self.model_config, self.max_model_len = (checkpoint.dir, checkpoint.config,
                                                                  checkpoint.max_model_len)
         self.weights_dir = self.model_dir  # where the weights now served came from (an update changes it)
-        self.tokenizer_dir = Path(config.tokenizer) if config.tokenizer else self.model_dir  # and the chat template
+        self.tokenizer_dir = config.tokenizer_dir(self.model_dir)
         tokenizer_file = self.tokenizer_dir / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise FileNotFoundError(f"{self.tokenizer_dir} has no tokenizer.json (a fast tokenizer is required): "

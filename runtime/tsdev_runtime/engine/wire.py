@@ -6,7 +6,8 @@ messages, each behind its 4-byte length. The API process sends requests in and a
     ("add", request_id, prompt_token_ids, params, after, arrival_time)    ("abort", request_id, reason)
 
 and the engine process sends, besides a first ("hello", facts) with the server's settings and what the routes read
-of the model:
+of the model (as soon as its checkpoint is open: the API process builds its app while the model loads) and
+("ready",) once it serves:
 
     ("step", StepOutputs)          one message per step: token ids, finishes, raw logprobs -- no text
     ("error", request_id, kind, message, field)    a request refused or failed (kind: REFUSALS' keys)

@@ -1,9 +1,10 @@
 """The API process: `tsdev serve`'s HTTP front, beside the engine process (docs/architecture.md, "Two processes").
 
 `tsdev serve` binds the public address and starts this process at once, so that its imports overlap the model's
-load (it imports no torch). Once the engine is ready it says hello over the channel
-(runtime/tsdev_runtime/engine/channel.py) with the server's settings and what the routes read of the model. From
-then on this process serves the OpenAI routes itself -- tokenizing, chat templates, detokenizing, stop strings,
+load (it imports no torch). As soon as the checkpoint is open it says hello over the channel
+(runtime/tsdev_runtime/engine/wire.py) with the server's settings and what the routes read of the model, and this
+process builds its app while the model loads; it listens once the engine process says it is ready. From then on it
+serves the OpenAI routes itself -- tokenizing, chat templates, detokenizing, stop strings,
 logprobs, usage, JSON and SSE -- and sends the engine process only token ids and aborts: its loop schedules and
 launches steps and does nothing per request. Every other route (control, reload, events, server info, health,
 models) is relayed to the engine process's own app on a Unix socket; /metrics joins the requests' latencies kept
@@ -84,6 +85,10 @@ class EngineChannel:
             if not finished:
                 self.send(("abort", request_id, "abort"))
 
+    async def ready(self) -> bool:
+        """Once the engine process serves (True), or closed the channel first (False: its start failed)."""
+        return await read_message(self.reader) == ("ready",)
+
     def send(self, message: tuple) -> None:
         if not self.writer.is_closing():
             self.writer.write(frame(message))
@@ -144,12 +149,16 @@ def relay_to(engine_socket: str, gone: Callable[[], None]):
 
 async def connect(channel_socket, gone: Callable[[], None]) -> tuple[EngineChannel, dict] | None:
     """The channel once the engine process said hello (what it serves, the server's settings), or None when it
-    closed the channel first (its start failed, and it said why). `gone`: what to do when it exits later."""
+    closed the channel first or named no usable tokenizer (its start fails, and it says why). `gone`: what to do
+    when it exits later."""
     reader, writer = await asyncio.open_unix_connection(sock=channel_socket)
     if (hello := await read_message(reader)) is None:
         return None
     hello = hello[1]
-    tokenizer = Tokenizer.from_file(str(Path(hello["tokenizer_dir"]) / "tokenizer.json"))
+    try:
+        tokenizer = Tokenizer.from_file(str(Path(hello["tokenizer_dir"]) / "tokenizer.json"))
+    except Exception:  # the engine process's load names the missing or broken tokenizer
+        return None
     return EngineChannel(reader, writer, tokenizer, RequestMetrics(hello["served_model_name"]), gone), hello
 
 

@@ -25,7 +25,7 @@ from tsdev_runtime.engine.outputs import RequestOutput
 from tsdev_runtime.engine.reload_forward import ForwardReloader, ReloadForward
 from tsdev_runtime.server.body_limit import BodyLimit
 from tsdev_runtime.server.chat import ChatTemplate
-from tsdev_runtime.server.control import RELOAD_DISABLED, RELOADS_ROUTES, control_router, profile_router, weights_router
+from tsdev_runtime.server.control import control_router, disabled_routes, profile_router, weights_router
 from tsdev_runtime.server.deps import ServedModel, ServerDeps
 from tsdev_runtime.server.errors import APIError, install_error_handlers
 from tsdev_runtime.server.metrics import EngineMetrics, RequestMetrics
@@ -45,12 +45,12 @@ def server_version() -> str:
 def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReloader | None = None,
               max_request_body_bytes: int = ServerConfig.max_request_body_bytes,
               security: SecurityPolicy | None = None, chat_template: str | None = None,
-              api_channel: socket.socket | None = None, api_hello: dict | None = None) -> FastAPI:
+              api_channel: socket.socket | None = None) -> FastAPI:
     """The app; `reloader` (a tsdev.hotreload.Reloader or alike) enables reload_forward, None refuses it (403).
     `security`: who may call what (API key, loopback-only control routes, profile and weight directories).
     `chat_template`: a jinja2 file to render chat prompts with instead of the checkpoint's own.
-    `api_channel`: the engine process's end of the channel to an API process, which gets `api_hello` (the server's
-    settings, this app's socket, the public port) and what it reads of the model once the engine runs.
+    `api_channel`: the engine process's end of the channel to an API process (which had its hello: tsdev/serving.py
+    `ApiProcess.hello`); it hears "ready" once this app runs.
     `app.state.async_engine.shutdown()` ends its requests and streams (what a server does on SIGTERM)."""
     metrics = EngineMetrics(engine, served_model_name)
     request_metrics = RequestMetrics(served_model_name) if api_channel is None else None
@@ -62,17 +62,14 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReload
 
     async_engine = AsyncEngine(engine, on_step=on_step)
     security = security or SecurityPolicy()
-    disabled = {} if reloader is not None else dict.fromkeys(RELOADS_ROUTES, RELOAD_DISABLED)
+    disabled = disabled_routes(reloader is not None)
     deps, engine_side = None, None
     if api_channel is None:
         model = ServedModel(engine.tokenizer, engine.tokenizer_dir, engine.max_model_len,
                             engine.model_config.vocab_size)
         deps = ServerDeps(async_engine, model, served_model_name, ChatTemplate(engine.tokenizer_dir, chat_template))
     else:  # the API process applied the policy; this app answers it alone, on its Unix socket
-        hello = {**api_hello, "served_model_name": served_model_name, "tokenizer_dir": str(engine.tokenizer_dir),
-                 "max_model_len": engine.max_model_len, "vocab_size": engine.model_config.vocab_size,
-                 "disabled_routes": disabled}
-        engine_side = EngineSide(async_engine, hello, lambda: stop_server(
+        engine_side = EngineSide(async_engine, lambda: stop_server(
             "FATAL: the API process (the HTTP front) exited: the server stops (tsdev watch restarts it)."))
         security = dataclasses.replace(security, api_key=None, allow_remote_control=True,
                                        metrics_require_api_key=False)

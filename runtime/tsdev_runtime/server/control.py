@@ -31,6 +31,11 @@ RELOAD_DISABLED = ("reload_forward is disabled on this server: start it with `ts
 RELOADS_ROUTES = (RELOAD_ROUTE, KERNEL_CHECK_ROUTE, MODULES_ROUTE)  # what --allow-reload-forward enables
 
 
+def disabled_routes(reloads: bool) -> dict[str, str]:
+    """The routes a server without --allow-reload-forward refuses (Guard's `disabled`), and why."""
+    return {} if reloads else dict.fromkeys(RELOADS_ROUTES, RELOAD_DISABLED)
+
+
 def control_router(ae: AsyncEngine, reload_forward: ReloadForward | None) -> APIRouter:
     """Reload, kernel checks, pause/continue, flush and the events stream. Who may call these is security's concern
     (runtime/tsdev_runtime/server/security.py): its Guard covers every path."""
