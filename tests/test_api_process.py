@@ -146,3 +146,69 @@ def test_sigterm_stops_both_within_a_second(server):
     server.proc.wait(10)
     assert server.proc.returncode == 0 and time.monotonic() - start < 1.0
     assert until(lambda: not alive(server.api), 2)
+
+
+def test_the_channel_carries_requests_refusals_and_failures_between_the_two_sides(make_engine):
+    """EngineSide (the engine process's end) and EngineChannel (the API process's) over a socketpair, in one loop:
+    outputs as AsyncEngine's own streams give them, a refused request's 400 field, and a failure that ends every
+    stream with the error rather than the abort its step shows."""
+    import asyncio
+    import socket
+
+    from tsdev_runtime.engine.async_engine import AsyncEngine
+    from tsdev_runtime.engine.channel import EngineSide
+    from tsdev_runtime.engine.errors import EngineError
+    from tsdev_runtime.engine.sequence import InvalidRequest, SamplingParams
+    from tsdev_runtime.server.api_process import EngineChannel
+    from tsdev_runtime.server.metrics import RequestMetrics
+
+    engine = make_engine()
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    expected = engine.generate([[5, 6, 7]], params)[0]
+
+    async def collect(stream) -> list:
+        return [out async for out in stream]
+
+    async def main():
+        ae = AsyncEngine(engine)
+        await ae.start()
+        ours, theirs = socket.socketpair()
+        closed = []
+        side = asyncio.create_task(EngineSide(ae, lambda: closed.append(True)).serve(ours))
+        reader, writer = await asyncio.open_unix_connection(sock=theirs)
+        channel = EngineChannel(reader, writer, engine.tokenizer, RequestMetrics("tiny"), lambda: None)
+        assert await channel.ready()
+        reading = asyncio.create_task(channel.read())
+        outs = await collect(channel.generate("a", [5, 6, 7], params))
+        assert [t for o in outs for t in o.new_token_ids] == expected["token_ids"]
+        assert "".join(o.new_text for o in outs) == expected["text"] and outs[-1].finish_reason == "length"
+        with pytest.raises(InvalidRequest) as refused:
+            await collect(channel.generate("b", [5, 6, 7], SamplingParams(logit_bias={5000: 1.0})))
+        assert refused.value.field == "logit_bias"
+        long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        streams = [channel.generate(f"c{i}", [9, 10, 11], long) for i in range(2)]
+        firsts = [await anext(s) for s in streams]
+        assert all(not f.finished for f in firsts)
+        await ae.between_steps(lambda: ae.fail_all(EngineError("the engine failed")))
+        for s in streams:
+            with pytest.raises(EngineError):
+                await collect(s)
+        sample = engine.runner.sample  # a step that fails on one request: that one gets the error, the other goes on
+
+        def sample_unless_poisoned(logits, seqs):
+            if any(seq.params.seed == 666 for seq in seqs):
+                raise RuntimeError("injected")
+            return sample(logits, seqs)
+
+        engine.runner.sample = sample_unless_poisoned
+        fine = asyncio.create_task(collect(channel.generate("d", [5, 6, 7], params)))
+        with pytest.raises(EngineError, match="injected"):
+            await collect(channel.generate("e", [1, 2], SamplingParams(max_tokens=4, temperature=0.5, seed=666)))
+        assert [t for o in await fine for t in o.new_token_ids] == expected["token_ids"]
+        assert not closed and engine.block_manager.num_used_pages == 0
+        reading.cancel()
+        side.cancel()
+        await ae.shutdown()
+        await ae.stop()
+
+    asyncio.run(main())

@@ -54,11 +54,12 @@ class EngineSide:
         self.send(("error", request_id, kind_of(exc), str(exc), getattr(exc, "field", None)))
 
     def hand_out(self, step: StepOutputs, failed: dict[str, str] | None) -> None:
-        """A step's outputs (and the requests that failed in it, with why), to the API process."""
-        if step.request_ids or step.finished or step.prompt_logprobs:
-            self.send(("step", step))
+        """A step's outputs, to the API process; the requests that failed in it first (their error, not the abort the
+        step shows for them, ends their streams)."""
         for request_id, why in (failed or {}).items():
             self.send(("error", request_id, "failed", why, None))
+        if step.request_ids or step.finished or step.prompt_logprobs:
+            self.send(("step", step))
 
     def send(self, message: tuple) -> None:
         if self.writer is not None and not self.writer.is_closing():
