@@ -59,12 +59,12 @@ class ApiProcess:
         """Tell the API process what it serves -- the checkpoint's facts, the server's settings -- so that it builds
         its app while the model loads; returns the seconds the checkpoint took to open (the default model's is
         written on first use)."""
-        from tsdev_runtime.engine.model_runner import Checkpoint
+        from tsdev_runtime.engine.llm_engine import LLMEngine
         from tsdev_runtime.engine.wire import frame
         from tsdev_runtime.server.control import disabled_routes
 
         start = time.perf_counter()
-        checkpoint = Checkpoint.open(config)
+        checkpoint = LLMEngine.open_checkpoint(config)
         opened = time.perf_counter() - start
         self.channel.sendall(frame(("hello", {
             "server": dataclasses.asdict(server), "served_model_name": name, "port": self.port,

@@ -178,6 +178,12 @@ class LLMEngine:
         self._on_cuda = torch.device(config.device).type == "cuda"
         freeze_heap()
 
+    @staticmethod
+    def open_checkpoint(config: EngineConfig) -> Checkpoint:
+        """The checkpoint `config` names, checked (its directory, model config, context length) before any weight
+        loads; the default model's is written on first use. What an engine of `config` will serve."""
+        return Checkpoint.open(config)
+
     def jit_compiles(self) -> dict[str, int]:
         """Triton compiles in this process so far, per kernel (runtime/tsdev_runtime/engine/compiles.py)."""
         return dict(compiles.COMPILES.counts)
