@@ -3,6 +3,7 @@
 CHANNEL_FD its end of the channel to the engine process."""
 import asyncio
 import os
+import shutil
 import socket
 import sys
 
@@ -16,9 +17,20 @@ async def serve(listen: socket.socket, channel_socket: socket.socket) -> int:
     from tsdev_runtime.config import ServerConfig
     from tsdev_runtime.server.api_process import build_api_app, connect
 
+    hello: dict = {}
+
+    def engine_gone() -> None:
+        """The engine process exited (it said why): leave at once, dropping every connection, as one process would;
+        its socket's directory goes too."""
+        print("the engine process exited: its API process stops", file=sys.stderr, flush=True)
+        if "engine_socket" in hello:
+            shutil.rmtree(os.path.dirname(hello["engine_socket"]), ignore_errors=True)
+        os._exit(FATAL_EXIT_STATUS)
+
     if (connected := await connect(channel_socket, engine_gone)) is None:  # the engine did not start (it said why)
         return 0
-    channel, hello = connected
+    channel, said = connected
+    hello.update(said)
     try:
         app = build_api_app(channel, hello)
     except Exception:  # a chat template that does not load: the engine process says so and stops
@@ -42,12 +54,6 @@ async def serve(listen: socket.socket, channel_socket: socket.socket) -> int:
     await front.serve(sockets=[listen])
     reading.cancel()
     return 0
-
-
-def engine_gone() -> None:
-    """The engine process exited (it said why): leave at once, dropping every connection, as one process would."""
-    print("the engine process exited: its API process stops", file=sys.stderr, flush=True)
-    os._exit(FATAL_EXIT_STATUS)
 
 
 def main() -> int:

@@ -54,6 +54,9 @@ class ApiProcess:
         theirs.close()
         self.dir = Path(tempfile.mkdtemp(prefix="tsdev-engine-"))  # only this user may reach the socket in it
         self.socket_path = self.dir / "app.sock"
+        from tsdev_runtime.engine.errors import AT_FATAL_EXIT
+
+        AT_FATAL_EXIT.append(self.remove_socket)  # (the API process removes it too when this one dies)
 
     def hello(self, config: EngineConfig, server: ServerConfig, name: str) -> float:
         """Tell the API process what it serves -- the checkpoint's facts, the server's settings -- so that it builds
@@ -89,6 +92,9 @@ class ApiProcess:
                 self.proc.kill()
                 self.proc.wait()
         self.channel.close()
+        self.remove_socket()
+
+    def remove_socket(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

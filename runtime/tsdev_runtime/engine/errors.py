@@ -8,6 +8,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 
 
 class EngineError(RuntimeError):
@@ -24,10 +25,17 @@ class ShuttingDown(Unavailable):
 
 FATAL_EXIT_STATUS = 70
 CHILDREN_REPORT_S = 1.0  # how long a stopping server waits for its ranks to say why they stop (they die with it)
+# what a server stopping itself still removes (the API process's socket directory): os._exit runs no atexit
+AT_FATAL_EXIT: list[Callable[[], None]] = []
 
 
 def stop_server(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+    for cleanup in AT_FATAL_EXIT:
+        try:
+            cleanup()
+        except Exception:  # best effort: the exit goes on
+            pass
     wait_for_children(CHILDREN_REPORT_S)
     os._exit(FATAL_EXIT_STATUS)
 
