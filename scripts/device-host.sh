@@ -25,6 +25,8 @@ for mode in api-process no-api-process; do
     wait "$pid"
 done
 TAIL=10 step decode-1 120 python3 benchmarks/decode_step.py --batch-sizes 1 --iters 200
+# the API process's own ceiling on this host (a fake engine behind it): it must stay above the offline figure
+TAIL=6 step api-ceiling 120 python3 benchmarks/api_process_ceiling.py
 # what the API process costs a start (its imports run beside the load; its app is built after the engine's hello)
 TAIL=4 step startup-two-processes 120 python3 benchmarks/startup.py
 TAIL=4 step startup-one-process 120 python3 benchmarks/startup.py -- --no-api-process
