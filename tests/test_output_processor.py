@@ -112,3 +112,15 @@ def test_offline_generate_decodes_once_what_a_stream_decodes_token_by_token(make
         assert r["text"] == text or (r["text"].startswith(text) and set(r["text"][len(text):]) == {"\ufffd"})
     assert sum(r["text"] == text for r, text in zip(offline, texts)) >= 3
     assert {r["finish_reason"] for r in offline} == {"length"}
+
+
+def test_a_stopping_server_ends_every_request_keeping_what_is_known_of_it(tiny_model_dir):
+    processor = OutputProcessor(tokenizer(tiny_model_dir))
+    for rid in ("a", "b"):
+        processor.add(rid, 4, SamplingParams(max_tokens=8), arrival_time=1.0)
+    processor.process(StepOutputs(time=2.0, request_ids=["a"], token_ids=[7], started={"a": (1.5, 4)}))
+    a, b = processor.end_all("abort")
+    assert (a.finished, a.finish_reason, a.num_output_tokens, a.num_cached_tokens, a.first_scheduled_time) == (
+        True, "abort", 1, 4, 1.5)
+    assert (b.finish_reason, b.num_output_tokens, b.new_token_ids) == ("abort", 0, [])
+    assert processor.requests == {}

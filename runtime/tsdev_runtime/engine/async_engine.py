@@ -116,10 +116,8 @@ class AsyncEngine:
                        after: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as they come; closing the iterator early aborts the request. `after`: the
         request whose prompt this one shares (LLMEngine.add_request)."""
-        if self.state.stopping:
-            raise ShuttingDown("the server is shutting down: the request was not started")
-        if why := self.unavailable():
-            raise Unavailable(why)
+        if refusal := self.refusal():
+            raise refusal
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = queue
         arrival = time.monotonic()
@@ -193,6 +191,12 @@ class AsyncEngine:
     def unavailable(self) -> str | None:
         """Why requests are refused now (a sleep draining, sleeping, weights not loaded), else None."""
         return self.state.unavailable()
+
+    def refusal(self) -> EngineError | None:
+        """The error a new request gets now (the server stopping, or unavailable), else None."""
+        if self.state.stopping:
+            return ShuttingDown("the server is shutting down: the request was not started")
+        return Unavailable(why) if (why := self.unavailable()) else None
 
     # --- gates -----------------------------------------------------------------------------------
 

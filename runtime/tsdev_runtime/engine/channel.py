@@ -5,7 +5,6 @@ import asyncio
 from collections.abc import Callable
 
 from tsdev_runtime.engine.async_engine import AsyncEngine
-from tsdev_runtime.engine.errors import ShuttingDown, Unavailable
 from tsdev_runtime.engine.outputs import StepOutputs
 from tsdev_runtime.engine.wire import frame, kind_of, read_message
 
@@ -42,9 +41,7 @@ class EngineSide:
                 self.on_closed()
 
     def _add(self, request_id: str, prompt_token_ids: list[int], params, after: str | None, arrival: float) -> None:
-        refusal = (ShuttingDown("the server is shutting down: the request was not started") if self.ae.state.stopping
-                   else Unavailable(why) if (why := self.ae.unavailable()) else None)
-        if refusal is not None:
+        if refusal := self.ae.refusal():
             self.refuse(request_id, refusal)
             return
         self.ae.add_request(request_id, prompt_token_ids, params, arrival, after,

@@ -129,7 +129,7 @@ class OutputProcessor:
             if (req := self.requests.get(request_id)) is not None:
                 req.first_scheduled_time, req.num_cached_tokens = first_scheduled, cached
         outputs, stopped = [], []
-        finishes = dict(step.finished) if step.finished else step.finished
+        finishes = dict(step.finished)
         for request_id, token in zip(step.request_ids, step.token_ids):
             req = self.requests.get(request_id)
             if req is None:  # ended here already (a stop string); the engine drew on until it learnt
@@ -137,7 +137,7 @@ class OutputProcessor:
                 continue
             req.num_output_tokens += 1
             hit = req.detokenizer.add(token, check_stop=req.num_output_tokens >= req.params.min_tokens)
-            finish = finishes.pop(request_id, None) if finishes else None
+            finish = finishes.pop(request_id, None)
             if hit and finish is None:
                 stopped.append(request_id)
             lp = step.logprobs.get(request_id)
@@ -149,6 +149,12 @@ class OutputProcessor:
             if (req := self.requests.get(request_id)) is not None:
                 outputs.append(self._output(request_id, req, [], step.time, finish, finish.reason, None))
         return outputs, stopped
+
+    def end_all(self, reason: str) -> list[RequestOutput]:
+        """Every request's final output with `reason`, no token (a server stopping), what is known of each kept."""
+        now = time.monotonic()
+        return [self._output(request_id, req, [], now, None, reason, None)
+                for request_id, req in list(self.requests.items())]
 
     def _output(self, request_id: str, req: _Request, tokens: list[int], now: float, finish: Finish | None,
                 reason: str | None, logprobs: list[TokenLogprob] | None) -> RequestOutput:

@@ -176,10 +176,6 @@ class Sequence:
     def num_known_output_tokens(self) -> int:
         return self.num_output_tokens - (len(self.token_ids) > self.num_prompt_tokens and self.token_ids[-1] == PENDING)
 
-    def at_length_limit(self, length: int, max_model_len: int) -> bool:
-        """Whether a sequence of `length` tokens has generated all it may (max_tokens or the context)."""
-        return length >= self.max_tokens_limit or length >= max_model_len
-
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens

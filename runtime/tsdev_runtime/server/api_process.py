@@ -28,7 +28,7 @@ from tokenizers import Tokenizer
 
 from tsdev_runtime.config import ServerConfig
 from tsdev_runtime.engine.errors import ShuttingDown, Unavailable
-from tsdev_runtime.engine.outputs import Finish, OutputProcessor, RequestOutput, StepOutputs
+from tsdev_runtime.engine.outputs import OutputProcessor, RequestOutput, StepOutputs
 from tsdev_runtime.engine.sequence import InvalidRequest, SamplingParams
 from tsdev_runtime.engine.wire import REFUSALS, frame, read_message
 from tsdev_runtime.server.body_limit import BodyLimit
@@ -121,10 +121,13 @@ class EngineChannel:
     async def shutdown(self) -> None:
         """Stop serving (SIGINT/SIGTERM): refuse new requests; those in flight end with finish reason "abort"."""
         self.closed = True
-        aborted = list(self.streams)
-        for request_id in aborted:
+        for request_id in self.streams:
             self.send(("abort", request_id, "abort"))
-        self.hand_out(StepOutputs(finished={rid: Finish("abort", 0, None) for rid in aborted}))
+        outputs = self.outputs.end_all("abort")
+        for out in outputs:
+            if (queue := self.streams.get(out.request_id)) is not None:
+                queue.put_nowait(out)
+        self.metrics.observe(outputs)
 
 
 def relay_to(engine_socket: str, gone: Callable[[], None]):

@@ -120,11 +120,11 @@ class EngineMetrics:
         self.waiting.set_function(lambda: engine.stats().waiting)
         self.kv_pages_used.set_function(lambda: engine.stats().kv_pages_used)
         self.kv_pages_total.set(engine.stats().kv_pages_total)
-        for name, read in (("busy", lambda: engine.stats().gpu_busy_seconds),
-                           ("idle", lambda: engine.stats().gpu_idle_seconds)):
-            gauge(f"tsdev_gpu_{name}_seconds", f"Seconds the GPU was {name} "
-                  + ("computing the steps" if name == "busy" else "between two consecutive steps while requests ran: "
-                     "the host's share of the steps") + " (CUDA timing events; 0 on the CPU)").set_function(read)
+        gauge("tsdev_gpu_busy_seconds", "Seconds the GPU computed the steps (CUDA timing events; 0 on the CPU)"
+              ).set_function(lambda: engine.stats().gpu_busy_seconds)
+        gauge("tsdev_gpu_idle_seconds", "Seconds the GPU waited between two consecutive steps while requests ran: the "
+              "host's share of the steps (CUDA timing events; 0 on the CPU)"
+              ).set_function(lambda: engine.stats().gpu_idle_seconds)
         hit_rate = gauge("tsdev_prefix_cache_hit_rate", "Full pages found in the prefix cache / pages looked up")
         hit_rate.set_function(lambda: (s := engine.stats()).prefix_cache_hits / max(s.prefix_cache_queries, 1))
         self._window_start, self._window_tokens = time.monotonic(), 0
