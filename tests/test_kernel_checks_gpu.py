@@ -36,9 +36,10 @@ def test_every_op_passes_at_the_served_shapes_and_a_reload_reports_error_and_tim
         every = checked(url)
         failed = [c for c in every.checks if not c.ok]
         assert not failed, failed
-        # a dense model with bf16 weights: no MoE shapes, no fp8 projections
-        assert {c.op for c in every.checks} == set(every.ops) - {"fused_moe", "fp8_gemv", "fp8_skinny_linear",
-                                                                 "paged_decode_fp8", "paged_prefill_fp8"}
+        # a dense GQA model with bf16 weights: no MoE or MLA shapes, no fp8 projections or caches
+        assert {c.op for c in every.checks} == set(every.ops) - {
+            "fused_moe", "fp8_gemv", "fp8_skinny_linear", "paged_decode_fp8", "paged_prefill_fp8",
+            "mla_decode", "mla_prefill", "mla_decode_fp8", "mla_prefill_fp8"}
         assert all(c.us_after and c.us_after > 0 for c in every.checks)  # idle: all timed
         assert all(c.timed == "graph" for c in every.checks), [(c.op, c.timed) for c in every.checks]  # device time
         assert CliRunner().invoke(app, ["check", "rms_norm", "--url", url]).exit_code == 0
@@ -65,6 +66,14 @@ def test_the_fused_moe_passes_at_the_default_moe_models_shapes(tmp_path):
                timeout=300) as url:
         reply = checked(url, "fused_moe")
         assert reply.ok and reply.checks and all(c.us_after for c in reply.checks), reply
+
+
+def test_the_mla_attention_passes_at_the_default_mla_models_shapes(tmp_path):
+    with serve(["default-mla", "--device", "cuda", "--allow-reload-forward"], tmp_path / "serve.log",
+               timeout=300) as url:
+        reply = checked(url, "mla_decode", "mla_prefill")
+        assert reply.ok and {c.op for c in reply.checks} == {"mla_decode", "mla_prefill"}, reply
+        assert all(c.us_after for c in reply.checks), reply
 
 
 def test_the_fp8_projections_pass_at_the_default_models_shapes_and_a_wrong_scale_fails():

@@ -247,8 +247,8 @@ def _moe_gemm(A, A_S, W, S, OUT, SORTED, EXPERT_IDS, TOPK_W, N, K, num_slots, a_
     scale per row (A_S[slot // a_div]), the tiles multiplied as e4m3 (Hopper's FP8 tensor cores) and each sum times
     its row's scale; else W converted exactly to A's dtype for tl.dot. SCALE_BLOCK_N (a block-FP8 checkpoint's
     experts, BLOCK_K its block_k): A_S[row, k block] and S[expert, row block, k block] instead, each K block's e4m3
-    product from zero times its two scales added to the float32 sum (so an FP8 tensor core's reduced-precision sum
-    never runs past a block).
+    product from zero times its two scales added to the float32 sum (at BLOCK_M >= 64 as bf16, `_dot`'s EXACT_FP8: one
+    block's wgmma sum alone put 8e-3 relative error on the layer's output through the second GEMM's requantization).
     F32_DOT: the tiles go to tl.dot as float32 (IEEE), for float32 inputs and under the interpreter, whose bf16
     tl.dot returns garbage (~1e10); a bf16 or e4m3 product is exact in float32, so only the order of the sums
     differs."""
@@ -281,7 +281,7 @@ def _moe_gemm(A, A_S, W, S, OUT, SORTED, EXPERT_IDS, TOPK_W, N, K, num_slots, a_
             w = w.to(a.dtype)
         if SCALE_BLOCK_N:
             a_s = tl.load(a_scale_rows + k0 // BLOCK_K, mask=row_ok, other=0.0)[:, None]
-            part = _dot(a, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), F32_DOT, False)
+            part = _dot(a, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), F32_DOT, BLOCK_M >= 64)
             acc += part * a_s * tl.load(w_scales + k0 // BLOCK_K)
         else:
             acc = _dot(a, w, acc, F32_DOT, A_FP8 and BLOCK_M >= 64)
@@ -290,7 +290,7 @@ def _moe_gemm(A, A_S, W, S, OUT, SORTED, EXPERT_IDS, TOPK_W, N, K, num_slots, a_
             if HAS_SCALE and not A_FP8:
                 u = u.to(a.dtype)
             if SCALE_BLOCK_N:
-                part = _dot(a, u, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), F32_DOT, False)
+                part = _dot(a, u, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), F32_DOT, BLOCK_M >= 64)
                 acc_up += part * a_s * tl.load(w_scales + (N // SCALE_BLOCK_N) * stride_sb + k0 // BLOCK_K)
             else:
                 acc_up = _dot(a, u, acc_up, F32_DOT, A_FP8 and BLOCK_M >= 64)
