@@ -1,6 +1,6 @@
 """Sleep / wake / reload_weights on CUDA (on the H200: `just device-test tests/test_sleep_gpu.py -s`): level 2 gives
 back >= 90% of the weights + KV pool (cudaMemGetInfo), wake and recapture times, the drill with graphs (bf16 and
-fp8), its negative control failing, and a reload while awake keeping every address the graphs captured."""
+fp8, and the block-FP8 default checkpoints), its negative control failing, and a reload while awake keeping every address the graphs captured."""
 import time
 
 import pytest
@@ -80,6 +80,18 @@ def test_drill_ten_rounds_with_graphs(quantization):
     print(f"\n{report}")
     assert report.mode == "graphs" and all(len(times) == 10 for times in report.seconds.values())
     assert len(report.freed_bytes) == 10 and min(report.freed_bytes) >= weights_bytes  # each sleep freed the weights
+
+
+@pytest.mark.parametrize("model", ["default-fp8", "default-moe-fp8"])
+def test_drill_ten_rounds_with_graphs_on_block_fp8_checkpoints(model):
+    """The checkpoints as stored (e4m3 + 128 x 128 block scales) through the block-FP8 Triton kernels, dense and
+    experts, in the captured graphs: each round equal to a fresh load, greedy output equal."""
+    e = engine(model=model)
+    assert e.runner.decode_graphs is not None
+    assert any(getattr(m, "block", None) for m in e.model.modules())  # loaded as stored
+    report = drill(e, rounds=10)
+    print(f"\n{model}: {report}")
+    assert report.mode == "graphs" and all(len(times) == 10 for times in report.seconds.values())
 
 
 @pytest.mark.parametrize("mode", ["skip", "rebind"])

@@ -6,8 +6,8 @@ kernels checked against them: `quantize_fp8_token_groups_triton` (one program pe
 `fp8_block_linear_triton` (a GEMM whose K loop steps one block at a time: each block's e4m3 product starts from
 zero, is multiplied by the token's group scale and the weight block's scale and added to a float32 sum -- so the
 reduced-precision sums of Hopper's FP8 tensor cores never run past one block, the scheme of DeepSeek's DeepGEMM).
-Layers still run the reference: the kernels switch in once `pytest -m gpu tests/test_fp8_block_gpu.py` has passed
-on the H200.
+`fp8_block_linear` serves layers: the Triton kernels on CUDA (their GPU test: tests/test_fp8_block_gpu.py), the
+reference elsewhere and under TSDEV_KERNELS=ref:fp8.
 
 A weight whose sizes are not multiples of the block has partial blocks at its edges (the scales' shape is
 ceil(N / block_n) x ceil(K / block_k), as DeepSeek's); each block's scale is its largest magnitude / 448 (e4m3's
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tsdev_kernels.ops import pdl, wait_for_previous
+from tsdev_kernels.ops import pdl, use_triton, wait_for_previous
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
@@ -183,3 +183,11 @@ def fp8_block_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_
     xq, x_scale = quantize_fp8_token_groups_triton(rows, block[1])
     out = fp8_block_gemm_triton(xq, x_scale, weight, weight_scale_inv, block, bias, x.dtype)
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                     block: tuple[int, int] = BLOCK, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A block-FP8 projection: `fp8_block_linear_triton` on CUDA, `fp8_block_linear_ref` elsewhere."""
+    if use_triton(x, "fp8"):
+        return fp8_block_linear_triton(x, weight, weight_scale_inv, block, bias)
+    return fp8_block_linear_ref(x, weight, weight_scale_inv, block, bias)

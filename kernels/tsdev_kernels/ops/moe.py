@@ -27,8 +27,9 @@ multiplied by its row's scale). The aligned GEMMs are W8A8 (`uses_w8a8`): each G
 (x per token, the activation per slot: one launch each, `quantize_fp8_rows_triton`, dynamic scales) and the tiles
 multiplied as e4m3 on the FP8 tensor cores, each float32 sum times its row's and its column's scale. Both round
 where the bf16 path rounds.
-A block-FP8 checkpoint's experts (128 x 128 blocks of scales per expert): the reference, `fused_moe_ref(block=)`, on
-every device for now; `fused_moe_triton(block=)` (the aligned GEMMs, SCALE_BLOCK_N) waits for its GPU test.
+A block-FP8 checkpoint's experts (128 x 128 blocks of scales per expert, `block=`): the aligned GEMMs at every token
+count with SCALE_BLOCK_N, the activations quantized per token (or slot) and group of block_k columns, each K block's
+product scaled and summed in float32 (`fp8_block_linear_ref`'s arithmetic; tests/test_fp8_block_gpu.py).
 Rounding, on both paths: to x's dtype after each GEMM, after the SiLU, after silu * up, after the router weight
 multiply, and after the float32 sum over K -- where transformers' Qwen3-MoE (its default grouped_mm experts)
 rounds, given router weights already rounded to x's dtype as it rounds them (runtime/tsdev_runtime/moe/router.py).
@@ -603,15 +604,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     and w2_scale [E, H] float32, one per (expert, output row): weight-only on the GEMV path, W8A8 with dynamic
     per-row activation scales on the aligned GEMMs (the module docstring). A block-FP8 checkpoint's experts: `block`
     with w13_scale [E, 2*I / block_n, ceil(H / block_k)] and w2_scale [E, ceil(H / block_n), I / block_k], the
-    reference's w8a8-block arithmetic on every device for now.
+    reference's w8a8-block arithmetic on the aligned GEMMs at every token count.
     Returns [T, H] in x's dtype, rounded as the module docstring says. Triton on CUDA (no host sync, capturable),
     the reference elsewhere."""
     scales = dict(w13_scale=w13_scale, w2_scale=w2_scale)
-    if block is not None:  # a block-FP8 checkpoint's experts: the reference on every device (no kernel yet)
-        return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, **scales, block=block)
     if use_triton(x, "moe"):
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, **scales)
-    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, **scales)
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, **scales, block=block)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, **scales, block=block)
 
 
 # ---------------------------------------------------------------------------------------------------

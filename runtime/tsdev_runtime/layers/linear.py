@@ -59,7 +59,7 @@ class Linear(DeclaredLoading, nn.Module):
     def store_fp8_blocks(self, block: tuple[int, int]) -> None:
         """Hold the weight as a block-FP8 checkpoint stores it: e4m3 [N, K] and one float32 multiplier per block
         (`weight_scale_inv`, loaded as stored: nothing is derived), run by the w8a8-block arithmetic
-        (kernels/tsdev_kernels/ops/fp8_block.py; its torch reference: the Triton kernels are issue 50's)."""
+        (kernels/tsdev_kernels/ops/fp8_block.py: Triton on CUDA, the torch reference elsewhere)."""
         n, k = self.weight.shape
         device = self.weight.device
         self.weight = nn.Parameter(torch.empty(n, k, dtype=fp8_block.E4M3, device=device), requires_grad=False)
@@ -78,7 +78,7 @@ class Linear(DeclaredLoading, nn.Module):
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quantization == "fp8_block":
-            return fp8_block.fp8_block_linear_ref(x, self.weight, self.weight_scale_inv, self.block, bias)
+            return fp8_block.fp8_block_linear(x, self.weight, self.weight_scale_inv, self.block, bias)
         if self.quantization == "fp8":
             return fp8_ops.fp8_linear(x, self.weight_fp8, self.weight_scale, bias)
         return linear_ops.linear(x, self.weight, bias)

@@ -50,9 +50,6 @@ def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dt
                         module.quantize(quantization)
             if blocks:
                 store_fp8_blocks(model, blocks, config.raw["quantization_config"].get("modules_to_not_convert") or [])
-                if torch.device(device).type == "cuda":
-                    log.warning("block-FP8 projections and experts run their torch reference on the GPU (slow: "
-                                "the Triton kernels are not switched in yet)")
             return model
     finally:
         torch.set_default_dtype(default_dtype)
