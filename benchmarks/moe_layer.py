@@ -25,7 +25,7 @@ import triton
 import triton.testing
 
 from decode_step import copy_bandwidth, cuda_kernels
-from tsdev_kernels.ops import fp8, moe, router
+from tsdev_kernels.ops import fp8, fp8_block, moe, router
 
 
 def main() -> None:
@@ -35,6 +35,9 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--intermediate", type=int, default=768)
     parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--block-fp8", action="store_true",
+                        help="only the layer with block-FP8 experts (e4m3 + a scale per 128 x 128 block, as Qwen's *-FP8 "
+                             "checkpoints store them; activations quantized per token and group of 128 inside)")
     parser.add_argument("--sweep-gemv", action="store_true",
                         help="time the GEMV path's two kernels over a grid of block sizes and warps at each --tokens")
     args = parser.parse_args()
@@ -51,6 +54,8 @@ def main() -> None:
           f"Command: `python3 benchmarks/moe_layer.py {shlex.join(sys.argv[1:])}`\n")
     if args.sweep_gemv:
         return sweep_gemv(args, w13, w2, g)
+    if args.block_fp8:
+        return block_fp8_table(args, w13, w2, bandwidth, g)
     print("| tokens | experts touched | floor us | layer us | layer / floor | aligned GEMMs us | GEMV path us | "
           "fp8 floor us | fp8 layer us | fp8 / its floor | torch ref us | ref / layer | "
           "max rel err | fp8 max rel err |")
@@ -80,6 +85,33 @@ def main() -> None:
               f"{ref_us / layer_us:.1f} | {errors[0]:.1e} | {errors[1]:.1e} |", flush=True)
     router_table(args, bandwidth, g)
     launch_table(args, w13, w2, (q13, q2, scales), bandwidth, g)
+
+
+def block_fp8_table(args, w13, w2, bandwidth: float, g: torch.Generator) -> None:
+    """The layer with block-FP8 experts, graphed, as `fused_moe` runs it (the activations' group quantization
+    included), against the read of the touched experts' e4m3 weights and block scales, and its error against
+    `fused_moe_ref(block=)`."""
+    E, K, H = args.experts, args.topk, args.hidden
+    block = fp8_block.BLOCK
+    (q13, s13), (q2, s2) = ([torch.stack(t) for t in zip(*(fp8_block.quantize_fp8_blocks(m) for m in w))]
+                            for w in (w13, w2))
+    scales = dict(w13_scale=s13, w2_scale=s2, block=block)
+    expert_bytes = q13[0].numel() + q2[0].numel() + (s13[0].numel() + s2[0].numel()) * 4
+    print("| tokens | experts touched | block-FP8 floor us | layer us | layer / floor | max rel err |")
+    print("|" + "---:|" * 6)
+    for T in args.tokens:
+        x = torch.randn(T, H, generator=g, device="cuda").bfloat16()
+        weights, ids = torch.randn(T, E, generator=g, device="cuda").softmax(-1).topk(K, dim=-1)
+        weights, ids = (weights / weights.sum(-1, keepdim=True)).float(), ids.int()
+        touched = int(ids.unique().numel())
+        floor_us = touched * expert_bytes / bandwidth * 1e6
+        layer_us = triton.testing.do_bench_cudagraph(lambda: moe.fused_moe_triton(x, q13, q2, weights, ids,
+                                                                                    **scales)) * 1e3
+        ours = moe.fused_moe_triton(x, q13, q2, weights, ids, **scales).float()
+        ref = moe.fused_moe_ref(x, q13, q2, weights, ids, **scales).float()
+        err = ((ours - ref).abs().max() / ref.abs().max()).item()
+        print(f"| {T} | {touched} | {floor_us:.1f} | {layer_us:.1f} | {layer_us / floor_us:.2f} | {err:.1e} |",
+              flush=True)
 
 
 def launches_us(fn, iters: int = 20) -> list[tuple[str, float]]:
