@@ -1,0 +1,58 @@
+"""A block-FP8 projection (`fp8_block_linear_triton`: the per-token-group quantization of x, then the block GEMM) at
+Qwen3-8B's four projection shapes, beside torch._scaled_mm with row-wise scales (cuBLASLt; x already quantized) and
+bf16 F.linear (cuBLAS) in the same run, each replayed from a CUDA graph. Then each of `--configs` (BLOCK_M, BLOCK_N,
+num_warps) of the block GEMM alone, to read off the best by M.
+
+    python3 benchmarks/fp8_block_linear.py
+    python3 benchmarks/fp8_block_linear.py --m 1 16 64 256 2048 --configs 16,64,4 16,128,4 64,128,4 64,64,4 128,128,8
+"""
+import argparse
+import datetime
+import shlex
+import sys
+
+import torch
+import triton
+
+from tsdev_kernels.ops import fp8, fp8_block
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 256, 2048])
+    parser.add_argument("--configs", nargs="*", default=["16,64,4", "16,128,4", "32,64,4", "64,64,4", "64,128,4",
+                                                         "128,128,8"])
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("fp8_block_linear.py times kernels on a CUDA GPU; none is visible")
+    configs = [tuple(int(v) for v in c.split(",")) for c in args.configs]
+    print(f"{datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}, Triton "
+          f"{triton.__version__}. Command: `python3 benchmarks/fp8_block_linear.py {shlex.join(sys.argv[1:])}`\n")
+    print("| proj | M | ours us (quant + GEMM) | _scaled_mm row-wise us | ours / scaled_mm | bf16 us | best config | "
+          "best GEMM us | " + " | ".join(f"{c}" for c in configs) + " |")
+    print("|" + "---:|" * (8 + len(configs)))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    graphed = lambda fn: triton.testing.do_bench_cudagraph(fn) * 1e3  # noqa: E731
+    for name, (n, k) in SHAPES.items():
+        w = (torch.randn(n, k, generator=g, device="cuda") * k**-0.5).bfloat16()
+        wq, w_scale = fp8_block.quantize_fp8_blocks(w.float())
+        w_rows, w_row_scale = fp8.quantize_fp8_rows(w)
+        for m in args.m:
+            x = torch.randn(m, k, generator=g, device="cuda").bfloat16()
+            ours = graphed(lambda: fp8_block.fp8_block_linear_triton(x, wq, w_scale))
+            xq_rows, x_row_scale = fp8.quantize_fp8_rows(x)
+            scaled = graphed(lambda: torch._scaled_mm(xq_rows, w_rows.t(), scale_a=x_row_scale.float(),
+                                                      scale_b=w_row_scale.float().t(), out_dtype=torch.bfloat16))
+            bf16 = graphed(lambda: torch.nn.functional.linear(x, w))
+            xq, x_scale = fp8_block.quantize_fp8_token_groups_triton(x)
+            per_config = [graphed(lambda c=c: fp8_block.fp8_block_gemm_triton(xq, x_scale, wq, w_scale, config=c))
+                          for c in configs]
+            best = min(range(len(configs)), key=per_config.__getitem__)
+            print(f"| {name} | {m} | {ours:.1f} | {scaled:.1f} | {ours / scaled:.2f} | {bf16:.1f} | {configs[best]} | "
+                  f"{per_config[best]:.1f} | " + " | ".join(f"{t:.1f}" for t in per_config) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
