@@ -1,7 +1,8 @@
 """A block-FP8 projection (`fp8_block_linear_triton`: the per-token-group quantization of x, then the block GEMM) at
 Qwen3-8B's four projection shapes, beside torch._scaled_mm with row-wise scales (cuBLASLt; x already quantized) and
-bf16 F.linear (cuBLAS) in the same run, each replayed from a CUDA graph. Then each of `--configs` (BLOCK_M, BLOCK_N,
-num_warps) of the block GEMM alone, to read off the best by M.
+bf16 F.linear (cuBLAS) in the same run, each replayed from a CUDA graph. Then the GEMV (`fp8_block_gemv_triton`, its
+quantization inside) up to 16 rows, and each of `--configs` (BLOCK_M, BLOCK_N, num_warps) of the block GEMM alone
+(x quantized beforehand), to read off GEMV_MAX_ROWS and the best configuration by M.
 
     python3 benchmarks/fp8_block_linear.py
     python3 benchmarks/fp8_block_linear.py --m 1 16 64 256 2048 --configs 16,64,4 16,128,4 64,128,4 64,64,4 128,128,8
@@ -21,7 +22,7 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "dow
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 64, 256, 2048])
+    parser.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 16, 64, 256, 2048])
     parser.add_argument("--configs", nargs="*", default=["16,64,4", "16,128,4", "32,64,4", "64,64,4", "64,128,4",
                                                          "128,128,8"])
     args = parser.parse_args()
@@ -30,9 +31,9 @@ def main() -> None:
     configs = [tuple(int(v) for v in c.split(",")) for c in args.configs]
     print(f"{datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}, Triton "
           f"{triton.__version__}. Command: `python3 benchmarks/fp8_block_linear.py {shlex.join(sys.argv[1:])}`\n")
-    print("| proj | M | ours us (quant + GEMM) | _scaled_mm row-wise us | ours / scaled_mm | bf16 us | best config | "
-          "best GEMM us | " + " | ".join(f"{c}" for c in configs) + " |")
-    print("|" + "---:|" * (8 + len(configs)))
+    print("| proj | M | ours us (quant + GEMM) | _scaled_mm row-wise us | ours / scaled_mm | bf16 us | GEMV us | "
+          "best config | best GEMM us | " + " | ".join(f"{c}" for c in configs) + " |")
+    print("|" + "---:|" * (9 + len(configs)))
     g = torch.Generator(device="cuda").manual_seed(0)
     graphed = lambda fn: triton.testing.do_bench_cudagraph(fn) * 1e3  # noqa: E731
     for name, (n, k) in SHAPES.items():
@@ -46,11 +47,12 @@ def main() -> None:
             scaled = graphed(lambda: torch._scaled_mm(xq_rows, w_rows.t(), scale_a=x_row_scale.float(),
                                                       scale_b=w_row_scale.float().t(), out_dtype=torch.bfloat16))
             bf16 = graphed(lambda: torch.nn.functional.linear(x, w))
+            gemv = graphed(lambda: fp8_block.fp8_block_gemv_triton(x, wq, w_scale)) if m <= 16 else float("nan")
             xq, x_scale = fp8_block.quantize_fp8_token_groups_triton(x)
             per_config = [graphed(lambda c=c: fp8_block.fp8_block_gemm_triton(xq, x_scale, wq, w_scale, config=c))
                           for c in configs]
             best = min(range(len(configs)), key=per_config.__getitem__)
-            print(f"| {name} | {m} | {ours:.1f} | {scaled:.1f} | {ours / scaled:.2f} | {bf16:.1f} | {configs[best]} | "
+            print(f"| {name} | {m} | {ours:.1f} | {scaled:.1f} | {ours / scaled:.2f} | {bf16:.1f} | {gemv:.1f} | {configs[best]} | "
                   f"{per_config[best]:.1f} | " + " | ".join(f"{t:.1f}" for t in per_config) + " |", flush=True)
 
 

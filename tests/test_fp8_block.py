@@ -117,3 +117,23 @@ def test_the_block_gemm_kernel_is_the_block_linear_reference(tokens, n, k):
     got = fp8_block_gemm_triton(xq, x_scale, weight, scale_inv, bias=bias, out_dtype=torch.float32)
     torch.testing.assert_close(got, fp8_block_linear_ref(x, weight, scale_inv, bias=bias), rtol=1e-5, atol=1e-4)
     assert not torch.allclose(got, fp8_block_linear_ref(x, weight, scale_inv), rtol=1e-5, atol=1e-4)  # the bias
+
+
+@pytest.mark.parametrize("tokens, n, k", [(1, 256, 384), (2, 200, 300), (1, 130, 1000)])
+def test_the_block_gemv_quantizes_inside_and_is_the_block_linear_reference(tokens, n, k):
+    """One launch for a few tokens: each group quantized in the kernel, then the blockwise sum; values e4m3 holds
+    exactly after the division (as the token-group kernel's test: the interpreter's cast rounds others a binade
+    down), partial blocks at both edges, a bias, a BLOCK_K of several groups."""
+    from tsdev_kernels.ops.fp8_block import fp8_block_gemv_triton
+
+    g = torch.Generator().manual_seed(n)
+    weight, scale_inv = quantize_fp8_blocks(torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g))
+    x = quantize_fp8_token_groups(torch.randn(tokens, k, generator=g) * 50)[0].float()
+    x[:, ::128] = 448.0
+    x = x * 2.0 ** torch.randint(-4, 4, (tokens, 1), generator=g)
+    bias = torch.randn(n, generator=g)
+    want = fp8_block_linear_ref(x, weight, scale_inv, bias=bias)
+    for config in (None, (2, 512, 4)):
+        got = fp8_block_gemv_triton(x, weight, scale_inv, bias=bias, config=config)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-3)
+    assert not torch.allclose(fp8_block_gemv_triton(x, weight, scale_inv), want, rtol=1e-5, atol=1e-3)  # the bias

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from tsdev_kernels.ops import pdl, use_triton, wait_for_previous
+from tsdev_kernels.ops.linear import gemv_config
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
@@ -148,6 +149,64 @@ def _block_gemm_kernel(A, A_S, W, W_S, B, OUT, M, N, K, stride_am, stride_as, st
              mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _block_gemv_kernel(X, W, W_S, B, OUT, N, K, stride_x, stride_wn, stride_ws, stride_o, BLOCK_N_SCALE: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       PDL: tl.constexpr):
+    """OUT[t, n] for one token t (program 0) and BLOCK_N rows (program 1), quantizing the token as it goes: each chunk
+    of BLOCK_K columns read as BLOCK_K / GROUP groups, each group quantized as `_token_group_quant_kernel` does, its
+    e4m3 values times the group's scale and the weight block's scale multiplied into the rows' e4m3 weights, summed
+    in float32 once after the loop; plus the bias, rounded once."""
+    wait_for_previous(PDL)
+    t, cols = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    G: tl.constexpr = BLOCK_K // GROUP
+    ks = tl.arange(0, BLOCK_K)
+    w_rows = W + cols[:, None].to(tl.int64) * stride_wn
+    w_scales = W_S + (tl.program_id(1) * BLOCK_N // BLOCK_N_SCALE) * stride_ws
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + ks) < K
+        x = tl.reshape(tl.load(X + t * stride_x + k0 + ks, mask=k_ok, other=0.0).to(tl.float32), (G, GROUP))
+        amax = tl.max(tl.abs(x), axis=1)
+        scale = tl.where(amax > 0, amax / _MAX, 1.0)
+        q = tl.clamp(x / scale[:, None], -_MAX, _MAX).to(W.dtype.element_ty).to(tl.float32)
+        groups = k0 // GROUP + tl.arange(0, G)
+        w_scale = tl.load(w_scales + groups, mask=groups * GROUP < K, other=0.0)
+        xs = tl.reshape(q * (scale * w_scale)[:, None], (BLOCK_K,))
+        w = tl.load(w_rows + (k0 + ks)[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * xs[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(OUT + t * stride_o + cols, y.to(OUT.dtype.element_ty), mask=col_ok)
+
+
+GEMV_MAX_ROWS = 1  # up to this many tokens `fp8_block_linear_triton` runs the GEMV (benchmarks/fp8_block_linear.py)
+
+
+def fp8_block_gemv_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                          block: tuple[int, int] = BLOCK, bias: torch.Tensor | None = None,
+                          config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [T, K] (a few tokens; last dim contiguous) @ the block-FP8 weight [N, K].T (+ bias) -> [T, N] in x's dtype
+    in one launch, the activations' group quantization inside: `_block_gemv_kernel`, one program per token and
+    BLOCK_N rows, each reading its rows' weights once per token. config (BLOCK_N, BLOCK_K, num_warps): default the
+    dense GEMV's rule for e4m3 rows (linear.py's `gemv_config`), BLOCK_K at least one group."""
+    block_n, block_k = block
+    t, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    bn, bk, warps = config or gemv_config(n, k, False, False, weight.element_size())
+    bk = max(bk, block_k)
+    out = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    if t:
+        use_pdl = pdl(x)
+        _block_gemv_kernel[(t, triton.cdiv(n, bn))](
+            x, weight, weight_scale_inv, bias if bias is not None else weight_scale_inv, out, n, k, x.stride(0),
+            weight.stride(0), weight_scale_inv.stride(0), out.stride(0), BLOCK_N_SCALE=block_n,
+            HAS_BIAS=bias is not None, GROUP=block_k, BLOCK_N=bn, BLOCK_K=bk, PDL=use_pdl, num_warps=warps,
+            launch_pdl=use_pdl)
+    return out
+
+
 def block_gemm_config(rows: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps): untuned -- 16 rows (tl.dot's smallest) up to 16 tokens, 64 above."""
     return (16, 64, 4) if rows <= 16 else (64, 128, 4)
@@ -176,10 +235,14 @@ def fp8_block_gemm_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch
 
 def fp8_block_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                             block: tuple[int, int] = BLOCK, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`fp8_block_linear_ref`'s arithmetic in two launches: the token-group quantization, then the block GEMM."""
+    """`fp8_block_linear_ref`'s arithmetic: up to GEMV_MAX_ROWS tokens the GEMV (one launch), else two launches, the
+    token-group quantization, then the block GEMM."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
+    if rows.shape[0] <= GEMV_MAX_ROWS:
+        out = fp8_block_gemv_triton(rows, weight, weight_scale_inv, block, bias)
+        return out.view(*x.shape[:-1], weight.shape[0])
     xq, x_scale = quantize_fp8_token_groups_triton(rows, block[1])
     out = fp8_block_gemm_triton(xq, x_scale, weight, weight_scale_inv, block, bias, x.dtype)
     return out.view(*x.shape[:-1], weight.shape[0])
