@@ -91,8 +91,8 @@ def run_workload(engine: LLMEngine, prompts, params, device: str, label: str = "
               f"results; {1e3 * (engine.gpu_wait_seconds - clock[2]) / launched:.2f} ms waited)")
     busy, idle = engine.gpu_busy_seconds - gpu[0], engine.gpu_idle_seconds - gpu[1]
     if busy:
-        print(f"  GPU: busy {busy:.2f} s, idle between steps {idle:.2f} s = {100 * idle / seconds:.1f} % of the run "
-              f"(CUDA timing events around each step; GPU work alone: "
+        print(f"  GPU: busy {busy:.2f} s, waiting for the host {idle:.2f} s = {100 * idle / seconds:.1f} % of the run "
+              f"(CUDA timing events: between steps and while a step's inputs were prepared; GPU work alone: "
               f"{out_tokens / (seconds - idle):,.0f} output tok/s without those gaps)")
     # last, so that the tail of a log holds it
     print(f"tsdev{label}: {len(prompts)} requests, {in_tokens} prompt + {out_tokens} output tokens in {seconds:.2f} s: "

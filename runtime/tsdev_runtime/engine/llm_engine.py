@@ -108,7 +108,8 @@ class _Launched:
     sampled: Sampled | None  # on the device
     host: list[torch.Tensor] | None = None  # pinned copies of sampled.tensors(), complete once `ready` passed (CUDA)
     ready: object = None  # torch.cuda.Event (timing) after the step's GPU work and copies
-    started: object = None  # torch.cuda.Event (timing) before the step's GPU work
+    started: object = None  # torch.cuda.Event (timing) before the step's GPU work and its host preparation
+    forward: object = None  # torch.cuda.Event (timing) once its inputs were prepared, before its forward
     waited: float = 0.0  # seconds `read` waited for the GPU to reach `ready`
 
     @property
@@ -534,6 +535,7 @@ class LLMEngine:
             for host, device in zip(launched.host, tensors):
                 host.copy_(device, non_blocking=True)
             launched.ready, launched.started = torch.cuda.Event(enable_timing=True), started
+            launched.forward = self.runner.forward_started
             launched.ready.record()
         return launched
 
@@ -583,13 +585,17 @@ class LLMEngine:
         return out
 
     def _time_gpu(self, launched: _Launched) -> None:
-        """The GPU's busy time in a step read, and its idle time since the step before (both timing events are
-        complete once the step is read: the GPU runs the steps in order)."""
+        """The GPU's busy time in a step read (from its forward's launch to its tokens' copy) and its idle time
+        before it: since the step before, and while the host prepared this step's inputs (the `started` event
+        completes once the GPU finished the work queued before it, the `forward` event once the host launched the
+        forward). The events are complete once the step is read: the GPU runs the steps in order."""
         if launched.started is None:
             return
+        forward = launched.forward or launched.started
         if self._last_ready is not None:
             self.gpu_idle_seconds += self._last_ready.elapsed_time(launched.started) / 1e3
-        self.gpu_busy_seconds += launched.started.elapsed_time(launched.ready) / 1e3
+        self.gpu_idle_seconds += launched.started.elapsed_time(forward) / 1e3
+        self.gpu_busy_seconds += forward.elapsed_time(launched.ready) / 1e3
         self._last_ready = launched.ready
 
     def _hand_out_prompt_logprobs(self, batch: ScheduledBatch, lists: list, out: StepOutputs) -> None:

@@ -111,6 +111,7 @@ class ModelRunner:
         self.rng = random.Random(config.seed)
         self.sleep_state = SleepState()
         self._graphs_released = False  # by a full weight update that has not recaptured yet
+        self.forward_started = None  # CUDA: the last step's `_mark_forward` event
         self.decode_graphs = self.prefill_graphs = None
         sizes = [s for s in config.cudagraph_capture_sizes if s <= config.max_running]
         if sizes and not config.enforce_eager:
@@ -260,17 +261,26 @@ class ModelRunner:
                 inputs = self.host_inputs(batch)
                 fill = self._pending_fill(inputs["pending"], in_flight)
             with step_range("forward"):
+                self._mark_forward()
                 return graphs.run(inputs["input_ids"], inputs["positions"], inputs["slots"], inputs["seq_lens"],
                                   inputs["page_table"], fill)
         with step_range("prepare"):
             input_ids, positions, context = self.prepare(batch, in_flight)
         with step_range("forward"), step_context(context):
+            self._mark_forward()
             prefill = self.prefill_graphs
             if use_graphs and prefill and not prefill.disabled and batch.total_tokens <= prefill.max_tokens:
                 hidden = prefill.forward(input_ids, positions)
             else:
                 hidden = self.model(input_ids, positions)
             return self.model.compute_logits(hidden)
+
+    def _mark_forward(self) -> None:
+        """On CUDA, `forward_started`: a timing event after the step's inputs were prepared on the host, before its
+        forward (the engine counts the GPU idle until then: LLMEngine._time_gpu)."""
+        if self.device.type == "cuda":
+            self.forward_started = torch.cuda.Event(enable_timing=True)
+            self.forward_started.record()
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, in_flight=None, use_graphs: bool = True) -> Sampled | None:

@@ -122,8 +122,8 @@ class EngineMetrics:
         self.kv_pages_total.set(engine.stats().kv_pages_total)
         gauge("tsdev_gpu_busy_seconds", "Seconds the GPU computed the steps (CUDA timing events; 0 on the CPU)"
               ).set_function(lambda: engine.stats().gpu_busy_seconds)
-        gauge("tsdev_gpu_idle_seconds", "Seconds the GPU waited between two consecutive steps while requests ran: the "
-              "host's share of the steps (CUDA timing events; 0 on the CPU)"
+        gauge("tsdev_gpu_idle_seconds", "Seconds the GPU waited for the host while requests ran: between two steps "
+              "and while a step's inputs were prepared (CUDA timing events; 0 on the CPU)"
               ).set_function(lambda: engine.stats().gpu_idle_seconds)
         hit_rate = gauge("tsdev_prefix_cache_hit_rate", "Full pages found in the prefix cache / pages looked up")
         hit_rate.set_function(lambda: (s := engine.stats()).prefix_cache_hits / max(s.prefix_cache_queries, 1))
