@@ -225,9 +225,9 @@ def record_launches() -> dict[str, tuple]:
 
 
 def record_mla_launches() -> dict[str, tuple]:
-    """DeepSeek-V3's latent attention (128 heads, latent 512, rope 64) on CUDA's tile (`mla.CUDA_TILE`): decode with
-    splits and the fused store, decode unsplit, a prefill, with a bf16 and an e4m3 cache; and the expanded form's
-    prefill."""
+    """DeepSeek-V3's latent attention (128 heads, latent 512, rope 64) on CUDA's tiles (`mla.decode_tile`,
+    `mla.CUDA_TILE`): decode with splits and the fused store, decode unsplit, a prefill, with a bf16 and an e4m3
+    cache; and the expanded form's prefill."""
     from tsdev_kernels.ops import mla
 
     recorded, heads, latent, rope = {}, 128, 512, 64
@@ -241,7 +241,9 @@ def record_mla_launches() -> dict[str, tuple]:
                 mla.mla_attention_triton(meta(rows, heads, latent + rope), cache, ints, ints[:batch],
                                          meta(batch, 8, dtype=torch.int32), 0.1, latent, q_len,
                                          out=meta(rows, heads, latent), num_splits=splits,
-                                         order=meta(batch, dtype=torch.int64), **mla.CUDA_TILE,
+                                         order=meta(batch, dtype=torch.int64),
+                                         **(mla.decode_tile(heads, kv != torch.bfloat16) if q_len == 1
+                                            else mla.CUDA_TILE),
                                          store=(meta(rows, 1, latent + rope), meta(rows, dtype=torch.int64))
                                          if q_len == 1 else None)
             finally:

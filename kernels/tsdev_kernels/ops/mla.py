@@ -212,10 +212,23 @@ def _mla_merge_kernel(PART_O, PART_LSE, O, CU, stride_ot, stride_oh, H, num_spli
                  mask=lat < LATENT)
 
 
-DECODE_HEADS, PREFILL_QUERIES = 16, 16  # the tiles: heads of one decode row; rows of one prefill head
-# KV rows per block and warps on CUDA: at V3's shapes the largest that compile for sm_90 without register spills with
-# a bf16 and with an e4m3 cache (4 warps spill with e4m3: 255 registers; tests/test_kernel_configs.py); not timed yet
+DECODE_HEADS, PREFILL_QUERIES = 16, 16  # the tiles off CUDA: heads of one decode row; rows of one prefill head
+# KV rows per block and warps of a prefill tile on CUDA: at V3's shapes the largest that compile for sm_90 without
+# register spills with a bf16 and with an e4m3 cache (4 warps spill with e4m3: 255 registers;
+# tests/test_kernel_configs.py)
 CUDA_TILE = dict(block_n=32, num_warps=8)
+# A decode tile on CUDA, by cache dtype: every head of a row (up to 128) against half the latent columns, the best of
+# `benchmarks/mla_decode.py --sweep` on the H200 at V3's shapes, context 4096 (2026-12-05; docs/results.md): at batch
+# 64, 615 us with a bf16 cache (16 heads x 512 columns, 32 rows, had 1319 us; 32 rows spill at 128 heads) and 532 us
+# with an e4m3 cache (2015 us); at batch 1, 28.6 and 28.3 us (40.1 and 51.8)
+CUDA_DECODE_TILES = {False: dict(heads=128, columns=256, block_n=16, num_warps=8),
+                     True: dict(heads=128, columns=256, block_n=32, num_warps=8)}
+
+
+def decode_tile(heads: int, quantized: bool) -> dict[str, int]:
+    """The decode tile on CUDA for a model with `heads` query heads and a bf16 (or e4m3: quantized) latent cache."""
+    tile = CUDA_DECODE_TILES[quantized]
+    return tile | dict(heads=min(tile["heads"], triton.next_power_of_2(heads)))
 
 
 def mla_splits(batch: int, heads: int, device: torch.device) -> int:
@@ -236,7 +249,8 @@ def mla_attention_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: tor
     """`mla_attention_ref` in one launch (prefill) or two (decode: the splits, then their merge). store = (rows,
     slot_mapping), decode only: this step's rows are written by the attention kernel itself (one launch fewer per
     layer). block_n, heads (a decode tile's), columns (of the latent output per program: a power of two; default
-    all) and num_warps: the configuration, for benchmarks/mla_decode.py's sweep."""
+    all) and num_warps: the configuration, for benchmarks/mla_decode.py's sweep; a decode step on CUDA given none
+    of them takes `decode_tile`'s."""
     B = seq_lens.shape[0]
     T, H, width = q.shape
     out = q.new_empty(T, H, latent_dim) if out is None else out
@@ -250,11 +264,14 @@ def mla_attention_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: tor
     rows, slots = store if store is not None else (q, cu_seqlens_q)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
+    quantized = cache.dtype == FP8_KV_DTYPE
+    if decode and q.is_cuda and heads is None and columns is None and block_n is None and num_warps is None:
+        tile = decode_tile(H, quantized)
+        heads, columns, block_n, num_warps = tile["heads"], tile["columns"], tile["block_n"], tile["num_warps"]
     queries, heads = (1, heads or DECODE_HEADS) if decode else (PREFILL_QUERIES, 1)
     split = num_splits > 1
     part_o = q.new_empty((B, H, num_splits, latent_dim) if split else (1,), dtype=torch.float32)
     part_lse = q.new_empty((B, H, num_splits) if split else (1,), dtype=torch.float32)
-    quantized = cache.dtype == FP8_KV_DTYPE
     block_l = triton.next_power_of_2(latent_dim)
     columns = min(columns or block_l, block_l)
     _mla_kernel[(triton.cdiv(H, heads) * (block_l // columns), triton.cdiv(max_q_len, queries) * num_splits, B)](
