@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tsdev_kernels.ops import pdl, use_triton, wait_for_previous
+from tsdev_kernels.ops import pdl, sm_count, use_triton, wait_for_previous
 from tsdev_kernels.ops.linear import gemv_config
 
 E4M3 = torch.float8_e4m3fn
@@ -182,7 +182,16 @@ def _block_gemv_kernel(X, W, W_S, B, OUT, N, K, stride_x, stride_wn, stride_ws, 
     tl.store(OUT + t * stride_o + cols, y.to(OUT.dtype.element_ty), mask=col_ok)
 
 
-GEMV_MAX_ROWS = 1  # up to this many tokens `fp8_block_linear_triton` runs the GEMV (benchmarks/fp8_block_linear.py)
+GEMV_MAX_ROWS = 1  # up to this many tokens `fp8_block_linear_triton` may run the GEMV (`uses_gemv`)
+
+
+def uses_gemv(rows: int, n: int, device: torch.device) -> bool:
+    """Whether a block-FP8 projection of `rows` tokens and n outputs runs the GEMV rather than the block GEMM: one
+    token, and fewer 128-column GEMM tiles than SMs (the GEMM then leaves SMs idle; with more it streams the weight
+    faster than the GEMV). `benchmarks/fp8_block_linear.py` on the H200 at one token (2026-12-05), GEMV against GEMM:
+    q|k|v (N 6144) 12.7 vs 19.8 us, o (4096) 8.9 vs 18.6, down (4096) 21.5 vs 55.9, gate|up (24576) 51.4 vs 29.9; at
+    2 tokens the GEMM wins everywhere."""
+    return rows <= GEMV_MAX_ROWS and (device.type != "cuda" or triton.cdiv(n, 128) < sm_count(device.index or 0))
 
 
 def fp8_block_gemv_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
@@ -237,12 +246,12 @@ def fp8_block_gemm_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch
 
 def fp8_block_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                             block: tuple[int, int] = BLOCK, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`fp8_block_linear_ref`'s arithmetic: up to GEMV_MAX_ROWS tokens the GEMV (one launch), else two launches, the
+    """`fp8_block_linear_ref`'s arithmetic: the GEMV (one launch) where `uses_gemv`, else two launches, the
     token-group quantization, then the block GEMM."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    if rows.shape[0] <= GEMV_MAX_ROWS:
+    if uses_gemv(rows.shape[0], weight.shape[0], x.device):
         out = fp8_block_gemv_triton(rows, weight, weight_scale_inv, block, bias)
         return out.view(*x.shape[:-1], weight.shape[0])
     xq, x_scale = quantize_fp8_token_groups_triton(rows, block[1])
