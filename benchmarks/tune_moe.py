@@ -4,13 +4,16 @@ reads.
     python3 benchmarks/tune_moe.py --experts 128 --intermediate 768 --hidden 2048      # Qwen3-30B-A3B, one rank
     python3 benchmarks/tune_moe.py --experts 128 --intermediate 384 --hidden 2048      # the same at --tp 2
     python3 benchmarks/tune_moe.py --experts 128 --intermediate 768 --hidden 2048 --fp8  # FP8 experts' file
+    python3 benchmarks/tune_moe.py --experts 128 --intermediate 768 --hidden 2048 --block-fp8 --quick  # Qwen's *-FP8
 
 For each token bucket (1, 16, 64, 256, 1024 by default) it times `fused_moe_triton` (alignment, both GEMMs, the sum)
 on random routings, replayed from a CUDA graph (triton.testing.do_bench_cudagraph), for every config of a small
 grid, and keeps the fastest: kernels/tsdev_kernels/moe_configs/E=..,I=..,H=..,dtype=..,device=...json (--out to write
 elsewhere), written after each bucket; --resume goes on from the buckets a stopped run wrote.
 --intermediate is one rank's share of moe_intermediate_size under tensor parallelism. --fp8 tunes FP8 experts (e4m3
-weights, a scale per row; activations in --dtype) into their own file (dtype=float8_e4m3fn).
+weights, a scale per row; activations in --dtype) into their own file (dtype=float8_e4m3fn); --block-fp8 the experts of
+a block-FP8 checkpoint (a scale per 128 x 128 block; BLOCK_K 128 and BLOCK_N <= 128 are fixed by the blocks) into
+theirs (dtype=float8_e4m3fn,block=128x128).
 """
 import argparse
 import itertools
@@ -21,7 +24,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from tsdev_kernels.ops import fp8, moe
+from tsdev_kernels.ops import fp8, fp8_block, moe
 
 GRID = dict(BLOCK_M=(16, 32, 64, 128), BLOCK_N=(32, 64, 128), BLOCK_K=(64, 128, 256), num_warps=(4, 8),
             num_stages=(2, 3, 4))
@@ -49,6 +52,10 @@ def inputs(tokens: int, args, dtype: torch.dtype, generator: torch.Generator):
     if args.fp8:
         (w13, s13), (w2, s2) = fp8.quantize_fp8_rows(w13), fp8.quantize_fp8_rows(w2)
         scales = dict(w13_scale=s13.squeeze(-1), w2_scale=s2.squeeze(-1))
+    if args.block_fp8:
+        (w13, s13), (w2, s2) = ([torch.stack(t) for t in zip(*(fp8_block.quantize_fp8_blocks(m.float()) for m in w))]
+                                for w in (w13, w2))
+        scales = dict(w13_scale=s13, w2_scale=s2, block=fp8_block.BLOCK)
     return x, w13, w2, (weights / weights.sum(-1, keepdim=True)).float(), ids.int(), scales
 
 
@@ -72,8 +79,13 @@ def main(args: argparse.Namespace) -> None:
     dtype = getattr(torch, args.dtype)
     generator = torch.Generator(device="cuda").manual_seed(0)
     name = torch.cuda.get_device_name()
-    weight_dtype = fp8.FP8_DTYPE if args.fp8 else dtype  # moe_config looks the file up by the weights' dtype
-    path = args.out or str(moe.moe_config_path(args.experts, args.intermediate, args.hidden, weight_dtype, name))
+    weight_dtype = fp8.FP8_DTYPE if args.fp8 or args.block_fp8 else dtype  # moe_config's key: the weights' dtype
+    block = fp8_block.BLOCK if args.block_fp8 else None
+    path = args.out or str(moe.moe_config_path(args.experts, args.intermediate, args.hidden, weight_dtype, name,
+                                               block))
+    grid = QUICK_GRID if args.quick else GRID
+    if block:  # the kernel takes BLOCK_K = block_k and BLOCK_N <= block_n
+        grid = grid | dict(BLOCK_N=tuple(n for n in grid["BLOCK_N"] if n <= block[0]), BLOCK_K=(block[1],))
     best_of = {}
     if args.resume and os.path.exists(path):
         with open(path) as f:
@@ -85,7 +97,7 @@ def main(args: argparse.Namespace) -> None:
         data = inputs(tokens, args, dtype, generator)
         default = time_ms(moe.default_moe_config(tokens), args.rep, *data)
         timed = [(ms, config)
-                 for config in candidates(tokens, args.topk, args.experts, QUICK_GRID if args.quick else GRID)
+                 for config in candidates(tokens, args.topk, args.experts, grid)
                  if (ms := time_ms(config, args.rep, *data)) is not None]
         ms, config = min(timed, key=lambda pair: pair[0])
         best_of[str(tokens)] = config
@@ -112,6 +124,8 @@ parser.add_argument("--tokens", type=int, nargs="+", default=list(moe.TOKEN_BUCK
 parser.add_argument("--rep", type=int, default=50, help="ms of replays per measurement")
 parser.add_argument("--quick", action="store_true", help="a 16-config grid (minutes, not an hour)")
 parser.add_argument("--fp8", action="store_true", help="FP8 experts (e4m3 weights): their own file")
+parser.add_argument("--block-fp8", action="store_true",
+                    help="a block-FP8 checkpoint's experts (e4m3, a scale per 128 x 128 block): their own file")
 parser.add_argument("--out", help="where to write the JSON (default: the file moe_config reads)")
 parser.add_argument("--resume", action="store_true", help="keep the buckets the file has (it is written after each "
                     "bucket) and tune the others")

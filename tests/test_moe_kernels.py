@@ -371,6 +371,20 @@ def test_config_file_nearest_bucket_and_one_warning_when_missing(tmp_path, monke
     with caplog.at_level(logging.WARNING, logger=moe.log.name):  # FP8 experts' file: the command says --fp8
         moe.moe_config(4, 24, 32, torch.float8_e4m3fn, 1)
     assert "--hidden 32 --fp8" in caplog.records[-1].getMessage()
+    # block-FP8 experts: their own file; without it the per-row FP8 file of the shape, the warning naming both
+    fp8_tuned = {"1": dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=256, num_warps=8, num_stages=2)}
+    moe.moe_config_path(8, 24, 32, torch.float8_e4m3fn, "NVIDIA H200").write_text(json.dumps(fp8_tuned))
+    block_path = moe.moe_config_path(8, 24, 32, torch.float8_e4m3fn, "NVIDIA H200", (128, 128))
+    assert block_path.name == "E=8,I=24,H=32,dtype=float8_e4m3fn,block=128x128,device=NVIDIA_H200.json"
+    with caplog.at_level(logging.WARNING, logger=moe.log.name):
+        assert moe.moe_config(8, 24, 32, torch.float8_e4m3fn, 3, block=(128, 128)) == fp8_tuned["1"]
+    assert block_path.name in caplog.records[-1].getMessage()
+    assert "using the FP8 experts' configs" in caplog.records[-1].getMessage()
+    assert "--hidden 32 --block-fp8" in caplog.records[-1].getMessage()
+    block_tuned = {"1": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)}
+    block_path.write_text(json.dumps(block_tuned))
+    moe._load_configs.cache_clear()  # (read once per process per file)
+    assert moe.moe_config(8, 24, 32, torch.float8_e4m3fn, 3, block=(128, 128)) == block_tuned["1"]
 
 
 def test_config_on_cpu_is_the_default_without_a_warning(caplog):

@@ -389,10 +389,13 @@ def default_moe_config(tokens: int) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
 
 
-def moe_config_path(num_experts: int, intermediate: int, hidden: int, dtype: torch.dtype, device_name: str) -> Path:
-    """Where benchmarks/tune_moe.py writes, and moe_config reads, the configs of this shape on device_name's GPU."""
+def moe_config_path(num_experts: int, intermediate: int, hidden: int, dtype: torch.dtype, device_name: str,
+                    block: tuple[int, int] | None = None) -> Path:
+    """Where benchmarks/tune_moe.py writes, and moe_config reads, the configs of this shape on device_name's GPU
+    (block: a block-FP8 checkpoint's experts, their own file)."""
     dtype_name, device = str(dtype).removeprefix("torch."), device_name.replace(" ", "_")
-    return CONFIG_DIR / f"E={num_experts},I={intermediate},H={hidden},dtype={dtype_name},device={device}.json"
+    blocks = f",block={block[0]}x{block[1]}" if block else ""
+    return CONFIG_DIR / f"E={num_experts},I={intermediate},H={hidden},dtype={dtype_name}{blocks},device={device}.json"
 
 
 def _device_name(device: torch.device | str | None) -> str | None:
@@ -421,25 +424,31 @@ def _load_configs(path: str) -> dict[int, dict] | None:
 
 
 @functools.lru_cache
-def _warn_untuned(path: str, num_experts: int, intermediate: int, hidden: int, fp8_experts: bool) -> None:
-    log.warning("no tuned MoE config %s: using defaults (slower). Write it on this GPU with: python3 "
+def _warn_untuned(path: str, num_experts: int, intermediate: int, hidden: int, flag: str, using: str) -> None:
+    log.warning("no tuned MoE config %s: using %s (slower). Write it on this GPU with: python3 "
                 "benchmarks/tune_moe.py --experts %d --intermediate %d --hidden %d%s (add --topk K for K experts per "
-                "token)", path, num_experts, intermediate, hidden, " --fp8" if fp8_experts else "")
+                "token)", path, using, num_experts, intermediate, hidden, flag)
 
 
 def moe_config(num_experts: int, intermediate: int, hidden: int, dtype: torch.dtype, tokens: int,
-               device: torch.device | str | None = None) -> dict:
+               device: torch.device | str | None = None, block: tuple[int, int] | None = None) -> dict:
     """dict(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for T = tokens on `device` (default: the current
     CUDA device, if any): from `moe_config_path`'s file the entry of the token bucket nearest to `tokens` (the
-    smaller on a tie); without a file the default, with one warning per file name. CPU: the default, silently."""
+    smaller on a tie); without a file the default, with one warning per file name -- for block-FP8 experts (`block`)
+    first the per-row FP8 experts' file of the shape, if there is one. CPU: the default, silently."""
     name = _device_name(device)
     if name is None:
         return default_moe_config(tokens)
-    path = str(moe_config_path(num_experts, intermediate, hidden, dtype, name))
+    path = str(moe_config_path(num_experts, intermediate, hidden, dtype, name, block))
     table = _load_configs(path)
     if not table:
-        _warn_untuned(path, num_experts, intermediate, hidden, dtype == torch.float8_e4m3fn)
-        return default_moe_config(tokens)
+        if block:
+            table = _load_configs(str(moe_config_path(num_experts, intermediate, hidden, dtype, name)))
+        flag = " --block-fp8" if block else " --fp8" if dtype == torch.float8_e4m3fn else ""
+        _warn_untuned(path, num_experts, intermediate, hidden, flag,
+                      "the FP8 experts' configs" if table else "defaults")
+        if not table:
+            return default_moe_config(tokens)
     return dict(table[min(table, key=lambda bucket: (abs(bucket - tokens), bucket))])
 
 
@@ -563,7 +572,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     if config is None and T <= GEMV_MAX_TOKENS and block is None:
         return fused_moe_gemv_triton(x, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale, w2_scale=w2_scale)
     E, I, K = w13.shape[0], w13.shape[1] // 2, topk_ids.shape[1]
-    cfg = dict(config or moe_config(E, I, H, w13.dtype, T, device=x.device))
+    cfg = dict(config or moe_config(E, I, H, w13.dtype, T, device=x.device, block=block))
     if block is not None:
         cfg["BLOCK_N"], cfg["BLOCK_K"] = min(cfg["BLOCK_N"], block[0]), block[1]
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
