@@ -52,7 +52,8 @@ def main() -> None:
             per_config = [graphed(lambda c=c: fp8_block.fp8_block_gemm_triton(xq, x_scale, wq, w_scale, config=c))
                           for c in configs]
             best = min(range(len(configs)), key=per_config.__getitem__)
-            print(f"| {name} | {m} | {ours:.1f} | {scaled:.1f} | {ours / scaled:.2f} | {bf16:.1f} | {gemv:.1f} | {configs[best]} | "
+            print(f"| {name} | {m} | {ours:.1f} | {scaled:.1f} | {ours / scaled:.2f} | {bf16:.1f} | {gemv:.1f} | "
+                  f"{configs[best]} | "
                   f"{per_config[best]:.1f} | " + " | ".join(f"{t:.1f}" for t in per_config) + " |", flush=True)
 
 

@@ -36,8 +36,8 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=768)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--block-fp8", action="store_true",
-                        help="only the layer with block-FP8 experts (e4m3 + a scale per 128 x 128 block, as Qwen's *-FP8 "
-                             "checkpoints store them; activations quantized per token and group of 128 inside)")
+                        help="only the layer with block-FP8 experts (e4m3 + a scale per 128 x 128 block, as Qwen's "
+                             "*-FP8 checkpoints store them; activations quantized per token and group of 128 inside)")
     parser.add_argument("--sweep-gemv", action="store_true",
                         help="time the GEMV path's two kernels over a grid of block sizes and warps at each --tokens")
     args = parser.parse_args()

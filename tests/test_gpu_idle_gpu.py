@@ -39,7 +39,8 @@ def test_a_slower_host_shows_as_gpu_idle_time(monkeypatch):
     monkeypatch.setattr(ModelRunner, "host_inputs", slow)
     slow_busy, slow_idle, slow_steps, slow_wall = run(engine)
     print(f"\nbusy {busy * 1e3:.1f} ms, idle {idle * 1e3:.1f} ms over {steps} decode steps in {wall * 1e3:.1f} ms; "
-          f"host {HOST_DELAY * 1e3:.0f} ms slower per step: busy {slow_busy * 1e3:.1f} ms, idle {slow_idle * 1e3:.1f} ms")
+          f"host {HOST_DELAY * 1e3:.0f} ms slower per step: busy {slow_busy * 1e3:.1f} ms, "
+          f"idle {slow_idle * 1e3:.1f} ms")
     # each decode step's GPU work (about a millisecond at 4 rows) waits for the slower host: most of the delay is idle
     assert slow_idle - idle >= 0.6 * HOST_DELAY * slow_steps
     assert slow_busy < busy * 1.5 + 1e-3  # and none of it is counted as the GPU's work

@@ -1,6 +1,7 @@
 """Sleep / wake / reload_weights on CUDA (on the H200: `just device-test tests/test_sleep_gpu.py -s`): level 2 gives
 back >= 90% of the weights + KV pool (cudaMemGetInfo), wake and recapture times, the drill with graphs (bf16 and
-fp8, and the block-FP8 default checkpoints), its negative control failing, and a reload while awake keeping every address the graphs captured."""
+fp8, and the block-FP8 default checkpoints), its negative control failing, and a reload while awake keeping every
+address the graphs captured."""
 import time
 
 import pytest
