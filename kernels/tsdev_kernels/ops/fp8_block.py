@@ -205,6 +205,9 @@ def fp8_block_gemv_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_in
     t, n, k = x.shape[0], weight.shape[0], weight.shape[1]
     bn, bk, warps = config or gemv_config(n, k, False, False, weight.element_size())
     bk = max(bk, block_k)
+    if block_n % bn or bk % block_k:
+        raise ValueError(f"fp8_block_gemv_triton: BLOCK_N {bn} must divide the scale block's {block_n} rows and "
+                         f"BLOCK_K {bk} be a multiple of its {block_k} columns")
     out = torch.empty(t, n, dtype=x.dtype, device=x.device)
     if t:
         use_pdl = pdl(x)
