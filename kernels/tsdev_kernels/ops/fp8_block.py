@@ -187,11 +187,13 @@ GEMV_MAX_ROWS = 1  # up to this many tokens `fp8_block_linear_triton` may run th
 
 def uses_gemv(rows: int, n: int, device: torch.device) -> bool:
     """Whether a block-FP8 projection of `rows` tokens and n outputs runs the GEMV rather than the block GEMM: one
-    token, and fewer 128-column GEMM tiles than SMs (the GEMM then leaves SMs idle; with more it streams the weight
-    faster than the GEMV). `benchmarks/fp8_block_linear.py` on the H200 at one token (2026-12-05), GEMV against GEMM:
-    q|k|v (N 6144) 12.7 vs 19.8 us, o (4096) 8.9 vs 18.6, down (4096) 21.5 vs 55.9, gate|up (24576) 51.4 vs 29.9; at
-    2 tokens the GEMM wins everywhere."""
-    return rows <= GEMV_MAX_ROWS and (device.type != "cuda" or triton.cdiv(n, 128) < sm_count(device.index or 0))
+    token, and fewer GEMM column tiles (`block_gemm_config`'s) than SMs (the GEMM then leaves SMs idle; with more it
+    streams the weight faster than the GEMV). `benchmarks/fp8_block_linear.py` on the H200 at one token
+    (2026-12-05), GEMV against GEMM: q|k|v (N 6144) 12.7 vs 19.8 us, o (4096) 8.9 vs 18.6, down (4096) 21.5 vs
+    55.9, gate|up (24576) 51.4 vs 29.9; at 2 tokens the GEMM wins everywhere."""
+    if rows > GEMV_MAX_ROWS:
+        return False
+    return device.type != "cuda" or triton.cdiv(n, block_gemm_config(rows)[1]) < sm_count(device.index or 0)
 
 
 def fp8_block_gemv_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
