@@ -76,3 +76,14 @@ def test_abort_while_a_step_is_in_flight(make_engine):
         later += consumer.step()
     assert {o.request_id for o in later} == {"b"} and later[-1].num_output_tokens == 30
     assert engine.block_manager.num_used_pages == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_request_that_would_outgrow_the_context_ends_with_length_when_it_is_full(make_engine, async_scheduling):
+    engine = make_engine(async_scheduling=async_scheduling, max_model_len=24)
+    prompt = PROMPTS[1]  # 14 tokens
+    short, long = engine.generate([prompt, prompt], [SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                                                     SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)])
+    assert (len(short["token_ids"]), short["finish_reason"]) == (4, "length")  # max_tokens first
+    assert (len(long["token_ids"]), long["finish_reason"]) == (24 - len(prompt), "length")  # the context first
+    assert engine.block_manager.num_used_pages == 0

@@ -103,7 +103,7 @@ def test_a_request_waiting_for_pages_counts_its_prefix_lookup_once():
     cached.num_computed_tokens = 12
     bm.commit_full_pages(cached)
     bm.free_pages(cached)  # 3 full pages stay in the prefix cache
-    scheduler = Scheduler(bm, max_running=4, max_batched_tokens=64, max_model_len=100)
+    scheduler = Scheduler(bm, max_running=4, max_batched_tokens=64)
     scheduler.add(Sequence("hog", [500 + i for i in range(28)], GREEDY))
     scheduler.schedule()  # the hog takes the 7 uncached pages
     scheduler.add(Sequence("late", list(range(12)) + [99], GREEDY))

@@ -95,7 +95,7 @@ class EngineStats:
     decode_rows: int  # sequences in the decode steps
     preemptions: int  # running sequences whose pages were freed for others (recomputed later)
     gpu_busy_seconds: float  # the GPU computing the steps (CUDA timing events; 0 elsewhere)
-    gpu_idle_seconds: float  # the GPU waiting between two consecutive steps while requests ran (the host's share)
+    gpu_idle_seconds: float  # the GPU waiting for the host while requests ran: between steps, during a step's prep
     finished: dict[str, int]  # requests finished, by finish reason
 
 
@@ -165,7 +165,7 @@ class LLMEngine:
         self.state = EngineState(self.runner.sleep_state)
         self.block_manager = BlockManager(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_running, config.max_batched_tokens,
-                                   self.max_model_len, admitting=lambda: not self.state.holding)
+                                   admitting=lambda: not self.state.holding)
         self.in_flight: _Launched | None = None
         self.free_slots = list(range(config.max_running))  # the sampler's state rows (penalties, logit_bias)
         self.waiting_for: dict[Sequence, list[Sequence]] = {}  # a prompt's first request -> requests sharing it
@@ -202,7 +202,7 @@ class LLMEngine:
         the prompt, so that it finds the prompt's pages in the prefix cache instead of computing them again."""
         check_prompt(prompt_token_ids, self.max_model_len, self.model_config.vocab_size)
         check_sampling(params, self.model_config.vocab_size)
-        seq = Sequence(request_id, prompt_token_ids, params, arrival_time)
+        seq = Sequence(request_id, prompt_token_ids, params, arrival_time, self.max_model_len)
         lead = self.scheduler.find(after) if after is not None and self.config.enable_prefix_caching else None
         if lead is not None and lead.num_computed_tokens < lead.num_prompt_tokens:
             self.waiting_for.setdefault(lead, []).append(seq)
@@ -612,7 +612,7 @@ class LLMEngine:
         if (token in self.eos and not seq.params.ignore_eos) or (seq.params.stop_token_ids
                                                                  and token in seq.params.stop_token_ids):
             return "stop"
-        if length >= seq.max_tokens_limit or length >= self.max_model_len:
+        if length >= seq.length_limit:
             return "length"
         return None
 

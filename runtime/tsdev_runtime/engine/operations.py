@@ -9,8 +9,7 @@ from pathlib import Path
 
 from tsdev_runtime.control_protocol import UPDATE_WEIGHTS_ROUTE, Awake, Continued, Paused, Sleeping, WeightsReloaded
 from tsdev_runtime.engine.async_engine import AsyncEngine
-from tsdev_runtime.engine.errors import Unavailable
-from tsdev_runtime.engine.errors import describe_error
+from tsdev_runtime.engine.errors import Unavailable, describe_error
 from tsdev_runtime.engine.llm_engine import CheckpointRefused, WeightsAsleep
 from tsdev_runtime.engine.steps import Step, Steps
 

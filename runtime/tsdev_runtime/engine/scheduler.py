@@ -40,10 +40,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_running: int, max_batched_tokens: int, max_model_len: int,
+    def __init__(self, block_manager: BlockManager, max_running: int, max_batched_tokens: int,
                  admitting: Callable[[], bool] = lambda: True):
         self.block_manager = block_manager
-        self.max_running, self.max_batched_tokens, self.max_model_len = max_running, max_batched_tokens, max_model_len
+        self.max_running, self.max_batched_tokens = max_running, max_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -61,7 +61,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        budget, page, max_len = self.max_batched_tokens, self.block_manager.page_size, self.max_model_len
+        budget, page = self.max_batched_tokens, self.block_manager.page_size
         scheduled: dict[Sequence, int] = {}
         running = self.running
         decoding = [s for s in running if len(s.token_ids) - s.num_computed_tokens <= 1]
@@ -71,7 +71,7 @@ class Scheduler:
             if seq.status is not Status.RUNNING or budget == 0:
                 continue
             length = len(seq.token_ids)
-            if length >= seq.max_tokens_limit or length >= max_len:
+            if length >= seq.length_limit:
                 continue  # its last token is being sampled by the step in flight
             n = min(length - seq.num_computed_tokens, budget)
             if n == 1 and seq.num_computed_tokens % page:  # a decode inside its last page: no page to allocate

@@ -122,12 +122,13 @@ class Status(enum.Enum):
 
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_time: float | None = None):
+                 arrival_time: float | None = None, max_model_len: int | None = None):
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
-        self.max_tokens_limit = self.num_prompt_tokens + params.generates  # the length at which max_tokens stops it
+        # the length at which it stops: max_tokens generated, or the context (max_model_len) full
+        self.length_limit = min(self.num_prompt_tokens + params.generates, max_model_len or float("inf"))
         self.status = Status.WAITING
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # of those, how many came from the prefix cache

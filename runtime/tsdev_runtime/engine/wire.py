@@ -11,7 +11,7 @@ of the model (as soon as its checkpoint is open: the API process builds its app 
 
     ("step", StepOutputs)          one message per step: token ids, finishes, raw logprobs -- no text
     ("error", request_id, kind, message, field)    a request refused or failed (kind: REFUSALS' keys)
-    ("unavailable", why)           why new requests are refused now (None: they are not), at every phase change
+    ("unavailable", why)           why new requests are refused now (None: they are not), whenever that changes
 
 Everything per request (detokenizing, stop strings, logprob objects, usage, JSON, SSE) is the API process's. This
 module imports no torch: the API process uses it.
