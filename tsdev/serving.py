@@ -58,10 +58,10 @@ class ApiProcess:
 
         AT_FATAL_EXIT.append(self.remove_socket)  # (the API process removes it too when this one dies)
 
-    def hello(self, config: EngineConfig, server: ServerConfig, name: str) -> float:
+    def hello(self, config: EngineConfig, server: ServerConfig, name: str):
         """Tell the API process what it serves -- the checkpoint's facts, the server's settings -- so that it builds
-        its app while the model loads; returns the seconds the checkpoint took to open (the default model's is
-        written on first use)."""
+        its app while the model loads; returns the checkpoint, for the engine to load, and the seconds it took to open
+        (the default model's is written on first use)."""
         from tsdev_runtime.engine.llm_engine import LLMEngine
         from tsdev_runtime.engine.wire import frame
         from tsdev_runtime.server.control import disabled_routes
@@ -74,7 +74,7 @@ class ApiProcess:
             "engine_socket": str(self.socket_path), "tokenizer_dir": str(config.tokenizer_dir(checkpoint.dir)),
             "max_model_len": checkpoint.max_model_len, "vocab_size": checkpoint.config.vocab_size,
             "disabled_routes": disabled_routes(server.allow_reload_forward)})))
-        return opened
+        return checkpoint, opened
 
     def listen(self) -> socket.socket:
         """The Unix socket the engine process's app answers the API process on."""
@@ -322,12 +322,12 @@ def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, cons
     with console.status("loading the model (the first run creates the default checkpoint)...") as status, \
             StartupProgress(console, status):
         try:
-            opened = api.hello(config, server, name) if api is not None else 0.0
-            engine = LLMEngine(config)
+            checkpoint, opened = api.hello(config, server, name) if api is not None else (None, 0.0)
+            engine = LLMEngine(config, checkpoint)
         except (FileNotFoundError, ValueError) as exc:
             console.print(f"[red]error:[/red] {exc}")
             return 2
-    engine.startup_timings["checkpoint"] += opened  # (opened for the API process's hello, before the engine)
+    engine.startup_timings["checkpoint"] += opened  # (opened for the API process's hello, and given to the engine)
     info = engine.describe()
     graphs = describe_graphs(info, config.device.startswith("cuda"), engine.startup_timings)
     console.print(
@@ -356,7 +356,8 @@ def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, cons
     log_to_stderr(server.log_level)
     port = sock.getsockname()[1]
     try:
-        ChatTemplate(engine.tokenizer_dir, server.chat_template)  # refused here, before either process serves
+        if api is not None:  # refused here, before either process serves (one process: build_app loads it)
+            ChatTemplate(engine.tokenizer_dir, server.chat_template)
         app = build_app(engine, name, reloader, max_request_body_bytes=server.max_request_body_bytes,
                         security=SecurityPolicy.of(server), chat_template=server.chat_template,
                         api_channel=api and api.channel)

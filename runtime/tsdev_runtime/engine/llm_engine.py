@@ -134,11 +134,12 @@ class LLMEngine:
     server or a benchmark needs (`stats`, `describe`, `state`, `flush_prefix_cache`, `warmup`,
     `capture_graphs`, ...). Its runner, scheduler and block manager are its own business."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None):
+        """`checkpoint`: `open_checkpoint(config)`'s, when the caller opened it already."""
         start = time.perf_counter()
         thaw_heap()
         self.config = config
-        checkpoint = Checkpoint.open(config)
+        checkpoint = checkpoint or Checkpoint.open(config)
         opened = time.perf_counter() - start  # the first use of the default model writes it
         self.model_dir, self.model_config, self.max_model_len = (checkpoint.dir, checkpoint.config,
                                                                  checkpoint.max_model_len)
