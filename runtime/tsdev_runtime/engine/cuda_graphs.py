@@ -13,6 +13,7 @@ import gc
 import os
 import time
 
+import numpy as np
 import torch
 
 from tsdev_kernels.ops.attention import longest_first
@@ -87,26 +88,51 @@ class GraphSet:
         self.pending, self.used = [s for s in reversed(self.sizes) if s not in graphs], set()
 
 
+class _Staging:
+    """A step's inputs on the host, as int32 words (pinned on CUDA: the copy to the device is a plain asynchronous DMA)
+    and the event after that copy: the buffer is not written again before the copy read it."""
+
+    def __init__(self, words: int, pinned: bool):
+        self.buffer = torch.zeros(words, dtype=torch.int32, pin_memory=pinned)
+        self.words = self.buffer.numpy()
+        self.copied: "torch.cuda.Event | None" = None
+
+    def reusable(self) -> np.ndarray:
+        if self.copied is not None:
+            self.copied.synchronize()  # two steps ago: done unless the GPU fell two steps behind
+        return self.words
+
+
 class DecodeGraphs(GraphSet):
     def __init__(self, model: torch.nn.Module, sizes: list[int], max_pages_per_seq: int,
                  vocab_size: int, pad_page: int, device: torch.device):
         super().__init__(sizes)
         self.model, self.device, self.pad_page = model, device, pad_page
         n = self.sizes[-1]
+        # One copy from the host per step, into `transfer`: five int64 rows of `size` (input ids, positions, KV slots,
+        # sequence lengths, the order attention starts the sequences in: the graph of that size reads them there),
+        # then the page table's used block (size x width), which a device copy puts into `page_table`.
+        words = 10 * n + n * max_pages_per_seq
         with device:
-            # rows: input ids, positions, KV slots, sequence lengths, the order attention starts the sequences in
-            # (one copy from the host per step)
-            self.inputs = torch.zeros(5, n, dtype=torch.int64)
+            self.transfer = torch.zeros(words, dtype=torch.int32)
             self.page_table = torch.full((n, max_pages_per_seq), pad_page, dtype=torch.int32)
             self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32)
             self.rows = torch.arange(n, dtype=torch.int64)
             self.logits = torch.zeros(n, vocab_size, dtype=torch.float32)
         self.properties: tuple = ()
         self.pool = None
+        # Two staging buffers used in turn: the host fills one while the other's copy may wait behind the step in
+        # flight.
+        self.staging = [_Staging(words, device.type == "cuda") for _ in range(2)]
+        self.turn = 0
         # The page table is updated incrementally: a host mirror, and which page list each row holds.
-        self.host_table = torch.full((n, max_pages_per_seq), pad_page, dtype=torch.int32)
+        self.host_table = np.full((n, max_pages_per_seq), pad_page, dtype=np.int32)
         self.row_pages: list[list[int] | None] = [None] * n
         self.row_filled = [0] * n
+
+    def _inputs(self, size: int) -> torch.Tensor:
+        """The five input rows [5, size] that the graph of `size` reads."""
+        return self.transfer[: 10 * size].view(torch.int64).view(5, size)
 
     def cuda_graphs(self) -> list[torch.cuda.CUDAGraph]:
         return list(self.graphs.values())
@@ -167,18 +193,27 @@ class DecodeGraphs(GraphSet):
         n = len(input_ids)
         size = self.size_for(n)
         self.used.add(size)
-        pad = size - n
-        staged = torch.tensor([input_ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad, seq_lens + [1] * pad,
-                               longest_first(seq_lens, size)])
-        self.inputs[:, :size].copy_(staged, non_blocking=True)
-        if fill is not None:
-            self.inputs[0].index_copy_(0, *fill)
+        stage = self.staging[self.turn]
+        self.turn ^= 1
+        words = stage.reusable()
+        rows = words[: 10 * size].view(np.int64).reshape(5, size)
+        for row, values, pad in ((0, input_ids, 0), (1, positions, 0), (2, slots, -1), (3, seq_lens, 1)):
+            rows[row, :n], rows[row, n:] = values, pad
+        rows[4] = longest_first(seq_lens, size)
         width = max(map(len, page_table))
         for row, pages in enumerate(page_table):
             self._update_row(row, pages)
         for row in range(n, size):  # padding rows (length 1) read column 0 alone
             self._update_row(row, None)
-        self.page_table[:size, :width].copy_(self.host_table[:size, :width], non_blocking=True)
+        end = 10 * size + size * width
+        words[10 * size : end].reshape(size, width)[:] = self.host_table[:size, :width]
+        self.transfer[:end].copy_(stage.buffer[:end], non_blocking=True)
+        if self.device.type == "cuda":
+            stage.copied = torch.cuda.Event()
+            stage.copied.record()
+        self.page_table[:size, :width].copy_(self.transfer[10 * size : end].view(size, width))
+        if fill is not None:
+            self._inputs(size)[0].index_copy_(0, *fill)
         if size in self.graphs and self.properties == graph_properties():
             self.graphs[size].replay()
         else:
@@ -194,11 +229,11 @@ class DecodeGraphs(GraphSet):
             return
         start = self.row_filled[row] if self.row_pages[row] is pages else 0
         if start < len(pages):
-            self.host_table[row, start : len(pages)] = torch.tensor(pages[start:], dtype=torch.int32)
+            self.host_table[row, start : len(pages)] = pages[start:]
         self.row_pages[row], self.row_filled[row] = pages, len(pages)
 
     def _forward(self, size: int) -> None:
-        input_ids, positions, slots, seq_lens, order = self.inputs[:, :size]
+        input_ids, positions, slots, seq_lens, order = self._inputs(size)
         with step_context(Context(cu_seqlens_q=self.cu_seqlens_q[: size + 1], seq_lens=seq_lens.to(torch.int32),
                                   page_table=self.page_table[:size], slot_mapping=slots,
                                   logits_indices=self.rows[:size], max_q_len=1, order=order)):
