@@ -3,7 +3,8 @@
 # KV cache: tok/s, host ms/step, the GPU's idle share between steps), the same workload served at 256 streams with
 # and without the API process (`tsdev bench`), and decode at batch 1 against graph replay. Run it on two different
 # machines (fresh calls) for the spread; each log under $OUT, the tails printed.
-#   run: source scripts/device-setup.sh; bash scripts/device-host.sh      (carry .whl and .debs)
+#   run: source scripts/device-setup.sh; bash scripts/device-host.sh [offline]      (carry .whl and .debs)
+# `offline`: the offline runs and decode at batch 1 alone (~3 minutes: the second machine's figures for the spread).
 set -u
 out=${OUT:-/tmp/device-out}
 mkdir -p "$out"
@@ -11,6 +12,8 @@ source "$(dirname "$0")/device-check.sh" --steps-only
 echo "host: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)"
 TAIL=14 step offline-bf16 240 python3 benchmarks/offline_throughput.py
 TAIL=14 step offline-fp8 240 python3 benchmarks/offline_throughput.py --kv-cache-dtype fp8
+TAIL=10 step decode-1 120 python3 benchmarks/decode_step.py --batch-sizes 1 --iters 200
+[ "${1:-}" = offline ] && exit 0
 # nano-vllm's lengths, uniform in 100..1024 (562 +- 82.2 %), in and out
 WORKLOAD=(--num-prompts 256 --random-input-len 562 --random-output-len 562 --random-range-ratio 0.822
           --max-concurrency 256 --warmup 4)
@@ -24,7 +27,6 @@ for mode in api-process no-api-process; do
     kill "$pid"
     wait "$pid"
 done
-TAIL=10 step decode-1 120 python3 benchmarks/decode_step.py --batch-sizes 1 --iters 200
 # the API process's own ceiling on this host (a fake engine behind it): it must stay above the offline figure
 TAIL=6 step api-ceiling 120 python3 benchmarks/api_process_ceiling.py
 # what the API process costs a start (its imports run beside the load; its app is built after the engine's hello)
