@@ -75,3 +75,40 @@ def test_the_garbage_collector_is_off_while_capturing_and_back_after_a_failure()
         assert not gc.isenabled()  # a graph freed by the collector mid-capture would invalidate the capture
         raise RuntimeError("capture failed")
     assert gc.isenabled()
+
+
+def test_the_device_page_table_follows_the_rows_through_appends_swaps_and_shrinks():
+    """Steps of a changing batch (pages appended, rows taking other sequences, the batch shrinking, steps that change
+    nothing): after each, the page table the graphs read holds every row's pages; padding rows read the pad page."""
+    pad = 7
+    graphs = DecodeGraphs(torch.nn.Identity(), [1, 2, 4, 8], 16, 3, pad, torch.device("cpu"))
+    forwarded = []
+    graphs._forward = lambda size: forwarded.append(graphs.page_table[:size].clone())
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(100, 200, (int(torch.randint(1, 6, (1,), generator=gen)),), generator=gen).tolist()
+            for _ in range(12)]
+    batch = []
+    for step in range(40):
+        if step % 5 != 4:  # every fifth step changes nothing
+            for pages in seqs:
+                if torch.rand(1, generator=gen) < 0.3 and len(pages) < 16:
+                    pages.append(int(torch.randint(200, 300, (1,), generator=gen)))
+            chosen = torch.randperm(len(seqs), generator=gen)[: int(torch.randint(1, 9, (1,), generator=gen))]
+            batch = [seqs[i] for i in chosen.tolist()]
+        n = len(batch)
+        graphs.run([1] * n, [0] * n, [0] * n, [len(p) * 16 for p in batch], batch)
+        table, size = forwarded[-1], graphs.size_for(n)
+        for row, pages in enumerate(batch):
+            assert table[row, : len(pages)].tolist() == pages, (step, row)
+        assert all(table[row, 0] == pad for row in range(n, size))
+
+
+def test_pending_tokens_land_in_their_rows_consecutive_or_scattered():
+    from tsdev_runtime.engine.model_runner import PendingTokens
+    tokens = torch.randint(0, 1000, (6,))
+    for rows, sources in (([0, 1, 2], [3, 4, 5]), ([1, 2], [0, 1]), ([0, 2, 5], [4, 0, 1]), ([2, 3], [5, 1])):
+        ids = torch.randint(0, 1000, (7,))
+        expected = ids.clone()
+        expected[rows] = tokens[sources]
+        PendingTokens(rows, sources, tokens).write(ids)
+        assert torch.equal(ids, expected)

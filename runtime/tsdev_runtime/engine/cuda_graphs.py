@@ -129,6 +129,7 @@ class DecodeGraphs(GraphSet):
         self.host_table = np.full((n, max_pages_per_seq), pad_page, dtype=np.int32)
         self.row_pages: list[list[int] | None] = [None] * n
         self.row_filled = [0] * n
+        self.stale = (0, 0)
 
     def _inputs(self, size: int) -> torch.Tensor:
         """The five input rows [5, size] that the graph of `size` reads."""
@@ -187,9 +188,9 @@ class DecodeGraphs(GraphSet):
         self.properties, self.pool = (), None
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
-            page_table: list[list[int]], fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Logits [n, V] for a decode batch of n <= max_size sequences. `fill` = (rows, token ids) on the
-        device: inputs the previous step is still sampling, written in after the host's staged ids."""
+            page_table: list[list[int]], fill=None) -> torch.Tensor:
+        """Logits [n, V] for a decode batch of n <= max_size sequences. `fill` (model_runner.PendingTokens): inputs
+        the previous step is still sampling, written in on the device after the host's staged ids."""
         n = len(input_ids)
         size = self.size_for(n)
         self.used.add(size)
@@ -200,20 +201,24 @@ class DecodeGraphs(GraphSet):
         for row, values, pad in ((0, input_ids, 0), (1, positions, 0), (2, slots, -1), (3, seq_lens, 1)):
             rows[row, :n], rows[row, n:] = values, pad
         rows[4] = longest_first(seq_lens, size)
-        width = max(map(len, page_table))
         for row, pages in enumerate(page_table):
             self._update_row(row, pages)
         for row in range(n, size):  # padding rows (length 1) read column 0 alone
             self._update_row(row, None)
-        end = 10 * size + size * width
-        words[10 * size : end].reshape(size, width)[:] = self.host_table[:size, :width]
+        # the page table's changed block, if any (at batch 1, a new page every page_size steps)
+        stale_rows, stale_cols = self.stale
+        end = 10 * size + stale_rows * stale_cols
+        if stale_rows:
+            words[10 * size : end].reshape(stale_rows, stale_cols)[:] = self.host_table[:stale_rows, :stale_cols]
         self.transfer[:end].copy_(stage.buffer[:end], non_blocking=True)
         if self.device.type == "cuda":
             stage.copied = torch.cuda.Event()
             stage.copied.record()
-        self.page_table[:size, :width].copy_(self.transfer[10 * size : end].view(size, width))
+        if stale_rows:
+            self.page_table[:stale_rows, :stale_cols].copy_(self.transfer[10 * size : end].view(stale_rows, stale_cols))
+            self.stale = (0, 0)
         if fill is not None:
-            self._inputs(size)[0].index_copy_(0, *fill)
+            fill.write(self._inputs(size)[0])
         if size in self.graphs and self.properties == graph_properties():
             self.graphs[size].replay()
         else:
@@ -221,14 +226,17 @@ class DecodeGraphs(GraphSet):
         return self.logits[:n]
 
     def _update_row(self, row: int, pages: list[int] | None) -> None:
-        """Write only what changed: a row that keeps its sequence gets its new pages appended."""
+        """Write only what changed: a row that keeps its sequence gets its new pages appended. What is written is
+        stale on the device until the next copy (`stale`: the rows and columns that copy must cover)."""
         if pages is None:
             if self.row_pages[row] is not None:
+                self.stale = (max(self.stale[0], row + 1), max(self.stale[1], 1))
                 self.row_pages[row], self.row_filled[row] = None, 0
                 self.host_table[row, 0] = self.pad_page
             return
         start = self.row_filled[row] if self.row_pages[row] is pages else 0
         if start < len(pages):
+            self.stale = (max(self.stale[0], row + 1), max(self.stale[1], len(pages)))
             self.host_table[row, start : len(pages)] = pages[start:]
         self.row_pages[row], self.row_filled[row] = pages, len(pages)
 

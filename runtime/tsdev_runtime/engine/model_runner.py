@@ -37,6 +37,28 @@ NVTX_DOMAIN = "tsdev"
 MAX_DEFAULT_MODEL_LEN = 8192
 
 
+@dataclass
+class PendingTokens:
+    """Inputs the step in flight is still sampling: their rows in this step's input ids (increasing) and where each
+    one's token sits among that step's sampled tokens (on the device)."""
+    rows: list[int]
+    sources: list[int]
+    tokens: torch.Tensor
+
+    def write(self, input_ids: torch.Tensor) -> None:
+        """Into `input_ids` (on the device): one slice copy where both sides are consecutive (a steady decode batch),
+        else an indexed copy."""
+        k, first, source = len(self.rows), self.rows[0], self.sources[0]
+        if self.rows[-1] - first == k - 1 and self.sources == list(range(source, source + k)):
+            input_ids[first : first + k].copy_(self.tokens[source : source + k])
+            return
+        pinned = input_ids.device.type == "cuda"
+        rows, sources = (torch.tensor(values, dtype=torch.int64, pin_memory=pinned).to(input_ids.device,
+                                                                                        non_blocking=True)
+                         for values in (self.rows, self.sources))
+        input_ids.index_copy_(0, rows, self.tokens.index_select(0, sources))
+
+
 def step_range(name: str):
     """The NVTX range `name` in the tsdev domain (nsys's step table). While a torch profiler records, also
     a `record_function` label "tsdev:name" (the torch trace's step table); otherwise that costs one check."""
@@ -211,17 +233,15 @@ class ModelRunner:
         return dict(input_ids=input_ids, positions=positions, slots=slots, cu_seqlens_q=cu, seq_lens=seq_lens,
                     logits_indices=logits_indices, page_table=[s.pages for s in batch.seqs], pending=pending)
 
-    def _pending_fill(self, pending: list[tuple[int, Sequence]], in_flight) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(rows, token ids) on the device for the rows whose input the step in flight samples.
-        `in_flight` is that step's (device tokens, sequence -> index in them)."""
+    def _pending_fill(self, pending: list[tuple[int, Sequence]], in_flight) -> "PendingTokens | None":
+        """The rows whose input the step in flight samples. `in_flight` is that step's (device tokens, sequence ->
+        index in them)."""
         if not pending:
             return None
         if in_flight is None:
             raise RuntimeError("a sequence ends in a PENDING token but no step is in flight")
         tokens, index = in_flight
-        rows = torch.tensor([r for r, _ in pending], dtype=torch.int64).to(self.device, non_blocking=True)
-        src = torch.tensor([index[s] for _, s in pending], dtype=torch.int64).to(self.device, non_blocking=True)
-        return rows, tokens.index_select(0, src).to(torch.int64)
+        return PendingTokens([r for r, _ in pending], [index[s] for _, s in pending], tokens)
 
     def prepare(self, batch: ScheduledBatch, in_flight=None) -> tuple[torch.Tensor, torch.Tensor, Context]:
         """Input ids, positions and the step context on the device, for a forward outside the decode graphs."""
@@ -244,7 +264,7 @@ class ModelRunner:
         input_ids = tensor(inputs["input_ids"], torch.int64)
         fill = self._pending_fill(inputs["pending"], in_flight)
         if fill is not None:
-            input_ids.index_copy_(0, *fill)
+            fill.write(input_ids)
         return input_ids, tensor(inputs["positions"], torch.int64), context
 
     @torch.inference_mode()
