@@ -84,8 +84,9 @@ def main(args: argparse.Namespace) -> None:
     path = args.out or str(moe.moe_config_path(args.experts, args.intermediate, args.hidden, weight_dtype, name,
                                                block))
     grid = QUICK_GRID if args.quick else GRID
-    if block:  # the kernel takes BLOCK_K = block_k and BLOCK_N <= block_n
-        grid = grid | dict(BLOCK_N=tuple(n for n in grid["BLOCK_N"] if n <= block[0]), BLOCK_K=(block[1],))
+    if block:  # the kernel takes BLOCK_K = block_k and BLOCK_N <= block_n: the other axes get the room
+        grid = grid | dict(BLOCK_N=tuple(n for n in GRID["BLOCK_N"] if n <= block[0]), BLOCK_K=(block[1],),
+                           num_stages=GRID["num_stages"] + (5,))
     best_of = {}
     if args.resume and os.path.exists(path):
         with open(path) as f:
@@ -95,10 +96,14 @@ def main(args: argparse.Namespace) -> None:
         if str(tokens) in best_of:
             continue
         data = inputs(tokens, args, dtype, generator)
-        default = time_ms(moe.default_moe_config(tokens), args.rep, *data)
+        untuned = moe.default_moe_config(tokens)
+        default = time_ms(untuned, args.rep, *data)
         timed = [(ms, config)
                  for config in candidates(tokens, args.topk, args.experts, grid)
                  if (ms := time_ms(config, args.rep, *data)) is not None]
+        block_shaped = not block or (untuned["BLOCK_K"] == block[1] and untuned["BLOCK_N"] <= block[0])
+        if default is not None and block_shaped:  # the file never holds a config slower than the untuned default
+            timed.append((default, untuned))
         ms, config = min(timed, key=lambda pair: pair[0])
         best_of[str(tokens)] = config
         print(f"T={tokens:5d}: {ms * 1e3:8.1f} us  (default {default * 1e3:8.1f} us)  {config}", flush=True)

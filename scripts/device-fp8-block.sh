@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 50's GPU work in one device call (each step's log under $OUT): the block-FP8 tests, the experts' tuning for
-# Qwen3-30B-A3B's layer (written under kernels/tsdev_kernels/moe_configs/: fetch it from $OUT and commit it), the
-# layer against its floor, the projections beside _scaled_mm, the decode step of default-fp8 beside bf16.
+# Qwen3-30B-A3B's layer (as $OUT/moe-block-tuned.json -- the device tool returns no "=" in a name -- and under its
+# moe_config name for the steps after it: commit it by that name), the layer against its floor, the projections beside
+# _scaled_mm, the decode step of default-fp8 beside bf16.
 # run: source scripts/device-setup.sh; bash scripts/device-fp8-block.sh      (carry .whl .debs)
 set -u
 out=${OUT:-/tmp/device-out}
@@ -9,8 +10,9 @@ source "$(dirname "$0")/device-check.sh" --steps-only
 TAIL=6 step block-tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_fp8_block_gpu.py \
   tests/test_sleep_gpu.py::test_drill_ten_rounds_with_graphs_on_block_fp8_checkpoints
 TAIL=8 step tune-block 240 python3 benchmarks/tune_moe.py --experts 128 --intermediate 768 --hidden 2048 --block-fp8 \
-  --quick --out "$out/E=128,I=768,H=2048,dtype=float8_e4m3fn,block=128x128,device=NVIDIA_H200.json"
-cp "$out"/E=*.json kernels/tsdev_kernels/moe_configs/ 2>/dev/null
+  --quick --out "$out/moe-block-tuned.json"
+cp "$out/moe-block-tuned.json" \
+  "kernels/tsdev_kernels/moe_configs/E=128,I=768,H=2048,dtype=float8_e4m3fn,block=128x128,device=NVIDIA_H200.json"
 TAIL=8 step moe-block 90 python3 benchmarks/moe_layer.py --block-fp8 --tokens 1 16 64 256
 TAIL=40 step fp8-linear 120 python3 benchmarks/fp8_block_linear.py
 TAIL=5 step step-fp8-blocks 60 python3 benchmarks/decode_step.py --model default-fp8 --batch-sizes 1 256
