@@ -55,15 +55,16 @@ def test_a_second_server_on_the_port_exits_2_at_once_naming_the_port(server):
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), result
 
-    cpu, result = cpu_seconds("-m", "tsdev", "serve", str(server.tiny_model_dir), "--device", "cpu", "--port",
-                              str(server.port))
+    # twice, the lesser: the first run in a fresh clone also compiles the CLI's bytecode (CI saw 2.9 s against 1.7)
+    (cpu, result), (again, _) = (cpu_seconds("-m", "tsdev", "serve", str(server.tiny_model_dir), "--device", "cpu",
+                                             "--port", str(server.port)) for _ in range(2))
     output = result.stdout + result.stderr
     assert result.returncode == 2, output
     # before loading anything: the CPU time of the interpreter, torch's import and the CLI only (CPU time, not the
     # wall clock; against `import torch` measured beside it, which a loaded machine slows alike): on the dev box
     # 1.9 s against torch's 1.4; the engine and the model would add more than as much again
     torch_import = cpu_seconds("-c", "import torch")[0]
-    assert cpu < torch_import + 1.2, (cpu, torch_import, output)
+    assert min(cpu, again) < torch_import + 1.2, (cpu, again, torch_import, output)
     assert f"port {server.port} is in use" in output and "--port" in output
     assert LISTENING not in output and "loaded" not in output
 
