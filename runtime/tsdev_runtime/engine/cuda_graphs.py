@@ -111,7 +111,7 @@ class DecodeGraphs(GraphSet):
         n = self.sizes[-1]
         # One copy from the host per step, into `transfer`: five int64 rows of `size` (input ids, positions, KV slots,
         # sequence lengths, the order attention starts the sequences in: the graph of that size reads them there),
-        # then the page table's used block (size x width), which a device copy puts into `page_table`.
+        # then the page table's changed block (rows x columns, often none), which a device copy puts into `page_table`.
         words = 10 * n + n * max_pages_per_seq
         with device:
             self.transfer = torch.zeros(words, dtype=torch.int32)
