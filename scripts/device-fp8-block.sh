@@ -2,7 +2,7 @@
 # Issue 50's GPU work in one device call (each step's log under $OUT): the block-FP8 tests, the experts' tuning for
 # Qwen3-30B-A3B's layer (as $OUT/moe-block-tuned.json -- the device tool returns no "=" in a name -- and under its
 # moe_config name for the steps after it: commit it by that name), the layer against its floor, the projections beside
-# _scaled_mm, the decode step of default-fp8 beside bf16.
+# _scaled_mm, the decode step bf16 against block-FP8 at the default's and Qwen3-8B's shapes with their logits' cosine.
 # run: source scripts/device-setup.sh; bash scripts/device-fp8-block.sh      (carry .whl .debs)
 set -u
 out=${OUT:-/tmp/device-out}
@@ -15,5 +15,7 @@ cp "$out/moe-block-tuned.json" \
   "kernels/tsdev_kernels/moe_configs/E=128,I=768,H=2048,dtype=float8_e4m3fn,block=128x128,device=NVIDIA_H200.json"
 TAIL=8 step moe-block 90 python3 benchmarks/moe_layer.py --block-fp8 --tokens 1 16 64 256
 TAIL=40 step fp8-linear 120 python3 benchmarks/fp8_block_linear.py
-TAIL=5 step step-fp8-blocks 60 python3 benchmarks/decode_step.py --model default-fp8 --batch-sizes 1 256
-TAIL=5 step step-bf16 60 python3 benchmarks/decode_step.py --batch-sizes 1 256
+# the decode step, bf16 against block-FP8 with the same weights, and their logits' cosine: the embedded default
+# (Qwen3-0.6B's shape) and Qwen3-8B's (issue 50's target shape; ~26 GB written on first use, ~3 minutes)
+TAIL=12 step steps-fp8-blocks 300 python3 benchmarks/model_shapes.py --shapes qwen3-0.6b qwen3-8b --fp8-blocks \
+  --batch-sizes 1 256 --iters 30
