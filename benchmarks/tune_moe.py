@@ -38,6 +38,8 @@ def candidates(tokens: int, topk: int, num_experts: int, grid: dict):
         config = dict(zip(grid, values))
         if config["BLOCK_M"] > 16 and config["BLOCK_M"] > 4 * per_expert:
             continue
+        if config.get("fp8_wgmma") and config["BLOCK_M"] < 64:  # below 64 rows Triton runs mma.sync either way
+            continue
         yield config
 
 
@@ -87,6 +89,8 @@ def main(args: argparse.Namespace) -> None:
     if block:  # the kernel takes BLOCK_K = block_k and BLOCK_N <= block_n: the other axes get the room
         grid = grid | dict(BLOCK_N=tuple(n for n in GRID["BLOCK_N"] if n <= block[0]), BLOCK_K=(block[1],),
                            num_stages=GRID["num_stages"] + (5,))
+    if args.fp8_wgmma:
+        grid = grid | dict(fp8_wgmma=(False, True))
     best_of = {}
     if args.resume and os.path.exists(path):
         with open(path) as f:
@@ -131,12 +135,17 @@ parser.add_argument("--quick", action="store_true", help="a 16-config grid (minu
 parser.add_argument("--fp8", action="store_true", help="FP8 experts (e4m3 weights): their own file")
 parser.add_argument("--block-fp8", action="store_true",
                     help="a block-FP8 checkpoint's experts (e4m3, a scale per 128 x 128 block): their own file")
+parser.add_argument("--fp8-wgmma", action="store_true",
+                    help="FP8 experts: also try BLOCK_M >= 64 on the e4m3 wgmma (`fp8_wgmma`, the sum promoted every K "
+                         "block) -- only once benchmarks/fp8_moe_accuracy.py shows it keeps the reference's accuracy")
 parser.add_argument("--out", help="where to write the JSON (default: the file moe_config reads)")
 parser.add_argument("--resume", action="store_true", help="keep the buckets the file has (it is written after each "
                     "bucket) and tune the others")
 
 if __name__ == "__main__":
     args = parser.parse_args()
+    if args.fp8_wgmma and not (args.fp8 or args.block_fp8):
+        sys.exit("--fp8-wgmma is for FP8 experts: add --fp8 or --block-fp8")
     if not torch.cuda.is_available():
         sys.exit("tune_moe.py times kernels on a CUDA GPU; none is visible")
     main(args)

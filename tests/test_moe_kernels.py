@@ -185,6 +185,10 @@ def test_fp8_experts_are_the_dequantized_experts_weight_only_and_w8a8_on_the_ali
         torch.testing.assert_close(moe.fused_moe_gemv_triton(x, q13, q2, weights, ids, **scales), weight_only, **TOL)
     w8a8 = moe.fused_moe_ref(x, q13, q2, weights, ids, **scales, w8a8=True)
     torch.testing.assert_close(moe.fused_moe_triton(x, q13, q2, weights, ids, config=SMALL, **scales), w8a8, **TOL)
+    # BLOCK_M 64 with `fp8_wgmma`: each K block's product summed from zero into the float32 sum (on the GPU the e4m3
+    # wgmma; benchmarks/fp8_moe_accuracy.py), the same arithmetic up to the order of float32 sums
+    promoted = dict(SMALL, BLOCK_M=64, fp8_wgmma=True)
+    torch.testing.assert_close(moe.fused_moe_triton(x, q13, q2, weights, ids, config=promoted, **scales), w8a8, **TOL)
     torch.testing.assert_close(moe.fused_moe_ref(x, q13, q2, weights, ids, **scales),
                                w8a8 if T > moe.GEMV_MAX_TOKENS else weight_only, rtol=0, atol=0)  # the default
     activations_quantized = (w8a8 - weight_only).abs().max()
@@ -257,7 +261,8 @@ def test_gemm_skips_unused_blocks_and_writes_only_real_slots():
     moe._moe_gemm[(expert_ids.numel(), 2)](x, x, w13, x, inter, sorted_ids, expert_ids, x, I, H, T * K, K,
                                            x.stride(0), 0, w13.stride(0), w13.stride(1), 0, 0, inter.stride(0),
                                            GATED=True, MUL_WEIGHT=False, HAS_SCALE=False, A_FP8=False,
-                                           SCALE_BLOCK_N=0, F32_DOT=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, PDL=False)
+                                           SCALE_BLOCK_N=0, F32_DOT=True, FP8_WGMMA=False, BLOCK_M=16, BLOCK_N=16,
+                                           BLOCK_K=16, PDL=False)
     flat = ids.reshape(-1).long()
     gu = torch.einsum("sh,sih->si", x[torch.arange(T * K) // K], w13[flat])
     torch.testing.assert_close(inter, F.silu(gu[:, :I]) * gu[:, I:], **TOL)
@@ -407,6 +412,21 @@ def test_tuner_imports_and_prints_help():
     assert "--experts" in result.stdout and "--intermediate" in result.stdout and "--hidden" in result.stdout
 
 
+def test_the_tuner_tries_the_fp8_wgmma_only_where_triton_would_run_it():
+    """`fp8_wgmma` changes nothing below BLOCK_M 64 (mma.sync either way): the tuner does not time those twins."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import tune_moe
+
+    grid = tune_moe.GRID | dict(fp8_wgmma=(False, True))
+    configs = list(tune_moe.candidates(4096, 8, 128, grid))
+    wgmma = [c for c in configs if c["fp8_wgmma"]]
+    assert wgmma and all(c["BLOCK_M"] >= 64 for c in wgmma)
+    assert {c["BLOCK_M"] for c in configs if not c["fp8_wgmma"]} == set(tune_moe.GRID["BLOCK_M"])
+
+
 def test_a_tensor_parallel_rank_looks_up_the_file_of_its_shard(monkeypatch):
     """Under --tp N each rank holds I/N of every expert's features: its GEMMs read the tuned file of that width
     (benchmarks/tune_moe.py --intermediate I/N), found by the shard's own shape."""
@@ -440,5 +460,7 @@ def test_block_fp8_experts_on_the_aligned_gemms_are_the_block_reference(T, kind)
     want = moe.fused_moe_ref(x, q13, q2, weights, ids, **scales)
     got = moe.fused_moe_triton(x, q13, q2, weights, ids, config=dict(SMALL, BLOCK_N=256), **scales)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    wgmma = moe.fused_moe_triton(x, q13, q2, weights, ids, config=dict(SMALL, BLOCK_M=64, fp8_wgmma=True), **scales)
+    torch.testing.assert_close(wgmma, want, rtol=1e-5, atol=1e-5)
     exact = moe.fused_moe_ref(x, w13, w2, weights, ids)
     assert 0 < (got - exact).abs().max() < 0.1 * exact.abs().max()  # FP8's rounding, not garbage

@@ -227,9 +227,10 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 @triton.jit
 def _dot(a, w, acc, F32_DOT: tl.constexpr, EXACT_FP8: tl.constexpr):
-    """acc + a @ w.T, a [M, K] and w [N, K] tiles. EXACT_FP8 (e4m3 tiles, BLOCK_M >= 64): converted exactly to bf16
-    first -- at that size Triton multiplies e4m3 on Hopper's wgmma, whose reduced-precision sum gave 2e-2 relative
-    error at 64 tokens, even with `max_num_imprecise_acc` at the tile (BLOCK_M 16 runs mma.sync, exact sums)."""
+    """acc + a @ w.T, a [M, K] and w [N, K] tiles. EXACT_FP8 (e4m3 tiles, BLOCK_M >= 64, unless the configuration
+    says `fp8_wgmma`): converted exactly to bf16 first -- at that size Triton multiplies e4m3 on Hopper's wgmma, whose
+    reduced-precision sum gave 2e-2 relative error at 64 tokens against the W8A8 reference, even with
+    `max_num_imprecise_acc` at the tile (BLOCK_M 16 runs mma.sync, exact sums)."""
     if F32_DOT:
         return tl.dot(a, tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
     if EXACT_FP8:
@@ -241,7 +242,8 @@ def _dot(a, w, acc, F32_DOT: tl.constexpr, EXACT_FP8: tl.constexpr):
 def _moe_gemm(A, A_S, W, S, OUT, SORTED, EXPERT_IDS, TOPK_W, N, K, num_slots, a_div, stride_am, stride_as,
               stride_we, stride_wn, stride_se, stride_sb, stride_om, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
               HAS_SCALE: tl.constexpr, A_FP8: tl.constexpr, SCALE_BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+              FP8_WGMMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              PDL: tl.constexpr):
     """OUT[slot, n] for the block's slots and BLOCK_N columns: A's row slot // a_div @ W[expert].T, float32 sums.
     GATED: W's rows n (gate) and N + n (up), written as silu(gate) * up. MUL_WEIGHT: times TOPK_W[slot].
     HAS_SCALE: W is e4m3 with a scale per (expert, row): each sum times S[expert, row]; A_FP8: A is e4m3 too, with a
@@ -250,6 +252,9 @@ def _moe_gemm(A, A_S, W, S, OUT, SORTED, EXPERT_IDS, TOPK_W, N, K, num_slots, a_
     experts, BLOCK_K its block_k): A_S[row, k block] and S[expert, row block, k block] instead, each K block's e4m3
     product from zero times its two scales added to the float32 sum (at BLOCK_M >= 64 as bf16, `_dot`'s EXACT_FP8: one
     block's wgmma sum alone put 8e-3 relative error on the layer's output through the second GEMM's requantization).
+    FP8_WGMMA (the configuration's `fp8_wgmma`; benchmarks/fp8_moe_accuracy.py measures it against the unquantized
+    layer): at BLOCK_M >= 64 the e4m3 tiles go to the FP8 wgmma as they are, each K block's product summed from zero
+    and added to the float32 sum (the sum promoted every BLOCK_K products, DeepGEMM's scheme), per-row scales too.
     F32_DOT: the tiles go to tl.dot as float32 (IEEE), for float32 inputs and under the interpreter, whose bf16
     tl.dot returns garbage (~1e10); a bf16 or e4m3 product is exact in float32, so only the order of the sums
     differs."""
@@ -268,6 +273,8 @@ def _moe_gemm(A, A_S, W, S, OUT, SORTED, EXPERT_IDS, TOPK_W, N, K, num_slots, a_
     ks = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    EXACT: tl.constexpr = A_FP8 and BLOCK_M >= 64 and not FP8_WGMMA
+    PROMOTED: tl.constexpr = A_FP8 and BLOCK_M >= 64 and FP8_WGMMA and not SCALE_BLOCK_N  # a fresh sum per K block
     if SCALE_BLOCK_N:  # this tile's rows of weight-scale blocks (gate's; up's N // SCALE_BLOCK_N rows of blocks on)
         a_scale_rows = A_S + (slots // a_div).to(tl.int64) * stride_as
         w_scales = S + expert.to(tl.int64) * stride_se + (tl.program_id(1) * BLOCK_N // SCALE_BLOCK_N) * stride_sb
@@ -282,19 +289,23 @@ def _moe_gemm(A, A_S, W, S, OUT, SORTED, EXPERT_IDS, TOPK_W, N, K, num_slots, a_
             w = w.to(a.dtype)
         if SCALE_BLOCK_N:
             a_s = tl.load(a_scale_rows + k0 // BLOCK_K, mask=row_ok, other=0.0)[:, None]
-            part = _dot(a, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), F32_DOT, BLOCK_M >= 64)
+            part = _dot(a, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), F32_DOT, EXACT)
             acc += part * a_s * tl.load(w_scales + k0 // BLOCK_K)
+        elif PROMOTED:
+            acc += _dot(a, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), F32_DOT, False)
         else:
-            acc = _dot(a, w, acc, F32_DOT, A_FP8 and BLOCK_M >= 64)
+            acc = _dot(a, w, acc, F32_DOT, EXACT)
         if GATED:
             u = tl.load(w_rows + N * stride_wn + (k0 + ks)[None, :], mask=w_mask, other=0.0)
             if HAS_SCALE and not A_FP8:
                 u = u.to(a.dtype)
             if SCALE_BLOCK_N:
-                part = _dot(a, u, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), F32_DOT, BLOCK_M >= 64)
+                part = _dot(a, u, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), F32_DOT, EXACT)
                 acc_up += part * a_s * tl.load(w_scales + (N // SCALE_BLOCK_N) * stride_sb + k0 // BLOCK_K)
+            elif PROMOTED:
+                acc_up += _dot(a, u, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), F32_DOT, False)
             else:
-                acc_up = _dot(a, u, acc_up, F32_DOT, A_FP8 and BLOCK_M >= 64)
+                acc_up = _dot(a, u, acc_up, F32_DOT, EXACT)
     if A_FP8 and not SCALE_BLOCK_N:
         a_scales = tl.load(A_S + (slots // a_div).to(tl.int64) * stride_as, mask=row_ok, other=0.0)[:, None]
         acc *= a_scales
@@ -588,7 +599,8 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     if blocks:
         use_pdl = pdl(x)
         launch = dict(HAS_SCALE=fp8, A_FP8=fp8, SCALE_BLOCK_N=block[0] if block else 0,
-                      F32_DOT=x.dtype == torch.float32 or not x.is_cuda, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                      F32_DOT=x.dtype == torch.float32 or not x.is_cuda, FP8_WGMMA=bool(cfg.get("fp8_wgmma")),
+                      BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                       PDL=use_pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=use_pdl)
 
         group = block[1] if block else None  # a block-FP8 checkpoint's activations: per group of block_k columns
