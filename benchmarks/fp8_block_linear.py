@@ -1,8 +1,9 @@
 """A block-FP8 projection (`fp8_block_linear_triton`: the per-token-group quantization of x, then the block GEMM) at
 Qwen3-8B's four projection shapes, beside torch._scaled_mm with row-wise scales (cuBLASLt; x already quantized) and
 bf16 F.linear (cuBLAS) in the same run, each replayed from a CUDA graph. Then the GEMV (`fp8_block_gemv_triton`, its
-quantization inside) up to 16 rows, and each of `--configs` (BLOCK_M, BLOCK_N, num_warps) of the block GEMM alone
-(x quantized beforehand), to read off GEMV_MAX_ROWS and the best configuration by M.
+quantization inside) up to 16 rows, and each of `--configs` (BLOCK_M, BLOCK_N, num_warps, and the shares K is split
+into: 1 none, left out the served rule, `block_gemm_split`) of the block GEMM alone (x quantized beforehand), to read
+off GEMV_MAX_ROWS, the best configuration by M and whether the split pays.
 
     python3 benchmarks/fp8_block_linear.py
     python3 benchmarks/fp8_block_linear.py --m 1 16 64 256 2048 --configs 16,64,4 16,128,4 64,128,4 64,64,4 128,128,8
@@ -23,8 +24,9 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "dow
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 16, 64, 256, 2048])
-    parser.add_argument("--configs", nargs="*", default=["16,64,4", "16,128,4", "32,64,4", "64,64,4", "64,128,4",
-                                                         "128,128,8"])
+    parser.add_argument("--configs", nargs="*", default=["16,64,4,1", "64,64,4,1", "64,128,4,1", "64,128,4,2",
+                                                         "64,128,4,4", "64,128,4,8", "64,128,4", "128,128,8"],
+                        help="BLOCK_M,BLOCK_N,num_warps[,shares of K]; without the fourth, block_gemm_split's")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("fp8_block_linear.py times kernels on a CUDA GPU; none is visible")

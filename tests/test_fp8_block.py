@@ -119,6 +119,39 @@ def test_the_block_gemm_kernel_is_the_block_linear_reference(tokens, n, k):
     assert not torch.allclose(got, fp8_block_linear_ref(x, weight, scale_inv), rtol=1e-5, atol=1e-4)  # the bias
 
 
+@pytest.mark.parametrize("split_k", [2, 3, 5])
+def test_the_block_gemm_split_over_k_is_the_reference_and_leaves_its_counters_zero(split_k):
+    """K cut into shares (5 blocks in 3 shares: 2, 2, 1), each program's share into a float32 partial, the last of a
+    tile's shares to arrive summing them in order: the reference up to float32 order, bias added once, partial
+    tiles at the M and N edges, and every arrival counter zero again for the next launch."""
+    from tsdev_kernels.ops import split_arrivals
+    from tsdev_kernels.ops.fp8_block import fp8_block_gemm_triton
+
+    g = torch.Generator().manual_seed(split_k)
+    tokens, n, k = 20, 200, 600
+    weight, scale_inv = quantize_fp8_blocks(torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g))
+    x, bias = torch.randn(tokens, k, generator=g) * 3, torch.randn(n, generator=g)
+    xq, x_scale = quantize_fp8_token_groups(x)
+    want = fp8_block_linear_ref(x, weight, scale_inv, bias=bias)
+    for _ in range(2):  # the second launch finds the counters the first left
+        got = fp8_block_gemm_triton(xq, x_scale, weight, scale_inv, bias=bias, out_dtype=torch.float32,
+                                    config=(16, 64, 4, split_k))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert not split_arrivals(x.device, 8).any()
+
+
+def test_the_split_over_k_fills_the_gpu_only_where_the_tiles_do_not():
+    """On the H200 (132 SMs) at Qwen3-8B's projections, 64 x 128 tiles: o and down (32 tiles at M <= 64) in 4 shares,
+    q|k|v (48) in 2, gate|up (192) and every projection at M 256 (128+ tiles) unsplit; never a share under 4 blocks."""
+    from tsdev_kernels.ops.fp8_block import block_gemm_split
+
+    def split(m, n, k):
+        return block_gemm_split(-(-m // 64) * -(-n // 128), -(-k // 128), 132)
+    assert [split(16, n, k) for n, k in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))] == [2, 4, 1, 4]
+    assert [split(256, n, k) for n, k in ((6144, 4096), (4096, 4096), (4096, 12288))] == [1, 1, 1]
+    assert split(1, 4096, 1024) == 2 and split(1, 128, 512) == 1  # 8 blocks: 2 shares of 4; 4 blocks: one
+
+
 @pytest.mark.parametrize("tokens, n, k", [(1, 256, 384), (2, 200, 300), (1, 130, 1000)])
 def test_the_block_gemv_quantizes_inside_and_is_the_block_linear_reference(tokens, n, k):
     """One launch for a few tokens: each group quantized in the kernel, then the blockwise sum; values e4m3 holds

@@ -221,7 +221,7 @@ def record_launches() -> dict[str, tuple]:
             finally:
                 attention._prefill_kernel = kernel.fn
             recorded[f"{shape} tp{tp} prefill{pool}"] = (kernel.fn, *kernel.launches[0])
-    return recorded | record_mla_launches()
+    return recorded | record_mla_launches() | record_block_fp8_launches()
 
 
 def record_mla_launches() -> dict[str, tuple]:
@@ -262,6 +262,29 @@ def record_mla_launches() -> dict[str, tuple]:
     return recorded
 
 
+def record_block_fp8_launches() -> dict[str, tuple]:
+    """The block-FP8 GEMM (`fp8_block_gemm_triton`) at Qwen3-8B's o and q|k|v projections as a block-FP8 checkpoint
+    serves them on the H200: unsplit at M 256, split over K as `block_gemm_split` picks at M 16 (4 and 2 shares),
+    multiplied on the FP8 tensor cores (F32_DOT off: the meta tensors are not on CUDA)."""
+    from tsdev_kernels.ops import fp8_block
+
+    recorded = {}
+    for name, m, n, k in (("o", 256, 4096, 4096), ("o", 16, 4096, 4096), ("qkv", 16, 6144, 4096)):
+        bm, bn, warps = fp8_block.block_gemm_config(m)
+        split = fp8_block.block_gemm_split(-(-m // bm) * -(-n // bn), k // 128, H200_SMS)
+        kernel = fp8_block._block_gemm_kernel = Recorder(fp8_block._block_gemm_kernel)
+        try:
+            e4m3, scales = torch.float8_e4m3fn, torch.float32
+            fp8_block.fp8_block_gemm_triton(meta(m, k, dtype=e4m3), meta(m, k // 128, dtype=scales),
+                                            meta(n, k, dtype=e4m3), meta(n // 128, k // 128, dtype=scales),
+                                            config=(bm, bn, warps, split))
+        finally:
+            fp8_block._block_gemm_kernel = kernel.fn
+        args, kwargs = kernel.launches[0]
+        recorded[f"qwen3-8b block-fp8 {name} M {m} split {split}"] = (kernel.fn, args, kwargs | dict(F32_DOT=False))
+    return recorded
+
+
 def compile_sm90(fn, signature, constexprs, attrs, options) -> dict[str, int]:
     """Registers, stack and local memory per thread of the sm_90 binary (cuobjdump -res-usage of the cubin)."""
     import triton
@@ -296,7 +319,7 @@ def main(shard: int, shards: int) -> None:
         usage = compile_sm90(fn, *specialise(fn, args, kwargs))
         for label in labels:
             config = {k: v for k, v in launches[label][2].items()
-                      if k.startswith("BLOCK") or k in ("num_warps", "SPLIT")}
+                      if k.startswith("BLOCK") or k in ("num_warps", "SPLIT", "SPLIT_K")}
             print(json.dumps({"label": label, "kernel": fn.__name__, **config, **usage}), flush=True)
 
 

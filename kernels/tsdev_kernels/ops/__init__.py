@@ -95,6 +95,25 @@ def use_fused_triton(x: torch.Tensor, *families: str) -> bool:
     return x.is_cuda and not any(family in choices for family in families)
 
 
+_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def split_arrivals(device: torch.device, count: int) -> torch.Tensor:
+    """Zeroed int32 counters in which the programs of a split launch count their arrival (decode attention: one per
+    (sequence, KV head); the block-FP8 GEMM's split-K: one per output tile); the last to arrive merges the splits and
+    zeroes its counter, so all are zero again after each launch. Kept for the process's life (captured graphs hold
+    their address); a larger count adds a larger buffer, never inside a capture. Shared by every split launch on the
+    device: two of them running at once on two streams would mix their counts (the engine steps one model at a time
+    on one thread, each kernel waiting for the one before: `wait_for_previous`)."""
+    buffers = _ARRIVALS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"a split kernel needs {count} arrival counters while a CUDA graph is captured: "
+                               "run the batch size once eagerly before capturing it")
+        buffers.append(torch.zeros(max(count, 4096), dtype=torch.int32, device=device))
+    return buffers[-1]
+
+
 @functools.lru_cache
 def sm_count(device_index: int) -> int:
     """Streaming multiprocessors of a CUDA device (kernels size their grids by it)."""

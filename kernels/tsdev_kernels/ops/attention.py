@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from tsdev_kernels.checks import KernelCheck, Tolerance
-from tsdev_kernels.ops import pdl, sm_count, use_triton, wait_for_previous
+from tsdev_kernels.ops import pdl, sm_count, split_arrivals, use_triton, wait_for_previous
 
 LOG2E = 1.4426950408889634
 FP8_KV_DTYPE, FP8_MAX = torch.float8_e4m3fn, 448.0  # an fp8 KV cache (--kv-cache-dtype fp8): e4m3, +-448
@@ -271,24 +271,6 @@ def _decode_kernel(
         out = acc / l_i[:, None]
         tl.store(O + row * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty),
                  mask=hd_mask)
-
-
-_ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def split_arrivals(device: torch.device, count: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per (sequence, KV head), that the decode kernel's splits count their arrival
-    in; the merging split zeroes its own, so all are zero again after each launch. Kept for the process's life
-    (captured graphs hold their address); a larger batch adds a larger buffer, never inside a capture. Shared by
-    every decode launch on the device: two of them running at once on two streams would mix their counts (the
-    engine steps one model at a time on one thread)."""
-    buffers = _ARRIVALS.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"decode attention needs {count} split counters while a CUDA graph is captured: "
-                               "run the batch size once eagerly before capturing it")
-        buffers.append(torch.zeros(max(count, 4096), dtype=torch.int32, device=device))
-    return buffers[-1]
 
 
 def decode_splits(batch: int, num_kv_heads: int, sms: int) -> int:

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tsdev_kernels.ops import pdl, sm_count, use_triton, wait_for_previous
+from tsdev_kernels.ops import pdl, sm_count, split_arrivals, use_triton, wait_for_previous
 from tsdev_kernels.ops.linear import gemv_config
 
 E4M3 = torch.float8_e4m3fn
@@ -117,12 +117,16 @@ def quantize_fp8_token_groups_triton(x: torch.Tensor, group: int = BLOCK[1]) -> 
 
 
 @triton.jit
-def _block_gemm_kernel(A, A_S, W, W_S, B, OUT, M, N, K, stride_am, stride_as, stride_wn, stride_ws, stride_om,
-                       BLOCK_N_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, F32_DOT: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _block_gemm_kernel(A, A_S, W, W_S, B, OUT, PART, ARRIVED, M, N, K, stride_am, stride_as, stride_wn, stride_ws,
+                       stride_om, stride_part, BLOCK_N_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLIT_K: tl.constexpr, PDL: tl.constexpr):
     """OUT[m, n] for a BLOCK_M x BLOCK_N tile: over the K blocks (BLOCK_K = the checkpoint's block_k), the e4m3 tiles'
     product from zero, times A_S[m, block] and W_S[n // BLOCK_N_SCALE, block], added to a float32 sum; plus the bias,
     rounded once. BLOCK_N divides BLOCK_N_SCALE, so a tile's columns share one weight scale per K block.
+    SPLIT_K > 1 (axis 2): each program sums its share of the K blocks into PART[split, m, n] (float32); the last of a
+    tile's splits to arrive (ARRIVED: `split_arrivals`) adds the shares in split order -- the same result whichever
+    arrives last -- and writes the tile (attention.py's split merge: stored before the count is raised, read after).
     F32_DOT: the tiles multiplied as float32 (the interpreter; e4m3 products are exact in float32)."""
     wait_for_previous(PDL)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -133,7 +137,10 @@ def _block_gemm_kernel(A, A_S, W, W_S, B, OUT, M, N, K, stride_am, stride_as, st
     w_rows = W + cols[:, None].to(tl.int64) * stride_wn
     w_scales = W_S + (tl.program_id(1) * BLOCK_N // BLOCK_N_SCALE) * stride_ws
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for block in range(0, tl.cdiv(K, BLOCK_K)):
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    share = tl.cdiv(k_blocks, SPLIT_K)
+    first = tl.program_id(2) * share
+    for block in range(first, tl.minimum(first + share, k_blocks)):
         k = block * BLOCK_K + ks
         a = tl.load(a_rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
         w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & (k < K)[None, :], other=0.0)
@@ -143,10 +150,27 @@ def _block_gemm_kernel(A, A_S, W, W_S, B, OUT, M, N, K, stride_am, stride_as, st
             part = tl.dot(a, tl.trans(w))
         a_s = tl.load(A_S + rows.to(tl.int64) * stride_as + block, mask=row_ok, other=0.0)
         acc += part * a_s[:, None] * tl.load(w_scales + block)
-    if HAS_BIAS:
-        acc += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(OUT + rows[:, None].to(tl.int64) * stride_om + cols[None, :], acc.to(OUT.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+    tile_mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K > 1:
+        tile = rows[:, None].to(tl.int64) * N + cols[None, :]  # in PART[split]: [M, N]
+        tl.store(PART + tl.program_id(2) * stride_part + tile, acc, mask=tile_mask)
+        tl.debug_barrier()
+        counter = ARRIVED + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+            tl.debug_barrier()
+            tl.store(counter, 0)  # zero again for the next launch
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for split in range(SPLIT_K):
+                acc += tl.load(PART + split * stride_part + tile, mask=tile_mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                acc += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(OUT + rows[:, None].to(tl.int64) * stride_om + cols[None, :], acc.to(OUT.dtype.element_ty),
+                     mask=tile_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(OUT + rows[:, None].to(tl.int64) * stride_om + cols[None, :], acc.to(OUT.dtype.element_ty),
+                 mask=tile_mask)
 
 
 @triton.jit
@@ -228,24 +252,46 @@ def block_gemm_config(rows: int) -> tuple[int, int, int]:
     return (64, 128, 4)
 
 
+MAX_SPLIT_K, MIN_SPLIT_BLOCKS = 8, 4  # at most 8 shares of K, each of at least 4 blocks (512 columns)
+
+
+def block_gemm_split(tiles: int, k_blocks: int, sms: int) -> int:
+    """Shares of K for a block GEMM of `tiles` output tiles over `k_blocks` K blocks on `sms` SMs: as many as keep
+    every tile's programs within one wave (tiles x split <= sms), at most MAX_SPLIT_K, each share at least
+    MIN_SPLIT_BLOCKS blocks; 1 (no split) once the tiles alone fill the GPU. A skinny M's projection has few tiles
+    (Qwen3-8B's o and down at M <= 64: 32 of 64 x 128 on 132 SMs), and each tile's program streams its weight
+    columns alone: at M 1, 18.6 / 55.9 us for o / down against _scaled_mm's 12.9 / 37.5 (docs/results.md). Not
+    measured split yet (`benchmarks/fp8_block_linear.py --configs 64,128,4,4`)."""
+    split = min(MAX_SPLIT_K, sms // max(tiles, 1), k_blocks // MIN_SPLIT_BLOCKS)
+    return max(1, split)
+
+
 def fp8_block_gemm_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
                           weight_scale_inv: torch.Tensor, block: tuple[int, int] = BLOCK,
                           bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-                          config: tuple[int, int, int] | None = None) -> torch.Tensor:
+                          config: tuple[int, ...] | None = None) -> torch.Tensor:
     """xq [T, K] e4m3 with its group scales [T, ceil(K / block_k)] (`quantize_fp8_token_groups`) @ the block-FP8
-    weight [N, K].T (+ bias) -> [T, N] in out_dtype: `_block_gemm_kernel`, config (BLOCK_M, BLOCK_N, num_warps)."""
+    weight [N, K].T (+ bias) -> [T, N] in out_dtype: `_block_gemm_kernel`, config (BLOCK_M, BLOCK_N, num_warps) and
+    optionally the shares of K (default `block_gemm_split` on CUDA, 1 elsewhere)."""
     block_n, block_k = block
     t, n, k = xq.shape[0], weight.shape[0], weight.shape[1]
     out = torch.empty(t, n, dtype=out_dtype, device=xq.device)
-    bm, bn, warps = config or block_gemm_config(t)
+    bm, bn, warps, *split = config or block_gemm_config(t)
     bn = min(bn, block_n)
+    grid = (triton.cdiv(t, bm), triton.cdiv(n, bn))
+    k_blocks = triton.cdiv(k, block_k)
+    split_k = split[0] if split else (block_gemm_split(grid[0] * grid[1], k_blocks, sm_count(xq.device.index or 0))
+                                      if xq.is_cuda else 1)
+    split_k = max(1, min(split_k, k_blocks))
     if t:
         use_pdl = pdl(xq)
-        _block_gemm_kernel[(triton.cdiv(t, bm), triton.cdiv(n, bn))](
-            xq, x_scale, weight, weight_scale_inv, bias if bias is not None else x_scale, out, t, n, k, xq.stride(0),
-            x_scale.stride(0), weight.stride(0), weight_scale_inv.stride(0), out.stride(0), BLOCK_N_SCALE=block_n,
-            HAS_BIAS=bias is not None, F32_DOT=not xq.is_cuda, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, PDL=use_pdl,
-            num_warps=warps, launch_pdl=use_pdl)
+        part = torch.empty((split_k, t, n) if split_k > 1 else (1,), dtype=torch.float32, device=xq.device)
+        arrived = split_arrivals(xq.device, grid[0] * grid[1]) if split_k > 1 else part
+        _block_gemm_kernel[(*grid, split_k)](
+            xq, x_scale, weight, weight_scale_inv, bias if bias is not None else x_scale, out, part, arrived, t, n, k,
+            xq.stride(0), x_scale.stride(0), weight.stride(0), weight_scale_inv.stride(0), out.stride(0), t * n,
+            BLOCK_N_SCALE=block_n, HAS_BIAS=bias is not None, F32_DOT=not xq.is_cuda, BLOCK_M=bm, BLOCK_N=bn,
+            BLOCK_K=block_k, SPLIT_K=split_k, PDL=use_pdl, num_warps=warps, launch_pdl=use_pdl)
     return out
 
 
