@@ -90,12 +90,13 @@ class GraphSet:
 
 class _Staging:
     """A step's inputs on the host, as int32 words (pinned on CUDA: the copy to the device is a plain asynchronous DMA)
-    and the event after that copy: the buffer is not written again before the copy read it."""
+    and, on CUDA, the event recorded after each copy (one event, recorded again each time): the buffer is not written
+    again before the copy read it."""
 
-    def __init__(self, words: int, pinned: bool):
-        self.buffer = torch.zeros(words, dtype=torch.int32, pin_memory=pinned)
+    def __init__(self, words: int, on_cuda: bool):
+        self.buffer = torch.zeros(words, dtype=torch.int32, pin_memory=on_cuda)
         self.words = self.buffer.numpy()
-        self.copied: "torch.cuda.Event | None" = None
+        self.copied = torch.cuda.Event() if on_cuda else None  # synchronize() before a record returns at once
 
     def reusable(self) -> np.ndarray:
         if self.copied is not None:
@@ -211,8 +212,7 @@ class DecodeGraphs(GraphSet):
         if stale_rows:
             words[10 * size : end].reshape(stale_rows, stale_cols)[:] = self.host_table[:stale_rows, :stale_cols]
         self.transfer[:end].copy_(stage.buffer[:end], non_blocking=True)
-        if self.device.type == "cuda":
-            stage.copied = torch.cuda.Event()
+        if stage.copied is not None:
             stage.copied.record()
         if stale_rows:
             self.page_table[:stale_rows, :stale_cols].copy_(self.transfer[10 * size : end].view(stale_rows, stale_cols))

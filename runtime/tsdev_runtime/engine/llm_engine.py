@@ -139,7 +139,7 @@ class LLMEngine:
         start = time.perf_counter()
         thaw_heap()
         self.config = config
-        checkpoint = checkpoint or Checkpoint.open(config)
+        checkpoint = checkpoint or self.open_checkpoint(config)
         opened = time.perf_counter() - start  # the first use of the default model writes it
         self.model_dir, self.model_config, self.max_model_len = (checkpoint.dir, checkpoint.config,
                                                                  checkpoint.max_model_len)
