@@ -9,7 +9,9 @@ reads.
 For each token bucket (1, 16, 64, 256, 1024 by default) it times `fused_moe_triton` (alignment, both GEMMs, the sum)
 on random routings, replayed from a CUDA graph (triton.testing.do_bench_cudagraph), for every config of a small
 grid, and keeps the fastest: kernels/tsdev_kernels/moe_configs/E=..,I=..,H=..,dtype=..,device=...json (--out to write
-elsewhere), written after each bucket; --resume goes on from the buckets a stopped run wrote.
+elsewhere), written after each bucket; --resume goes on from the buckets a stopped run wrote. First every kernel the
+run will time is compiled in --jobs processes at once (`precompile`; one process compiling the full grid's ~430
+binaries at about a second each would take most of ten minutes of the device's time).
 --intermediate is one rank's share of moe_intermediate_size under tensor parallelism. --fp8 tunes FP8 experts (e4m3
 weights, a scale per row; activations in --dtype) into their own file (dtype=float8_e4m3fn); --block-fp8 the experts of
 a block-FP8 checkpoint (a scale per 128 x 128 block; BLOCK_K 128 and BLOCK_N <= 128 are fixed by the blocks) into
@@ -43,12 +45,15 @@ def candidates(tokens: int, topk: int, num_experts: int, grid: dict):
         yield config
 
 
-def inputs(tokens: int, args, dtype: torch.dtype, generator: torch.Generator):
-    E, I, H, K = args.experts, args.intermediate, args.hidden, args.topk
-    x = torch.randn(tokens, H, generator=generator, device="cuda").to(dtype)
-    w13 = (torch.randn(E, 2 * I, H, generator=generator, device="cuda") * 0.02).to(dtype)
-    w2 = (torch.randn(E, H, I, generator=generator, device="cuda") * 0.02).to(dtype)
-    probs = torch.randn(tokens, E, generator=generator, device="cuda").softmax(-1)
+def inputs(tokens: int, args, dtype: torch.dtype, generator: torch.Generator, experts: int | None = None):
+    """x, w13, w2, router weights, ids and `fused_moe`'s scales for `tokens` tokens on the generator's device;
+    `experts` (default --experts) fewer for `precompile`: the kernels' binaries do not depend on it."""
+    E, I, H, K = experts or args.experts, args.intermediate, args.hidden, args.topk
+    device = generator.device
+    x = torch.randn(tokens, H, generator=generator, device=device).to(dtype)
+    w13 = (torch.randn(E, 2 * I, H, generator=generator, device=device) * 0.02).to(dtype)
+    w2 = (torch.randn(E, H, I, generator=generator, device=device) * 0.02).to(dtype)
+    probs = torch.randn(tokens, E, generator=generator, device=device).softmax(-1)
     weights, ids = probs.topk(K, dim=-1)
     scales = {}
     if args.fp8:
@@ -59,6 +64,47 @@ def inputs(tokens: int, args, dtype: torch.dtype, generator: torch.Generator):
                                 for w in (w13, w2))
         scales = dict(w13_scale=s13, w2_scale=s2, block=fp8_block.BLOCK)
     return x, w13, w2, (weights / weights.sum(-1, keepdim=True)).float(), ids.int(), scales
+
+
+def precompile(args, work: list[tuple[int, dict]], jobs: int, device: str = "cuda") -> int:
+    """Compile the kernels of every (tokens, config) in `work` in `jobs` processes at once before anything is timed:
+    compiling is most of a full grid's time on one process (two GEMM binaries per config, about a second each), and
+    what the workers compile lands in Triton's cache on disk, which the timing process then loads. Each worker runs
+    each launch once on experts of this shape but fewer of them (`compile_chunk`): the binaries depend on the
+    shapes and strides, not on the count."""
+    import concurrent.futures
+    import multiprocessing
+    import time
+
+    start = time.perf_counter()
+    chunks = [work[i::jobs] for i in range(jobs) if work[i::jobs]]
+    context = multiprocessing.get_context("spawn")  # CUDA in every worker
+    with concurrent.futures.ProcessPoolExecutor(len(chunks), mp_context=context) as pool:
+        failed = sum(pool.map(compile_chunk, [vars(args)] * len(chunks), chunks, [device] * len(chunks)))
+    print(f"compiled {len(work)} launches in {time.perf_counter() - start:.0f} s on {len(chunks)} processes"
+          f"{f' ({failed} failed: out of resources, skipped when timed)' if failed else ''}", flush=True)
+    return failed
+
+
+def compile_chunk(options: dict, chunk: list[tuple[int, dict]], device: str = "cuda") -> int:
+    """Run each (tokens, config) of `chunk` once (so Triton compiles its kernels), on max(top k, 16) experts of the
+    shape; the launches that fail (a config out of shared memory or registers). A `precompile` worker."""
+    args = argparse.Namespace(**options)
+    dtype = getattr(torch, args.dtype)
+    generator = torch.Generator(device=device).manual_seed(0)
+    experts = min(args.experts, max(args.topk, 16))
+    data, failed = {}, 0
+    for tokens, config in chunk:
+        if tokens not in data:
+            data[tokens] = inputs(tokens, args, dtype, generator, experts)
+        x, w13, w2, weights, ids, scales = data[tokens]
+        try:
+            moe.fused_moe_triton(x, w13, w2, weights, ids, config=config, **scales)
+        except Exception:  # noqa: BLE001 -- out of resources: the timing skips it too
+            failed += 1
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return failed
 
 
 def time_ms(config: dict, rep: int, x, w13, w2, weights, ids, scales) -> float | None:
@@ -96,6 +142,10 @@ def main(args: argparse.Namespace) -> None:
         with open(path) as f:
             best_of = json.load(f)
         print(f"resuming {path}: buckets {', '.join(best_of)} kept")
+    if args.jobs > 1:
+        precompile(args, [(tokens, config) for tokens in args.tokens if str(tokens) not in best_of
+                          for config in [moe.default_moe_config(tokens), *candidates(tokens, args.topk, args.experts,
+                                                                                     grid)]], args.jobs)
     for tokens in args.tokens:
         if str(tokens) in best_of:
             continue
@@ -138,6 +188,9 @@ parser.add_argument("--block-fp8", action="store_true",
 parser.add_argument("--fp8-wgmma", action="store_true",
                     help="FP8 experts: also try BLOCK_M >= 64 on the e4m3 wgmma (`fp8_wgmma`, the sum promoted every K "
                          "block) -- only once benchmarks/fp8_moe_accuracy.py shows it keeps the reference's accuracy")
+parser.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1),
+                    help="processes compiling the grid's kernels before the timing (default: %(default)s; 1: compile "
+                         "each as it is first timed)")
 parser.add_argument("--out", help="where to write the JSON (default: the file moe_config reads)")
 parser.add_argument("--resume", action="store_true", help="keep the buckets the file has (it is written after each "
                     "bucket) and tune the others")

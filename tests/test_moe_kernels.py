@@ -427,6 +427,25 @@ def test_the_tuner_tries_the_fp8_wgmma_only_where_triton_would_run_it():
     assert {c["BLOCK_M"] for c in configs if not c["fp8_wgmma"]} == set(tune_moe.GRID["BLOCK_M"])
 
 
+def test_the_tuner_compiles_its_grid_in_worker_processes_and_counts_the_launches_that_fail():
+    """`tune_moe.py --jobs N` runs each (tokens, config) once in N spawned processes before timing anything (so
+    Triton's cache on disk holds the binaries): every launch runs, and one that cannot compile (a BLOCK_N that is
+    not a power of two) is counted, not fatal. On CPU tensors under the interpreter here; on the GPU the same."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import tune_moe
+
+    args = argparse.Namespace(experts=4, intermediate=32, hidden=32, topk=2, dtype="float32", fp8=False,
+                              block_fp8=False)
+    good = [dict(SMALL, BLOCK_M=m) for m in (16, 32)]
+    work = [(tokens, config) for tokens in (3, 20) for config in good] + [(3, dict(SMALL, BLOCK_N=24))]
+    assert tune_moe.compile_chunk(vars(args), work, device="cpu") == 1
+    assert tune_moe.precompile(args, work, jobs=2, device="cpu") == 1
+
+
 def test_a_tensor_parallel_rank_looks_up_the_file_of_its_shard(monkeypatch):
     """Under --tp N each rank holds I/N of every expert's features: its GEMMs read the tuned file of that width
     (benchmarks/tune_moe.py --intermediate I/N), found by the shard's own shape."""
