@@ -3,6 +3,7 @@ attention reports the bandwidth it achieves next to its time).
 
     python3 benchmarks/kernels_bench.py            # everything, a markdown table on stdout
     python3 benchmarks/kernels_bench.py --only attention sampling --sweep
+    python3 benchmarks/kernels_bench.py --sweep-rows 64 139 256   # the row-tiled Triton GEMM against cuBLAS
 
 Times are per call, GPU time from CUDA events. "graph" replays a CUDA graph of the op's calls back to back,
 on distinct inputs so that L2 holds about what a real step's would (4 inputs for the row ops, 28 weights
@@ -17,6 +18,7 @@ import os
 import sys
 
 import torch
+import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from benchmarks.decode_step import copy_bandwidth
@@ -266,6 +268,28 @@ def bench_linear(bw: float, sweep: bool) -> None:
                                    for name, n, k, _ in PROJECTIONS])
 
 
+def sweep_rows(batches: list[int]) -> None:
+    """At decode batches past SKINNY_ROWS every projection goes to cuBLAS (~6-7 us each at 139 rows on the H200,
+    ~0.73 ms a step, against a ~0.2 ms read of the weights: docs/results.md): the skinny kernel tiled over rows
+    (`skinny_triton(block_m=...)`, with programmatic dependent launch) over a small grid at each batch, against
+    cuBLAS, 28 weights per projection, ranked by one step's projection time."""
+    weights = {name: [rand(n, k, scale=k ** -0.5) for _ in range(min(calls, 28))] for name, n, k, calls in PROJECTIONS}
+    for m in batches:
+        rows = {k: rand(m, k) for _, _, k, _ in PROJECTIONS}
+        per_step = {}
+        for bm, bn, bk, warps, stages in itertools.product((32, 64, 128), (32, 64, 128), (64, 128), (4, 8), (3, 4)):
+            if bm > 2 * triton.next_power_of_2(m) or (bm == 128 and warps == 4):
+                continue
+            times = [graph_ms([lambda w=w, x=rows[k]: linear.skinny_triton(x, w, None, bn, bk, warps, stages,
+                                                                             block_m=bm) for w in weights[name]])
+                     for name, n, k, _ in PROJECTIONS]
+            per_step[(bm, bn, bk, warps, stages)] = (
+                sum((t or float("inf")) * c for t, (*_, c) in zip(times, PROJECTIONS)), times)
+        print_sweep(f"rows M={m} (block_m, block_n, block_k, warps, stages)", per_step,
+                    [graph_ms([lambda w=w, x=rows[k]: linear.linear_ref(x, w) for w in weights[name]])
+                     for name, n, k, _ in PROJECTIONS])
+
+
 def print_sweep(title: str, per_step: dict, cublas: list[float]) -> None:
     """The best configurations by one step's projection time, the best per projection, and cuBLAS's."""
     names = " ".join(name for name, *_ in PROJECTIONS)
@@ -286,7 +310,12 @@ def main() -> None:
                         choices=["rows", "linear", "attention", "sampling"])
     parser.add_argument("--sweep", action="store_true",
                         help="time the configurations of the linear and attention kernels")
+    parser.add_argument("--sweep-rows", type=int, nargs="*", metavar="M",
+                        help="only the row-tiled Triton GEMM against cuBLAS at these decode batches (e.g. 64 139 256)")
     args = parser.parse_args()
+    if args.sweep_rows:
+        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, Triton {triton.__version__}")
+        return sweep_rows(args.sweep_rows)
     bw = copy_bandwidth(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, copy bandwidth {bw / 1e9:.0f} GB/s\n")
     print("| op | shape | ref graph us | ref eager us | triton graph us | triton eager us | speedup | bandwidth |")

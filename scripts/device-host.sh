@@ -5,11 +5,18 @@
 # machines (fresh calls) for the spread; each log under $OUT, the tails printed.
 #   run: source scripts/device-setup.sh; bash scripts/device-host.sh [offline]      (carry .whl and .debs)
 # `offline`: the offline runs and decode at batch 1 alone (~3 minutes: the second machine's figures for the spread).
+# `gpu-work`: where a ~139-row decode step's GPU time goes (the offline run is GPU-bound), and the row-tiled Triton
+# GEMM against cuBLAS at decode batches (~6 minutes).
 set -u
 out=${OUT:-/tmp/device-out}
 mkdir -p "$out"
 source "$(dirname "$0")/device-check.sh" --steps-only
 echo "host: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)"
+if [ "${1:-}" = gpu-work ]; then  # what the GPU spends a ~139-row decode step on, and the projections' alternative
+  TAIL=40 step breakdown 120 python3 benchmarks/decode_step.py --batch-sizes 136 --context 1024 --breakdown
+  TAIL=60 step sweep-rows 300 python3 benchmarks/kernels_bench.py --sweep-rows 64 139 256
+  exit 0
+fi
 TAIL=14 step offline-bf16 240 python3 benchmarks/offline_throughput.py
 TAIL=14 step offline-fp8 240 python3 benchmarks/offline_throughput.py --kv-cache-dtype fp8
 TAIL=10 step decode-1 120 python3 benchmarks/decode_step.py --batch-sizes 1 --iters 200

@@ -117,6 +117,15 @@ def test_skinny_linear(M, N, K, block_n, block_k, bias):
     torch.testing.assert_close(got, linear.linear_ref(x, w, b), **TOL)
 
 
+@pytest.mark.parametrize("M, block_m", [(40, 16), (139, 64)])
+def test_the_skinny_kernel_tiles_more_rows_than_one_block(M, block_m):
+    """Rows past one tile (the kernels_bench.py sweep against cuBLAS at decode batches): each program its block_m rows,
+    the last tile partial."""
+    x, w, b = torch.randn(M, 72), torch.randn(33, 72), torch.randn(33)
+    got = linear.skinny_triton(x, w, b, block_n=16, block_k=32, block_m=block_m)
+    torch.testing.assert_close(got, linear.linear_ref(x, w, b), **TOL)
+
+
 def fp8_weight(N, K):
     """An e4m3 weight with per-row scales from fresh random rows of different magnitudes."""
     q, s = fp8.quantize_fp8_rows(torch.randn(N, K) * torch.rand(N, 1).add(0.1) * 4)

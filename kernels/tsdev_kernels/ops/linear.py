@@ -165,7 +165,7 @@ def _skinny_kernel(X, W, B, S, OUT, M, N, K, stride_xm, stride_wn, stride_om, HA
                    BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.arange(0, BLOCK_M)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     ks = tl.arange(0, BLOCK_K)
     col_ok, row_ok = cols < N, rows < M
     w_rows = W + cols[:, None].to(tl.int64) * stride_wn
@@ -187,25 +187,24 @@ def _skinny_kernel(X, W, B, S, OUT, M, N, K, stride_xm, stride_wn, stride_om, HA
 
 def skinny_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int = 16,
                   block_k: int = 256, num_warps: int = 2, num_stages: int = 4,
-                  weight_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] with at most 16 rows, weight [N, K] -> [..., N]: rows padded to 16 for tl.dot. weight_scale:
-    as gemv_triton's."""
+                  weight_scale: torch.Tensor | None = None, block_m: int = 16) -> torch.Tensor:
+    """x [..., K], weight [N, K] -> [..., N]: one program per BLOCK_N columns and block_m rows (rows padded to 16 for
+    tl.dot at the served 2..SKINNY_ROWS; more rows, up to a decode batch, for benchmarks/kernels_bench.py's sweep
+    against cuBLAS). weight_scale: as gemv_triton's."""
     K, N = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    if M > 16:
-        raise ValueError(f"skinny_triton multiplies at most 16 rows; x has {M}")
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M:
         use_pdl = pdl(x)
-        _skinny_kernel[(triton.cdiv(N, block_n),)](
+        _skinny_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
             x2, weight, bias if bias is not None else weight, weight_scale if weight_scale is not None else weight,
             out, M, N, K, x2.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-            HAS_SCALE=weight_scale is not None, IEEE=x.dtype == torch.float32, BLOCK_M=16, BLOCK_N=block_n,
+            HAS_SCALE=weight_scale is not None, IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_K=block_k, PDL=use_pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=use_pdl,
         )
     return out.reshape(*x.shape[:-1], N)
