@@ -3,7 +3,7 @@
 # KV cache: tok/s, host ms/step, the GPU's idle share between steps), the same workload served at 256 streams with
 # and without the API process (`tsdev bench`), and decode at batch 1 against graph replay. Run it on two different
 # machines (fresh calls) for the spread; each log under $OUT, the tails printed.
-#   run: source scripts/device-setup.sh; bash scripts/device-host.sh [offline]      (carry .whl and .debs)
+#   run: source scripts/device-setup.sh; bash scripts/device-host.sh [offline|gpu-work]      (carry .whl and .debs)
 # `offline`: the offline runs and decode at batch 1 alone (~3 minutes: the second machine's figures for the spread).
 # `gpu-work`: where a ~139-row decode step's GPU time goes (the offline run is GPU-bound), and the row-tiled Triton
 # GEMM against cuBLAS at decode batches (~6 minutes).
