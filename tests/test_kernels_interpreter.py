@@ -327,6 +327,40 @@ def test_paged_attention_stores_then_attends_on_either_kernel(q_lens, monkeypatc
     torch.testing.assert_close(got, attention.paged_attention_ref(q, want_k, want_v, cu, sl, pt, 0.3), **TOL)
 
 
+@pytest.mark.parametrize("seq_lens, q_lens, decode_order", [([9, 30, 3, 20, 5, 12], [1, 1, 1, 7, 1, 12], [1, 0, 2]),
+                                                             ([9, 20, 5], [1, 7, 1], None)])
+def test_a_mixed_step_runs_its_decode_rows_on_the_decode_kernel_and_the_rest_on_the_prefill_kernel(
+        seq_lens, q_lens, decode_order, monkeypatch):
+    """The scheduler puts decodes first: with `decodes` (and `split_order`'s order) the public op runs the leading
+    one-row sequences on the decode kernel as a decode step would (storing their rows; one sequence unordered), stores
+    the other rows and runs them on the prefill kernel -- each kernel on its own sequences (the launches recorded),
+    together the reference. A one-row prefill chunk after the first longer sequence stays with the prefill kernel."""
+    monkeypatch.setattr(attention, "use_triton", lambda x, family: True)  # the Triton paths, interpreted
+    page_size, Hk = 4, 2
+    decodes, order = attention.split_order(q_lens, seq_lens)
+    assert order[:decodes] == (decode_order or [0]) and sorted(order[decodes:]) == list(range(decodes, len(q_lens)))
+    q, kc, vc, cu, sl, pt = paged_batch(seq_lens, q_lens, 4, Hk, 16, page_size)
+    T = sum(q_lens)
+    k, v = torch.randn(T, Hk, 16), torch.randn(T, Hk, 16)
+    positions = torch.cat([torch.arange(s - n, s) for s, n in zip(seq_lens, q_lens)])
+    seq = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
+    slots = pt[seq, positions // page_size].long() * page_size + positions % page_size
+    want_k, want_v = kc.clone(), vc.clone()
+    attention.store_kvcache_ref(k, v, want_k, want_v, slots)
+    launched = []
+    for name in ("paged_decode_triton", "paged_prefill_triton"):
+        kernel = getattr(attention, name)
+        monkeypatch.setattr(attention, name, lambda *a, _k=kernel, _n=name, **kw: launched.append(
+            (_n, None if kw["order"] is None else kw["order"].tolist(), kw.get("store") is not None)) or _k(*a, **kw))
+    got = attention.paged_attention(q, kc, vc, cu, sl, pt, 0.3, max_q_len=max(q_lens), store=(k, v, slots),
+                                    order=torch.tensor(order), decodes=decodes)
+    assert launched == [("paged_decode_triton", decode_order, True), ("paged_prefill_triton", order[decodes:], False)]
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    torch.testing.assert_close(got, attention.paged_attention_ref(q, want_k, want_v, cu, sl, pt, 0.3), **TOL)
+    assert attention.split_order([1, 1], [4, 9]) == (0, [1, 0])  # a decode step: no split
+    assert attention.split_order([5, 1], [5, 9]) == (0, [1, 0])  # a prefill first: nothing to split off
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
 @pytest.mark.parametrize("longest_first", [False, True], ids=["batch-order", "longest-first"])

@@ -60,6 +60,16 @@ def test_engine_flags_choose_the_buckets(make_engine):
     assert explicit.runner.prefill_graphs.buckets == [32, 100, 256]
 
 
+def test_a_mixed_steps_context_names_its_leading_decodes_for_attention(make_engine):
+    """The scheduler puts decodes first; the step's context says how many lead (attention runs them on the decode
+    kernel: attention.paged_attention's `decodes`) and orders them apart from the rest."""
+    engine = make_engine()
+    _, _, ctx = engine.runner.prepare(make_batch(engine, CASES["mixed-decodes-and-prefill"]))  # rows 1, 1, 37, 1
+    assert ctx.decodes == 2 and ctx.order[:2].tolist() == [0, 1] and ctx.order[2:].tolist() == [2, 3]
+    _, _, ctx = engine.runner.prepare(make_batch(engine, [(7, 6), (9, 8)], seed=1))  # a decode step
+    assert ctx.decodes == 0 and ctx.order.tolist() == [1, 0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_cut_forward_equals_the_plain_forward(make_engine, case):

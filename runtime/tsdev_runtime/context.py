@@ -19,11 +19,14 @@ class Context:
     slot_mapping: torch.Tensor  # [T] int64, -1 for padding rows
     logits_indices: torch.Tensor  # [S] int64: rows whose next token is sampled
     max_q_len: int  # longest query of the batch: 1 takes the decode kernel
-    # [B] int64: the order the attention kernels start the sequences in (attention.longest_first)
+    # [B] int64: the order the attention kernels start the sequences in (attention.longest_first; in a mixed step
+    # attention.split_order's: the leading decodes' order, then the rest's)
     order: torch.Tensor | None = None
     # the host's copies of each sequence's new rows and KV length (None inside graphs, whose steps are decodes)
     q_lens: list[int] | None = None
     seq_lens_host: list[int] | None = None
+    # a mixed step's leading sequences of one row each, which attention runs on the decode kernel (0: none apart)
+    decodes: int = 0
 
 
 _context: Context | None = None

@@ -438,8 +438,9 @@ def paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table
                          block_m: int | None = None, block_n: int | None = None, num_warps: int = 4,
                          out=None, order: torch.Tensor | None = None,
                          kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
-    """Attention of a mixed batch (prefill chunks and decode rows). order, kv_scales: as paged_decode_triton's."""
-    B = seq_lens.shape[0]
+    """Attention of a mixed batch (prefill chunks and decode rows). order, kv_scales: as paged_decode_triton's; an
+    order shorter than the batch runs only the sequences it names (`paged_attention`'s `decodes`)."""
+    B = seq_lens.shape[0] if order is None else order.shape[0]
     T, Hq, D = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     if B == 0 or max_q_len == 0:
@@ -491,6 +492,7 @@ def paged_attention(
     store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     order: torch.Tensor | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    decodes: int = 0,
 ) -> torch.Tensor:
     """Causal attention of a mixed batch over the paged KV cache (this step's K/V stored first when `store` is
     given, else already in it).
@@ -509,6 +511,11 @@ def paged_attention(
     store = (k, v, slot_mapping): this step's keys and values, written into the cache first (`store_kvcache`'s
     arguments); the decode kernel writes them itself, one launch fewer per layer. order [B]: the order the
     kernels start the sequences' programs in (`longest_first`); the results do not depend on it.
+
+    decodes (a mixed step, with order): the batch's first `decodes` sequences have one row each and order[:decodes]
+    permutes them (`split_order`). On Triton they run on the decode kernel as a decode step of that many sequences
+    would (its binaries; it stores their rows) and the rest on the prefill kernel, which would give each decode row a
+    64-row tile of its own per query head: 64x the tensor-core work over the same keys (docs/runtime.md).
     """
     triton_ok = use_triton(q, "attention")
     if seq_lens.shape[0] == 1:  # one sequence: nothing to order, and reading the order costs a load per program
@@ -518,14 +525,33 @@ def paged_attention(
     if triton_ok and max_q_len == 1:
         return paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, out=out, store=store,
                                    order=order, kv_scales=kv_scales)
+    split = triton_ok and 0 < decodes < seq_lens.shape[0] and order is not None
+    if split:  # the decode rows as a decode step of `decodes` sequences runs them (the same binaries), storing theirs
+        out = paged_decode_triton(q, k_cache, v_cache, cu_seqlens_q[: decodes + 1], seq_lens[:decodes],
+                                  page_table[:decodes], scale, out=out, store=store,
+                                  order=order[:decodes] if decodes > 1 else None, kv_scales=kv_scales)
+        order = order[decodes:]  # the other sequences, by their index in the whole batch
     if store is not None:
         k, v, slot_mapping = store
+        if split:  # the decode kernel stored the first `decodes` rows
+            k, v, slot_mapping = k[decodes:], v[decodes:], slot_mapping[decodes:]
         store_kvcache(k, v, k_cache, v_cache, slot_mapping, kv_scales)
     if not triton_ok:
         return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, out=out,
                                    kv_scales=kv_scales)
     return paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, max_q_len, out=out,
                                 order=order, kv_scales=kv_scales)
+
+
+def split_order(q_lens: list[int], seq_lens: list[int]) -> tuple[int, list[int]]:
+    """(decodes, order) of a step: its leading sequences of one row each when a longer one follows (a mixed step;
+    the scheduler puts decodes first), else 0; and `longest_first` of those, then of the rest (by their index in the
+    whole batch) -- one permutation of the batch, which `paged_attention(decodes=...)` runs in two launches."""
+    decodes = next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))
+    if decodes == len(q_lens):
+        return 0, longest_first(seq_lens)
+    rest = longest_first(seq_lens[decodes:])
+    return decodes, longest_first(seq_lens[:decodes]) + [decodes + i for i in rest]
 
 
 # ---------------------------------------------------------------------------------------------------

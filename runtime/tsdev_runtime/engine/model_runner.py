@@ -13,7 +13,7 @@ import nvtx
 import torch
 
 from tsdev_kernels.ops import check_kernel_choices
-from tsdev_kernels.ops.attention import longest_first
+from tsdev_kernels.ops.attention import split_order
 from tsdev_kernels.ops.fp8 import fp8_unsupported_reason
 from tsdev_runtime import distributed
 from tsdev_runtime.config import EngineConfig, ModelConfig
@@ -253,13 +253,13 @@ class ModelRunner:
             return torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda").to(
                 self.device, non_blocking=True)
 
+        decodes, order = split_order(batch.num_tokens, inputs["seq_lens"])
         context = Context(
             cu_seqlens_q=tensor(inputs["cu_seqlens_q"]), seq_lens=tensor(inputs["seq_lens"]), page_table=tensor(table),
             slot_mapping=tensor(inputs["slots"], torch.int64),
             logits_indices=tensor(inputs["logits_indices"], torch.int64),
-            max_q_len=max(batch.num_tokens),
-            order=tensor(longest_first(inputs["seq_lens"]), torch.int64),
-            q_lens=list(batch.num_tokens), seq_lens_host=inputs["seq_lens"],
+            max_q_len=max(batch.num_tokens), order=tensor(order, torch.int64),
+            q_lens=list(batch.num_tokens), seq_lens_host=inputs["seq_lens"], decodes=decodes,
         )
         input_ids = tensor(inputs["input_ids"], torch.int64)
         fill = self._pending_fill(inputs["pending"], in_flight)

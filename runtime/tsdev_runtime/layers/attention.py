@@ -58,7 +58,7 @@ class Attention(nn.Module):
         return attn_ops.paged_attention(
             q, self.k_cache, self.v_cache, ctx.cu_seqlens_q, ctx.seq_lens, ctx.page_table, self.scale,
             max_q_len=ctx.max_q_len, out=out, store=(k, v, ctx.slot_mapping), order=ctx.order,
-            kv_scales=self.kv_scales,
+            kv_scales=self.kv_scales, decodes=ctx.decodes,
         )
 
 
