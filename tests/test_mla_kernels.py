@@ -90,6 +90,31 @@ def test_the_public_op_stores_the_rows_then_attends_on_any_device():
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 
+def test_a_mixed_step_runs_its_decode_rows_as_a_decode_step_and_the_rest_on_the_prefill_tiles(monkeypatch):
+    """The leading one-row sequences (`decodes`, `split_order`'s order) on the decode path, which stores their rows,
+    then the other rows stored and the prompts' chunks on the prefill tiles: together the reference, the cache as the
+    reference stores it."""
+    from tsdev_kernels.ops.attention import split_order
+
+    monkeypatch.setattr(mla, "use_triton", lambda x, family: True)  # the Triton paths, interpreted
+    g = torch.Generator().manual_seed(5)
+    q_lens, cached = [1, 1, 1, 21, 1, 18], [9, 25, 4, 30, 6, 0]
+    q, cache, cu, lens, table, rows, slots, _, max_q_len, latent = mla.mla_batch(
+        q_lens, cached, 3, 32, 8, 4, torch.float32, "cpu", g)
+    decodes, order = split_order(q_lens, [c + n for c, n in zip(cached, q_lens)])
+    assert decodes == 3
+    want, want_cache = reference(q, cache, cu, lens, table, rows, slots, latent)
+    launched = []
+    kernel = mla.mla_attention_triton
+    monkeypatch.setattr(mla, "mla_attention_triton", lambda *a, **kw: launched.append(
+        (kw["order"].tolist(), kw.get("store") is not None)) or kernel(*a, **kw))
+    got = mla.mla_attention(q, cache, cu, lens, table, q.shape[-1] ** -0.5, latent, max_q_len=max_q_len,
+                            store=(rows, slots), order=torch.tensor(order), decodes=decodes)
+    assert launched == [(order[:3], True), (order[3:], False)]
+    assert torch.equal(cache, want_cache)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
 def test_the_checks_run_where_the_model_keeps_a_latent_cache_and_a_wrong_scale_fails():
     by_op = {c.op: c for c in checks.declared()}
     serving = checks.Serving(tokens=(3, 20), hidden=64, intermediate=128, dtype=torch.float32, q_heads=4,

@@ -250,8 +250,8 @@ def mla_attention_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: tor
     slot_mapping), decode only: this step's rows are written by the attention kernel itself (one launch fewer per
     layer). block_n, heads (a decode tile's), columns (of the latent output per program: a power of two; default
     all) and num_warps: the configuration, for benchmarks/mla_decode.py's sweep; a decode step on CUDA given none
-    of them takes `decode_tile`'s."""
-    B = seq_lens.shape[0]
+    of them takes `decode_tile`'s. An order shorter than the batch runs only the sequences it names."""
+    B = seq_lens.shape[0] if order is None else order.shape[0]
     T, H, width = q.shape
     out = q.new_empty(T, H, latent_dim) if out is None else out
     if B == 0 or max_q_len == 0:
@@ -302,22 +302,32 @@ def store_latent(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Te
 def mla_attention(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                   page_table: torch.Tensor, scale: float, latent_dim: int, *, max_q_len: int | None = None,
                   out: torch.Tensor | None = None, store: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  order: torch.Tensor | None = None, kv_scale: float = 1.0) -> torch.Tensor:
+                  order: torch.Tensor | None = None, kv_scale: float = 1.0, decodes: int = 0) -> torch.Tensor:
     """Causal latent attention of a mixed batch over the paged latent cache, this step's rows stored first when
     `store` = (rows [T, 1, L + R], slot_mapping [T]) is given.
 
     q [T, H, L + R] (last dim contiguous): each head's q_nope multiplied into the latent space, then its rotated q_pe;
     cache [num_pages, page_size, 1, L + R]; cu_seqlens_q, seq_lens, page_table and order as `paged_attention`'s
     (attention.py). Returns [T, H, L] in q's dtype (into `out` when given), softmax in float32. max_q_len: a host int
-    (1 takes the decode path); left out it costs a device->host sync."""
+    (1 takes the decode path); left out it costs a device->host sync. decodes: as attention.paged_attention's (a
+    mixed step's leading one-row sequences run as a decode step of them: every head of a row in one tile, where the
+    prefill tiles take 16 rows of one head and would read each decode row's cache once per head)."""
     triton_ok = use_triton(q, "mla")
     if triton_ok and max_q_len is None:
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if seq_lens.numel() else 0
     if triton_ok and max_q_len == 1:  # the decode kernel stores this step's rows itself
         return mla_attention_triton(q, cache, cu_seqlens_q, seq_lens, page_table, scale, latent_dim, 1, out=out,
                                     order=None if seq_lens.shape[0] == 1 else order, kv_scale=kv_scale, store=store)
+    split = triton_ok and 0 < decodes < seq_lens.shape[0] and order is not None
+    if split:  # the decode rows as a decode step of them (storing their rows), then the rest by their batch index
+        out = mla_attention_triton(q, cache, cu_seqlens_q[: decodes + 1], seq_lens[:decodes], page_table[:decodes],
+                                   scale, latent_dim, 1, out=out, order=order[:decodes] if decodes > 1 else None,
+                                   kv_scale=kv_scale, store=store)
+        order = order[decodes:]
     if store is not None:
         rows, slot_mapping = store
+        if split:
+            rows, slot_mapping = rows[decodes:], slot_mapping[decodes:]
         store_latent(rows, cache, slot_mapping, kv_scale)
     if not triton_ok:
         return mla_attention_ref(q, cache, cu_seqlens_q, seq_lens, page_table, scale, latent_dim, out=out,

@@ -106,7 +106,7 @@ class LatentAttention(Attention):
         o_latent = mla_ops.mla_attention(torch.cat([q_latent, q_pe], dim=-1), self.k_cache, ctx.cu_seqlens_q,
                                          ctx.seq_lens, ctx.page_table, self.scale, self.latent_dim,
                                          max_q_len=ctx.max_q_len, store=(k, ctx.slot_mapping), order=ctx.order,
-                                         kv_scale=self.kv_scales[0])
+                                         kv_scale=self.kv_scales[0], decodes=ctx.decodes)
         out.copy_(torch.bmm(o_latent.transpose(0, 1), self.w_uv).transpose(0, 1))
         return out
 
