@@ -35,6 +35,23 @@ def test_the_fused_router_routes_as_the_reference_on_random_inputs(dtype, tokens
     assert_same_routing(x, w, top_k, renormalize)
 
 
+@pytest.mark.parametrize("tokens", [1, 5, 12])
+def test_the_router_gemm_runs_on_the_projection_kernels_and_routes_as_the_reference(tokens, monkeypatch):
+    """On CUDA the router's GEMM is linear.py's `linear`: the Triton GEMV for one token, the skinny kernel up to
+    SKINNY_ROWS, cuBLAS above (here torch's) -- interpreted, in float32 (the interpreter's bf16 dots are not exact)."""
+    from tsdev_kernels.ops import linear
+
+    calls = []
+    for name in ("gemv_triton", "skinny_triton", "linear_ref"):
+        kernel = getattr(linear, name)
+        monkeypatch.setattr(linear, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
+    monkeypatch.setattr(linear, "use_triton", lambda x, family: True)
+    g = torch.Generator().manual_seed(tokens)
+    x, w = torch.randn(tokens, 96, generator=g), torch.randn(128, 96, generator=g) * 96**-0.5
+    assert_same_routing(x, w, 8, True)
+    assert calls[0] == {1: "gemv_triton", 5: "skinny_triton", 12: "linear_ref"}[tokens]
+
+
 def test_ties_and_all_equal_logits_pick_the_lower_expert_first():
     x = torch.ones(3, 16)
     w = torch.zeros(12, 16)  # all logits equal: experts 0..k-1, each 1/k after renormalising

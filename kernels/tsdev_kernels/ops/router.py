@@ -1,10 +1,12 @@
-"""The mixture-of-experts router in two launches: the router GEMM (torch's linear: cuBLAS, logits rounded to x's
-dtype), then one Triton program per token for the softmax over the experts in float32, the top k and their
-renormalisation, written as the ids and weights the MoE kernels read (moe.py). The torch router
-(runtime/tsdev_runtime/moe/router.py's CPU path) is about seven launches.
+"""The mixture-of-experts router in two launches: the router GEMM (linear.py's `linear`, as the projections run it:
+the Triton GEMV for one token, the skinny kernel up to SKINNY_ROWS, cuBLAS above; logits rounded to x's dtype), then
+one Triton program per token for the softmax over the experts in float32, the top k and their renormalisation,
+written as the ids and weights the MoE kernels read (moe.py). The torch router (runtime/tsdev_runtime/moe/router.py's
+CPU path) is about seven launches.
 
 A first version did the GEMV in the same kernel, one program per token: at batch 1 one SM read the router's whole
-[E, H] weight (512 KB for Qwen3-30B-A3B), 30 µs on the H200 against the torch router's 24 µs. cuBLAS spreads it.
+[E, H] weight (512 KB for Qwen3-30B-A3B), 30 µs on the H200 against the torch router's 24 µs. The GEMV spreads it
+over E programs (cuBLAS did, at the ~4-12 µs it takes for one row of the projections: docs/results.md).
 
 The k largest probabilities are picked one after another, the lower expert id first among equal ones (a stable
 order, as `route_ref`'s stable sort; torch.topk leaves ties unspecified). With the logits the reference's own, the
@@ -15,6 +17,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from tsdev_kernels.ops.linear import linear
 
 
 def route_ref(x: torch.Tensor, w: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,7 +62,7 @@ def route_triton(x: torch.Tensor, w: torch.Tensor, top_k: int, renormalize: bool
     weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
     if T:
-        logits = F.linear(x, w)
+        logits = linear(x, w)
         _softmax_top_k_kernel[(T,)](logits, weights, ids, E, logits.stride(0), TOP_K=top_k, RENORMALIZE=renormalize,
                                     BLOCK_E=triton.next_power_of_2(E), num_warps=1 if E <= 128 else 2)
     return weights, ids
