@@ -112,20 +112,23 @@ def test_a_block_fp8_checkpoint_serves_the_greedy_tokens_of_the_same_arithmetic_
     assert len({tuple(t) for t in ours}) == len(ours)
 
 
-def prefill_logits(model_dir, prompt) -> torch.Tensor:
+def prefill_logits(model_dir, prompts) -> list[torch.Tensor]:
+    """The logits after each prompt (its last position), one engine on `model_dir`, each prompt in a step alone."""
     from tsdev_runtime.engine.scheduler import ScheduledBatch
     from tsdev_runtime.engine.sequence import Sequence
 
     engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32"))
-    seq = Sequence("a", prompt, SamplingParams(max_tokens=1, temperature=0))
-    engine.block_manager.allocate(seq, len(prompt))
-    return engine.runner.compute_logits(ScheduledBatch([seq], [len(prompt)]))[0].clone()
+    logits = []
+    for i, prompt in enumerate(prompts):
+        seq = Sequence(f"p{i}", prompt, SamplingParams(max_tokens=1, temperature=0))
+        engine.block_manager.allocate(seq, len(prompt))
+        logits.append(engine.runner.compute_logits(ScheduledBatch([seq], [len(prompt)]))[0].clone())
+    return logits
 
 
 def test_its_logits_are_close_to_the_unquantized_models(source_dir, tmp_path):
     fp8_dir = write_fp8_blocks(source_dir, tmp_path / "fp8")
-    for prompt in PROMPTS:
-        exact, quantized = prefill_logits(source_dir, prompt), prefill_logits(fp8_dir, prompt)
+    for exact, quantized in zip(prefill_logits(source_dir, PROMPTS), prefill_logits(fp8_dir, PROMPTS), strict=True):
         assert not torch.equal(exact, quantized)  # the FP8 arithmetic ran
         cosine = torch.nn.functional.cosine_similarity(exact, quantized, dim=0)
         assert cosine > 0.99, cosine
@@ -191,8 +194,8 @@ def cosines_to_unquantized(model_dir, shape: str, tmp_path) -> list[float]:
     plain.mkdir()
     write_checkpoint(plain, SHAPES[shape])
     cosine = torch.nn.functional.cosine_similarity
-    return [float(cosine(prefill_logits(plain, prompt), prefill_logits(model_dir, prompt), dim=0))
-            for prompt in PROMPTS]
+    pairs = zip(prefill_logits(plain, PROMPTS), prefill_logits(model_dir, PROMPTS), strict=True)
+    return [float(cosine(exact, quantized, dim=0)) for exact, quantized in pairs]
 
 
 def tp_rank(model_dir: str) -> list | None:

@@ -104,8 +104,7 @@ def test_a_layer_with_some_experts_left_unconverted_is_refused_by_name(moe_dir, 
 @pytest.mark.slow
 def test_its_logits_are_close_to_the_unquantized_models(moe_dir, tmp_path):
     fp8_dir = write_fp8_blocks(moe_dir, tmp_path / "fp8", QUANTIZATION)
-    for prompt in PROMPTS:
-        exact, quantized = prefill_logits(moe_dir, prompt), prefill_logits(fp8_dir, prompt)
+    for exact, quantized in zip(prefill_logits(moe_dir, PROMPTS), prefill_logits(fp8_dir, PROMPTS), strict=True):
         assert not torch.equal(exact, quantized)  # the FP8 arithmetic ran
         cosine = torch.nn.functional.cosine_similarity(exact, quantized, dim=0)
         assert cosine > 0.99, cosine
