@@ -22,14 +22,14 @@ if [ "${1:-}" = --install ]; then
 fi
 out=${OUT:-/tmp/device-out}
 source "$(dirname "$0")/device-check.sh" --steps-only
-for shape in "${@:-qwen3-30b-a3b qwen3-235b-a22b}"; do
-  for name in $shape; do
-    read -r e i h k <<< "${SHAPES[$name]:?unknown shape $name (one of: ${!SHAPES[*]})}"
-    for kind in bf16 fp8; do
-      file="tuned-$e-$i-$h-$kind.json"
-      [ -f ".tuned/$file" ] && cp ".tuned/$file" "$out/$file"
-      TAIL=7 step "tune-$name-$kind" 540 python3 benchmarks/tune_moe.py --experts "$e" --intermediate "$i" \
-        --hidden "$h" --topk "$k" $([ "$kind" = fp8 ] && echo --fp8) --resume --out "$out/$file"
-    done
+names=("$@")
+[ $# -gt 0 ] || names=(qwen3-30b-a3b qwen3-235b-a22b)
+for name in "${names[@]}"; do
+  read -r e i h k <<< "${SHAPES[$name]:?unknown shape $name (one of: ${!SHAPES[*]})}"
+  for kind in bf16 fp8; do
+    file="tuned-$e-$i-$h-$kind.json"
+    [ -f ".tuned/$file" ] && cp ".tuned/$file" "$out/$file"
+    TAIL=7 step "tune-$name-$kind" 540 python3 benchmarks/tune_moe.py --experts "$e" --intermediate "$i" \
+      --hidden "$h" --topk "$k" $([ "$kind" = fp8 ] && echo --fp8) --resume --out "$out/$file"
   done
 done

@@ -531,10 +531,9 @@ def paged_attention(
                                   page_table[:decodes], scale, out=out, store=store,
                                   order=order[:decodes] if decodes > 1 else None, kv_scales=kv_scales)
         order = order[decodes:]  # the other sequences, by their index in the whole batch
+        store = store and tuple(t[decodes:] for t in store)  # the decode kernel stored the first `decodes` rows
     if store is not None:
         k, v, slot_mapping = store
-        if split:  # the decode kernel stored the first `decodes` rows
-            k, v, slot_mapping = k[decodes:], v[decodes:], slot_mapping[decodes:]
         store_kvcache(k, v, k_cache, v_cache, slot_mapping, kv_scales)
     if not triton_ok:
         return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, page_table, scale, out=out,

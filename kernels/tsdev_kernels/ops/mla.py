@@ -324,10 +324,9 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.Tens
                                    scale, latent_dim, 1, out=out, order=order[:decodes] if decodes > 1 else None,
                                    kv_scale=kv_scale, store=store)
         order = order[decodes:]
+        store = store and tuple(t[decodes:] for t in store)  # the decode path stored the first `decodes` rows
     if store is not None:
         rows, slot_mapping = store
-        if split:
-            rows, slot_mapping = rows[decodes:], slot_mapping[decodes:]
         store_latent(rows, cache, slot_mapping, kv_scale)
     if not triton_ok:
         return mla_attention_ref(q, cache, cu_seqlens_q, seq_lens, page_table, scale, latent_dim, out=out,
