@@ -5,8 +5,9 @@ exact value, beside the W8A8 reference's own, and its time.
     python3 benchmarks/fp8_moe_accuracy.py --tokens 1024 --experts 128 --intermediate 768 --hidden 2048
 
 At BLOCK_M >= 64 the aligned GEMMs convert their e4m3 tiles to bf16 before the dot (exact, but 2.0x the
-unpromoted FP8 wgmma's time at 1024 tokens: 580.3 against 283.9 us, results.md), because the wgmma's reduced-precision sum put 2e-2 (per-row scales) and 8e-3 (128 x 128
-block scales) on the layer's largest value against the reference. That measure counts the reference's own roundings
+unpromoted FP8 wgmma's time at 1024 tokens: 580.3 against 283.9 us, results.md), because the wgmma's
+reduced-precision sum put 2e-2 (per-row scales) and 8e-3 (128 x 128 block scales) on the layer's largest value
+against the reference. That measure counts the reference's own roundings
 as truth: W8A8 quantizes each GEMM's input to e4m3 (a relative step of 1/16), so a float32 sum that differs in its
 last bits flips some of the second GEMM's input roundings, and each flip moves an output by up to a few 1e-3 of the
 largest. The question a user asks is different: is the layer further from the exact result than the reference is?
