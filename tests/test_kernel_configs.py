@@ -94,6 +94,36 @@ def test_attention_configs_follow_kv_heads_and_head_dim():
     assert attention.prefill_blocks(64) == (64, 128)
 
 
+def test_a_mixed_steps_launches_compile_the_same_binaries_whatever_its_count_of_decodes(monkeypatch):
+    """The rows after a mixed step's decodes start at an int64 offset (slots, order): 16-byte aligned or not as the
+    count is even or odd. A binary specialised on that would compile while serving (the GPU suite caught it)."""
+    monkeypatch.setattr(attention, "use_triton", lambda x, family: True)
+    hq, hk, d, page = 4, 2, 64, 16
+    cache = torch.zeros(32, page, hk, d, dtype=torch.bfloat16)
+    kernels = {name: getattr(attention, name)
+               for name in ("_decode_kernel", "_prefill_kernel", "_store_kvcache_kernel")}
+    keys = []
+    for decodes in (1, 2, 3):
+        q_lens, seq_lens = [1] * decodes + [20, 9], [30 + i for i in range(decodes)] + [40, 9]
+        rows = sum(q_lens)
+        qkv = torch.randn(rows, (hq + 2 * hk) * d, dtype=torch.bfloat16)
+        q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=1)
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        order = torch.tensor(attention.split_order(q_lens, seq_lens)[1], dtype=torch.int64)
+        launched = {}
+        for name, kernel in kernels.items():
+            launched[name] = Recorder(kernel)
+            monkeypatch.setattr(attention, name, launched[name])
+        attention.paged_attention(q.unflatten(1, (hq, d)), cache, cache, cu, torch.tensor(seq_lens, dtype=torch.int32),
+                                  torch.arange(len(q_lens) * 4, dtype=torch.int32).view(-1, 4), 0.1, max_q_len=20,
+                                  store=(k.unflatten(1, (hk, d)), v.unflatten(1, (hk, d)),
+                                         torch.arange(rows, dtype=torch.int64)), order=order, decodes=decodes)
+        assert all(len(kernel.launches) == 1 for kernel in launched.values()), decodes
+        keys.append({name: repr(specialise(jit(kernel.fn), *kernel.launches[0])[2]) for name, kernel in launched.items()
+                     if name != "_decode_kernel"})  # (its launch takes the batch's own tensors, as a decode step)
+    assert keys[0] == keys[1] == keys[2]
+
+
 def test_every_decode_variant_an_eager_step_can_launch_is_compiled_at_startup():
     """Eager decode at any batch size (a step the graphs do not take) launches a variant that the warm-up or a
     graph capture already compiled, given that the split count and the page table's width are not specialised
@@ -118,7 +148,8 @@ def test_chosen_configs_compile_for_sm90_without_register_spills():
         assert shard.returncode == 0, out + err
     lines = [json.loads(line) for out, _ in outputs for line in out.splitlines() if line.startswith("{")]
     assert lines[0] == {"do_not_specialize": {"_decode_kernel": ["num_splits", "stride_pt"],
-                                              "_prefill_kernel": ["stride_pt"]}}
+                                              "_prefill_kernel": ["ORDER", "stride_pt"],
+                                              "_store_kvcache_kernel": ["SLOTS"]}}
     compiled = lines[1:]
     assert sorted(c["label"] for c in compiled) == sorted(record_launches())
     spilled = [c for c in compiled if c["stack"] or c["local"]]
@@ -145,6 +176,15 @@ TRITON_TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32
 OPTIONS = ("num_warps", "num_stages", "launch_pdl")
 
 
+def jit(kernel):
+    """The kernel as Triton's JIT sees it on a GPU (under the interpreter: its function, decorated the same way)."""
+    if hasattr(kernel, "params"):
+        return kernel
+    from triton.runtime.jit import JITFunction
+
+    return JITFunction(kernel.fn, do_not_specialize=kernel.kwargs["do_not_specialize"])
+
+
 def specialise(fn, args: tuple, kwargs: dict):
     """The (signature, constexprs, attrs, options) Triton's JIT compiles for this launch on a CUDA device."""
     values = dict(zip(fn.arg_names, args)) | {k: v for k, v in kwargs.items() if k not in OPTIONS}
@@ -158,7 +198,7 @@ def specialise(fn, args: tuple, kwargs: dict):
             signature[name], constexprs[(i,)] = "constexpr", value
         elif isinstance(value, torch.Tensor):
             signature[name] = "*" + TRITON_TYPES[value.dtype]
-            if value.data_ptr() % 16 == 0:
+            if value.data_ptr() % 16 == 0 and not param.do_not_specialize:
                 attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(value, float):
             signature[name] = "fp32"
@@ -305,7 +345,7 @@ def compile_sm90(fn, signature, constexprs, attrs, options) -> dict[str, int]:
 def main(shard: int, shards: int) -> None:
     """Compile every `shards`-th distinct binary from the `shard`-th; print one JSON line per launch compiled."""
     if shard == 0:
-        kernels = (attention._decode_kernel, attention._prefill_kernel)
+        kernels = (attention._decode_kernel, attention._prefill_kernel, attention._store_kvcache_kernel)
         print(json.dumps({"do_not_specialize": {k.__name__: sorted(p.name for p in k.params if p.do_not_specialize)
                                                 for k in kernels}}), flush=True)
     binaries: dict[str, list[str]] = {}

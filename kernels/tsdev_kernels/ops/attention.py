@@ -32,8 +32,10 @@ Every configuration the served shapes reach (Qwen3-0.6B; Llama-3.2-1B and Qwen2.
 compiles for sm_90 without register spills (tests/test_kernel_configs.py). Neither kernel specialises the
 page table's width (`stride_pt`, the step's longest sequence in pages), nor decode its split count: Triton
 would make one binary each of == 1, a multiple of 16 and other values, and eager steps (a 100-token prompt,
-a batch size no graph has) would compile new ones while serving. So the warm-up and the graph captures
-compile every binary a step can launch.
+a batch size no graph has) would compile new ones while serving. Nor do the store and the prefill kernel
+specialise the alignment of the slots and the order they read: a mixed step hands them the rows after its
+decodes (`paged_attention`'s `decodes`), whose int64 slices start 16-byte aligned or not as that count is even or
+odd. So the warm-up and the graph captures compile every binary a step can launch.
 """
 
 from dataclasses import dataclass
@@ -108,7 +110,7 @@ def paged_attention_ref(
 # KV-cache store
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SLOTS"])  # see the module docstring
 def _store_kvcache_kernel(
     K, V, K_CACHE, V_CACHE, SLOTS,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cp, stride_cs, stride_ch,
@@ -377,7 +379,7 @@ def fp8_dot_dtype(q_dtype: torch.dtype) -> torch.dtype:
 # Prefill: ragged query blocks over each sequence's pages, causal, cached prefix included
 
 
-@triton.jit(do_not_specialize=["stride_pt"])  # see the module docstring
+@triton.jit(do_not_specialize=["stride_pt", "ORDER"])  # see the module docstring
 def _prefill_kernel(
     Q, K_CACHE, V_CACHE, O, CU, SEQ_LENS, PAGE_TABLE, ORDER,
     scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_cp, stride_cs, stride_ch, stride_pt, v_scale,

@@ -68,7 +68,7 @@ def mla_attention_ref(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.
 # Triton
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SLOTS"])  # attention.py's module docstring says why
 def _store_latent_kernel(ROWS, CACHE, SLOTS, stride_rt, stride_cp, stride_cs, scale, WIDTH: tl.constexpr,
                          PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr, QUANTIZED: tl.constexpr):
     t = tl.program_id(0)
@@ -93,7 +93,7 @@ def store_latent_triton(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: t
                                QUANTIZED=cache.dtype == FP8_KV_DTYPE, num_warps=4)
 
 
-@triton.jit(do_not_specialize=["stride_pt", "num_splits"])  # attention.py's module docstring says why
+@triton.jit(do_not_specialize=["stride_pt", "num_splits", "ORDER", "SLOTS"])  # attention.py's module docstring says why
 def _mla_kernel(
     Q, CACHE, O, PART_O, PART_LSE, CU, SEQ_LENS, PAGE_TABLE, ORDER, ROWS, SLOTS,
     scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_cp, stride_cs, stride_pt, stride_rt, H, num_splits,
