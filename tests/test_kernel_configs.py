@@ -124,6 +124,37 @@ def test_a_mixed_steps_launches_compile_the_same_binaries_whatever_its_count_of_
     assert keys[0] == keys[1] == keys[2]
 
 
+def test_a_mixed_steps_latent_attention_compiles_the_same_binaries_whatever_its_count_of_decodes(monkeypatch):
+    """MLA's split as attention's (the test above): the prompts' launch and the store of their latent rows."""
+    from tsdev_kernels.ops import mla
+
+    monkeypatch.setattr(mla, "use_triton", lambda x, family: True)
+    heads, latent, rope, page = 4, 32, 16, 16
+    cache = torch.zeros(32, page, 1, latent + rope, dtype=torch.bfloat16)
+    kernels = {name: getattr(mla, name) for name in ("_mla_kernel", "_mla_merge_kernel", "_store_latent_kernel")}
+    keys = []
+    for decodes in (1, 2, 3):
+        q_lens, seq_lens = [1] * decodes + [20, 9], [30 + i for i in range(decodes)] + [40, 9]
+        rows = sum(q_lens)
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        order = torch.tensor(attention.split_order(q_lens, seq_lens)[1], dtype=torch.int64)
+        launched = {}
+        for name, kernel in kernels.items():
+            launched[name] = Recorder(kernel)
+            monkeypatch.setattr(mla, name, launched[name])
+        latent_rows = torch.randn(rows, 1, latent + rope, dtype=torch.bfloat16)
+        mla.mla_attention(torch.randn(rows, heads, latent + rope, dtype=torch.bfloat16), cache, cu,
+                          torch.tensor(seq_lens, dtype=torch.int32),
+                          torch.arange(len(q_lens) * 4, dtype=torch.int32).view(-1, 4), 0.1, latent, max_q_len=20,
+                          store=(latent_rows, torch.arange(rows, dtype=torch.int64)), order=order, decodes=decodes)
+        prompts = launched["_mla_kernel"].launches[-1]  # after the decodes' launch
+        assert len(launched["_mla_kernel"].launches) == 2 and len(launched["_store_latent_kernel"].launches) == 1
+        keys.append((repr(specialise(jit(kernels["_mla_kernel"]), *prompts)[2]),
+                     repr(specialise(jit(kernels["_store_latent_kernel"]),
+                                     *launched["_store_latent_kernel"].launches[0])[2])))
+    assert keys[0] == keys[1] == keys[2]
+
+
 def test_every_decode_variant_an_eager_step_can_launch_is_compiled_at_startup():
     """Eager decode at any batch size (a step the graphs do not take) launches a variant that the warm-up or a
     graph capture already compiled, given that the split count and the page table's width are not specialised
