@@ -88,7 +88,7 @@ def main() -> None:
     print("a full garbage collection: %.1f ms with the engine's startup heap frozen, %.1f ms thawed"
           % full_collection_ms())
     del engine  # the runner sizes its KV pool to the memory left
-    thaw_heap()
+    thaw_heap(collect=True)
     torch.cuda.empty_cache()
     checkpoint = Checkpoint.open(config)
     runner = ModelRunner(config, checkpoint)

@@ -225,7 +225,7 @@ def main() -> None:
         for fp8_blocks in (False, True) if args.fp8_blocks else (False,):
             shape_rows_, steps, logits = shape_rows(name, args, bandwidth, fp8_blocks)
             rows += shape_rows_
-            thaw_heap()  # the shape's engine is garbage now: free it before the next one sizes its KV pool
+            thaw_heap(collect=True)  # the shape's engine is garbage now: free it before the next one sizes its KV pool
             torch.cuda.empty_cache()
             if not fp8_blocks:
                 plain_steps, plain_logits = steps, logits
