@@ -94,6 +94,29 @@ def test_attention_configs_follow_kv_heads_and_head_dim():
     assert attention.prefill_blocks(64) == (64, 128)
 
 
+def mixed_step(decodes: int) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A mixed step of `decodes` one-row sequences, then two prompts' chunks (20 and 9 rows), four pages each:
+    (rows, cu_seqlens_q, seq_lens, page_table, order) as the runner hands them to the attention ops."""
+    q_lens, seq_lens = [1] * decodes + [20, 9], [30 + i for i in range(decodes)] + [40, 9]
+    order = torch.tensor(attention.split_order(q_lens, seq_lens)[1], dtype=torch.int64)
+    return (sum(q_lens), torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32),
+            torch.tensor(seq_lens, dtype=torch.int32), torch.arange(len(q_lens) * 4, dtype=torch.int32).view(-1, 4),
+            order)
+
+
+def recording(monkeypatch, module, kernels: dict) -> dict[str, "Recorder"]:
+    """`module`'s kernels replaced by Recorders (each wrapping the original in `kernels`)."""
+    launched = {name: Recorder(kernel) for name, kernel in kernels.items()}
+    for name, recorder in launched.items():
+        monkeypatch.setattr(module, name, recorder)
+    return launched
+
+
+def alignment_key(kernel, launch: tuple) -> str:
+    """What Triton's JIT specialises a launch on beyond its signature (divisibility by 16 of pointers and ints)."""
+    return repr(specialise(jit(kernel), *launch)[2])
+
+
 def test_a_mixed_steps_launches_compile_the_same_binaries_whatever_its_count_of_decodes(monkeypatch):
     """The rows after a mixed step's decodes start at an int64 offset (slots, order): 16-byte aligned or not as the
     count is even or odd. A binary specialised on that would compile while serving (the GPU suite caught it)."""
@@ -104,23 +127,16 @@ def test_a_mixed_steps_launches_compile_the_same_binaries_whatever_its_count_of_
                for name in ("_decode_kernel", "_prefill_kernel", "_store_kvcache_kernel")}
     keys = []
     for decodes in (1, 2, 3):
-        q_lens, seq_lens = [1] * decodes + [20, 9], [30 + i for i in range(decodes)] + [40, 9]
-        rows = sum(q_lens)
-        qkv = torch.randn(rows, (hq + 2 * hk) * d, dtype=torch.bfloat16)
-        q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=1)
-        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-        order = torch.tensor(attention.split_order(q_lens, seq_lens)[1], dtype=torch.int64)
-        launched = {}
-        for name, kernel in kernels.items():
-            launched[name] = Recorder(kernel)
-            monkeypatch.setattr(attention, name, launched[name])
-        attention.paged_attention(q.unflatten(1, (hq, d)), cache, cache, cu, torch.tensor(seq_lens, dtype=torch.int32),
-                                  torch.arange(len(q_lens) * 4, dtype=torch.int32).view(-1, 4), 0.1, max_q_len=20,
+        rows, cu, seq_lens, page_table, order = mixed_step(decodes)
+        q, k, v = torch.randn(rows, (hq + 2 * hk) * d, dtype=torch.bfloat16).split([hq * d, hk * d, hk * d], dim=1)
+        launched = recording(monkeypatch, attention, kernels)
+        attention.paged_attention(q.unflatten(1, (hq, d)), cache, cache, cu, seq_lens, page_table, 0.1, max_q_len=20,
                                   store=(k.unflatten(1, (hk, d)), v.unflatten(1, (hk, d)),
                                          torch.arange(rows, dtype=torch.int64)), order=order, decodes=decodes)
         assert all(len(kernel.launches) == 1 for kernel in launched.values()), decodes
-        keys.append({name: repr(specialise(jit(kernel.fn), *kernel.launches[0])[2]) for name, kernel in launched.items()
-                     if name != "_decode_kernel"})  # (its launch takes the batch's own tensors, as a decode step)
+        # (the decode kernel's launch takes the batch's own tensors, as a decode step's)
+        keys.append([alignment_key(kernels[name], launched[name].launches[0])
+                     for name in ("_prefill_kernel", "_store_kvcache_kernel")])
     assert keys[0] == keys[1] == keys[2]
 
 
@@ -134,24 +150,15 @@ def test_a_mixed_steps_latent_attention_compiles_the_same_binaries_whatever_its_
     kernels = {name: getattr(mla, name) for name in ("_mla_kernel", "_mla_merge_kernel", "_store_latent_kernel")}
     keys = []
     for decodes in (1, 2, 3):
-        q_lens, seq_lens = [1] * decodes + [20, 9], [30 + i for i in range(decodes)] + [40, 9]
-        rows = sum(q_lens)
-        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-        order = torch.tensor(attention.split_order(q_lens, seq_lens)[1], dtype=torch.int64)
-        launched = {}
-        for name, kernel in kernels.items():
-            launched[name] = Recorder(kernel)
-            monkeypatch.setattr(mla, name, launched[name])
-        latent_rows = torch.randn(rows, 1, latent + rope, dtype=torch.bfloat16)
-        mla.mla_attention(torch.randn(rows, heads, latent + rope, dtype=torch.bfloat16), cache, cu,
-                          torch.tensor(seq_lens, dtype=torch.int32),
-                          torch.arange(len(q_lens) * 4, dtype=torch.int32).view(-1, 4), 0.1, latent, max_q_len=20,
-                          store=(latent_rows, torch.arange(rows, dtype=torch.int64)), order=order, decodes=decodes)
-        prompts = launched["_mla_kernel"].launches[-1]  # after the decodes' launch
+        rows, cu, seq_lens, page_table, order = mixed_step(decodes)
+        launched = recording(monkeypatch, mla, kernels)
+        mla.mla_attention(torch.randn(rows, heads, latent + rope, dtype=torch.bfloat16), cache, cu, seq_lens,
+                          page_table, 0.1, latent, max_q_len=20, order=order, decodes=decodes,
+                          store=(torch.randn(rows, 1, latent + rope, dtype=torch.bfloat16),
+                                 torch.arange(rows, dtype=torch.int64)))
         assert len(launched["_mla_kernel"].launches) == 2 and len(launched["_store_latent_kernel"].launches) == 1
-        keys.append((repr(specialise(jit(kernels["_mla_kernel"]), *prompts)[2]),
-                     repr(specialise(jit(kernels["_store_latent_kernel"]),
-                                     *launched["_store_latent_kernel"].launches[0])[2])))
+        keys.append([alignment_key(kernels["_mla_kernel"], launched["_mla_kernel"].launches[-1]),  # the prompts'
+                     alignment_key(kernels["_store_latent_kernel"], launched["_store_latent_kernel"].launches[0])])
     assert keys[0] == keys[1] == keys[2]
 
 
