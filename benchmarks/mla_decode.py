@@ -75,6 +75,10 @@ def main() -> None:
         # every column of 64 heads, 16 rows: the scores computed once per head (with 256 columns two programs compute
         # them): 246 registers with a bf16 cache, no spill (2026-12-05, second session); with e4m3 272 bytes spill
         configs += [dict(heads=64, columns=512, block_n=16, num_warps=8)]
+        # transposed (cache rows x heads: the scores' tile 32 rows by 64 heads, computed once, not once per warpgroup
+        # or per column half as above): 245 registers with 8 warps, 128 and a 56-byte spill with 16 (bf16 cache); an
+        # e4m3 cache spills with both (2026-12-05, fifth session)
+        configs += [dict(heads=64, columns=512, block_n=32, num_warps=w, transposed=True) for w in (8, 16)]
     print("| cache | batch | configuration | floor us | kernel us | floor / kernel | max rel err |")
     print("|---|---:|---|---:|---:|---:|---:|")
     for kv_dtype, name in ((None, "bf16"), (torch.float8_e4m3fn, "fp8")):

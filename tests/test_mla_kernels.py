@@ -64,6 +64,20 @@ def test_decode_tiles_that_sum_part_of_the_latent_columns_match_the_reference(he
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
+@pytest.mark.parametrize("splits, heads, columns", [(1, 16, 32), (3, 32, 32), (2, 16, 16)])
+def test_transposed_decode_tiles_match_the_reference(splits, heads, columns, kv_dtype):
+    """The sweep's transposed tiles (cache rows x heads, the output as latent columns x heads), split and unsplit."""
+    g = torch.Generator().manual_seed(splits * heads + columns)
+    q, cache, cu, lens, table, rows, slots, order, _, latent = mla.mla_batch(
+        [1] * 4, [5, 30, 0, 11], 40, 24, 8, 4, torch.float32, "cpu", g, kv_dtype)
+    want, want_cache = reference(q, cache, cu, lens, table, rows, slots, latent)
+    got = mla.mla_attention_triton(q, cache, cu, lens, table, q.shape[-1] ** -0.5, latent, 1, num_splits=splits,
+                                   order=order, store=(rows, slots), heads=heads, columns=columns, transposed=True)
+    assert torch.equal(cache.float(), want_cache.float())
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
 def test_prefill_of_a_mixed_step_matches_the_reference_and_padding_slots_write_nothing():
     g = torch.Generator().manual_seed(3)
     # a 21-row chunk behind 30 cached tokens, a whole 18-token prompt, two decode rows

@@ -19,7 +19,8 @@ rope part loaded apart (512 + 64 columns, not one block padded to 1024), with an
 head of the tile reads each cache row once. Decode steps (max_q_len == 1) take 16 heads of one row per tile and cut
 each sequence into splits (flash-decoding) so that batch 1 at a long context fills the GPU, and store this step's
 rows themselves (the programs whose share holds a row's position); a second launch merges the splits by their
-log-sum-exp. Prefill steps take 16 rows of one head per tile, causal, the cached prefix first
+log-sum-exp (a decode tile may also be transposed, `mla_attention_triton`'s `transposed`: cache rows x heads, for the
+sweep). Prefill steps take 16 rows of one head per tile, causal, the cached prefix first
 (row j of a query of q_len sits at position seq_len - q_len + j), no splits. The grid depends on the batch size and
 head count only (graph-safe); `num_splits` and the page table's width are not specialised on (module docstring of
 attention.py says why). Configurations are not measured yet (no GPU run of this kernel: docs/mla.md).
@@ -100,7 +101,7 @@ def _mla_kernel(
     kv_scale, LATENT: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr, QUERIES: tl.constexpr,
     HEADS: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     STORE: tl.constexpr, ORDERED: tl.constexpr, PRECISION: tl.constexpr, QUANTIZED: tl.constexpr,
-    COLUMNS: tl.constexpr,
+    COLUMNS: tl.constexpr, TRANSPOSED: tl.constexpr,
 ):
     # axis 0: a block of heads and, when COLUMNS < BLOCK_L, which COLUMNS of the latent output this program sums
     # (every program computes the whole scores; fewer columns each leave room for more heads per tile)
@@ -146,7 +147,10 @@ def _mla_kernel(
 
         m_i = tl.full([QUERIES * HEADS], float("-inf"), tl.float32)
         l_i = tl.zeros([QUERIES * HEADS], tl.float32)
-        acc = tl.zeros([QUERIES * HEADS, COLUMNS], tl.float32)
+        if TRANSPOSED:  # the output transposed: latent columns down, (row, head) pairs across
+            acc = tl.zeros([COLUMNS, QUERIES * HEADS], tl.float32)
+        else:
+            acc = tl.zeros([QUERIES * HEADS, COLUMNS], tl.float32)
         col = c0 + tl.arange(0, COLUMNS)  # the latent columns of the output this program sums
         for n0 in range(start, stop, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
@@ -159,33 +163,51 @@ def _mla_kernel(
             if QUANTIZED:  # e4m3 rows to q's dtype, exactly; the scale is in scale_log2 and applied to acc
                 k_lat = k_lat.to(Q.dtype.element_ty)
                 k_rot = k_rot.to(Q.dtype.element_ty)
-            s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)
-            s += tl.dot(q_rot, tl.trans(k_rot), input_precision=PRECISION)
-            s = tl.where(n_mask[None, :] & (n[None, :] <= pos[:, None]), s * scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if TRANSPOSED:  # keys down, pairs across: the cache rows are the tensor cores' M, the heads their N
+                s = tl.dot(k_lat, tl.trans(q_lat), input_precision=PRECISION)
+                s += tl.dot(k_rot, tl.trans(q_rot), input_precision=PRECISION)
+                s = tl.where(n_mask[:, None] & (n[:, None] <= pos[None, :]), s * scale_log2, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=0))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new[None, :])
+                l_i = l_i * alpha + tl.sum(p, axis=0)
+            else:
+                s = tl.dot(q_lat, tl.trans(k_lat), input_precision=PRECISION)
+                s += tl.dot(q_rot, tl.trans(k_rot), input_precision=PRECISION)
+                s = tl.where(n_mask[None, :] & (n[None, :] <= pos[:, None]), s * scale_log2, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
             if COLUMNS == BLOCK_L:  # the values are the rows' latent part, just loaded
                 v = k_lat
             else:  # its COLUMNS (from L1: just read for the scores)
                 v = tl.load(cache_row + col[None, :], mask=n_mask[:, None] & (col < LATENT)[None, :], other=0.0)
                 if QUANTIZED:
                     v = v.to(Q.dtype.element_ty)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            if TRANSPOSED:
+                acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(v.dtype), input_precision=PRECISION)
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         if QUANTIZED:
             acc = acc * kv_scale
-        out_mask = live[:, None] & (col < LATENT)[None, :]
+        # the output's two axes as acc holds them: the tile's (row, head) pairs, and the latent columns
+        if TRANSPOSED:
+            pair, column, l_pair = t[None, :], col[:, None], l_i[None, :]
+            h_pair, live_pair = h[None, :], live[None, :]
+        else:
+            pair, column, l_pair = t[:, None], col[None, :], l_i[:, None]
+            h_pair, live_pair = h[:, None], live[:, None]
+        out_mask = live_pair & (column < LATENT)
         if SPLIT:  # partial result + its log2-sum-exp; a share past the sequence's end has l_i == 0, writes -inf
             part = (b * H + h) * num_splits + split
-            tl.store(PART_O + part[:, None] * LATENT + col[None, :], acc / tl.maximum(l_i, 1e-30)[:, None],
-                     mask=out_mask)
+            part_pair = (b * H + h_pair) * num_splits + split
+            tl.store(PART_O + part_pair * LATENT + column, acc / tl.maximum(l_pair, 1e-30), mask=out_mask)
             tl.store(PART_LSE + part, tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf")),
                      mask=live)
         else:
-            out = acc / l_i[:, None]
-            tl.store(O + t[:, None] * stride_ot + h[:, None] * stride_oh + col[None, :], out.to(O.dtype.element_ty),
+            tl.store(O + pair * stride_ot + h_pair * stride_oh + column, (acc / l_pair).to(O.dtype.element_ty),
                      mask=out_mask)
 
 
@@ -245,12 +267,15 @@ def mla_attention_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: tor
                          out: torch.Tensor | None = None, num_splits: int | None = None,
                          order: torch.Tensor | None = None, kv_scale: float = 1.0, block_n: int | None = None,
                          heads: int | None = None, num_warps: int | None = None, columns: int | None = None,
-                         store: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                         store: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         transposed: bool = False) -> torch.Tensor:
     """`mla_attention_ref` in one launch (prefill) or two (decode: the splits, then their merge). store = (rows,
     slot_mapping), decode only: this step's rows are written by the attention kernel itself (one launch fewer per
     layer). block_n, heads (a decode tile's), columns (of the latent output per program: a power of two; default
-    all) and num_warps: the configuration, for benchmarks/mla_decode.py's sweep; a decode step on CUDA given none
-    of them takes `decode_tile`'s. An order shorter than the batch runs only the sequences it names."""
+    all), num_warps and transposed (the tile's products as cache rows x heads, not heads x cache rows: the rows
+    are the tensor cores' M, the heads their N): the configuration, for benchmarks/mla_decode.py's sweep; a decode
+    step on CUDA given none of them takes `decode_tile`'s. An order shorter than the batch runs only the sequences
+    it names."""
     B = seq_lens.shape[0] if order is None else order.shape[0]
     T, H, width = q.shape
     out = q.new_empty(T, H, latent_dim) if out is None else out
@@ -282,7 +307,8 @@ def mla_attention_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: tor
         BLOCK_L=block_l, BLOCK_R=max(16, triton.next_power_of_2(width - latent_dim)),
         BLOCK_N=block_n or (CUDA_TILE["block_n"] if q.is_cuda else 16), SPLIT=split, STORE=store is not None,
         ORDERED=order is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANTIZED=quantized,
-        COLUMNS=columns, num_warps=num_warps or (CUDA_TILE["num_warps"] if q.is_cuda else 1), num_stages=2,
+        COLUMNS=columns, TRANSPOSED=transposed, num_warps=num_warps or (CUDA_TILE["num_warps"] if q.is_cuda else 1),
+        num_stages=2,
     )
     if split:
         _mla_merge_kernel[(B, H)](part_o, part_lse, out, cu_seqlens_q, out.stride(0), out.stride(1), H, num_splits,
