@@ -12,18 +12,19 @@ attention with one key [latent | k_pe] and one value `latent` per token, and the
 values per head) by W_UV[h]. The kernels never see W_UK or W_UV (`LatentAttention` in
 runtime/tsdev_runtime/layers/attention.py applies them; it expands long prompts instead, docs/mla.md).
 
-Triton (CUDA; the tests run it under the interpreter), one kernel for every step: a program owns a tile of
-(query row, head) pairs, HEADS heads of QUERIES rows of one sequence, and one of `num_splits` shares of the keys
-its rows can see. It streams that share's cache rows in blocks of BLOCK_N through the page table, the latent and the
-rope part loaded apart (512 + 64 columns, not one block padded to 1024), with an online softmax in float32; every
-head of the tile reads each cache row once. Decode steps (max_q_len == 1) take 16 heads of one row per tile and cut
-each sequence into splits (flash-decoding) so that batch 1 at a long context fills the GPU, and store this step's
-rows themselves (the programs whose share holds a row's position); a second launch merges the splits by their
-log-sum-exp (a decode tile may also be transposed, `mla_attention_triton`'s `transposed`: cache rows x heads, for the
-sweep). Prefill steps take 16 rows of one head per tile, causal, the cached prefix first
-(row j of a query of q_len sits at position seq_len - q_len + j), no splits. The grid depends on the batch size and
-head count only (graph-safe); `num_splits` and the page table's width are not specialised on (module docstring of
-attention.py says why). Configurations are not measured yet (no GPU run of this kernel: docs/mla.md).
+Triton (CUDA; the tests run it under the interpreter), one kernel for every step: a program owns a tile of (query row,
+head) pairs, HEADS heads of QUERIES rows of one sequence, and one of `num_splits` shares of the keys its rows can see.
+It streams that share's cache rows in blocks of BLOCK_N through the page table, the latent and the rope part loaded
+apart (512 + 64 columns, not one block padded to 1024), with an online softmax in float32; every head of the tile
+reads each cache row once. Decode steps (max_q_len == 1) take heads of one row per tile (16 off CUDA; on CUDA
+`decode_tile`'s: every head of the row against half the latent columns) and cut each sequence into splits
+(flash-decoding) so that batch 1 at a long context fills the GPU, and store this step's rows themselves (the programs
+whose share holds a row's position); a second launch merges the splits by their log-sum-exp (a decode tile may also be
+transposed, `mla_attention_triton`'s `transposed`: cache rows x heads, for the sweep). Prefill steps take 16 rows of
+one head per tile, causal, the cached prefix first (row j of a query of q_len sits at position seq_len - q_len + j),
+no splits. The grid depends on the batch size and head count only (graph-safe); `num_splits` and the page table's
+width are not specialised on (module docstring of attention.py says why). The CUDA tiles are the H200 sweep's best
+(`CUDA_DECODE_TILES`; docs/mla.md, docs/results.md).
 """
 import torch
 import triton
