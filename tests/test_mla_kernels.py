@@ -78,7 +78,8 @@ def test_transposed_decode_tiles_match_the_reference(splits, heads, columns, kv_
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
-def test_prefill_of_a_mixed_step_matches_the_reference_and_padding_slots_write_nothing():
+@pytest.mark.parametrize("transposed", [False, True])
+def test_prefill_of_a_mixed_step_matches_the_reference_and_padding_slots_write_nothing(transposed):
     g = torch.Generator().manual_seed(3)
     # a 21-row chunk behind 30 cached tokens, a whole 18-token prompt, two decode rows
     q, cache, cu, lens, table, rows, slots, order, max_q_len, latent = mla.mla_batch(
@@ -88,7 +89,8 @@ def test_prefill_of_a_mixed_step_matches_the_reference_and_padding_slots_write_n
     before = cache.clone()
     mla.store_latent_triton(rows, cache, slots)
     assert torch.equal(cache, want_cache) and not torch.equal(cache, before)
-    got = mla.mla_attention_triton(q, cache, cu, lens, table, q.shape[-1] ** -0.5, latent, max_q_len, order=order)
+    got = mla.mla_attention_triton(q, cache, cu, lens, table, q.shape[-1] ** -0.5, latent, max_q_len, order=order,
+                                   transposed=transposed)  # (transposed: the causal mask across, keys down)
     keep = torch.ones(len(q), dtype=torch.bool)
     keep[5] = False  # the padding row's own output is unspecified (its key never stored)
     torch.testing.assert_close(got[keep], want[keep], atol=2e-5, rtol=2e-5)
