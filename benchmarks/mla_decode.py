@@ -4,6 +4,8 @@
     python3 benchmarks/mla_decode.py                          # batch 1, 64, 256 at context 4096, bf16 and fp8 cache
     python3 benchmarks/mla_decode.py --sweep                  # each tile (heads, latent columns per program, KV
                                                               # rows, warps) too
+    python3 benchmarks/mla_decode.py --tile 64,512,32,8,t     # the default tile beside these (heads, columns, rows,
+                                                              # warps[, t: transposed]) only
     python3 benchmarks/mla_decode.py --prefill 4096           # then one 4096-token prompt's attention (prefill tiles)
 
 floor: the cache rows every sequence reads (576 values x 2 bytes, 1 in an e4m3 cache, per token) at the copy bandwidth
@@ -48,11 +50,26 @@ def time_decode(args, sequences: int, kv_dtype, **config) -> tuple[float, float]
     return triton.testing.do_bench_cudagraph(call, rep=100 if config else 200) * 1e3, error
 
 
+def tile(spec: str) -> dict:
+    """--tile's "64,512,32,8,t" as mla_attention_triton's keywords."""
+    *numbers, last = spec.split(",")
+    transposed = last == "t"
+    if not transposed:
+        numbers.append(last)
+    if len(numbers) != 4 or not all(n.isdigit() for n in numbers):
+        raise SystemExit(f"--tile {spec!r}: want HEADS,COLUMNS,ROWS,WARPS with an optional ,t (e.g. 64,512,32,8,t)")
+    heads, columns, rows, warps = map(int, numbers)
+    return dict(heads=heads, columns=columns, block_n=rows, num_warps=warps) | (dict(transposed=True) if transposed
+                                                                                 else {})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--sweep", action="store_true", help="time each tile configuration at each batch")
+    parser.add_argument("--tile", action="append", default=[], metavar="HEADS,COLUMNS,ROWS,WARPS[,t]",
+                        help="time this tile beside the default (t: transposed); repeatable; a few of --sweep's")
     parser.add_argument("--prefill", type=int, default=0, help="also time one prompt of this many tokens")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -62,7 +79,7 @@ def main() -> None:
           f"{triton.__version__}; {HEADS} heads, latent {LATENT} + rope {ROPE}, context {args.context}, pages of "
           f"{PAGE}; copy bandwidth {bandwidth / 1e12:.2f} TB/s. Command: "
           f"`python3 benchmarks/mla_decode.py {shlex.join(sys.argv[1:])}`\n")
-    configs = [{}]
+    configs = [{}] + [tile(spec) for spec in args.tile]
     if args.sweep:
         # heads per program x latent columns each sums; those that compile for sm_90 without register spills
         # (64 or 128 heads only with 8 warps and at most 256 columns; 64 KV rows only with 128 columns: 128 heads
