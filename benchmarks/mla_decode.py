@@ -59,8 +59,8 @@ def tile(spec: str) -> dict:
     if len(numbers) != 4 or not all(n.isdigit() for n in numbers):
         raise SystemExit(f"--tile {spec!r}: want HEADS,COLUMNS,ROWS,WARPS with an optional ,t (e.g. 64,512,32,8,t)")
     heads, columns, rows, warps = map(int, numbers)
-    return dict(heads=heads, columns=columns, block_n=rows, num_warps=warps) | (dict(transposed=True) if transposed
-                                                                                 else {})
+    config = dict(heads=heads, columns=columns, block_n=rows, num_warps=warps)
+    return config | dict(transposed=True) if transposed else config
 
 
 def main() -> None:

@@ -193,23 +193,21 @@ def _mla_kernel(
             m_i = m_new
         if QUANTIZED:
             acc = acc * kv_scale
-        # the output's two axes as acc holds them: the tile's (row, head) pairs, and the latent columns
-        if TRANSPOSED:
-            pair, column, l_pair = t[None, :], col[:, None], l_i[None, :]
-            h_pair, live_pair = h[None, :], live[None, :]
+        part = (b * H + h) * num_splits + split  # each (row, head) pair's partial row of a split
+        out_row = t * stride_ot + h * stride_oh  # and its output row, unsplit
+        if TRANSPOSED:  # the pairs along acc's second axis, the latent columns down
+            part_2d, row_2d, l_2d, live_2d = part[None, :], out_row[None, :], l_i[None, :], live[None, :]
+            column = col[:, None]
         else:
-            pair, column, l_pair = t[:, None], col[None, :], l_i[:, None]
-            h_pair, live_pair = h[:, None], live[:, None]
-        out_mask = live_pair & (column < LATENT)
+            part_2d, row_2d, l_2d, live_2d = part[:, None], out_row[:, None], l_i[:, None], live[:, None]
+            column = col[None, :]
+        out_mask = live_2d & (column < LATENT)
         if SPLIT:  # partial result + its log2-sum-exp; a share past the sequence's end has l_i == 0, writes -inf
-            part = (b * H + h) * num_splits + split
-            part_pair = (b * H + h_pair) * num_splits + split
-            tl.store(PART_O + part_pair * LATENT + column, acc / tl.maximum(l_pair, 1e-30), mask=out_mask)
+            tl.store(PART_O + part_2d * LATENT + column, acc / tl.maximum(l_2d, 1e-30), mask=out_mask)
             tl.store(PART_LSE + part, tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf")),
                      mask=live)
         else:
-            tl.store(O + pair * stride_ot + h_pair * stride_oh + column, (acc / l_pair).to(O.dtype.element_ty),
-                     mask=out_mask)
+            tl.store(O + row_2d + column, (acc / l_2d).to(O.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
