@@ -52,6 +52,7 @@ class AsyncEngine:
         self.profiler = StepProfiler(engine.config.device)
         self._deferred_seconds, self._deferred_count = 0.0, 0  # graphs captured after a reload resumed serving
         self._steps_since_capture = 0
+        self.last_step_at = time.monotonic()  # when the last engine step ended (idle since then, if none runs)
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self.state.listeners.append(self._phase_moved)
 
@@ -301,6 +302,7 @@ class AsyncEngine:
                               "the one it fails on")
                 await self._recover(exc)
                 continue
+            self.last_step_at = time.monotonic()
             outputs = self._hand_out(step)
             if closed_range:
                 self.publish(ProfileFinished(**dict(closed_range)))

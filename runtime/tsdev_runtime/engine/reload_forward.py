@@ -159,7 +159,8 @@ class ReloadForward:
             if ae.state.phase != "serving" or not self._idle() or ae.control_lock.locked():
                 quiet_since = None
                 continue
-            quiet_since = quiet_since or time.monotonic()
+            # a short request that came and went between two looks here still moved the engine's last step
+            quiet_since = max(quiet_since or time.monotonic(), ae.last_step_at)
             if time.monotonic() - quiet_since < IDLE_BEFORE_TIMING_S:
                 continue
             async with ae.control_lock:
