@@ -18,6 +18,7 @@ FAMILIES = {"v2": "hf_deepseek_v2_dir", "v3": "hf_deepseek_v3_dir"}
 PROMPTS = [[5, 17, 300, 42, 9, 77, 123, 4, 8, 15, 16, 23], [200, 201, 202],
            [(13 * j + 1) % 1000 + 3 for j in range(40)]]
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+CHUNKED = [PROMPTS[2] + [7, 8, 9], PROMPTS[2] + list(range(10, 22))]  # the second: a cached prefix, a two-chunk tail
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -65,31 +66,38 @@ def test_chunked_prefill_and_a_warm_prefix_cache_serve_transformers_tokens(famil
         return batch
 
     engine.scheduler.schedule = recording_schedule
-    shared = PROMPTS[2]
-    engine.generate([shared + [7, 8, 9]], GREEDY)
+    first, second = CHUNKED
+    assert engine.generate([first], GREEDY)[0]["token_ids"] == hf_greedy(oracle, first, GREEDY.max_tokens)
     assert chunks[:6] == [7, 7, 7, 7, 7, 7]  # 43 prompt tokens in chunks of at most 7
-    hits = engine.block_manager.hits
-    second = shared + [10, 11]
+    hits, chunks[:] = engine.block_manager.hits, []
     out = engine.generate([second], GREEDY)[0]["token_ids"]
-    assert engine.block_manager.hits - hits >= len(shared) // 4 - 1  # the shared prefix's pages, from the cache
+    assert engine.block_manager.hits - hits >= len(PROMPTS[2]) // 4 - 1  # the shared prefix's pages, from the cache
+    assert chunks[0] == 7 and chunks[1] > 1  # the uncached tail took two prefill chunks
     assert out == hf_greedy(oracle, second, GREEDY.max_tokens)
 
 
 def tp_rank(model_dir: str) -> dict | None:
     def inspect(engine):
         attention = engine.model.model.layers[1].self_attn
-        return dict(tokens=[r["token_ids"] for r in engine.generate(PROMPTS, GREEDY)],
+        tokens = [r["token_ids"] for r in engine.generate(PROMPTS, GREEDY)]
+        hits = engine.block_manager.hits
+        chunked = [engine.generate([prompt], GREEDY)[0]["token_ids"] for prompt in CHUNKED]
+        return dict(tokens=tokens, chunked=chunked, hits=engine.block_manager.hits - hits,
                     heads=attention.num_heads, w_uk=tuple(attention.w_uk.shape),
                     pool=tuple(engine.runner.kv_cache.shape[3:]))
-    return on_rank0_engine(engine_config(model_dir, world_size=2, cudagraph_capture_sizes=[1, 4]), inspect)
+    config = engine_config(model_dir, world_size=2, cudagraph_capture_sizes=[1, 4], max_batched_tokens=7)
+    return on_rank0_engine(config, inspect)
 
 
 @pytest.mark.slow
-def test_two_ranks_split_the_heads_and_serve_the_greedy_tokens_of_transformers(family, expected):
+def test_two_ranks_split_the_heads_and_serve_the_greedy_tokens_of_transformers(family, oracle, expected):
+    """Also in chunks of at most 7 tokens and behind a warm prefix cache."""
     rank0, _ = run_ranks(tp_rank, 2, str(family[1]), timeout=240)
     assert rank0["heads"] == 2 and rank0["w_uk"] == (2, 16, 32)  # half of the 4 heads; the whole latent
     assert rank0["pool"] == (4, 1, 40)  # every rank caches the same latent rows
     assert rank0["tokens"] == expected
+    assert rank0["hits"] >= 2 * (len(PROMPTS[2]) // 4 - 1)  # both CHUNKED prompts found the shared prefix's pages
+    assert rank0["chunked"] == [hf_greedy(oracle, prompt, GREEDY.max_tokens) for prompt in CHUNKED]
 
 
 # --- what reloads: an edit of the MLA kernel module, and weights after sleep(2) --------------------------------------
