@@ -212,3 +212,59 @@ def test_the_channel_carries_requests_refusals_and_failures_between_the_two_side
         await ae.stop()
 
     asyncio.run(main())
+
+
+def test_a_stream_the_front_closes_leaves_the_engine_within_one_step(make_engine):
+    """The API process's close of a stream reaches the engine's process as an abort that ends the request (and frees
+    its pages) before the next step, or the one after where that step was already handed to the engine's thread;
+    the other request goes on to its end."""
+    import asyncio
+    import socket
+
+    from tsdev_runtime.engine.async_engine import AsyncEngine
+    from tsdev_runtime.engine.channel import EngineSide
+    from tsdev_runtime.engine.sequence import SamplingParams
+    from tsdev_runtime.server.api_process import EngineChannel
+    from tsdev_runtime.server.metrics import RequestMetrics
+
+    engine = make_engine()
+    long = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    steps, holding, received = [0], [], []  # steps begun; (step, the closed request still held) at each step's start
+    step = engine.step
+
+    def counting_step():
+        steps[0] += 1
+        holding.append((steps[0], engine.scheduler.find("gone") is not None))
+        return step()
+
+    engine.step = counting_step
+
+    async def main():
+        ae = AsyncEngine(engine)
+        abort = ae.abort
+        ae.abort = lambda request_id, reason="abort": received.append(steps[0]) or abort(request_id, reason)
+        await ae.start()
+        ours, theirs = socket.socketpair()
+        side = asyncio.create_task(EngineSide(ae, lambda: None).serve(ours))
+        reader, writer = await asyncio.open_unix_connection(sock=theirs)
+        channel = EngineChannel(reader, writer, engine.tokenizer, RequestMetrics("tiny"), lambda: None)
+        assert await channel.ready()
+        reading = asyncio.create_task(channel.read())
+        gone, stays = channel.generate("gone", [5, 6, 7], long), channel.generate("stays", [9, 10, 11], long)
+        for _ in range(3):
+            await anext(gone)
+        used = engine.block_manager.num_used_pages
+        await gone.aclose()
+        outs = [out async for out in stays]
+        assert sum(len(o.new_token_ids) for o in outs) == 120 and engine.block_manager.num_used_pages == 0
+        assert used > 0
+        reading.cancel()
+        side.cancel()
+        await ae.shutdown()
+        await ae.stop()
+
+    asyncio.run(main())
+    assert len(received) == 1 and engine.scheduler.find("gone") is None
+    late = [n for n, held in holding if held and n > received[0]]
+    assert len(late) <= 1, (received, late)  # at most the step already handed over when the abort came
+    assert holding[-1][0] > received[0] + 5  # the other request ran on well after it
