@@ -39,6 +39,14 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def socket_dirs(pid: int) -> set[Path]:
+    """The directories of the Unix sockets process `pid` has bound (the engine process's app socket)."""
+    inodes = {os.readlink(fd)[8:-1] for fd in Path(f"/proc/{pid}/fd").iterdir()
+              if os.readlink(fd).startswith("socket:[")}
+    rows = (line.split() for line in Path("/proc/net/unix").read_text().splitlines()[1:])
+    return {Path(row[7]).parent for row in rows if len(row) == 8 and row[6] in inodes and row[7].startswith("/")}
+
+
 def until(condition, timeout: float = 20.0) -> bool:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -88,6 +96,7 @@ def server(tiny_model_dir, tmp_path):
                             log_path=tmp_path / "serve.log")
     with process.running(90):
         process.api, = children(process.proc.pid)
+        process.socket_dir, = socket_dirs(process.proc.pid)
         yield process
 
 
@@ -130,13 +139,26 @@ def test_the_api_process_dying_stops_the_engine_process_with_the_reason(server):
     os.kill(server.api, signal.SIGKILL)
     assert until(lambda: server.proc.poll() is not None)
     assert server.proc.returncode == 70 and "the API process (the HTTP front) exited" in server.output()
+    assert not server.socket_dir.exists()
 
 
 @pytest.mark.slow
-def test_the_engine_process_dying_ends_the_api_process(server):
-    os.kill(server.proc.pid, signal.SIGKILL)
+def test_the_engine_process_dying_ends_the_api_process_and_the_streams_it_served(server):
+    """Said on stderr, the API process gone with its status, the socket's directory removed, and a client whose
+    stream was open sees it end (a dropped connection), never a hang."""
+    body = {"prompt": "once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=30) as client, client.stream("POST", server.url + "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        for _ in range(4):
+            next(lines)
+        os.kill(server.proc.pid, signal.SIGKILL)
+        with pytest.raises(httpx.RemoteProtocolError):
+            for _ in lines:
+                pass
     server.proc.wait()
     assert until(lambda: not alive(server.api))
+    assert "the engine process exited: its API process stops" in server.output()
+    assert not server.socket_dir.exists()
 
 
 @pytest.mark.slow
@@ -146,6 +168,7 @@ def test_sigterm_stops_both_within_a_second(server):
     server.proc.wait(10)
     assert server.proc.returncode == 0 and time.monotonic() - start < 1.0
     assert until(lambda: not alive(server.api), 2)
+    assert not server.socket_dir.exists()
 
 
 def test_the_channel_carries_requests_refusals_and_failures_between_the_two_sides(make_engine):
