@@ -269,9 +269,11 @@ def test_a_step_sends_the_other_ranks_only_the_tokens_not_computed_yet():
 def test_a_rank_that_dies_stops_the_server_at_the_next_step(tiny_model_dir, tmp_path):
     import os
     import signal
+    from pathlib import Path
 
     import httpx
 
+    from test_api_process import alive, children, until
     from tsdev.server_process import ServerProcess
 
     args = [str(tiny_model_dir), "--device", "cpu", "--max-model-len", "1024", "--cudagraph-capture-sizes", "1",
@@ -280,14 +282,17 @@ def test_a_rank_that_dies_stops_the_server_at_the_next_step(tiny_model_dir, tmp_
     server.start()
     try:
         server.wait_healthy(90)
-        pid = server.proc.pid
-        follower = int(open(f"/proc/{pid}/task/{pid}/children").read().split()[0])
+        kids = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[2].decode()  # python -m MODULE
+                for pid in children(server.proc.pid)}
+        assert sorted(kids.values()) == ["tsdev.api_process", "tsdev.ranks"]  # the HTTP front in its own process
+        follower = next(pid for pid, module in kids.items() if module == "tsdev.ranks")
         os.kill(follower, signal.SIGKILL)
         with pytest.raises(httpx.HTTPError):
             httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60)
         assert server.proc.wait(30) == 70
         assert "FATAL: cannot send 'launch' to the other ranks" in server.output(), server.output()
         assert "a rank is gone" in server.output()
+        assert until(lambda: not any(map(alive, kids)), 10)  # no process left behind
     finally:
         server.stop()
 
