@@ -1,10 +1,11 @@
-"""benchmarks/offline_throughput.py's step-time histogram (issue 18 asks for one per kind of step)."""
+"""benchmarks/offline_throughput.py: its step-time histogram (one per kind of step) and the host's time per step it
+reports (on a GPU also the GPU's idle share: tests/test_gpu_idle_gpu.py)."""
 import random
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-from offline_throughput import histogram  # noqa: E402
+from offline_throughput import histogram, run_workload  # noqa: E402
 
 
 def test_the_histogram_counts_every_step_and_its_percentiles_are_ordered():
@@ -21,3 +22,27 @@ def test_the_histogram_counts_every_step_and_its_percentiles_are_ordered():
 def test_equal_times_fall_in_one_bin():
     cells = histogram([0.004] * 7, bins=3).split("steps) ")[1].split()
     assert [int(c.split(":")[1]) for c in cells] == [7, 0, 0]
+
+
+def test_the_workload_reports_the_hosts_time_per_step_and_a_slower_host_shows_in_it(make_engine, capsys, monkeypatch):
+    import time
+
+    from tsdev_runtime.engine.model_runner import ModelRunner
+    from tsdev_runtime.engine.sequence import SamplingParams
+
+    engine = make_engine()
+    prompts = [[5 + i, 6, 7, 8] for i in range(4)]
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)] * 4
+
+    def host_ms() -> float:
+        tok_s = run_workload(engine, prompts, params, "cpu")
+        out = capsys.readouterr().out
+        assert "decode steps: " in out and out.strip().splitlines()[-1].startswith("tsdev: 4 requests, 16 prompt + 48 "
+                                                                                   f"output tokens") and tok_s > 0
+        return float(out.split("host per step: ")[1].split(" ms")[0])
+
+    plain = host_ms()
+    prepare = ModelRunner.host_inputs
+    monkeypatch.setattr(ModelRunner, "host_inputs", lambda self, batch: time.sleep(0.005) or prepare(self, batch))
+    slow = host_ms()
+    assert 0 < plain and slow >= plain + 4.0, (plain, slow)  # the 5 ms added to each step's input preparation
