@@ -119,6 +119,8 @@ def test_control_calls_reach_the_engine_and_a_sleep_refuses_requests_at_the_fron
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias"
     metrics = httpx.get(server.url + "/metrics").text
     assert "tsdev_time_to_first_token_seconds_count" in metrics and "tsdev_kv_pages_total" in metrics
+    assert gauge(server.url, "tsdev_step_host_seconds_count") > 0  # the engine's host time per step, relayed
+    assert "\ntsdev_gpu_busy_seconds{" in metrics and "\ntsdev_gpu_idle_seconds{" in metrics  # (0 on the CPU)
     assert "prompt token(s), max_tokens" in server.output()  # --log-level info: the API process logs each request
 
 
