@@ -243,3 +243,20 @@ def test_the_embedded_default_fp8_serves_the_default_kind_stored_as_block_fp8(tm
     assert all(len(r["token_ids"]) == TOKENS for r in tokens)
     for cosine in cosines_to_unquantized(engine.model_dir, "tiny-blocks", tmp_path):
         assert cosine > 0.99, cosine
+
+
+def test_a_reload_checks_the_block_fp8_kernels_at_the_widths_it_serves(source_dir, tmp_path):
+    """The served block-FP8 checkpoint's shapes reach the checks of its kernels (the quantization of the activations,
+    the projection), which pass under Triton's interpreter; a bf16 model's do not declare them."""
+    from tsdev_kernels import checks
+    from tsdev_runtime.engine.kernel_checks import serving_of
+
+    engine = LLMEngine(EngineConfig(model=str(write_fp8_blocks(source_dir, tmp_path / "fp8")), device="cpu",
+                                    cudagraph_capture_sizes=[1, 2]))
+    serving, unquantized = serving_of(engine), LLMEngine(EngineConfig(model=str(source_dir), device="cpu"))
+    assert serving.fp8_blocks and not serving_of(unquantized).fp8_blocks
+    by_op = {c.op: c for c in checks.declared()}
+    linear = by_op["fp8_block_linear"].shapes(serving)
+    assert (1, 512, 192) in linear and by_op["fp8_token_groups"].shapes(serving)[0][1] == 192
+    for op in ("fp8_token_groups", "fp8_block_linear"):
+        assert all(checks.run(by_op[op], shape, torch.float32, "cpu").ok for shape in by_op[op].shapes(serving)[:2])

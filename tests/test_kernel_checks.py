@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tsdev_kernels import checks
-from tsdev_kernels.ops import activation, attention, linear, moe, norm, rope, sampling  # noqa: F401  (their CHECKS)
+from tsdev_kernels.ops import activation, attention, fp8_block, linear, moe, norm, rope, sampling  # noqa: F401
 from tsdev_runtime.control_protocol import KernelCheckResult, ReloadReply, WorkerReport
 from tsdev_runtime.engine.kernel_checks import serving_tokens
 from serve_process import copy_project, serve
@@ -110,6 +110,35 @@ def test_fp8_projections_are_checked_only_where_the_model_serves_them():
     assert not checks.run(unscaled, (1, 128, 64), torch.float32, "cpu").ok
 
 
+def test_block_fp8_kernels_and_fp8_experts_are_checked_only_where_served_and_a_wrong_scale_fails():
+    by_op = {c.op: c for c in checks.declared()}
+    serving = checks.Serving(tokens=(1, 6), hidden=128, intermediate=320, dtype=torch.float32, experts=40, top_k=2,
+                             moe_intermediate=128, device="cpu")
+    fp8, blocks = replace(serving, fp8=True), replace(serving, fp8_blocks=True)
+    new = ("fp8_token_groups", "fp8_block_linear", "fused_moe_fp8", "fused_moe_fp8_block")
+    assert [op for op in new if by_op[op].shapes(serving)] == [] and by_op["fused_moe"].shapes(serving)
+    assert [op for op in (*new, "fused_moe") if by_op[op].shapes(fp8)] == ["fused_moe_fp8"]  # its experts in e4m3
+    assert [op for op in (*new, "fused_moe") if by_op[op].shapes(blocks)] == [op for op in new if op != "fused_moe_fp8"]
+    assert by_op["fp8_block_linear"].shapes(blocks) == [(1, 320, 128), (6, 320, 128)]
+    x, weight, scale_inv = by_op["fp8_block_linear"].inputs((6, 320, 128), torch.float32, "cpu",
+                                                           torch.Generator().manual_seed(4))
+    assert weight.dtype == torch.float8_e4m3fn and scale_inv.shape == (1, 3) and x.abs().max() > 1  # fresh values
+    for op, served in (("fp8_token_groups", blocks), ("fp8_block_linear", blocks), ("fused_moe_fp8", fp8),
+                       ("fused_moe_fp8_block", blocks)):
+        assert all(checks.run(by_op[op], shape, torch.float32, "cpu").ok for shape in by_op[op].shapes(served)), op
+    mis_scaled = replace(by_op["fp8_block_linear"], kernel=lambda x, w, s: fp8_block.fp8_block_linear_triton(
+        x, w, s * 1.02))
+    assert not any(checks.run(mis_scaled, shape, torch.float32, "cpu").ok for shape in ((1, 320, 128), (6, 320, 128)))
+    swapped = replace(by_op["fp8_token_groups"], kernel=lambda x: fp8_block._as_floats(
+        fp8_block.quantize_fp8_token_groups_triton(x.flip(-1))))
+    assert not checks.run(swapped, (6, 128), torch.float32, "cpu").ok
+    for op in ("fused_moe_fp8", "fused_moe_fp8_block"):
+        check = by_op[op]
+        down_off = replace(check, kernel=lambda x, w13, w2, w, ids, s13, s2, check=check: check.kernel(
+            x, w13, w2, w, ids, s13, s2 * 1.02))
+        assert not checks.run(down_off, (6, 128, 128, 16, 2), torch.float32, "cpu").ok, op
+
+
 def test_a_wrong_kernel_is_reported_with_its_error_and_nan_never_passes():
     wrong = replace(SILU, kernel=lambda x: activation.silu_and_mul_triton(x) * 1.01)
     result = checks.run(wrong, (3, 64), torch.float32, "cpu")
@@ -131,8 +160,9 @@ def test_an_edit_of_an_inlined_helper_changes_the_fingerprint_of_the_ops_whose_k
     try:
         helper.__code__ = compile("def f(gate, up, dt):\n    return gate * up\n", "<edit>", "exec").co_consts[0]
         # the GEMV (its gated path) and the MoE's up kernel inline the helper too: their ops, nothing else
-        assert sorted(c.op for c in checks.changed(before, declared)) == ["fp8_gemv", "fused_moe", "gemv",
-                                                                          "gemv_norm_gate_up", "silu_and_mul"]
+        assert sorted(c.op for c in checks.changed(before, declared)) == [
+            "fp8_gemv", "fused_moe", "fused_moe_fp8", "fused_moe_fp8_block", "gemv", "gemv_norm_gate_up",
+            "silu_and_mul"]
     finally:
         helper.__code__ = original
     assert checks.changed(before, declared) == [] and kernel is activation._silu_and_mul_kernel

@@ -60,6 +60,7 @@ class Serving:
     top_k: int = 0
     moe_intermediate: int = 0
     fp8: bool = False  # e4m3 projections (--quantization fp8)
+    fp8_blocks: bool = False  # e4m3 projections with 128 x 128 block scales (a block-FP8 checkpoint, as stored)
     kv_fp8: bool = False  # an e4m3 KV pool (--kv-cache-dtype fp8)
     eps: float = 1e-6
     device: str = "cuda"

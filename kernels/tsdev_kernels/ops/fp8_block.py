@@ -17,8 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from tsdev_kernels.checks import KernelCheck, Tolerance
 from tsdev_kernels.ops import pdl, sm_count, split_arrivals, use_triton, wait_for_previous
-from tsdev_kernels.ops.linear import gemv_config
+from tsdev_kernels.ops.linear import _matrix, gemv_config
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
@@ -316,3 +317,58 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     if use_triton(x, "fp8"):
         return fp8_block_linear_triton(x, weight, weight_scale_inv, block, bias)
     return fp8_block_linear_ref(x, weight, weight_scale_inv, block, bias)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checks on reload (kernels/tsdev_kernels/checks.py), where a block-FP8 checkpoint is served: the quantization of the
+# activations, and the projection (the GEMV at one token, quantization + block GEMM past it) at the served widths.
+
+BLOCK_TOLERANCE = {
+    torch.bfloat16: Tolerance(1e-2, 1.6e-2, "bf16 output rounded once from float32 block sums in another order than "
+                              "the reference's (on Hopper each block's FP8 wgmma sum in reduced precision)"),
+    torch.float16: Tolerance(2e-3, 2e-3, "fp16 output, as bf16 with 3 more mantissa bits"),
+    torch.float32: Tolerance(1e-3, 1e-3, "float32 output of the block sums, each block's FP8 wgmma sum in reduced "
+                             "precision"),
+}
+BIT_FOR_BIT = Tolerance(0.0, 0.0, "the reference's float32 arithmetic and its one cast to e4m3: bit for bit")
+
+
+def activations(tokens: int, k: int, dtype, device: str, generator: torch.Generator) -> torch.Tensor:
+    """Fresh random activations [tokens, k]. Off CUDA (Triton's interpreter) values e4m3 holds exactly once divided
+    by their group's scale -- each group's largest 448 times a power of two -- since the interpreter's cast rounds
+    others a binade down where a GPU and torch do not."""
+    x = torch.randn(tokens, k, generator=generator, device=device) * 4
+    if device.startswith("cuda"):
+        return x.to(dtype)
+    grid = quantize_fp8_token_groups(x)[0].float()
+    grid[:, ::BLOCK[1]] = 448.0
+    powers = torch.randint(-8, -4, (tokens, 1), generator=generator, device=device)
+    return (grid * 2.0 ** powers).to(dtype)
+
+
+def _groups_inputs(shape, dtype, device, generator):
+    return (activations(*shape, dtype, device, generator),)
+
+
+def _linear_inputs(shape, dtype, device, generator):
+    rows, k, n = shape
+    weight, scale_inv = quantize_fp8_blocks(_matrix(n, k, torch.float32, device, generator))
+    return activations(rows, k, dtype, device, generator), weight, scale_inv
+
+
+def _as_floats(quantized: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantized[0].float(), quantized[1]
+
+
+CHECKS = [
+    KernelCheck(op="fp8_token_groups", kernels=("_token_group_quant_kernel",),
+                shapes=lambda s: [(t, s.hidden) for t in s.tokens] if s.fp8_blocks else [],
+                inputs=_groups_inputs, kernel=lambda x: _as_floats(quantize_fp8_token_groups_triton(x)),
+                reference=lambda x: _as_floats(quantize_fp8_token_groups(x)),
+                tolerance=dict.fromkeys((torch.bfloat16, torch.float16, torch.float32), BIT_FOR_BIT)),
+    KernelCheck(op="fp8_block_linear", kernels=("_token_group_quant_kernel", "_block_gemm_kernel",
+                                                "_block_gemv_kernel"),
+                shapes=lambda s: [(t, s.intermediate, s.hidden) for t in s.tokens] if s.fp8_blocks else [],
+                inputs=_linear_inputs, kernel=fp8_block_linear_triton, reference=fp8_block_linear_ref,
+                tolerance=BLOCK_TOLERANCE),
+]

@@ -51,7 +51,7 @@ from tsdev_kernels.checks import KernelCheck, Tolerance
 from tsdev_kernels.ops import pdl, use_triton, wait_for_previous
 from tsdev_kernels.ops.activation import silu_and_mul_values
 from tsdev_kernels.ops.fp8 import quantize_fp8_rows, quantize_fp8_rows_triton
-from tsdev_kernels.ops.fp8_block import (fp8_block_linear_ref, quantize_fp8_token_groups,
+from tsdev_kernels.ops.fp8_block import (BLOCK, fp8_block_linear_ref, quantize_fp8_blocks, quantize_fp8_token_groups,
                                          quantize_fp8_token_groups_triton)
 
 log = logging.getLogger(__name__)
@@ -657,11 +657,47 @@ def _moe_inputs(shape, dtype, device, generator):
     return x, w13, w2, (weights / weights.sum(-1, keepdim=True)).float(), ids.to(torch.int32)
 
 
+MOE_FP8_TOLERANCE = {**MOE_TOLERANCE, torch.float32: Tolerance(
+    1e-3, 1e-3, "float32 output of e4m3 products (on Hopper FP8 wgmma sums in reduced precision)")}
+
+
+def _fp8_moe_inputs(shape, dtype, device, generator):
+    """The experts in e4m3 with a float32 scale per (expert, output row), as --quantization fp8 stores them."""
+    x, w13, w2, weights, ids = _moe_inputs(shape, dtype, device, generator)
+    (q13, s13), (q2, s2) = quantize_fp8_rows(w13), quantize_fp8_rows(w2)
+    return x, q13, q2, weights, ids, s13.squeeze(-1), s2.squeeze(-1)
+
+
+def _fp8_block_moe_inputs(shape, dtype, device, generator):
+    """The experts in e4m3 with a scale per 128 x 128 block, as a block-FP8 checkpoint stores them."""
+    x, w13, w2, weights, ids = _moe_inputs(shape, dtype, device, generator)
+    (q13, s13), (q2, s2) = ([torch.stack(t) for t in zip(*map(quantize_fp8_blocks, w.float()))] for w in (w13, w2))
+    return x, q13, q2, weights, ids, s13, s2
+
+
+def _moe_shapes(s, served: bool) -> list[tuple[int, ...]]:
+    return [(t, s.hidden, s.moe_intermediate, min(s.experts, CHECK_EXPERTS), s.top_k)
+            for t in s.tokens] if s.experts and served else []
+
+
+MOE_KERNELS = ("_moe_up_gemv", "_moe_down_gemv", "_moe_gemm", "_moe_align_kernel")
 CHECKS = [
-    KernelCheck(op="fused_moe", kernels=("_moe_up_gemv", "_moe_down_gemv", "_moe_gemm", "_moe_align_kernel"),
-                shapes=lambda s: [(t, s.hidden, s.moe_intermediate, min(s.experts, CHECK_EXPERTS), s.top_k)
-                                  for t in s.tokens] if s.experts else [],
+    KernelCheck(op="fused_moe", kernels=MOE_KERNELS, shapes=lambda s: _moe_shapes(s, not (s.fp8 or s.fp8_blocks)),
                 inputs=_moe_inputs, kernel=fused_moe_triton,
                 reference=lambda x, w13, w2, w, ids: fused_moe_ref(x, w13, w2, w, ids, masked=False),
                 tolerance=MOE_TOLERANCE),
+    KernelCheck(op="fused_moe_fp8", kernels=MOE_KERNELS, shapes=lambda s: _moe_shapes(s, s.fp8),
+                inputs=_fp8_moe_inputs,
+                kernel=lambda x, w13, w2, w, ids, s13, s2: fused_moe_triton(x, w13, w2, w, ids, w13_scale=s13,
+                                                                            w2_scale=s2),
+                reference=lambda x, w13, w2, w, ids, s13, s2: fused_moe_ref(x, w13, w2, w, ids, masked=False,
+                                                                            w13_scale=s13, w2_scale=s2),
+                tolerance=MOE_FP8_TOLERANCE),
+    KernelCheck(op="fused_moe_fp8_block", kernels=MOE_KERNELS, shapes=lambda s: _moe_shapes(s, s.fp8_blocks),
+                inputs=_fp8_block_moe_inputs,
+                kernel=lambda x, w13, w2, w, ids, s13, s2: fused_moe_triton(x, w13, w2, w, ids, w13_scale=s13,
+                                                                            w2_scale=s2, block=BLOCK),
+                reference=lambda x, w13, w2, w, ids, s13, s2: fused_moe_ref(x, w13, w2, w, ids, masked=False,
+                                                                            w13_scale=s13, w2_scale=s2, block=BLOCK),
+                tolerance=MOE_FP8_TOLERANCE),
 ]

@@ -197,7 +197,7 @@ def serving_of(engine) -> checks.Serving:
                           experts=raw.get("num_experts") or raw.get("n_routed_experts") or 0,
                           top_k=raw.get("num_experts_per_tok") or 0,
                           moe_intermediate=(raw.get("moe_intermediate_size") or 0) // world,
-                          fp8=engine.config.quantization == "fp8",
+                          fp8=engine.config.quantization == "fp8", fp8_blocks=config.fp8_blocks is not None,
                           kv_fp8=engine.config.kv_cache_dtype != "auto",
                           dtype=engine.runner.dtype, eps=config.rms_norm_eps, device=str(engine.runner.device))
 
