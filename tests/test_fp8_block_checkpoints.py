@@ -136,13 +136,32 @@ def test_its_logits_are_close_to_the_unquantized_models(source_dir, tmp_path):
 
 @pytest.mark.parametrize("change, expected", [
     (dict(drop="model.layers.0.self_attn.k_proj.weight_scale_inv"), "lacks 1 tensor.*k_proj.weight_scale_inv"),
-    (dict(reshape="model.layers.0.mlp.up_proj.weight_scale_inv"), "up_proj.weight_scale_inv has shape"),
+    (dict(reshape="model.layers.0.mlp.up_proj.weight_scale_inv"),
+     "up_proj.weight_scale_inv has shape \\(1, 2\\), the model expects \\(4, 2\\)"),  # 512 x 192: 4 x 2 blocks
     (dict(quantization={**QUANTIZATION, "weight_block_size": [64, 64]}),
      "64 x 64 block.*weight_block_size \\[128, 128\\]"),
 ])
 def test_a_broken_or_unsupported_block_fp8_checkpoint_is_refused_by_name(source_dir, tmp_path, change, expected):
     fp8_dir = write_fp8_blocks(source_dir, tmp_path / "fp8", **change)
     with pytest.raises(ValueError, match=expected):
+        LLMEngine(EngineConfig(model=str(fp8_dir), device="cpu", dtype="float32"))
+
+
+def test_what_the_file_leaves_unconverted_stays_in_the_model_dtype_and_an_fp8_lm_head_is_refused(source_dir, tmp_path):
+    """Embeddings, norms and lm_head in the model's dtype (here float32) beside the e4m3 projections; a file that
+    stores lm_head as block FP8 too is refused naming it (it is not served quantized), not as a wrong architecture."""
+    fp8_dir = write_fp8_blocks(source_dir, tmp_path / "fp8")
+    params = dict(LLMEngine(EngineConfig(model=str(fp8_dir), device="cpu", dtype="float32")).model.named_parameters())
+    e4m3 = {name for name, p in params.items() if p.dtype == torch.float8_e4m3fn}
+    assert e4m3 and all(name.endswith("proj.weight") and name + "_scale_inv" in params for name in e4m3)
+    kept = [name for name in params if name not in e4m3 and not name.endswith("_scale_inv")]
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= set(kept)
+    assert all(params[name].dtype == torch.float32 for name in kept)
+    path = next(fp8_dir.glob("*.safetensors"))
+    tensors = load_file(str(path))
+    tensors["lm_head.weight"], tensors["lm_head.weight_scale_inv"] = quantize_fp8_blocks(tensors["lm_head.weight"])
+    save_file(tensors, str(path))
+    with pytest.raises(ValueError, match="stores lm_head as block FP8.*lm_head unconverted"):
         LLMEngine(EngineConfig(model=str(fp8_dir), device="cpu", dtype="float32"))
 
 

@@ -75,6 +75,8 @@ def test_a_block_fp8_moe_checkpoint_serves_the_greedy_tokens_of_the_same_arithme
     experts = engine.model.model.layers[0].mlp.experts
     assert experts.w13.dtype == torch.float8_e4m3fn and experts.w13_scale_inv.shape == (4, 4, 2)
     assert experts.w2_scale_inv.shape == (4, 2, 2) and experts.block == (128, 128)
+    routers = [layer.mlp.gate.weight for layer in engine.model.model.layers if hasattr(layer.mlp, "experts")]
+    assert len(routers) == 2 and all(router.dtype == torch.float32 for router in routers)  # left unconverted
     assert torch.equal(experts.w2_scale_inv[3], tensors["model.layers.0.mlp.experts.3.down_proj.weight_scale_inv"])
     assert torch.equal(experts.w13_scale_inv[1, 2:], tensors["model.layers.0.mlp.experts.1.up_proj.weight_scale_inv"])
     want = oracle_greedy(moe_dir, fp8_dir, PROMPTS, "Qwen3MoeForCausalLM", expert_loops)
@@ -98,6 +100,18 @@ def test_a_layer_with_some_experts_left_unconverted_is_refused_by_name(moe_dir, 
                                                                "model.layers.2.mlp.experts.1.up_proj"]}
     fp8_dir = write_fp8_blocks(moe_dir, tmp_path / "fp8", quantization)
     with pytest.raises(ValueError, match="model.layers.2.mlp.experts.1.up_proj is left unconverted"):
+        LLMEngine(EngineConfig(model=str(fp8_dir), device="cpu", dtype="float32"))
+
+
+@pytest.mark.parametrize("change, expected", [
+    (dict(drop="model.layers.2.mlp.experts.3.down_proj.weight_scale_inv"),
+     "lacks 1 tensor.*experts.3.down_proj.weight_scale_inv"),
+    (dict(reshape="model.layers.0.mlp.experts.1.gate_proj.weight_scale_inv"),  # 256 x 192: 2 x 2 blocks
+     "experts.1.gate_proj.weight_scale_inv has shape \\(1, 2\\), the model expects \\(2, 2\\)"),
+])
+def test_an_expert_with_its_scale_missing_or_misshapen_is_refused_by_name(moe_dir, tmp_path, change, expected):
+    fp8_dir = write_fp8_blocks(moe_dir, tmp_path / "fp8", QUANTIZATION, **change)
+    with pytest.raises(ValueError, match=expected):
         LLMEngine(EngineConfig(model=str(fp8_dir), device="cpu", dtype="float32"))
 
 

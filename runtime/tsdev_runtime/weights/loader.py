@@ -212,6 +212,12 @@ class _Targets:
         missing = [name for pair, name in self.names.items() if pair not in provided]
         if missing:
             raise ValueError(f"{model_dir}: checkpoint lacks {len(missing)} tensor(s), e.g. {', '.join(missing[:5])}")
+        if scales := [name for name in unexpected if name.endswith(".weight_scale_inv")]:
+            module = scales[0].removesuffix(".weight_scale_inv")
+            raise ValueError(f"{model_dir}: the checkpoint stores {module} as block FP8 ({scales[0]}), a module tsdev "
+                             "holds in the model's dtype: it serves the projections and the experts as block FP8, the "
+                             "embeddings, norms, routers and lm_head unconverted. Serve the model's bf16 release, or "
+                             "store that module unquantized.")
         if unexpected:
             raise ValueError(f"{model_dir}: checkpoint has {len(unexpected)} tensor(s) this model does not use, "
                              f"e.g. {', '.join(unexpected[:5])}: is config.json's architecture right?")
