@@ -234,6 +234,25 @@ def test_two_ranks_each_hold_their_blocks_and_serve_the_tokens_of_one(source_dir
     assert rank0 == served(fp8_dir, PROMPTS)[1]
 
 
+@pytest.mark.slow
+def test_two_ranks_refuse_a_checkpoint_whose_split_cuts_a_block_naming_the_module_and_sizes(tiny_model_dir, tmp_path):
+    """gate and up of 384 rows: 192 a rank, inside the second 128-row block of scales."""
+    import transformers
+
+    from ranks import run_ranks
+
+    config = transformers.Qwen3Config(vocab_size=1024, hidden_size=192, intermediate_size=384, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                                      max_position_embeddings=1024, tie_word_embeddings=False)
+    torch.manual_seed(6)
+    source = save_with_tiny_tokenizer(transformers.Qwen3ForCausalLM(config), tmp_path / "hf", tiny_model_dir)
+    fp8_dir = write_fp8_blocks(source, tmp_path / "fp8", {**QUANTIZATION, "modules_to_not_convert": []})
+    with pytest.raises(AssertionError, match=r"model\.layers\.0\.mlp\.gate_up_proj: a stacked projection's shards "
+                                             r"\(gate: 192 rows, up: 192 rows on each of 2 ranks\) do not fill whole "
+                                             r"128-row blocks of FP8 scales: serve with a --tp"):
+        run_ranks(tp_rank, 2, str(fp8_dir), timeout=120)
+
+
 def test_a_rank_split_that_cuts_a_block_of_scales_is_refused():
     """A row-parallel projection whose rank halves fall inside a 128-column block of scales (down_proj's 384 input
     features: 192 per rank); the loader prefixes the module's checkpoint name."""

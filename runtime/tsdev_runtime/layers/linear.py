@@ -133,10 +133,13 @@ class MergedLinear(Linear):
         """Linear's, each shard's block scales stacked as its rows are: every shard must start on a block."""
         uneven = {name: size for name, (_, size) in self.shard_offsets.items() if size % block[0]}
         if uneven and len(self.shard_offsets) > 1:
-            raise ValueError("a stacked projection's shards "
-                             f"({', '.join(f'{n}: {s} rows' for n, s in uneven.items())}) "
-                             f"do not fill whole {block[0]}-row blocks of FP8 scales: this checkpoint cannot be "
-                             "served stacked")
+            ranks = distributed.size()
+            shards = ', '.join(f'{n}: {s} rows' for n, s in uneven.items())
+            shards += f" on each of {ranks} ranks" if ranks > 1 else ""
+            raise ValueError(f"a stacked projection's shards ({shards}) do not fill whole {block[0]}-row blocks of "
+                             "FP8 scales: "
+                             + ("serve with a --tp that leaves each rank whole blocks" if ranks > 1 else
+                                "this checkpoint cannot be served stacked"))
         super().store_fp8_blocks(block)
 
     def checkpoint_names(self, attr: str) -> dict[str, tuple[str, Key]]:

@@ -62,7 +62,10 @@ def store_fp8_blocks(model: nn.Module, block: tuple[int, int], unconverted: list
         return any(checkpoint_name == u or checkpoint_name.startswith(u + ".") for u in unconverted)
     for name, module in model.named_modules():
         if isinstance(module, Linear) and not any(map(left, _checkpoint_names(name, module))):
-            module.store_fp8_blocks(block)
+            try:
+                module.store_fp8_blocks(block)
+            except ValueError as exc:  # say which layer
+                raise ValueError(f"{name}: {exc}") from None
         elif isinstance(module, StackedExperts) and not left(name):
             if partly := [u for u in unconverted if u.startswith(name + ".")]:
                 raise ValueError(f"{partly[0]} is left unconverted in a block-FP8 checkpoint whose other experts of "
