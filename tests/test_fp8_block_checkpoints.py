@@ -179,13 +179,7 @@ def test_sleep_wake_reload_and_a_direct_update_keep_the_stored_tensors_and_token
     from tsdev_runtime.weights.processing import DEBUG_DERIVED_ENV
 
     fp8_dir = write_fp8_blocks(source_dir, tmp_path / "fp8")
-    other_source = tmp_path / "other-source"
-    shutil.copytree(source_dir, other_source)
-    path = next(other_source.glob("*.safetensors"))
-    generator = torch.Generator().manual_seed(11)
-    save_file({name: t + 0.05 * torch.randn(t.shape, generator=generator) if name.endswith("proj.weight") else t
-               for name, t in load_file(str(path)).items()}, str(path))
-    other = write_fp8_blocks(other_source, tmp_path / "other-fp8")
+    other = write_fp8_blocks(perturbed(source_dir, tmp_path / "other-source"), tmp_path / "other-fp8")
     engine, before = served(fp8_dir, PROMPTS)
     report = drill(engine, rounds=2)
     assert report.rounds == 2 and len(report.seconds["reload"]) == 2
@@ -195,13 +189,40 @@ def test_sleep_wake_reload_and_a_direct_update_keep_the_stored_tensors_and_token
             drill(engine, rounds=1)
     engine.state.set(weights_loaded=True)
     engine.reload_weights()  # repaired
+    update_and_verify(engine, other, fp8_dir, before)
+
+
+def perturbed(source, out):
+    """A copy of checkpoint `source` with every projection (and expert) moved: another model of the same shape."""
+    shutil.copytree(source, out)
+    path = next(out.glob("*.safetensors"))
+    generator = torch.Generator().manual_seed(11)
+    save_file({name: t + 0.05 * torch.randn(t.shape, generator=generator) if name.endswith("proj.weight") else t
+               for name, t in load_file(str(path)).items()}, str(path))
+    return out
+
+
+def update_and_verify(engine, other, own, before):
+    """A direct update to block-FP8 checkpoint `other` serves what a fresh engine on it serves and holds what
+    `tsdev weights verify --against other` compares with (its e4m3 weights and scales as stored); back to `own`."""
+    from tsdev_runtime.engine.weights_drill import fresh_checksum
+
+    def greedy():
+        params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+        return [r["token_ids"] for r in engine.generate(PROMPTS, params)]
+
+    def fresh(model_dir):
+        return fresh_checksum(EngineConfig(model=str(model_dir), device="cpu", dtype="float32"))
+
     engine.update_weights(str(other), "direct")
-    after = [r["token_ids"] for r in engine.generate(PROMPTS, SamplingParams(max_tokens=TOKENS, temperature=0,
-                                                                             ignore_eos=True))]
+    after, held = greedy(), engine.weights_checksum(derived=False)
     assert after == served(other, PROMPTS)[1] and after != before
-    engine.update_weights(str(fp8_dir), "direct")
-    assert [r["token_ids"] for r in engine.generate(PROMPTS, SamplingParams(max_tokens=TOKENS, temperature=0,
-                                                                             ignore_eos=True))] == before
+    assert held == fresh(other)
+    differ = {name for name in held if held[name] != fresh(own)[name]}
+    assert any(name.endswith("weight_scale_inv") for name in differ) and any(
+        name.endswith(("proj.weight", ".w13", ".w2")) for name in differ)  # verify against the old one names both
+    engine.update_weights(str(own), "direct")
+    assert greedy() == before and engine.weights_checksum(derived=False) == fresh(own)
 
 
 def cosines_to_unquantized(model_dir, shape: str, tmp_path) -> list[float]:

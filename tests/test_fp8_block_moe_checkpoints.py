@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_fp8_block_checkpoints import (PROMPTS, TOKENS, cosines_to_unquantized, oracle_greedy,  # the dense model's
-                                        prefill_logits, served, tp_rank, write_fp8_blocks)  # oracle, prompts, ranks
+                                        perturbed, prefill_logits, served, tp_rank, update_and_verify,  # oracle,
+                                        write_fp8_blocks)  # prompts, ranks, lifecycle
 
 from tsdev_kernels.ops.fp8_block import fp8_block_linear_ref
 from tsdev_runtime.config import EngineConfig
@@ -126,7 +127,8 @@ def test_its_logits_are_close_to_the_unquantized_models(moe_dir, tmp_path):
 
 def test_the_weights_drill_holds_on_block_fp8_experts_and_catches_its_negative_control(moe_dir, tmp_path):
     """sleep(level=2) -> wake -> reload_weights: every tensor (the experts' e4m3 weights and block scales among them)
-    equal to a fresh load, greedy output unchanged; derived tensors left stale are caught."""
+    equal to a fresh load, greedy output unchanged; derived tensors left stale are caught. Then a direct update to
+    another block-FP8 MoE checkpoint and back, each verified against a fresh load."""
     from tsdev_runtime.engine.weights_drill import DrillFailed, drill
     from tsdev_runtime.weights.processing import DEBUG_DERIVED_ENV
 
@@ -143,6 +145,8 @@ def test_the_weights_drill_holds_on_block_fp8_experts_and_catches_its_negative_c
     after = [r["token_ids"] for r in engine.generate(PROMPTS, SamplingParams(max_tokens=TOKENS, temperature=0,
                                                                              ignore_eos=True))]
     assert after == before
+    other = write_fp8_blocks(perturbed(moe_dir, tmp_path / "other-source"), tmp_path / "other-fp8", QUANTIZATION)
+    update_and_verify(engine, other, fp8_dir, before)
 
 
 @pytest.mark.slow
