@@ -410,6 +410,48 @@ def test_tuner_imports_and_prints_help():
                             check=False)
     assert result.returncode == 0, result.stderr
     assert "--experts" in result.stdout and "--intermediate" in result.stdout and "--hidden" in result.stdout
+    assert "--resume" in result.stdout and "--block-fp8" in result.stdout and "--fp8 " in result.stdout
+
+
+def test_a_stopped_tuning_resumes_from_the_buckets_it_wrote(tmp_path, monkeypatch):
+    """The file is written after each token bucket; a run stopped in the third (Ctrl-C, a lost machine) leaves the
+    first two, and --resume times only the buckets missing, keeping the others as written. The GPU's timing is
+    stood in for by a clock that prefers one config per bucket."""
+    import argparse
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import tune_moe
+
+    real_generator, timed = torch.Generator, []
+    monkeypatch.setattr(torch, "Generator", lambda device=None: real_generator())
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "NVIDIA Test")
+    monkeypatch.setattr(tune_moe, "inputs", lambda tokens, args, dtype, generator: (tokens,))
+
+    def clock(config, rep, tokens):
+        if stop_at == tokens:
+            raise KeyboardInterrupt
+        timed.append(tokens)
+        return 1.0 + abs(config["BLOCK_M"] - min(tokens, 64)) + config["num_warps"] / 100
+
+    out = tmp_path / "tuned.json"
+    args = argparse.Namespace(experts=4, intermediate=32, hidden=32, topk=2, dtype="bfloat16", tokens=[1, 16, 64],
+                              rep=1, quick=True, fp8=False, block_fp8=False, fp8_wgmma=False, jobs=1, out=str(out),
+                              resume=False)
+    monkeypatch.setattr(tune_moe, "time_ms", clock)
+    stop_at = 64
+    with pytest.raises(KeyboardInterrupt):
+        tune_moe.main(args)
+    first = json.loads(out.read_text())
+    assert list(first) == ["1", "16"] and first["1"]["BLOCK_M"] == 16 and first["16"]["num_warps"] == 4
+    timed.clear()
+    stop_at = None
+    tune_moe.main(argparse.Namespace(**{**vars(args), "resume": True}))
+    resumed = json.loads(out.read_text())
+    assert set(timed) == {64} and list(resumed) == ["1", "16", "64"]
+    assert {k: resumed[k] for k in first} == first and resumed["64"]["BLOCK_M"] == 64
 
 
 def test_the_tuner_tries_the_fp8_wgmma_only_where_triton_would_run_it():
