@@ -197,6 +197,22 @@ def test_fp8_experts_are_the_dequantized_experts_weight_only_and_w8a8_on_the_ali
     assert (weight_only - unscaled).abs().max() > 0.1  # the scales matter
 
 
+@pytest.mark.parametrize("T, kind", [(1, "few"), (2, "one"), (3, "random")])
+def test_the_fp8_gemv_path_is_the_weight_only_reference_and_each_rows_own_scale_counts(T, kind):
+    """The two GEMV launches on e4m3 experts (one token when serving; a few here too): each slot's rows converted
+    exactly, each sum times its (expert, row) scale -- the weight-only reference, also where tokens share one expert
+    or only two experts get any; the same scales on other rows of their expert give another result."""
+    E = 6
+    q13, s13, q2, s2 = fp8_experts(E)
+    x = torch.randn(T, H)
+    weights, ids = routing(T, E, 2, kind)
+    want = moe.fused_moe_ref(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2, w8a8=False)
+    got = moe.fused_moe_gemv_triton(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2)
+    torch.testing.assert_close(got, want, **TOL)
+    for wrong in (dict(w13_scale=s13.flip(-1), w2_scale=s2), dict(w13_scale=s13, w2_scale=s2.roll(1, -1))):
+        assert not torch.allclose(moe.fused_moe_gemv_triton(x, q13, q2, weights, ids, **wrong), want, **TOL)
+
+
 def test_the_row_quantizer_kernel_is_torchs_where_the_interpreter_casts_exactly():
     """One launch per matrix (a row per program): scale amax / 448 (1 for a zero row), values on e4m3's grid. Values
     that e4m3 holds exactly after the division (the interpreter's cast rounds others a binade down; the GPU test
