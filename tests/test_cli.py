@@ -13,6 +13,10 @@ def test_serve_help_explains_the_flags():
     for flag in ("--device", "--host", "--port", "--max-running", "--kv-pages", "--max-model-len", "--page-size"):
         assert flag in result.output
     assert "127.0.0.1" in result.output
+    text = " ".join(result.output.split())  # (rich wraps and frames the help)
+    for served in ("Qwen3-MoE", "DeepSeek-V2/V3", "default-fp8", "default-moe-fp8", "default-mla",
+                   "weight_block_size [128, 128]", "loads as stored"):
+        assert served in text, served
 
 
 def test_serve_reports_a_bad_model_dir_and_exits_2(tmp_path):

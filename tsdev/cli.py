@@ -176,8 +176,11 @@ def serve(
                              "512MB.")] = f"{EngineConfig.load_memory_limit >> 30}GiB",
     quantization: Annotated[Optional[str], typer.Option(
         "--quantization", "-q", metavar="fp8", help="fp8: projections and MoE experts in e4m3 with per-output-channel "
-             "scales derived from the checkpoint's weights at load (which stay loaded too); CUDA needs compute "
-             "capability >= 8.9, CPU runs the torch references.")] = EngineConfig.quantization,
+             "scales derived from the checkpoint's weights at load (which stay loaded too); past a few tokens a step "
+             "activations are quantized too, per token at run time. CUDA needs compute capability >= 8.9, CPU runs "
+             "the torch references. Not needed (and refused) for a checkpoint stored as FP8: one whose config.json "
+             "says quantization_config fp8 with weight_block_size [128, 128] (Qwen's *-FP8, DeepSeek-V3) loads as "
+             "stored.")] = EngineConfig.quantization,
     kv_cache_dtype: Annotated[str, typer.Option(
         "--kv-cache-dtype", metavar="auto|fp8|fp8_e4m3", help="The KV pool's dtype. auto: the model's; fp8 (= "
              "fp8_e4m3): e4m3 with a scale of 1 per tensor, half the bytes per token, so the pool holds twice the "
@@ -280,8 +283,8 @@ def serve(
         metavar="BYTES", help="Largest request body accepted (4 MiB by default); a larger one is answered 413 "
                               "before it is parsed.", min=1)] = ServerConfig.max_request_body_bytes,
 ):
-    """Serve a Llama 3.x, Qwen2.5 or Qwen3 model over an OpenAI-compatible HTTP API (completions, chat, streaming,
-    /metrics)."""
+    """Serve a Llama, Qwen2, Qwen3, Qwen3-MoE or DeepSeek-V2/V3 model (bf16, or stored as block FP8) over an
+    OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
     from rich.console import Console
 
     console = Console(stderr=True, soft_wrap=True)

@@ -149,7 +149,9 @@ def verify(
 
 @weights_app.command("drill", short_help="Check sleep, wake and reload rounds against a load.")
 def drill(
-    model: Annotated[Optional[str], typer.Argument(help="A checkpoint directory; default: the embedded model.")] = None,
+    model: Annotated[Optional[str], typer.Argument(
+        help="A checkpoint directory (a block-FP8 one too), or an embedded model: default-moe, default-fp8, "
+             "default-moe-fp8, default-mla; default: the embedded dense model.")] = None,
     rounds: Annotated[int, typer.Option(min=1, help="Rounds of sleep(2) -> wake_up -> reload_weights per mode.")] = 3,
     mode: Annotated[list[str], typer.Option("--mode", help="eager and/or graphs (repeatable).")] = ["eager", "graphs"],
     device: Annotated[Optional[str], typer.Option(help="cuda or cpu (default: cuda when there is one).")] = None,
