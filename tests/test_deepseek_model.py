@@ -85,13 +85,13 @@ def tp_rank(model_dir: str) -> dict | None:
         return dict(tokens=tokens, chunked=chunked, hits=engine.block_manager.hits - hits,
                     heads=attention.num_heads, w_uk=tuple(attention.w_uk.shape),
                     pool=tuple(engine.runner.kv_cache.shape[3:]))
-    config = engine_config(model_dir, world_size=2, cudagraph_capture_sizes=[1, 4], max_batched_tokens=7)
+    config = engine_config(model_dir, world_size=2, cudagraph_capture_sizes=[1, 4], max_batched_tokens=16)
     return on_rank0_engine(config, inspect)
 
 
 @pytest.mark.slow
 def test_two_ranks_split_the_heads_and_serve_the_greedy_tokens_of_transformers(family, oracle, expected):
-    """Also in chunks of at most 7 tokens and behind a warm prefix cache."""
+    """Also in chunks of at most 16 tokens and behind a warm prefix cache."""
     rank0, _ = run_ranks(tp_rank, 2, str(family[1]), timeout=240)
     assert rank0["heads"] == 2 and rank0["w_uk"] == (2, 16, 32)  # half of the 4 heads; the whole latent
     assert rank0["pool"] == (4, 1, 40)  # every rank caches the same latent rows
