@@ -39,7 +39,8 @@ def test_every_op_passes_at_the_served_shapes_and_a_reload_reports_error_and_tim
         # a dense GQA model with bf16 weights: no MoE or MLA shapes, no fp8 projections or caches
         assert {c.op for c in every.checks} == set(every.ops) - {
             "fused_moe", "fp8_gemv", "fp8_skinny_linear", "paged_decode_fp8", "paged_prefill_fp8",
-            "mla_decode", "mla_prefill", "mla_decode_fp8", "mla_prefill_fp8"}
+            "mla_decode", "mla_prefill", "mla_decode_fp8", "mla_prefill_fp8", "fp8_token_groups", "fp8_block_linear",
+            "fused_moe_fp8", "fused_moe_fp8_block"}
         assert all(c.us_after and c.us_after > 0 for c in every.checks)  # idle: all timed
         assert all(c.timed == "graph" for c in every.checks), [(c.op, c.timed) for c in every.checks]  # device time
         assert CliRunner().invoke(app, ["check", "rms_norm", "--url", url]).exit_code == 0
@@ -85,3 +86,19 @@ def test_the_fp8_projections_pass_at_the_default_models_shapes_and_a_wrong_scale
     gemv = next(c for c in checks.declared() if c.op == "fp8_gemv")
     wrong = replace(gemv, kernel=lambda x, w, scale: linear.gemv_triton(x, w, weight_scale=scale * 1.03))
     assert not checks.run(wrong, (1, 3072, 1024), torch.bfloat16, "cuda").ok
+
+
+def test_the_block_fp8_and_fp8_expert_checks_pass_on_random_values_and_a_wrong_scale_fails():
+    """At Qwen3-8B's down projection (K 12288, N 4096) and Qwen3-30B-A3B's layer (16 of its 128 experts), bf16."""
+    from tsdev_kernels.ops import fp8_block
+
+    by_op = {c.op: c for c in checks.declared()}
+    dense = checks.Serving(tokens=(1, 8, 64, 256), hidden=4096, intermediate=12288, dtype=torch.bfloat16,
+                           fp8_blocks=True)
+    moe = replace(dense, hidden=2048, experts=128, top_k=8, moe_intermediate=768)
+    for op, serving in (("fp8_token_groups", dense), ("fp8_block_linear", dense), ("fused_moe_fp8_block", moe),
+                        ("fused_moe_fp8", replace(moe, fp8=True, fp8_blocks=False))):
+        results = [checks.run(by_op[op], shape, torch.bfloat16, "cuda") for shape in by_op[op].shapes(serving)]
+        assert results and all(r.ok for r in results), results
+    wrong = replace(by_op["fp8_block_linear"], kernel=lambda x, w, s: fp8_block.fp8_block_linear_triton(x, w, s * 1.03))
+    assert not checks.run(wrong, (64, 12288, 4096), torch.bfloat16, "cuda").ok
