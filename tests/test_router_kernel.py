@@ -70,9 +70,7 @@ def test_experts_no_token_picks_and_every_token_to_one_expert():
     w[5] = 10.0  # every token's best is expert 5 by far
     weights, ids = route_triton(x, w, 2, True)
     assert (ids[:, 0] == 5).all() and (weights[:, 0] > 0.99).all()
-    picked = set(ids.flatten().tolist())
-    assert len(picked) < 16  # some experts no token picks
-    assert_same_routing(x, w, 2, True)
+    assert_same_routing(x, w, 2, True)  # (9 tokens, top 2, one of them 5: at least 6 of the 16 experts get none)
 
 
 def transformers_grouped_route(x, w, bias, top_k, n_group, topk_group, renormalize, scaling):
