@@ -176,7 +176,7 @@ def serve(
                              "512MB.")] = f"{EngineConfig.load_memory_limit >> 30}GiB",
     quantization: Annotated[Optional[str], typer.Option(
         "--quantization", "-q", metavar="fp8", help="fp8: projections and MoE experts in e4m3 with per-output-channel "
-             "scales derived from the checkpoint's weights at load (which stay loaded too); past a few tokens a step "
+             "scales derived from the checkpoint's weights at load (which stay loaded too); past a few tokens a step, "
              "activations are quantized too, per token at run time. CUDA needs compute capability >= 8.9, CPU runs "
              "the torch references. Not needed (and refused) for a checkpoint stored as FP8: one whose config.json "
              "says quantization_config fp8 with weight_block_size [128, 128] (Qwen's *-FP8, DeepSeek-V3) loads as "

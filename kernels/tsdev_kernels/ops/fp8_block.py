@@ -333,7 +333,7 @@ BLOCK_TOLERANCE = {
 BIT_FOR_BIT = Tolerance(0.0, 0.0, "the reference's float32 arithmetic and its one cast to e4m3: bit for bit")
 
 
-def activations(tokens: int, k: int, dtype, device: str, generator: torch.Generator) -> torch.Tensor:
+def _check_activations(tokens: int, k: int, dtype, device: str, generator: torch.Generator) -> torch.Tensor:
     """Fresh random activations [tokens, k]. Off CUDA (Triton's interpreter) values e4m3 holds exactly once divided
     by their group's scale -- each group's largest 448 times a power of two -- since the interpreter's cast rounds
     others a binade down where a GPU and torch do not."""
@@ -347,13 +347,13 @@ def activations(tokens: int, k: int, dtype, device: str, generator: torch.Genera
 
 
 def _groups_inputs(shape, dtype, device, generator):
-    return (activations(*shape, dtype, device, generator),)
+    return (_check_activations(*shape, dtype, device, generator),)
 
 
 def _linear_inputs(shape, dtype, device, generator):
     rows, k, n = shape
     weight, scale_inv = quantize_fp8_blocks(_matrix(n, k, torch.float32, device, generator))
-    return activations(rows, k, dtype, device, generator), weight, scale_inv
+    return _check_activations(rows, k, dtype, device, generator), weight, scale_inv
 
 
 def _as_floats(quantized: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
