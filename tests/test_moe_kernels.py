@@ -373,7 +373,7 @@ def test_reference_is_transformers_default_experts_bit_for_bit_in_bf16():
 
 def test_config_file_nearest_bucket_and_one_warning_when_missing(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(moe, "CONFIG_DIR", tmp_path)
-    monkeypatch.setattr(moe, "_device_name", lambda device: "NVIDIA H200")
+    monkeypatch.setattr(moe, "device_name", lambda device: "NVIDIA H200")
     tuned = {str(t): dict(BLOCK_M=16 if t < 64 else 64, BLOCK_N=32 + t, BLOCK_K=64, num_warps=4, num_stages=3)
              for t in (1, 16, 64, 256)}
     path = moe.moe_config_path(8, 24, 32, torch.bfloat16, "NVIDIA H200")
@@ -404,7 +404,7 @@ def test_config_file_nearest_bucket_and_one_warning_when_missing(tmp_path, monke
     assert "--hidden 32 --block-fp8" in caplog.records[-1].getMessage()
     block_tuned = {"1": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)}
     block_path.write_text(json.dumps(block_tuned))
-    moe._load_configs.cache_clear()  # (read once per process per file)
+    moe.tuned_configs.cache_clear()  # (read once per process per file)
     assert moe.moe_config(8, 24, 32, torch.float8_e4m3fn, 3, block=(128, 128)) == block_tuned["1"]
 
 

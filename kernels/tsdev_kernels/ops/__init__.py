@@ -14,8 +14,10 @@ may read weights before that); since each one waits, the order of the whole chai
 batch-1 decode graph replays in 0.869 ms with it, 1.040 without (docs/results.md). TSDEV_PDL=0 turns it off.
 """
 import functools
+import json
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from types import MappingProxyType
 
 import torch
@@ -112,6 +114,38 @@ def split_arrivals(device: torch.device, count: int) -> torch.Tensor:
                                "run the batch size once eagerly before capturing it")
         buffers.append(torch.zeros(max(count, 4096), dtype=torch.int32, device=device))
     return buffers[-1]
+
+
+def device_name(device: torch.device | str | None) -> str | None:
+    """The CUDA device's name (default: the current one, if any), or None for a CPU (the interpreter: kernels run
+    their default configurations there). What tuned configuration files are named by."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return _cuda_name(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.lru_cache
+def _cuda_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+@functools.lru_cache
+def tuned_configs(path: str) -> dict[int, object] | None:
+    """{token bucket: config} of a tuned configuration file (JSON, keyed by token count), None if there is none;
+    read once per process per file."""
+    try:
+        table = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return None
+    return {int(tokens): config for tokens, config in table.items()}
+
+
+def nearest(table: dict[int, object], tokens: int):
+    """The entry of the token bucket nearest to `tokens` (the smaller on a tie)."""
+    return table[min(table, key=lambda bucket: (abs(bucket - tokens), bucket))]
 
 
 @functools.lru_cache

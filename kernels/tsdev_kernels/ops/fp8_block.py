@@ -13,14 +13,20 @@ A weight whose sizes are not multiples of the block has partial blocks at its ed
 ceil(N / block_n) x ceil(K / block_k), as DeepSeek's); each block's scale is its largest magnitude / 448 (e4m3's
 largest finite value), 1 for an all-zero block, as transformers' fine-grained FP8 quantizer writes it.
 """
+import functools
+import logging
+from pathlib import Path
+
 import torch
 import triton
 import triton.language as tl
 
 from tsdev_kernels.checks import KernelCheck, Tolerance
-from tsdev_kernels.ops import pdl, sm_count, split_arrivals, use_triton, wait_for_previous
+from tsdev_kernels.ops import (device_name, nearest, pdl, sm_count, split_arrivals, tuned_configs, use_triton,
+                               wait_for_previous)
 from tsdev_kernels.ops.linear import _matrix, gemv_config
 
+log = logging.getLogger(__name__)
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
 BLOCK = (128, 128)  # (block_n, block_k): the only block size shipped checkpoints use
@@ -210,15 +216,16 @@ def _block_gemv_kernel(X, W, W_S, B, OUT, N, K, stride_x, stride_wn, stride_ws, 
 GEMV_MAX_ROWS = 1  # up to this many tokens `fp8_block_linear_triton` may run the GEMV (`uses_gemv`)
 
 
-def uses_gemv(rows: int, n: int, device: torch.device) -> bool:
-    """Whether a block-FP8 projection of `rows` tokens and n outputs runs the GEMV rather than the block GEMM: one
-    token, and fewer GEMM column tiles (`block_gemm_config`'s) than SMs (the GEMM then leaves SMs idle; with more it
-    streams the weight faster than the GEMV). `benchmarks/fp8_block_linear.py` on the H200 at one token
+def uses_gemv(rows: int, n: int, k: int, device: torch.device) -> bool:
+    """Whether a block-FP8 projection of `rows` tokens, n outputs and k inputs runs the GEMV rather than the block
+    GEMM: one token, and fewer GEMM column tiles (`block_gemm_config`'s) than SMs (the GEMM then leaves SMs idle;
+    with more it streams the weight faster than the GEMV). `benchmarks/fp8_block_linear.py` on the H200 at one token
     (2026-12-05), GEMV against GEMM: q|k|v (N 6144) 12.7 vs 19.8 us, o (4096) 8.9 vs 18.6, down (4096) 21.5 vs
     55.9, gate|up (24576) 51.4 vs 29.9; at 2 tokens the GEMM wins everywhere."""
     if rows > GEMV_MAX_ROWS:
         return False
-    return device.type != "cuda" or triton.cdiv(n, block_gemm_config(rows)[1]) < sm_count(device.index or 0)
+    return device.type != "cuda" or triton.cdiv(n, block_gemm_config(rows, n, k, device)[1]) < sm_count(
+        device.index or 0)
 
 
 def fp8_block_gemv_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
@@ -246,11 +253,36 @@ def fp8_block_gemv_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_in
     return out
 
 
-def block_gemm_config(rows: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps): (64, 128, 4) at every M -- the fastest of `benchmarks/fp8_block_linear.py`'s
-    six at Qwen3-8B's four projections for M 1 to 256 on the H200 (2026-12-05: at M 16, 20.5 against 32.5 us for
-    (16, 64, 4) on q|k|v), within 2 % of the best, (128, 128, 8), at M 2048."""
-    return (64, 128, 4)
+GEMM_CONFIG_DIR = Path(__file__).resolve().parent.parent / "gemm_configs"
+UNTUNED_GEMM = (64, 128, 4)
+
+
+def block_gemm_config_path(n: int, k: int, gpu: str) -> Path:
+    """Where `benchmarks/fp8_block_linear.py --tune` writes, and `block_gemm_config` reads, the block GEMM's
+    configurations for an N x K projection on GPU `gpu` (its CUDA name)."""
+    return GEMM_CONFIG_DIR / f"N={n},K={k},dtype=float8_e4m3fn,block=128x128,device={gpu.replace(' ', '_')}.json"
+
+
+def block_gemm_config(rows: int, n: int = 0, k: int = 0, device: torch.device | str | None = None) -> tuple[int, ...]:
+    """(BLOCK_M, BLOCK_N, num_warps[, shares of K]) for `rows` tokens of an n x k block-FP8 projection: on CUDA the
+    entry of the nearest token bucket in `block_gemm_config_path`'s file, if there is one (logged once per file when
+    not); else UNTUNED_GEMM (64, 128, 4) at every M -- the fastest of `benchmarks/fp8_block_linear.py`'s six at
+    Qwen3-8B's four projections for M 1 to 256 on the H200 (2026-12-05: at M 16, 20.5 against 32.5 us for (16, 64, 4)
+    on q|k|v), within 2 % of the best, (128, 128, 8), at M 2048."""
+    gpu = device_name(device) if n else None
+    table = _gemm_table(n, k, gpu) if gpu else None
+    return tuple(nearest(table, rows)) if table else UNTUNED_GEMM
+
+
+@functools.lru_cache
+def _gemm_table(n: int, k: int, gpu: str) -> dict | None:
+    """The tuned file's table for this shape and GPU, looked up once per process (a step's eager projections ask
+    for it per call)."""
+    path = str(block_gemm_config_path(n, k, gpu))
+    if (table := tuned_configs(path)) is None:
+        log.info("no tuned block-FP8 GEMM configs %s: using %s at every M. Tune on this GPU with: python3 "
+                 "benchmarks/fp8_block_linear.py --tune --shape %d,%d", path, UNTUNED_GEMM, n, k)
+    return table
 
 
 MAX_SPLIT_K, MIN_SPLIT_BLOCKS = 8, 4  # at most 8 shares of K, each of at least 4 blocks (512 columns)
@@ -277,7 +309,7 @@ def fp8_block_gemm_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch
     block_n, block_k = block
     t, n, k = xq.shape[0], weight.shape[0], weight.shape[1]
     out = torch.empty(t, n, dtype=out_dtype, device=xq.device)
-    bm, bn, warps, *split = config or block_gemm_config(t)
+    bm, bn, warps, *split = config or block_gemm_config(t, n, k, xq.device)
     bn = min(bn, block_n)
     grid = (triton.cdiv(t, bm), triton.cdiv(n, bn))
     k_blocks = triton.cdiv(k, block_k)
@@ -303,7 +335,7 @@ def fp8_block_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    if uses_gemv(rows.shape[0], weight.shape[0], x.device):
+    if uses_gemv(rows.shape[0], *weight.shape, x.device):
         out = fp8_block_gemv_triton(rows, weight, weight_scale_inv, block, bias)
         return out.view(*x.shape[:-1], weight.shape[0])
     xq, x_scale = quantize_fp8_token_groups_triton(rows, block[1])

@@ -38,7 +38,6 @@ Block sizes come from `moe_config`: a JSON file per (E, I, H, dtype, GPU) writte
 default by token count (no autotune: it fails under the interpreter and would benchmark inside a capture).
 """
 import functools
-import json
 import logging
 from pathlib import Path
 
@@ -48,7 +47,7 @@ import triton
 import triton.language as tl
 
 from tsdev_kernels.checks import KernelCheck, Tolerance
-from tsdev_kernels.ops import pdl, use_triton, wait_for_previous
+from tsdev_kernels.ops import device_name, nearest, pdl, tuned_configs, use_triton, wait_for_previous
 from tsdev_kernels.ops.activation import silu_and_mul_values
 from tsdev_kernels.ops.fp8 import quantize_fp8_rows, quantize_fp8_rows_triton
 from tsdev_kernels.ops.fp8_block import (BLOCK, fp8_block_linear_ref, quantize_fp8_blocks, quantize_fp8_token_groups,
@@ -409,31 +408,6 @@ def moe_config_path(num_experts: int, intermediate: int, hidden: int, dtype: tor
     return CONFIG_DIR / f"E={num_experts},I={intermediate},H={hidden},dtype={dtype_name}{blocks},device={device}.json"
 
 
-def _device_name(device: torch.device | str | None) -> str | None:
-    """The CUDA device's name, or None for a CPU (the interpreter: always the default config)."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if device.type != "cuda":
-        return None
-    return _cuda_name(torch.cuda.current_device() if device.index is None else device.index)
-
-
-@functools.lru_cache
-def _cuda_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
-
-
-@functools.lru_cache
-def _load_configs(path: str) -> dict[int, dict] | None:
-    """{token bucket: config} of a tuned file, None if there is none (read once per process per file)."""
-    try:
-        table = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        return None
-    return {int(tokens): config for tokens, config in table.items()}
-
-
 @functools.lru_cache
 def _warn_untuned(path: str, num_experts: int, intermediate: int, hidden: int, flag: str, using: str) -> None:
     log.warning("no tuned MoE config %s: using %s (slower). Write it on this GPU with: python3 "
@@ -447,20 +421,20 @@ def moe_config(num_experts: int, intermediate: int, hidden: int, dtype: torch.dt
     CUDA device, if any): from `moe_config_path`'s file the entry of the token bucket nearest to `tokens` (the
     smaller on a tie); without a file the default, with one warning per file name -- for block-FP8 experts (`block`)
     first the per-row FP8 experts' file of the shape, if there is one. CPU: the default, silently."""
-    name = _device_name(device)
+    name = device_name(device)
     if name is None:
         return default_moe_config(tokens)
     path = str(moe_config_path(num_experts, intermediate, hidden, dtype, name, block))
-    table = _load_configs(path)
+    table = tuned_configs(path)
     if not table:
         if block:
-            table = _load_configs(str(moe_config_path(num_experts, intermediate, hidden, dtype, name)))
+            table = tuned_configs(str(moe_config_path(num_experts, intermediate, hidden, dtype, name)))
         flag = " --block-fp8" if block else " --fp8" if dtype == torch.float8_e4m3fn else ""
         _warn_untuned(path, num_experts, intermediate, hidden, flag,
                       "the FP8 experts' configs" if table else "defaults")
         if not table:
             return default_moe_config(tokens)
-    return dict(table[min(table, key=lambda bucket: (abs(bucket - tokens), bucket))])
+    return dict(nearest(table, tokens))
 
 
 # --- the op --------------------------------------------------------------------------------------
