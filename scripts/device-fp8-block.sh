@@ -4,8 +4,10 @@
 # against the exact layer beside the W8A8 reference's, and its time); the experts' tuning for Qwen3-30B-A3B's layer
 # (as $OUT/moe-block-tuned.json -- the device tool returns no "=" in a name -- and under its moe_config name for the
 # steps after it: commit it by that name; add --fp8-wgmma to the tuner once the accuracy table says "yes"); the layer
-# against its floor. `steps`: the projections beside _scaled_mm; the decode step bf16 against block-FP8 at the
-# default's and Qwen3-8B's shapes with their logits' cosine (~26 GB written on first use).
+# against its floor. `steps`: the projections beside _scaled_mm, the best config per M written as the block GEMM's
+# tuned files for Qwen3-8B's shapes (returned as $OUT/gemm-N@..+K@...json: commit them under gemm_configs/ with
+# "@" -> "=" and "+" -> ","), then the decode step bf16 against block-FP8 at the default's and Qwen3-8B's shapes
+# with their logits' cosine (~26 GB written on first use).
 # run: source scripts/device-setup.sh; bash scripts/device-fp8-block.sh kernels|steps      (carry .whl .debs)
 set -u
 out=${OUT:-/tmp/device-out}
@@ -22,7 +24,10 @@ kernels)
   TAIL=8 step moe-block 60 python3 benchmarks/moe_layer.py --block-fp8 --tokens 1 16 64 256
   ;;
 steps)
-  TAIL=40 step fp8-linear 120 python3 benchmarks/fp8_block_linear.py
+  TAIL=40 step fp8-linear 120 python3 benchmarks/fp8_block_linear.py --tune
+  for f in kernels/tsdev_kernels/gemm_configs/*.json; do  # "=" and "," out of the names: commit them as they were
+    cp "$f" "$out/gemm-$(basename "$f" | tr '=,' '@+')"
+  done
   TAIL=12 step steps-fp8-blocks 420 python3 benchmarks/model_shapes.py --shapes qwen3-0.6b qwen3-8b --fp8-blocks \
     --batch-sizes 1 256 --iters 30
   ;;
