@@ -263,13 +263,13 @@ def block_gemm_config_path(n: int, k: int, gpu: str) -> Path:
     return GEMM_CONFIG_DIR / f"N={n},K={k},dtype=float8_e4m3fn,block=128x128,device={gpu.replace(' ', '_')}.json"
 
 
-def block_gemm_config(rows: int, n: int = 0, k: int = 0, device: torch.device | str | None = None) -> tuple[int, ...]:
+def block_gemm_config(rows: int, n: int, k: int, device: torch.device | str) -> tuple[int, ...]:
     """(BLOCK_M, BLOCK_N, num_warps[, shares of K]) for `rows` tokens of an n x k block-FP8 projection: on CUDA the
     entry of the nearest token bucket in `block_gemm_config_path`'s file, if there is one (logged once per file when
     not); else UNTUNED_GEMM (64, 128, 4) at every M -- the fastest of `benchmarks/fp8_block_linear.py`'s six at
     Qwen3-8B's four projections for M 1 to 256 on the H200 (2026-12-05: at M 16, 20.5 against 32.5 us for (16, 64, 4)
     on q|k|v), within 2 % of the best, (128, 128, 8), at M 2048."""
-    gpu = device_name(device) if n else None
+    gpu = device_name(device)
     table = _gemm_table(n, k, gpu) if gpu else None
     return tuple(nearest(table, rows)) if table else UNTUNED_GEMM
 
