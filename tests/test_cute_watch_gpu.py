@@ -6,17 +6,18 @@ import re
 
 import pytest
 
-from watch_gpu import edit_and_revert_under_watch
+from watch_gpu import edit_and_revert_under_watch, line_in_function
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("cutlass.cute", reason="the optional CuTe DSL package (tsdev[cute]) is not installed")
-KERNEL, LINE = ("kernels/tsdev_kernels/ops/activation_cute.py",
-                "        out[row, col] = (act * up).to(out.element_type)\n")
+KERNEL = "kernels/tsdev_kernels/ops/activation_cute.py"
 
 
 def test_a_cute_kernel_edit_reaches_the_served_tokens_and_its_revert_restores_them(tiny_model_dir, tmp_path):
-    changed, reverted = edit_and_revert_under_watch(tiny_model_dir, tmp_path, "cute:activation", KERNEL, LINE,
-                                                    LINE.replace("(act * up)", "(act * up * 1.5)"))
+    line = line_in_function(KERNEL, "_silu_and_mul_kernel", r"\bout\[.*\] = ")  # the output's store
+    edited = re.sub(r"= \((.*)\)\.to\(", r"= (\1 * 1.5).to(", line, count=1)
+    assert edited != line, line
+    changed, reverted = edit_and_revert_under_watch(tiny_model_dir, tmp_path, "cute:activation", KERNEL, line, edited)
     assert " ok " in changed and "golden: output changed at token" in changed, changed
     assert "cute" in changed and re.search(r"silu_and_mul_cute: err \S+ FAILED", changed), changed
     assert re.search(r"\| save → serving \d+\.\d\d s ", changed) and re.search(r"\bpause \d+\.\d\d\b", changed)

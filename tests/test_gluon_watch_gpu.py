@@ -5,17 +5,16 @@ import re
 
 import pytest
 
-from watch_gpu import edit_and_revert_under_watch
+from watch_gpu import edit_and_revert_under_watch, line_in_function
 
 pytestmark = pytest.mark.gpu
-NORM, HELPER = ("kernels/tsdev_kernels/ops/norm.py",
-                "    return w * (x * gl.expand_dims(rstd, 1)).to(dt).to(gl.float32)\n")
+NORM = "kernels/tsdev_kernels/ops/norm.py"
 
 
 def test_a_gluon_kernel_edit_reaches_the_served_tokens_and_its_revert_restores_them(tiny_model_dir, tmp_path):
-    changed, reverted = edit_and_revert_under_watch(
-        tiny_model_dir, tmp_path, "gluon:norm", NORM, HELPER,
-        HELPER.replace("gl.expand_dims(rstd, 1))", "gl.expand_dims(rstd, 1) * 1.5)"))
+    helper = line_in_function(NORM, "rms_norm_values_gluon", r"^\s*return ")  # the normalized row
+    changed, reverted = edit_and_revert_under_watch(tiny_model_dir, tmp_path, "gluon:norm", NORM, helper,
+                                                    helper.replace("return ", "return 1.5 * ", 1))
     assert " ok " in changed and "golden: output changed at token" in changed, changed
     assert re.search(r"kernel\(s\) \(gluon \d+[,)]", changed), changed  # the dialect, named
     assert re.search(r"rms_norm_gluon: err \S+ FAILED", changed), changed  # its kernel check caught the edit

@@ -4,16 +4,17 @@ import re
 
 import pytest
 
-from watch_gpu import edit_and_revert_under_watch
+from watch_gpu import edit_and_revert_under_watch, line_in_function
 
 pytestmark = pytest.mark.gpu
 MLA = "kernels/tsdev_kernels/ops/mla.py"
-LINE = "            out = acc / l_i[:, None]\n"  # the unsplit tiles' output: every prefill
 
 
 def test_an_mla_kernel_edit_reaches_the_served_tokens_and_its_revert_restores_them(hf_deepseek_v3_dir, tmp_path):
-    changed, reverted = edit_and_revert_under_watch(hf_deepseek_v3_dir, tmp_path, "triton", MLA, LINE,
-                                                    LINE.replace("l_i[:, None]", "l_i[:, None] * 1.5"))
+    line = line_in_function(MLA, "_mla_kernel", r"tl\.store\(O \+")  # the unsplit tiles' output: every prefill
+    edited = re.sub(r"\bacc\b", "(acc * 1.5)", line, count=1)
+    assert edited != line, line
+    changed, reverted = edit_and_revert_under_watch(hf_deepseek_v3_dir, tmp_path, "triton", MLA, line, edited)
     assert " ok " in changed and "golden: output changed at token" in changed, changed
     assert re.search(r"mla_prefill: err \S+ FAILED", changed), changed  # its kernel check caught the edit
     assert re.search(r"\| save → serving \d+\.\d\d s ", changed) and re.search(r"\bpause \d+\.\d\d\b", changed)
