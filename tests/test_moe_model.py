@@ -16,6 +16,7 @@ from tsdev_runtime.engine.sequence import SamplingParams
 from tsdev_runtime.moe.experts import StackedExperts
 from tsdev_runtime.moe.layer import SparseMoeBlock
 from test_model_families import engine_config, hf_greedy, hf_model
+from tolerances import FP8_ROW, assert_logits_close
 
 PROMPTS = [[5, 17, 300, 42, 9, 77, 123, 4, 8, 15, 16, 23], [200, 201, 202],
            [(13 * j + 1) % 1000 + 3 for j in range(40)]]
@@ -314,8 +315,7 @@ def test_fp8_experts_are_transformers_with_dequantized_experts_and_fp8_projectio
                               do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
                               return_dict_in_generate=True)
         theirs.append(out.sequences[0, len(prompt):].tolist())
-        torch.testing.assert_close(teacher_forced_logits(engine, prompt, theirs[-1][:-1]), torch.cat(out.logits),
-                                   rtol=1e-4, atol=1e-4)
+        assert_logits_close(teacher_forced_logits(engine, prompt, theirs[-1][:-1]), torch.cat(out.logits), FP8_ROW)
     assert theirs != expected  # quantizing changed something
     # one prompt at a time: the dense projections' fp8 numerics follow the step's row count
     # (kernels/tsdev_kernels/ops/fp8.py)

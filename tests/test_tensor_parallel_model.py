@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ranks import run_ranks
+from tolerances import assert_logits_close
 from tsdev_runtime import distributed
 from tsdev_runtime.config import EngineConfig, ModelConfig
 from tsdev_runtime.engine.block_manager import BlockManager
@@ -60,8 +61,10 @@ def assert_same_generation(single: dict, ranks: list[dict]) -> None:
     for out in ranks:
         assert out["tokens"] == single["tokens"]
         for step, (want, got) in enumerate(zip(single["logits"], out["logits"])):
-            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=1e-4,
-                                       msg=lambda m, step=step: f"step {step}: {m}")
+            try:
+                assert_logits_close(torch.tensor(got), torch.tensor(want))
+            except AssertionError as exc:
+                raise AssertionError(f"step {step}: {exc}") from None
 
 
 @pytest.fixture(scope="module")
