@@ -83,6 +83,51 @@ def test_bad_completion_requests_are_refused_with_a_reason(client, body, status,
     assert needle in error["message"] and error["code"] == status
 
 
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("route, field, value, needle", [
+    ("/v1/completions", "max_tokens", True, "max_tokens: Input should be a valid integer, not a boolean (true)"),
+    ("/v1/completions", "max_tokens", "3", 'max_tokens: Input should be a valid integer, not a string ("3")'),
+    ("/v1/completions", "max_tokens", 3.0, "max_tokens: Input should be a valid integer, not a number (3.0)"),
+    ("/v1/completions", "temperature", "0.5", 'temperature: Input should be a valid number, not a string ("0.5")'),
+    ("/v1/completions", "temperature", True, "temperature: Input should be a valid number, not a boolean"),
+    ("/v1/completions", "stream", "yes", 'stream: Input should be a valid boolean, not a string ("yes")'),
+    ("/v1/completions", "echo", 1, "echo: Input should be a valid boolean, not an integer (1)"),
+    ("/v1/chat/completions", "max_tokens", "3", "max_tokens: Input should be a valid integer, not a string"),
+    ("/v1/chat/completions", "logprobs", 1, "logprobs: Input should be a valid boolean, not an integer"),
+    ("/v1/chat/completions", "add_generation_prompt", "false", "add_generation_prompt: Input should be a valid "
+                                                               "boolean, not a string"),
+])
+def test_json_values_of_another_type_are_refused_naming_the_field_and_its_type(client, route, field, value, needle):
+    """Coerced, "stream": "yes" streamed and "max_tokens": true gave one token (issue 68)."""
+    base = {"prompt": "hi"} if route == "/v1/completions" else CHAT
+    r = client.post(route, json={**base, field: value})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and error["message"].startswith(needle), error
+
+
+def test_a_json_integer_is_a_number(client):
+    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "temperature": 1, "top_p": 1,
+                                             "presence_penalty": 0, "repetition_penalty": 1, "logit_bias": {"5": 1}})
+    assert r.status_code == 200, r.text
+    r = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2, "temperature": 0, "frequency_penalty": 1})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_stream_options_without_stream_is_refused_as_vllm_does(client, route):
+    base = {"prompt": "hi", "max_tokens": 2} if route == "/v1/completions" else {**CHAT, "max_tokens": 2}
+    for body in ({**base, "stream_options": {"include_usage": True}},
+                 {**base, "stream": False, "stream_options": {}}):
+        r = client.post(route, json=body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "stream_options" and '"stream": true' in error["message"], error
+    assert client.post(route, json={**base, "stream_options": None}).status_code == 200
+
+
 def test_malformed_json_is_refused(client):
     r = client.post("/v1/completions", content=b'{"prompt": "hi",', headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]

@@ -1,4 +1,5 @@
 """OpenAI-style errors: every error status the server answers has this one body shape, and says what to do next."""
+import json
 import logging
 
 from fastapi import FastAPI
@@ -64,7 +65,7 @@ def install_error_handlers(app: FastAPI) -> None:
         elif not field and first.get("type") in ("missing", "model_attributes_type", "dict_type", "model_type"):
             message = not_an_object(request.url.path, first.get("input"))
         elif field:
-            message = f"{field}: {message}"
+            message = f"{field}: {message}{sent_as(first)}"
         return error_response(400, message, field)
 
     @app.exception_handler(StarletteHTTPException)
@@ -100,6 +101,21 @@ def install_error_handlers(app: FastAPI) -> None:
         log.exception("unhandled error in %s %s", request.method, request.url.path)
         return error_response(500, f"internal error: {type(exc).__name__}: {exc} (see the server log)", None,
                               "server_error")
+
+
+JSON_KINDS = {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "an array",
+              dict: "an object", type(None): "null"}
+
+
+def sent_as(error: dict) -> str:
+    """What a value of the wrong type was sent as: JSON types are taken as sent (the models are strict), so the
+    message shows that "3" is a string and true a boolean, not the integer the field takes."""
+    if not error.get("type", "").endswith("_type") or type(error.get("input")) not in JSON_KINDS:
+        return ""
+    value = error["input"]
+    shown = json.dumps(value) if isinstance(value, (str, bool, int, float)) else ""
+    shown = shown if len(shown) <= 40 else shown[:36] + "...\""
+    return f", not {JSON_KINDS[type(value)]}" + (f" ({shown})" if shown else "")
 
 
 def unknown_field(path: str, field: str) -> str:

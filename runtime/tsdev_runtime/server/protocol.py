@@ -1,7 +1,9 @@
 """OpenAI request bodies, validated by pydantic, with vLLM's extensions (`ignore_eos`, `repetition_penalty`,
 `min_tokens`, `stop_token_ids`, ...). Nothing is accepted and ignored: an unknown field is a 400 naming it
 (`extra="forbid"`), and the OpenAI fields this server does not implement are declared only to refuse them
-with what to do instead (a no-op value, such as `response_format: {"type": "text"}`, passes)."""
+with what to do instead (a no-op value, such as `response_format: {"type": "text"}`, passes). Nor is anything
+coerced: JSON types are taken as sent (`strict=True`), so `"max_tokens": "3"`, `"max_tokens": true` or
+`"stream": "yes"` is a 400 naming the field and its type (a JSON integer still passes for a number field)."""
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -13,7 +15,7 @@ MAX_N = 16  # choices per prompt
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(Strict):
@@ -101,6 +103,13 @@ class SamplingRequest(Strict):
         return refuse_unless(value, (None,), "vLLM's prompt_logprobs output is not implemented: send "
                              "/v1/completions with \"echo\": true and \"logprobs\": N (the prompt's tokens and "
                              "logprobs)")
+
+    @field_validator("stream_options")
+    @classmethod
+    def _streamed(cls, options: StreamOptions | None, info) -> StreamOptions | None:
+        if options is not None and info.data.get("stream") is False:  # (absent: stream itself was refused)
+            raise ValueError("stream_options says what a stream carries: send it with \"stream\": true, or drop it")
+        return options
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -204,7 +213,7 @@ class ChatMessage(Strict):
         return message if self.name is None else {**message, "name": self.name}
 
 
-class ChatTemplateFields(BaseModel):
+class ChatTemplateFields(Strict):
     """How the messages are rendered (vLLM's): `add_generation_prompt` opens the assistant's turn,
     `continue_final_message` leaves the final message open instead (the reply continues it), and
     `chat_template_kwargs` are more variables for the template (Qwen3's `enable_thinking`)."""
