@@ -12,6 +12,7 @@ from tsdev_runtime.config import EngineConfig
 from tsdev_runtime.engine.llm_engine import LLMEngine
 from tsdev_runtime.engine.sequence import SamplingParams
 from tsdev_runtime.server.app import build_app
+from tsdev_runtime.server.chat import ChatTemplate
 from tsdev_runtime.weights.hub import resolve_model
 
 COMMIT, OTHER = "a" * 40, "b" * 40
@@ -182,6 +183,20 @@ QWEN3_STYLE = (
     "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
     "{%- endif %}"
 )
+
+
+@pytest.mark.parametrize("kwargs, thinking", [({}, ""), ({"enable_thinking": True}, ""),
+                                              ({"enable_thinking": False}, "<think>\n\n</think>\n\n")])
+def test_enable_thinking_false_closes_the_embedded_models_thinking_as_qwen3s_template_does(tiny_model_dir, kwargs,
+                                                                                          thinking):
+    """The embedded models' template ignored enable_thinking (issue 68). Qwen3's own template writes the empty
+    thinking block after the generation prompt when it is false (Qwen3's model card: the prompt below); the server
+    renders it as transformers does from the same checkpoint."""
+    user = [{"role": "user", "content": "Hello there"}]
+    want = "<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n" + thinking
+    assert ChatTemplate(tiny_model_dir).render(user, variables=kwargs) == want
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True, **kwargs) == want
 
 
 def test_chat_template_kwargs_and_continue_final_message_render_as_transformers_does(tmp_path, tiny_model_dir):

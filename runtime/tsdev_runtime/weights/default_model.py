@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from tsdev_runtime.weights.chatml import CHATML
+from tsdev_runtime.weights.chatml import EMBEDDED_TEMPLATE
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-VERSION = 4  # bump when the default checkpoint's contents change: it is cached by this name
+VERSION = 5  # bump when the default checkpoint's contents change: it is cached by this name
 
 SHAPES = {
     "tiny": dict(vocab_size=1024, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
@@ -128,7 +128,7 @@ def write_checkpoint(out: Path, shape: dict, seed: int = 0, std: float | None = 
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}, indent=2))
     (out / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": CHATML, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        {"chat_template": EMBEDDED_TEMPLATE, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
          "model_max_length": shape["max_position_embeddings"], "tokenizer_class": "PreTrainedTokenizerFast"},
         indent=2))
     dtype = getattr(torch, shape["torch_dtype"])
