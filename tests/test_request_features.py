@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 from fastapi.testclient import TestClient
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from tsdev_runtime.config import EngineConfig
 from tsdev_runtime.engine.llm_engine import LLMEngine
@@ -226,9 +227,54 @@ def test_chat_logprobs_and_n(client):
         pattern = "".join("(.+?)" if ch == "\ufffd" else re.escape(ch) for ch in joined)
         pattern = pattern.removesuffix("(.+?)") + "(.*?)" if joined.endswith("\ufffd") else pattern
         assert re.fullmatch(pattern, choice["message"]["content"], re.DOTALL), (joined, choice["message"]["content"])
-        for entry in content:
-            assert bytes(entry["bytes"]) == entry["token"].encode() and len(entry["top_logprobs"]) == 3
+        for entry in content:  # a token's own bytes; its string shows a part of a character as U+FFFD
+            assert bytes(entry["bytes"]).decode(errors="replace") == entry["token"] and len(entry["top_logprobs"]) == 3
             assert entry["logprob"] <= entry["top_logprobs"][0]["logprob"]
+
+
+def test_a_token_that_is_part_of_a_character_carries_its_own_bytes(client, engine):
+    """A lone byte's entry said "bytes": [239, 191, 189], U+FFFD's, not its own (issue 68). The oracle: the bytes
+    each byte-level vocabulary entry stands for, by transformers' table."""
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    entries = {bytes(byte_of[c] for c in piece) for piece in engine.tokenizer.get_vocab()}
+    lone = engine.tokenizer.token_to_id("\u00a1")  # the byte 0xA1 (the second half of "¡", U+00A1)
+    r = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0, "logprobs": True,
+        "top_logprobs": 20, "logit_bias": {str(lone): 100}, "ignore_eos": True, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert choice["token_ids"] == [lone] * 3
+    assert [(e["token"], e["bytes"]) for e in content] == [("\ufffd", [0xA1])] * 3
+    top = [t for e in content for t in e["top_logprobs"]]
+    assert any(t["token"] == "\ufffd" for t in top)  # other lone bytes among the alternatives
+    for entry in top:
+        assert bytes(entry["bytes"]) in entries and bytes(entry["bytes"]).decode(errors="replace") == entry["token"]
+
+
+def test_completion_text_offsets_add_up_to_the_text_where_tokens_split_characters(client, engine):
+    """text_offset counted U+FFFD per token, so "é" in two tokens moved every later offset by one (issue 68). The
+    oracle: where each token starts is the length of the text decoded before it, counted once a character is whole."""
+    prompt = "ok \u00a1s\u00ed, caf\u00e9!"  # "ok ¡sí, café!": each byte of ¡, í and é is a token
+    prompt_ids = engine.tokenizer.encode(prompt).ids
+    body = completion(client, prompt=prompt, echo=True, logprobs=1, max_tokens=12, temperature=1.0, seed=3,
+                      ignore_eos=True)
+    choice = body["choices"][0]
+    lp, generated = choice["logprobs"], choice["token_ids"]
+    assert choice["text"].startswith(prompt) and len(lp["tokens"]) == len(prompt_ids) + len(generated)
+    assert lp["tokens"].count("\ufffd") >= 6
+
+    def starts(ids: list[int], at: int, skip_special_tokens: bool) -> list[int]:
+        out, whole = [], ""
+        for i in range(len(ids)):
+            decoded = engine.tokenizer.decode(ids[:i], skip_special_tokens=skip_special_tokens)
+            whole = decoded if not decoded.endswith("\ufffd") else whole  # a character not yet whole: not counted
+            out.append(at + len(whole))
+        return out
+
+    assert lp["text_offset"] == starts(prompt_ids, 0, False) + starts(generated, len(prompt), True)
+    assert lp["text_offset"][len(prompt_ids) - 1] == len(prompt) - 1  # "!", after the 13 characters before it
+    assert all(a <= b <= len(choice["text"]) for a, b in zip(lp["text_offset"], lp["text_offset"][1:]))
 
 
 def test_streamed_logprobs_equal_the_unstreamed_ones(client):

@@ -7,6 +7,7 @@ non-streamed reply is the sum of those deltas.
 """
 import asyncio
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -14,6 +15,8 @@ from contextlib import aclosing
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 from tsdev_runtime.engine.errors import EngineError, Unavailable
 from tsdev_runtime.engine.outputs import RequestOutput
@@ -37,27 +40,34 @@ def log_request(request_id: str, body: SamplingRequest, prompt_tokens: int, max_
 
 class Choice:
     """One choice's outputs as the route's deltas. `echo`: (prompt text, prompt token ids) that lead the first
-    delta (chat: the final message's text, no ids); `top_n`: logprobs asked for (None: none)."""
+    delta (chat: the final message's text, no ids); `top_n`: logprobs asked for (None: none);
+    `skip_special_tokens`: as the request decodes its text (completions' `text_offset` index that text)."""
 
     def __init__(self, index: int, model: ServedModel, chat: bool, top_n: int | None,
-                 echo: tuple[str, list[int]] | None = None):
+                 echo: tuple[str, list[int]] | None = None, skip_special_tokens: bool = True):
         self.index, self.model, self.chat, self.top_n, self.echo = index, model, chat, top_n, echo
         self.started = False
-        self.offset = 0  # completions' text_offset of the next token
+        self.offset = 0  # completions' text_offset of the next generated token
+        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)  # the engine's decoding, for offsets
         self.text, self.token_ids, self.logprobs, self.final = "", [], [], None
 
     def delta(self, out: RequestOutput) -> tuple[str, list | dict | None]:
         """(text, logprobs) of this output; the first carries the echoed prompt. Also accumulated (`add`)."""
-        text, entries = out.new_text, []
+        text, prompt, offsets = out.new_text, [], []
         if not self.started:
             self.started = True
             if self.echo is not None:
                 prompt_text, prompt_ids = self.echo
-                text = prompt_text + text
-                if prompt_ids is not None:  # (chat echoes text only)
-                    entries = [TokenLogprob(prompt_ids[0], None, None, None), *(out.prompt_logprobs or [])]
-        entries += out.logprobs or []
-        return text, (self.format(entries) if self.top_n is not None else None)
+                text, self.offset = prompt_text + text, len(prompt_text)
+                if prompt_ids is not None and self.top_n is not None:  # (chat echoes text only)
+                    prompt = [TokenLogprob(prompt_ids[0], None, None, None), *(out.prompt_logprobs or [])]
+                    offsets = prompt_offsets(self.model.tokenizer, prompt_text, prompt_ids)
+        if self.top_n is None:
+            return text, None
+        generated = out.logprobs or []
+        if not self.chat:
+            offsets += self.generated_offsets(generated)
+        return text, self.format(prompt + generated, offsets)
 
     def add(self, out: RequestOutput, text: str, logprobs) -> None:
         self.text += text
@@ -67,17 +77,25 @@ class Choice:
         if out.finished:
             self.final = out
 
-    def format(self, entries: list[TokenLogprob]) -> list | dict:
-        ids = [e.token_id for e in entries] + [t for e in entries for t in (e.top_ids or ())]
-        strings = dict(zip(ids, self.model.tokenizer.decode_batch([[t] for t in ids], skip_special_tokens=False)))
-        if self.chat:
-            return [{**token_entry(strings[e.token_id], e.logprob),
-                     "top_logprobs": [token_entry(strings[t], lp) for t, lp in zip(e.top_ids, e.top_logprobs)]}
-                    for e in entries]
+    def generated_offsets(self, entries: list[TokenLogprob]) -> list[int]:
+        """Where each generated token's text starts in the choice's text: decoded as the engine decodes it, so a
+        character split across tokens starts at the token that completes it, and the offsets add up to the text."""
         offsets = []
         for e in entries:
             offsets.append(self.offset)
-            self.offset += len(strings[e.token_id])
+            self.offset += len(self.stream.step(self.model.tokenizer, e.token_id) or "")
+        return offsets
+
+    def format(self, entries: list[TokenLogprob], offsets: list[int]) -> list | dict:
+        tokenizer = self.model.tokenizer
+        ids = [e.token_id for e in entries] + [t for e in entries for t in (e.top_ids or ())]
+        strings = dict(zip(ids, tokenizer.decode_batch([[t] for t in ids], skip_special_tokens=False)))
+        if self.chat:
+            def entry(t: int, logprob: float) -> dict:
+                return token_entry(strings[t], logprob, token_bytes(tokenizer, t, strings[t]))
+            return [{**entry(e.token_id, e.logprob),
+                     "top_logprobs": [entry(t, lp) for t, lp in zip(e.top_ids, e.top_logprobs)]}
+                    for e in entries]
         return {"tokens": [strings[e.token_id] for e in entries],
                 "token_logprobs": [None if e.logprob is None else max(e.logprob, MIN_LOGPROB) for e in entries],
                 "top_logprobs": [None if e.top_ids is None else
@@ -95,8 +113,41 @@ class Choice:
                 for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
-def token_entry(text: str, logprob: float) -> dict:
-    return {"token": text, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(text.encode("utf-8"))}
+def prompt_offsets(tokenizer: Tokenizer, text: str, ids: list[int]) -> list[int]:
+    """Where each echoed prompt token starts in `text`; a token the text leaves out (a BOS the tokenizer added to a
+    prompt sent as text) starts where the next one does."""
+    stream = DecodeStream(skip_special_tokens=tokenizer.decode(ids, skip_special_tokens=False) != text)
+    offsets, offset = [], 0
+    for token in ids:
+        offsets.append(offset)
+        offset += len(stream.step(tokenizer, token) or "")
+    return offsets
+
+
+def token_entry(text: str, logprob: float, token_bytes: list[int]) -> dict:
+    return {"token": text, "logprob": max(logprob, MIN_LOGPROB), "bytes": token_bytes}
+
+
+# GPT-2's byte-level alphabet (the `tokenizers` ByteLevel decoder's: Qwen, Llama 3, DeepSeek, the embedded models):
+# a byte is the character of its own code where that prints, else U+0100 onward in byte order.
+_PRINTABLE = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+BYTE_LEVEL = {chr(b): b for b in _PRINTABLE} | {
+    chr(0x100 + i): b for i, b in enumerate(b for b in range(256) if b not in _PRINTABLE)}
+BYTE_FALLBACK = re.compile("<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens (Llama 2, Mistral)
+
+
+def token_bytes(tokenizer: Tokenizer, token_id: int, text: str) -> list[int]:
+    """A token's own bytes (OpenAI's `bytes`: joined across tokens they give the text). Its text's UTF-8, except
+    for a token that is part of a character, whose text alone is U+FFFD (as vLLM's `token`): then the bytes its
+    vocabulary entry stands for, a byte-level piece's character by character or a byte-fallback piece's byte."""
+    if "\ufffd" not in text:
+        return list(text.encode())
+    piece = tokenizer.id_to_token(token_id) or ""
+    if match := BYTE_FALLBACK.fullmatch(piece):
+        return [int(match[1], 16)]
+    if piece and all(c in BYTE_LEVEL for c in piece):
+        return [BYTE_LEVEL[c] for c in piece]
+    return list(text.encode())
 
 
 def openai_router(deps: ServerDeps) -> APIRouter:
@@ -170,8 +221,8 @@ async def complete(deps: ServerDeps, body: CompletionRequest, request: Request):
     request_id = f"cmpl-{uuid.uuid4().hex}"
     log_request(request_id, body, sum(map(len, token_lists)), max_tokens)
     streams = start(deps, request_id, token_lists, params, body.n, share_prompt=prompt_logprobs is None)
-    choices = [Choice(i, model, False, body.logprobs, echoes[i // body.n] if echoes else None)
-               for i in range(len(streams))]
+    choices = [Choice(i, model, False, body.logprobs, echoes[i // body.n] if echoes else None,
+                      body.skip_special_tokens) for i in range(len(streams))]
 
     def chunk(choice: Choice, out: RequestOutput) -> dict:
         text, logprobs = choice.delta(out)
