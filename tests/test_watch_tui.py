@@ -4,7 +4,7 @@ import asyncio
 import html
 import re
 
-from fake_server import URL, FakeServer, failed_worker, make_project, until
+from fake_server import URL, FakeServer, failed_worker, make_project, ok_worker, until
 from tsdev.watch.args import WatchConfig
 from tsdev.watch.tui import WatchApp
 
@@ -209,3 +209,113 @@ def test_at_80x24_the_history_keeps_its_rows_beside_a_wrapped_warning_the_errors
     rows = [line for line in text.splitlines() if re.match(r"│ (start|\d+) +(start|save)", line)]
     assert len(rows) >= 3, text  # the start row and both reloads
     assert regions["log"].height >= 4 and regions["log"].bottom <= 24, regions  # inside the screen, borders and all
+
+
+def test_ctrl_c_quits_the_screen_and_stops_the_daemon_as_without_the_screen(tmp_path):
+    project, server = make_project(tmp_path), FakeServer()
+    app = WatchApp(WatchConfig(attach=URL, project=project, probe_batch=2, probe_steps=4), server.transport())
+
+    async def main():
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(lambda: app.daemon.info["state"] == "serving")
+            await pilot.press("ctrl+c")
+            await until(lambda: app.return_code is not None, timeout=5)
+
+    asyncio.run(main())
+    assert app.daemon.stopping and app.return_code == 0
+
+
+def panels(app, *names: str) -> dict[str, list[str]]:
+    """The screen's lines inside each named widget (borders included)."""
+    lines = screen_text(app).splitlines()
+    assert len(lines) == app.size.height, lines
+    regions = {name: app.query_one(f"#{name}").region for name in names}
+    return {name: lines[region.y: region.bottom] for name, region in regions.items()}
+
+
+async def press_r(app, pilot, records: int) -> None:
+    """Press `r` and wait until the daemon has `records` reloads, the last one done."""
+    await pilot.press("r")
+    await until(lambda: len(app.daemon.reloads.records) == records and app.daemon.reloads.records[-1].done)
+    await pilot.pause(0.2)
+
+
+def test_at_80x24_a_failed_reload_after_a_full_history_shows_its_row_its_outcome_and_its_failing_line(tmp_path):
+    from tsdev.outcome import KEEPS_SERVING
+
+    project, server = make_project(tmp_path), FakeServer()
+    act = project / "kernels/tsdev_kernels/ops/act.py"
+    act.write_text("".join(f"X{i} = {i}\n" for i in range(1, 18)) + "def act(x):\n    return (2 * x\n"
+                   + "".join(f"Y{i} = {i}\n" for i in range(5)))  # the error's line is 19, as in issue 68
+    app = WatchApp(WatchConfig(attach=URL, project=project, probe_batch=2, probe_steps=4), server.transport())
+
+    async def main():
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(lambda: app.daemon.watcher.ready.is_set() and app.daemon.info["state"] == "serving")
+            for n in range(1, 9):
+                await press_r(app, pilot, n)
+            server.answer = lambda request: failed_worker(f"{act}:19: SyntaxError: '(' was never closed")
+            server.reload_delay = 0.3  # the new row is drawn before the errors panel opens, as in a real reload
+            await press_r(app, pilot, 9)
+            shown = panels(app, "current", "history", "errors")
+            await pilot.press("q")
+            await until(lambda: app.return_code is not None)
+            return shown
+
+    shown = asyncio.run(main())
+    history = "\n".join(shown["history"])
+    assert not re.search(r"│ 1 +reload all", history), history  # more rows than fit: the first ones scrolled away
+    assert re.search(r"│ 9 +reload all \(r\) .* failed", history), history  # the newest row, at the bottom
+    assert any(f"FAILED: {KEEPS_SERVING}" in line for line in shown["current"]), shown["current"]
+    assert any(re.search(r"❱ 19 +return \(2 \* x", line) for line in shown["errors"]), shown["errors"]
+    assert any("act.py:19: SyntaxError" in line for line in shown["errors"]), shown["errors"]
+
+
+def test_at_80x24_a_reload_of_twenty_modules_folds_them_and_keeps_its_steps_and_outcome(tmp_path):
+    project, server = make_project(tmp_path), FakeServer()
+    modules = [f"tsdev_runtime.models.model_{i}" for i in range(20)]
+    server.answer = lambda request: ok_worker(reloaded=modules)
+    app = WatchApp(WatchConfig(attach=URL, project=project, probe_batch=2, probe_steps=4), server.transport())
+
+    async def main():
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(lambda: app.daemon.watcher.ready.is_set() and app.daemon.info["state"] == "serving")
+            await press_r(app, pilot, 1)
+            shown = panels(app, "current", "history")
+            await pilot.press("q")
+            await until(lambda: app.return_code is not None)
+            return shown
+
+    shown = asyncio.run(main())
+    current = "\n".join(shown["current"])
+    assert "reload #1  reload all (r)  →  20 modules + 1 dependent(s)" in current, current
+    assert "✓ pause 0.63 s" in current and "golden: same 24 tokens" in current, current  # the last step, the outcome
+    assert "model_1" not in current
+    assert re.search(r"│ 1 +reload all \(r\) .* ok", "\n".join(shown["history"])), shown["history"]
+
+
+def test_a_history_cursor_moved_up_stays_on_its_row_when_a_reload_adds_one(tmp_path):
+    project, server = make_project(tmp_path), FakeServer()
+    app = WatchApp(WatchConfig(attach=URL, project=project, probe_batch=2, probe_steps=4), server.transport())
+
+    async def main():
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(lambda: app.daemon.watcher.ready.is_set() and app.daemon.info["state"] == "serving")
+            for n in range(1, 4):
+                await press_r(app, pilot, n)
+            await pilot.press("up")  # onto reload #2, to read it (or `k` its kernel checks)
+            await press_r(app, pilot, 4)
+            table = app.query_one("#history")
+            on = table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value
+            history = panels(app, "history")["history"]
+            await pilot.press("ctrl+end")  # back to the newest row, which the next reload's row then follows
+            await press_r(app, pilot, 5)
+            after = table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value
+            await pilot.press("q")
+            await until(lambda: app.return_code is not None)
+            return on, history, after
+
+    on, history, after = asyncio.run(main())
+    assert on == "ReloadRecord-2", on
+    assert any(re.match(r"│ 2 +reload all", line) for line in history), history
+    assert after == "ReloadRecord-5", after

@@ -109,8 +109,20 @@ def outside(modules: Iterable[str]) -> str:
     return f"{', '.join(modules)} changed outside the reloadable packages"
 
 
-def reloaded_text(worker: WorkerReport) -> str:
-    return f"{', '.join(worker.reloaded)} + {len(worker.dependents)} dependent(s)"
+def fold(names: list[str], width: int) -> str:
+    """'a, b and 18 more': as many names as fit in `width` characters, the rest counted ('20 modules' when not even the
+    first fits with the count), so that `r`'s twenty modules leave room on a screen line for what follows them."""
+    for shown in range(len(names), 0, -1):
+        text = ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if shown < len(names) else "")
+        if len(text) <= width:
+            return text
+    return f"{len(names)} modules" if len(names) > 1 else ", ".join(names)
+
+
+def reloaded_text(worker: WorkerReport, width: int | None = None) -> str:
+    """'tsdev_kernels.ops.act + 3 dependent(s)'; with `width`, the module names folded to it (the watch screen)."""
+    names = ", ".join(worker.reloaded) if width is None else fold(worker.reloaded, width)
+    return f"{names} + {len(worker.dependents)} dependent(s)"
 
 
 def summary(worker: WorkerReport) -> str:

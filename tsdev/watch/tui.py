@@ -8,7 +8,7 @@ import re
 import time
 from pathlib import Path
 
-from rich.console import Group
+from rich.console import Console, Group
 from rich.markup import escape
 from rich.syntax import Syntax
 from rich.text import Text
@@ -16,8 +16,8 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.widgets import DataTable, Footer, RichLog, Static
 
-from tsdev.outcome import (KEEPS_SERVING, SHOWN_STEPS, checks_table, graph_split, kernel_checks_text, rank_lines,
-                           reloaded_text)
+from tsdev.outcome import (KEEPS_SERVING, SHOWN_STEPS, checks_table, fold, graph_split, kernel_checks_text,
+                           rank_lines, reloaded_text)
 from tsdev.watch.args import WatchConfig
 from tsdev.watch.daemon import Daemon
 from tsdev.watch.records import Event, ReloadRecord, RestartRecord, WeightsRecord
@@ -35,6 +35,8 @@ WIDTHS = {"#": 5, "time": 8, "trigger": 24, "reloaded": 24, "deps": 4, **dict.fr
 # the trigger is clipped to what is left, down to MIN_TRIGGER characters.
 DROP_ORDER = ("deps", "flush", "drain", "jit", "reload", "warm", "recapture", "time", "reloaded", "pause")
 MIN_TRIGGER = 12
+HISTORY_MIN, LOG_MIN = 6, 4  # rows, borders included: the history's header and three rows; the log's two lines
+CONTEXT = 3  # lines of code shown each side of an error's line, where the errors panel has room
 
 
 def visible_columns(width: int) -> tuple[tuple[str, ...], int]:
@@ -81,30 +83,88 @@ def clip_path(text: str, width: int) -> str:
     return head + "…" + text[len(text) - (width - len(head) - 1):]
 
 
-def excerpt(error: str, context: int = 3) -> Syntax | None:
-    """The code around the error's file:line, with that line highlighted."""
+def panel_heights(height: int, errors: bool) -> tuple[int, int]:
+    """The most rows (borders included) the current reload's panel and the errors panel take on a screen `height`
+    rows high: half of what the header and the footer leave for the current reload; a quarter each while errors
+    show, and never less than the history and the log leave them (6 each at 80x24)."""
+    body = height - 2
+    if not errors:
+        return max(3, body // 2), 0
+    share = max(3, body // 4, min(6, (body - HISTORY_MIN - LOG_MIN) // 2))
+    return share, share
+
+
+def excerpt(error: str, rows: int = 2 * CONTEXT + 1) -> Syntax | None:
+    """The code around the error's file:line in `rows` lines at most, that line (marked ❱) always among them."""
     match = WHERE.search(error)
-    if not match:
+    if not match or rows < 1:
         return None
     path, line = Path(match["path"]), int(match["line"])
     try:
         lines = path.read_text().splitlines()
     except OSError:
         return None
-    first = max(1, line - context)
-    code = "\n".join(lines[first - 1: line + context])
+    before = min(CONTEXT, rows // 2)
+    first = max(1, line - before)
+    last = min(line + CONTEXT, first + rows - 1)
+    code = "\n".join(lines[first - 1: last])
     return Syntax(code, "python", line_numbers=True, start_line=first, highlight_lines={line}, theme="ansi_dark")
+
+
+def rows(text: Text, width: int) -> int:
+    """How many lines `text` takes at `width` cells."""
+    return len(text.wrap(Console(width=width), width))
+
+
+def fit_lines(text: Text, width: int, most: int) -> Text:
+    """`text` wrapped at `width` in `most` lines at most, the last one ending in … when some were left out."""
+    lines = text.wrap(Console(width=width), width)
+    if len(lines) <= most:
+        return text
+    last = lines[most - 1].copy()
+    last.rstrip()
+    last.truncate(width - 1)
+    return Text("\n").join([*lines[: most - 1], last.append("…")])
+
+
+class History(DataTable):
+    """The history. Its cursor goes to each new row while it is on the newest one, and that row stays in view as the
+    panels around the table open and close; a cursor moved up (to read a row, or for `k`) stays where it is, until
+    it is moved back to the last row (↓, ctrl+end)."""
+
+    @property
+    def following(self) -> bool:
+        return self.cursor_row >= self.row_count - 1
+
+    def add_newest(self, cells: list, key: str) -> None:
+        following = self.following
+        self.add_row(*cells, key=key)
+        if following:
+            self.move_cursor(row=self.row_count - 1)
+
+    def on_resize(self) -> None:
+        if self.row_count and self.following:
+            self.call_after_refresh(self.move_cursor, row=self.row_count - 1)
+
+
+class Log(RichLog):
+    """The log, its newest line in view when the panels around it open and close (a write scrolls to it too)."""
+
+    def on_resize(self) -> None:
+        self.call_after_refresh(self.scroll_end, animate=False, x_axis=False)
 
 
 class WatchApp(App):
     TITLE = "tsdev watch"
-    CSS = """
-    #header { height: 1; background: $boost; padding: 0 1; }
-    #current { height: auto; min-height: 3; max-height: 50%; overflow-y: auto; border: round $primary; padding: 0 1; }
-    #history { height: 2fr; min-height: 6; border: round $panel; }
-    #errors { height: auto; max-height: 25%; overflow-y: auto; border: round $error; padding: 0 1; display: none; }
-    #log { height: 1fr; min-height: 4; max-height: 9; border: round $panel; }
-    .errors-open #current { max-height: 25%; }
+    # The current reload's and the errors' max-height are set by lay_out_panels (panel_heights): their contents are
+    # fitted to them, so that the outcome and the error's line always show.
+    CSS = f"""
+    #header {{ height: 1; background: $boost; padding: 0 1; }}
+    #current {{ height: auto; min-height: 3; overflow-y: auto; border: round $primary; padding: 0 1; }}
+    #history {{ height: 2fr; min-height: {HISTORY_MIN}; border: round $panel; }}
+    #errors {{ height: auto; overflow-y: auto; scrollbar-gutter: stable; scrollbar-size-vertical: 1;
+              border: round $error; padding: 0 1; display: none; }}
+    #log {{ height: 1fr; min-height: {LOG_MIN}; max-height: 9; border: round $panel; }}
     """
     # Short labels: the footer holds all of them at 80 columns (the README lists what each does)
     BINDINGS = [
@@ -116,6 +176,9 @@ class WatchApp(App):
         Binding("k", "kernel_checks", "kernels"),
         Binding("c", "clear", "clear"),
         Binding("q", "quit", "quit"),
+        # Ctrl-C quits as it does with --no-tui (Textual's default only says to press ctrl+q); before any widget's
+        # ctrl+c (the screen's copy of selected text)
+        Binding("ctrl+c", "quit", "quit", show=False, priority=True),
     ]
     ENABLE_COMMAND_PALETTE = False  # every action has its key
 
@@ -128,18 +191,20 @@ class WatchApp(App):
         self.records: dict[str, ReloadRecord | RestartRecord] = {}  # the history's rows, by row key
         self.columns: tuple[str, ...] = ()
         self.trigger_width = WIDTHS["trigger"]
+        self.current_rows, self.errors_rows = panel_heights(24, False)  # set for the screen by lay_out_panels
 
     def compose(self) -> ComposeResult:
         yield Static(id="header")
         yield Static("waiting for the first save...", id="current")
-        yield DataTable(id="history", zebra_stripes=True, cursor_type="row")
+        yield History(id="history", zebra_stripes=True, cursor_type="row")
         yield Static(id="errors")
-        yield RichLog(id="log", wrap=True, markup=True)
+        yield Log(id="log", wrap=True, markup=True)
         yield Footer()
 
     def on_mount(self) -> None:
         table = self.query_one("#history", DataTable)
         self.lay_out_history(self.size.width)
+        self.lay_out_panels()
         self.query_one("#current").border_title = "current"
         table.border_title = "history"
         self.query_one("#errors").border_title = "errors (first first; kept until the next success)"
@@ -249,6 +314,8 @@ class WatchApp(App):
         self.query_one("#header", Static).update(Text.from_markup("  │  ".join(parts)))
 
     def draw_current(self) -> None:
+        """The reload in flight, or the last one: its head on one line, its steps, and once done its outcome, which
+        always shows (the steps give up lines first, ending in …; module lists fold)."""
         record = self.live
         widget = self.query_one("#current", Static)
         if record is None:
@@ -261,15 +328,40 @@ class WatchApp(App):
                 state = f"[yellow]{time.time() - record.started:.1f} s...[/yellow]"
             widget.update(Text.from_markup(f"{verb}  {state}"))
             return
+        width, room = widget.content_region.width or self.size.width - 4, self.current_rows - 2
+        head = Text.from_markup(self.current_head(record, width), overflow="ellipsis")
+        head.no_wrap = True
+        outcome = [fit_lines(Text.from_markup(self.current_outcome(record)), width, max(1, room - 1))
+                   ] if record.done else []
+        shown = max(0, room - 1 - sum(rows(text, width) for text in outcome))
+        chips = chip_lines(self.current_chips(record), width)
+        if len(chips) > shown:
+            chips = chip_lines(self.current_chips(record), width - 2)[:shown]
+            chips[-1:] = [line + " …" for line in chips[-1:]]
+        ranks = rank_lines(record.ranks) if record.done else []
+        widget.update(Group(head, *map(Text.from_markup, chips), *outcome, *map(Text.from_markup, ranks)))
+
+    @staticmethod
+    def current_head(record: ReloadRecord, width: int) -> str:
+        """'reload #3  reload all (r)  →  tsdev_runtime.models.qwen3 and 19 more + 4 dependent(s)' (markup)."""
         weights = isinstance(record, WeightsRecord)
         head = f"[b]{'weights' if weights else 'reload'} #{record.n}[/b]  {escape(trigger_text(record))}"
+        arrow = "  →  "
+        room = width - Text.from_markup(head + arrow).cell_len
         if weights:
-            head += "  →  update_weights (direct)"
-        elif record.reloaded:
-            head += f"  →  {escape(reloaded_text(record.worker))}"
-        elif record.modules and not record.done:
-            head += f"  →  {escape(', '.join(record.modules[:6]))}{' ...' if len(record.modules) > 6 else ''}"
-        chips = []
+            return head + arrow + "update_weights (direct)"
+        if record.reloaded:
+            dependents = f" + {len(record.dependents)} dependent(s)"
+            return head + arrow + escape(reloaded_text(record.worker, room - len(dependents)))
+        if record.modules and not record.done:
+            return head + arrow + escape(fold(record.modules, room))
+        return head
+
+    @staticmethod
+    def current_chips(record: ReloadRecord) -> list[str]:
+        """A chip per step: done (its seconds), failed, running, still to come; once the reload is done, the steps
+        that did not run are left out (a failed reload's room goes to its outcome)."""
+        weights, chips = isinstance(record, WeightsRecord), []
         for name in ("update", "check") if weights else (*record.step_order(), "check"):
             if name == record.failed:
                 chips.append(f"[red]✗ {name} {record.steps.get(name, 0):.2f} s[/red]")
@@ -279,23 +371,32 @@ class WatchApp(App):
                 chips.append(f"[green]✓ {name} {record.steps[name]:.2f} s{split}[/green]")
             elif record.current == name and not record.done:
                 chips.append(f"[yellow]▶ {name} {time.perf_counter() - record.step_started:.1f} s[/yellow]")
-            else:
+            elif not record.done:
                 chips.append(f"[dim]· {name}[/dim]")
         if record.served_after_save is not None:
             chips.append(f"[b]save → serving {record.served_after_save:.2f} s[/b]")
-        lines = [head, *chip_lines(chips, widget.content_region.width or 200)]
-        if record.done:
-            if weights and record.error:
-                outcome = f"[red]FAILED: {escape(record.error)}[/red]"
-            else:
-                outcome = (f"[red]FAILED: {KEEPS_SERVING}[/red]" if record.error else
-                           " | ".join([*map(escape, kernel_checks_text(record.worker)), *checks_text(record)]))
-            lines.append(outcome or "[green]ok[/green]")
-            lines += rank_lines(record.ranks)
-        widget.update(Text.from_markup("\n".join(lines)))
+        return chips
+
+    @staticmethod
+    def current_outcome(record: ReloadRecord) -> str:
+        if isinstance(record, WeightsRecord) and record.error:
+            return f"[red]FAILED: {escape(record.error)}[/red]"
+        if record.error:
+            return f"[red]FAILED: {KEEPS_SERVING}[/red]"
+        return (" | ".join([*map(escape, kernel_checks_text(record.worker)), *checks_text(record)])
+                or "[green]ok[/green]")
 
     def on_resize(self, event) -> None:
         self.lay_out_history(event.size.width)
+        self.lay_out_panels()
+        self.call_after_refresh(self.draw_errors)  # fitted to the panel's new width
+        self.call_after_refresh(self.draw_current)
+
+    def lay_out_panels(self) -> None:
+        """The most rows the current reload and the errors take on this screen (panel_heights)."""
+        self.current_rows, self.errors_rows = panel_heights(self.size.height, bool(self.errors))
+        self.query_one("#current").styles.max_height = self.current_rows
+        self.query_one("#errors").styles.max_height = self.errors_rows or None
 
     def lay_out_history(self, width: int) -> None:
         """The history's columns for this width (visible_columns); its rows drawn again when they change."""
@@ -311,14 +412,13 @@ class WatchApp(App):
             self.draw_row(record)
 
     def draw_row(self, record: ReloadRecord | RestartRecord) -> None:
-        table = self.query_one("#history", DataTable)
+        table = self.query_one("#history", History)
         cells = self.cells(record, self.trigger_width)
         cells = {name: cells[name] for name in self.columns}
         key = f"{type(record).__name__}-{record.n}"
         self.records[key] = record
         if key not in table.rows:
-            table.add_row(*cells.values(), key=key)
-            table.move_cursor(row=table.row_count - 1)
+            table.add_newest(list(cells.values()), key)
         else:
             for column, value in cells.items():
                 table.update_cell(key, column, value, update_width=True)
@@ -338,8 +438,9 @@ class WatchApp(App):
             cells.update({"#": f"W{record.n}", "trigger": clip(record.trigger), "reloaded": "new weights",
                           "total": f"{record.steps['update']:.2f}" if "update" in record.steps else ""})
         else:
+            reloaded = fold(record.reloaded or record.modules, WIDTHS["reloaded"])
             cells.update({"#": str(record.n), "trigger": clip(trigger_text(record)),
-                          "reloaded": clip_to(", ".join(record.reloaded or record.modules), WIDTHS["reloaded"]),
+                          "reloaded": clip_to(reloaded, WIDTHS["reloaded"]),
                           "deps": str(len(record.dependents)) if record.worker else ""})
             for name in (*SHOWN_STEPS, "total"):
                 if name in record.steps:
@@ -369,14 +470,21 @@ class WatchApp(App):
         return cells
 
     def draw_errors(self) -> None:
+        """The errors, first first. The first one fits the panel: its message (cut with … only where it would leave
+        no room), then as much of the code around its line as is left, that line (❱) always among it."""
         widget = self.query_one("#errors", Static)
         widget.display = bool(self.errors)
-        self.screen.set_class(bool(self.errors), "errors-open")  # the current reload's panel makes room (80x24)
+        self.lay_out_panels()
+        width, room = widget.scrollable_content_region.width or self.size.width - 5, self.errors_rows - 2
         parts = []
-        for error in self.errors:
-            parts.append(Text(error, style="bold red"))
-            if (code := excerpt(error)) is not None:
-                parts.append(code)
+        for n, error in enumerate(self.errors):
+            message, code = Text(error, style="bold red"), excerpt(error)
+            if n == 0 and code is not None:
+                shown = min(rows(message, width), max(1, room - 1))
+                message, code = fit_lines(message, width, shown), excerpt(error, room - shown)
+            elif n == 0:
+                message = fit_lines(message, width, max(1, room))
+            parts += [message, *([code] if code is not None else [])]
         widget.update(Group(*parts))
 
 
