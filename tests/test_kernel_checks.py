@@ -282,7 +282,7 @@ def test_tsdev_check_runs_every_declared_op_or_the_named_ones_and_names_the_ops_
     url, _ = strict_server
     every = CliRunner().invoke(app, ["check", "--url", url])
     assert every.exit_code == 0, every.output
-    assert {line.split(":")[0] for line in every.output.splitlines()[:-1]} == {
+    assert {line.split(":")[0] for line in every.stdout.splitlines()[:-1]} == {  # the progress goes to stderr
         "silu_and_mul", "paged_decode", "paged_prefill", "gemv", "gemv_norm_gate_up", "skinny_linear", "rms_norm",
         "fused_add_rms_norm", "rope", "qk_norm_rope", "sample", "sample_top_k", "token_logprobs",
         "apply_penalties"}  # no fused_moe (a dense model), no fp8_* (bf16 weights and KV pool)

@@ -480,21 +480,46 @@ def check(
     is idle: the quick "did I break anything" between edits. A reload runs the same checks on the ops it changed
     (`tsdev serve --kernel-check`); docs/kernels.md says how an op declares its check.
 
+    The server runs one op and shape at a time, between requests (a completion waits for one case at most), and
+    stops when this command does: Ctrl-C stops the server's check too. The case running shows on stderr (a status
+    line on a terminal, a line per case elsewhere); the summary goes to stdout.
+
     Exit status: 0 every check passed, 1 one failed, 2 no server at --url or it refused (403: no
-    --allow-reload-forward; 400: an op no family declares, the reply lists them).
+    --allow-reload-forward; 400: an op no family declares, the reply lists them; 409: another check runs),
+    130 stopped by Ctrl-C.
     """
     import httpx
     from rich.console import Console
     from rich.markup import escape
 
-    from tsdev_runtime.control_protocol import KERNEL_CHECK_ROUTE, KernelCheckReply, KernelCheckRequest
     from tsdev import outcome
-    from tsdev.client import ErrorReply, control_call
+    from tsdev.client import ErrorReply, kernel_check
 
-    console = Console(soft_wrap=True, highlight=False)
+    console, errors = Console(soft_wrap=True, highlight=False), Console(stderr=True, soft_wrap=True, highlight=False)
+    shown: dict = {"status": None, "said": None}
+
+    def show(progress) -> None:
+        """The case running ("checking rms_norm [256 x 1024] (12/80)") or the requests the check waits for: a live
+        status line on a terminal, a line each elsewhere (a check under Triton's interpreter runs for minutes:
+        silence looked like a hang)."""
+        if progress.op is not None:
+            text = (f"checking {progress.op} [{' x '.join(map(str, progress.shape))}] "
+                    f"({progress.done + 1}/{progress.total})")
+        else:
+            text = (f"waiting for {progress.waiting_for} request(s) to finish: the check runs between requests "
+                    f"({progress.done}/{progress.total} done)")
+        if errors.is_terminal:
+            if shown["status"] is None:
+                shown["status"] = errors.status(escape(text))
+                shown["status"].start()
+            else:
+                shown["status"].update(escape(text))
+        elif text != shown["said"]:  # a wait is said again every second: once is enough here
+            errors.print(escape(text))
+        shown["said"] = text
+
     try:
-        reply = control_call(url, "POST", KERNEL_CHECK_ROUTE, KernelCheckReply, KernelCheckRequest(ops=ops or None),
-                             api_key=api_key)
+        reply = kernel_check(url, ops, on_progress=show, api_key=api_key)
     except httpx.TransportError as exc:
         console.print(f"[red]error:[/red] cannot reach {url} ({exc}): is a server running there? Start one with "
                       "`tsdev watch` or `tsdev serve --allow-reload-forward`, or pass --url")
@@ -502,6 +527,12 @@ def check(
     except ErrorReply as exc:
         console.print(f"[red]error:[/red] {escape(str(exc))}")
         raise typer.Exit(2) from None
+    except KeyboardInterrupt:  # the connection closed as this left kernel_check: the server's check stops too
+        console.print("stopped: the server stops its check after the case it is running")
+        raise typer.Exit(130) from None
+    finally:
+        if shown["status"] is not None:
+            shown["status"].stop()
     lines = outcome.checks_table(reply.checks) if shapes else outcome.checks_summary(reply.checks)
     for line in lines:
         console.print(escape(line))

@@ -9,8 +9,9 @@ from typing import TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from tsdev_runtime.control_protocol import (EVENTS_ROUTE, RELOAD_ROUTE, ErrorBody, Event, Hello, ReloadReply,
-                                      ReloadRequest, parse_event)
+from tsdev_runtime.control_protocol import (EVENTS_ROUTE, KERNEL_CHECK_ROUTE, RELOAD_ROUTE, ErrorBody, Event, Hello,
+                                            KernelCheckProgress, KernelCheckReply, KernelCheckRequest, ReloadReply,
+                                            ReloadRequest, parse_event)
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 Reply = TypeVar("Reply", bound=BaseModel)
@@ -61,6 +62,32 @@ def control_call(url: str, method: str, route: str, model: type[Reply], request:
     response = httpx.request(method, url.rstrip("/") + route, json=None if request is None else body(request),
                              headers=auth_headers(api_key), timeout=timeout)
     return reply_or_raise(response, model)
+
+
+def kernel_check(url: str, ops: list[str] | None = None,
+                 on_progress: Callable[[KernelCheckProgress], None] | None = None,
+                 api_key: str | None = None) -> KernelCheckReply:
+    """POST kernel_check as a stream (`tsdev check`): `on_progress` gets each KernelCheckProgress as the server runs
+    the cases, and the KernelCheckReply is returned; raises httpx errors when no server answers, ErrorReply for a
+    refusal (400 unknown op, 403, 409 another check runs) or a check that could not go on (503 the server stops).
+    Closing the connection (Ctrl-C: KeyboardInterrupt leaves this) stops the server's check between two cases."""
+    request = KernelCheckRequest(ops=ops or None, stream=True)
+    # a case may run for minutes under Triton's interpreter before its next event: no read timeout
+    with httpx.stream("POST", url.rstrip("/") + KERNEL_CHECK_ROUTE, json=body(request), headers=auth_headers(api_key),
+                      timeout=httpx.Timeout(30, read=None)) as response:
+        if response.status_code != 200 or not response.headers.get("content-type", "").startswith("text/event-stream"):
+            response.read()  # a refusal, or a server that answers in one reply
+            return reply_or_raise(response, KernelCheckReply)
+        for data in iter_sse_data(response):
+            if "error" in data:
+                error = ErrorBody.model_validate(data).error
+                raise ErrorReply(error.code or 500, error.message)
+            if data.get("type") == "kernel_check_progress":
+                if on_progress is not None:
+                    on_progress(KernelCheckProgress.model_validate(data))
+                continue
+            return KernelCheckReply.model_validate(data)
+    raise ErrorReply(502, f"{url} ended the check's stream before its reply: did the server stop? Its log says why")
 
 
 def reload_request(modules: list[str] | None = None, mode: str = "wait", timeout_s: float | None = None,

@@ -190,8 +190,24 @@ class ReloadReply(_Message):
 
 
 class KernelCheckRequest(_Message):
-    """Check these ops (all declared ones when None) against their references at the serving shapes, now."""
+    """Check these ops (all declared ones when None) against their references at the serving shapes, now. The server
+    runs one (op, shape) case at a time on its engine thread, between steps and never beside a request, and stops
+    between cases once the client has gone away: a check cannot hold serving, nor outlive its `tsdev check`."""
     ops: list[Text] | None = Field(None, min_length=1)  # an empty list would check nothing: refused
+    # Server-sent events instead of one JSON reply: a KernelCheckProgress before each case (and while the check waits
+    # for requests), then the KernelCheckReply, or an ErrorBody if the check could not go on. What `tsdev check` asks
+    # for: it shows the progress, and its Ctrl-C closes the stream, which stops the check.
+    stream: bool = False
+
+
+class KernelCheckProgress(_Message):
+    """Where a running check is: one of its events (stream), and /load's and /health's `kernel_check` meanwhile."""
+    type: Literal["kernel_check_progress"] = "kernel_check_progress"
+    done: int  # cases finished
+    total: int  # cases in all (one per op and serving shape)
+    op: str | None = None  # the case running now (None: between cases)
+    shape: list[int] = []
+    waiting_for: int = 0  # requests the check gives way to: the next case starts once none is running or waiting
 
 
 class KernelCheckReply(_Message):

@@ -101,10 +101,13 @@ class AsyncEngine:
         if self._stopping.is_set():
             raise ShuttingDown("the server is stopping: the call was not run")
         call, stopping = self._on_engine_thread(fn, *args), asyncio.ensure_future(self._stopping.wait())
-        await asyncio.wait({call, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        stopping.cancel()
+        try:
+            await asyncio.wait({call, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when the caller is cancelled (a `tsdev check` whose client went away): the call goes on
+            stopping.cancel()
+            if not call.done():
+                call.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved: no log noise
         if not call.done():
-            call.add_done_callback(lambda done: done.cancelled() or done.exception())  # retrieved: no log noise
             raise ShuttingDown("the server is stopping: the call in progress was left unfinished")
         return call.result()
 

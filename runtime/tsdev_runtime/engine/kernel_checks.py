@@ -10,6 +10,7 @@ Times on CUDA only: Triton's interpreter, which runs the checks on the CPU, says
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -118,29 +119,36 @@ class KernelChecker:
                 result.us_before, result.timed, result.before_fresh = old[1], old[2], key in self.timed_now
         return results
 
-    def check_now(self, ops: list[str] | None, serving: checks.Serving, idle: bool) -> list[checks.Result]:
-        """The named ops (all when None) at the serving shapes, timed if idle on CUDA (`tsdev check`); ValueError
-        for a name no op family declares."""
+    def cases(self, ops: list[str] | None, serving: checks.Serving) -> list[tuple[str, tuple[int, ...]]]:
+        """The (op, shape) cases of `tsdev check` for the named ops (all when None), at the serving shapes, in the
+        order they run; ValueError for a name no op family declares. Names, not checks: each case looks its op up
+        again when it runs (`check_one`), so a reload between two cases is checked as the code that serves."""
         declared = checks.declared()
         unknown = sorted(set(ops or ()) - {c.op for c in declared})
         if unknown:
             raise ValueError(f"no kernel check declares {', '.join(unknown)}: the ops are "
                              f"{', '.join(c.op for c in declared)}")
-        items = [(check, tuple(shape)) for check in declared
-                 if (ops is None or check.op in ops) and serving.dtype in check.tolerance
-                 for shape in check.shapes(serving)]
-        results = checks.run_all(items, serving.dtype, serving.device) if checks.runnable(serving.device) else []
-        if idle and serving.device.startswith("cuda"):
-            by_op = {c.op: c for c in declared}
-            now = checks.fingerprints(declared)
-            for result in results:
-                if not result.error:
-                    result.us, result.timed = checks.time_call(by_op[result.op], result.shape, serving.dtype,
-                                                               serving.device)
-                    key = (result.op, result.shape, serving.dtype)  # the next reload's 'before', fresh
-                    self.times[key] = (now[result.op], result.us, result.timed)
-                    self.timed_idle.add(key)
-        return results
+        if not checks.runnable(serving.device):
+            return []
+        return [(check.op, tuple(shape)) for check in declared
+                if (ops is None or check.op in ops) and serving.dtype in check.tolerance
+                for shape in check.shapes(serving)]
+
+    def check_one(self, op: str, shape: tuple[int, ...], serving: checks.Serving, idle: bool) -> checks.Result:
+        """One case of `tsdev check` (on the engine thread: one call per case, so that steps run between cases),
+        timed if `idle` on CUDA; the time is kept as the next reload's 'before', fresh."""
+        declared = checks.declared()
+        check = next((c for c in declared if c.op == op), None)
+        if check is None:  # a reload between two cases removed it
+            return checks.Result(op, shape, str(serving.dtype).removeprefix("torch."), math.inf, math.inf, 0.0, 0.0,
+                                 False, 0, error="no longer declared: a reload during the check removed it")
+        result = checks.run_all([(check, shape)], serving.dtype, serving.device)[0]
+        if idle and serving.device.startswith("cuda") and not result.error:
+            result.us, result.timed = checks.time_call(check, shape, serving.dtype, serving.device)
+            key = (op, shape, serving.dtype)
+            self.times[key] = (checks.fingerprints([check])[op], result.us, result.timed)
+            self.timed_idle.add(key)
+        return result
 
     def time_new(self, results: list[checks.Result], serving: checks.Serving, idle: bool) -> None:
         """Time the new code of the checked ops (after serving resumed, if idle), and keep it as their next

@@ -13,12 +13,13 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 from tsdev_kernels import checks
-from tsdev_runtime.control_protocol import (STEPS, KernelCheckReply, KernelCheckRequest, ReloadFinished, ReloadReply,
-                                      ReloadRequest, ReloadStarted, ReloadStep, WorkerReport)
+from tsdev_runtime.control_protocol import (STEPS, KernelCheckProgress, KernelCheckReply, KernelCheckRequest,
+                                            ReloadFinished, ReloadReply, ReloadRequest, ReloadStarted, ReloadStep,
+                                            WorkerReport)
 from tsdev_runtime.engine.compiles import COMPILES
 from tsdev_runtime.engine.async_engine import AsyncEngine
 from tsdev_runtime.engine.errors import describe_error, stop_server
@@ -30,6 +31,8 @@ from tsdev_runtime.engine.steps import Step, Steps
 REMEMBERED_IDS = 256
 IDLE_BEFORE_TIMING_S = 0.3  # how long the engine must have been idle before time_when_idle takes a call
 IDLE_TIMING_GAP_S = 0.02  # between two of time_when_idle's calls: a request that arrives waits for one call at most
+CHECK_WAIT_REPORT_S = 1.0  # a check waiting for requests says so this often (the plain reply's route looks for its
+#                            client between two items; a stream's client sees it is alive)
 JIT, DRAIN, FLUSH, RELOAD, WARM, RECAPTURE = STEPS
 log = logging.getLogger("tsdev_runtime.server")  # `tsdev serve` prints its info lines on stderr
 
@@ -89,6 +92,10 @@ class StepTimeout(Exception):
     pass
 
 
+class CheckRunning(Exception):
+    """A `tsdev check` runs already: one at a time (the HTTP layer answers 409)."""
+
+
 class ReloadForward:
     def __init__(self, async_engine: AsyncEngine, reloader: ForwardReloader, rank: int = 0):
         ranks = async_engine.engine.ranks  # tensor parallelism: every rank reloads the bytes rank 0 read
@@ -103,6 +110,7 @@ class ReloadForward:
         self.outcomes: OrderedDict[str, asyncio.Future[ReloadReply]] = OrderedDict()
         self.cancel_epoch = 0
         self.count = 0
+        self.checking: KernelCheckProgress | None = None  # the `tsdev check` under way, where it is
 
     async def __call__(self, request: ReloadRequest) -> ReloadReply:
         """Reload once per id: the same id again returns the first outcome (waiting for it if needed)."""
@@ -131,18 +139,76 @@ class ReloadForward:
         outcome.set_result(reply)
         return reply
 
-    async def check_kernels(self, request: KernelCheckRequest) -> KernelCheckReply:
-        """The declared ops' checks now (`tsdev check`), between steps; ValueError for an unknown op."""
-        ae, start = self.async_engine, time.perf_counter()
+    async def kernel_check_cases(self, request: KernelCheckRequest) -> list[tuple[str, tuple[int, ...]]]:
+        """The cases `tsdev check` asks for (`check_kernels` runs them); ValueError for an unknown op or where the
+        checks cannot run, CheckRunning while another check runs."""
+        ae = self.async_engine
         if self.checks_off:
             raise ValueError(self.checks_off)
+        self._one_check_at_a_time()
         serving = serving_of(ae.engine)
-        async with ae.control_lock:
-            with COMPILES.expected():  # a shape serving has not compiled may compile for the check: not a request's
-                results = await ae.run_on_engine_thread(
-                    lambda: self.checker.check_now(request.ops, serving, idle=self._idle()))
-        return KernelCheckReply(ok=all(r.ok for r in results), checks=reported_checks(results),
-                                ops=[c.op for c in checks.declared()], seconds=time.perf_counter() - start)
+        async with ae.control_lock:  # the op modules as no reload is changing them
+            return await ae.run_on_engine_thread(lambda: self.checker.cases(request.ops, serving))
+
+    async def check_kernels(self, cases: list[tuple[str, tuple[int, ...]]]
+                            ) -> AsyncIterator[KernelCheckProgress | KernelCheckReply]:
+        """Run `cases` (`tsdev check`): a KernelCheckProgress before each, then the KernelCheckReply.
+
+        Why one engine-thread call per case, only when no request runs: a whole check is minutes under Triton's
+        interpreter, and as one call it held the engine thread that long, every completion waiting behind it. Now a
+        request waits for one case at most, and the next case starts only once no request has run for
+        IDLE_BEFORE_TIMING_S (a benchmark's requests in a row are never joined; meanwhile a progress item says how
+        many the check waits for, every CHECK_WAIT_REPORT_S). Why a generator: the caller stops the check between
+        two cases by closing it (the client went away), and `self.checking` tells /load and /health that one runs.
+        The control lock is held per case, not for the whole check: a reload goes in between two cases, and the
+        cases after it check the code that serves."""
+        ae = self.async_engine
+        self._one_check_at_a_time()
+        serving, start, results = serving_of(ae.engine), time.perf_counter(), []
+        self.checking = KernelCheckProgress(done=0, total=len(cases))
+        try:
+            for op, shape in cases:
+                told = None  # (requests waited for, when said)
+                while (waiting := self._check_waits_for()) is not None:
+                    now = time.monotonic()
+                    if waiting and (told is None or told[0] != waiting or now - told[1] >= CHECK_WAIT_REPORT_S):
+                        told = (waiting, now)
+                        self.checking = KernelCheckProgress(done=len(results), total=len(cases), waiting_for=waiting)
+                        yield self.checking
+                    await asyncio.sleep(IDLE_TIMING_GAP_S)
+                self.checking = KernelCheckProgress(done=len(results), total=len(cases), op=op, shape=list(shape))
+                yield self.checking
+                async with ae.control_lock:
+                    results.append(await ae.run_on_engine_thread(self._check_case, op, shape, serving))
+        except (GeneratorExit, asyncio.CancelledError):  # closed between cases, or cancelled during one
+            log.info("kernel check stopped after %d of %d case(s): its client went away", len(results), len(cases))
+            raise
+        finally:
+            self.checking = None
+        yield KernelCheckReply(ok=all(r.ok for r in results), checks=reported_checks(results),
+                               ops=[c.op for c in checks.declared()], seconds=time.perf_counter() - start)
+
+    def _one_check_at_a_time(self) -> None:
+        if (running := self.checking) is not None:
+            raise CheckRunning(f"a kernel check is running ({running.done} of {running.total} case(s) done): wait for "
+                               "it to finish, or stop it (Ctrl-C on its `tsdev check`) and check again")
+
+    def _check_waits_for(self) -> int | None:
+        """None when the next case may start; else the requests it gives way to (0: none since the last step,
+        IDLE_BEFORE_TIMING_S ago at most). A paused or held engine serves none: nothing to wait for."""
+        ae = self.async_engine
+        if ae.state.phase != "serving":
+            return None
+        stats = ae.engine.stats()
+        if (waiting := stats.running + stats.waiting) or not self._idle():
+            return max(waiting, 1)
+        return 0 if time.monotonic() - ae.last_step_at < IDLE_BEFORE_TIMING_S else None
+
+    def _check_case(self, op: str, shape: tuple[int, ...], serving: checks.Serving) -> checks.Result:
+        """One case, on the engine thread (a shape serving has not compiled may compile for the check: expected, not
+        a request's)."""
+        with COMPILES.expected():
+            return self.checker.check_one(op, shape, serving, idle=self._idle())
 
     async def time_when_idle(self) -> None:
         """Time every declared op's current code at the serving shapes, one call at a time (~0.1 s of the engine's

@@ -37,7 +37,7 @@ from tsdev_runtime.server.deps import ServedModel, ServerDeps
 from tsdev_runtime.server.errors import install_error_handlers
 from tsdev_runtime.server.metrics import RequestMetrics
 from tsdev_runtime.server.openai import openai_router
-from tsdev_runtime.server.relay import Relayed
+from tsdev_runtime.server.relay import Relayed, head_unless_gone
 from tsdev_runtime.server.security import Guard, SecurityPolicy
 
 RELAYED_HEADERS = ("authorization", "content-type", "accept", "last-event-id")
@@ -138,14 +138,15 @@ def relay_to(engine_socket: str, gone: Callable[[], None]):
 
     async def relay(request: Request, path: str):
         headers = {k: v for k, v in request.headers.items() if k.lower() in RELAYED_HEADERS}
+        content = await request.body()
         try:
-            upstream = await client.send(client.build_request(
-                request.method, "/" + path, content=await request.body(), headers=headers,
-                params=request.query_params), stream=True)
+            upstream = await head_unless_gone(request, client.send(client.build_request(
+                request.method, "/" + path, content=content, headers=headers, params=request.query_params),
+                stream=True))
         except httpx.TransportError:
             gone()
             raise
-        return Relayed(upstream)
+        return Relayed(upstream) if isinstance(upstream, httpx.Response) else upstream
 
     return client, relay
 

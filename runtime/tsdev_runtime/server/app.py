@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 
@@ -16,7 +17,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from tsdev_runtime.config import ServerConfig
-from tsdev_runtime.control_protocol import SERVER_INFO_ROUTE, ServerInfo
+from tsdev_runtime.control_protocol import SERVER_INFO_ROUTE, KernelCheckProgress, ServerInfo
 from tsdev_runtime.engine.async_engine import AsyncEngine
 from tsdev_runtime.engine.channel import EngineSide
 from tsdev_runtime.engine.errors import stop_server
@@ -97,19 +98,26 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReload
     app.include_router(weights_router(async_engine, security))
     install_error_handlers(app)
     registries = (metrics.registry,) if request_metrics is None else (metrics.registry, request_metrics.registry)
-    app.include_router(info_router(engine, served_model_name, registries, reloads=reloader is not None))
+    app.include_router(info_router(engine, served_model_name, registries, reloads=reloader is not None,
+                                   checking=lambda: None if reload_forward is None else reload_forward.checking))
     if deps is not None:
         app.include_router(openai_router(deps))
     return app
 
 
-def info_router(engine: LLMEngine, name: str, registries: tuple[CollectorRegistry, ...], reloads: bool) -> APIRouter:
-    """What the server is: health, the served model, its version and state, Prometheus metrics."""
+def info_router(engine: LLMEngine, name: str, registries: tuple[CollectorRegistry, ...], reloads: bool,
+                checking: Callable[[], KernelCheckProgress | None] = lambda: None) -> APIRouter:
+    """What the server is: health, the served model, its version and state, Prometheus metrics. `checking`: the
+    `tsdev check` under way, if any, which /health and /load name (`kernel_check`): the engine is busy with it
+    between requests."""
     router, created = APIRouter(), int(time.time())
+
+    def busy() -> dict:
+        return {} if (check := checking()) is None else {"kernel_check": check.dump()}
 
     @router.get("/health")
     async def health():
-        return {"status": "ok"}
+        return {"status": "ok", **busy()}
 
     @router.get("/ping")
     @router.post("/ping")
@@ -117,9 +125,9 @@ def info_router(engine: LLMEngine, name: str, registries: tuple[CollectorRegistr
         return Response(status_code=200)
 
     @router.get("/load")
-    async def load():  # vLLM's: the requests the server holds now (running and waiting)
-        stats = engine.stats()
-        return {"server_load": stats.running + stats.waiting}
+    async def load():  # vLLM's: the requests the server holds now (running and waiting), and a check as one more
+        stats, check = engine.stats(), busy()
+        return {"server_load": stats.running + stats.waiting + len(check), **check}
 
     @router.get("/v1/models")
     async def models():

@@ -3,12 +3,16 @@ update_weights / weights_checksum, and the events stream (SSE).
 
 Bodies, replies and events are tsdev_runtime.control_protocol's models, which the clients parse too.
 """
+import logging
 import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
 
 from tsdev_runtime.control_protocol import (CONTINUE_ROUTE, EVENTS_ROUTE, FLUSH_ROUTE, IS_SLEEPING_ROUTE,
-                                      KERNEL_CHECK_ROUTE, KernelCheckRequest, MODULES_ROUTE,
+                                      KERNEL_CHECK_ROUTE, ErrorBody, ErrorDetail, KernelCheckRequest, MODULES_ROUTE,
                                       PAUSE_ROUTE, RELOAD_ROUTE, RELOAD_WEIGHTS_ROUTE, SLEEP_ROUTE, START_PROFILE_ROUTE,
                                       STOP_PROFILE_ROUTE, UPDATE_WEIGHTS_FROM_DISK_ROUTE, UPDATE_WEIGHTS_ROUTE,
                                       WAKE_UP_ROUTE, WEIGHTS_CHECKSUM_ROUTE, UpdateWeightsRequest, WeightsChecksumReply,
@@ -18,17 +22,36 @@ from tsdev_runtime.control_protocol import (CONTINUE_ROUTE, EVENTS_ROUTE, FLUSH_
                                       SleepStatus, WakeUpReply, WakeUpRequest)
 from tsdev_runtime.engine import operations
 from tsdev_runtime.engine.async_engine import AsyncEngine
+from tsdev_runtime.engine.errors import Unavailable
 from tsdev_runtime.engine.llm_engine import CheckpointRefused, WeightsAsleep
 from tsdev_runtime.engine.profiler import RangeOpen
 from tsdev_runtime.engine.sleep import overall_digest
-from tsdev_runtime.engine.reload_forward import ReloadForward
+from tsdev_runtime.engine.reload_forward import CheckRunning, ReloadForward
 from tsdev_runtime.server.errors import APIError
 from tsdev_runtime.server.security import PathNotAllowed, SecurityPolicy
 from tsdev_runtime.server.sse import sse_response
 
+log = logging.getLogger("tsdev_runtime.server")
 RELOAD_DISABLED = ("reload_forward is disabled on this server: start it with `tsdev serve --allow-reload-forward` "
                    "(for development: it runs code from disk), or use `tsdev watch`, which does")
 RELOADS_ROUTES = (RELOAD_ROUTE, KERNEL_CHECK_ROUTE, MODULES_ROUTE)  # what --allow-reload-forward enables
+
+
+async def _said(run: AsyncIterator) -> AsyncIterator:
+    """A check's items as events, a failure as the last one (an ErrorBody: the 200 went out before it)."""
+    try:
+        async for item in run:
+            yield item
+    except CheckRunning as exc:  # another check began between this one's cases and its start
+        yield ErrorBody(error=ErrorDetail(message=str(exc), code=409))
+    except Unavailable as exc:  # the server is stopping
+        yield ErrorBody(error=ErrorDetail(message=str(exc), type="server_error", code=503))
+    except Exception as exc:
+        log.exception("the kernel check failed")
+        yield ErrorBody(error=ErrorDetail(message=f"internal error: {type(exc).__name__}: {exc} (see the server "
+                                                  "log)", type="server_error", code=500))
+    finally:
+        await run.aclose()
 
 
 def disabled_routes(reloads: bool) -> dict[str, str]:
@@ -51,12 +74,29 @@ def control_router(ae: AsyncEngine, reload_forward: ReloadForward | None) -> API
         return (await reloads()(body)).dump()
 
     @router.post(KERNEL_CHECK_ROUTE)
-    async def kernel_check(body: KernelCheckRequest | None = None):
-        """The declared kernels against their references at the serving shapes (`tsdev check`)."""
+    async def kernel_check(request: Request, body: KernelCheckRequest | None = None):
+        """The declared kernels against their references at the serving shapes (`tsdev check`), one case at a time
+        between requests (ReloadForward.check_kernels). The client going away stops the check between two cases:
+        a stream's end cancels it; the plain reply's route, which nothing cancels, looks for its client between
+        two progress items."""
+        body = body or KernelCheckRequest()
         try:
-            return (await reloads().check_kernels(body or KernelCheckRequest())).dump()
+            cases = await reloads().kernel_check_cases(body)
         except ValueError as exc:
             raise APIError(400, str(exc), "ops") from None
+        except CheckRunning as exc:
+            raise APIError(409, str(exc), None, "invalid_request_error") from None
+        run = reloads().check_kernels(cases)
+        if body.stream:
+            return sse_response(_said(run))
+        try:
+            async with aclosing(run):
+                async for item in run:
+                    if await request.is_disconnected():
+                        return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
+        except CheckRunning as exc:  # another check began between this one's cases and its start
+            raise APIError(409, str(exc), None, "invalid_request_error") from None
+        return item.dump()
 
     @router.get(MODULES_ROUTE)
     async def reloadable_modules():

@@ -1,7 +1,11 @@
 """A reply of another server relayed as it comes: the data-parallel front's (a replica's) and the API process's (the
 engine process's control routes)."""
+import asyncio
+from collections.abc import Awaitable
+
 import httpx
-from fastapi.responses import StreamingResponse
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
 
 
 class Relayed(StreamingResponse):
@@ -21,3 +25,28 @@ class Relayed(StreamingResponse):
             await self.upstream.aclose()
             if self.done is not None:
                 self.done()
+
+
+async def head_unless_gone(request: Request, sending: Awaitable[httpx.Response]) -> httpx.Response | Response:
+    """The upstream reply's head, or (a 499 nobody reads) the client's going away first: the upstream request is then
+    cancelled, which closes its connection, so the upstream route sees its client gone too. Why: a plain (not
+    streamed) reply's head comes only at its end, and meanwhile nothing else would pass the going away on (a
+    `tsdev check` answered in one reply runs minutes under Triton's interpreter; the engine process stops it when its
+    client goes). Call it once the request's body was read: what `receive` says next is the client's going away."""
+    sending = asyncio.ensure_future(sending)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({sending, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not sending.done():
+            sending.cancel()
+    if not sending.done() or sending.cancelled():
+        await asyncio.wait({sending})  # its cancellation closes the upstream connection
+        return Response(status_code=499)  # nginx's "client closed request"
+    return sending.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
