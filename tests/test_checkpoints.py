@@ -124,5 +124,5 @@ def test_broken_checkpoints_fail_with_a_clear_message(tiny_model_dir, tmp_path, 
 
 
 def test_missing_model_directory_is_named(tmp_path):
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(FileNotFoundError, match="nope is neither a directory nor a model embedded in tsdev"):
         LLMEngine(EngineConfig(model=str(tmp_path / "nope")))

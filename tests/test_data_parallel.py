@@ -8,7 +8,7 @@ import httpx
 from tsdev_runtime.control_protocol import ReloadReply, WorkerReport
 from serve_process import copy_project, serve
 from test_reload_forward import ACTIVATION, SILU_LINE, complete, edited, new_id, reload
-from tsdev.data_parallel import build_front, merge_metrics, merge_reloads, replica_args
+from tsdev.data_parallel import build_front, merge_metrics, merge_reloads, replica_args, replica_log
 
 pytestmark = pytest.mark.slow  # spawns servers or rank processes (pytest -m 'not slow': the quick loop)
 
@@ -34,10 +34,20 @@ def test_metrics_of_the_replicas_are_labelled_by_replica():
 
 
 def test_two_replicas_share_concurrent_requests_and_a_reload_reaches_both(tiny_model_dir, tmp_path):
+    """And the front's output is the front's: `starting tsdev serve` once, one `listening on` line (the front's
+    address, which a script waits for) after the replicas' addresses; each replica's output is in its own log."""
     project = copy_project(tmp_path / "project")
     args = [str(tiny_model_dir), "--device", "cpu", "--max-model-len", "1024", "--cudagraph-capture-sizes", "1",
             "--allow-reload-forward", "--dp", "2"]
     with serve(args, tmp_path / "dp.log", cwd=project, timeout=180) as url:
+        front = (tmp_path / "dp.log").read_text().splitlines()
+        listening = [i for i, line in enumerate(front) if "listening on" in line]
+        assert len(listening) == 1 and front[listening[0]].startswith(f"listening on {url} "), front
+        assert sum(line.startswith("starting tsdev serve") for line in front) == 1, front
+        assert front[listening[0] - 1].startswith("2 replicas at "), front
+        port = int(url.rsplit(":", 1)[1])
+        for replica in range(2):
+            assert "listening on http://127.0.0.1:" in replica_log(port, replica).read_text()
         expected = complete(url)["text"]
         results = []
         threads = [threading.Thread(target=lambda: results.append(complete(url, max_tokens=64)["text"]))

@@ -5,10 +5,11 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from typer.core import TyperCommand, TyperGroup
+from typer.core import TyperGroup
 
-from tsdev_runtime.config import (API_KEY_ENV_VARS, KERNEL_CHECK_MODES, KV_CACHE_DTYPES, LOAD_FORMATS, QUANTIZATIONS,
-                                  EngineConfig, ServerConfig, parse_size)  # no torch: serve's defaults are the configs'
+from tsdev_runtime.config import (API_KEY_ENV_VARS, KERNEL_CHECK_MODES, EngineConfig, ServerConfig,
+                                  parse_size)  # no torch: serve's defaults are the configs'
+from tsdev.cli_help import Context, Typer
 
 LIST_FLAGS = ("--cudagraph-capture-sizes", "--prefill-graph-capture-sizes")
 # Every reload recaptures every prefill bucket: the ladder (40 buckets up to 2048 tokens) takes 1.2-1.7 s of
@@ -42,46 +43,17 @@ def join_list_flags(argv: list[str]) -> list[str]:
     return out
 
 
-_NO_BREAK = "\u2011"  # a non-breaking hyphen while wrapping: `--max-batched-tokens` stays on one line
-
-
-class _HelpFormatter(TyperCommand.context_class.formatter_class):
-    """click's plain help formatter, except that it never breaks a line inside a hyphenated word."""
-
-    def write_text(self, text: str) -> None:
-        super().write_text(text.replace("-", _NO_BREAK))
-
-    def write_dl(self, rows, *args, **kwargs) -> None:
-        super().write_dl([(term, help.replace("-", _NO_BREAK)) for term, help in rows], *args, **kwargs)
-
-    def getvalue(self) -> str:
-        return super().getvalue().replace(_NO_BREAK, "-")
-
-
-class _Context(TyperCommand.context_class):
-    formatter_class = _HelpFormatter
-
-
-class _Command(TyperCommand):
-    context_class = _Context
-
-
 class _Group(TyperGroup):
-    context_class = _Context
+    context_class = Context
 
     def main(self, args=None, *rest, **kwargs):
         """Every way in (the `tsdev` script, `python -m tsdev`, typer's CliRunner) reads list flags alike."""
         return super().main(join_list_flags(list(sys.argv[1:] if args is None else args)), *rest, **kwargs)
 
 
-class _Typer(typer.Typer):
-    def command(self, *args, cls=None, **kwargs):
-        return super().command(*args, cls=cls or _Command, **kwargs)
-
-
 # Plain help (click's formatter, not rich's tables): it never truncates an option name, whatever the terminal
 # width, and prints brackets as written. Up to 120 columns on a wide terminal.
-app = _Typer(
+app = Typer(
     help="Edit a Triton kernel or a layer, save, and see the effect on a running LLM server in about a second.",
     no_args_is_help=True,
     rich_markup_mode=None,
@@ -124,12 +96,13 @@ def _default_device() -> str:
 
 @app.command(short_help="Serve a model over an OpenAI-compatible HTTP API.")
 def serve(
+    ctx: typer.Context,
     model: Annotated[Optional[str], typer.Argument(
         help="A Hugging Face checkpoint directory (Llama, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V2/V3), or a hub id "
-             "(ORG/NAME) found in the local Hugging Face cache (never downloaded). Omit it to serve the embedded "
-             "default model; default-moe serves the embedded mixture of experts (Qwen3-MoE), default-fp8 and "
-             "default-moe-fp8 those stored as block-quantized FP8, default-mla a DeepSeek-V3-kind model (multi-head "
-             "latent attention).")] = None,
+             "(ORG/NAME) found in the local Hugging Face cache (never downloaded). Omit it (or give default) to serve "
+             "the embedded default model; default-moe serves the embedded mixture of experts (Qwen3-MoE), default-fp8 "
+             "and default-moe-fp8 those stored as block-quantized FP8, default-mla a DeepSeek-V3-kind model "
+             "(multi-head latent attention).")] = None,
     model_opt: Annotated[Optional[str], typer.Option("--model", help="Same as the MODEL argument.")] = None,
     revision: Annotated[Optional[str], typer.Option(
         help="The cached revision of a hub id: a branch or tag (refs/ in the cache) or a "
@@ -203,7 +176,7 @@ def serve(
     prefill_graph_max_tokens: Annotated[int, typer.Option(
         help="Largest token count of a prefill (or mixed prefill + decode) step replayed from a breakable CUDA graph "
              "(attention runs eagerly between graph pieces); clamped to --max-batched-tokens. Buckets step from 16 by "
-             "about 1/8 of their size. 0 turns prefill graphs off.", min=0)] = EngineConfig.prefill_graph_max_tokens,
+             "about 1/8 of their size. 0 turns prefill graphs off.")] = EngineConfig.prefill_graph_max_tokens,
     disable_prefill_graph: Annotated[bool, typer.Option(
         "--disable-prefill-graph", help="Run prefill and mixed steps eagerly (decode graphs stay on).")] = False,
     prefill_graph_capture_sizes: Annotated[Optional[str], typer.Option(
@@ -238,7 +211,7 @@ def serve(
              "TRITON_INTERPRET=1 (strict is refused elsewhere; report says they are off). `tsdev reload "
              "--kernel-check` picks one for one reload. Default: report.")] = None,
     compile_workers: Annotated[Optional[int], typer.Option(
-        min=0, metavar="N", show_default=False,
+        metavar="N", show_default=False,
         help="With --allow-reload-forward on a GPU: N processes that compile an edit's Triton kernels side by side "
              "while the old code serves, started with the server (Triton imported, the compiler warmed up). "
              "Default: half the CPU cores, at most 8 (a never-seen edit served in 0.83 s instead of 2.69 s on the "
@@ -267,35 +240,40 @@ def serve(
              "(docs/architecture.md). --no-api-process: one process does both (the host's Python then paces the "
              "steps at large batches).")] = ServerConfig.api_process,
     tp: Annotated[int, typer.Option(
-        "--tp", "--tensor-parallel-size", min=1, help="Tensor-parallel ranks: the heads, the MLP and the vocabulary "
-        "split over N GPUs (CPU: N processes over gloo), one process each, started by this command (or by torchrun: "
-        "docs/parallel.md). Weight checksums (and tsdev weights verify) need "
-        "--tp 1 for now.")] = EngineConfig.world_size,
+        "--tp", "--tensor-parallel-size", metavar="N",
+        help="Tensor-parallel ranks: the heads, the MLP and the vocabulary split over N GPUs (CPU: N processes over "
+             "gloo), one process each, started by this command (or by torchrun: docs/parallel.md). Weight checksums "
+             "(and tsdev weights verify) need --tp 1 for now.")] = EngineConfig.world_size,
     dp: Annotated[int, typer.Option(
-        "--dp", "--data-parallel-size", min=1, help="Engine replicas (each with --tp ranks of its own, on its own "
-        "GPUs) behind one HTTP front: completions go to the least busy replica; reloads, weight loads and other "
-        "control calls reach every replica (docs/parallel.md).")] = 1,
+        "--dp", "--data-parallel-size", metavar="N",
+        help="Engine replicas (each with --tp ranks of its own, on its own GPUs) behind one HTTP front: completions "
+             "go to the least busy replica; reloads, weight loads and other control calls reach every replica "
+             "(docs/parallel.md).")] = 1,
     rank_timeout: Annotated[float, typer.Option(
-        metavar="SECONDS", min=1, help="With --tp: how long rank 0 waits for another rank's outcome of a call "
+        metavar="SECONDS", help="With --tp: how long rank 0 waits for another rank's outcome of a call "
         "(warm-up, graph capture, a reload) before it takes that rank for wedged and stops the server (status 70; "
         "tsdev watch restarts it).")] = EngineConfig.rank_timeout_s,
     max_request_body_bytes: Annotated[int, typer.Option(
         metavar="BYTES", help="Largest request body accepted (4 MiB by default); a larger one is answered 413 "
-                              "before it is parsed.", min=1)] = ServerConfig.max_request_body_bytes,
+                              "before it is parsed.")] = ServerConfig.max_request_body_bytes,
 ):
     """Serve a Llama, Qwen2, Qwen3, Qwen3-MoE or DeepSeek-V2/V3 model (bf16, or stored as block FP8) over an
     OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
     from rich.console import Console
+    from rich.markup import escape
+
+    from tsdev.serve_flags import problem
 
     console = Console(stderr=True, soft_wrap=True)
+    if why := problem(ctx.command, ctx.params):  # before anything imports, binds or loads
+        console.print(f"[red]error:[/red] {escape(why)}", highlight=False)
+        raise typer.Exit(2)
     console.print(f"starting tsdev serve: {model or model_opt or 'the embedded default model'}"
                   f"{f' on {device}' if device else ''} (torch imports first; a first start on a machine compiles its "
                   "kernels, saying which as it goes)", highlight=False, markup=False)
 
     from tsdev.serving import run_server  # what serving does: bind, load, serve, stop (it imports torch)
 
-    if model and model_opt and model != model_opt:
-        raise typer.BadParameter(f"MODEL {model!r} and --model {model_opt!r} disagree: give one")
     if device and device.startswith("cuda"):
         import torch
 
@@ -303,38 +281,23 @@ def serve(
             console.print(f"[red]error:[/red] --device {device}, but this torch ({torch.__version__}) sees no CUDA "
                           "GPU: use --device cpu, or install a CUDA build of torch on a machine with a GPU")
             raise typer.Exit(2)
-    if load_format not in LOAD_FORMATS:
-        raise typer.BadParameter(f"use one of {', '.join(LOAD_FORMATS)}", param_hint="--load-format")
-    if quantization is not None and quantization not in QUANTIZATIONS:
-        raise typer.BadParameter(f"use one of {', '.join(QUANTIZATIONS)}", param_hint="--quantization")
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise typer.BadParameter(f"use one of {', '.join(KV_CACHE_DTYPES)}", param_hint="--kv-cache-dtype")
-    try:
-        load_memory_bytes = parse_size(load_memory_limit)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--load-memory-limit") from None
-    from tsdev_runtime.weights.default_model import DEFAULT_NAMES
+    from tsdev_runtime.weights.default_model import DEFAULT_NAMES, EMBEDDED_NAMES
     from tsdev_runtime.weights.hub import is_hub_id, resolve_model
 
     name = model or model_opt
     try:
-        checkpoint = name if name in DEFAULT_NAMES else str(resolve_model(name, revision))
+        checkpoint = name if name in DEFAULT_NAMES else str(resolve_model(name, revision, EMBEDDED_NAMES))
         tokenizer_dir = None if tokenizer is None else str(resolve_model(tokenizer))
     except (FileNotFoundError, ValueError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
         raise typer.Exit(2)
-    if name is None and revision is not None:
-        raise typer.BadParameter("--revision needs a hub id (ORG/NAME) to apply to", param_hint="--revision")
-    if chat_template is not None and not chat_template.is_file():  # before the model loads, not after
-        raise typer.BadParameter(f"{chat_template}: no such file (give a jinja2 template file)",
-                                 param_hint="--chat-template")
     config = EngineConfig(
         model=checkpoint, tokenizer=tokenizer_dir, device=device or _default_device(), dtype=dtype,
         max_running=max_running,
         max_batched_tokens=max_batched_tokens, max_model_len=max_model_len, page_size=page_size, kv_pages=kv_pages,
         gpu_memory_utilization=gpu_memory_utilization, seed=seed, enable_prefix_caching=not no_prefix_caching,
         enforce_eager=enforce_eager, prefill_graph_max_tokens=0 if disable_prefill_graph else prefill_graph_max_tokens,
-        load_format=load_format, load_memory_limit=load_memory_bytes, quantization=quantization,
+        load_format=load_format, load_memory_limit=parse_size(load_memory_limit), quantization=quantization,
         kv_cache_dtype=kv_cache_dtype, world_size=tp,
         rank_timeout_s=rank_timeout, full_recapture=full_recapture,
         kernel_check=kernel_check or EngineConfig.kernel_check,
@@ -342,20 +305,13 @@ def serve(
     if cudagraph_capture_sizes:
         config.cudagraph_capture_sizes = parse_sizes("--cudagraph-capture-sizes", cudagraph_capture_sizes)
     config.prefill_graph_capture_sizes = prefill_capture_sizes(prefill_graph_capture_sizes, allow_reload_forward)
-    if kernel_check is not None and kernel_check not in KERNEL_CHECK_MODES:
-        raise typer.BadParameter(f"use one of {', '.join(KERNEL_CHECK_MODES)}", param_hint="--kernel-check")
-    if kernel_check is not None and not allow_reload_forward:
-        raise typer.BadParameter("kernel checks run on reloads: add --allow-reload-forward (tsdev watch does)",
-                                 param_hint="--kernel-check")
     if allow_reload_forward and config.kernel_check == "strict":
         from tsdev_runtime.engine.kernel_checks import why_off
 
         if why := why_off(config.device):
-            raise typer.BadParameter(f"strict cannot hold here: {why}; or use --kernel-check report",
-                                     param_hint="--kernel-check")
-    if compile_workers and not allow_reload_forward:
-        raise typer.BadParameter("compile workers serve reloads: add --allow-reload-forward (tsdev watch does)",
-                                 param_hint="--compile-workers")
+            console.print(f"[red]error:[/red] --kernel-check strict cannot hold here: {escape(why)}; use "
+                          "--kernel-check report", highlight=False)
+            raise typer.Exit(2)
     if cudagraph_capture_first:
         config.cudagraph_capture_first = parse_sizes("--cudagraph-capture-first", cudagraph_capture_first)
     if prefill_graph_capture_first:
@@ -708,18 +664,26 @@ def watch(
     After every reload: a golden completion (did the output change?) and a decode probe (ms/step).
 
     Keys: r reload all, R restart, b quick bench, p profile next reload, g new golden, k kernel checks (of the reload
-    selected in the history), c clear, q quit.
+    selected in the history), c clear, q or ctrl+c quit.
     See docs/watch.md.
     """
+    from tsdev.serve_flags import problem
     from tsdev.server_process import flag_value
     from tsdev.watch import WatchConfig, run, serve_flags, split_server_args
 
     try:
-        model, server_args = split_server_args(list(ctx.args),
-                                               serve_flags(typer.main.get_command(app).get_command(ctx, "serve")))
+        serve_command = typer.main.get_command(app).get_command(ctx, "serve")
+        model, server_args = split_server_args(list(ctx.args), serve_flags(serve_command))
         if attach and (model or server_args):
             raise ValueError("--attach watches a running server: MODEL and server flags are for the server tsdev "
                              "watch starts")
+        if not attach:  # the server's flags, refused here as `tsdev serve` would, before anything starts
+            try:
+                parsed = serve_command.make_context("serve", [*([model] if model else []), *server_args], parent=ctx)
+            except typer.TyperException as exc:  # (click's errors: a value of the wrong type, an unknown flag)
+                raise ValueError(exc.format_message()) from None
+            if why := problem(serve_command, parsed.params):
+                raise ValueError(why)
         config = WatchConfig(model=model, server_args=server_args, attach=attach, settle=settle_ms / 1000,
                              probe_batch=probe_batch, probe_steps=probe_steps, server_log=server_log,
                              profile_each_reload=profile_each_reload, api_key=api_key or None,

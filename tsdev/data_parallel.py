@@ -1,8 +1,8 @@
 """`tsdev serve --dp N`: N engine replicas behind one HTTP front.
 
 Each replica is a `tsdev serve` of its own (with `--tp M`, M ranks of its own) on a free loopback port, given
-GPUs [i*M, (i+1)*M) of the visible ones. The front binds the public address, applies the same security policy
-as a single server, and:
+GPUs [i*M, (i+1)*M) of the visible ones, its output in a log file of its own (`replica_log`). The front binds the
+public address, applies the same security policy as a single server, and:
 
 * sends each completion (and chat completion) to the replica with the fewest requests outstanding from the
   front (ties: the lowest index), relaying the reply (a stream chunk by chunk) as it comes;
@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
 import httpx
 import uvicorn
@@ -208,8 +210,9 @@ def run_front(server: ServerConfig, dp: int, tp: int, serve_args: Sequence[str],
     sock = claim_address(server, console)
     if sock is None:
         return 2
-    args = replica_args(serve_args)
-    replicas = [ServerProcess(args, api_key=server.api_key, env=replica_gpus(i, tp)) for i in range(dp)]
+    args, port = replica_args(serve_args), sock.getsockname()[1]
+    replicas = [ServerProcess(args, api_key=server.api_key, env=replica_gpus(i, tp), log_path=replica_log(port, i))
+                for i in range(dp)]
     with sock:
         try:
             with console.status(f"starting {dp} replicas..."):
@@ -228,10 +231,10 @@ def run_front(server: ServerConfig, dp: int, tp: int, serve_args: Sequence[str],
         app.add_middleware(BodyLimit, max_bytes=server.max_request_body_bytes)
         app.add_middleware(Guard, policy=SecurityPolicy.of(server))
         sock.listen(BACKLOG)
-        port = sock.getsockname()[1]
 
         def started() -> None:
-            console.print(f"{dp} replicas at {', '.join(r.url for r in replicas)}\n"
+            console.print(f"{dp} replicas at {', '.join(r.url for r in replicas)} (their output: "
+                          f"{', '.join(str(r.log_path) for r in replicas)})\n"
                           f"listening on [bold]http://{server.host}:{port}[/bold] (OpenAI API under /v1)")
 
         async def nothing_to_stop() -> None:
@@ -243,6 +246,13 @@ def run_front(server: ServerConfig, dp: int, tp: int, serve_args: Sequence[str],
         finally:
             _stop(replicas)
     return 0
+
+
+def replica_log(port: int, replica: int) -> Path:
+    """Where replica `replica` of the front on `port` writes its output: its banner, its spinner and its own
+    `listening on` line stay off the front's output, whose `listening on` line (the front's address) is the one a
+    script waits for, and the last."""
+    return Path(tempfile.gettempdir()) / f"tsdev-dp-{port}-replica-{replica}.log"
 
 
 async def _all_healthy(replicas: Sequence[ServerProcess]) -> None:

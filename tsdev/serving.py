@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -161,27 +162,35 @@ def describe_startup(before: float | None, imports: float, t: dict, compiles: in
 
 class StartupProgress(logging.Handler):
     """What the engine is doing while it starts (the runtime's `tsdev_runtime.startup` log: the default checkpoint
-    written, the model built, the weights loaded, warm-up, each kernel compiled, the captures): the spinner's text
-    on a terminal, else a line every PROGRESS_S seconds, so a first start on a fresh machine (tens of seconds of
-    compiles) never waits silently."""
+    written, the model built, the weights loaded, warm-up, each kernel compiled, the captures), and for how long: the
+    spinner's text on a terminal, its seconds counting, else a line every PROGRESS_S seconds, so a first start on a
+    fresh machine (tens of seconds of compiles) never waits silently."""
 
-    PROGRESS_S = 5.0
+    PROGRESS_S = 5.0  # off a terminal: a line this often
+    SPINNER_S = 1.0  # on a terminal: the spinner's seconds move on this often, a phase logging nothing meanwhile
 
-    def __init__(self, console: Console, status):
+    def __init__(self, console: Console, status, clock: Callable[[], float] = time.perf_counter):
         super().__init__(logging.INFO)
-        self.console, self.status, self.message = console, status, "starting"
-        self.start, self._done = time.perf_counter(), threading.Event()
-        self._ticker = None if console.is_terminal else threading.Thread(target=self._tick, daemon=True)
+        self.console, self.status, self.message, self.clock = console, status, "starting", clock
+        self.start, self._done = clock(), threading.Event()
+        self._ticker = threading.Thread(target=self._tick, daemon=True)
 
     def emit(self, record: logging.LogRecord) -> None:
         self.message = record.getMessage()
         if self.console.is_terminal:
-            self.status.update(f"{escape(self.message)} ({time.perf_counter() - self.start:.0f} s)")
+            self.show()
+
+    def show(self) -> None:
+        """The current phase and the seconds since the start: the spinner's text, or (off a terminal) a line."""
+        seconds = f"{self.clock() - self.start:.0f} s"
+        if self.console.is_terminal:
+            self.status.update(f"{escape(self.message)} ({seconds})")
+        else:
+            self.console.print(f"starting ({seconds}): {self.message}", markup=False, highlight=False, soft_wrap=True)
 
     def _tick(self) -> None:
-        while not self._done.wait(self.PROGRESS_S):
-            self.console.print(f"starting ({time.perf_counter() - self.start:.0f} s): {self.message}", markup=False,
-                               highlight=False, soft_wrap=True)
+        while not self._done.wait(self.SPINNER_S if self.console.is_terminal else self.PROGRESS_S):
+            self.show()
 
     def __enter__(self) -> "StartupProgress":
         logger = logging.getLogger("tsdev_runtime.startup")
@@ -189,12 +198,12 @@ class StartupProgress(logging.Handler):
         logger.addHandler(self)
         logger.setLevel(logging.INFO)
         logger.propagate = False
-        if self._ticker:
-            self._ticker.start()
+        self._ticker.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._done.set()
+        self._ticker.join()  # no line after the phase ended
         logger = logging.getLogger("tsdev_runtime.startup")
         logger.removeHandler(self)
         logger.level, logger.propagate = self._saved
@@ -208,6 +217,15 @@ def kv_pool_note(info) -> str:
     if info.kv_cache_dtype != "float8_e4m3fn":
         return ""
     return f" in e4m3 (fp8): {KV_BYTES.get(info.dtype, 2)}x the tokens {info.dtype} would hold in the same memory"
+
+
+def describe_loaded(name: str, info, timings: dict) -> str:
+    """'loaded NAME (architecture, parameters, dtype) from DIR on DEVICE in 1.2 s': the seconds are the checkpoint's
+    opening and the weights' load only; the warm-up and the captures have their own line (`describe_startup`).
+    `info` is the engine's `describe()`."""
+    return (f"loaded [bold]{escape(name)}[/bold] ({info.architecture}, {info.parameters / 1e6:.1f} M parameters, "
+            f"{info.dtype}) from {escape(str(info.model_dir))} on {info.device} in "
+            f"{timings.get('checkpoint', 0.0) + timings['load']:.1f} s")
 
 
 def describe_graphs(info, cuda: bool, timings: dict) -> str:
@@ -296,11 +314,10 @@ def _load_and_serve(config: EngineConfig, server: ServerConfig, sock: socket.soc
     import tsdev_runtime.server.app  # noqa: F401
 
     imports = time.perf_counter() - imports_start
-    start = time.perf_counter()
     api = ApiProcess(sock) if server.api_process else None  # it imports while the model loads
     pool = start_compile_pool(config, server)  # its workers import and warm up while the model loads
     try:
-        return _serve(config, server, sock, console, pool, before, imports, start, api)
+        return _serve(config, server, sock, console, pool, before, imports, api)
     finally:
         if pool is not None:
             pool.close()
@@ -309,7 +326,7 @@ def _load_and_serve(config: EngineConfig, server: ServerConfig, sock: socket.soc
 
 
 def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, console: Console, pool,
-           before: float | None, imports: float, start: float, api: ApiProcess | None) -> int:
+           before: float | None, imports: float, api: ApiProcess | None) -> int:
     import uvicorn
     from jinja2 import TemplateError
 
@@ -331,8 +348,7 @@ def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, cons
     info = engine.describe()
     graphs = describe_graphs(info, config.device.startswith("cuda"), engine.startup_timings)
     console.print(
-        f"loaded [bold]{name}[/bold] ({info.architecture}, {info.parameters / 1e6:.1f} M parameters, "
-        f"{info.dtype}) from {info.model_dir} on {info.device} in {time.perf_counter() - start:.1f} s\n"
+        f"{describe_loaded(name, info, engine.startup_timings)}\n"
         f"KV pool: {info.kv_pages} pages x {info.page_size} tokens{kv_pool_note(info)}; "
         f"context length {info.max_model_len}; "
         f"up to {info.max_running} requests at once\n"

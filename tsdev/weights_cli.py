@@ -12,11 +12,12 @@ import typer
 from tsdev_runtime.config import API_KEY_ENV_VARS
 from tsdev_runtime.control_protocol import SLEEP_TAGS
 from tsdev.outcome import FAILED, UNREACHABLE  # the exit statuses tsdev reload documents
+from tsdev.cli_help import Typer
 
 URL_OPTION = typer.Option(help="The server.")
 API_KEY = typer.Option("--api-key", envvar=list(API_KEY_ENV_VARS), metavar="KEY", show_default=False,
                        help="The server's API key (as `tsdev reload`). Default: $TSDEV_API_KEY, else $VLLM_API_KEY.")
-weights_app = typer.Typer(help="Reload or update a server's weights from disk, verify them against a checkpoint; "
+weights_app = Typer(help="Reload or update a server's weights from disk, verify them against a checkpoint; "
                           "check sleep/wake/reload in-process (drill).",
                           no_args_is_help=True)
 

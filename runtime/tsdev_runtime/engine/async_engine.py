@@ -9,7 +9,9 @@ holding: a reload's drain, running requests finish, new ones wait in the queue w
 of phase is an event (`StateChanged`).
 """
 import asyncio
+import contextlib
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +28,7 @@ log = logging.getLogger("tsdev_runtime.server")
 
 STOP_WAIT_S = 0.5  # how long a stopping server waits for the engine thread's call in progress before leaving it
 SHUTDOWN_ABORT_S = 0.5  # how long shutdown waits for the engine loop to abort the requests itself
+LOOP_CALL_S = 5.0  # how long the engine thread waits for a call it hands to the event loop's thread
 
 # A graph a reload left for after it (15-35 ms on the H200) is captured whenever the engine is idle, and while it
 # serves once every this many steps: the first requests after a reload run at full speed on the graphs it captured.
@@ -49,18 +52,19 @@ class AsyncEngine:
         self._stepped: asyncio.Event | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=engine.prepare_thread)
         self._task: asyncio.Task | None = None
-        self.profiler = StepProfiler(engine.config.device)
+        self.profiler = StepProfiler(engine.config.device, on_main_thread=self._on_loop_thread)
         self._deferred_seconds, self._deferred_count = 0.0, 0  # graphs captured after a reload resumed serving
         self._steps_since_capture = 0
         self.last_step_at = time.monotonic()  # when the last engine step ended (idle since then, if none runs)
         self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
         self.state.listeners.append(self._phase_moved)
 
     # --- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
         self._wake, self._stepped, self._stopping = asyncio.Event(), asyncio.Event(), asyncio.Event()
-        self._event_loop = asyncio.get_running_loop()
+        self._event_loop, self._loop_thread = asyncio.get_running_loop(), threading.current_thread()
         self._task = asyncio.create_task(self._loop(), name="engine-loop")
 
     async def shutdown(self) -> None:
@@ -113,6 +117,20 @@ class AsyncEngine:
 
     def _on_engine_thread(self, fn: Callable, *args) -> asyncio.Future:
         return asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _on_loop_thread(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the event loop's thread and wait for it (at most LOOP_CALL_S): from the engine thread, for
+        what must run on the thread that imported torch (`tsdev serve` runs the loop there)."""
+        loop = self._event_loop
+        if loop is None or loop.is_closed() or threading.current_thread() is self._loop_thread:
+            fn()
+            return
+
+        async def call() -> None:
+            fn()
+
+        with contextlib.suppress(TimeoutError):
+            asyncio.run_coroutine_threadsafe(call(), loop).result(LOOP_CALL_S)
 
     # --- requests --------------------------------------------------------------------------------
 
@@ -329,8 +347,9 @@ class AsyncEngine:
         self._deferred_seconds += time.perf_counter() - start
         self._deferred_count += sum(map(len, captured.values()))
         if not self.engine.graphs_pending:
-            log.info("captured the %d graph(s) left for after serving resumed in %.2f s", self._deferred_count,
-                     self._deferred_seconds)
+            if self.engine.config.device.startswith("cuda"):  # (on the CPU the same bookkeeping captures nothing)
+                log.info("captured the %d graph(s) left for after serving resumed in %.2f s", self._deferred_count,
+                         self._deferred_seconds)
             self._deferred_seconds, self._deferred_count = 0.0, 0
 
     def _step(self) -> tuple[StepOutputs, ProfileRange | None]:

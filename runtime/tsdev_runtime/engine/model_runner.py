@@ -28,7 +28,8 @@ from tsdev_runtime.layers.attention import Attention
 from tsdev_runtime.models import MODELS, build_model
 from tsdev_kernels.ops.sampling import token_logprobs
 from tsdev_runtime.sampling.sampler import Extras, Sampled, Sampler, SamplerState
-from tsdev_runtime.weights.default_model import DEFAULT_NAMES, default_model_dir
+from tsdev_runtime.weights.default_model import DEFAULT_NAMES, EMBEDDED_NAMES, default_model_dir
+from tsdev_runtime.weights.hub import not_a_model
 from tsdev_runtime.weights.layout import named_tensors
 from tsdev_runtime.weights.loader import LoadedWeights, LoadReport, load_weights
 
@@ -87,10 +88,13 @@ class Checkpoint:
         else:
             model_dir = Path(config.model)
         if not model_dir.is_dir():
-            raise FileNotFoundError(f"model directory {model_dir} does not exist: pass a Hugging Face "
-                                    "checkpoint directory, or no model for the embedded default")
+            raise FileNotFoundError(not_a_model(str(model_dir), EMBEDDED_NAMES))
         model_config = ModelConfig.from_dir(model_dir, MODELS)
-        max_model_len = config.max_model_len or min(model_config.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
+        max_model_len = config.max_model_len
+        if max_model_len is None:
+            max_model_len = min(model_config.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
+        if max_model_len < 2:  # a prompt token and a generated one (the warm-up runs max_model_len - 1)
+            raise ValueError(f"--max-model-len must be at least 2 (got {max_model_len})")
         if max_model_len > model_config.max_position_embeddings:
             raise ValueError(f"--max-model-len {max_model_len} exceeds the model's "
                              f"max_position_embeddings {model_config.max_position_embeddings}")
@@ -411,8 +415,11 @@ class ModelRunner:
         buckets = self.prefill_graphs.buckets if self.prefill_graphs else []
         first = (self._first(sizes, self.config.cudagraph_capture_first),
                  self._first(buckets, self.config.prefill_graph_capture_first))  # None: all of them
-        progress.info("capturing %d decode and %d prefill graph(s) before serving",
-                      *(len(all_ if now is None else now) for all_, now in zip((sizes, buckets), first)))
+        if self.device.type == "cuda":
+            progress.info("capturing %d decode and %d prefill graph(s) before serving",
+                          *(len(all_ if now is None else now) for all_, now in zip((sizes, buckets), first)))
+        elif sizes or buckets:  # the same bookkeeping, nothing captured: the steps run eagerly
+            progress.info("no CUDA graphs on %s: decode and prefill run eagerly", self.device.type)
         graphs = self.capture_graphs(strict=False, first=first)
         return {"warm": warm, "capture": sum(graphs["decode"].values()),
                 "capture_prefill": sum(graphs["prefill"].values())}

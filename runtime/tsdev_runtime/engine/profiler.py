@@ -4,6 +4,8 @@ CUDA_PROFILER opens a cudaProfilerStart/Stop range, which `nsys --capture-range=
 into one report per range; TORCH records a torch.profiler trace (Chrome/Perfetto JSON) per range.
 Every method runs on the engine thread.
 """
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,9 +31,28 @@ class RangeOpen(ValueError):
     """A capture range is open: another cannot start yet (the HTTP layer answers 409)."""
 
 
+_kineto_started = False
+
+
+def start_kineto() -> None:
+    """Start torch's profiler (kineto) once, empty, on the main thread (the one that imported torch). Its first start
+    initialises it, and on any other thread -- the engine's, where the ranges start -- prints "ERROR: External init
+    callback must run in same thread as registerClient" (torch 2.13: harmless, but it reads as a failure)."""
+    global _kineto_started
+    if _kineto_started or threading.current_thread() is not threading.main_thread():
+        return
+    _kineto_started = True
+    empty = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    empty.start()
+    empty.stop()
+
+
 class StepProfiler:
-    def __init__(self, device: str | torch.device, default_dir: Path = Path("profiles")):
-        self.device, self.default_dir = torch.device(device), default_dir
+    def __init__(self, device: str | torch.device, default_dir: Path = Path("profiles"),
+                 on_main_thread: Callable[[Callable[[], None]], None] = lambda fn: fn()):
+        """`on_main_thread(fn)`: runs fn on the main thread and waits (the server's: its event loop's), from the
+        engine's thread, where `start` runs."""
+        self.device, self.default_dir, self.on_main_thread = torch.device(device), default_dir, on_main_thread
         self.active: Range | None = None
         self.count = 0
 
@@ -51,6 +72,7 @@ class StepProfiler:
         out = Path(output_dir) if output_dir else self.default_dir
         r = Range(self.count, list(activities), num_steps, out, name or f"range-{self.count}", num_steps)
         if "TORCH" in activities:
+            self.on_main_thread(start_kineto)
             kinds = [torch.profiler.ProfilerActivity.CPU]
             if self.device.type == "cuda":
                 kinds.append(torch.profiler.ProfilerActivity.CUDA)

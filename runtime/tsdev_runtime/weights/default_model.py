@@ -66,11 +66,13 @@ SHAPES = {
                               first_k_dense_replace=1, max_position_embeddings=163840,
                               original_max_position_embeddings=4096, torch_dtype="bfloat16"),
 }
-DEFAULT_MOE = "default-moe"  # the model name that serves the embedded mixture of experts
+DEFAULT = "default"  # the model name that serves the embedded dense model (as no model at all does)
+DEFAULT_MOE = "default-moe"  # ... the embedded mixture of experts
 DEFAULT_FP8 = "default-fp8"  # ... the embedded dense model stored as block-quantized FP8 (Qwen's *-FP8 format)
 DEFAULT_MOE_FP8 = "default-moe-fp8"  # ... the embedded mixture of experts stored that way
 DEFAULT_MLA = "default-mla"  # ... the embedded DeepSeek-V3-kind model (multi-head latent attention)
-DEFAULT_NAMES = (None, DEFAULT_MOE, DEFAULT_FP8, DEFAULT_MOE_FP8, DEFAULT_MLA)  # what `--model` takes for one
+DEFAULT_NAMES = (None, DEFAULT, DEFAULT_MOE, DEFAULT_FP8, DEFAULT_MOE_FP8, DEFAULT_MLA)  # what `--model` takes for one
+EMBEDDED_NAMES = tuple(name for name in DEFAULT_NAMES if name)  # the names a user may type
 
 
 def cache_dir() -> Path:

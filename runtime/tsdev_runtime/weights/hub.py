@@ -6,8 +6,10 @@ The cache layout is the one `hf download` (formerly `huggingface-cli download`) 
 `<cache>/models--ORG--NAME/refs/<revision>` holds a commit hash, `<cache>/models--ORG--NAME/snapshots/<hash>/` the
 files (links into `blobs/`). The cache is `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`.
 """
+import difflib
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -27,14 +29,27 @@ def is_hub_id(name: str) -> bool:
     return bool(HUB_ID.match(name)) and not Path(name).exists()
 
 
-def resolve_model(name: str, revision: str | None = None) -> Path:
+def not_a_model(name: str, embedded: Sequence[str] = ()) -> str:
+    """Why `name` serves nothing (no such directory), naming the `embedded` models and the nearest of them."""
+    elsewhere = "a Hugging Face checkpoint directory or a hub id (ORG/NAME) in the local Hugging Face cache"
+    if not embedded:
+        return f"{name} is not a directory: pass {elsewhere}"
+    near = difflib.get_close_matches(name, embedded, n=1, cutoff=0.8)
+    return (f"{name} is neither a directory nor a model embedded in tsdev ({', '.join(embedded)}): "
+            f"{f'did you mean {near[0]}? Else pass' if near else 'pass'} one of those, {elsewhere}")
+
+
+def resolve_model(name: str, revision: str | None = None, embedded: Sequence[str] = ()) -> Path:
     """The checkpoint directory `name` means: itself when it is a path, else the cached snapshot of hub id `name`
     at `revision` (a branch or tag name recorded in refs/, or a commit hash; default main). FileNotFoundError says
-    what was looked for, where, and what to run."""
+    what was looked for, where, and what to run (for a path that does not exist: the `embedded` models' names,
+    the nearest first)."""
     if not is_hub_id(name):
         if revision is not None:
             raise ValueError(f"--revision {revision} applies to a Hugging Face hub id (ORG/NAME), not to the "
                              f"directory {name}")
+        if not Path(name).exists():
+            raise FileNotFoundError(not_a_model(name, embedded))
         return Path(name)
     repo = hub_cache() / f"models--{name.replace('/', '--')}"
     revision = revision or "main"
