@@ -34,15 +34,16 @@ class RangeOpen(ValueError):
 _kineto_started = False
 
 
-def start_kineto() -> None:
-    """Start torch's profiler (kineto) once, empty, on the main thread (the one that imported torch). Its first start
-    initialises it, and on any other thread -- the engine's, where the ranges start -- prints "ERROR: External init
-    callback must run in same thread as registerClient" (torch 2.13: harmless, but it reads as a failure)."""
+def start_kineto(kinds: list) -> None:
+    """Start torch's profiler (kineto) once, empty, with the activities `kinds` of the ranges to come, on the main
+    thread (the one that imported torch). Its first start initialises it, and on any other thread -- the engine's,
+    where the ranges start -- prints "ERROR: External init callback must run in same thread as registerClient"
+    (torch 2.13: harmless, but it reads as a failure)."""
     global _kineto_started
     if _kineto_started or threading.current_thread() is not threading.main_thread():
         return
     _kineto_started = True
-    empty = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    empty = torch.profiler.profile(activities=kinds)
     empty.start()
     empty.stop()
 
@@ -72,10 +73,10 @@ class StepProfiler:
         out = Path(output_dir) if output_dir else self.default_dir
         r = Range(self.count, list(activities), num_steps, out, name or f"range-{self.count}", num_steps)
         if "TORCH" in activities:
-            self.on_main_thread(start_kineto)
             kinds = [torch.profiler.ProfilerActivity.CPU]
             if self.device.type == "cuda":
                 kinds.append(torch.profiler.ProfilerActivity.CUDA)
+            self.on_main_thread(lambda: start_kineto(kinds))
             r.torch_profiler = torch.profiler.profile(activities=kinds)
             r.torch_profiler.start()
         if "CUDA_PROFILER" in activities:
