@@ -1,6 +1,8 @@
 """SIGINT or SIGTERM while a control call runs on the engine's thread (`tsdev check`, a reload whose strict kernel
-check runs in the pause, a weight load: each under Triton's interpreter or on the CPU): the server exits within 2 s,
-and the call in progress answers that the server is stopping instead of holding the exit."""
+check runs in the pause, a weight load: each under Triton's interpreter or on the CPU): the server exits without
+finishing the call (which runs for many seconds), and the call answers that the server is stopping instead of holding
+the exit. How fast it exits is a benchmark's figure (benchmarks/shutdown.py), not an assertion here: a loaded 2-core
+machine took 2.5 s where an idle one takes 0.3."""
 import signal
 import threading
 import time
@@ -33,7 +35,7 @@ def started_call(url: str, call: str, answer: dict) -> threading.Thread:
 
 
 @pytest.mark.parametrize("sig, call", [(signal.SIGINT, "check"), (signal.SIGTERM, "reload")])
-def test_a_signal_during_a_control_call_stops_the_server_within_2_s_and_the_call_says_it_is_stopping(
+def test_a_signal_during_a_control_call_stops_the_server_before_the_call_ends_and_the_call_says_so(
         tmp_path, tiny_model_dir, sig, call):
     project = copy_project(tmp_path / "project")
     server = ServerProcess([str(tiny_model_dir), "--device", "cpu", "--max-model-len", "512", "--max-running", "64",
@@ -51,13 +53,11 @@ def test_a_signal_during_a_control_call_stops_the_server_within_2_s_and_the_call
         thread = started_call(server.url, call, answer)
         time.sleep(1.5)  # well inside the checks
         assert "reply" not in answer, answer
-        start = time.monotonic()
         proc.send_signal(sig)
-        code = proc.wait(10)
-        elapsed = time.monotonic() - start
-        thread.join(10)
+        code = proc.wait(30)  # a hang guard: the checks alone run for longer
+        thread.join(30)
         output = (tmp_path / "serve.log").read_text()
-        assert code == 0 and elapsed < 2, (code, elapsed, output[-3000:])
+        assert code == 0, (code, output[-3000:])
         reply = answer["reply"]
         assert isinstance(reply, httpx.Response), reply
         assert "server is stopping" in reply.text, (reply.status_code, reply.text)
