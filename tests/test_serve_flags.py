@@ -78,10 +78,12 @@ def test_watch_refuses_the_server_flags_it_passes_on_as_serve_does(monkeypatch):
     assert result.exit_code == 2 and result.output == "error: --page-size / --block-size must be at least 1 (got 0)\n"
     result = CliRunner().invoke(app, ["watch", "--no-tui", "--port", "many"])
     assert result.exit_code == 2 and result.output.startswith("error: Invalid value for '--port'")
+    result = CliRunner().invoke(app, ["watch", "--no-tui", "--port", "0"])  # any free port: watch could not find it
+    assert result.exit_code == 2 and result.output.startswith("error: --port 0 (any free port) leaves tsdev watch")
     started = []
     monkeypatch.setattr(tsdev.watch, "run", lambda config, tui: started.append(config) or 0)
-    result = CliRunner().invoke(app, ["watch", "--no-tui", "M", "--page-size", "8", "--port", "0"])
-    assert result.exit_code == 0 and started[0].server_args == ["--page-size", "8", "--port", "0"], result.output
+    result = CliRunner().invoke(app, ["watch", "--no-tui", "M", "--page-size", "8", "--port", "8001"])
+    assert result.exit_code == 0 and started[0].server_args == ["--page-size", "8", "--port", "8001"], result.output
 
 
 EMBEDDED = "default, default-moe, default-fp8, default-moe-fp8, default-mla"

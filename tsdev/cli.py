@@ -684,6 +684,9 @@ def watch(
                 raise ValueError(exc.format_message()) from None
             if why := problem(serve_command, parsed.params):
                 raise ValueError(why)
+            if parsed.params["port"] == 0:
+                raise ValueError("--port 0 (any free port) leaves tsdev watch without the server's address: give a "
+                                 "port (default 8000)")
         config = WatchConfig(model=model, server_args=server_args, attach=attach, settle=settle_ms / 1000,
                              probe_batch=probe_batch, probe_steps=probe_steps, server_log=server_log,
                              profile_each_reload=profile_each_reload, api_key=api_key or None,
