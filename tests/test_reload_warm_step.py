@@ -10,6 +10,7 @@ from tsdev_runtime.engine.async_engine import AsyncEngine
 from tsdev_runtime.engine.reload_forward import ReloadForward
 from tsdev_runtime.engine.sequence import SamplingParams
 from tsdev.hotreload import Reloader
+from tsdev.outcome import worker_text
 
 PACKAGES = ["tsdev_kernels.ops", "tsdev_runtime.layers", "tsdev_runtime.models", "tsdev_runtime.sampling"]
 GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
@@ -53,13 +54,14 @@ def test_the_warm_step_runs_the_warm_up_only_when_more_than_kernel_bodies_change
     assert reply.ok, reply
     worker = reply.workers[0]
     assert worker.kernels_only is kernels_only and "warm" in worker.timings
+    assert worker.graphs is False  # a CPU engine: nothing was captured, and the reload line says so
+    assert "recaptured" not in worker_text(worker) and "no CUDA graphs to recapture" in worker_text(worker)
     assert len(warmups) == (0 if kernels_only else 1)
     assert engine.generate([[5, 17, 300, 42]], GREEDY)[0]["token_ids"] == before
 
 
 def test_the_reload_line_says_when_no_warm_up_was_needed():
     from tsdev_runtime.control_protocol import WorkerReport
-    from tsdev.outcome import worker_text
 
     timings = {"reload": 0.01, "warm": 0.0, "recapture": 0.05, "pause": 0.07}
     skipped = WorkerReport(ok=True, reloaded=["tsdev_kernels.ops.activation"], kernels_only=True, timings=timings)

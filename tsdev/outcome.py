@@ -174,6 +174,8 @@ def slowest(timings: dict[str, float]) -> str:
 
 def recapture_text(worker: WorkerReport) -> str:
     seconds = worker.timings.get("recapture", 0)
+    if not worker.graphs:
+        return "no CUDA graphs to recapture (steps run eagerly here)"
     if worker.graph_nodes_patched:
         return (f"graphs patched in {seconds:.3f} s ({worker.graph_nodes_patched} kernel nodes pointed at the new "
                 "binaries)")

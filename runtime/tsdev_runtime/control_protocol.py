@@ -159,6 +159,7 @@ class WorkerReport(_Message):
     #                                            (in the pause): none of them had been compiled ahead
     graph_nodes_patched: int = 0  # with kernels_only: the recapture step pointed this many captured kernel nodes at
     #                               the new binaries instead of capturing the graphs again
+    graphs: bool = True  # the engine runs CUDA graphs; False on a CPU or under --enforce-eager: nothing is captured
     kernel_checks: list[KernelCheckResult] = []  # the changed ops against their references, per serving shape
     warnings: list[str] = []
     timings: dict[TimingName, float] = {}  # seconds, in step order

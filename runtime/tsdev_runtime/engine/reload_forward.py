@@ -473,6 +473,8 @@ class _Reload:
             fields["needs_restart"] = sorted({*fields.get("needs_restart", []), *self.needs_restart})
         fields["jit_kernels"] = self.jit_kernels or fields.get("jit_kernels", 0)
         fields["kernels_only"] = self.warm_skipped
+        config = self.engine.config
+        fields["graphs"] = config.device.startswith("cuda") and not config.enforce_eager
         fields["graph_nodes_patched"] = self.nodes_patched or 0
         fields["kernel_checks"] = reported_checks(self.kernel_checks)
         timings.setdefault(JIT, 0.0)
