@@ -257,17 +257,25 @@ def test_reload_is_refused_without_the_flag(tiny_model_dir, tmp_path):
         assert results[0][1] == ["length"]
 
 
+def until(server, holds, timeout_s: float = 60.0) -> None:
+    """Wait until `holds(server_info, load)`: what the server says, not a sleep that a loaded machine outlasts."""
+    deadline = time.monotonic() + timeout_s  # a hang guard, not a speed bound
+    while not holds(httpx.get(server + "/server_info").json(), httpx.get(server + "/load").json()):
+        assert time.monotonic() < deadline, "the server never got there"
+        time.sleep(0.01)
+
+
 def test_continue_generation_cancels_a_reload_that_has_not_started(server):
     threads, results = start_streams(server, 1, max_tokens=600)  # keeps the first reload draining a while
     replies = {}
     first = threading.Thread(target=lambda: replies.__setitem__(
         "first", reload(server, new_id(), modules=["tsdev_kernels.ops.norm"])))
     first.start()
-    time.sleep(0.3)
+    until(server, lambda info, load: info["state"] == "holding")  # the first drains the stream
     second = threading.Thread(target=lambda: replies.__setitem__(
         "second", reload(server, new_id(), modules=["tsdev_kernels.ops.norm"])))
     second.start()
-    time.sleep(0.3)
+    until(server, lambda info, load: load.get("reloads_waiting") == 1)  # the second waits for its turn
     assert httpx.post(server + "/v1/rl/engine/continue_generation", json={}, timeout=60).status_code == 200
     for t in (first, second, *threads):
         t.join(60)

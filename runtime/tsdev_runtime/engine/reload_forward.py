@@ -111,6 +111,7 @@ class ReloadForward:
         self.cancel_epoch = 0
         self.count = 0
         self.checking: KernelCheckProgress | None = None  # the `tsdev check` under way, where it is
+        self.waiting = 0  # reload calls waiting for their turn (continue_generation would cancel them)
 
     async def __call__(self, request: ReloadRequest) -> ReloadReply:
         """Reload once per id: the same id again returns the first outcome (waiting for it if needed)."""
@@ -122,7 +123,12 @@ class ReloadForward:
             self.outcomes.popitem(last=False)
         epoch = self.cancel_epoch
         try:
-            async with self.async_engine.control_lock:
+            self.waiting += 1
+            try:
+                await self.async_engine.control_lock.acquire()
+            finally:
+                self.waiting -= 1
+            try:
                 if epoch != self.cancel_epoch:
                     reply = ReloadReply.of(request.id,
                                            [self._worker("cancelled by continue_generation before it started")])
@@ -132,6 +138,8 @@ class ReloadForward:
                     with COMPILES.expected():  # compiling is what a reload does
                         first = await self._run(request)
                     reply = ReloadReply.of(request.id, [first, *self._other_ranks(first.ok)])
+            finally:
+                self.async_engine.control_lock.release()
         except BaseException as exc:
             outcome.set_exception(exc)
             outcome.exception()  # retrieved: a repeat of this id re-raises it; nobody else needs to (no log noise)

@@ -8,7 +8,6 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 
@@ -17,7 +16,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from tsdev_runtime.config import ServerConfig
-from tsdev_runtime.control_protocol import SERVER_INFO_ROUTE, KernelCheckProgress, ServerInfo
+from tsdev_runtime.control_protocol import SERVER_INFO_ROUTE, ServerInfo
 from tsdev_runtime.engine.async_engine import AsyncEngine
 from tsdev_runtime.engine.channel import EngineSide
 from tsdev_runtime.engine.errors import stop_server
@@ -98,22 +97,26 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReload
     app.include_router(weights_router(async_engine, security))
     install_error_handlers(app)
     registries = (metrics.registry,) if request_metrics is None else (metrics.registry, request_metrics.registry)
-    app.include_router(info_router(engine, served_model_name, registries, reloads=reloader is not None,
-                                   checking=lambda: None if reload_forward is None else reload_forward.checking))
+    app.include_router(info_router(engine, served_model_name, registries, reload_forward))
     if deps is not None:
         app.include_router(openai_router(deps))
     return app
 
 
-def info_router(engine: LLMEngine, name: str, registries: tuple[CollectorRegistry, ...], reloads: bool,
-                checking: Callable[[], KernelCheckProgress | None] = lambda: None) -> APIRouter:
-    """What the server is: health, the served model, its version and state, Prometheus metrics. `checking`: the
-    `tsdev check` under way, if any, which /health and /load name (`kernel_check`): the engine is busy with it
-    between requests."""
+def info_router(engine: LLMEngine, name: str, registries: tuple[CollectorRegistry, ...],
+                reload_forward: ReloadForward | None) -> APIRouter:
+    """What the server is: health, the served model, its version and state, Prometheus metrics. With reloads
+    allowed, /health and /load also name the `tsdev check` under way (`kernel_check`: the engine is busy with it
+    between requests) and the reloads waiting for their turn (`reloads_waiting`)."""
     router, created = APIRouter(), int(time.time())
+    reloads = reload_forward is not None
 
     def busy() -> dict:
-        return {} if (check := checking()) is None else {"kernel_check": check.dump()}
+        if reload_forward is None:
+            return {}
+        check, waiting = reload_forward.checking, reload_forward.waiting
+        return {**({"kernel_check": check.dump()} if check is not None else {}),
+                **({"reloads_waiting": waiting} if waiting else {})}
 
     @router.get("/health")
     async def health():
