@@ -105,11 +105,8 @@ def _token_group_quant_kernel(X, Q, S, K, stride_x, stride_q, stride_s, GROUP: t
     cols = group * GROUP + tl.arange(0, GROUP)
     t = tl.load(X + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(t), axis=0)
-    # IEEE-rounded divisions, as torch's: Triton's `/` on a GPU is the approximate div.full.f32 (2 ulp), which moves
-    # a scale by an ulp and a value across an e4m3 rounding tie (the check is bit for bit)
-    scale = tl.where(amax > 0, tl.math.div_rn(amax, _MAX), 1.0)
-    q = tl.math.div_rn(t, tl.full([GROUP], 1.0, tl.float32) * scale)
-    tl.store(Q + row * stride_q + cols, tl.clamp(q, -_MAX, _MAX).to(Q.dtype.element_ty), mask=cols < K)
+    scale = tl.where(amax > 0, amax / _MAX, 1.0)
+    tl.store(Q + row * stride_q + cols, tl.clamp(t / scale, -_MAX, _MAX).to(Q.dtype.element_ty), mask=cols < K)
     tl.store(S + row * stride_s + group, scale)
 
 
