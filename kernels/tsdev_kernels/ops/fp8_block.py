@@ -29,6 +29,7 @@ from tsdev_kernels.ops.linear import _matrix, gemv_config
 log = logging.getLogger(__name__)
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
+E4M3_RECIPROCAL = 1 / E4M3_MAX  # a float32 multiplier once in a tensor's arithmetic
 BLOCK = (128, 128)  # (block_n, block_k): the only block size shipped checkpoints use
 
 
@@ -69,7 +70,9 @@ def quantize_fp8_token_groups(x: torch.Tensor, group: int = BLOCK[1]) -> tuple[t
     t, k = x.shape
     groups = torch.nn.functional.pad(x.float(), (0, -k % group)).view(t, -1, group)
     amax = groups.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # amax times 448's float32 reciprocal, not amax / 448, which torch computes that way on CUDA but exactly on a CPU:
+    # the reference says which; then an exact (IEEE) division, as the kernel's, bit for bit
+    scale = torch.where(amax > 0, amax * E4M3_RECIPROCAL, torch.ones_like(amax))
     q = (groups / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).view(t, -1)[:, :k]
     return q.contiguous(), scale
 
@@ -95,6 +98,7 @@ def fp8_block_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv
 
 
 _MAX = tl.constexpr(448.0)  # E4M3_MAX, for the kernels
+_RECIPROCAL = tl.constexpr(1 / 448.0)  # E4M3_RECIPROCAL
 
 
 @triton.jit
@@ -105,8 +109,11 @@ def _token_group_quant_kernel(X, Q, S, K, stride_x, stride_q, stride_s, GROUP: t
     cols = group * GROUP + tl.arange(0, GROUP)
     t = tl.load(X + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(t), axis=0)
-    scale = tl.where(amax > 0, amax / _MAX, 1.0)
-    tl.store(Q + row * stride_q + cols, tl.clamp(t / scale, -_MAX, _MAX).to(Q.dtype.element_ty), mask=cols < K)
+    scale = tl.where(amax > 0, amax * _RECIPROCAL, 1.0)
+    # div_rn: an IEEE-rounded division, as torch's; Triton's `/` on a GPU is the approximate div.full.f32, which
+    # moves a value across an e4m3 rounding tie now and then (the check is bit for bit)
+    q = tl.math.div_rn(t, tl.full([GROUP], 1.0, tl.float32) * scale)
+    tl.store(Q + row * stride_q + cols, tl.clamp(q, -_MAX, _MAX).to(Q.dtype.element_ty), mask=cols < K)
     tl.store(S + row * stride_s + group, scale)
 
 
