@@ -3,8 +3,10 @@
 # (a fresh machine compiles every kernel: one process would need two calls), then tests/test_sleep_gpu.py alone --
 # it measures the device's free memory (cudaMemGetInfo), which other workers' allocations move.
 # run: source scripts/device-setup.sh; bash scripts/device-suite.sh      (carry .whl .debs)
+# The device's copy has your working tree but an older .git: never `git checkout`/`stash`/`clean` there (it brings
+# back that older commit's files, as on 2026-12-07), and `git log` there does not name the code that runs.
 set -u
 source "$(dirname "$0")/device-check.sh" --steps-only
 TAIL=15 step suite-parallel 420 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE -n 4 --dist loadfile \
   --deselect tests/test_sleep_gpu.py --ignore tests/test_sleep_gpu.py
-TAIL=8 step suite-sleep 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE -s tests/test_sleep_gpu.py
+TAIL=8 step suite-sleep 250 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE -s tests/test_sleep_gpu.py
