@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tsdev_kernels import ops
 from tsdev_kernels.ops import fp8, moe
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests are for CPU machines")
@@ -373,13 +374,15 @@ def test_reference_is_transformers_default_experts_bit_for_bit_in_bf16():
 
 def test_config_file_nearest_bucket_and_one_warning_when_missing(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(moe, "CONFIG_DIR", tmp_path)
+    monkeypatch.setenv("TSDEV_CACHE_DIR", str(tmp_path / "cache"))  # (no user file)
     monkeypatch.setattr(moe, "device_name", lambda device: "NVIDIA H200")
+    moe._moe_table.cache_clear(), ops.tuned_configs.cache_clear()
     tuned = {str(t): dict(BLOCK_M=16 if t < 64 else 64, BLOCK_N=32 + t, BLOCK_K=64, num_warps=4, num_stages=3)
              for t in (1, 16, 64, 256)}
     path = moe.moe_config_path(8, 24, 32, torch.bfloat16, "NVIDIA H200")
     assert path.name == "E=8,I=24,H=32,dtype=bfloat16,device=NVIDIA_H200.json"
     path.write_text(json.dumps(tuned))
-    with caplog.at_level(logging.WARNING, logger=moe.log.name):
+    with caplog.at_level(logging.WARNING, logger=moe.tuned_log.name):
         for tokens, bucket in [(1, 1), (7, 1), (9, 16), (40, 16), (41, 64), (100, 64), (5000, 256)]:
             assert moe.moe_config(8, 24, 32, torch.bfloat16, tokens) == tuned[str(bucket)], tokens
         assert not caplog.records
@@ -387,29 +390,30 @@ def test_config_file_nearest_bucket_and_one_warning_when_missing(tmp_path, monke
             assert moe.moe_config(4, 24, 32, torch.bfloat16, tokens) == moe.default_moe_config(tokens)
     assert len(caplog.records) == 1
     message = caplog.records[0].getMessage()
-    assert "E=4,I=24,H=32,dtype=bfloat16,device=NVIDIA_H200.json" in message
-    assert "python3 benchmarks/tune_moe.py --experts 4 --intermediate 24 --hidden 32 (" in message
-    with caplog.at_level(logging.WARNING, logger=moe.log.name):  # FP8 experts' file: the command says --fp8
+    assert "E=4,I=24,H=32,dtype=bfloat16 for the NVIDIA H200" in message
+    assert "tsdev tune --moe 4,24,32 --kinds bf16 (" in message
+    with caplog.at_level(logging.WARNING, logger=moe.tuned_log.name):  # FP8 experts' file: the command says fp8
         moe.moe_config(4, 24, 32, torch.float8_e4m3fn, 1)
-    assert "--hidden 32 --fp8" in caplog.records[-1].getMessage()
+    assert "--moe 4,24,32 --kinds fp8" in caplog.records[-1].getMessage()
     # block-FP8 experts: their own file; without it the per-row FP8 file of the shape, the warning naming both
     fp8_tuned = {"1": dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=256, num_warps=8, num_stages=2)}
     moe.moe_config_path(8, 24, 32, torch.float8_e4m3fn, "NVIDIA H200").write_text(json.dumps(fp8_tuned))
     block_path = moe.moe_config_path(8, 24, 32, torch.float8_e4m3fn, "NVIDIA H200", (128, 128))
     assert block_path.name == "E=8,I=24,H=32,dtype=float8_e4m3fn,block=128x128,device=NVIDIA_H200.json"
-    with caplog.at_level(logging.WARNING, logger=moe.log.name):
+    with caplog.at_level(logging.WARNING, logger=moe.tuned_log.name):
         assert moe.moe_config(8, 24, 32, torch.float8_e4m3fn, 3, block=(128, 128)) == fp8_tuned["1"]
-    assert block_path.name in caplog.records[-1].getMessage()
+    assert "E=8,I=24,H=32,dtype=float8_e4m3fn,block=128x128" in caplog.records[-1].getMessage()
     assert "using the FP8 experts' configs" in caplog.records[-1].getMessage()
-    assert "--hidden 32 --block-fp8" in caplog.records[-1].getMessage()
+    assert "--kinds block-fp8" in caplog.records[-1].getMessage()
     block_tuned = {"1": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)}
     block_path.write_text(json.dumps(block_tuned))
-    moe.tuned_configs.cache_clear()  # (read once per process per file)
+    moe._moe_table.cache_clear(), ops.tuned_configs.cache_clear()  # (found once per process per shape and file)
     assert moe.moe_config(8, 24, 32, torch.float8_e4m3fn, 3, block=(128, 128)) == block_tuned["1"]
+    moe._moe_table.cache_clear()
 
 
 def test_config_on_cpu_is_the_default_without_a_warning(caplog):
-    with caplog.at_level(logging.WARNING, logger=moe.log.name):
+    with caplog.at_level(logging.WARNING, logger=moe.tuned_log.name):
         assert moe.moe_config(128, 768, 2048, torch.bfloat16, 1, device="cpu") == moe.default_moe_config(1)
         assert moe.moe_config(128, 768, 2048, torch.bfloat16, 512, device="cpu")["BLOCK_M"] == 64
     assert not caplog.records

@@ -5,6 +5,9 @@ Set TSDEV_KERNELS=ref to run the references on CUDA too (to compare speed or rul
 TSDEV_KERNELS=ref:linear,rope to do that for those families only. A family with a Gluon kernel (GLUON_FAMILIES)
 runs it instead of its Triton one under TSDEV_KERNELS=gluon:norm, a family with a CuTe DSL one (CUTE_FAMILIES, the
 optional `tsdev[cute]`) under TSDEV_KERNELS=cute:activation; items combine: ref:rope,linear,gluon:norm.
+A family whose op routes some shapes to a library kernel (ROUTED_FAMILIES: fp8's block-FP8 projections to
+torch._scaled_mm where the tuned crossover says it is faster) goes there at every shape under
+TSDEV_KERNELS=cublas:fp8 and never under TSDEV_KERNELS=triton:fp8 (an A/B).
 Under TRITON_INTERPRET=1 the Triton entry points (`*_triton`) also run on CPU tensors; the tests use that.
 
 Programmatic dependent launch (Hopper and newer): the kernels on the decode path are launched with
@@ -15,10 +18,12 @@ batch-1 decode graph replays in 0.869 ms with it, 1.040 without (docs/results.md
 """
 import functools
 import json
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
+from typing import NamedTuple
 
 import torch
 import triton
@@ -26,11 +31,18 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
+tuned_log = logging.getLogger("tsdev_kernels.tuned")  # which tuned file serves each shape: one line each, at startup
+
 FAMILIES = ("norm", "rope", "activation", "linear", "fp8", "attention", "mla", "sampling", "moe")
 GLUON_FAMILIES = ("norm",)  # the families with a Gluon kernel too (triton.experimental.gluon)
 # ... with a CuTe DSL kernel (nvidia-cutlass-dsl: kernels/tsdev_kernels/ops/activation_cute.py)
 CUTE_FAMILIES = ("activation",)
-IMPLS = {"ref": FAMILIES, "gluon": GLUON_FAMILIES, "cute": CUTE_FAMILIES}  # what TSDEV_KERNELS can pick, for which
+# ... whose op routes some shapes to a library kernel (fp8: block-FP8 projections to torch._scaled_mm, fp8_block.py's
+# `uses_scaled_mm`): cublas:fp8 forces the library at every M, triton:fp8 the Triton kernel, for an A/B
+ROUTED_FAMILIES = ("fp8",)
+# what TSDEV_KERNELS can pick, for which families
+IMPLS = {"ref": FAMILIES, "gluon": GLUON_FAMILIES, "cute": CUTE_FAMILIES, "cublas": ROUTED_FAMILIES,
+         "triton": ROUTED_FAMILIES}
 
 
 def kernel_choices() -> Mapping[str, str]:
@@ -53,7 +65,8 @@ def _parsed(value: str) -> Mapping[str, str]:
         if family not in IMPLS.get(impl, ()):
             raise ValueError(f"TSDEV_KERNELS={value!r}: expected triton, ref, or IMPL:FAMILY items (ref:linear,rope,"
                              f"gluon:norm): ref for families from {', '.join(FAMILIES)}; gluon for "
-                             f"{', '.join(GLUON_FAMILIES)}; cute for {', '.join(CUTE_FAMILIES)}")
+                             f"{', '.join(GLUON_FAMILIES)}; cute for {', '.join(CUTE_FAMILIES)}; cublas or triton "
+                             f"for {', '.join(ROUTED_FAMILIES)} (the block-FP8 projections' route)")
         choices[family] = impl
     return MappingProxyType(choices)
 
@@ -83,6 +96,13 @@ def use_cute(family: str) -> bool:
     return kernel_choices().get(family) == "cute"
 
 
+def routed(family: str) -> str | None:
+    """"cublas" or "triton" where TSDEV_KERNELS forces a routed family's (ROUTED_FAMILIES) side, else None: the op
+    routes by shape."""
+    choice = kernel_choices().get(family)
+    return choice if choice in ("cublas", "triton") else None
+
+
 def use_triton(x: torch.Tensor, family: str) -> bool:
     """Whether the public op of `family` should launch its Triton (or Gluon: `use_gluon`) kernel for this input."""
     return x.is_cuda and kernel_choices().get(family) != "ref"
@@ -93,8 +113,8 @@ def use_fused_triton(x: torch.Tensor, *families: str) -> bool:
     activation, Qwen3's q/k norm inside the rotation) may serve their ops on this input: on CUDA, with TSDEV_KERNELS
     taking none of them off Triton. A family picked for its reference, Gluon or CuTe DSL kernel runs that, unfused,
     everywhere: a pick never applies to some batch sizes only."""
-    choices = kernel_choices()
-    return x.is_cuda and not any(family in choices for family in families)
+    choices = kernel_choices()  # (a route's pick, cublas: or triton:, leaves the family's fused kernels alone)
+    return x.is_cuda and not any(choices.get(family, "triton") not in ("triton", "cublas") for family in families)
 
 
 _ARRIVALS: dict[torch.device, list[torch.Tensor]] = {}
@@ -141,6 +161,54 @@ def tuned_configs(path: str) -> dict[int, object] | None:
     except FileNotFoundError:
         return None
     return {int(tokens): config for tokens, config in table.items()}
+
+
+def user_cache_dir() -> Path:
+    """tsdev's cache directory: $TSDEV_CACHE_DIR, else $XDG_CACHE_HOME/tsdev, else ~/.cache/tsdev. `tsdev tune` writes
+    the user's own tuned files under it (`tuned/moe_configs`, `tuned/gemm_configs`); the runtime keeps the embedded
+    checkpoints there too."""
+    return Path(os.environ.get("TSDEV_CACHE_DIR")
+                or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tsdev")
+
+
+# GPUs of one architecture whose tuned files serve each other when a GPU has none of its own, nearest first: the
+# kernels' best tiles follow the SM count, shared memory and the ratio of bandwidth to FLOPs, close within a pair
+# (H100 SXM and H200: 132 SMs, sm_90; the H200's HBM 1.4x faster). CUDA names, as `device_name` returns them.
+SIBLING_GPUS = {
+    "NVIDIA H100 80GB HBM3": ("NVIDIA H200",),
+    "NVIDIA H200": ("NVIDIA H100 80GB HBM3",),
+    "NVIDIA H100 NVL": ("NVIDIA H100 80GB HBM3", "NVIDIA H200"),
+    "NVIDIA H100 PCIe": ("NVIDIA H100 80GB HBM3", "NVIDIA H200"),
+    "NVIDIA H800": ("NVIDIA H100 80GB HBM3", "NVIDIA H200"),
+    "NVIDIA H20": ("NVIDIA H200", "NVIDIA H100 80GB HBM3"),
+}
+
+
+class Tuned(NamedTuple):
+    """A tuned table and where it came from: `source` is "your tuned file" (the user's cache), "shipped for this GPU"
+    or "shipped for the <sibling>" -- what the one startup line says."""
+    table: dict
+    path: Path
+    source: str
+
+
+def tuned_file_name(stem: str, gpu: str) -> str:
+    """vLLM's scheme: the shape's key=value items, then the GPU's CUDA name with '_' for ' '."""
+    return f"{stem},device={gpu.replace(' ', '_')}.json"
+
+
+def find_tuned(folder: str, stem: str, gpu: str, shipped: Path) -> Tuned | None:
+    """The tuned table for `stem` (E=..,I=..,H=..,dtype=.. or N=..,K=..,...) on `gpu`, in order: the user's cache
+    (`user_cache_dir()/tuned/<folder>`, what `tsdev tune` writes), the file shipped for this GPU (in `shipped`), the
+    file shipped for its nearest sibling (SIBLING_GPUS); None: the kernel's defaults. Each file read once."""
+    candidates = [(user_cache_dir() / "tuned" / folder / tuned_file_name(stem, gpu), "your tuned file"),
+                  (shipped / tuned_file_name(stem, gpu), "shipped for this GPU")]
+    candidates += [(shipped / tuned_file_name(stem, sibling), f"shipped for the {sibling}")
+                   for sibling in SIBLING_GPUS.get(gpu, ())]
+    for path, source in candidates:
+        if table := tuned_configs(str(path)):
+            return Tuned(table, path, source)
+    return None
 
 
 def nearest(table: dict[int, object], tokens: int):

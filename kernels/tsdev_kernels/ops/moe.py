@@ -34,11 +34,11 @@ Rounding, on both paths: to x's dtype after each GEMM, after the SiLU, after sil
 multiply, and after the float32 sum over K -- where transformers' Qwen3-MoE (its default grouped_mm experts)
 rounds, given router weights already rounded to x's dtype as it rounds them (runtime/tsdev_runtime/moe/router.py).
 
-Block sizes come from `moe_config`: a JSON file per (E, I, H, dtype, GPU) written by benchmarks/tune_moe.py, else a
+Block sizes come from `moe_config`: a JSON file per (E, I, H, dtype, GPU) written by `tsdev tune` (the user's cache
+first, then the files shipped in moe_configs/ for this GPU, then its sibling's: ops/__init__.py's `find_tuned`), else a
 default by token count (no autotune: it fails under the interpreter and would benchmark inside a capture).
 """
 import functools
-import logging
 from pathlib import Path
 
 import torch
@@ -47,16 +47,15 @@ import triton
 import triton.language as tl
 
 from tsdev_kernels.checks import KernelCheck, Tolerance
-from tsdev_kernels.ops import device_name, nearest, pdl, tuned_configs, use_triton, wait_for_previous
+from tsdev_kernels.ops import (device_name, find_tuned, nearest, pdl, tuned_file_name, tuned_log,
+                               use_triton, wait_for_previous)
 from tsdev_kernels.ops.activation import silu_and_mul_values
 from tsdev_kernels.ops.fp8 import quantize_fp8_rows, quantize_fp8_rows_triton
 from tsdev_kernels.ops.fp8_block import (BLOCK, fp8_block_linear_ref, quantize_fp8_blocks, quantize_fp8_token_groups,
                                          quantize_fp8_token_groups_triton)
 
-log = logging.getLogger(__name__)
-
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "moe_configs"
-TOKEN_BUCKETS = (1, 16, 64, 256, 1024)  # what tune_moe.py measures
+TOKEN_BUCKETS = (1, 16, 64, 256, 1024)  # what `tsdev tune` measures
 
 
 # --- alignment of slots to experts -----------------------------------------------------------------
@@ -399,42 +398,60 @@ def default_moe_config(tokens: int) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)
 
 
-def moe_config_path(num_experts: int, intermediate: int, hidden: int, dtype: torch.dtype, device_name: str,
-                    block: tuple[int, int] | None = None) -> Path:
-    """Where benchmarks/tune_moe.py writes, and moe_config reads, the configs of this shape on device_name's GPU
-    (block: a block-FP8 checkpoint's experts, their own file)."""
-    dtype_name, device = str(dtype).removeprefix("torch."), device_name.replace(" ", "_")
+def moe_config_stem(num_experts: int, intermediate: int, hidden: int, dtype: torch.dtype,
+                    block: tuple[int, int] | None = None) -> str:
+    """The shape's part of a tuned file's name (vLLM's scheme): E=..,I=..,H=..,dtype=..[,block=..x..]."""
     blocks = f",block={block[0]}x{block[1]}" if block else ""
-    return CONFIG_DIR / f"E={num_experts},I={intermediate},H={hidden},dtype={dtype_name}{blocks},device={device}.json"
+    return f"E={num_experts},I={intermediate},H={hidden},dtype={str(dtype).removeprefix('torch.')}{blocks}"
+
+
+def moe_config_path(num_experts: int, intermediate: int, hidden: int, dtype: torch.dtype, device_name: str,
+                    block: tuple[int, int] | None = None, folder: Path | None = None) -> Path:
+    """The file of this shape's configs on device_name's GPU in `folder` (default the shipped CONFIG_DIR; `tsdev tune`
+    writes the user's own under `user_cache_dir()/tuned/moe_configs`). block: a block-FP8 checkpoint's experts, their
+    own file."""
+    stem = moe_config_stem(num_experts, intermediate, hidden, dtype, block)
+    return (folder or CONFIG_DIR) / tuned_file_name(stem, device_name)
+
+
+def tune_command(num_experts: int, intermediate: int, hidden: int, dtype: torch.dtype,
+                 block: tuple[int, int] | None = None) -> str:
+    """The `tsdev tune` that writes this shape's file on this GPU (named in the line that says none serves)."""
+    kind = "block-fp8" if block else "fp8" if dtype == torch.float8_e4m3fn else "bf16"
+    return f"tsdev tune --moe {num_experts},{intermediate},{hidden} --kinds {kind}"
 
 
 @functools.lru_cache
-def _warn_untuned(path: str, num_experts: int, intermediate: int, hidden: int, flag: str, using: str) -> None:
-    log.warning("no tuned MoE config %s: using %s (slower). Write it on this GPU with: python3 "
-                "benchmarks/tune_moe.py --experts %d --intermediate %d --hidden %d%s (add --topk K for K experts per "
-                "token)", path, using, num_experts, intermediate, hidden, flag)
+def _moe_table(num_experts: int, intermediate: int, hidden: int, dtype: torch.dtype, gpu: str,
+               block: tuple[int, int] | None) -> dict | None:
+    """The table serving this shape on `gpu` (`find_tuned`'s order; block-FP8 experts without their own: the per-row
+    FP8 experts' of the shape), found once per process, and one line saying which file serves -- at the warm-up of
+    a start, never per request."""
+    stem = moe_config_stem(num_experts, intermediate, hidden, dtype, block)
+    found = find_tuned("moe_configs", stem, gpu, CONFIG_DIR)
+    if found:
+        tuned_log.info("MoE %s on the %s: tuned configs from %s (%s)", stem, gpu, found.path, found.source)
+        return found.table
+    fallback = find_tuned("moe_configs", moe_config_stem(num_experts, intermediate, hidden, dtype), gpu,
+                          CONFIG_DIR) if block else None
+    tuned_log.warning("no tuned MoE config %s for the %s: using %s (slower). Write it on this GPU with: %s (add "
+                      "--topk K for K experts per token)", stem, gpu,
+                      f"the FP8 experts' configs from {fallback.path}" if fallback else "defaults",
+                      tune_command(num_experts, intermediate, hidden, dtype, block))
+    return fallback.table if fallback else None
 
 
 def moe_config(num_experts: int, intermediate: int, hidden: int, dtype: torch.dtype, tokens: int,
                device: torch.device | str | None = None, block: tuple[int, int] | None = None) -> dict:
     """dict(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for T = tokens on `device` (default: the current
-    CUDA device, if any): from `moe_config_path`'s file the entry of the token bucket nearest to `tokens` (the
-    smaller on a tie); without a file the default, with one warning per file name -- for block-FP8 experts (`block`)
-    first the per-row FP8 experts' file of the shape, if there is one. CPU: the default, silently."""
+    CUDA device, if any): from the tuned table of this shape (`_moe_table`: the user's `tsdev tune` file, the shipped
+    one for this GPU, its sibling's) the entry of the token bucket nearest to `tokens` (the smaller on a tie); without
+    one the default, said once per shape. CPU: the default, silently."""
     name = device_name(device)
     if name is None:
         return default_moe_config(tokens)
-    path = str(moe_config_path(num_experts, intermediate, hidden, dtype, name, block))
-    table = tuned_configs(path)
-    if not table:
-        if block:
-            table = tuned_configs(str(moe_config_path(num_experts, intermediate, hidden, dtype, name)))
-        flag = " --block-fp8" if block else " --fp8" if dtype == torch.float8_e4m3fn else ""
-        _warn_untuned(path, num_experts, intermediate, hidden, flag,
-                      "the FP8 experts' configs" if table else "defaults")
-        if not table:
-            return default_moe_config(tokens)
-    return dict(nearest(table, tokens))
+    table = _moe_table(num_experts, intermediate, hidden, dtype, name, block)
+    return dict(nearest(table, tokens)) if table else default_moe_config(tokens)
 
 
 # --- the op --------------------------------------------------------------------------------------
