@@ -80,6 +80,11 @@ class KernelCheck:
     kernel: Callable
     reference: Callable
     tolerance: Mapping[torch.dtype, Tolerance]
+    # (bytes moved, tensor-core FLOPs) of one call on these arguments (`cost(*args)`, the `inputs` drawn): the bytes
+    # each input read and output written once, the FLOPs 2·M·N·K of its matmuls (0 for elementwise ops: never the
+    # limit). From the arguments, not the shape: attention's cached lengths are drawn per call.
+    cost: Callable[..., tuple[int, int]] | None = field(default=None, compare=False)
+    tensor_cores: str = "bf16"  # the rate its FLOPs run at: "bf16" (also fp16, tf32 counted alike) or "fp8"
     module: str = field(default="", compare=False)  # the declaring module (set by `declared`)
 
 
@@ -99,6 +104,22 @@ class Result:
     us_before: float | None = None  # before it (the last time measured for this shape, `before_fresh` says when)
     timed: str | None = None  # how the times were taken (`time_call`): "graph", "eager" or "wall"
     before_fresh: bool = False  # measured in this reload, before the new code ran (else: at an earlier one)
+    bytes: int | None = None  # per call (`cost`): over the inputs timed on CUDA, else the check's own
+    flops: int | None = None
+    share: float | None = None  # of the GPU's limit at `us` (`share_of`)
+    bound: str | None = None  # which limit: "bandwidth", "bf16 tensor cores", "fp8 tensor cores"
+
+
+def nbytes(*tensors) -> int:
+    """The bytes of these tensors (anything else counts 0): a cost's reads and writes."""
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def matmul_cost(x: torch.Tensor, weight: torch.Tensor, *read: torch.Tensor) -> tuple[int, int]:
+    """x [M, K] @ weight [N, K]^T into [M, N] of x's dtype: x, the weight and `read` (scales) read once, the output
+    written; 2·M·N·K FLOPs."""
+    (m, k), n = x.shape, weight.shape[0]
+    return nbytes(x, weight, *read) + m * n * x.element_size(), 2 * m * n * k
 
 
 def declared() -> list[KernelCheck]:
@@ -174,6 +195,8 @@ def run_all(items: Sequence[tuple[KernelCheck, tuple[int, ...]]], dtype: torch.d
                             f"{[(tuple(w.shape), w.dtype) for w in inputs.want]}")
             continue
         compared.append((result, got, inputs.want))
+        if check.cost is not None and not device.startswith("cuda"):  # on CUDA: over the inputs timed (cost_at)
+            result.bytes, result.flops = check.cost(*inputs.args)
     groups, group, size = [], [], 0
     for entry in compared:  # a few outputs at a time: the comparison's temporaries stay within COMPARED_ELEMENTS
         group.append(entry)
@@ -256,6 +279,55 @@ def _replays(graph: torch.cuda.CUDAGraph) -> int:
     end.record()
     end.synchronize()
     return max(1, min(TIMED_REPLAYS, int(RUN_US / max(start.elapsed_time(end) * 1e3, 1e-3))))
+
+
+def cost_at(check: KernelCheck, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> tuple[int, int] | None:
+    """(bytes, FLOPs) per call, the mean over the inputs `time_call` times at `shape` (the same draws); None when the
+    check declares no cost. It may read the inputs back (cached lengths): call it where a sync costs nothing."""
+    if check.cost is None:
+        return None
+    costs = [check.cost(*args) for args in timing_inputs(check, tuple(shape), dtype, device)]
+    return round(statistics.mean(c[0] for c in costs)), round(statistics.mean(c[1] for c in costs))
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a GPU allows: its copy bandwidth and its dense tensor-core rates."""
+    gpu: str
+    bandwidth: float  # bytes/s: a device-to-device copy's (read + write), measured
+    bf16: float  # FLOP/s, dense
+    fp8: float
+    source: str
+
+
+# Copy bandwidth: measured with benchmarks/decode_step.py's copy_bandwidth (docs/results.md; the machines' notes:
+# 3.0 TB/s on the H100 SXM, 4.2 on the H200); tensor-core rates: NVIDIA's H100/H200 SXM datasheets, dense (without
+# sparsity): 989 TFLOP/s bf16, 1979 fp8. Matched against torch.cuda.get_device_name, the first that it contains.
+GPU_LIMITS = (
+    Limits("H200", 4.2e12, 989e12, 1979e12, "copy measured 4.2 TB/s; datasheet dense bf16 989, fp8 1979 TFLOP/s"),
+    Limits("H100 80GB HBM3", 3.0e12, 989e12, 1979e12,
+           "copy measured 3.0 TB/s; datasheet dense bf16 989, fp8 1979 TFLOP/s"),
+)
+
+
+def limits_of(gpu_name: str) -> Limits | None:
+    """The limits of the GPU named so (None: not one whose limits are known; no share is given)."""
+    return next((limits for limits in GPU_LIMITS if limits.gpu in gpu_name), None)
+
+
+def device_limits(device: str) -> Limits | None:
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return None
+    return limits_of(torch.cuda.get_device_name(device))
+
+
+def share_of(bytes_: int, flops: int, us: float, limits: Limits, tensor_cores: str = "bf16") -> tuple[float, str]:
+    """(the share of the limit a call of `us` µs reaches, which limit): the larger of the time its bytes take at the
+    copy bandwidth and its FLOPs at the tensor-core rate, over the time it took -- 0.82: 82 % of what the GPU allows."""
+    rate = limits.fp8 if tensor_cores == "fp8" else limits.bf16
+    memory, compute = bytes_ / limits.bandwidth, flops / rate
+    bound = "bandwidth" if memory >= compute else f"{tensor_cores} tensor cores"
+    return max(memory, compute) / (us * 1e-6), bound
 
 
 INPUT_SETS, INPUT_BYTES = 4, 256 << 20  # distinct inputs a timing cycles through, within this many bytes

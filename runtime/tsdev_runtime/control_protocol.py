@@ -138,6 +138,10 @@ class KernelCheckResult(_Message):
     before_fresh: bool = False  # us_before was measured just before this reload (else at an earlier one)
     timed: str | None = None  # "graph": device time in a CUDA graph; "eager": launched one by one, launch cost
     #                           included (the op cannot be captured); "wall": the wall clock (off CUDA)
+    bytes: int | None = None  # moved per call at this shape (the op's declared cost, over the inputs timed)
+    flops: int | None = None  # tensor-core FLOPs per call (2·M·N·K of its matmuls; 0 for elementwise ops)
+    share: float | None = None  # of the GPU's limit at us_after: max(bytes / bandwidth, flops / rate) / time
+    bound: str | None = None  # the limit `share` is of: "bandwidth", "bf16 tensor cores", "fp8 tensor cores"
 
 
 class WorkerReport(_Message):

@@ -25,6 +25,7 @@ class WatchConfig:
     startup_timeout: float = 600.0
     weights: Path | None = None  # --weights DIR: new checkpoints written there are loaded (update_weights, direct)
     api_key: str | None = field(default=None, repr=False)  # sent on every call; the started server gets it too
+    notebook: bool = True  # each reload and restart recorded in the project's notebook (tsdev/notebook.py)
 
     @property
     def url(self) -> str:

@@ -23,13 +23,14 @@ import httpx
 
 from tsdev_runtime.control_protocol import (Awake, Hello, ProfileFinished, Sleeping, StateChanged,
                                             WeightsReloaded)
+from tsdev.notebook import Writer, notebook_path, prune_settings
 from tsdev.outcome import outside
 from tsdev.server_process import ServerProcess
 from tsdev.watch.args import WatchConfig
 from tsdev.watch.checks import Checker
 from tsdev.watch.jobs import Batch, Bench, Jobs, NewWeights, ReloadAll, Restart, RetakeGolden, Saved
 from tsdev.watch.link import ServerLink
-from tsdev.watch.records import Event, ReloadRecord, RestartRecord
+from tsdev.watch.records import Event, ReloadRecord, RestartRecord, entry_of
 from tsdev.watch.reloads import Reloads
 from tsdev.watch.restarts import Restarts
 from tsdev.watch.watcher import Packages, Watcher
@@ -64,6 +65,8 @@ class Daemon:
         self.info = {"state": "starting", "url": config.url, "model": None, "device": None, "pid": None,
                      "log": str(config.log_path) if self.server else None, "attach": bool(config.attach)}
         self.link = ServerLink(config.url, transport, config.api_key)
+        self.notebook = (Writer(notebook_path(config.project), config.project.resolve(),
+                                prune_settings(config.project)) if config.notebook else None)
         self.checker = Checker(self.link, config, self.message)
         self.jobs = Jobs()
         self.reloads = Reloads(self)
@@ -102,6 +105,8 @@ class Daemon:
     # --- events ----------------------------------------------------------------------------------
 
     def emit(self, kind: str, record=None, text: str = "", level: str = "info") -> None:
+        if kind in ("reload_finished", "restart_finished") and self.notebook is not None:
+            self.notebook.put(entry_of(record, self.reloads.session))  # before the screen: its sparklines see it
         self.on_event(Event(kind, record, text, level))
 
     def message(self, text: str, level: str = "info") -> None:
@@ -160,6 +165,8 @@ class Daemon:
                 await self.server.stop_async(15)
                 await asyncio.to_thread(self.server.dismiss_standby)
             await self.link.aclose()
+            if self.notebook is not None:
+                await asyncio.to_thread(self.notebook.close)
 
     async def _watch(self) -> None:
         async for changes in self.watcher.batches(self._stop):

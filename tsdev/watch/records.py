@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from tsdev_runtime.control_protocol import WorkerReport
+from tsdev.notebook import Entry, KernelRow
 from tsdev.outcome import SHOWN_STEPS
 from tsdev.watch.checks import Probe, Verdict
 
@@ -32,6 +33,7 @@ class ReloadRecord:
     saved_at: float | None = None  # a save's modification time: when the edit the reload serves was written
     served_after_save: float | None = None  # seconds from that save to serving resumed with the new code
     settle: float | None = None  # seconds from that save to the reload's request (the watcher's settle, the queue)
+    texts: dict[str, str | None] = field(default_factory=dict)  # the files' text when the reload was asked for
     done: bool = False
 
     def serving_split(self) -> list[tuple[str, float]]:
@@ -100,6 +102,40 @@ class RestartRecord:
     done: bool = False
     standby: bool = False  # a standby process took the start (tsdev/standby.py)
     served_after_save: float | None = None  # from the saved file's modification time to healthy again
+
+
+def outcome_of(record: ReloadRecord | RestartRecord) -> str:
+    """The notebook's word for how a reload or restart ended (tsdev.notebook.OUTCOMES)."""
+    if isinstance(record, RestartRecord):
+        return "restart failed" if record.error else "restarted"
+    checks = record.worker.kernel_checks if record.worker else []
+    if (record.error and "kernel check failed" in record.error) or any(not c.ok for c in checks):
+        return "kernel check failed"  # rolled back under strict; served under report (the error tells)
+    if record.error:
+        return "rolled back"
+    if record.worker and record.worker.needs_restart:
+        return "needs restart"
+    return "ok" if record.reloaded or isinstance(record, WeightsRecord) else "nothing to reload"
+
+
+def entry_of(record: ReloadRecord | RestartRecord, daemon: str = "") -> Entry:
+    """What the notebook keeps of a finished reload or restart."""
+    verdict = record.verdict
+    entry = Entry(at=record.started, kind="restart" if isinstance(record, RestartRecord) else
+                  "weights" if isinstance(record, WeightsRecord) else "reload",
+                  trigger=record.reason if isinstance(record, RestartRecord) else record.trigger,
+                  outcome=outcome_of(record), error=record.error, golden=verdict.text() if verdict else None,
+                  golden_same=verdict.same if verdict else None, decode_ms=record.probe.ms if record.probe else None,
+                  served_s=record.served_after_save, note=record.note, daemon=daemon)
+    if isinstance(record, ReloadRecord):
+        entry.files = dict(record.texts) or dict.fromkeys(record.files)
+        entry.modules = list(record.reloaded or record.modules)
+        worker = record.worker
+        entry.changed = sorted(worker.kernels) if worker else []
+        entry.kernels = [KernelRow(c.op, "x".join(map(str, c.shape)), c.dtype, c.ok, c.max_abs, c.us_before,
+                                   c.us_after, c.bytes, c.flops, c.share, c.bound, c.error)
+                         for c in (worker.kernel_checks if worker else [])]
+    return entry
 
 
 @dataclass

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from tsdev_runtime.control_protocol import Event, ReloadFinished, ReloadStarted, ReloadStep, WorkerReport
+from tsdev.notebook import read_texts
 from tsdev.outcome import outside
 from tsdev.watch.jobs import ForeignFinished, Restart
 from tsdev.watch.records import ReloadRecord
@@ -42,6 +43,8 @@ class Reloads:
         try:
             rid = f"{self.session}-{record.n}-{len(record.ids)}"
             record.ids.append(rid)
+            if daemon.notebook is not None and record.files:  # the text the server is about to read (~0.1 ms)
+                record.texts = read_texts(daemon.config.project, record.files)
             sent = time.time()
             reply = await daemon.link.reload(rid, list(record.modules) if forced else None)
             worker, record.ranks = reply.first_failure, list(reply.workers)

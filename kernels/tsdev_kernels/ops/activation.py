@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tsdev_kernels.checks import KernelCheck, Tolerance
+from tsdev_kernels.checks import KernelCheck, Tolerance, nbytes
 from tsdev_kernels.ops import pdl, use_triton, wait_for_previous
 
 
@@ -71,6 +71,7 @@ CHECKS = [
         op="silu_and_mul", kernels=("_silu_and_mul_kernel",),
         shapes=lambda serving: [(tokens, 2 * serving.intermediate) for tokens in serving.tokens],
         inputs=_check_inputs, kernel=silu_and_mul_triton, reference=silu_and_mul_ref,
+        cost=lambda x: (nbytes(x) * 3 // 2, 0),  # [T, 2I] read, [T, I] written
         tolerance={torch.bfloat16: Tolerance(1e-2, 1.6e-2, "bf16 output: the kernel rounds where the reference "
                                              "does, exp in float32 may differ by an ulp, then one bf16 rounding"),
                    torch.float16: Tolerance(1e-3, 2e-3, "fp16 output, as bf16 with 3 more mantissa bits"),

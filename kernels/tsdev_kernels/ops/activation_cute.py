@@ -71,4 +71,5 @@ CHECKS = [KernelCheck(op="silu_and_mul_cute", kernels=("_silu_and_mul_host",),
                       shapes=lambda serving: [(t, 2 * serving.intermediate) for t in serving.tokens]
                       if serving.device.startswith("cuda") else [],  # CuTe DSL runs on a GPU only
                       inputs=TRITON_CHECKS[0].inputs, kernel=silu_and_mul_cute, reference=silu_and_mul_ref,
+                      cost=TRITON_CHECKS[0].cost,
                       tolerance=TRITON_CHECKS[0].tolerance)]

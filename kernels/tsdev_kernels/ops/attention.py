@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tsdev_kernels.checks import KernelCheck, Tolerance
+from tsdev_kernels.checks import KernelCheck, Tolerance, nbytes
 from tsdev_kernels.ops import pdl, sm_count, split_arrivals, use_triton, wait_for_previous
 
 LOG2E = 1.4426950408889634
@@ -664,6 +664,26 @@ def _prefill_check(q, k_cache, v_cache, cu, lens, table, k, v, slots, order, max
     return paged_prefill_triton(q, k_cache, v_cache, cu, lens, table, q.shape[-1] ** -0.5, max_q_len, order=order)
 
 
+def keys_seen(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor) -> tuple[int, int]:
+    """(tokens of KV a step reads: each sequence's whole length, the (query row, key) pairs causal attention
+    computes: row j of a sequence of q_len rows behind `cached` sees cached + j + 1 keys)."""
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
+    lens = seq_lens.tolist()
+    pairs = sum(q * (n - q) + q * (q + 1) // 2 for q, n in zip(q_lens, lens))
+    return sum(lens), pairs
+
+
+def _attention_cost(q, k_cache, v_cache, cu, lens, table, k, v, slots, order, max_q_len):
+    """q and the step's K/V read, the K/V stored, each sequence's K and V read once from the pool, the output
+    written (q's size), the step's metadata; QK^T and PV: 4·head_dim FLOPs per query head and (row, key) pair."""
+    tokens, pairs = keys_seen(cu, lens)
+    kv_heads, head_dim = k_cache.shape[-2:]
+    pool = 2 * tokens * kv_heads * head_dim * k_cache.element_size()
+    step_kv = k.numel() * 2 * k_cache.element_size()  # stored in the pool's dtype
+    return (nbytes(q, k, v, q, cu, lens, table, slots, order) + step_kv + pool,
+            4 * pairs * q.shape[1] * head_dim)
+
+
 def _attention_shapes(decode: bool, fp8: bool = False):
     """The served batches, for the pool's dtype only: the fp8 checks where the pool is e4m3, the others elsewhere."""
     def shapes(s):
@@ -677,18 +697,21 @@ def _attention_shapes(decode: bool, fp8: bool = False):
 CHECKS = [
     KernelCheck(op="paged_decode", kernels=("_decode_kernel",), shapes=_attention_shapes(decode=True),
                 inputs=_decode_inputs, kernel=_decode_check, reference=_attention_ref,
-                tolerance=ATTENTION_TOLERANCE),
+                tolerance=ATTENTION_TOLERANCE, cost=_attention_cost),
     KernelCheck(op="paged_prefill", kernels=("_prefill_kernel", "_store_kvcache_kernel"),
                 shapes=_attention_shapes(decode=False), inputs=_prefill_inputs, kernel=_prefill_check,
-                reference=_attention_ref, tolerance=ATTENTION_TOLERANCE),
+                reference=_attention_ref, tolerance=ATTENTION_TOLERANCE,
+                cost=_attention_cost),
     # an e4m3 pool (--kv-cache-dtype fp8): the same batches, its rows quantized as the store does, scales 1
     KernelCheck(op="paged_decode_fp8", kernels=("_decode_kernel",), shapes=_attention_shapes(decode=True, fp8=True),
                 inputs=lambda shape, dtype, device, generator: _decode_inputs(shape, dtype, device, generator,
                                                                               FP8_KV_DTYPE),
-                kernel=_decode_check, reference=_attention_ref, tolerance=ATTENTION_TOLERANCE),
+                kernel=_decode_check, reference=_attention_ref, tolerance=ATTENTION_TOLERANCE,
+                cost=_attention_cost),
     KernelCheck(op="paged_prefill_fp8", kernels=("_prefill_kernel", "_store_kvcache_kernel"),
                 shapes=_attention_shapes(decode=False, fp8=True),
                 inputs=lambda shape, dtype, device, generator: _prefill_inputs(shape, dtype, device, generator,
                                                                                FP8_KV_DTYPE),
-                kernel=_prefill_check, reference=_attention_ref, tolerance=ATTENTION_TOLERANCE),
+                kernel=_prefill_check, reference=_attention_ref, tolerance=ATTENTION_TOLERANCE,
+                cost=_attention_cost),
 ]

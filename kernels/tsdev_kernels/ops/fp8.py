@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tsdev_kernels.checks import KernelCheck
+from tsdev_kernels.checks import KernelCheck, matmul_cost
 from tsdev_kernels.ops import linear as linear_ops
 from tsdev_kernels.ops import pdl, use_triton, wait_for_previous
 
@@ -175,9 +175,9 @@ CHECKS = [  # linear.py's decode kernels with a float32 scale per output row (e4
     KernelCheck(op="fp8_gemv", kernels=("linear_ops._gemv_kernel",),
                 shapes=lambda s: [(1, s.intermediate, s.hidden)] if s.fp8 and 1 in s.tokens else [],
                 inputs=_check_inputs, kernel=lambda x, w, scale: linear_ops.gemv_triton(x, w, weight_scale=scale),
-                reference=fp8_weight_only_ref, tolerance=linear_ops.MATMUL_TOLERANCE),
+                reference=fp8_weight_only_ref, tolerance=linear_ops.MATMUL_TOLERANCE, cost=matmul_cost),
     KernelCheck(op="fp8_skinny_linear", kernels=("linear_ops._skinny_kernel",),
                 shapes=lambda s: [(t, s.intermediate, s.hidden) for t in linear_ops._skinny_rows(s)] if s.fp8 else [],
                 inputs=_check_inputs, kernel=lambda x, w, scale: linear_ops.skinny_triton(x, w, weight_scale=scale),
-                reference=fp8_weight_only_ref, tolerance=linear_ops.MATMUL_TOLERANCE),
+                reference=fp8_weight_only_ref, tolerance=linear_ops.MATMUL_TOLERANCE, cost=matmul_cost),
 ]

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tsdev_kernels.checks import KernelCheck, Tolerance
+from tsdev_kernels.checks import KernelCheck, Tolerance, matmul_cost, nbytes
 from tsdev_kernels.ops import pdl, use_triton, wait_for_previous
 from tsdev_kernels.ops.activation import silu_and_mul_values
 from tsdev_kernels.ops.norm import rms_norm_values
@@ -252,6 +252,13 @@ def _norm_gate_up_ref(x, residual, norm_weight, weight):
     return silu_and_mul_ref(linear_ref(normed, weight)), residual
 
 
+def _norm_gate_up_cost(x, residual, norm_weight, weight):
+    """The normed row's projection (x, residual, the norm's weight and the matrix read), the gated half [1, N/2]
+    and the new residual written."""
+    _, flops = matmul_cost(x, weight)
+    return nbytes(x, residual, norm_weight, weight, residual) + weight.shape[0] // 2 * x.element_size(), flops
+
+
 def _skinny_rows(s) -> list[int]:
     return [t for t in s.tokens if 1 < t <= SKINNY_ROWS] or [SKINNY_ROWS]
 
@@ -260,14 +267,16 @@ CHECKS = [
     # the decode step at batch 1: down_proj's GEMV, and the post-attention norm + gate_up + SiLU fused into one
     KernelCheck(op="gemv", kernels=("_gemv_kernel",),
                 shapes=lambda s: [(1, s.intermediate, s.hidden)] if 1 in s.tokens else [],
-                inputs=_linear_inputs, kernel=gemv_triton, reference=linear_ref, tolerance=MATMUL_TOLERANCE),
+                inputs=_linear_inputs, kernel=gemv_triton, reference=linear_ref, tolerance=MATMUL_TOLERANCE,
+                cost=matmul_cost),
     KernelCheck(op="gemv_norm_gate_up", kernels=("_gemv_kernel",),
                 shapes=lambda s: [(1, s.hidden, 2 * s.intermediate)] if 1 in s.tokens else [],
                 inputs=_fused_inputs, kernel=lambda x, r, nw, w: gemv_triton(x, w, residual=r, norm_weight=nw,
                                                                               eps=1e-6, gated=True),
-                reference=_norm_gate_up_ref, tolerance=MATMUL_TOLERANCE),
+                reference=_norm_gate_up_ref, tolerance=MATMUL_TOLERANCE, cost=_norm_gate_up_cost),
     # 2..SKINNY_ROWS rows: down_proj's shape at the decode batches served in that range (the largest when none)
     KernelCheck(op="skinny_linear", kernels=("_skinny_kernel",),
                 shapes=lambda s: [(t, s.intermediate, s.hidden) for t in _skinny_rows(s)],
-                inputs=_linear_inputs, kernel=skinny_triton, reference=linear_ref, tolerance=MATMUL_TOLERANCE),
+                inputs=_linear_inputs, kernel=skinny_triton, reference=linear_ref, tolerance=MATMUL_TOLERANCE,
+                cost=matmul_cost),
 ]

@@ -30,10 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tsdev_kernels.checks import KernelCheck
+from tsdev_kernels.checks import KernelCheck, nbytes
 from tsdev_kernels.ops import sm_count, use_triton
 from tsdev_kernels.ops.attention import (ATTENTION_TOLERANCE, FP8_KV_DTYPE, LOG2E, PagedSteps, _quantized,
-                                         decode_step, dequantize_kv, mixed_step, quantize_kv)
+                                         decode_step, dequantize_kv, keys_seen, mixed_step, quantize_kv)
 
 
 def store_latent_ref(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, scale: float = 1.0) -> None:
@@ -409,6 +409,16 @@ def _kernel(q, cache, cu, lens, table, rows, slots, order, max_q_len, latent):
     return mla_attention_triton(q, cache, cu, lens, table, q.shape[-1] ** -0.5, latent, max_q_len, order=order)
 
 
+def _cost(q, cache, cu, lens, table, rows, slots, order, max_q_len, latent):
+    """q and the step's latent rows read, the rows stored, each sequence's latent rows read once (one head shared by
+    all query heads), the output [T, H, latent] written, the metadata; QK^T over latent + rope and PV over the latent:
+    2·(2·latent + rope) FLOPs per query head and (row, key) pair."""
+    tokens, pairs = keys_seen(cu, lens)
+    width, heads = cache.shape[-1], q.shape[1]
+    return (nbytes(q, rows, cu, lens, table, slots, order) + (rows.numel() + tokens * width) * cache.element_size()
+            + q.shape[0] * heads * latent * q.element_size(), 2 * pairs * heads * (2 * latent + width - latent))
+
+
 def _shapes(decode: bool, fp8: bool = False):
     def shapes(s):
         if not s.latent_dim or fp8 != s.kv_fp8:
@@ -422,6 +432,6 @@ CHECKS = [
     KernelCheck(op=f"mla_{step}{suffix}", kernels=("_mla_kernel", "_mla_merge_kernel", "_store_latent_kernel"),
                 shapes=_shapes(step == "decode", kv_dtype is not None),
                 inputs=_inputs(step == "decode", kv_dtype), kernel=_kernel, reference=_reference,
-                tolerance=MLA_TOLERANCE)
+                tolerance=MLA_TOLERANCE, cost=_cost)
     for step in ("decode", "prefill") for suffix, kv_dtype in (("", None), ("_fp8", FP8_KV_DTYPE))
 ]

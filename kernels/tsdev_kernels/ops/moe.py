@@ -46,7 +46,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tsdev_kernels.checks import KernelCheck, Tolerance
+from tsdev_kernels.checks import KernelCheck, Tolerance, nbytes
 from tsdev_kernels.ops import (device_name, find_tuned, nearest, pdl, tuned_file_name, tuned_log,
                                use_triton, wait_for_previous)
 from tsdev_kernels.ops.activation import silu_and_mul_values
@@ -666,6 +666,17 @@ def _fp8_block_moe_inputs(shape, dtype, device, generator):
     return x, q13, q2, weights, ids, s13, s2
 
 
+def _moe_cost(x, w13, w2, weights, ids, *scales):
+    """The tokens, their routing and the experts they reach (each one's weights and scales read once) read, the
+    output [T, H] written; per (token, expert) two GEMMs: 2·(2I·H + H·I) FLOPs."""
+    touched = int(ids.unique().numel())
+    per_expert = sum(t[0].numel() * t.element_size() for t in (w13, w2, *scales))
+    tokens, hidden = x.shape
+    inter = w2.shape[-1]
+    return (nbytes(x, weights, ids, x) + touched * per_expert,
+            2 * tokens * ids.shape[1] * (2 * inter * hidden + hidden * inter))
+
+
 def _moe_shapes(s, served: bool) -> list[tuple[int, ...]]:
     return [(t, s.hidden, s.moe_intermediate, min(s.experts, CHECK_EXPERTS), s.top_k)
             for t in s.tokens] if s.experts and served else []
@@ -676,19 +687,19 @@ CHECKS = [
     KernelCheck(op="fused_moe", kernels=MOE_KERNELS, shapes=lambda s: _moe_shapes(s, not (s.fp8 or s.fp8_blocks)),
                 inputs=_moe_inputs, kernel=fused_moe_triton,
                 reference=lambda x, w13, w2, w, ids: fused_moe_ref(x, w13, w2, w, ids, masked=False),
-                tolerance=MOE_TOLERANCE),
+                tolerance=MOE_TOLERANCE, cost=_moe_cost),
     KernelCheck(op="fused_moe_fp8", kernels=MOE_KERNELS, shapes=lambda s: _moe_shapes(s, s.fp8),
                 inputs=_fp8_moe_inputs,
                 kernel=lambda x, w13, w2, w, ids, s13, s2: fused_moe_triton(x, w13, w2, w, ids, w13_scale=s13,
                                                                             w2_scale=s2),
                 reference=lambda x, w13, w2, w, ids, s13, s2: fused_moe_ref(x, w13, w2, w, ids, masked=False,
                                                                             w13_scale=s13, w2_scale=s2),
-                tolerance=MOE_FP8_TOLERANCE),
+                tolerance=MOE_FP8_TOLERANCE, cost=_moe_cost, tensor_cores="fp8"),
     KernelCheck(op="fused_moe_fp8_block", kernels=MOE_KERNELS, shapes=lambda s: _moe_shapes(s, s.fp8_blocks),
                 inputs=_fp8_block_moe_inputs,
                 kernel=lambda x, w13, w2, w, ids, s13, s2: fused_moe_triton(x, w13, w2, w, ids, w13_scale=s13,
                                                                             w2_scale=s2, block=BLOCK),
                 reference=lambda x, w13, w2, w, ids, s13, s2: fused_moe_ref(x, w13, w2, w, ids, masked=False,
                                                                             w13_scale=s13, w2_scale=s2, block=BLOCK),
-                tolerance=MOE_FP8_TOLERANCE),
+                tolerance=MOE_FP8_TOLERANCE, cost=_moe_cost, tensor_cores="fp8"),
 ]

@@ -15,7 +15,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from tsdev_kernels.checks import KernelCheck, Tolerance
+from tsdev_kernels.checks import KernelCheck, Tolerance, nbytes
 from tsdev_kernels.ops import pdl, sm_count, use_gluon, use_triton, wait_for_previous
 
 
@@ -195,6 +195,14 @@ def _add_norm_inputs(shape, dtype, device, generator):
     return x, residual, weight, 1e-6
 
 
+def _norm_cost(x, weight, eps):
+    return nbytes(x, weight, x), 0  # x and the weight read, the output written
+
+
+def _add_norm_cost(x, residual, weight, eps):
+    return nbytes(x, residual, weight, x, residual), 0  # the sum written back as the next residual, and the output
+
+
 def _rows_on_cuda(serving):
     """Gluon kernels run on a GPU only (Triton's interpreter does not run them)."""
     return _rows_of_hidden(serving) if serving.device.startswith("cuda") else []
@@ -203,14 +211,14 @@ def _rows_on_cuda(serving):
 CHECKS = [
     KernelCheck(op="rms_norm", kernels=("_rms_norm_kernel",), shapes=_rows_of_hidden, inputs=_norm_inputs,
                 kernel=lambda x, w, eps: rms_norm_triton(x, w, eps, gluon=False), reference=rms_norm_ref,
-                tolerance=NORM_TOLERANCE),
+                tolerance=NORM_TOLERANCE, cost=_norm_cost),
     KernelCheck(op="fused_add_rms_norm", kernels=("_rms_norm_kernel",), shapes=_rows_of_hidden,
                 inputs=_add_norm_inputs, kernel=lambda x, r, w, eps: rms_norm_triton(x, w, eps, r, gluon=False),
-                reference=fused_add_rms_norm_ref, tolerance=NORM_TOLERANCE),
+                reference=fused_add_rms_norm_ref, tolerance=NORM_TOLERANCE, cost=_add_norm_cost),
     KernelCheck(op="rms_norm_gluon", kernels=("_rms_norm_gluon_kernel",), shapes=_rows_on_cuda, inputs=_norm_inputs,
                 kernel=lambda x, w, eps: rms_norm_triton(x, w, eps, gluon=True), reference=rms_norm_ref,
-                tolerance=NORM_TOLERANCE),
+                tolerance=NORM_TOLERANCE, cost=_norm_cost),
     KernelCheck(op="fused_add_rms_norm_gluon", kernels=("_rms_norm_gluon_kernel",), shapes=_rows_on_cuda,
                 inputs=_add_norm_inputs, kernel=lambda x, r, w, eps: rms_norm_triton(x, w, eps, r, gluon=True),
-                reference=fused_add_rms_norm_ref, tolerance=NORM_TOLERANCE),
+                reference=fused_add_rms_norm_ref, tolerance=NORM_TOLERANCE, cost=_add_norm_cost),
 ]

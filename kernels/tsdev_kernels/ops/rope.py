@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tsdev_kernels.checks import KernelCheck, Tolerance
+from tsdev_kernels.checks import KernelCheck, Tolerance, nbytes
 from tsdev_kernels.ops import pdl, use_fused_triton, use_triton, wait_for_previous
 from tsdev_kernels.ops.norm import rms_norm, rms_norm_ref
 
@@ -279,6 +279,12 @@ def _rope_inputs(shape, dtype, device, generator):
     return q, k, q_weight, k_weight, positions, cache
 
 
+def _rope_cost(q, k, q_weight, k_weight, positions, cache, normed: bool = False):
+    """q and k read and written, the positions and their rows of the cos/sin table read (and the norms' weights)."""
+    return (2 * nbytes(q, k) + nbytes(positions) + positions.numel() * cache.shape[-1] * cache.element_size()
+            + (nbytes(q_weight, k_weight) if normed else 0)), 0
+
+
 def _head_shapes(serving):
     return [(t, serving.q_heads, serving.kv_heads, serving.head_dim) for t in serving.tokens]
 
@@ -287,9 +293,9 @@ CHECKS = [
     KernelCheck(op="rope", kernels=("_rope_kernel",), shapes=_head_shapes, inputs=_rope_inputs,
                 kernel=lambda q, k, qw, kw, pos, cache: rope_triton(q, k, pos, cache),
                 reference=lambda q, k, qw, kw, pos, cache: apply_rope_ref(q, k, pos, cache),
-                tolerance=ROPE_TOLERANCE),
+                tolerance=ROPE_TOLERANCE, cost=_rope_cost),
     KernelCheck(op="qk_norm_rope", kernels=("_rope_kernel",), shapes=_head_shapes, inputs=_rope_inputs,
                 kernel=lambda q, k, qw, kw, pos, cache: rope_triton(q, k, pos, cache, qw, kw, 1e-6),
                 reference=lambda q, k, qw, kw, pos, cache: qk_norm_rope_ref(q, k, qw, kw, 1e-6, pos, cache),
-                tolerance=ROPE_TOLERANCE),
+                tolerance=ROPE_TOLERANCE, cost=lambda *args: _rope_cost(*args, normed=True)),
 ]

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tsdev_kernels.checks import KernelCheck, Tolerance
+from tsdev_kernels.checks import KernelCheck, Tolerance, nbytes
 from tsdev_kernels.ops import sm_count, use_triton
 
 _M1, _M2 = 0x21F0AAAD, 0xD35A2D97  # "lowbias32"-style 32-bit integer hash (C. Wellons' hash-prospector)
@@ -540,26 +540,42 @@ SAME_TOKENS = _logits_tolerance(0.0, 0.0, "token ids: the same seeded noise on t
                                 "(a near tie within float32 rounding: about once in 10^6 rows)")
 
 
+def _logprobs_cost(logits, tokens, top_n):
+    """The logits and tokens read; per row the chosen token's log-probability and the top_n (value, id) written."""
+    rows = logits.shape[0]
+    return nbytes(logits, tokens) + rows * 4 + rows * top_n * (4 + 8), 0
+
+
+def _sample_cost(logits, *per_row):
+    """The logits and the rows' parameters read, one int64 token per row written."""
+    return nbytes(logits, *per_row) + logits.shape[0] * 8, 0
+
+
+def _penalties_cost(logits, *tables):
+    """The logits read and written in place, the rows' counts, parameters and bias entries read."""
+    return 2 * nbytes(logits) + nbytes(*tables), 0
+
+
 def _decode_rows(serving):
     return [(t, serving.vocab) for t in serving.tokens if t <= serving.max_running]
 
 
 CHECKS = [
     KernelCheck(op="token_logprobs", kernels=("_logprobs_kernel",), shapes=_decode_rows, inputs=_logprobs_inputs,
-                kernel=token_logprobs_triton, reference=token_logprobs_ref,
+                kernel=token_logprobs_triton, reference=token_logprobs_ref, cost=_logprobs_cost,
                 tolerance=_logits_tolerance(1e-4, 1e-5, "float32 log-sum-exp over the vocab in chunks, merged: "
                                             "the sums' order; the top ids exact (no ties in random logits)")),
     KernelCheck(op="sample", kernels=("_race_kernel",), shapes=_decode_rows,
                 inputs=lambda shape, dtype, device, generator: _draw_inputs(shape, dtype, device, generator, False),
                 kernel=lambda logits, temps, top_ks, top_ps, seeds: race_triton(logits, temps, seeds),
-                reference=_sample_ref, tolerance=SAME_TOKENS),
+                reference=_sample_ref, tolerance=SAME_TOKENS, cost=_sample_cost),
     KernelCheck(op="sample_top_k", kernels=("_candidates_kernel",), shapes=_decode_rows,
                 inputs=lambda shape, dtype, device, generator: _draw_inputs(shape, dtype, device, generator, True),
                 kernel=lambda logits, temps, top_ks, top_ps, seeds: sample_top_k_triton(logits, temps, top_ks, top_ps,
                                                                                         seeds, SAMPLE_TOP_K),
-                reference=_sample_ref, tolerance=SAME_TOKENS),
+                reference=_sample_ref, tolerance=SAME_TOKENS, cost=_sample_cost),
     KernelCheck(op="apply_penalties", kernels=("_bias_kernel", "_penalties_kernel"), shapes=_decode_rows,
                 inputs=_penalties_inputs, kernel=_on_a_copy(apply_penalties_triton),
-                reference=_on_a_copy(apply_penalties_ref),
+                reference=_on_a_copy(apply_penalties_ref), cost=_penalties_cost,
                 tolerance=_logits_tolerance(1e-5, 1e-6, "float32, the same operations in the same order")),
 ]

@@ -49,6 +49,7 @@ class KernelChecker:
         self.timed_idle: set[tuple] = set()  # the keys time_one_pending timed since the last reload
         self.drawn: dict[tuple, checks.Drawn] = {}  # (op, shape) -> inputs drawn ahead for the reload under way
         self.reachable: set[str] = set()  # the ops whose code the reload under way may change
+        self.limits: checks.Limits | None | bool = None  # the GPU's (False: none known; None: not looked up yet)
 
     def fingerprints(self) -> dict[str, str]:
         return checks.fingerprints(checks.declared())
@@ -145,6 +146,7 @@ class KernelChecker:
         result = checks.run_all([(check, shape)], serving.dtype, serving.device)[0]
         if idle and serving.device.startswith("cuda") and not result.error:
             result.us, result.timed = checks.time_call(check, shape, serving.dtype, serving.device)
+            self.limit(check, result, serving)
             key = (op, shape, serving.dtype)
             self.times[key] = (checks.fingerprints([check])[op], result.us, result.timed)
             self.timed_idle.add(key)
@@ -166,13 +168,25 @@ class KernelChecker:
                 result.us_before = None
             result.timed = timed
             self.times[(result.op, result.shape, serving.dtype)] = (now[result.op], result.us, timed)
+            self.limit(check, result, serving)
+
+    def limit(self, check: checks.KernelCheck, result: checks.Result, serving: checks.Serving) -> None:
+        """The timed call's bytes and FLOPs (over the inputs timed) and its share of the GPU's limit."""
+        cost = checks.cost_at(check, result.shape, serving.dtype, serving.device)
+        if cost is None:
+            return
+        result.bytes, result.flops = cost
+        if self.limits is None:
+            self.limits = checks.device_limits(serving.device) or False
+        if self.limits and result.us:
+            result.share, result.bound = checks.share_of(*cost, result.us, self.limits, check.tensor_cores)
 
 
 def reported(results: list[checks.Result]) -> list[KernelCheckResult]:
     return [KernelCheckResult(op=r.op, shape=list(r.shape), dtype=r.dtype, max_abs=_finite(r.max_abs),
                               max_rel=_finite(r.max_rel), atol=r.atol, rtol=r.rtol, ok=r.ok, seed=r.seed,
                               error=r.error, us_before=r.us_before, us_after=r.us, before_fresh=r.before_fresh,
-                              timed=r.timed)
+                              timed=r.timed, bytes=r.bytes, flops=r.flops, share=r.share, bound=r.bound)
             for r in results]
 
 
