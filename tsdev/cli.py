@@ -726,6 +726,72 @@ def hook(
         raise typer.Exit(2) from None
 
 
+@app.command(short_help="Every save tsdev watch saw: kernels' errors, µs, share of the limit; charts, best, restore.")
+def history(
+    kernel: Annotated[Optional[str], typer.Argument(
+        help="A kernel (op) to chart: its µs per served shape across saves.")] = None,
+    kernel_filter: Annotated[Optional[str], typer.Option("--kernel", help="Only saves that checked this op.")] = None,
+    file: Annotated[Optional[str], typer.Option(help="Only saves of this file (a path, or its end).")] = None,
+    since: Annotated[Optional[str], typer.Option(help="Only saves since: an age (30m, 2h, 3d) or a date.")] = None,
+    outcome: Annotated[Optional[str], typer.Option(
+        help="Only saves that ended so: ok, rolled back, kernel check failed, nothing to reload, restarted...")] = None,
+    limit: Annotated[int, typer.Option(help="The newest this many saves (0: all).")] = 50,
+    html_file: Annotated[Optional[Path], typer.Option(
+        "--html", help="Write the charts as a self-contained page (KERNEL's, else every kernel's).")] = None,
+    best: Annotated[Optional[str], typer.Option(
+        help="The fastest version of this op that passed its check, with its diff from the file now.")] = None,
+    shape: Annotated[Optional[str], typer.Option(help="One served shape, as shown (256x1024).")] = None,
+    restore_id: Annotated[Optional[int], typer.Option(
+        "--restore", help="Write the files of save ID back (a running tsdev watch reloads them).")] = None,
+    prune: Annotated[bool, typer.Option(
+        help="Delete old saves now (never a kernel's best): by --keep-days and --max-mb, else [tool.tsdev] "
+             "history-keep-days / history-max-mb.")] = False,
+    keep_days: Annotated[Optional[float], typer.Option(help="With --prune: keep this many days (0: no limit).")] = None,
+    max_mb: Annotated[Optional[float], typer.Option(help="With --prune: stay under this many MB (0: none).")] = None,
+    project: Annotated[Path, typer.Option(help="The project tsdev watch ran in (its notebook).")] = Path("."),
+):
+    """The project's notebook: one record per save `tsdev watch` saw (docs/watch.md, "The notebook")."""
+    from rich.console import Console
+
+    from tsdev import history as h
+    from tsdev.notebook import Notebook, notebook_path, prune_settings
+
+    console, path = Console(highlight=False), notebook_path(project)
+    if not path.is_file():
+        console.print(f"no notebook for {project.resolve()} yet ({path}): `tsdev watch` writes one record per save")
+        raise typer.Exit(0 if restore_id is None and best is None else 2)
+    notebook = Notebook(path)
+    if prune:
+        days, mb = prune_settings(project)
+        deleted = notebook.prune(days if keep_days is None else (keep_days or None),
+                                 mb if max_mb is None else (max_mb or None))
+        console.print(f"pruned {deleted} save(s); the notebook uses {notebook.used_mb():.1f} MB")
+    elif restore_id is not None:
+        try:
+            written = h.restore(notebook, restore_id, project)
+        except ValueError as exc:
+            console.print(f"[red]error:[/red] {exc}")
+            raise typer.Exit(2) from None
+        console.print(f"restored save #{restore_id}: " + (", ".join(written) or "the files already hold it")
+                      + (" (a running tsdev watch reloads them)" if written else ""))
+    elif best is not None:
+        found, lines = h.best_report(notebook, best, shape, project)
+        console.print("\n".join(lines), markup=False)
+        raise typer.Exit(0 if found is not None else 1)
+    elif html_file is not None:
+        html_file.write_text(h.html_page(notebook, [kernel] if kernel else notebook.ops(), shape))
+        console.print(f"wrote {html_file}")
+    elif kernel is not None:
+        for line in h.chart(notebook, kernel, shape):
+            console.print(line)
+    else:
+        try:
+            since_at = h.parse_since(since) if since else None
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--since") from None
+        console.print(h.saves_table(notebook, kernel_filter, file, since_at, outcome, limit or None))
+
+
 from tsdev.weights_cli import sleep, wake, weights_app  # noqa: E402
 
 app.command(short_help="Put a server to sleep: its GPU memory freed.")(sleep)

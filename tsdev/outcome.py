@@ -82,8 +82,18 @@ def checks_summary(results: Iterable[KernelCheckResult]) -> list[str]:
             text += f" · {before:.1f}{stale} → {after:.1f} µs{_eager(timed)} ({(after / before - 1) * 100:+.0f}%)"
         elif timed_after := [c for c in found if c.us_after]:
             text += f" · {statistics.median(c.us_after for c in timed_after):.1f} µs{_eager(timed_after)}"
-        texts.append(f"{text} at {f'{len(failed)} of ' if failed else ''}{len(found)} shape(s)")
+        text += f" at {f'{len(failed)} of ' if failed else ''}{len(found)} shape(s)"
+        texts.append(text + share_text(found))
     return texts
+
+
+def share_text(found: list[KernelCheckResult]) -> str:
+    """' · [256x1024] 4.1 µs = 82 % of bandwidth': the share of the GPU's limit at the op's largest shape timed."""
+    shared = [c for c in found if c.share is not None and c.us_after]
+    if not shared:
+        return ""
+    c = shared[-1]
+    return f" · [{'x'.join(map(str, c.shape))}] {c.us_after:.1f} µs = {100 * c.share:.0f} % of {c.bound}"
 
 
 def _eager(checks: list[KernelCheckResult]) -> str:
