@@ -174,31 +174,29 @@ def test_the_block_gemv_quantizes_inside_and_is_the_block_linear_reference(token
 
 def test_the_block_gemm_reads_its_tuned_file_by_shape_and_gpu_and_says_once_when_there_is_none(tmp_path, monkeypatch,
                                                                                               caplog):
-    """What `benchmarks/fp8_block_linear.py --tune` writes (the best config per M of a shape on this GPU), the
-    kernel reads: the nearest M bucket's entry (the smaller on a tie); another shape, or no GPU, runs UNTUNED_GEMM,
-    a missing file said once with the command that writes it."""
+    """What `tsdev tune` writes (the best config per M of a shape on this GPU), the kernel reads: the nearest M
+    bucket's entry (the smaller on a tie); another shape, or no GPU, runs UNTUNED_GEMM, a missing file said once with
+    the command that writes it."""
     import logging
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    from fp8_block_linear import write_tuned
-
+    from tsdev.tune import write_table
+    from tsdev_kernels import ops
     from tsdev_kernels.ops import fp8_block
 
     monkeypatch.setattr(fp8_block, "GEMM_CONFIG_DIR", tmp_path)
+    monkeypatch.setenv("TSDEV_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(fp8_block, "device_name", lambda device: None if str(device) == "cpu" else "NVIDIA H200")
-    fp8_block._gemm_table.cache_clear()
+    fp8_block._gemm_table.cache_clear(), ops.tuned_configs.cache_clear()
     path = fp8_block.block_gemm_config_path(4096, 12288, "NVIDIA H200")
     assert path.name == "N=4096,K=12288,dtype=float8_e4m3fn,block=128x128,device=NVIDIA_H200.json"
-    write_tuned(path, {1: (16, 64, 4, 4), 64: (64, 128, 4), 2048: (128, 128, 8)})
+    write_table(path, {1: (16, 64, 4, 4), 64: (64, 128, 4), 2048: (128, 128, 8)})
     got = {m: fp8_block.block_gemm_config(m, 4096, 12288, "cuda") for m in (1, 16, 32, 33, 64, 1000, 1057, 4096)}
     assert got == {1: (16, 64, 4, 4), 16: (16, 64, 4, 4), 32: (16, 64, 4, 4), 33: (64, 128, 4), 64: (64, 128, 4),
                    1000: (64, 128, 4), 1057: (128, 128, 8), 4096: (128, 128, 8)}
     assert fp8_block.block_gemm_config(16, 4096, 12288, "cpu") == fp8_block.UNTUNED_GEMM
-    with caplog.at_level(logging.INFO, logger=fp8_block.log.name):
+    with caplog.at_level(logging.INFO, logger=ops.tuned_log.name):
         for m in (1, 64, 256):
             assert fp8_block.block_gemm_config(m, 6144, 4096, "cuda") == fp8_block.UNTUNED_GEMM
     said = [r.getMessage() for r in caplog.records]
-    assert len(said) == 1 and "N=6144,K=4096" in said[0] and "fp8_block_linear.py --tune --shape 6144,4096" in said[0]
+    assert len(said) == 1 and "N=6144,K=4096" in said[0] and "tsdev tune --gemm 6144,4096" in said[0]
     fp8_block._gemm_table.cache_clear()

@@ -6,9 +6,10 @@ these pass, layers and experts run the reference."""
 import pytest
 import torch
 
-from tsdev_kernels.ops.fp8_block import (fp8_block_gemm_triton, fp8_block_linear_ref, fp8_block_linear_triton,
+from tsdev_kernels.ops.fp8_block import (fp8_block_gemm_ref, fp8_block_gemm_triton, fp8_block_linear,
+                                         fp8_block_linear_ref, fp8_block_linear_triton, fp8_block_scaled_mm,
                                          quantize_fp8_blocks, quantize_fp8_token_groups,
-                                         quantize_fp8_token_groups_triton)
+                                         quantize_fp8_token_groups_triton, scaled_mm_available)
 
 pytestmark = pytest.mark.gpu
 
@@ -57,3 +58,23 @@ def test_block_fp8_experts_are_their_reference_at_qwen3_30b_a3bs_layer(tokens, b
     config = dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
     ours = moe.fused_moe_triton(x, q13, q2, weights, ids, config=config, **scales).float()
     assert (ours - ref).abs().max() / ref.abs().max() < 6e-3
+
+
+@pytest.mark.parametrize("tokens, n, k", [(1, 6144, 4096), (7, 4096, 4096), (256, 24576, 4096), (2048, 4096, 12288)])
+def test_scaled_mm_with_block_scales_is_the_block_gemm_reference(tokens, n, k, monkeypatch):
+    """cuBLASLt's block-scaled GEMM (the route `uses_scaled_mm` takes where it is faster) computes
+    `fp8_block_gemm_ref`'s product, rows padded to a multiple of 4 and cut off; the served op under
+    TSDEV_KERNELS=cublas:fp8 too. Skipped where this torch / GPU has none (the op then serves Triton)."""
+    if not scaled_mm_available(torch.device("cuda")):
+        pytest.skip(f"torch {torch.__version__} has no block-scaled _scaled_mm on this GPU (sm_90, CUDA >= 12.9)")
+    g = torch.Generator(device="cuda").manual_seed(n + tokens)
+    weight, scale_inv = quantize_fp8_blocks(torch.randn(n, k, generator=g, device="cuda") * k**-0.5)
+    x = torch.randn(tokens, k, generator=g, device="cuda").bfloat16()
+    xq, x_scale = quantize_fp8_token_groups_triton(x)
+    ref = fp8_block_gemm_ref(xq, x_scale, weight, scale_inv)
+    ours = fp8_block_scaled_mm(xq, x_scale, weight, scale_inv).float()
+    assert ours.shape == (tokens, n)
+    assert (ours - ref).abs().max() / ref.abs().max() < 6e-3  # a bf16 rounding's few 1e-3 at most
+    monkeypatch.setenv("TSDEV_KERNELS", "cublas:fp8")
+    served = fp8_block_linear(x, weight, scale_inv).float()
+    assert (served - fp8_block_linear_ref(x, weight, scale_inv).float()).abs().max() / ref.abs().max() < 6e-3

@@ -798,6 +798,10 @@ app.command(short_help="Put a server to sleep: its GPU memory freed.")(sleep)
 app.command(short_help="Wake a sleeping server.")(wake)
 app.add_typer(weights_app, name="weights", short_help="Reload, update or verify a server's weights.")
 
+from tsdev.tune_cli import tune_command  # noqa: E402
+
+app.command("tune", short_help="Tune the MoE and block-FP8 kernels for this GPU at a model's shapes.")(tune_command)
+
 
 def _print_version(value: bool) -> None:
     if value:

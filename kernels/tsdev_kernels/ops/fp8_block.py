@@ -6,15 +6,16 @@ kernels checked against them: `quantize_fp8_token_groups_triton` (one program pe
 `fp8_block_linear_triton` (a GEMM whose K loop steps one block at a time: each block's e4m3 product starts from
 zero, is multiplied by the token's group scale and the weight block's scale and added to a float32 sum -- so the
 reduced-precision sums of Hopper's FP8 tensor cores never run past one block, the scheme of DeepSeek's DeepGEMM).
-`fp8_block_linear` serves layers: the Triton kernels on CUDA (their GPU test: tests/test_fp8_block_gpu.py), the
-reference elsewhere and under TSDEV_KERNELS=ref:fp8.
+`fp8_block_linear` serves layers: the Triton kernels on CUDA (their GPU test: tests/test_fp8_block_gpu.py), or
+torch._scaled_mm's block-scaled cuBLASLt GEMM at the token counts where the crossover `tsdev tune` measures says it is
+faster (`uses_scaled_mm`; TSDEV_KERNELS=cublas:fp8 or triton:fp8 forces a side), the reference elsewhere and under
+TSDEV_KERNELS=ref:fp8.
 
 A weight whose sizes are not multiples of the block has partial blocks at its edges (the scales' shape is
 ceil(N / block_n) x ceil(K / block_k), as DeepSeek's); each block's scale is its largest magnitude / 448 (e4m3's
 largest finite value), 1 for an all-zero block, as transformers' fine-grained FP8 quantizer writes it.
 """
 import functools
-import logging
 from pathlib import Path
 
 import torch
@@ -22,11 +23,10 @@ import triton
 import triton.language as tl
 
 from tsdev_kernels.checks import KernelCheck, Tolerance
-from tsdev_kernels.ops import (device_name, nearest, pdl, sm_count, split_arrivals, tuned_configs, use_triton,
-                               wait_for_previous)
+from tsdev_kernels.ops import (device_name, find_tuned, nearest, pdl, routed, sm_count, split_arrivals,
+                               tuned_file_name, tuned_log, use_triton, wait_for_previous)
 from tsdev_kernels.ops.linear import _matrix, gemv_config
 
-log = logging.getLogger(__name__)
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
 E4M3_RECIPROCAL = 1 / E4M3_MAX  # a float32 multiplier once in a tensor's arithmetic
@@ -77,24 +77,33 @@ def quantize_fp8_token_groups(x: torch.Tensor, group: int = BLOCK[1]) -> tuple[t
     return q.contiguous(), scale
 
 
-def fp8_block_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
-                         block: tuple[int, int] = BLOCK, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y ~ x @ W.T (+ bias) the way a w8a8-block kernel computes it: x [..., K] quantized per token and group of
-    block_k columns, then for each block of K the e4m3 product (exact in float32) times the token's group scale and
-    the weight block's scale, summed over the blocks in float32; rounded to x's dtype once."""
+def fp8_block_gemm_ref(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+                       weight_scale_inv: torch.Tensor, block: tuple[int, int] = BLOCK,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The block GEMM of activations already quantized (xq [T, K] e4m3, x_scale [T, ceil(K / block_k)]) in float32:
+    for each block of K the e4m3 product (exact in float32) times the token's group scale and the weight block's
+    scale, summed over the blocks in float32 (+ bias). What both the Triton block GEMM and torch._scaled_mm with
+    DeepSeek-style block scales (`fp8_block_scaled_mm`) compute, up to the order of the float32 sums; the caller
+    rounds once."""
     block_n, block_k = block
-    rows = x.reshape(-1, x.shape[-1])
-    xq, x_scale = quantize_fp8_token_groups(rows, block_k)
     n, k = weight.shape
     kb = x_scale.shape[1]
-    xs = torch.nn.functional.pad(xq.float(), (0, -k % block_k)).view(rows.shape[0], kb, block_k)
+    xs = torch.nn.functional.pad(xq.float(), (0, -k % block_k)).view(xq.shape[0], kb, block_k)
     ws = torch.nn.functional.pad(weight.float(), (0, -k % block_k)).view(n, kb, block_k)
     partial = torch.einsum("tbk,nbk->tbn", xs, ws)  # per K block: [T, blocks, N]
     w_scale = weight_scale_inv.float().repeat_interleave(block_n, 0)[:n]  # [N, blocks]
     y = (partial * x_scale[:, :, None] * w_scale.t()[None]).sum(dim=1)
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype).view(*x.shape[:-1], n)
+    return y + bias.float() if bias is not None else y
+
+
+def fp8_block_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                         block: tuple[int, int] = BLOCK, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y ~ x @ W.T (+ bias) the way a w8a8-block kernel computes it: x [..., K] quantized per token and group of
+    block_k columns (`quantize_fp8_token_groups`), then `fp8_block_gemm_ref`; rounded to x's dtype once."""
+    rows = x.reshape(-1, x.shape[-1])
+    xq, x_scale = quantize_fp8_token_groups(rows, block[1])
+    y = fp8_block_gemm_ref(xq, x_scale, weight, weight_scale_inv, block, bias)
+    return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
 _MAX = tl.constexpr(448.0)  # E4M3_MAX, for the kernels
@@ -264,18 +273,25 @@ GEMM_CONFIG_DIR = Path(__file__).resolve().parent.parent / "gemm_configs"
 UNTUNED_GEMM = (64, 128, 4)
 
 
-def block_gemm_config_path(n: int, k: int, gpu: str) -> Path:
-    """Where `benchmarks/fp8_block_linear.py --tune` writes, and `block_gemm_config` reads, the block GEMM's
-    configurations for an N x K projection on GPU `gpu` (its CUDA name)."""
-    return GEMM_CONFIG_DIR / f"N={n},K={k},dtype=float8_e4m3fn,block=128x128,device={gpu.replace(' ', '_')}.json"
+def block_gemm_stem(n: int, k: int, route: bool = False) -> str:
+    """The shape's part of a tuned file's name: N=..,K=..,dtype=float8_e4m3fn,block=128x128 (vLLM's scheme, ours
+    for the dtype and block); route: the crossover file (`uses_scaled_mm`), `,route=scaled_mm` added."""
+    return f"N={n},K={k},dtype=float8_e4m3fn,block=128x128{',route=scaled_mm' if route else ''}"
+
+
+def block_gemm_config_path(n: int, k: int, gpu: str, folder: Path | None = None, route: bool = False) -> Path:
+    """The file of the block GEMM's configurations (route: its crossover against _scaled_mm) for an N x K projection
+    on GPU `gpu` (its CUDA name) in `folder` (default the shipped GEMM_CONFIG_DIR; `tsdev tune` writes the user's
+    own under `user_cache_dir()/tuned/gemm_configs`)."""
+    return (folder or GEMM_CONFIG_DIR) / tuned_file_name(block_gemm_stem(n, k, route), gpu)
 
 
 def block_gemm_config(rows: int, n: int, k: int, device: torch.device | str) -> tuple[int, ...]:
     """(BLOCK_M, BLOCK_N, num_warps[, shares of K]) for `rows` tokens of an n x k block-FP8 projection: on CUDA the
-    entry of the nearest token bucket in `block_gemm_config_path`'s file, if there is one (logged once per file when
-    not); else UNTUNED_GEMM (64, 128, 4) at every M -- the fastest of `benchmarks/fp8_block_linear.py`'s six at
-    Qwen3-8B's four projections for M 1 to 256 on the H200 (2026-12-05: at M 16, 20.5 against 32.5 us for (16, 64, 4)
-    on q|k|v), within 2 % of the best, (128, 128, 8), at M 2048."""
+    entry of the nearest token bucket in the tuned table (`_gemm_table`), if there is one; else UNTUNED_GEMM
+    (64, 128, 4) at every M -- the fastest of `benchmarks/fp8_block_linear.py`'s six at Qwen3-8B's four projections
+    for M 1 to 256 on the H200 (2026-12-05: at M 16, 20.5 against 32.5 us for (16, 64, 4) on q|k|v), within 2 % of
+    the best, (128, 128, 8), at M 2048."""
     gpu = device_name(device)
     table = _gemm_table(n, k, gpu) if gpu else None
     return tuple(nearest(table, rows)) if table else UNTUNED_GEMM
@@ -283,13 +299,15 @@ def block_gemm_config(rows: int, n: int, k: int, device: torch.device | str) -> 
 
 @functools.lru_cache
 def _gemm_table(n: int, k: int, gpu: str) -> dict | None:
-    """The tuned file's table for this shape and GPU, looked up once per process (a step's eager projections ask
-    for it per call)."""
-    path = str(block_gemm_config_path(n, k, gpu))
-    if (table := tuned_configs(path)) is None:
-        log.info("no tuned block-FP8 GEMM configs %s: using %s at every M. Tune on this GPU with: python3 "
-                 "benchmarks/fp8_block_linear.py --tune --shape %d,%d", path, UNTUNED_GEMM, n, k)
-    return table
+    """The tuned table for this shape and GPU (`find_tuned`'s order: the user's, the shipped file, the sibling
+    GPU's), looked up once per process (a step's eager projections ask per call); one line says which serves."""
+    stem = block_gemm_stem(n, k)
+    if found := find_tuned("gemm_configs", stem, gpu, GEMM_CONFIG_DIR):
+        tuned_log.info("block-FP8 GEMM %s on the %s: tuned configs from %s (%s)", stem, gpu, found.path, found.source)
+        return found.table
+    tuned_log.warning("no tuned block-FP8 GEMM configs %s for the %s: using %s at every M (slower). Write them on "
+                      "this GPU with: tsdev tune --gemm %d,%d", stem, gpu, UNTUNED_GEMM, n, k)
+    return None
 
 
 MAX_SPLIT_K, MIN_SPLIT_BLOCKS = 8, 4  # at most 8 shares of K, each of at least 4 blocks (512 columns)
@@ -350,10 +368,107 @@ def fp8_block_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+# --- cuBLAS where it wins ------------------------------------------------------------------------
+# torch._scaled_mm takes DeepSeek-style block scales on sm_90 with CUDA >= 12.9 (cuBLASLt): activations 1 x 128 per
+# token group, weights 128 x 128. On the H100 at 96b8aee it took 20-22 us for Qwen3-8B's q|k|v at M 1-256 and 87 at
+# 2048, where the Triton projection took 21 / 59 / 30 / 40 / 220 at M 1 / 16 / 64 / 256 / 2048 (untuned), 175 us for
+# down at 2048 against 500 (docs/DEVICE.md). The op routes each M to the faster side by the crossover `tsdev tune`
+# measures; the Triton kernel stays the one a user edits and reloads.
+
+SCALED_MM_MIN_ROWS = 16  # without a measured crossover: _scaled_mm from this many tokens (the H100 figures above)
+
+
+def fp8_block_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+                        weight_scale_inv: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """`fp8_block_gemm_ref`'s product through torch._scaled_mm (cuBLASLt's block-scaled FP8 GEMM), rounded to
+    out_dtype: xq [T, K] e4m3 with its group scales [T, K / 128], weight [N, K] e4m3 with weight_scale_inv
+    [N / 128, K / 128] (N and K multiples of 128). cuBLASLt reads the activations' scales outer-dim-major (stride
+    (1, M)), M a multiple of 4 (16-byte rows of scales): the rows are padded with zeros (scale 1) and cut off after."""
+    t, k = xq.shape
+    rows = t + -t % 4
+    a = xq if rows == t else torch.zeros(rows, k, dtype=xq.dtype, device=xq.device)
+    scale_a = torch.ones(x_scale.shape[1], rows, dtype=torch.float32, device=xq.device).t()  # [rows, K/128], (1, M)
+    if rows != t:
+        a[:t].copy_(xq)
+    scale_a[:t].copy_(x_scale)
+    out = torch._scaled_mm(a, weight.t(), scale_a=scale_a, scale_b=weight_scale_inv.contiguous().t(),
+                           out_dtype=out_dtype)
+    return out[:t]
+
+
+@functools.lru_cache
+def _probe_scaled_mm(index: int) -> bool:
+    """Whether this torch and GPU run `fp8_block_scaled_mm` (one tiny call); said once when not."""
+    device = torch.device("cuda", index)
+    try:
+        xq, x_scale = quantize_fp8_token_groups(torch.ones(4, 128, device=device))
+        w, w_scale = quantize_fp8_blocks(torch.ones(128, 128, device=device))
+        ok = fp8_block_scaled_mm(xq, x_scale, w, w_scale).float().sum().item() == 4 * 128 * 128
+        why = "" if ok else "a wrong product"
+    except (RuntimeError, TypeError, ValueError, NotImplementedError) as exc:
+        why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    if why:
+        tuned_log.warning("block-FP8 projections: the Triton kernel at every M -- torch %s on the %s has no "
+                          "block-scaled _scaled_mm (%s; it needs sm_90 and CUDA >= 12.9)", torch.__version__,
+                          torch.cuda.get_device_name(index), why)
+    return not why
+
+
+def scaled_mm_available(device: torch.device) -> bool:
+    """Whether block-FP8 projections on `device` may go to torch._scaled_mm: probed once per GPU, eagerly (never
+    inside a capture: until a probe has run, captures take the Triton kernel)."""
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if torch.cuda.is_current_stream_capturing() and _probe_scaled_mm.cache_info().currsize == 0:
+        return False
+    return _probe_scaled_mm(index)
+
+
+@functools.lru_cache
+def _route_table(n: int, k: int, gpu: str) -> dict | None:
+    """{M: {"triton_us": .., "scaled_mm_us": ..}} that `tsdev tune` measured for this shape on this GPU (or its
+    sibling), looked up once per process."""
+    found = find_tuned("gemm_configs", block_gemm_stem(n, k, route=True), gpu, GEMM_CONFIG_DIR)
+    if found:
+        tuned_log.info("block-FP8 projection %d x %d on the %s: Triton / _scaled_mm crossover from %s (%s)", n, k, gpu,
+                       found.path, found.source)
+    return found.table if found else None
+
+
+def uses_scaled_mm(rows: int, n: int, k: int, device: torch.device) -> bool:
+    """Whether a block-FP8 projection of `rows` tokens (n x k, no bias) runs `fp8_block_scaled_mm` rather than the
+    Triton kernel: where _scaled_mm is available (`scaled_mm_available`) and n and k are whole blocks, by
+    TSDEV_KERNELS (cublas:fp8 always, triton:fp8 never), else by the measured crossover's nearest bucket, else from
+    SCALED_MM_MIN_ROWS tokens."""
+    forced = routed("fp8")
+    if forced == "triton" or n % BLOCK[0] or k % BLOCK[1] or not scaled_mm_available(device):
+        return False
+    if forced == "cublas":
+        return True
+    table = _route_table(n, k, device_name(device))
+    if table:
+        entry = nearest(table, rows)
+        return entry["scaled_mm_us"] < entry["triton_us"]
+    return rows >= SCALED_MM_MIN_ROWS
+
+
+def fp8_block_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> torch.Tensor:
+    """A block-FP8 projection (no bias) through cuBLAS: the Triton token-group quantization, then
+    `fp8_block_scaled_mm`."""
+    rows = x.reshape(-1, x.shape[-1])
+    xq, x_scale = quantize_fp8_token_groups_triton(rows if rows.stride(-1) == 1 else rows.contiguous())
+    return fp8_block_scaled_mm(xq, x_scale, weight, weight_scale_inv, x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                      block: tuple[int, int] = BLOCK, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """A block-FP8 projection: `fp8_block_linear_triton` on CUDA, `fp8_block_linear_ref` elsewhere."""
+    """A block-FP8 projection: on CUDA `fp8_block_linear_triton`, or `fp8_block_linear_scaled_mm` at the M where
+    `uses_scaled_mm` says cuBLAS is faster; `fp8_block_linear_ref` elsewhere."""
     if use_triton(x, "fp8"):
+        rows = x.numel() // x.shape[-1]
+        if bias is None and block == BLOCK and rows and uses_scaled_mm(rows, *weight.shape, x.device):
+            return fp8_block_linear_scaled_mm(x, weight, weight_scale_inv)
         return fp8_block_linear_triton(x, weight, weight_scale_inv, block, bias)
     return fp8_block_linear_ref(x, weight, weight_scale_inv, block, bias)
 

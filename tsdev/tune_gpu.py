@@ -1,0 +1,155 @@
+"""`tsdev tune`'s timer on a CUDA GPU: random inputs of a job's shape, each configuration's kernels compiled in
+parallel processes first (about a second per binary: one process compiling a search's would take most of its
+time), then timed replayed from a CUDA graph (triton.testing.do_bench_cudagraph, as benchmarks/tune_moe.py and
+benchmarks/fp8_block_linear.py time).
+
+MoE: `fused_moe_triton` (alignment, both GEMMs, the sum; FP8 experts with their activations' quantization) on a
+random routing. GEMM: the token-group quantization and the block GEMM (`fp8_block_gemm_triton`), and for the crossover
+the served Triton projection against the quantization and torch._scaled_mm (`fp8_block_linear_scaled_mm`).
+"""
+import concurrent.futures
+import multiprocessing
+import os
+import sys
+
+import torch
+
+from tsdev.tune import Job
+from tsdev.tune_search import Config
+
+
+def moe_inputs(job: Job, tokens: int, generator: torch.Generator, experts: int | None = None) -> tuple:
+    """x, w13, w2, router weights, ids and `fused_moe_triton`'s scales for `tokens` tokens of the job's shape on the
+    generator's device; `experts` (default the shape's) fewer for compiling: the binaries do not depend on it. The
+    FP8 weights are quantized one expert at a time (a whole layer in float32 would not fit beside the bf16 one)."""
+    from tsdev_kernels.ops import fp8, fp8_block
+
+    e, i, h, k = job.shape
+    e, device, dtype = experts or e, generator.device, torch.bfloat16
+    x = torch.randn(tokens, h, generator=generator, device=device, dtype=dtype)
+    w13 = torch.randn(e, 2 * i, h, generator=generator, device=device, dtype=dtype) * 0.02
+    w2 = torch.randn(e, h, i, generator=generator, device=device, dtype=dtype) * 0.02
+    probs = torch.randn(tokens, e, generator=generator, device=device).softmax(-1)
+    weights, ids = probs.topk(k, dim=-1)
+    scales = {}
+    if job.kind == "fp8":
+        (w13, s13), (w2, s2) = ([torch.stack(t) for t in zip(*(fp8.quantize_fp8_rows(m) for m in w))]
+                                for w in (w13, w2))
+        scales = dict(w13_scale=s13.squeeze(-1), w2_scale=s2.squeeze(-1))
+    if job.kind == "block-fp8":
+        (w13, s13), (w2, s2) = ([torch.stack(t) for t in zip(*(fp8_block.quantize_fp8_blocks(m.float()) for m in w))]
+                                for w in (w13, w2))
+        scales = dict(w13_scale=s13, w2_scale=s2, block=fp8_block.BLOCK)
+    return x, w13, w2, (weights / weights.sum(-1, keepdim=True)).float(), ids.int(), scales
+
+
+def gemm_inputs(job: Job, tokens: int, generator: torch.Generator) -> tuple:
+    """x (bf16), its quantization (e4m3, group scales) and the block-FP8 weight with its scales."""
+    from tsdev_kernels.ops import fp8_block
+
+    n, k = job.shape
+    device = generator.device
+    weight, scale = fp8_block.quantize_fp8_blocks(torch.randn(n, k, generator=generator, device=device) * k**-0.5)
+    x = torch.randn(tokens, k, generator=generator, device=device, dtype=torch.bfloat16)
+    return (x, *fp8_block.quantize_fp8_token_groups_triton(x), weight, scale)
+
+
+def launch(job: Job, data: tuple, config: Config) -> None:
+    """One call of the kernels `config` tunes."""
+    if job.kind == "gemm":
+        from tsdev_kernels.ops.fp8_block import fp8_block_gemm_triton
+
+        _, xq, x_scale, weight, scale = data
+        entry = (config["BLOCK_M"], config["BLOCK_N"], config["num_warps"], config.get("SPLIT_K"))
+        fp8_block_gemm_triton(xq, x_scale, weight, scale, config=entry if entry[-1] else entry[:3])
+    else:
+        from tsdev_kernels.ops.moe import fused_moe_triton
+
+        x, w13, w2, weights, ids, scales = data
+        fused_moe_triton(x, w13, w2, weights, ids, config=config, **scales)
+
+
+def compile_chunk(job: Job, tokens: int, configs: list[Config]) -> int:
+    """Run each configuration once (Triton compiles its kernels into its cache on disk, which the timing process
+    then loads) on few experts of the shape; the count that failed (out of shared memory or registers). A worker."""
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    if job.kind == "gemm":
+        data = gemm_inputs(job, tokens, generator)
+    else:
+        data = moe_inputs(job, tokens, generator, experts=min(job.shape[0], max(job.shape[3], 8)))
+    failed = 0
+    for config in configs:
+        try:
+            launch(job, data, config)
+        except Exception:  # noqa: BLE001 -- out of resources: the timing skips it too
+            failed += 1
+    torch.cuda.synchronize()
+    return failed
+
+
+class CudaTimer:
+    """`tsdev.tune.Timer` on the current CUDA device. Holds one job's weights at a time."""
+
+    def __init__(self, jobs: int = min(16, os.cpu_count() or 1), rep: int = 50):
+        self.rep, self.jobs = rep, jobs
+        self.generator = torch.Generator(device="cuda").manual_seed(0)
+        self.compiled: set = set()
+        self.data: dict = {}
+        context = multiprocessing.get_context("spawn")  # CUDA in every worker
+        self.pool = concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) if jobs > 1 else None
+
+    def _inputs(self, job: Job, tokens: int) -> tuple:
+        key = (job, tokens)
+        if key not in self.data:
+            self.data.clear()  # one (job, bucket) at a time: a DeepSeek layer's experts are 22 GB in bf16
+            torch.cuda.empty_cache()
+            self.data[key] = (gemm_inputs if job.kind == "gemm" else moe_inputs)(job, tokens, self.generator)
+        return self.data[key]
+
+    def prepare(self, job: Job, tokens: int, configs: list[Config]) -> None:
+        todo = [c for c in configs if (job, tokens, repr(sorted(c.items()))) not in self.compiled]
+        if self.pool and len(todo) > 1:
+            chunks = [todo[i::self.jobs] for i in range(self.jobs) if todo[i::self.jobs]]
+            list(self.pool.map(compile_chunk, [job] * len(chunks), [tokens] * len(chunks), chunks))
+        self.compiled.update((job, tokens, repr(sorted(c.items()))) for c in todo)
+
+    def _bench(self, call) -> float | None:
+        import triton.testing
+
+        try:
+            call()
+            torch.cuda.synchronize()
+            return triton.testing.do_bench_cudagraph(call, rep=self.rep) * 1e3
+        except Exception as exc:  # noqa: BLE001 -- out of shared memory / registers: not a candidate
+            print(f"  skip: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
+            torch.cuda.synchronize()
+            return None
+
+    def time(self, job: Job, tokens: int, config: Config) -> float | None:
+        data = self._inputs(job, tokens)
+        if job.kind == "gemm":  # the quantization of the activations belongs to the projection's time
+            from tsdev_kernels.ops.fp8_block import quantize_fp8_token_groups_triton
+
+            return self._bench(lambda: (quantize_fp8_token_groups_triton(data[0]), launch(job, data, config)))
+        return self._bench(lambda: launch(job, data, config))
+
+    def crossover(self, job: Job, tokens: int, config: Config) -> tuple[float, float] | None:
+        """(the Triton projection at `config`, the GEMV too at one token; the quantization and torch._scaled_mm) in
+        µs, None where _scaled_mm has no block scales here."""
+        from tsdev_kernels.ops import fp8_block
+
+        x, _, _, weight, scale = self._inputs(job, tokens)
+        if job.shape[0] % 128 or job.shape[1] % 128 or not fp8_block.scaled_mm_available(x.device):
+            return None
+        triton_us = self.time(job, tokens, config)
+        if tokens <= fp8_block.GEMV_MAX_ROWS:
+            gemv = self._bench(lambda: fp8_block.fp8_block_gemv_triton(x, weight, scale))
+            triton_us = min(t for t in (triton_us, gemv) if t is not None)
+        cublas_us = self._bench(lambda: fp8_block.fp8_block_linear_scaled_mm(x, weight, scale))
+        if triton_us is None or cublas_us is None:
+            return None
+        return triton_us, cublas_us
+
+    def close(self) -> None:
+        if self.pool:
+            self.pool.shutdown()
