@@ -272,3 +272,34 @@ def test_a_failed_check_and_a_rollback_are_told_apart():
     record = ReloadRecord(3, "save", ["k.py"])
     record.finish(WorkerReport(ok=True, reloaded=["k"]))
     assert entry_of(record).outcome == "ok"
+
+
+def test_the_screen_shows_each_changed_kernels_share_of_the_limit_and_its_last_saves_as_a_sparkline(tmp_path):
+    from fake_server import URL
+    from tsdev_runtime.control_protocol import KernelCheckResult, WorkerReport
+    from tsdev.outcome import checks_table
+    from tsdev.watch.args import WatchConfig
+    from tsdev.watch.tui import WatchApp
+
+    def result(tokens: int, us: float, share: float) -> KernelCheckResult:
+        return KernelCheckResult(op="rms_norm", shape=[tokens, 1024], dtype="bfloat16", max_abs=4e-3, max_rel=1e-2,
+                                 atol=1e-2, rtol=1e-2, ok=True, seed=1, us_before=4.4, us_after=us, before_fresh=True,
+                                 timed="graph", bytes=2 * tokens * 1024 * 2 + 2048, flops=0, share=share,
+                                 bound="bandwidth")
+
+    screen = WatchApp(WatchConfig(attach=URL, project=tmp_path))
+    try:
+        for us in (6.0, 5.0, 4.4):
+            screen.daemon.notebook.put(entry(1.0, us))
+        record = ReloadRecord(1, "save", ["k.py"])
+        record.finish(WorkerReport(ok=True, reloaded=["tsdev_kernels.ops.norm"],
+                                   kernel_checks=[result(1, 2.0, 0.01), result(256, 4.1, 0.82)]))
+        screen.daemon.notebook.put(entry_of(record))
+        text = screen.current_outcome(record)
+        assert "rms_norm: err 4e-03 ok · 4.4 → 3.0 µs (-31%) at 2 shape(s)" in text
+        assert "[256x1024] 4.1 µs = 82 % of bandwidth" in text
+        assert text.endswith(" " + sparkline([6.0, 5.0, 4.4, 3.05]))  # the last saves' µs (medians), this one last
+        assert sparkline([6.0, 5.0, 4.4, 3.05]) == "█▆▄▁"
+    finally:
+        screen.daemon.notebook.close()
+    assert "82 % bw" in checks_table(record.worker.kernel_checks)[2]

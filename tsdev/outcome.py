@@ -104,14 +104,22 @@ def _eager(checks: list[KernelCheckResult]) -> str:
 def checks_table(results: Iterable[KernelCheckResult]) -> list[str]:
     """One line per op and shape: what `tsdev check --shapes` prints."""
     lines = [f"{'op':<22} {'shape':>14} {'dtype':<9} {'max abs':>9} {'max rel':>9} {'tolerance':>17} "
-             f"{'µs before':>9} {'µs after':>9} {'timed':<5}  outcome"]
+             f"{'µs before':>9} {'µs after':>9} {'timed':<5} {'of limit':>8}  outcome"]
     for c in results:
         shape, tolerance = "x".join(map(str, c.shape)), f"{c.atol:g} + {c.rtol:g}·|ref|"
         number = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
         lines.append(f"{c.op:<22} {shape:>14} {c.dtype:<9} {number(c.max_abs, '9.2e')} {number(c.max_rel, '9.2e')} "
-                     f"{tolerance:>17} {number(c.us_before, '9.1f')} {number(c.us_after, '9.1f')} {c.timed or '-':<5}  "
+                     f"{tolerance:>17} {number(c.us_before, '9.1f')} {number(c.us_after, '9.1f')} {c.timed or '-':<5} "
+                     f"{_limit(c):>8}  "
                      f"{'ok' if c.ok else 'FAILED' + (f': {c.error}' if c.error else '')}")
     return lines
+
+
+def _limit(check: KernelCheckResult) -> str:
+    """'82 % bw' / '61 % tc': the share of the GPU's limit (bandwidth or tensor cores), '-' where none was taken."""
+    if check.share is None:
+        return "-"
+    return f"{100 * check.share:.0f} % {'bw' if check.bound == 'bandwidth' else 'tc'}"
 
 
 def outside(modules: Iterable[str]) -> str:

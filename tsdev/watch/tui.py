@@ -18,6 +18,7 @@ from textual.widgets import DataTable, Footer, RichLog, Static
 
 from tsdev.outcome import (KEEPS_SERVING, SHOWN_STEPS, checks_table, fold, graph_split, kernel_checks_text,
                            rank_lines, reloaded_text)
+from tsdev.notebook import sparkline
 from tsdev.watch.args import WatchConfig
 from tsdev.watch.daemon import Daemon
 from tsdev.watch.records import Event, ReloadRecord, RestartRecord, WeightsRecord
@@ -377,14 +378,23 @@ class WatchApp(App):
             chips.append(f"[b]save → serving {record.served_after_save:.2f} s[/b]")
         return chips
 
-    @staticmethod
-    def current_outcome(record: ReloadRecord) -> str:
+    def current_outcome(self, record: ReloadRecord) -> str:
         if isinstance(record, WeightsRecord) and record.error:
             return f"[red]FAILED: {escape(record.error)}[/red]"
         if record.error:
             return f"[red]FAILED: {KEEPS_SERVING}[/red]"
-        return (" | ".join([*map(escape, kernel_checks_text(record.worker)), *checks_text(record)])
+        return (" | ".join([*map(escape, self.kernel_texts(record)), *checks_text(record)])
                 or "[green]ok[/green]")
+
+    def kernel_texts(self, record: ReloadRecord) -> list[str]:
+        """Each checked op's summary (its share of the limit among it), then a sparkline of its last saves' µs
+        from the notebook (tsdev history OP charts them)."""
+        texts, notebook = kernel_checks_text(record.worker), self.daemon.notebook
+        if notebook is None or record.worker is None:
+            return texts
+        ops = list(dict.fromkeys(c.op for c in record.worker.kernel_checks))  # checks_summary's order
+        return [f"{text} {sparkline(values)}" if len(values := notebook.sparkline_of(op)) > 1 else text
+                for op, text in zip(ops, texts)]
 
     def on_resize(self, event) -> None:
         self.lay_out_history(event.size.width)

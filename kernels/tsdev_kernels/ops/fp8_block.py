@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tsdev_kernels.checks import KernelCheck, Tolerance
+from tsdev_kernels.checks import KernelCheck, Tolerance, matmul_cost, nbytes
 from tsdev_kernels.ops import (device_name, find_tuned, nearest, pdl, routed, sm_count, split_arrivals,
                                tuned_file_name, tuned_log, use_triton, wait_for_previous)
 from tsdev_kernels.ops.linear import _matrix, gemv_config
@@ -510,6 +510,11 @@ def _linear_inputs(shape, dtype, device, generator):
     return _check_activations(rows, k, dtype, device, generator), weight, scale_inv
 
 
+def _groups_cost(x):
+    """x read; its e4m3 values (a byte each) and a float32 scale per 128-column group written."""
+    return nbytes(x) + x.numel() + x.numel() // BLOCK[1] * 4, 0
+
+
 def _as_floats(quantized: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return quantized[0].float(), quantized[1]
 
@@ -519,10 +524,11 @@ CHECKS = [
                 shapes=lambda s: [(t, s.hidden) for t in s.tokens] if s.fp8_blocks else [],
                 inputs=_groups_inputs, kernel=lambda x: _as_floats(quantize_fp8_token_groups_triton(x)),
                 reference=lambda x: _as_floats(quantize_fp8_token_groups(x)),
-                tolerance=dict.fromkeys((torch.bfloat16, torch.float16, torch.float32), BIT_FOR_BIT)),
+                tolerance=dict.fromkeys((torch.bfloat16, torch.float16, torch.float32), BIT_FOR_BIT),
+                cost=_groups_cost),
     KernelCheck(op="fp8_block_linear", kernels=("_token_group_quant_kernel", "_block_gemm_kernel",
                                                 "_block_gemv_kernel"),
                 shapes=lambda s: [(t, s.intermediate, s.hidden) for t in s.tokens] if s.fp8_blocks else [],
                 inputs=_linear_inputs, kernel=fp8_block_linear_triton, reference=fp8_block_linear_ref,
-                tolerance=BLOCK_TOLERANCE),
+                tolerance=BLOCK_TOLERANCE, cost=matmul_cost, tensor_cores="fp8"),  # e4m3 x e4m3 products
 ]
