@@ -9,14 +9,14 @@ off GEMV_MAX_ROWS, the best configuration by M and whether the split pays.
     python3 benchmarks/fp8_block_linear.py --m 1 16 64 256 2048 --configs 16,64,4 16,128,4 64,128,4 64,64,4 128,128,8
     python3 benchmarks/fp8_block_linear.py --tune --shape 2048,4096 --shape 4096,1024   # write the tuned files
 
---tune writes, for each shape, the best of --configs at each M into the file `block_gemm_config` reads on this GPU
-(kernels/tsdev_kernels/gemm_configs/N=..,K=..,dtype=float8_e4m3fn,block=128x128,device=...json); without a file
-the block GEMM runs (64, 128, 4) at every M. --shape N,K (repeatable) replaces Qwen3-8B's four projections: a
+--tune then runs `tsdev tune --gemm N,K` for each shape (tsdev/tune.py: the fast search at each M bucket and the
+crossover against torch._scaled_mm), writing the user's cache (<cache>/tuned/gemm_configs/N=..,K=..,dtype=
+float8_e4m3fn,block=128x128,device=...json), which `block_gemm_config` reads first; without a file the block GEMM
+runs (64, 128, 4) at every M. --shape N,K (repeatable) replaces Qwen3-8B's four projections: a
 projection's output and input features on one rank.
 """
 import argparse
 import datetime
-import json
 import shlex
 import sys
 
@@ -35,8 +35,8 @@ def main() -> None:
                                                          "64,128,4,4", "64,128,4,8", "64,128,4", "128,128,8"],
                         help="BLOCK_M,BLOCK_N,num_warps[,shares of K]; without the fourth, block_gemm_split's")
     parser.add_argument("--shape", action="append", metavar="N,K", help="a projection's shape (default: Qwen3-8B's)")
-    parser.add_argument("--tune", action="store_true", help="write the best config per M of each shape to the "
-                                                            "file the block GEMM reads on this GPU")
+    parser.add_argument("--tune", action="store_true", help="then tune each shape (tsdev tune --gemm N,K) into the "
+                                                            "user's cache, which the block GEMM reads first")
     args = parser.parse_args()
     shapes = ({s: tuple(int(v) for v in s.split(",")) for s in args.shape} if args.shape else SHAPES)
     if not torch.cuda.is_available():
@@ -50,7 +50,6 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     graphed = lambda fn: triton.testing.do_bench_cudagraph(fn) * 1e3  # noqa: E731
     for name, (n, k) in shapes.items():
-        tuned = {}
         w = (torch.randn(n, k, generator=g, device="cuda") * k**-0.5).bfloat16()
         wq, w_scale = fp8_block.quantize_fp8_blocks(w.float())
         w_rows, w_row_scale = fp8.quantize_fp8_rows(w)
@@ -66,21 +65,19 @@ def main() -> None:
             per_config = [graphed(lambda c=c: fp8_block.fp8_block_gemm_triton(xq, x_scale, wq, w_scale, config=c))
                           for c in configs]
             best = min(range(len(configs)), key=per_config.__getitem__)
-            tuned[m] = configs[best]
             print(f"| {name} | {m} | {ours:.1f} | {scaled:.1f} | {ours / scaled:.2f} | {bf16:.1f} | {gemv:.1f} | "
                   f"{configs[best]} | "
                   f"{per_config[best]:.1f} | " + " | ".join(f"{t:.1f}" for t in per_config) + " |", flush=True)
-        if args.tune:
-            write_tuned(fp8_block.block_gemm_config_path(n, k, torch.cuda.get_device_name()), tuned)
+    if args.tune:
+        from tsdev.tune import Job, tune, tuned_dir
+        from tsdev.tune_gpu import CudaTimer
 
-
-def write_tuned(path, tuned: dict[int, tuple]) -> None:
-    """{M: config} as the JSON `block_gemm_config` reads, written whole or not at all."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps({str(m): list(c) for m, c in sorted(tuned.items())}, indent=2) + "\n")
-    temporary.replace(path)
-    print(f"wrote {path}", flush=True)
+        timer = CudaTimer()
+        try:
+            tune([Job("gemm", shape, name) for name, shape in shapes.items()], timer, tuned_dir(),
+                 torch.cuda.get_device_name())
+        finally:
+            timer.close()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Tune kernels/tsdev_kernels/ops/moe.py's block sizes for one MoE shape on this GPU and write the file `moe_config`
-reads.
+"""Tune kernels/tsdev_kernels/ops/moe.py's block sizes for one MoE shape on this GPU over the full grid and write the
+file `moe_config` reads. `tsdev tune` (tsdev/tune.py) is the tuner to use: a model's shapes, a fast search, the
+user's cache; this script stays as the full-grid reference (and the only one that tries --fp8-wgmma).
 
     python3 benchmarks/tune_moe.py --experts 128 --intermediate 768 --hidden 2048      # Qwen3-30B-A3B, one rank
     python3 benchmarks/tune_moe.py --experts 128 --intermediate 384 --hidden 2048      # the same at --tp 2
