@@ -39,15 +39,18 @@ def _ints(flag: str, value: str, count: tuple[int, ...]) -> tuple[int, ...]:
 
 def tune_command(
     model: Annotated[Optional[list[str]], typer.Option(
-        "--model", metavar="DIR|NAME", help="What to tune for (repeatable): a checkpoint directory or its config.json (only the "
+        "--model", metavar="DIR|NAME",
+        help="What to tune for (repeatable): a checkpoint directory or its config.json (only the "
                         "config is read), an embedded model (default-moe, default-moe-fp8, default-fp8, default-mla) "
                         "or a public shape set (qwen3-8b, qwen3-32b, qwen3-30b-a3b, qwen3-235b-a22b, "
                         "deepseek-v3).")] = None,
     tp: Annotated[Optional[list[int]], typer.Option(
-        "--tp", min=1, metavar="N", help="Tensor-parallel ranks (repeatable: --tp 1 --tp 8): each rank's shard is its own "
+        "--tp", min=1, metavar="N",
+        help="Tensor-parallel ranks (repeatable: --tp 1 --tp 8): each rank's shard is its own "
                             "shape and file. Default 1.")] = None,
     kinds: Annotated[Optional[str], typer.Option(
-        metavar="KIND,...", help="Comma-separated, of bf16, fp8, block-fp8 (the fused MoE's experts: bf16, FP8 per-channel, FP8 in "
+        metavar="KIND,...",
+        help="Comma-separated, of bf16, fp8, block-fp8 (the fused MoE's experts: bf16, FP8 per-channel, FP8 in "
              "128x128 blocks) and gemm (a block-FP8 checkpoint's projections). Default: what the model serves -- "
              "a block-FP8 checkpoint block-fp8,gemm; another MoE bf16,fp8 (fp8: serve --quantization fp8).")] = None,
     moe: Annotated[Optional[list[str]], typer.Option(
@@ -61,12 +64,14 @@ def tune_command(
         "--resume", help="Keep the token buckets the files already hold (written after each bucket) and tune only "
                          "the others: how a stopped run goes on.")] = False,
     out: Annotated[Optional[Path], typer.Option(
-        metavar="DIR", help="Where to write (default: <cache>/tuned, which the kernels read first; <cache> is $TSDEV_CACHE_DIR, "
+        metavar="DIR",
+        help="Where to write (default: <cache>/tuned, which the kernels read first; <cache> is $TSDEV_CACHE_DIR, "
              "else ~/.cache/tsdev).")] = None,
     full: Annotated[bool, typer.Option(
         "--full", help="Time the full grid instead of the fast search (~5x longer; to check the fast one).")] = False,
     budget: Annotated[Optional[float], typer.Option(
-        metavar="SECONDS", help="Seconds: start no bucket after this long (exit 3; --resume goes on from there).")] = None,
+        metavar="SECONDS",
+        help="Seconds: start no bucket after this long (exit 3; --resume goes on from there).")] = None,
     jobs: Annotated[int, typer.Option(min=1, help="Processes compiling kernels before they are timed.")] = 16,
     rep: Annotated[int, typer.Option(min=1, help="Milliseconds of CUDA graph replays per timing.")] = 50,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List the files and buckets it would tune; time "
@@ -100,9 +105,12 @@ def tune_command(
         raise typer.Exit(2)
     out = out or tuned_dir()
     if dry_run:
+        import torch
+
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "<GPU>"
         for job in targets:
-            buckets = ", ".join(str(b) for j, b in pending([job], out, "<GPU>", resume) if j == job)
-            typer.echo(f"{job.describe()}: {job.path(out, '<GPU>')}  buckets {buckets or '(done)'}")
+            buckets = ", ".join(str(b) for j, b in pending([job], out, gpu, resume) if j == job)
+            typer.echo(f"{job.describe()}: {job.path(out, gpu)}  buckets {buckets or '(done)'}")
         return
     timer = make_timer(jobs, rep)
     deadline = None if budget is None else time.monotonic() + budget
