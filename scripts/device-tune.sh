@@ -24,7 +24,7 @@ out=${OUT:-/tmp/device-out}
 mkdir -p "$out" .tuned
 budget=${BUDGET:-450}
 MOE=bf16,fp8,block-fp8
-declare -A GROUPS=(  # group -> tsdev tune arguments
+declare -A SETS=(  # group -> tsdev tune arguments
   [qwen3-30b-a3b]="--model qwen3-30b-a3b --kinds $MOE"
   [qwen3-8b]="--model qwen3-8b --kinds gemm"
   [default-moe]="--model default-moe --kinds $MOE"
@@ -56,7 +56,7 @@ groups=("$@")
 [ $# -gt 0 ] || groups=("${ORDER[@]}")
 start=$SECONDS
 for group in "${groups[@]}"; do
-  args=${GROUPS[$group]:?unknown group $group (one of: ${ORDER[*]})}
+  args=${SETS[$group]:?unknown group $group (one of: ${ORDER[*]})}
   left=$((budget - (SECONDS - start)))
   [ $left -gt 30 ] || { echo "budget spent: call again"; break; }
   echo "== $group ($left s left): tsdev tune $args"
@@ -66,7 +66,7 @@ done
 tar czf "$out/tuned.tgz" -C .tuned .
 left_total=0
 for group in "${ORDER[@]}"; do
-  n=$(python3 -m tsdev tune ${GROUPS[$group]} --out .tuned --resume --dry-run 2>/dev/null | grep -vc "(done)")
+  n=$(python3 -m tsdev tune ${SETS[$group]} --out .tuned --resume --dry-run 2>/dev/null | grep -vc "(done)")
   left_total=$((left_total + n))
 done
 [ $left_total -eq 0 ] && echo "all tuned" || echo "$left_total file(s) still have buckets to tune: call again"
