@@ -336,6 +336,7 @@ def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, cons
     from tsdev_runtime.server.security import SecurityPolicy, describe
 
     name = server.served_model_name or ("tsdev-default" if config.model is None else Path(config.model).name)
+    show_tuned_files()
     with console.status("loading the model (the first run creates the default checkpoint)...") as status, \
             StartupProgress(console, status):
         try:
@@ -421,6 +422,17 @@ def start_compile_pool(config: EngineConfig, server: ServerConfig):
 def default_compile_workers() -> int:
     """Half the cores, at most 8: an edit compiles a handful of kernels; the rest of the host serves."""
     return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+def show_tuned_files() -> None:
+    """The kernels' one line per shape saying which tuned file serves it -- the user's (`tsdev tune`), the one shipped
+    for this GPU or its sibling's -- or that defaults do (tsdev_kernels.tuned), on stderr as the warm-up finds them."""
+    logger = logging.getLogger("tsdev_kernels.tuned")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
 
 
 def log_to_stderr(log_level: str = "warning") -> None:
