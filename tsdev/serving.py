@@ -424,14 +424,29 @@ def default_compile_workers() -> int:
     return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
+class StderrHandler(logging.StreamHandler):
+    """Plain lines on sys.stderr as it is when each line is written (a redirection or a test's capture made after the
+    handler), never a stream since closed."""
+
+    def __init__(self):
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _):
+        pass
+
+
 def show_tuned_files() -> None:
     """The kernels' one line per shape saying which tuned file serves it -- the user's (`tsdev tune`), the one shipped
     for this GPU or its sibling's -- or that defaults do (tsdev_kernels.tuned), on stderr as the warm-up finds them."""
     logger = logging.getLogger("tsdev_kernels.tuned")
     if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        logger.addHandler(handler)
+        logger.addHandler(StderrHandler())
         logger.setLevel(logging.INFO)
 
 
@@ -443,9 +458,7 @@ def log_to_stderr(log_level: str = "warning") -> None:
                          else logging.WARNING)):
         logger = logging.getLogger(name)
         if not logger.handlers:
-            handler = logging.StreamHandler(sys.stderr)
-            handler.setFormatter(logging.Formatter("%(message)s"))
-            logger.addHandler(handler)
+            logger.addHandler(StderrHandler())
             logger.setLevel(level)
             logger.propagate = False
 
