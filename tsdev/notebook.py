@@ -10,7 +10,6 @@ Writers append (a watch daemon, through `Writer`'s thread: never on a save → s
 from __future__ import annotations
 
 import hashlib
-import os
 import queue
 import sqlite3
 import statistics
@@ -21,6 +20,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from tsdev_kernels.cache import cache_dir
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT);
@@ -46,13 +46,6 @@ BUSY_MS = 10_000  # a writer waits this long for another's transaction (two daem
 OUTCOMES = ("ok", "nothing to reload", "rolled back", "kernel check failed", "needs restart", "restarted",
             "restart failed")
 KEEP_DAYS, MAX_MB = 90.0, 200.0  # pruning's defaults: [tool.tsdev] history-keep-days / history-max-mb override them
-
-
-def cache_dir() -> Path:
-    """tsdev's cache directory, as tsdev_runtime.weights.default_model.cache_dir finds it (that module imports torch,
-    which `tsdev history` does without)."""
-    return Path(os.environ.get("TSDEV_CACHE_DIR")
-                or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tsdev")
 
 
 def notebook_path(project: str | Path) -> Path:

@@ -295,6 +295,6 @@ def tune(jobs: list[Job], timer: Timer, out: Path, gpu: str, resume: bool = Fals
 
 def tuned_dir() -> Path:
     """Where `tsdev tune` writes by default: the first place the kernels look (ops/__init__.py's `find_tuned`)."""
-    from tsdev_kernels.ops import user_cache_dir
+    from tsdev_kernels.cache import cache_dir
 
-    return user_cache_dir() / "tuned"
+    return cache_dir() / "tuned"

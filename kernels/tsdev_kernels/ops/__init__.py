@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from tsdev_kernels.cache import cache_dir
 
 
 tuned_log = logging.getLogger("tsdev_kernels.tuned")  # which tuned file serves each shape: one line each, at startup
@@ -163,14 +164,6 @@ def tuned_configs(path: str) -> dict[int, object] | None:
     return {int(tokens): config for tokens, config in table.items()}
 
 
-def user_cache_dir() -> Path:
-    """tsdev's cache directory: $TSDEV_CACHE_DIR, else $XDG_CACHE_HOME/tsdev, else ~/.cache/tsdev. `tsdev tune` writes
-    the user's own tuned files under it (`tuned/moe_configs`, `tuned/gemm_configs`); the runtime keeps the embedded
-    checkpoints there too."""
-    return Path(os.environ.get("TSDEV_CACHE_DIR")
-                or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tsdev")
-
-
 # GPUs of one architecture whose tuned files serve each other when a GPU has none of its own, nearest first: the
 # kernels' best tiles follow the SM count, shared memory and the ratio of bandwidth to FLOPs, close within a pair
 # (H100 SXM and H200: 132 SMs, sm_90; the H200's HBM 1.4x faster). CUDA names, as `device_name` returns them.
@@ -199,9 +192,9 @@ def tuned_file_name(stem: str, gpu: str) -> str:
 
 def find_tuned(folder: str, stem: str, gpu: str, shipped: Path) -> Tuned | None:
     """The tuned table for `stem` (E=..,I=..,H=..,dtype=.. or N=..,K=..,...) on `gpu`, in order: the user's cache
-    (`user_cache_dir()/tuned/<folder>`, what `tsdev tune` writes), the file shipped for this GPU (in `shipped`), the
+    (`cache_dir()/tuned/<folder>`, what `tsdev tune` writes), the file shipped for this GPU (in `shipped`), the
     file shipped for its nearest sibling (SIBLING_GPUS); None: the kernel's defaults. Each file read once."""
-    candidates = [(user_cache_dir() / "tuned" / folder / tuned_file_name(stem, gpu), "your tuned file"),
+    candidates = [(cache_dir() / "tuned" / folder / tuned_file_name(stem, gpu), "your tuned file"),
                   (shipped / tuned_file_name(stem, gpu), "shipped for this GPU")]
     candidates += [(shipped / tuned_file_name(stem, sibling), f"shipped for the {sibling}")
                    for sibling in SIBLING_GPUS.get(gpu, ())]

@@ -282,7 +282,7 @@ def block_gemm_stem(n: int, k: int, route: bool = False) -> str:
 def block_gemm_config_path(n: int, k: int, gpu: str, folder: Path | None = None, route: bool = False) -> Path:
     """The file of the block GEMM's configurations (route: its crossover against _scaled_mm) for an N x K projection
     on GPU `gpu` (its CUDA name) in `folder` (default the shipped GEMM_CONFIG_DIR; `tsdev tune` writes the user's
-    own under `user_cache_dir()/tuned/gemm_configs`)."""
+    own under `cache_dir()/tuned/gemm_configs`)."""
     return (folder or GEMM_CONFIG_DIR) / tuned_file_name(block_gemm_stem(n, k, route), gpu)
 
 

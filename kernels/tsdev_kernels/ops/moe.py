@@ -408,7 +408,7 @@ def moe_config_stem(num_experts: int, intermediate: int, hidden: int, dtype: tor
 def moe_config_path(num_experts: int, intermediate: int, hidden: int, dtype: torch.dtype, device_name: str,
                     block: tuple[int, int] | None = None, folder: Path | None = None) -> Path:
     """The file of this shape's configs on device_name's GPU in `folder` (default the shipped CONFIG_DIR; `tsdev tune`
-    writes the user's own under `user_cache_dir()/tuned/moe_configs`). block: a block-FP8 checkpoint's experts, their
+    writes the user's own under `cache_dir()/tuned/moe_configs`). block: a block-FP8 checkpoint's experts, their
     own file."""
     stem = moe_config_stem(num_experts, intermediate, hidden, dtype, block)
     return (folder or CONFIG_DIR) / tuned_file_name(stem, device_name)

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from tsdev_runtime.weights.chatml import EMBEDDED_TEMPLATE
+from tsdev_kernels.cache import cache_dir
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VERSION = 5  # bump when the default checkpoint's contents change: it is cached by this name
@@ -73,12 +74,6 @@ DEFAULT_MOE_FP8 = "default-moe-fp8"  # ... the embedded mixture of experts store
 DEFAULT_MLA = "default-mla"  # ... the embedded DeepSeek-V3-kind model (multi-head latent attention)
 DEFAULT_NAMES = (None, DEFAULT, DEFAULT_MOE, DEFAULT_FP8, DEFAULT_MOE_FP8, DEFAULT_MLA)  # what `--model` takes for one
 EMBEDDED_NAMES = tuple(name for name in DEFAULT_NAMES if name)  # the names a user may type
-
-
-def cache_dir() -> Path:
-    root = (os.environ.get("TSDEV_CACHE_DIR")
-            or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tsdev")
-    return Path(root)
 
 
 def default_model_dir(device: str, name: str | None = None) -> Path:
