@@ -110,7 +110,7 @@ def main() -> None:
     rows = []
     for check in checks.declared():
         for shape in check.shapes(SERVED):
-            mine, how = checks.time_call(check, tuple(shape), SERVED.dtype, "cuda")
+            mine, how, _ = checks.time_call(check, tuple(shape), SERVED.dtype, "cuda")
             rows.append((check.op + ("" if how == "graph" else f" ({how})"), tuple(shape), mine,
                          bench_us(check, tuple(shape))))
     worst = max(worst, table("time_call in this process against kernels_bench's graph time:", rows))

@@ -133,3 +133,14 @@ def test_the_share_of_the_limit_is_the_larger_of_memory_and_compute_time_over_th
     share, bound = checks.share_of(10 ** 6, 2 * 4096 ** 3, 200.0, h100, "fp8")
     assert bound == "fp8 tensor cores" and share == pytest.approx(2 * 4096 ** 3 / 1979e12 / 200e-6)
     assert math.isclose(checks.share_of(3 * 10 ** 6, 0, 1.0, h100)[0], 1.0)
+
+
+def test_a_timing_carries_the_cost_of_the_inputs_it_timed():
+    """The share of the limit divides the bytes of the very inputs timed (drawn once, in time_call) by their time."""
+    check = next(c for c in checks.declared() if c.op == "rms_norm")
+    shape = tuple(check.shapes(SERVING)[0])
+    timing = checks.time_call(check, shape, torch.float32, "cpu", calls=1, repeats=1)
+    costs = [check.cost(*args) for args in checks.timing_inputs(check, shape, torch.float32, "cpu")]
+    assert timing.how == "wall" and timing.us > 0
+    assert timing.cost == (round(sum(c[0] for c in costs) / len(costs)), round(sum(c[1] for c in costs) / len(costs)))
+    assert timing.cost[0] > 0

@@ -22,6 +22,7 @@ import types
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -195,7 +196,7 @@ def run_all(items: Sequence[tuple[KernelCheck, tuple[int, ...]]], dtype: torch.d
                             f"{[(tuple(w.shape), w.dtype) for w in inputs.want]}")
             continue
         compared.append((result, got, inputs.want))
-        if check.cost is not None and not device.startswith("cuda"):  # on CUDA: over the inputs timed (cost_at)
+        if check.cost is not None and not device.startswith("cuda"):  # on CUDA: over the inputs timed (time_call)
             result.bytes, result.flops = check.cost(*inputs.args)
     groups, group, size = [], [], 0
     for entry in compared:  # a few outputs at a time: the comparison's temporaries stay within COMPARED_ELEMENTS
@@ -236,20 +237,28 @@ def _compare(entries: list[tuple[Result, list[torch.Tensor], list[torch.Tensor]]
     return torch.stack([worst[:, 0], worst[:, 1], 1 - worst[:, 2]], dim=1)
 
 
+class Timing(NamedTuple):
+    us: float  # per call
+    how: str  # "graph", "eager" or "wall"
+    cost: tuple[int, int] | None  # (bytes, FLOPs) per call, the mean over the inputs timed; None: none declared
+
+
 def time_call(check: KernelCheck, shape: tuple[int, ...], dtype: torch.dtype, device: str,
-              calls: int = TIMED_CALLS, repeats: int = TIMED_REPEATS) -> tuple[float, str]:
-    """(microseconds per call of the kernel at `shape`, how they were timed). On CUDA: "graph", the device time of
-    `calls` launches captured in one CUDA graph (what a captured step pays: no host launch cost, unmoved by the
-    server's other threads), over up to INPUT_SETS distinct inputs as serving's layers bring their own, the median
-    of `repeats` runs of back-to-back replays (`_replays`) -- benchmarks/kernels_bench.py's graph column; "eager" where
-    the op cannot be captured (it waits on the host): the same launches one by one between two events, launch cost
-    included. Off CUDA, "wall": the wall clock of eager launches."""
+              calls: int = TIMED_CALLS, repeats: int = TIMED_REPEATS) -> Timing:
+    """Microseconds per call of the kernel at `shape`, how they were timed, and the call's declared cost over the
+    same inputs (it may read them back: cached lengths; after the timing, where a sync costs nothing). On CUDA:
+    "graph", the device time of `calls` launches captured in one CUDA graph (what a captured step pays: no host launch
+    cost, unmoved by the server's other threads), over up to INPUT_SETS distinct inputs as serving's layers bring
+    their own, the median of `repeats` runs of back-to-back replays (`_replays`) -- benchmarks/kernels_bench.py's
+    graph column; "eager" where the op cannot be captured (it waits on the host): the same launches one by one between
+    two events, launch cost included. Off CUDA, "wall": the wall clock of eager launches."""
     inputs = timing_inputs(check, tuple(shape), dtype, device)
     for args in inputs:
         check.kernel(*args)  # loaded and launched once before timing
     launches = [inputs[i % len(inputs)] for i in range(calls)]
     if not device.startswith("cuda"):
-        return statistics.median(_wall_us(check, launches) for _ in range(repeats)), "wall"
+        return Timing(statistics.median(_wall_us(check, launches) for _ in range(repeats)), "wall",
+                      _mean_cost(check, inputs))
     graph = _captured(check, launches)
     replays = 1 if graph is None else _replays(graph)
     runs = []
@@ -267,7 +276,14 @@ def time_call(check: KernelCheck, shape: tuple[int, ...], dtype: torch.dtype, de
         end.record()
         end.synchronize()
         runs.append(start.elapsed_time(end) * 1e3 / (calls * replays))
-    return statistics.median(runs), "eager" if graph is None else "graph"
+    return Timing(statistics.median(runs), "eager" if graph is None else "graph", _mean_cost(check, inputs))
+
+
+def _mean_cost(check: KernelCheck, inputs: list[tuple]) -> tuple[int, int] | None:
+    if check.cost is None:
+        return None
+    costs = [check.cost(*args) for args in inputs]
+    return round(statistics.mean(c[0] for c in costs)), round(statistics.mean(c[1] for c in costs))
 
 
 def _replays(graph: torch.cuda.CUDAGraph) -> int:
@@ -279,15 +295,6 @@ def _replays(graph: torch.cuda.CUDAGraph) -> int:
     end.record()
     end.synchronize()
     return max(1, min(TIMED_REPLAYS, int(RUN_US / max(start.elapsed_time(end) * 1e3, 1e-3))))
-
-
-def cost_at(check: KernelCheck, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> tuple[int, int] | None:
-    """(bytes, FLOPs) per call, the mean over the inputs `time_call` times at `shape` (the same draws); None when the
-    check declares no cost. It may read the inputs back (cached lengths): call it where a sync costs nothing."""
-    if check.cost is None:
-        return None
-    costs = [check.cost(*args) for args in timing_inputs(check, tuple(shape), dtype, device)]
-    return round(statistics.mean(c[0] for c in costs)), round(statistics.mean(c[1] for c in costs))
 
 
 @dataclass(frozen=True)

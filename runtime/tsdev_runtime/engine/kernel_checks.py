@@ -94,7 +94,8 @@ class KernelChecker:
             for shape in check.shapes(serving):
                 key = (check.op, tuple(shape), serving.dtype)
                 if self.times.get(key, ("",))[0] != now[check.op]:
-                    self.times[key] = (now[check.op], *checks.time_call(check, shape, serving.dtype, serving.device))
+                    timing = checks.time_call(check, shape, serving.dtype, serving.device)
+                    self.times[key] = (now[check.op], timing.us, timing.how)
                     self.timed_idle.add(key)
                     return True
         return False
@@ -145,8 +146,9 @@ class KernelChecker:
                                  False, 0, error="no longer declared: a reload during the check removed it")
         result = checks.run_all([(check, shape)], serving.dtype, serving.device)[0]
         if idle and serving.device.startswith("cuda") and not result.error:
-            result.us, result.timed = checks.time_call(check, shape, serving.dtype, serving.device)
-            self.limit(check, result, serving)
+            timing = checks.time_call(check, shape, serving.dtype, serving.device)
+            result.us, result.timed = timing.us, timing.how
+            self.limit(check, result, timing.cost, serving)
             key = (op, shape, serving.dtype)
             self.times[key] = (checks.fingerprints([check])[op], result.us, result.timed)
             self.timed_idle.add(key)
@@ -163,16 +165,16 @@ class KernelChecker:
             check = declared.get(result.op)
             if check is None or result.error:
                 continue
-            result.us, timed = checks.time_call(check, result.shape, serving.dtype, serving.device)
-            if result.timed not in (None, timed):  # the old code's time is not comparable
+            timing = checks.time_call(check, result.shape, serving.dtype, serving.device)
+            if result.timed not in (None, timing.how):  # the old code's time is not comparable
                 result.us_before = None
-            result.timed = timed
-            self.times[(result.op, result.shape, serving.dtype)] = (now[result.op], result.us, timed)
-            self.limit(check, result, serving)
+            result.us, result.timed = timing.us, timing.how
+            self.times[(result.op, result.shape, serving.dtype)] = (now[result.op], result.us, timing.how)
+            self.limit(check, result, timing.cost, serving)
 
-    def limit(self, check: checks.KernelCheck, result: checks.Result, serving: checks.Serving) -> None:
-        """The timed call's bytes and FLOPs (over the inputs timed) and its share of the GPU's limit."""
-        cost = checks.cost_at(check, result.shape, serving.dtype, serving.device)
+    def limit(self, check: checks.KernelCheck, result: checks.Result, cost: tuple[int, int] | None,
+              serving: checks.Serving) -> None:
+        """The timed call's bytes and FLOPs (`cost`: over the inputs timed) and its share of the GPU's limit."""
         if cost is None:
             return
         result.bytes, result.flops = cost
