@@ -39,10 +39,11 @@ import triton
 from safetensors.torch import save_file
 
 from decode_step import copy_bandwidth, engine_step_time
+from tsdev_kernels.cache import cache_dir
 from tsdev_runtime.config import EngineConfig
 from tsdev_runtime.engine.llm_engine import LLMEngine, thaw_heap
 from tsdev_runtime.engine.sequence import SamplingParams
-from tsdev_runtime.weights.default_model import (CHATML, DEFAULT_FP8, build_tokenizer, cache_dir, default_model_dir,
+from tsdev_runtime.weights.default_model import (CHATML, DEFAULT_FP8, build_tokenizer, default_model_dir,
                                                  eos_token_ids, random_weights)
 
 HBM_PEAK = 4.8e12  # bytes/s, H200

@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
 from tsdev_kernels.cache import cache_dir
 
 SCHEMA = """

@@ -20,7 +20,6 @@ import torch
 from safetensors.torch import save_file
 
 from tsdev_runtime.weights.chatml import EMBEDDED_TEMPLATE
-from tsdev_kernels.cache import cache_dir
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VERSION = 5  # bump when the default checkpoint's contents change: it is cached by this name
@@ -88,6 +87,8 @@ def default_model_dir(device: str, name: str | None = None) -> Path:
     else:
         shape = {(False, False): "tiny", (True, False): "tiny-moe", (False, True): "tiny-blocks",
                  (True, True): "tiny-moe-blocks"}[moe, fp8]
+    from tsdev_kernels.cache import cache_dir  # here: `tsdev serve` reads this module's names before the kernels
+
     final = cache_dir() / f"default-{shape}{'-fp8' if fp8 else ''}-v{VERSION}"
     if (final / "config.json").is_file():
         return final
