@@ -22,13 +22,10 @@ import time
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, Sequence
 
 from . import jit
 from .snapshot import pin_lines
-
-if TYPE_CHECKING:
-    from .pool import CompilePool
 
 
 @dataclass(frozen=True)
@@ -48,9 +45,17 @@ class Compiled:
     error: str | None = None  # "file:line: Type: message" of the kernel that did not compile
 
 
+class Compiler(Protocol):
+    """What `compile_ahead` hands its jobs to: `CompilePool` (tsdev/hotreload/pool.py), whose workers apply `sources`
+    to their own copies of the modules first. Named here so that neither this module nor the Reloader imports the
+    pool, whose workers import the Reloader."""
+
+    def compile(self, sources: Mapping[str, bytes], jobs: Sequence[Job]) -> list[Compiled]: ...
+
+
 def compile_ahead(modules: list[str], sources: Mapping[str, bytes], paths: Mapping[str, str],
                   running: Mapping[str, bytes], tracked: list[types.ModuleType] = (),
-                  pool: CompilePool | None = None) -> tuple[int, float, float]:
+                  pool: Compiler | None = None) -> tuple[int, float, float]:
     """Compile the new versions of the kernels in the edited `modules`; returns (binaries compiled, seconds, seconds
     of the slowest compile).
 
@@ -114,7 +119,7 @@ def _compile_here(work) -> list[Compiled]:
     return results
 
 
-def _compile_in(pool: CompilePool, work, sources: Mapping[str, bytes]) -> list[Compiled]:
+def _compile_in(pool: Compiler, work, sources: Mapping[str, bytes]) -> list[Compiled]:
     jobs = []
     for live_fn, _, module, attr in work:
         for compiled, target, backend in _specialisations(live_fn):

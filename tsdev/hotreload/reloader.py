@@ -8,14 +8,11 @@ import sys
 import time
 import types
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from . import ahead, graph
 from .snapshot import default_packages, loaded_modules, pin_lines, read, under
 from .transaction import ReloadError, Transaction
-
-if TYPE_CHECKING:
-    from .pool import CompilePool
 
 
 @dataclass
@@ -46,9 +43,9 @@ class Reloader:
     one thread while the program is quiescent (the engine drains first).
     """
 
-    def __init__(self, packages: Sequence[str] | None = None, pool: "CompilePool | None" = None) -> None:
+    def __init__(self, packages: Sequence[str] | None = None, pool: ahead.Compiler | None = None) -> None:
         self.packages = tuple(packages) if packages else tuple(default_packages())
-        self.pool = pool  # compile_ahead's processes (tsdev/hotreload/pool.py); None: in this process
+        self.pool = pool  # compile_ahead's processes (a CompilePool, tsdev/hotreload/pool.py); None: in this process
         self.roots = tuple(sorted({p.split(".")[0] for p in self.packages}))
         self._ran: dict[str, tuple[str, _Source]] = {}  # module -> (path, source it last ran)
         self._latest: dict[str, _Source] = {}  # module -> newest source seen, compiled
