@@ -14,7 +14,7 @@ import statistics
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import httpx
 
@@ -23,7 +23,6 @@ from tsdev.client import aiter_sse_data
 if TYPE_CHECKING:
     from tsdev.watch.args import WatchConfig
     from tsdev.watch.link import ServerLink
-    from tsdev.watch.records import ReloadRecord, RestartRecord
 
 GOLDEN_TOKENS = 24
 PROMPT_LEN = 16
@@ -170,6 +169,15 @@ class Probe:
         return line
 
 
+class Checked(Protocol):
+    """What the checks fill in: a reload's or a restart's record (tsdev/watch/records.py, which holds a Verdict and a
+    Probe, so this module does not import it)."""
+    n: int
+    verdict: Verdict | None
+    probe: Probe | None
+    note: str
+
+
 class Checker:
     """Runs the checks and keeps what they compare with: the golden completion and the last probe."""
 
@@ -195,7 +203,7 @@ class Checker:
             self.message("the golden completion is one token repeated (random weights?): the output check will "
                          "miss most edits; it is meaningful on a trained checkpoint", "warning")
 
-    async def run(self, record: ReloadRecord | RestartRecord, golden: bool, can_profile: bool) -> None:
+    async def run(self, record: Checked, golden: bool, can_profile: bool) -> None:
         """Golden completion, then the decode probe, into `record`; the probe runs inside a profiler range
         when `p` armed it or --profile-each-reload asks (`can_profile`: a reload's probe, not a restart's)."""
         client, url, config = self.link.client, self.link.url, self.config
