@@ -41,6 +41,8 @@ QUIET_S = 10.0  # how long the checks wait for the server to capture its pending
 
 
 class Daemon:
+    """The daemon; its parts (reloads, restarts, weight updates) see it as a `Host` (host.py)."""
+
     def __init__(self, config: WatchConfig, on_event: Callable[[Event], None],
                  transport: httpx.AsyncBaseTransport | None = None):
         from tsdev.hotreload import default_packages
@@ -111,6 +113,9 @@ class Daemon:
 
     def message(self, text: str, level: str = "info") -> None:
         self.emit("message", text=text, level=level)
+
+    def new_code_served(self) -> None:
+        self.restarts.after_exit = 0
 
     @property
     def paused(self) -> bool:

@@ -17,11 +17,11 @@ from tsdev.watch.jobs import ForeignFinished, Restart
 from tsdev.watch.records import ReloadRecord
 
 if TYPE_CHECKING:
-    from tsdev.watch.daemon import Daemon
+    from tsdev.watch.host import Host
 
 
 class Reloads:
-    def __init__(self, daemon: Daemon):
+    def __init__(self, daemon: Host):
         self.daemon = daemon
         self.session = f"watch-{uuid.uuid4().hex[:6]}"  # prefix of this daemon's reload ids
         self.numbers = itertools.count(1)
@@ -66,7 +66,7 @@ class Reloads:
         daemon = self.daemon
         record.finish(worker)
         if record.error is None and record.reloaded:
-            daemon.restarts.after_exit = 0
+            daemon.new_code_served()
             await daemon.check(record)
         elif record.error is None and not worker.needs_restart:
             record.note = "no change to reload"

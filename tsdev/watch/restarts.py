@@ -12,13 +12,13 @@ from tsdev.watch.jobs import Restart
 from tsdev.watch.records import RestartRecord
 
 if TYPE_CHECKING:
-    from tsdev.watch.daemon import Daemon
+    from tsdev.watch.host import Host
 
 EXIT_RESTARTS = 3  # restarts in a row after the server exited by itself, before waiting for the user
 
 
 class Restarts:
-    def __init__(self, daemon: Daemon):
+    def __init__(self, daemon: Host):
         self.daemon = daemon
         self.count = 0
         self.after_exit = 0  # restarts in a row because the server exited by itself (a save or R resets it)

@@ -28,7 +28,7 @@ from tsdev.watch.records import WeightsRecord
 from tsdev.watch.watcher import settled
 
 if TYPE_CHECKING:
-    from tsdev.watch.daemon import Daemon
+    from tsdev.watch.host import Host
 
 SKIPPED_SUFFIXES = (".tmp", ".partial", ".incomplete")
 
@@ -117,7 +117,7 @@ class WeightUpdates:
     answer differently, and the line says so as information), then taken again on the new weights, so that the
     reloads that follow compare code against the weights being served."""
 
-    def __init__(self, daemon: Daemon, watcher: CheckpointWatcher):
+    def __init__(self, daemon: Host, watcher: CheckpointWatcher):
         self.daemon, self.watcher = daemon, watcher
         self.session = f"watch-weights-{uuid.uuid4().hex[:6]}"  # prefix of this daemon's update ids
         self.numbers = itertools.count(1)
