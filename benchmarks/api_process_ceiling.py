@@ -89,7 +89,7 @@ def main() -> None:
     public.bind(("127.0.0.1", args.port))
     ours, theirs = socket.socketpair()
     fds = (public.fileno(), theirs.fileno())
-    api = subprocess.Popen([sys.executable, "-m", "tsdev.api_process", *map(str, fds)], pass_fds=fds,
+    api = subprocess.Popen([sys.executable, "-m", "tsdev.launch.api", *map(str, fds)], pass_fds=fds,
                            start_new_session=True)
     theirs.close()
     hello = {"server": dataclasses.asdict(ServerConfig(port=args.port)), "served_model_name": "tiny",

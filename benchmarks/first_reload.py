@@ -23,7 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from tsdev.server_process import copy_project  # noqa: E402
+from tsdev.launch.child import copy_project  # noqa: E402
 from tsdev.hotreload.snapshot import import_roots  # noqa: E402
 
 HELPER = "kernels/tsdev_kernels/ops/activation.py"
@@ -88,7 +88,7 @@ def run_http(project: Path, device: str, edits: int) -> None:
     report-mode kernel checks): each reply's timings."""
     import httpx
 
-    from tsdev.server_process import ServerProcess
+    from tsdev.launch.child import ServerProcess
 
     file = project / HELPER
     original = file.read_text()

@@ -23,7 +23,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tsdev_runtime.control_protocol import RELOAD_ROUTE, ReloadReply, WorkerReport
-from tsdev.server_process import ServerProcess, copy_project
+from tsdev.launch.child import ServerProcess, copy_project
 
 HELPER, FILE, MODULE = ("    return act * up\n", "kernels/tsdev_kernels/ops/activation.py",
                         "tsdev_kernels.ops.activation")

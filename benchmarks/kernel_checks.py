@@ -30,7 +30,7 @@ from tsdev_kernels import checks
 from tsdev_kernels.ops import activation, attention, linear, norm, rope, sampling  # noqa: F401  (their CHECKS)
 from tsdev_runtime.control_protocol import RELOAD_ROUTE, ReloadReply
 from tsdev.outcome import kernel_checks_text
-from tsdev.server_process import ServerProcess, copy_project
+from tsdev.launch.child import ServerProcess, copy_project
 
 HELPER, FILE = "    return act * up\n", "kernels/tsdev_kernels/ops/activation.py"
 SERVED = checks.Serving(tokens=(1, 8, 64, 256), hidden=1024, intermediate=3072, dtype=torch.bfloat16,

@@ -51,7 +51,7 @@ def ttft(extra: list[str], port: int, args) -> str:
     import tempfile
     from pathlib import Path
 
-    from tsdev.server_process import ServerProcess
+    from tsdev.launch.child import ServerProcess
 
     model = [args.model] if args.model else []
     with tempfile.TemporaryDirectory() as tmp:

@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tsdev.server_process import ServerProcess
+from tsdev.launch.child import ServerProcess
 from tsdev.watch.checks import decode_ms, steady_ms
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 
 from tsdev.client import reload_forward
-from tsdev.server_process import ServerProcess, copy_project
+from tsdev.launch.child import ServerProcess, copy_project
 
 FILE = "kernels/tsdev_kernels/ops/activation.py"
 OLD = "    return act * up\n"

@@ -32,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-from tsdev.server_process import copy_project, free_port, project_pythonpath
+from tsdev.launch.child import copy_project, free_port, project_pythonpath
 
 RELOAD = re.compile(r"reload #(\d+) (ok|FAILED).*")
 SECONDS = re.compile(r"save → serving (\d+\.\d+) s")

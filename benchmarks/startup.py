@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tsdev.server_process import ServerProcess
+from tsdev.launch.child import ServerProcess
 
 
 def start_once(port: int, server_args: list[str]) -> tuple[float, float, str]:

@@ -22,7 +22,7 @@ import os
 import statistics
 import time
 
-from tsdev.server_process import free_port
+from tsdev.launch.child import free_port
 
 RELOADED = "tsdev_kernels.ops.activation"  # forced: re-executed unchanged, so every reload does the same work
 

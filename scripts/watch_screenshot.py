@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tsdev.server_process import copy_project, project_pythonpath
+from tsdev.launch.child import copy_project, project_pythonpath
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE = dict(vocab_size=1024, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,

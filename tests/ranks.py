@@ -4,7 +4,7 @@ import os
 import time
 import traceback
 
-from tsdev.server_process import free_port
+from tsdev.launch.child import free_port
 
 
 def _rank_main(fn, rank: int, world_size: int, port: int, args: tuple, results, device: str, start_after: float,

@@ -2,7 +2,7 @@
 from contextlib import contextmanager
 from pathlib import Path
 
-from tsdev.server_process import ServerProcess, copy_project  # noqa: F401 (the tests import it from here)
+from tsdev.launch.child import ServerProcess, copy_project  # noqa: F401 (the tests import it from here)
 
 
 @contextmanager

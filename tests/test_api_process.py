@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tsdev.server_process import ServerProcess
+from tsdev.launch.child import ServerProcess
 
 ARGS = ["--device", "cpu", "--max-model-len", "512", "--served-model-name", "tiny"]
 REQUESTS = [
@@ -86,7 +86,7 @@ def test_two_processes_answer_what_one_process_answers(tiny_model_dir, tmp_path)
     two = ServerProcess([str(tiny_model_dir), *ARGS], log_path=tmp_path / "two.log")
     with two.running(90):
         api, = children(two.proc.pid)
-        assert "tsdev.api_process" in Path(f"/proc/{api}/cmdline").read_text()
+        assert "tsdev.launch.api" in Path(f"/proc/{api}/cmdline").read_text()
         assert replies(two.url) == expected
 
 

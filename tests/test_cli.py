@@ -45,7 +45,7 @@ def test_serve_on_cuda_without_a_gpu_says_so(monkeypatch):
 
 @pytest.mark.slow
 def test_serve_banner_names_the_graphs_and_the_startup_phases(make_engine):
-    from tsdev.serving import describe_graphs, describe_startup
+    from tsdev.launch.serve import describe_graphs, describe_startup
 
     engine = make_engine(cudagraph_capture_sizes=[1, 4], max_batched_tokens=64)
     graphs = describe_graphs(engine.describe(), False, engine.startup_timings)
@@ -108,10 +108,10 @@ def test_help_shows_bracketed_text_as_written():
 
 def engine_config(monkeypatch, *args: str) -> EngineConfig:
     """The EngineConfig `tsdev serve ARGS` hands to serving (nothing is loaded or bound)."""
-    import tsdev.serving
+    import tsdev.launch.serve
 
     seen = []
-    monkeypatch.setattr(tsdev.serving, "run_server", lambda config, server, console: seen.append(config) or 0)
+    monkeypatch.setattr(tsdev.launch.serve, "run_server", lambda config, server, console: seen.append(config) or 0)
     result = CliRunner().invoke(app, ["serve", "--device", "cpu", *args])
     assert result.exit_code == 0 and len(seen) == 1, result.output
     return seen[0]
@@ -229,7 +229,7 @@ def test_a_slow_start_shows_what_it_is_doing_instead_of_waiting_silently(monkeyp
 
     from tsdev_runtime.config import EngineConfig
     from tsdev_runtime.engine.llm_engine import LLMEngine
-    from tsdev.serving import StartupProgress
+    from tsdev.launch.serve import StartupProgress
 
     monkeypatch.setattr(StartupProgress, "PROGRESS_S", 0.05)
     out = io.StringIO()

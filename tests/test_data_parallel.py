@@ -8,7 +8,7 @@ import httpx
 from tsdev_runtime.control_protocol import ReloadReply, WorkerReport
 from serve_process import copy_project, serve
 from test_reload_forward import ACTIVATION, SILU_LINE, complete, edited, new_id, reload
-from tsdev.data_parallel import build_front, merge_metrics, merge_reloads, replica_args, replica_log
+from tsdev.launch.data_parallel import build_front, merge_metrics, merge_reloads, replica_args, replica_log
 
 pytestmark = pytest.mark.slow  # spawns servers or rank processes (pytest -m 'not slow': the quick loop)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from tsdev_kernels.ops import attention, linear
-from tsdev.server_process import project_pythonpath
+from tsdev.launch.child import project_pythonpath
 from tsdev_runtime.config import DEFAULT_CAPTURE_SIZES
 
 ROOT = Path(__file__).resolve().parent.parent

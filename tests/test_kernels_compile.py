@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tsdev.server_process import project_pythonpath
+from tsdev.launch.child import project_pythonpath
 
 ROOT = Path(__file__).resolve().parent.parent
 

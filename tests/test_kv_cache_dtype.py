@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 from tsdev_runtime.config import EngineConfig
 from tsdev_runtime.engine.llm_engine import LLMEngine
 from tsdev_runtime.engine.sequence import SamplingParams
-from tsdev.serving import kv_pool_note
+from tsdev.launch.serve import kv_pool_note
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 

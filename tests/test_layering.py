@@ -4,7 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tsdev.server_process import copy_project, project_pythonpath
+from tsdev.launch.child import copy_project, project_pythonpath
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -73,13 +73,14 @@ def test_a_hub_id_not_in_the_cache_says_where_it_looked_and_what_to_run(tmp_path
 
 
 def test_serve_takes_a_hub_id_and_serves_it_under_that_name(tmp_path, monkeypatch, tiny_model_dir):
-    import tsdev.serving
+    import tsdev.launch.serve
     from tsdev.cli import app
 
     cache, root = cache_with(tmp_path, tiny_model_dir)
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     seen = []
-    monkeypatch.setattr(tsdev.serving, "run_server", lambda config, server, console: seen.append((config, server)) or 0)
+    monkeypatch.setattr(tsdev.launch.serve, "run_server",
+                        lambda config, server, console: seen.append((config, server)) or 0)
     result = CliRunner().invoke(app, ["serve", "acme/tiny-chat", "--device", "cpu", "--revision", "v2"])
     assert result.exit_code == 0, result.output
     config, server = seen[0]

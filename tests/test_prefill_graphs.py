@@ -194,7 +194,7 @@ def test_a_failed_capture_during_a_reload_raises_and_out_of_memory_says_what_to_
 
 
 def test_the_buckets_and_the_startup_line_stop_at_the_context_length(make_engine):
-    from tsdev.serving import describe_graphs
+    from tsdev.launch.serve import describe_graphs
 
     engine = make_engine(max_model_len=512, max_batched_tokens=2048)
     info = engine.describe()

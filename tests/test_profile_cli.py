@@ -9,7 +9,7 @@ import time
 
 from tsdev.client import reload_forward
 from tsdev.profile import KernelRow, find_nsys, parse_kernel_csv, torch_trace_summary, write_summary
-from tsdev.server_process import free_port
+from tsdev.launch.child import free_port
 
 pytestmark = pytest.mark.slow  # spawns servers or rank processes (pytest -m 'not slow': the quick loop)
 

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from serve_process import copy_project
-from tsdev.server_process import free_port, project_pythonpath
+from tsdev.launch.child import free_port, project_pythonpath
 from tsdev.profile import find_nsys
 
 pytestmark = pytest.mark.gpu

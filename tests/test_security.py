@@ -174,7 +174,7 @@ def test_reload_forward_beyond_this_machine_needs_a_key(host, key, refused):
 
 
 def test_a_started_server_gets_the_key_in_its_environment_not_its_argv():
-    from tsdev.server_process import ServerProcess
+    from tsdev.launch.child import ServerProcess
 
     server = ServerProcess(["--device", "cpu"], api_key=KEY)
     assert KEY not in " ".join(server.argv) and server.env["TSDEV_API_KEY"] == KEY

@@ -42,12 +42,12 @@ BAD = {
 
 @pytest.fixture
 def nothing_loads(monkeypatch):
-    import tsdev.serving
+    import tsdev.launch.serve
 
     def load(*args):
         raise AssertionError("serving started: the flag was not refused before anything loads")
 
-    monkeypatch.setattr(tsdev.serving, "run_server", load)
+    monkeypatch.setattr(tsdev.launch.serve, "run_server", load)
 
 
 @pytest.mark.parametrize("case", BAD, ids=list(BAD))
@@ -109,10 +109,10 @@ def test_the_engine_names_the_embedded_models_too():
 
 
 def test_default_names_the_embedded_default_model(monkeypatch):
-    import tsdev.serving
+    import tsdev.launch.serve
 
     seen = []
-    monkeypatch.setattr(tsdev.serving, "run_server", lambda config, server, console: seen.append((config, server)))
+    monkeypatch.setattr(tsdev.launch.serve, "run_server", lambda config, server, console: seen.append((config, server)))
     result = CliRunner().invoke(app, ["serve", "default", "--device", "cpu"])
     assert result.exit_code == 0, result.output
     config, server = seen[0]

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tsdev.server_process import ServerProcess
+from tsdev.launch.child import ServerProcess
 
 LISTENING = "listening on http://"
 
@@ -150,7 +150,7 @@ def test_the_servers_connections_send_small_writes_at_once():
     with it on, a stream's first chunks waited for the client's delayed ACK, ~40 ms, and arrived bunched."""
     import asyncio
 
-    from tsdev.serving import bind
+    from tsdev.launch.serve import bind
 
     async def accepted_nodelay() -> int:
         seen = asyncio.get_running_loop().create_future()

@@ -1,11 +1,11 @@
-"""The one server launcher (tsdev.server_process) and the one SSE reader (tsdev.client), on their own."""
+"""The one server launcher (tsdev.launch.child) and the one SSE reader (tsdev.client), on their own."""
 import sys
 
 import httpx
 import pytest
 
 from tsdev.client import iter_sse_data
-from tsdev.server_process import ServerProcess, StartFailed
+from tsdev.launch.child import ServerProcess, StartFailed
 
 
 def test_argv_adds_reload_and_port_flags_once_and_wraps_a_prefix():

@@ -1,4 +1,4 @@
-"""A restart of `tsdev watch`'s server is handed to a standby process (tsdev/standby.py) that already runs the
+"""A restart of `tsdev watch`'s server is handed to a standby process (tsdev/launch/standby.py) that already runs the
 interpreter with torch, Triton and the HTTP stack imported: it serves after the restart, a new standby is started
 for the next one, and a standby that died is replaced by an ordinary start and a new standby."""
 import pytest
@@ -9,7 +9,7 @@ import sys
 
 import httpx
 
-from tsdev.server_process import ServerProcess
+from tsdev.launch.child import ServerProcess
 
 pytestmark = pytest.mark.slow  # spawns servers or rank processes (pytest -m 'not slow': the quick loop)
 
@@ -82,7 +82,7 @@ def test_a_standby_prepared_before_a_broken_edit_reports_it_when_it_starts(tmp_p
     (tmp_path / "tsdev_runtime").mkdir()
     (tmp_path / "tsdev_runtime" / "__init__.py").write_text("raise RuntimeError('broken on purpose')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    standby = subprocess.run([sys.executable, "-m", "tsdev.standby"],
+    standby = subprocess.run([sys.executable, "-m", "tsdev.launch.standby"],
                              input='prepare\n["serve", "--device", "cpu", "--port", "0"]\n',
                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert standby.returncode != 0 and "broken on purpose" in standby.stderr

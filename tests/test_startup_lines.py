@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from rich.console import Console
 
-from tsdev.serving import StartupProgress, describe_loaded
+from tsdev.launch.serve import StartupProgress, describe_loaded
 
 
 class Status:

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from serve_process import copy_project
-from tsdev.server_process import ServerProcess
+from tsdev.launch.child import ServerProcess
 
 pytestmark = pytest.mark.slow  # spawns servers or rank processes (pytest -m 'not slow': the quick loop)
 

@@ -33,7 +33,7 @@ def test_it_gives_up_after_its_time_while_a_child_lives_on():
 
 FAIL_FAST = """
 import subprocess, sys, time
-from tsdev.ranks import fail_fast
+from tsdev.launch.tensor_ranks import fail_fast
 child = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
 with fail_fast([child]):
     time.sleep(60)  # rank 0 waiting for the rendezvous

@@ -232,7 +232,7 @@ def test_a_rank_that_hangs_in_a_reload_stops_the_server_within_the_timeout_namin
 
     from serve_process import copy_project
     from test_reload_forward import ACTIVATION, edited, new_id
-    from tsdev.server_process import ServerProcess
+    from tsdev.launch.child import ServerProcess
 
     project = copy_project(tmp_path / "project")
     args = [str(tiny_model_dir), "--device", "cpu", "--max-model-len", "1024", "--cudagraph-capture-sizes", "1",
@@ -274,7 +274,7 @@ def test_a_rank_that_dies_stops_the_server_at_the_next_step(tiny_model_dir, tmp_
     import httpx
 
     from test_api_process import alive, children, until
-    from tsdev.server_process import ServerProcess
+    from tsdev.launch.child import ServerProcess
 
     args = [str(tiny_model_dir), "--device", "cpu", "--max-model-len", "1024", "--cudagraph-capture-sizes", "1",
             "--tp", "2", "--rank-timeout", "5"]
@@ -284,8 +284,9 @@ def test_a_rank_that_dies_stops_the_server_at_the_next_step(tiny_model_dir, tmp_
         server.wait_healthy(90)
         kids = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[2].decode()  # python -m MODULE
                 for pid in children(server.proc.pid)}
-        assert sorted(kids.values()) == ["tsdev.api_process", "tsdev.ranks"]  # the HTTP front in its own process
-        follower = next(pid for pid, module in kids.items() if module == "tsdev.ranks")
+        # the HTTP front in its own process
+        assert sorted(kids.values()) == ["tsdev.launch.api", "tsdev.launch.tensor_ranks"]
+        follower = next(pid for pid, module in kids.items() if module == "tsdev.launch.tensor_ranks")
         os.kill(follower, signal.SIGKILL)
         with pytest.raises(httpx.HTTPError):
             httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60)
@@ -319,7 +320,7 @@ FORWARD_RAISES_ON = ("    if {condition}:\n        raise RuntimeError('this edit
 
 def tp_server(tiny_model_dir, tmp_path, *extra):
     from serve_process import copy_project
-    from tsdev.server_process import ServerProcess
+    from tsdev.launch.child import ServerProcess
 
     project = copy_project(tmp_path / "project")
     args = [str(tiny_model_dir), "--device", "cpu", "--max-model-len", "1024", "--cudagraph-capture-sizes", "1",

@@ -10,7 +10,7 @@ import pytest
 
 from serve_process import copy_project
 from test_watch_e2e import Output, edit
-from tsdev.server_process import free_port, project_pythonpath
+from tsdev.launch.child import free_port, project_pythonpath
 
 pytestmark = pytest.mark.slow  # spawns servers or rank processes (pytest -m 'not slow': the quick loop)
 

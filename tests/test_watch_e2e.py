@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from serve_process import copy_project
-from tsdev.server_process import free_port, project_pythonpath
+from tsdev.launch.child import free_port, project_pythonpath
 
 pytestmark = pytest.mark.slow  # spawns servers or rank processes (pytest -m 'not slow': the quick loop)
 

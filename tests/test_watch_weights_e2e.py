@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from test_watch_e2e import Output
-from tsdev.server_process import free_port
+from tsdev.launch.child import free_port
 
 pytestmark = pytest.mark.slow  # spawns servers or rank processes (pytest -m 'not slow': the quick loop)
 

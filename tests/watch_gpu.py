@@ -9,7 +9,7 @@ from pathlib import Path
 
 from serve_process import copy_project
 from test_watch_e2e import Output, edit
-from tsdev.server_process import free_port, project_pythonpath
+from tsdev.launch.child import free_port, project_pythonpath
 
 
 ROOT = Path(__file__).resolve().parents[1]

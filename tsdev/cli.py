@@ -272,7 +272,7 @@ def serve(
                   f"{f' on {device}' if device else ''} (torch imports first; a first start on a machine compiles its "
                   "kernels, saying which as it goes)", highlight=False, markup=False)
 
-    from tsdev.serving import run_server  # what serving does: bind, load, serve, stop (it imports torch)
+    from tsdev.launch.serve import run_server  # what serving does: bind, load, serve, stop (it imports torch)
 
     if device and device.startswith("cuda"):
         import torch
@@ -326,7 +326,7 @@ def serve(
                           metrics_require_api_key=metrics_require_api_key, profile_dir=profile_dir,
                           allowed_weight_dirs=list(allowed_weight_dir or []), api_process=api_process)
     if dp > 1:
-        from tsdev.data_parallel import run_front
+        from tsdev.launch.data_parallel import run_front
 
         raise typer.Exit(run_front(server, dp, tp, sys.argv[sys.argv.index("serve") + 1 :], console))
     raise typer.Exit(run_server(config, server, console))
@@ -668,7 +668,7 @@ def watch(
     See docs/watch.md.
     """
     from tsdev.serve_flags import problem
-    from tsdev.server_process import flag_value
+    from tsdev.launch.child import flag_value
     from tsdev.watch import WatchConfig, run, serve_flags, split_server_args
 
     try:

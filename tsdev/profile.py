@@ -194,7 +194,7 @@ def run_profile(server_args: list[str], out_dir: Path, num_steps: int, max_range
 
     from tsdev_runtime.control_protocol import START_PROFILE_ROUTE, ProfileRequest
     from tsdev.client import auth_headers, body
-    from tsdev.server_process import ServerProcess, StartFailed
+    from tsdev.launch.child import ServerProcess, StartFailed
 
     nsys, looked = find_nsys()
     out_dir.mkdir(parents=True, exist_ok=True)

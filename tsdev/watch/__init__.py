@@ -1,7 +1,7 @@
 """`tsdev watch`: a daemon that keeps a server running the code on disk (see docs/watch.md).
 
 watcher.py turns editor saves into settled batches of changed modules; daemon.py runs the child server
-(tsdev.server_process), queues the work (jobs.py), reloads (reloads.py) or restarts, and checks each
+(tsdev.launch.child), queues the work (jobs.py), reloads (reloads.py) or restarts, and checks each
 reload (checks.py), talking to the server through link.py; it reports records (records.py) that tui.py
 and plain.py show. args.py holds the settings and passes `tsdev serve` flags through.
 """

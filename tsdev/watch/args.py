@@ -5,7 +5,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tsdev.server_process import local_url
+from tsdev.launch.child import local_url
 
 
 @dataclass

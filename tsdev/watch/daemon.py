@@ -25,7 +25,7 @@ from tsdev_runtime.control_protocol import (Awake, Hello, ProfileFinished, Sleep
                                             WeightsReloaded)
 from tsdev.notebook import Writer, notebook_path, prune_settings
 from tsdev.outcome import outside
-from tsdev.server_process import ServerProcess
+from tsdev.launch.child import ServerProcess
 from tsdev.watch.args import WatchConfig
 from tsdev.watch.checks import Checker
 from tsdev.watch.jobs import Batch, Bench, Jobs, NewWeights, ReloadAll, Restart, RetakeGolden, Saved

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from tsdev.server_process import ServerProcess
+    from tsdev.launch.child import ServerProcess
     from tsdev.notebook import Writer
     from tsdev.watch.args import WatchConfig
     from tsdev.watch.checks import Checker

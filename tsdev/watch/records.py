@@ -100,7 +100,7 @@ class RestartRecord:
     probe: Probe | None = None
     note: str = ""
     done: bool = False
-    standby: bool = False  # a standby process took the start (tsdev/standby.py)
+    standby: bool = False  # a standby process took the start (tsdev/launch/standby.py)
     served_after_save: float | None = None  # from the saved file's modification time to healthy again
 
 

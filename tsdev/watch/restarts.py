@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from tsdev.server_process import PortInUse, StartFailed, describe_exit
+from tsdev.launch.child import PortInUse, StartFailed, describe_exit
 from tsdev.watch.jobs import Restart
 from tsdev.watch.records import RestartRecord
 

@@ -41,7 +41,7 @@ API_PROCESS_STOP_S = 2  # how long a stopping engine process waits for its API p
 
 
 class ApiProcess:
-    """The API process (`python -m tsdev.api_process`: the HTTP front) beside this engine process, started before
+    """The API process (`python -m tsdev.launch.api`: the HTTP front) beside this engine process, started before
     the model loads so that its imports overlap the load; it listens on the public socket once the engine says hello
     over `channel` (runtime/tsdev_runtime/engine/wire.py). Either stops when the other dies: the channel closes. It
     runs in a session of its own: Ctrl-C reaches this process, which stops it (`stop`) once its requests ended."""
@@ -50,7 +50,7 @@ class ApiProcess:
         self.channel, theirs = socket.socketpair()
         self.port = public.getsockname()[1]
         fds = (public.fileno(), theirs.fileno())
-        self.proc = subprocess.Popen([sys.executable, "-m", "tsdev.api_process", *map(str, fds)], pass_fds=fds,
+        self.proc = subprocess.Popen([sys.executable, "-m", "tsdev.launch.api", *map(str, fds)], pass_fds=fds,
                                      start_new_session=True)
         theirs.close()
         self.dir = Path(tempfile.mkdtemp(prefix="tsdev-engine-"))  # only this user may reach the socket in it
@@ -129,8 +129,8 @@ def bind_error(exc: OSError, host: str, port: int) -> str:
 
 def process_age() -> float | None:
     """Seconds since this process began (Linux: /proc), None elsewhere; for a standby that took a start
-    (tsdev/standby.py), since it took it."""
-    from tsdev.server_process import HANDED_OVER_ENV
+    (tsdev/launch/standby.py), since it took it."""
+    from tsdev.launch.child import HANDED_OVER_ENV
 
     if handed_over := os.environ.get(HANDED_OVER_ENV):
         return time.time() - float(handed_over)
@@ -154,7 +154,7 @@ def describe_startup(before: float | None, imports: float, t: dict, compiles: in
               "warm-up and capture")
     if total is None or before is None:
         return f"startup: {text}"
-    from tsdev.server_process import HANDED_OVER_ENV
+    from tsdev.launch.child import HANDED_OVER_ENV
 
     since = "a standby took the start" if os.environ.get(HANDED_OVER_ENV) else "the process began"
     return f"startup: {total:.2f} s since {since} = {text}; other {max(total - sum(parts.values()), 0):.2f} s"
@@ -262,7 +262,7 @@ def claim_address(server: ServerConfig, console: Console) -> socket.socket | Non
 def run_server(config: EngineConfig, server: ServerConfig, console: Console | None = None) -> int:
     """Bind, load the model, serve until SIGINT/SIGTERM. Returns the exit status: 0 once stopped, 2 when the
     security flags do not go together or the port or the model cannot be used, 130 for Ctrl-C during the load."""
-    from tsdev.ranks import fail_fast, follow, launched_rank, start_ranks, stop_ranks
+    from tsdev.launch.tensor_ranks import fail_fast, follow, launched_rank, start_ranks, stop_ranks
 
     console = console or Console(stderr=True, soft_wrap=True)
     rank = launched_rank()

@@ -4,7 +4,7 @@ and stop a server (`tsdev watch` from asyncio, `tsdev profile` under nsys, the r
 The child runs in its own session (Ctrl-C reaches the parent, which stops the server itself) and, on
 Linux, gets SIGTERM when its parent dies, so that a killed parent leaves no server holding the GPU or the
 port. Its output goes to a log file (or the parent's terminal when there is none); a failed start shows
-the log's last lines. With `standby=True` (tsdev watch) a standby process (tsdev/standby.py: the interpreter up,
+the log's last lines. With `standby=True` (tsdev watch) a standby process (tsdev/launch/standby.py: the interpreter up,
 torch, Triton and the HTTP stack imported) waits beside the running server and takes the next start.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 
 POLL_S = 0.05  # how often a start polls GET /health (benchmarks time the start, so keep it short)
-# what a server process and its standby (tsdev/standby.py) say to each other:
+# what a server process and its standby (tsdev/launch/standby.py) say to each other:
 HANDED_OVER_ENV = "TSDEV_HANDED_OVER_AT"  # when the standby took the start (the startup line counts from it)
 DEVICE_ENV = "TSDEV_STANDBY_DEVICE"  # the device the next start serves on ("": the default); unset: do not touch CUDA
 PREPARE = "prepare"  # a line before the arguments: import the project now (the old server is stopping meanwhile)
@@ -50,7 +50,7 @@ def free_port() -> int:
 def copy_project(dest: Path) -> Path:
     """This checkout's packages and pyproject.toml, copied into `dest` (caches left out): a project whose sources a
     test or a benchmark edits, run with `cwd=dest, pythonpath=dest`, leaving the checkout untouched."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]  # tsdev/launch/child.py
     for name in ("runtime", "kernels", "tsdev"):
         shutil.copytree(root / name, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(root / "pyproject.toml", dest / "pyproject.toml")
@@ -177,13 +177,13 @@ class ServerProcess:
         try:
 
             env = {**(self.env or os.environ), DEVICE_ENV: flag_value(self.serve_args, "--device") or ""}
-            self.standby = self._spawn([sys.executable, "-m", "tsdev.standby"], log, subprocess.PIPE, env)
+            self.standby = self._spawn([sys.executable, "-m", "tsdev.launch.standby"], log, subprocess.PIPE, env)
         finally:
             if log is not None:
                 log.close()
 
     def prepare_standby(self) -> None:
-        """Let the standby import the project now, while the current run stops (tsdev/standby.py)."""
+        """Let the standby import the project now, while the current run stops (tsdev/launch/standby.py)."""
 
         if self.standby is not None and self.standby.poll() is None:
             try:

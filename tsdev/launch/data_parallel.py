@@ -38,8 +38,8 @@ from tsdev_runtime.control_protocol import (CONTINUE_ROUTE, FLUSH_ROUTE, PAUSE_R
                                       ErrorDetail, ReloadReply)
 from tsdev_runtime.config import ServerConfig
 from tsdev_runtime.server.relay import Relayed
-from tsdev.server_process import PortInUse, ServerProcess, StartFailed
-from tsdev.serving import BACKLOG, GRACEFUL_SHUTDOWN_S, claim_address, quiet_server_class
+from tsdev.launch.child import PortInUse, ServerProcess, StartFailed
+from tsdev.launch.serve import BACKLOG, GRACEFUL_SHUTDOWN_S, claim_address, quiet_server_class
 
 COMPLETION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 HOLDING_ROUTES = (RELOAD_ROUTE, RELOAD_WEIGHTS_ROUTE, UPDATE_WEIGHTS_ROUTE, UPDATE_WEIGHTS_FROM_DISK_ROUTE, SLEEP_ROUTE)

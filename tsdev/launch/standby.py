@@ -3,22 +3,22 @@ stack), waiting for its arguments on stdin. `ServerProcess` keeps one beside a r
 `tsdev watch` does) and hands it the next start, so a restart pays neither the interpreter nor those imports.
 
 It imports nothing of the runtime or the CLI until the restart begins (only the constants it shares with
-tsdev/server_process.py): the edit that made the restart necessary (an engine file, say) is read from disk then. A
+tsdev/launch/child.py): the edit that made the restart necessary (an engine file, say) is read from disk then. A
 `prepare` line (sent as the old server is told to stop) imports the CLI and the runtime while the old server stops;
 the arguments follow once it has exited (the GPU and the port are free). It allocates no GPU memory and, like a
 server, dies with its parent. An empty stdin (the parent closed it or died) ends it quietly. On a GPU it creates its
 CUDA context as it starts (TSDEV_STANDBY_DEVICE: the device the next start serves on), so that the start's load pays
 none of it; the standby is started once the running server's checks are done, never beside them.
 
-    python -m tsdev.standby        # then one line on stdin: the JSON list of `tsdev` arguments, e.g. ["serve", ...]
-                                   # (optionally after a line `prepare`)
+    python -m tsdev.launch.standby   # then one line on stdin: the JSON list of `tsdev` arguments, e.g. ["serve", ...]
+                                     # (optionally after a line `prepare`)
 """
 import json
 import os
 import sys
 import time
 
-from tsdev.server_process import DEVICE_ENV, HANDED_OVER_ENV, PREPARE
+from tsdev.launch.child import DEVICE_ENV, HANDED_OVER_ENV, PREPARE
 
 
 def prepare() -> None:

@@ -1,9 +1,10 @@
 """`tsdev serve --tp N`: the ranks other than 0 as child processes, and what each of them runs.
 
-Rank 0 (the `tsdev serve` process) hosts HTTP and schedules; ranks 1..N-1 (`python -m tsdev.ranks`) each hold
-their shard of the model and follow rank 0 (`tsdev_runtime.engine.ranks`). They meet through torchrun's environment
-(MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK): `tsdev serve` sets it for the children it starts, or
-torchrun / SLURM set it for every rank (then `tsdev serve` on a rank other than 0 follows instead of serving).
+Rank 0 (the `tsdev serve` process) hosts HTTP and schedules; ranks 1..N-1 (`python -m tsdev.launch.tensor_ranks`)
+each hold their shard of the model and follow rank 0 (`tsdev_runtime.engine.ranks`). They meet through torchrun's
+environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK): `tsdev serve` sets it for the children it
+starts, or torchrun / SLURM set it for every rank (then `tsdev serve` on a rank other than 0 follows instead of
+serving).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import threading
 
 from tsdev_runtime import distributed
 from tsdev_runtime.config import EngineConfig
-from tsdev.server_process import die_with_parent, free_port
+from tsdev.launch.child import die_with_parent, free_port
 
 CONFIG_ENV = "TSDEV_RANK_CONFIG"  # the engine config and whether reloads are allowed, as JSON
 
@@ -59,7 +60,8 @@ def start_ranks(config: EngineConfig, allow_reload_forward: bool) -> list[subpro
         env = {**os.environ, distributed.ENV_RANK: str(rank), distributed.ENV_WORLD_SIZE: str(config.world_size),
                distributed.ENV_LOCAL_RANK: str(rank), CONFIG_ENV: payload}
         # Ctrl-C reaches rank 0 alone, which lets them go once the server has stopped; they die with it
-        children.append(subprocess.Popen([sys.executable, "-m", "tsdev.ranks"], env=env, preexec_fn=die_with_parent))
+        children.append(subprocess.Popen([sys.executable, "-m", "tsdev.launch.tensor_ranks"], env=env,
+                                         preexec_fn=die_with_parent))
     return children
 
 

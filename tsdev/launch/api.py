@@ -1,4 +1,4 @@
-"""`python -m tsdev.api_process LISTEN_FD CHANNEL_FD`: the API process `tsdev serve` starts beside its engine process
+"""`python -m tsdev.launch.api LISTEN_FD CHANNEL_FD`: the API process `tsdev serve` starts beside its engine process
 (what it serves: runtime/tsdev_runtime/server/api_process.py). LISTEN_FD is the public address, bound by `tsdev serve`;
 CHANNEL_FD its end of the channel to the engine process."""
 import asyncio
@@ -7,7 +7,7 @@ import shutil
 import socket
 import sys
 
-from tsdev.serving import BACKLOG, GRACEFUL_SHUTDOWN_S, bind_error, leave, log_to_stderr, quiet_server_class
+from tsdev.launch.serve import BACKLOG, GRACEFUL_SHUTDOWN_S, bind_error, leave, log_to_stderr, quiet_server_class
 from tsdev_runtime.engine.errors import FATAL_EXIT_STATUS
 
 
