@@ -5,7 +5,8 @@ exact value, beside the W8A8 reference's own, and its time.
     python3 benchmarks/fp8_moe_accuracy.py --tokens 1024 --experts 128 --intermediate 768 --hidden 2048
 
 At BLOCK_M >= 64 the aligned GEMMs convert their e4m3 tiles to bf16 before the dot (exact, but 2.0x the
-unpromoted FP8 wgmma's time at 1024 tokens: 580.3 against 283.9 us, results.md), because the wgmma's
+unpromoted FP8 wgmma's time at 1024 tokens: 580.3 against 283.9 us on the H200, 2026-12-04:
+git show 5461bb2:docs/results.md), because the wgmma's
 reduced-precision sum put 2e-2 (per-row scales) and 8e-3 (128 x 128 block scales) on the layer's largest value
 against the reference. That measure counts the reference's own roundings
 as truth: W8A8 quantizes each GEMM's input to e4m3 (a relative step of 1/16), so a float32 sum that differs in its

@@ -270,9 +270,9 @@ def bench_linear(bw: float, sweep: bool) -> None:
 
 def sweep_rows(batches: list[int]) -> None:
     """At decode batches past SKINNY_ROWS every projection goes to cuBLAS (~6-7 us each at 139 rows on the H200,
-    ~0.73 ms a step, against a ~0.2 ms read of the weights: docs/results.md): the skinny kernel tiled over rows
-    (`skinny_triton(block_m=...)`, with programmatic dependent launch) over a small grid at each batch, against
-    cuBLAS, 28 weights per projection, ranked by one step's projection time."""
+    ~0.73 ms a step, against a ~0.2 ms read of the weights: git show 5461bb2:docs/results.md): the skinny kernel
+    tiled over rows (`skinny_triton(block_m=...)`, with programmatic dependent launch) over a small grid at each
+    batch, against cuBLAS, 28 weights per projection, ranked by one step's projection time."""
     weights = {name: [rand(n, k, scale=k ** -0.5) for _ in range(min(calls, 28))] for name, n, k, calls in PROJECTIONS}
     for m in batches:
         rows = {k: rand(m, k) for _, _, k, _ in PROJECTIONS}

@@ -7,7 +7,7 @@ page-locked staging buffer, copied to the GPU asynchronously while the next part
 
 Each round loads plain, then pinned (once per staging shape), into the same model; the first round may
 read from disk, the later ones from the page cache (`--cold`: each load reads the disk). The pinned load is checked bit
-for bit against the plain one. Ratios are from the same run (docs/results.md's habit).
+for bit against the plain one. Ratios are from the same run (docs/benchmarks.md's rule: a baseline beside the change).
 """
 import argparse
 import cProfile

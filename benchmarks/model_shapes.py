@@ -25,7 +25,7 @@ for qwen3-8b; qwen3-0.6b's is the embedded default-fp8): its step against the bf
 of the two models' logits after random prompts (issue 50's targets: <= 0.6x at batch 1, faster at 256, >= 0.99).
 "+ KV" adds each sequence's KV cache to the bytes read (what bounds batch 256). The replay alone and its
 kernels: `python3 benchmarks/decode_step.py --model DIR --breakdown` on the directory printed for the shape.
-Prints markdown rows for docs/results.md; a shape the runtime refuses gets a row saying why.
+Prints markdown rows for docs/benchmarks.md; a shape the runtime refuses gets a row saying why.
 """
 import argparse
 import datetime

@@ -1,7 +1,7 @@
 """Tensor parallelism in one run (issue 17): the decode step at each batch size, the engine's build time (what a
 restart costs besides the process start) and the reload pause per rank, for --tp 1, for one rank through the
 distributed path ("tp1-group": a process group of one, every collective and the per-step broadcast run) and for
---tp N; ratios to --tp 1 from the same run (docs/results.md's habit).
+--tp N; ratios to --tp 1 from the same run (docs/benchmarks.md's rule).
 
     python3 benchmarks/tensor_parallel.py                      # CUDA: the default model, TP=1 vs TP=2 (two GPUs)
     python3 benchmarks/tensor_parallel.py --tp 1               # one GPU: TP=1 vs TP=1 through the distributed path

@@ -7,7 +7,7 @@
 Restart = building a fresh engine (load, warm-up, graph capture), the cost a server restart adds to the process
 start. Each round updates A -> B -> A: `direct` (in place, graphs kept; the addresses are checked unchanged) and
 `full` (graphs recaptured), then times GET weights_checksum's work (parameters and persistent buffers). Prints
-one JSON line per measurement and a summary with the ratios (docs/results.md's habit: ratios from one run).
+one JSON line per measurement and a summary with the ratios (docs/benchmarks.md's rule: ratios from one run).
 """
 import argparse
 import json

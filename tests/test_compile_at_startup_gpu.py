@@ -1,6 +1,7 @@
 """Startup compiles every Triton binary serving can reach (run on the H200: `pytest -m gpu`): after the engine
 has started (warm-up and graph captures), a mix of requests that takes every path compiles nothing. A compile
-while serving stalls the step it happens in (results.md saw Triton compiling inside timed engine steps)."""
+while serving stalls the step it happens in (the H200 runs of 2026-12-01 saw Triton compiling inside timed
+engine steps)."""
 import importlib
 import pkgutil
 from contextlib import contextmanager

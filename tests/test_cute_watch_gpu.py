@@ -1,7 +1,7 @@
 """The CuTe DSL silu_and_mul on the serving path (TSDEV_KERNELS=cute:activation) edited under `tsdev watch` on the
 GPU: the edit reaches the served tokens, the reload line names the dialect, and the revert restores the golden
 completion bit for bit. Needs the optional CuTe DSL package on the GPU machine (scripts/device-prep-cute.sh brings
-its wheels); prints both reload lines (pause, save -> serving) for docs/results.md."""
+its wheels); prints both reload lines (pause, save -> serving) for docs/benchmarks.md."""
 import re
 
 import pytest

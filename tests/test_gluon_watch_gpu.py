@@ -1,6 +1,6 @@
 """A Gluon kernel on the serving path (TSDEV_KERNELS=gluon:norm) edited under `tsdev watch` on the GPU: the edit of
 its `@gluon.jit` helper reaches the served tokens, the reload line names the dialect, and the revert restores the
-golden completion bit for bit. Prints both reload lines (pause, save -> serving) for docs/results.md."""
+golden completion bit for bit. Prints both reload lines (pause, save -> serving) for docs/benchmarks.md."""
 import re
 
 import pytest

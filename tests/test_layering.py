@@ -1,4 +1,5 @@
-"""The floors of DESIGN.md ("Layering") hold: `lint-imports` keeps every contract in pyproject.toml."""
+"""The floors hold (docs/architecture.md: tsdev -> tsdev_runtime -> tsdev_kernels, imports only go down):
+`lint-imports` keeps every contract in pyproject.toml."""
 import os
 import subprocess
 import sys

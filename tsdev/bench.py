@@ -7,7 +7,8 @@ whole run's wall time. Output token counts come from the server's final `usage`.
 The client is aiohttp (as vLLM's benchmark's): on a 2-core machine the load generator shares the cores with
 the server it measures, so its own CPU per request counts, and is reported (`client_cpu_ms_per_request`).
 httpx, which the other clients use, spent 19 ms of CPU per streamed request with 400 at once (its connection
-pool's work grows with the connections open), aiohttp 2.0 and locust 1.9 (docs/results.md).
+pool's work grows with the connections open), aiohttp 2.0 and locust 1.9 (2026-12-01; docs/benchmarks.md has the
+client CPU per request against locust's).
 """
 import asyncio
 import json
