@@ -167,7 +167,7 @@ def shape_rows(name: str, args, bandwidth: float, fp8_blocks: bool = False) -> t
     experts, top_k = raw.get("num_experts", 0), raw.get("num_experts_per_tok", 0)
     expert_bytes = sum(p.numel() * p.element_size() for n, p in engine.model.named_parameters()
                        if ".experts." in n) / max(experts, 1)  # one expert of every sparse layer
-    itemsize = engine.runner.kv_cache.element_size()
+    itemsize = getattr(torch, engine.describe().kv_cache_dtype).itemsize  # the KV pool's element, e.g. float8_e4m3fn
     kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * itemsize
     startup = ", ".join(f"{k} {v:.1f} s" for k, v in engine.startup_timings.items())
     print(f"{label}: {model_dir}, {weights / 1e9:.2f} GB of weights; startup: {startup}", flush=True)
@@ -194,7 +194,12 @@ def cosine_prompts(vocab_size: int, count: int = 8, length: int = 64) -> list[li
 
 
 def prefill_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
-    """The logits after `prompt` (its last position), float32 on the CPU, from one eager prefill."""
+    """The logits after `prompt` (its last position), float32 on the CPU, from one eager prefill.
+
+    The one place this benchmark goes past LLMEngine's public calls (its block manager and runner): the engine offers
+    no full-vocabulary logits (logprobs stop at the top 20), and the cosine needs them all. A public
+    `LLMEngine.prompt_logits(prompt_token_ids) -> Tensor` (one eager prefill outside the scheduler, its pages
+    allocated and freed) would replace this function (issue 70)."""
     from tsdev_runtime.engine.scheduler import ScheduledBatch
     from tsdev_runtime.engine.sequence import Sequence
 
