@@ -188,20 +188,25 @@ class ModelRunner:
         if kv_dtype == torch.float8_e4m3fn and (why := fp8_unsupported_reason(self.device, "--kv-cache-dtype fp8")):
             raise ValueError(why)
         page_bytes = len(layers) * page * math.prod(layout) * kv_dtype.itemsize
-        num_pages = self.config.kv_pages
+        num_pages, memory = self.config.kv_pages, ""
         if num_pages is None:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
                 total = torch.cuda.get_device_properties(self.device).total_memory
                 budget = free - (1 - self.config.gpu_memory_utilization) * total - (1 << 30)  # 1 GiB for activations
+                memory = (f" ({free / 2**30:.1f} of the GPU's {total / 2**30:.1f} GiB are free after the weights, "
+                          f"--gpu-memory-utilization {self.config.gpu_memory_utilization} keeps "
+                          f"{(1 - self.config.gpu_memory_utilization) * total / 2**30:.1f} GiB back and activations "
+                          "1 GiB; other processes on this GPU hold the rest)")
             else:
                 budget = CPU_KV_BYTES
-            num_pages = min(int(budget // page_bytes), self.config.max_running * -(-max_model_len // page))
+            num_pages = max(0, min(int(budget // page_bytes), self.config.max_running * -(-max_model_len // page)))
         num_pages = distributed.minimum(num_pages)  # rank 0 hands out pages every rank must hold
         if num_pages * page < max_model_len:
             raise ValueError(
                 f"the KV pool ({num_pages} pages of {page} tokens) cannot hold one sequence of max_model_len "
-                f"{max_model_len}: raise --kv-pages or lower --max-model-len"
+                f"{max_model_len}{memory}: free the GPU, raise --gpu-memory-utilization or --kv-pages, or lower "
+                "--max-model-len"
             )
         scratch = -(-min(self.config.max_batched_tokens, max_model_len) // page) + 1
         self.scratch_pages = list(range(num_pages, num_pages + scratch))
