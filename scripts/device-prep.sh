@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prepare what the H200 test machine lacks (see ../shared/DEVICE.md), on a CPU machine with network:
+# Prepare what the H200 test machine lacks (the device machine has no network), on a CPU machine with network:
 #   .whl/   cp312 manylinux wheels of the Python packages missing there (with their dependencies)
 #   .debs/  libdw1 + libelf1, which nsys's report importer needs
 # Both folders are git-ignored; name them in the device tool's `carry`, then start each device command

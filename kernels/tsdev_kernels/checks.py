@@ -307,7 +307,7 @@ class Limits:
     source: str
 
 
-# Copy bandwidth: measured with benchmarks/decode_step.py's copy_bandwidth (docs/results.md; the machines' notes:
+# Copy bandwidth: measured with benchmarks/decode_step.py's copy_bandwidth (docs/benchmarks.md; the machines' notes:
 # 3.0 TB/s on the H100 SXM, 4.2 on the H200); tensor-core rates: NVIDIA's H100/H200 SXM datasheets, dense (without
 # sparsity): 989 TFLOP/s bf16, 1979 fp8. Matched against torch.cuda.get_device_name, the first that it contains.
 GPU_LIMITS = (

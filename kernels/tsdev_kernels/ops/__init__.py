@@ -14,7 +14,7 @@ Programmatic dependent launch (Hopper and newer): the kernels on the decode path
 `launch_pdl=pdl(x)`, so each may start while the kernel before it finishes. Every program of such a kernel
 calls `wait_for_previous` before it reads anything an earlier kernel wrote or writes anything at all (it
 may read weights before that); since each one waits, the order of the whole chain holds. On the H200 the
-batch-1 decode graph replays in 0.869 ms with it, 1.040 without (docs/results.md). TSDEV_PDL=0 turns it off.
+batch-1 decode graph replays in 0.869 ms with it, 1.040 without (docs/benchmarks.md). TSDEV_PDL=0 turns it off.
 """
 import functools
 import json

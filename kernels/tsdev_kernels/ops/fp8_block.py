@@ -318,7 +318,7 @@ def block_gemm_split(tiles: int, k_blocks: int, sms: int) -> int:
     every tile's programs within one wave (tiles x split <= sms), at most MAX_SPLIT_K, each share at least
     MIN_SPLIT_BLOCKS blocks; 1 (no split) once the tiles alone fill the GPU. A skinny M's projection has few tiles
     (Qwen3-8B's o and down at M <= 64: 32 of 64 x 128 on 132 SMs), and each tile's program streams its weight
-    columns alone: at M 1, 18.6 / 55.9 us for o / down against _scaled_mm's 12.9 / 37.5 (docs/results.md). Not
+    columns alone: at M 1, 18.6 / 55.9 us for o / down against _scaled_mm's 12.9 / 37.5 (docs/benchmarks.md). Not
     measured split yet (`benchmarks/fp8_block_linear.py --configs 64,128,4,4`)."""
     split = min(MAX_SPLIT_K, sms // max(tiles, 1), k_blocks // MIN_SPLIT_BLOCKS)
     return max(1, split)
@@ -372,7 +372,7 @@ def fp8_block_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_
 # torch._scaled_mm takes DeepSeek-style block scales on sm_90 with CUDA >= 12.9 (cuBLASLt): activations 1 x 128 per
 # token group, weights 128 x 128. On the H100 at 96b8aee it took 20-22 us for Qwen3-8B's q|k|v at M 1-256 and 87 at
 # 2048, where the Triton projection took 21 / 59 / 30 / 40 / 220 at M 1 / 16 / 64 / 256 / 2048 (untuned), 175 us for
-# down at 2048 against 500 (docs/DEVICE.md). The op routes each M to the faster side by the crossover `tsdev tune`
+# down at 2048 against 500 (issue 65; docs/benchmarks.md). The op routes each M to the faster side by the crossover `tsdev tune`
 # measures; the Triton kernel stays the one a user edits and reloads.
 
 SCALED_MM_MIN_ROWS = 16  # without a measured crossover: _scaled_mm from this many tokens (the H100 figures above)

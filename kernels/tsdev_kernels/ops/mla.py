@@ -24,7 +24,7 @@ transposed, `mla_attention_triton`'s `transposed`: cache rows x heads, for the s
 one head per tile, causal, the cached prefix first (row j of a query of q_len sits at position seq_len - q_len + j),
 no splits. The grid depends on the batch size and head count only (graph-safe); `num_splits` and the page table's
 width are not specialised on (module docstring of attention.py says why). The CUDA tiles are the H200 sweep's best
-(`CUDA_DECODE_TILES`; docs/mla.md, docs/results.md).
+(`CUDA_DECODE_TILES`; docs/mla.md, docs/benchmarks.md).
 """
 import torch
 import triton
@@ -239,7 +239,7 @@ DECODE_HEADS, PREFILL_QUERIES = 16, 16  # the tiles off CUDA: heads of one decod
 # tests/test_kernel_configs.py)
 CUDA_TILE = dict(block_n=32, num_warps=8)
 # A decode tile on CUDA, by cache dtype: every head of a row (up to 128) against half the latent columns, the best of
-# `benchmarks/mla_decode.py --sweep` on the H200 at V3's shapes, context 4096 (2026-12-05; docs/results.md): at batch
+# `benchmarks/mla_decode.py --sweep` on the H200 at V3's shapes, context 4096 (2026-12-05; docs/benchmarks.md): at batch
 # 64, 615 us with a bf16 cache (16 heads x 512 columns, 32 rows, had 1319 us; 32 rows spill at 128 heads) and 532 us
 # with an e4m3 cache (2015 us); at batch 1, 28.6 and 28.3 us (40.1 and 51.8)
 CUDA_DECODE_TILES = {False: dict(heads=128, columns=256, block_n=16, num_warps=8),

@@ -3,7 +3,7 @@
 One Triton program normalises one row. The Gluon kernel (TSDEV_KERNELS=gluon:norm) lays rows out explicitly, one
 warp per row: a row's sum of squares is reduced in registers and warp shuffles, never through shared memory and a
 barrier as the Triton kernel's cross-warp sum is; several rows share a program once there are rows for every SM.
-It is slower than the Triton kernel on the H200 (docs/results.md, issue 33): a warp per row keeps fewer loads in
+It is slower than the Triton kernel on the H200 (docs/benchmarks.md, issue 33): a warp per row keeps fewer loads in
 flight. Both follow the reference's rounding order (normalise in
 float32, round to the input dtype, multiply by the weight, round again), as Hugging Face's Qwen3RMSNorm
 does (the GPU tests compare bf16 within ~2-4 bf16 ulps, atol 1e-2 / rtol 1.6e-2, not bit for bit).

@@ -6,7 +6,7 @@ CPU path) is about seven launches.
 
 A first version did the GEMV in the same kernel, one program per token: at batch 1 one SM read the router's whole
 [E, H] weight (512 KB for Qwen3-30B-A3B), 30 µs on the H200 against the torch router's 24 µs. The GEMV spreads it
-over E programs (cuBLAS did, at the ~4-12 µs it takes for one row of the projections: docs/results.md).
+over E programs (cuBLAS did, at the ~4-12 µs it takes for one row of the projections: docs/benchmarks.md).
 
 The k largest probabilities are picked one after another, the lower expert id first among equal ones (a stable
 order, as `route_ref`'s stable sort; torch.topk leaves ties unspecified). With the logits the reference's own, the
