@@ -168,16 +168,44 @@ class MergedLinear(Linear):
         target.copy_(tensor)
 
 
+def norm_linear(norm: RMSNorm, proj: Linear, x: torch.Tensor, residual: torch.Tensor | None,
+                act: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`norm`, then `proj` (then `act`, SwiGLU's silu(gate) * up after a gate|up projection), the norm adding the
+    residual stream first: `(act(proj(norm(x + residual))), x + residual)`, without a residual
+    `(act(proj(norm(x))), x)`. A decoder layer's norm before q|k|v or gate|up.
+
+    Where `gemv_fuses` says so (a decode step at batch 1 on CUDA) one GEMV kernel runs all three: it normalises its
+    input and, for gate|up, applies silu(gate) * up to its output, with the norm and activation kernels' arithmetic (an
+    edit of their Triton code reaches both; the Python forwards of RMSNorm and SiluAndMul are not called there).
+    Elsewhere the modules run one after another."""
+    if gemv_fuses(norm, proj, x, residual, act):
+        weight, scale = (proj.weight_fp8, proj.weight_scale) if proj.quantization == "fp8" else (proj.weight, None)
+        return linear_ops.gemv_triton(x, weight, proj.bias, weight_scale=scale, residual=residual,
+                                      norm_weight=norm.weight, eps=norm.eps, gated=act is not None)
+    hidden, residual = (norm(x), x) if residual is None else norm(x, residual)
+    y = proj(hidden)
+    return (y if act is None else act(y)), residual
+
+
+def gemv_fuses(norm: RMSNorm, proj: Linear, x: torch.Tensor, residual: torch.Tensor | None,
+               act: nn.Module | None) -> bool:
+    """Whether `norm_linear` runs as one GEMV kernel: one row (the GEMV's shape), a weight it reads (not block-FP8),
+    the stock RMSNorm and SiluAndMul (another class's arithmetic is not the kernel's: a subclass, another activation),
+    one dtype throughout, and Triton serving every family it fuses (`use_fused_triton`: on CUDA, TSDEV_KERNELS taking
+    none of them to the reference, a Gluon or a CuTe DSL kernel, which then serve batch 1 unfused too)."""
+    if x.numel() != x.shape[-1] or proj.quantization == "fp8_block":
+        return False
+    if type(norm) is not RMSNorm or (act is not None and type(act) is not SiluAndMul):
+        return False
+    if norm.weight.dtype != x.dtype or (residual is not None and residual.dtype != x.dtype):
+        return False
+    return use_fused_triton(x, "norm", proj.quantization or "linear", *(("activation",) if act is not None else ()))
+
+
 class NormedProjection(nn.Module):
     """An RMSNorm and the projection that reads its output (and, for gate|up, SwiGLU's activation after it), as
-    one module of the decoder layer: `(act(proj(norm(x + residual))), x + residual)`, without a residual
-    `(act(proj(norm(x))), x)`. The three modules stay where the checkpoint names them (this one refers to them).
-
-    Why one module: a decode step at batch 1 on CUDA runs it all in one kernel, the GEMV normalising its input
-    and, for gate|up, applying silu(gate) * up to its output, with the arithmetic of the norm and activation
-    kernels (an edit of their Triton code reaches both; the Python forwards of RMSNorm and SiluAndMul are not
-    called there). Other inputs run the three one after another, and so does every input when TSDEV_KERNELS
-    takes one of the three off Triton (`use_fused_triton`: a Gluon norm or CuTe DSL activation serves batch 1 too)."""
+    one module of the decoder layer: `norm_linear`'s `(act(proj(norm(x + residual))), x + residual)`, without a
+    projection the norm alone. The three modules stay where the checkpoint names them (this one refers to them)."""
 
     def __init__(self, norm: RMSNorm, proj: Linear | None = None, act: SiluAndMul | nn.Module | None = None):
         super().__init__()
@@ -189,17 +217,6 @@ class NormedProjection(nn.Module):
         return " -> ".join(type(m).__name__ for m in (self.norm, self.proj, self.act) if m is not None)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        norm, proj, act = self.norm, self.proj, self.act
-        if proj is None:  # the norm alone (before a mixture of experts, whose router reads the normed input)
-            return (norm(x), x) if residual is None else norm(x, residual)
-        families = ("norm", proj.quantization or "linear", *(("activation",) if act is not None else ()))
-        if (x.numel() == x.shape[-1] and proj.quantization != "fp8_block" and use_fused_triton(x, *families)
-                and type(norm) is RMSNorm
-                and (act is None or type(act) is SiluAndMul) and norm.weight.dtype == x.dtype
-                and (residual is None or residual.dtype == x.dtype)):
-            weight, scale = (proj.weight_fp8, proj.weight_scale) if proj.quantization == "fp8" else (proj.weight, None)
-            return linear_ops.gemv_triton(x, weight, proj.bias, weight_scale=scale, residual=residual,
-                                          norm_weight=norm.weight, eps=norm.eps, gated=act is not None)
-        hidden, residual = (norm(x), x) if residual is None else norm(x, residual)
-        y = proj(hidden)
-        return (y if act is None else act(y)), residual
+        if self.proj is None:  # the norm alone (before a mixture of experts, whose router reads the normed input)
+            return (self.norm(x), x) if residual is None else self.norm(x, residual)
+        return norm_linear(self.norm, self.proj, x, residual, self.act)

@@ -22,10 +22,17 @@ class RotaryEmbedding(nn.Module):
         return rope_ops.apply_rope(q, k, positions, self.cos_sin_cache)
 
 
+def qk_norm_rope(q_norm: nn.Module, k_norm: nn.Module, rope: RotaryEmbedding, positions: torch.Tensor, q: torch.Tensor,
+                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's per-head RMSNorm of q and of k (`q_norm`, `k_norm`: RMSNorms of head_dim), then `rope`'s rotation, in
+    one kernel (`rope_ops.qk_norm_rope`: the norm's arithmetic inside the rotation's; the two ops one after another
+    where TSDEV_KERNELS takes either off Triton, and off CUDA)."""
+    return rope_ops.qk_norm_rope(q, k, q_norm.weight, k_norm.weight, q_norm.eps, positions, rope.cos_sin_cache)
+
+
 class QKNormRope(nn.Module):
-    """Qwen3's per-head RMSNorm of q and of k, then the rotation, in one fused kernel (`rope_ops.qk_norm_rope`:
-    the norm's arithmetic inside the rotation's). The two norms and the rotary table stay where the checkpoint and
-    the model name them (the attention's q_norm and k_norm, the model's table): this module refers to them."""
+    """`qk_norm_rope` as a module: the two norms and the rotary table stay where the checkpoint and the model name
+    them (the attention's q_norm and k_norm, the model's table): this module refers to them."""
 
     def __init__(self, q_norm: nn.Module, k_norm: nn.Module, rope: RotaryEmbedding):
         super().__init__()
@@ -36,5 +43,4 @@ class QKNormRope(nn.Module):
         return "q_norm, k_norm -> rope"
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_ops.qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, positions,
-                                     self.rope.cos_sin_cache)
+        return qk_norm_rope(self.q_norm, self.k_norm, self.rope, positions, q, k)
