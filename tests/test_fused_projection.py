@@ -1,6 +1,6 @@
 """The decode step at batch 1 runs each layer's norm inside the q|k|v and gate|up projections and SwiGLU's
-activation inside the gate|up one (`NormedProjection`, one module of the decoder layer). On the CPU the fused GEMV
-runs under the Triton interpreter when NormedProjection is told Triton may run: a greedy generation must then take the
+activation inside the gate|up one (`norm_linear`, called by the model's attention and MLP). On the CPU the fused GEMV
+runs under the Triton interpreter when `gemv_fuses` is told Triton may run: a greedy generation must then take the
 fused path at every decode step, only there (not in the prefill), and generate what the separate ops do; it must still
 after a reload of those layers, and never for an activation other than SwiGLU's."""
 
@@ -13,13 +13,13 @@ from tsdev_kernels.ops import linear as linear_ops
 from tsdev_runtime.config import EngineConfig, ModelConfig
 from tsdev_runtime.engine.llm_engine import LLMEngine
 from tsdev_runtime.engine.sequence import SamplingParams
-from tsdev_runtime.layers.linear import MergedLinear, NormedProjection
+from tsdev_runtime.layers.linear import MergedLinear, norm_linear
 from tsdev_runtime.layers.norm import RMSNorm
 from tsdev.hotreload import Reloader
 
 
 def fused_calls(monkeypatch) -> list[tuple[bool, bool]]:
-    """Let NormedProjection fuse on the CPU; record (residual given, gated) of each fused GEMV. Each program takes 64
+    """Let norm_linear fuse on the CPU; record (residual given, gated) of each fused GEMV. Each program takes 64
     rows (the rule gives the tiny model's projections one row a program): the interpreter runs programs one by one, and
     rows are independent, so only the number of programs changes."""
     calls, gemv = [], linear_ops.gemv_triton
@@ -55,7 +55,7 @@ def test_fused_decode_generates_what_the_ops_one_after_another_do(tiny_model_dir
 
 
 def test_the_fused_path_survives_a_reload_of_the_norm_and_activation_layers(tiny_model_dir, monkeypatch):
-    """NormedProjection fuses only for the stock RMSNorm and SiluAndMul classes (another activation must not get
+    """norm_linear fuses only for the stock RMSNorm and SiluAndMul classes (another activation must not get
     SwiGLU's epilogue); a reload updates those classes in place, so the model's modules still qualify after it."""
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", max_running=1))
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -80,9 +80,9 @@ def test_another_activation_runs_after_the_projection_not_in_it(monkeypatch):
     nn.init.normal_(proj.weight), nn.init.normal_(norm.weight)
     x, residual = torch.randn(1, 16), torch.randn(1, 16)
     calls = fused_calls(monkeypatch)
-    y, new_residual = NormedProjection(norm, proj, Gelu())(x, residual)
+    y, new_residual = norm_linear(norm, proj, x, residual, act=Gelu())
     assert calls == []
     normed, want_residual = norm(x, residual)
     assert torch.equal(y, nn.functional.gelu(proj(normed))) and torch.equal(new_residual, want_residual)
-    fused, _ = NormedProjection(norm, proj)(x, residual)  # no activation: fused
+    fused, _ = norm_linear(norm, proj, x, residual)  # no activation: fused
     assert calls == [(True, False)] and torch.allclose(fused, proj(normed), atol=1e-5)

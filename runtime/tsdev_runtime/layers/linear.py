@@ -200,23 +200,3 @@ def gemv_fuses(norm: RMSNorm, proj: Linear, x: torch.Tensor, residual: torch.Ten
     if norm.weight.dtype != x.dtype or (residual is not None and residual.dtype != x.dtype):
         return False
     return use_fused_triton(x, "norm", proj.quantization or "linear", *(("activation",) if act is not None else ()))
-
-
-class NormedProjection(nn.Module):
-    """An RMSNorm and the projection that reads its output (and, for gate|up, SwiGLU's activation after it), as
-    one module of the decoder layer: `norm_linear`'s `(act(proj(norm(x + residual))), x + residual)`, without a
-    projection the norm alone. The three modules stay where the checkpoint names them (this one refers to them)."""
-
-    def __init__(self, norm: RMSNorm, proj: Linear | None = None, act: SiluAndMul | nn.Module | None = None):
-        super().__init__()
-        # shared, not owned (not registered as children): the layer owns them under their checkpoint names
-        for name, module in (("norm", norm), ("proj", proj), ("act", act)):
-            object.__setattr__(self, name, module)
-
-    def extra_repr(self) -> str:
-        return " -> ".join(type(m).__name__ for m in (self.norm, self.proj, self.act) if m is not None)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.proj is None:  # the norm alone (before a mixture of experts, whose router reads the normed input)
-            return (self.norm(x), x) if residual is None else self.norm(x, residual)
-        return norm_linear(self.norm, self.proj, x, residual, self.act)

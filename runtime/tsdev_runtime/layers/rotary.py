@@ -28,19 +28,3 @@ def qk_norm_rope(q_norm: nn.Module, k_norm: nn.Module, rope: RotaryEmbedding, po
     one kernel (`rope_ops.qk_norm_rope`: the norm's arithmetic inside the rotation's; the two ops one after another
     where TSDEV_KERNELS takes either off Triton, and off CUDA)."""
     return rope_ops.qk_norm_rope(q, k, q_norm.weight, k_norm.weight, q_norm.eps, positions, rope.cos_sin_cache)
-
-
-class QKNormRope(nn.Module):
-    """`qk_norm_rope` as a module: the two norms and the rotary table stay where the checkpoint and the model name
-    them (the attention's q_norm and k_norm, the model's table): this module refers to them."""
-
-    def __init__(self, q_norm: nn.Module, k_norm: nn.Module, rope: RotaryEmbedding):
-        super().__init__()
-        for name, module in (("q_norm", q_norm), ("k_norm", k_norm), ("rope", rope)):  # shared, not owned
-            object.__setattr__(self, name, module)
-
-    def extra_repr(self) -> str:
-        return "q_norm, k_norm -> rope"
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return qk_norm_rope(self.q_norm, self.k_norm, self.rope, positions, q, k)

@@ -29,11 +29,12 @@ from tsdev_kernels.ops import fp8_block
 from tsdev_kernels.ops.rope import rope_settings, yarn_mscale
 from tsdev_runtime import distributed
 from tsdev_runtime.config import ModelConfig
+from tsdev_runtime.layers.activation import SiluAndMul
 from tsdev_runtime.layers.attention import LatentAttention
-from tsdev_runtime.layers.linear import Linear, MergedLinear, NormedProjection, RowParallelLinear
+from tsdev_runtime.layers.linear import Linear, MergedLinear, RowParallelLinear, norm_linear
 from tsdev_runtime.layers.norm import RMSNorm
 from tsdev_runtime.layers.rotary import RotaryEmbedding
-from tsdev_runtime.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+from tsdev_runtime.models.llama import LlamaForCausalLM
 from tsdev_runtime.moe.experts import StackedExperts
 from tsdev_runtime.moe.router import GroupedTopKRouter, SoftmaxRouter
 from tsdev_runtime.weights.processing import DEBUG_DERIVED_ENV
@@ -114,6 +115,29 @@ class DeepseekAttention(nn.Module):
         return self.o_proj(o.flatten(1))
 
 
+class DeepseekMLP(nn.Module):
+    """The dense layers' MLP, and the shared experts' (`intermediate_size`: their summed width)."""
+
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None):
+        super().__init__()
+        size, bias = intermediate_size or config.intermediate_size, bool(config.raw.get("mlp_bias", False))
+        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias=bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, *, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm(x + residual) -> gate|up -> silu(gate) * up -> down_proj: (the output, x + residual)."""
+        gated, residual = norm_linear(norm, self.gate_up_proj, x, residual, act=self.act_fn)  # one kernel at one row
+        return self.down_proj(gated), residual
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared experts from the normed state: gate|up, silu(gate) * up, then down_proj's product without its
+        sum over the tensor-parallel ranks (DeepseekMoE sums once for them and the routed experts; the bias, as
+        RowParallelLinear adds it, with rank 0's part)."""
+        down = self.down_proj
+        return down.project(self.act_fn(self.gate_up_proj(x)), down.bias if distributed.rank() == 0 else None)
+
+
 class DeepseekMoE(nn.Module):
     """Routed experts plus shared experts, this rank's partial sums added before the one all-reduce."""
 
@@ -130,7 +154,7 @@ class DeepseekMoE(nn.Module):
                                       raw.get("n_group"), raw.get("topk_group"))
         self.experts = StackedExperts(experts, hidden, width)
         shared = raw.get("n_shared_experts") or 0
-        self.shared_experts = LlamaMLP(config, width * shared) if shared else None
+        self.shared_experts = DeepseekMLP(config, width * shared) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, *self.gate(x))
@@ -143,38 +167,36 @@ def num_experts(raw: dict) -> int:
     return int(raw.get("n_routed_experts") or raw.get("num_local_experts") or raw.get("num_experts") or 0)
 
 
-class DeepseekDecoderLayer(LlamaDecoderLayer):
-    attention_class = DeepseekAttention
-
+class DeepseekDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, rope: RotaryEmbedding, layer: int):
+        super().__init__()
         self.sparse = num_experts(config.raw) > 0 and layer >= config.raw.get("first_k_dense_replace", 0)
-        super().__init__(config, rope, layer)
+        self.self_attn = DeepseekAttention(config, rope)
+        self.mlp = DeepseekMoE(config) if self.sparse else DeepseekMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def make_mlp(self, config: ModelConfig, layer: int) -> nn.Module:
-        return DeepseekMoE(config) if self.sparse else LlamaMLP(config)
-
-    def make_attn_input(self) -> NormedProjection:
-        """The input norm alone: the attention projects the normed state itself (q and the latent)."""
-        return NormedProjection(self.input_layernorm)
-
-    def make_mlp_input(self) -> NormedProjection:
-        return NormedProjection(self.post_attention_layernorm) if self.sparse else super().make_mlp_input()
-
-
-class DeepseekModel(LlamaModel):
-    decoder_layer_class = DeepseekDecoderLayer
-
-    @staticmethod
-    def rotary_dim(config: ModelConfig) -> int:
-        return config.raw["qk_rope_head_dim"]
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's output, the residual stream before it is added): the next norm adds them. The input norm runs
+        alone (the attention projects its output twice: q and the latent), and so does the post-attention norm before
+        the experts (their router reads it)."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        if not self.sparse:
+            return self.mlp(hidden, residual, norm=self.post_attention_layernorm)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class DeepseekForCausalLM(LlamaForCausalLM):
     architectures = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
-    model_class = DeepseekModel
 
     def __init__(self, config: ModelConfig):
-        super().__init__(config)
+        super().__init__(config, DeepseekDecoderLayer, rotary_dim=config.raw["qk_rope_head_dim"])
         self.num_layers = config.num_hidden_layers
 
     def skips_checkpoint_tensor(self, name: str) -> bool:

@@ -1,9 +1,15 @@
 """Llama (3.x): attention with rotary positions (scaled: llama3, linear, yarn), SwiGLU MLP, RMSNorm before each.
 
-Qwen2 and Qwen3 are this model with a difference or two (`runtime/tsdev_runtime/models/qwen2.py`, `qwen3.py`), as in
-Hugging Face's modular definitions. Under tensor parallelism each rank builds its part: its attention heads and
-key/value heads (replicated when there are fewer than ranks), its part of the MLP's intermediate features and of the
-vocabulary (`tsdev_runtime.layers.linear`, `tsdev_runtime.layers.embedding`)."""
+Each family's file defines its own decoder layer, read top to bottom (qwen2.py, qwen3.py, qwen3_moe.py, deepseek.py);
+the stack around the layers is this file's `LlamaModel` and `LlamaForCausalLM` (the embedding, the layers a family
+passes in, the final norm, the logits). The residual stream is added by the norm after it (`RMSNorm(x, residual)`:
+one kernel), so a layer returns its output and the stream before that output is added. A norm before a projection
+runs as `norm_linear(norm, proj, ...)`: one GEMV kernel at one row on CUDA (a decode step at batch 1), the modules one
+after another elsewhere (runtime/tsdev_runtime/layers/linear.py).
+
+Under tensor parallelism each rank builds its part: its attention heads and key/value heads (replicated when there
+are fewer than ranks), its part of the MLP's intermediate features and of the vocabulary
+(`tsdev_runtime.layers.linear`, `tsdev_runtime.layers.embedding`)."""
 import torch
 from torch import nn
 
@@ -13,16 +19,14 @@ from tsdev_runtime.config import ModelConfig
 from tsdev_runtime.layers.activation import SiluAndMul
 from tsdev_runtime.layers.attention import Attention
 from tsdev_runtime.layers.embedding import LMHead, VocabEmbedding
-from tsdev_runtime.layers.linear import MergedLinear, NormedProjection, RowParallelLinear
+from tsdev_runtime.layers.linear import MergedLinear, RowParallelLinear, norm_linear
 from tsdev_runtime.layers.norm import RMSNorm
 from tsdev_runtime.layers.rotary import RotaryEmbedding
 from tsdev_runtime.weights.layout import RankSlice
 
 
 class LlamaAttention(nn.Module):
-    """From q|k|v (projected by the decoder layer's `attn_input`, which runs the norm before it) to o_proj's output."""
-
-    def __init__(self, config: ModelConfig, rope: RotaryEmbedding):
+    def __init__(self, config: ModelConfig, rope: RotaryEmbedding, qkv_bias: bool, o_bias: bool):
         super().__init__()
         # this rank's heads; the projections take the model's sizes and keep this rank's part
         _, self.num_heads = distributed.shard(config.num_attention_heads, "the attention heads")
@@ -30,107 +34,71 @@ class LlamaAttention(nn.Module):
         d = self.head_dim = config.head_dim
         hidden, all_q, all_kv = config.hidden_size, config.num_attention_heads * d, config.num_key_value_heads * d
         kv_rows = RankSlice((all_kv, hidden), 0, first_kv * d, self.num_kv_heads * d)
-        qkv_bias, o_bias = self.biases(config)
         self.qkv_proj = MergedLinear(hidden, {"q": all_q, "k": kv_rows, "v": kv_rows}, bias=qkv_bias)
         self.o_proj = RowParallelLinear(all_q, hidden, bias=o_bias)
         self.rotary_emb = rope
         self.attn = Attention(self.num_heads, self.num_kv_heads, d)
 
-    @staticmethod
-    def biases(config: ModelConfig) -> tuple[bool, bool]:
-        """Whether q|k|v and o_proj have biases."""
-        bias = bool(config.raw.get("attention_bias", False))
-        return bias, bias
-
-    def rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rotary_emb(positions, q, k)
-
-    def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, *,
+                norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm(x + residual) -> q|k|v -> rotary -> attention -> o_proj: (the output, x + residual)."""
         d = self.head_dim
+        qkv, residual = norm_linear(norm, self.qkv_proj, x, residual)  # the norm in q|k|v's kernel at one row
         q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
-        q, k = self.rotate(positions, q.view(-1, self.num_heads, d), k.view(-1, self.num_kv_heads, d))
+        q, k = self.rotary_emb(positions, q.view(-1, self.num_heads, d), k.view(-1, self.num_kv_heads, d))
         # the graph cut: under prefill graphs, everything above and below is captured and attention runs
         # outside the graph (Attention.graph_cut)
         o = self.attn(q, k, v.view(-1, self.num_kv_heads, d))
-        return self.o_proj(o.flatten(1))
+        return self.o_proj(o.flatten(1)), residual
 
 
 class LlamaMLP(nn.Module):
-    """gate|up, silu(gate) * up, down. The first two run in the decoder layer's `mlp_input`, with the norm before
-    them (one kernel at one row on CUDA): this forward takes their output, silu(gate) * up, to down_proj's."""
-
-    def __init__(self, config: ModelConfig, intermediate_size: int | None = None):
+    def __init__(self, config: ModelConfig):
         super().__init__()
-        size, bias = intermediate_size or config.intermediate_size, bool(config.raw.get("mlp_bias", False))
+        size, bias = config.intermediate_size, bool(config.raw.get("mlp_bias", False))
         self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias=bias)
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
-    def forward(self, gated: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gated)
-
-    def partial(self, x: torch.Tensor) -> torch.Tensor:
-        """The whole MLP from its own input (a mixture of experts' shared experts): gate|up, silu(gate) * up, then
-        down_proj's product without its sum over the tensor-parallel ranks (the caller sums; the bias, as
-        RowParallelLinear adds it, with rank 0's part)."""
-        down = self.down_proj
-        return down.project(self.act_fn(self.gate_up_proj(x)), down.bias if distributed.rank() == 0 else None)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, *, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm(x + residual) -> gate|up -> silu(gate) * up -> down_proj: (the output, x + residual)."""
+        gated, residual = norm_linear(norm, self.gate_up_proj, x, residual, act=self.act_fn)  # one kernel at one row
+        return self.down_proj(gated), residual
 
 
 class LlamaDecoderLayer(nn.Module):
-    """RMSNorm, attention, RMSNorm, MLP, each norm adding the residual stream first. What a family changes is a
-    subclass's (qwen2.py, qwen3.py, qwen3_moe.py, deepseek.py): `attention_class`, `make_mlp`, `make_attn_input`,
-    `make_mlp_input`."""
-    attention_class = LlamaAttention
-
-    def __init__(self, config: ModelConfig, rope: RotaryEmbedding, layer: int):
+    def __init__(self, config: ModelConfig, rope: RotaryEmbedding, layer: int,
+                 attention_bias: tuple[bool, bool] | None = None):
+        """`attention_bias`: whether q|k|v and o_proj have biases (default: config.json's attention_bias, both)."""
         super().__init__()
-        self.self_attn = self.attention_class(config, rope)
-        self.mlp = self.make_mlp(config, layer)
+        bias = bool(config.raw.get("attention_bias", False))
+        self.self_attn = LlamaAttention(config, rope, *(attention_bias or (bias, bias)))
+        self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # each norm with the projection after it, fused into one kernel where that pays (decode at batch 1)
-        self.attn_input = self.make_attn_input()
-        self.mlp_input = self.make_mlp_input()
-
-    def make_mlp(self, config: ModelConfig, layer: int) -> nn.Module:
-        return LlamaMLP(config)
-
-    def make_attn_input(self) -> NormedProjection:
-        """The input norm and q|k|v: what reaches the attention's forward."""
-        return NormedProjection(self.input_layernorm, self.self_attn.qkv_proj)
-
-    def make_mlp_input(self) -> NormedProjection:
-        """The post-attention norm, gate|up and SwiGLU's activation: what reaches the MLP's forward."""
-        return NormedProjection(self.post_attention_layernorm, self.mlp.gate_up_proj, self.mlp.act_fn)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this layer's output, the residual stream before it is added): the next norm adds them."""
-        qkv, residual = self.attn_input(hidden, residual)  # input_layernorm, then q|k|v
-        hidden = self.self_attn(positions, qkv)  # rotary, attention, o_proj
-        mlp_in, residual = self.mlp_input(hidden, residual)  # post_attention_layernorm (then gate|up, SwiGLU)
-        return self.mlp(mlp_in), residual
+        """input_layernorm -> self_attn -> post_attention_layernorm -> mlp, each norm adding the residual stream
+        first (`norm=`: it runs in the kernel of the projection after it). Returns (this layer's output, the residual
+        stream before it is added): the next norm adds them."""
+        hidden, residual = self.self_attn(positions, hidden, residual, norm=self.input_layernorm)
+        hidden, residual = self.mlp(hidden, residual, norm=self.post_attention_layernorm)
+        return hidden, residual
 
 
 class LlamaModel(nn.Module):
-    decoder_layer_class = LlamaDecoderLayer  # a family's model names its own
-
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, decoder_layer: type[nn.Module], rotary_dim: int):
+        """`decoder_layer(config, rope, index)` builds each layer; `rotary_dim`: the features each query and key
+        rotates."""
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         # one rotary table for every layer of this model (it is large: max positions x head_dim floats); never
         # shared between models, whose memory sleeps and wakes on its own
         theta, scaling = rope_settings(config.raw)
-        rope = RotaryEmbedding(self.rotary_dim(config), config.max_position_embeddings, theta, scaling)
-        self.layers = nn.ModuleList(self.decoder_layer_class(config, rope, i)
-                                    for i in range(config.num_hidden_layers))
+        rope = RotaryEmbedding(rotary_dim, config.max_position_embeddings, theta, scaling)
+        self.layers = nn.ModuleList(decoder_layer(config, rope, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    @staticmethod
-    def rotary_dim(config: ModelConfig) -> int:
-        """The features each query and key rotates."""
-        return config.head_dim
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = embeds, None
@@ -143,11 +111,12 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     # the Hugging Face names this class serves (runtime/tsdev_runtime/models/__init__.py)
     architectures = ("LlamaForCausalLM",)
-    model_class = LlamaModel  # a family's causal LM names its model (whose decoder layer carries the differences)
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, decoder_layer: type[nn.Module] = LlamaDecoderLayer,
+                 rotary_dim: int | None = None):
+        """A family's causal LM passes its decoder layer (and `rotary_dim` where not every head feature rotates)."""
         super().__init__()
-        self.model = self.model_class(config)
+        self.model = LlamaModel(config, decoder_layer, rotary_dim or config.head_dim)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

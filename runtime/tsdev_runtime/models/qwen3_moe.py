@@ -1,12 +1,14 @@
 """Qwen3-MoE: Qwen3 whose MLPs are sparse (`runtime/tsdev_runtime/moe/`) except in `mlp_only_layers` and the layers
-that `decoder_sparse_step` skips, as transformers decides."""
+that `decoder_sparse_step` skips, as transformers decides. A sparse MLP's router reads the normed state itself, so the
+post-attention norm runs alone before it; a dense layer is Qwen3's."""
+import torch
 from torch import nn
 
 from tsdev_runtime.config import ModelConfig
-from tsdev_runtime.layers.linear import NormedProjection
+from tsdev_runtime.layers.norm import RMSNorm
 from tsdev_runtime.layers.rotary import RotaryEmbedding
-from tsdev_runtime.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel
-from tsdev_runtime.models.qwen3 import Qwen3DecoderLayer
+from tsdev_runtime.models.llama import LlamaForCausalLM
+from tsdev_runtime.models.qwen3 import Qwen3Attention, Qwen3MLP
 from tsdev_runtime.moe.layer import SparseMoeBlock
 
 
@@ -21,27 +23,31 @@ def is_sparse(config: ModelConfig, layer: int) -> bool:
             and (layer + 1) % raw.get("decoder_sparse_step", 1) == 0)
 
 
-class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
+class Qwen3MoeDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, rope: RotaryEmbedding, layer: int):
-        self.sparse = is_sparse(config, layer)
-        super().__init__(config, rope, layer)
+        super().__init__()
+        self.sparse, raw = is_sparse(config, layer), config.raw
+        self.self_attn = Qwen3Attention(config, rope)
+        self.mlp = (SparseMoeBlock(config.hidden_size, num_experts(config), raw["num_experts_per_tok"],
+                                   raw["moe_intermediate_size"], raw.get("norm_topk_prob", False))
+                    if self.sparse else Qwen3MLP(config))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def make_mlp(self, config: ModelConfig, layer: int) -> nn.Module:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_layernorm -> self_attn -> post_attention_layernorm -> mlp, each norm adding the residual stream
+        first (`norm=`: it runs in the kernel of the projection after it). Returns (this layer's output, the residual
+        stream before it is added): the next norm adds them."""
+        hidden, residual = self.self_attn(positions, hidden, residual, norm=self.input_layernorm)
         if not self.sparse:
-            return LlamaMLP(config)
-        raw = config.raw
-        return SparseMoeBlock(config.hidden_size, num_experts(config), raw["num_experts_per_tok"],
-                              raw["moe_intermediate_size"], raw.get("norm_topk_prob", False))
-
-    def make_mlp_input(self) -> NormedProjection:
-        """A sparse MLP's router reads the normed input itself: the norm alone."""
-        return NormedProjection(self.post_attention_layernorm) if self.sparse else super().make_mlp_input()
-
-
-class Qwen3MoeModel(LlamaModel):
-    decoder_layer_class = Qwen3MoeDecoderLayer
+            return self.mlp(hidden, residual, norm=self.post_attention_layernorm)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)  # alone: the router reads its output
+        return self.mlp(hidden), residual
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     architectures = ("Qwen3MoeForCausalLM",)
-    model_class = Qwen3MoeModel
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config, Qwen3MoeDecoderLayer)
