@@ -86,3 +86,28 @@ def test_another_activation_runs_after_the_projection_not_in_it(monkeypatch):
     assert torch.equal(y, nn.functional.gelu(proj(normed))) and torch.equal(new_residual, want_residual)
     fused, _ = norm_linear(norm, proj, x, residual)  # no activation: fused
     assert calls == [(True, False)] and torch.allclose(fused, proj(normed), atol=1e-5)
+
+
+def test_gemv_fuses_one_row_of_one_dtype_through_the_stock_modules_only(monkeypatch):
+    """The fused path's whole choice (`gemv_fuses`): one row, a weight the GEMV reads (not block FP8), the stock
+    RMSNorm and SiluAndMul, one dtype, and Triton serving every family it fuses."""
+    from tsdev_runtime.layers.activation import SiluAndMul
+    from tsdev_runtime.layers.linear import gemv_fuses
+
+    proj, norm, act = MergedLinear(16, {"gate": 8, "up": 8}), RMSNorm(16, 1e-6), SiluAndMul()
+    row, residual = torch.randn(1, 16), torch.randn(1, 16)
+    asked = []
+    monkeypatch.setattr(layers_linear, "use_fused_triton", lambda x, *families: asked.append(families) or True)
+    assert gemv_fuses(norm, proj, row, residual, act) and gemv_fuses(norm, proj, row, None, None)
+    assert asked == [("norm", "linear", "activation"), ("norm", "linear")]
+    assert not gemv_fuses(norm, proj, torch.randn(2, 16), residual, act)  # two rows: the GEMM
+    assert not gemv_fuses(norm, proj, row, residual.double(), act)  # another dtype
+
+    class MyNorm(RMSNorm):
+        pass
+
+    assert not gemv_fuses(MyNorm(16, 1e-6), proj, row, residual, act)  # a subclass's arithmetic is its own
+    proj.store_fp8_blocks((8, 8))
+    assert not gemv_fuses(norm, proj, row, residual, act)  # block FP8: its own kernel
+    monkeypatch.setattr(layers_linear, "use_fused_triton", lambda x, *families: False)
+    assert not gemv_fuses(norm, MergedLinear(16, {"q": 8}), row, residual, None)
