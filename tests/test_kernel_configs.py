@@ -43,7 +43,7 @@ def heads(shape: str, tp: int) -> tuple[int, int, int]:
 
 def projections(shape: str, tp: int) -> dict[str, tuple[int, int, bool, bool, bool]]:
     """name -> (outputs, inputs, norm fused, gated, bias) of one rank's projections at batch 1: q|k|v and gate|up
-    with their norm fused (tsdev_runtime.layers.linear.NormedProjection), column-parallel ones split by outputs,
+    with their norm fused (tsdev_runtime.layers.linear.norm_linear), column-parallel ones split by outputs,
     o_proj / down_proj by inputs, the lm_head by (padded) vocabulary rows."""
     hidden, inter, _, _, _, vocab = SHAPES[shape]
     hq, hk, d = heads(shape, tp)

@@ -372,8 +372,8 @@ def fp8_block_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_
 # torch._scaled_mm takes DeepSeek-style block scales on sm_90 with CUDA >= 12.9 (cuBLASLt): activations 1 x 128 per
 # token group, weights 128 x 128. On the H100 at 96b8aee it took 20-22 us for Qwen3-8B's q|k|v at M 1-256 and 87 at
 # 2048, where the Triton projection took 21 / 59 / 30 / 40 / 220 at M 1 / 16 / 64 / 256 / 2048 (untuned), 175 us for
-# down at 2048 against 500 (issue 65; docs/benchmarks.md). The op routes each M to the faster side by the crossover `tsdev tune`
-# measures; the Triton kernel stays the one a user edits and reloads.
+# down at 2048 against 500 (issue 65; docs/benchmarks.md). The op routes each M to the faster side by the crossover
+# `tsdev tune` measures; the Triton kernel stays the one a user edits and reloads.
 
 SCALED_MM_MIN_ROWS = 16  # without a measured crossover: _scaled_mm from this many tokens (the H100 figures above)
 
