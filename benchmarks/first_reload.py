@@ -1,5 +1,6 @@
 """The first reload after a start against the ones after it: distinct never-seen edits of a kernel helper
-(`silu_and_mul_values` times a fresh constant), reloaded through ReloadForward in one process on the served model,
+(`silu_and_mul_values` times a fresh constant), reloaded through the engine's control (`reload_forward`) in one
+process on the served model,
 each reload's step timings and the hot-reload transaction's own (read, plan, compile, execute, patch, kernels), and
 for the first two the engine thread's profile (cProfile of every call the reload runs there).
 
@@ -35,7 +36,6 @@ async def run(project: Path, device: str, edits: int, calls_to: Path | None = No
     from tsdev_runtime.control_protocol import ReloadRequest
     from tsdev_runtime.engine.async_engine import AsyncEngine
     from tsdev_runtime.engine.llm_engine import LLMEngine
-    from tsdev_runtime.engine.reload_forward import ReloadForward
     from tsdev.hotreload import Reloader, default_packages
 
     from tsdev_runtime.engine.sequence import SamplingParams
@@ -53,7 +53,8 @@ async def run(project: Path, device: str, edits: int, calls_to: Path | None = No
         return transactions[-1]
 
     reloader.reload = kept
-    forward = ReloadForward(ae, reloader)
+    engine.control.allow_reloads(reloader)
+    forward = engine.control.reload_forward
     on_thread = ae._on_engine_thread
     file = project / HELPER
     original = file.read_text()

@@ -162,10 +162,11 @@ def shape_rows(name: str, args, bandwidth: float, fp8_blocks: bool = False) -> t
         reason = str(exc).replace("\n", " ").replace("|", "/")
         return [f"| {label} | – | not served: {reason} |" + " |" * (len(COLUMNS) - 3)], {}, []
     c = engine.model_config
-    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())  # a tied parameter counts once
+    model = engine.runner.model
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied parameter counts once
     raw = c.raw
     experts, top_k = raw.get("num_experts", 0), raw.get("num_experts_per_tok", 0)
-    expert_bytes = sum(p.numel() * p.element_size() for n, p in engine.model.named_parameters()
+    expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                        if ".experts." in n) / max(experts, 1)  # one expert of every sparse layer
     itemsize = getattr(torch, engine.describe().kv_cache_dtype).itemsize  # the KV pool's element, e.g. float8_e4m3fn
     kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * itemsize

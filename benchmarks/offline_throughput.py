@@ -51,7 +51,7 @@ def main() -> None:
     ours = run_workload(engine, prompts, params, args.device)
     if args.compare_sync:
         engine.config.async_scheduling = False
-        engine.flush_prefix_cache()  # the same prompts again: no prefix-cache hits from the first run
+        engine.block_manager.flush()  # the same prompts again: no prefix-cache hits from the first run
         sync = run_workload(engine, prompts, params, args.device, " (synchronous scheduling)")
         print(f"async / synchronous scheduling = {ours / sync:.2f}x")
     if args.compare_transformers:

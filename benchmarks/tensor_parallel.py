@@ -63,13 +63,13 @@ def reload_pauses(engine, reloads: int) -> list[dict]:
     """Each forced reload's pause on rank 0 and every rank's reload + warm + recapture seconds."""
     from tsdev_runtime.control_protocol import ReloadRequest
     from tsdev_runtime.engine.async_engine import AsyncEngine
-    from tsdev_runtime.engine.reload_forward import ReloadForward
     from tsdev.hotreload import Reloader, default_packages
 
     async def run():
         ae = AsyncEngine(engine)
         await ae.start()
-        reload = ReloadForward(ae, Reloader(default_packages()))
+        engine.control.allow_reloads(Reloader(default_packages()))
+        reload = engine.control.reload_forward
         out = []
         for n in range(reloads):
             reply = await reload(ReloadRequest(id=f"bench-{n}", modules=[RELOADED]))
@@ -103,7 +103,7 @@ def rank_main(args, tp: int, grouped: bool, rank: int, port: int, results) -> No
         out = {"tp": tp, "build_s": time.perf_counter() - start,
                "decode_ms": {b: decode_ms(engine, b, args.steps) for b in args.batch_sizes},
                "reloads": reload_pauses(engine, args.reloads)}
-        engine.close()
+        engine.control.close()
         results.put(out)
     finally:
         distributed.shutdown()

@@ -49,21 +49,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         b = Path(tmp)
         write_checkpoint(b, SHAPES["qwen3-0.6b" if args.device.startswith("cuda") else "tiny"], seed=2)
-        model = engine.model
+        model = engine.runner.model
         before = [t.data_ptr() for t in [*model.parameters(), *model.buffers()]]
         for _ in range(args.rounds):
             for target in (b, a):
                 start = time.perf_counter()
-                update = engine.update_weights(target, "direct")
+                update = engine.control.load_weights(target, "direct")
                 sync(args.device)
                 record("direct", time.perf_counter() - start, str(update.load))
             assert [t.data_ptr() for t in [*model.parameters(), *model.buffers()]] == before, "an address moved"
             start = time.perf_counter()
-            engine.update_weights(a, "full")
+            engine.control.load_weights(a, "full")
             sync(args.device)
             record("full", time.perf_counter() - start)
             start = time.perf_counter()
-            engine.weights_checksum(derived=False)
+            engine.control.checksum(derived=False)
             record("checksum", time.perf_counter() - start)
         del engine
         for _ in range(args.rounds - 1):

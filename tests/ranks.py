@@ -77,4 +77,4 @@ def on_rank0_engine(config, inspect):
     try:
         return inspect(engine)
     finally:
-        engine.close()
+        engine.control.close()

@@ -221,4 +221,5 @@ def test_the_server_still_serves_after_the_fuzz(app):
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 4
     async_engine = app.state.async_engine
-    assert (async_engine.state.paused, async_engine.profiler.active, app.state.engine.num_running) == (False, None, 0)
+    running = app.state.engine.stats().running
+    assert (async_engine.control.paused, async_engine.profiler.active, running) == (False, None, 0)

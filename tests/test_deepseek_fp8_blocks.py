@@ -62,7 +62,7 @@ def test_a_block_fp8_deepseek_v3_serves_the_greedy_tokens_of_the_same_arithmetic
     assert tensors["model.layers.1.self_attn.kv_b_proj.weight"].dtype == torch.float8_e4m3fn
     assert tensors["model.layers.1.mlp.gate.weight"].dtype == torch.float32  # the router as shipped
     engine, ours = served(fp8_dir, PROMPTS)
-    layer = engine.model.model.layers[1]
+    layer = engine.runner.model.model.layers[1]
     assert layer.self_attn.kv_a_proj_with_mqa.weight_scale_inv.shape == (2, 2)  # 192 rows, 192 columns: partial
     assert layer.mlp.experts.block == (128, 128) and layer.mlp.shared_experts.gate_up_proj.quantization == "fp8_block"
     kv_b = dequantize_fp8_blocks(tensors["model.layers.1.self_attn.kv_b_proj.weight"],

@@ -39,7 +39,7 @@ def expected(oracle) -> list[list[int]]:
 def test_the_pool_keeps_one_latent_row_per_token_and_layer_and_w_uk_w_uv_are_kv_b_projs_rows(family):
     name, model_dir = family
     engine = LLMEngine(engine_config(model_dir))
-    layers, pool = engine.model.model.layers, engine.runner.kv_cache
+    layers, pool = engine.runner.model.model.layers, engine.runner.kv_cache
     assert pool.shape[:2] == (2, 1) and pool.shape[3:] == (4, 1, 32 + 8)  # layers, one cache, page 4, latent | rope
     assert all(isinstance(layer.self_attn.attn, LatentAttention) for layer in layers)
     assert [isinstance(layer.mlp, DeepseekMoE) for layer in layers] == ([True, True] if name == "v2" else [False, True])
@@ -78,7 +78,7 @@ def test_chunked_prefill_and_a_warm_prefix_cache_serve_transformers_tokens(famil
 
 def tp_rank(model_dir: str) -> dict | None:
     def inspect(engine):
-        attention = engine.model.model.layers[1].self_attn
+        attention = engine.runner.model.model.layers[1].self_attn
         tokens = [r["token_ids"] for r in engine.generate(PROMPTS, GREEDY)]
         hits = engine.block_manager.hits
         chunked = [engine.generate([prompt], GREEDY)[0]["token_ids"] for prompt in CHUNKED]
@@ -126,7 +126,7 @@ def test_the_drill_holds_on_deepseek_and_catches_absorbed_tensors_rebuilt_into_n
     from tsdev_runtime.weights.processing import DEBUG_DERIVED_ENV
 
     engine = LLMEngine(engine_config(hf_deepseek_v3_dir))
-    assert any(name.endswith("self_attn.w_uk") for name in engine.weights_checksum())  # the drill compares them
+    assert any(name.endswith("self_attn.w_uk") for name in engine.control.checksum())  # the drill compares them
     report = drill(engine, rounds=3)
     assert report.rounds == 3
     monkeypatch.setenv(DEBUG_DERIVED_ENV, "rebuild")

@@ -105,9 +105,9 @@ def served(model_dir, prompts, **config):
 def test_a_block_fp8_checkpoint_serves_the_greedy_tokens_of_the_same_arithmetic_in_plain_torch(source_dir, tmp_path):
     fp8_dir = write_fp8_blocks(source_dir, tmp_path / "fp8")
     engine, ours = served(fp8_dir, PROMPTS)
-    qkv = engine.model.model.layers[0].self_attn.qkv_proj
+    qkv = engine.runner.model.model.layers[0].self_attn.qkv_proj
     assert qkv.weight.dtype == torch.float8_e4m3fn and qkv.weight_scale_inv.shape == (4, 2)  # 512 rows, 192 columns
-    assert engine.model.model.layers[1].mlp.down_proj.weight.dtype == torch.float32  # left unconverted
+    assert engine.runner.model.model.layers[1].mlp.down_proj.weight.dtype == torch.float32  # left unconverted
     assert ours == oracle_greedy(source_dir, fp8_dir, PROMPTS)
     assert len({tuple(t) for t in ours}) == len(ours)
 
@@ -151,7 +151,8 @@ def test_what_the_file_leaves_unconverted_stays_in_the_model_dtype_and_an_fp8_lm
     """Embeddings, norms and lm_head in the model's dtype (here float32) beside the e4m3 projections; a file that
     stores lm_head as block FP8 too is refused naming it (it is not served quantized), not as a wrong architecture."""
     fp8_dir = write_fp8_blocks(source_dir, tmp_path / "fp8")
-    params = dict(LLMEngine(EngineConfig(model=str(fp8_dir), device="cpu", dtype="float32")).model.named_parameters())
+    engine = LLMEngine(EngineConfig(model=str(fp8_dir), device="cpu", dtype="float32"))
+    params = dict(engine.runner.model.named_parameters())
     e4m3 = {name for name, p in params.items() if p.dtype == torch.float8_e4m3fn}
     assert e4m3 and all(name.endswith("proj.weight") and name + "_scale_inv" in params for name in e4m3)
     kept = [name for name in params if name not in e4m3 and not name.endswith("_scale_inv")]
@@ -187,8 +188,8 @@ def test_sleep_wake_reload_and_a_direct_update_keep_the_stored_tensors_and_token
         patch.setenv(DEBUG_DERIVED_ENV, "skip")
         with pytest.raises(DrillFailed, match="differ from the fresh load"):
             drill(engine, rounds=1)
-    engine.state.set(weights_loaded=True)
-    engine.reload_weights()  # repaired
+    engine.control.set(weights_loaded=True)
+    engine.control.load_weights()  # repaired
     update_and_verify(engine, other, fp8_dir, before)
 
 
@@ -214,15 +215,15 @@ def update_and_verify(engine, other, own, before):
     def fresh(model_dir):
         return fresh_checksum(EngineConfig(model=str(model_dir), device="cpu", dtype="float32"))
 
-    engine.update_weights(str(other), "direct")
-    after, held = greedy(), engine.weights_checksum(derived=False)
+    engine.control.load_weights(str(other), "direct")
+    after, held = greedy(), engine.control.checksum(derived=False)
     assert after == served(other, PROMPTS)[1] and after != before
     assert held == fresh(other)
     differ = {name for name in held if held[name] != fresh(own)[name]}
     assert any(name.endswith("weight_scale_inv") for name in differ) and any(
         name.endswith(("proj.weight", ".w13", ".w2")) for name in differ)  # verify against the old one names both
-    engine.update_weights(str(own), "direct")
-    assert greedy() == before and engine.weights_checksum(derived=False) == fresh(own)
+    engine.control.load_weights(str(own), "direct")
+    assert greedy() == before and engine.control.checksum(derived=False) == fresh(own)
 
 
 def cosines_to_unquantized(model_dir, shape: str, tmp_path) -> list[float]:
@@ -297,7 +298,7 @@ def test_the_embedded_default_fp8_serves_the_default_kind_stored_as_block_fp8(tm
     engine = LLMEngine(EngineConfig(model=DEFAULT_FP8, device="cpu"))
     config = json.loads((engine.model_dir / "config.json").read_text())
     assert config["quantization_config"]["weight_block_size"] == [128, 128]
-    assert engine.model.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.float8_e4m3fn
+    assert engine.runner.model.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.float8_e4m3fn
     tokens = engine.generate(PROMPTS, SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True))
     assert all(len(r["token_ids"]) == TOKENS for r in tokens)
     for cosine in cosines_to_unquantized(engine.model_dir, "tiny-blocks", tmp_path):

@@ -73,10 +73,10 @@ def test_a_block_fp8_moe_checkpoint_serves_the_greedy_tokens_of_the_same_arithme
     assert tensors["model.layers.0.mlp.experts.3.down_proj.weight"].dtype == torch.float8_e4m3fn
     assert tensors["model.layers.0.mlp.gate.weight"].dtype == torch.float32  # the router as shipped
     engine, ours = served(fp8_dir, PROMPTS)
-    experts = engine.model.model.layers[0].mlp.experts
+    experts = engine.runner.model.model.layers[0].mlp.experts
     assert experts.w13.dtype == torch.float8_e4m3fn and experts.w13_scale_inv.shape == (4, 4, 2)
     assert experts.w2_scale_inv.shape == (4, 2, 2) and experts.block == (128, 128)
-    routers = [layer.mlp.gate.weight for layer in engine.model.model.layers if hasattr(layer.mlp, "experts")]
+    routers = [layer.mlp.gate.weight for layer in engine.runner.model.model.layers if hasattr(layer.mlp, "experts")]
     assert len(routers) == 2 and all(router.dtype == torch.float32 for router in routers)  # left unconverted
     assert torch.equal(experts.w2_scale_inv[3], tensors["model.layers.0.mlp.experts.3.down_proj.weight_scale_inv"])
     assert torch.equal(experts.w13_scale_inv[1, 2:], tensors["model.layers.0.mlp.experts.1.up_proj.weight_scale_inv"])
@@ -140,8 +140,8 @@ def test_the_weights_drill_holds_on_block_fp8_experts_and_catches_its_negative_c
         patch.setenv(DEBUG_DERIVED_ENV, "skip")
         with pytest.raises(DrillFailed, match="differ from the fresh load"):
             drill(engine, rounds=1)
-    engine.state.set(weights_loaded=True)
-    engine.reload_weights()
+    engine.control.set(weights_loaded=True)
+    engine.control.load_weights()
     after = [r["token_ids"] for r in engine.generate(PROMPTS, SamplingParams(max_tokens=TOKENS, temperature=0,
                                                                              ignore_eos=True))]
     assert after == before
@@ -159,7 +159,7 @@ def test_the_embedded_default_moe_fp8_serves_default_moes_kind_stored_as_block_f
     engine = LLMEngine(EngineConfig(model=DEFAULT_MOE_FP8, device="cpu"))
     assert json.loads((engine.model_dir / "config.json").read_text())["quantization_config"]["weight_block_size"] \
         == [128, 128]
-    experts = engine.model.model.layers[0].mlp.experts
+    experts = engine.runner.model.model.layers[0].mlp.experts
     assert experts.w13.dtype == torch.float8_e4m3fn and experts.block == (128, 128)
     tokens = engine.generate(PROMPTS, SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True))
     assert all(len(r["token_ids"]) == TOKENS for r in tokens)

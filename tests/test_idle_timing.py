@@ -3,33 +3,33 @@ time, not inside a reload before its pause (where the first edit of the norm ops
 import pytest
 import asyncio
 
-from tsdev_runtime.engine import reload_forward
+from tsdev_runtime.engine import control as engine_control
 from tsdev_runtime.engine.async_engine import AsyncEngine
-from tsdev_runtime.engine.reload_forward import ReloadForward
 from tsdev_runtime.engine.sequence import SamplingParams
 from tsdev.hotreload import Reloader
 
 
 @pytest.mark.slow
 def test_idle_timing_takes_one_call_at_a_time_only_while_nothing_runs_and_ends(make_engine, monkeypatch):
-    monkeypatch.setattr(reload_forward, "IDLE_TIMING_GAP_S", 0.01)
-    monkeypatch.setattr(reload_forward, "IDLE_BEFORE_TIMING_S", 0.05)
+    monkeypatch.setattr(engine_control, "IDLE_TIMING_GAP_S", 0.01)
+    monkeypatch.setattr(engine_control, "IDLE_BEFORE_TIMING_S", 0.05)
     engine = make_engine()
     seen = []
 
     async def scenario():
         ae = AsyncEngine(engine)
         await ae.start()
-        forward = ReloadForward(ae, Reloader(["tsdev_kernels.ops"]))
+        control = engine.control
+        control.allow_reloads(Reloader(["tsdev_kernels.ops"]))
         pending = [True] * 5 + [False]
 
         def time_one(serving):
-            seen.append((engine.num_running, engine.in_flight is None, ae.control_lock.locked()))  # (idle: no step)
+            seen.append((engine.stats().running, engine.in_flight is None, control.lock.locked()))  # (idle: no step)
             return pending.pop(0)
 
-        forward.checker.time_one_pending = time_one
+        control.checker.time_one_pending = time_one
         streams = [ae.generate(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=40, ignore_eos=True)) for i in range(3)]
-        timing = asyncio.create_task(forward.time_when_idle())
+        timing = asyncio.create_task(control.time_when_idle())
         for stream in streams:
             async for _ in stream:
                 pass
@@ -49,19 +49,20 @@ def test_requests_in_a_row_are_never_joined_by_a_timing_call(make_engine, monkey
     happens to fall in a gap (a slow machine's CI did that: the requests came and went between two looks)."""
     import time
 
-    monkeypatch.setattr(reload_forward, "IDLE_TIMING_GAP_S", 0.01)
-    monkeypatch.setattr(reload_forward, "IDLE_BEFORE_TIMING_S", 0.3)
+    monkeypatch.setattr(engine_control, "IDLE_TIMING_GAP_S", 0.01)
+    monkeypatch.setattr(engine_control, "IDLE_BEFORE_TIMING_S", 0.3)
     engine = make_engine()
     calls, last_request_end = [], []
 
     async def scenario():
         ae = AsyncEngine(engine)
         await ae.start()
-        forward = ReloadForward(ae, Reloader(["tsdev_kernels.ops"]))
-        forward.checker.time_one_pending = lambda serving: calls.append(time.monotonic()) or len(calls) < 3
+        control = engine.control
+        control.allow_reloads(Reloader(["tsdev_kernels.ops"]))
+        control.checker.time_one_pending = lambda serving: calls.append(time.monotonic()) or len(calls) < 3
         if every_look_in_a_gap:
-            forward._idle = lambda: True
-        timing = asyncio.create_task(forward.time_when_idle())
+            monkeypatch.setattr(engine, "drained", lambda: True)
+        timing = asyncio.create_task(control.time_when_idle())
         started = time.monotonic()
         i = 0
         while time.monotonic() - started < 1.0:  # one request after another, a few ms apart

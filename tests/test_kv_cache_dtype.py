@@ -41,8 +41,8 @@ def test_fp8_kv_serves_prefix_cached_and_chunked_prompts_as_a_fresh_prefill_and_
     fresh = LLMEngine(config(tiny_model_dir, kv_cache_dtype="fp8", enable_prefix_caching=False,
                              max_batched_tokens=256))  # one prefill of all 150 tokens
     assert fresh.generate([prompt], GREEDY)[0]["token_ids"] == first
-    cached.sleep(1)
-    cached.wake_up()
+    cached.control.free_memory(1)
+    cached.control.restore_memory()
     assert cached.runner.kv_cache.dtype == torch.float8_e4m3fn
     assert cached.generate([prompt], GREEDY)[0]["token_ids"] == first
 

@@ -171,7 +171,7 @@ def tp_rank(model_dirs: dict[str, str]) -> dict:
             try:
                 out[name]["tokens"] = [r["token_ids"] for r in engine.generate(PROMPTS, GREEDY)]
             finally:
-                engine.close()
+                engine.control.close()
         else:
             serve_rank(tp)
     return out
@@ -346,21 +346,21 @@ def test_sleep_wake_and_reload_on_the_llama_checkpoint_restore_its_weights_and_t
     way the checksum (parameters and derived tensors: the llama3-scaled rotary table among them) and the greedy
     tokens are those before sleep."""
     engine = LLMEngine(engine_config(hf_llama_dir))
-    checksum = engine.weights_checksum()
+    checksum = engine.control.checksum()
     assert any("cos_sin" in name for name in checksum) and any(name.startswith("lm_head") for name in checksum)
     assert [r["token_ids"] for r in engine.generate(PROMPTS, GREEDY)] == expected("llama")
-    freed = engine.sleep(level)
-    assert engine.sleep_state.sleeping and freed["freed"] > 0
-    engine.wake_up()
-    assert not engine.sleep_state.sleeping
+    freed = engine.control.free_memory(level)
+    assert engine.control.memory.sleeping and freed["freed"] > 0
+    engine.control.restore_memory()
+    assert not engine.control.memory.sleeping
     if level == 2:
-        assert not engine.state.weights_loaded and "reload_weights" in engine.cannot_step()
-        engine.reload_weights()
+        assert not engine.control.weights_loaded and "reload_weights" in engine.control.cannot_step()
+        engine.control.load_weights()
     else:
-        assert engine.weights_checksum() == checksum  # back from host memory, before any reload
-        engine.reload_weights()  # an in-place reload of the same checkpoint changes nothing
-    assert engine.state.weights_loaded and engine.cannot_step() is None
-    assert engine.weights_checksum() == checksum
+        assert engine.control.checksum() == checksum  # back from host memory, before any reload
+        engine.control.load_weights()  # an in-place reload of the same checkpoint changes nothing
+    assert engine.control.weights_loaded and engine.control.cannot_step() is None
+    assert engine.control.checksum() == checksum
     assert [r["token_ids"] for r in engine.generate(PROMPTS, GREEDY)] == expected("llama")
 
 
@@ -380,14 +380,14 @@ def test_a_direct_update_on_the_llama_checkpoint_serves_transformers_tokens_of_t
     engine = LLMEngine(engine_config(hf_llama_dir))
     model = engine.runner.model
     addresses = {n: t.data_ptr() for n, t in [*model.named_parameters(), *model.named_buffers()]}
-    original = engine.weights_checksum()
-    update = engine.update_weights(b, "direct")
+    original = engine.control.checksum()
+    update = engine.control.load_weights(b, "direct")
     assert update.mode == "direct"
     assert {n: t.data_ptr() for n, t in [*model.named_parameters(), *model.named_buffers()]} == addresses
-    updated = engine.weights_checksum()
-    assert updated == LLMEngine(engine_config(b)).weights_checksum()
+    updated = engine.control.checksum()
+    assert updated == LLMEngine(engine_config(b)).control.checksum()
     assert updated["lm_head.weight"] != original["lm_head.weight"]
     assert [r["token_ids"] for r in engine.generate(PROMPTS, GREEDY)] == on_b
-    engine.update_weights(hf_llama_dir, "direct")
-    assert engine.weights_checksum() == original
+    engine.control.load_weights(hf_llama_dir, "direct")
+    assert engine.control.checksum() == original
     assert [r["token_ids"] for r in engine.generate(PROMPTS, GREEDY)] == expected("llama")

@@ -129,8 +129,8 @@ def test_the_fp8_moe_drill_holds_ten_rounds_with_graphs_and_catches_a_rebuilt_co
                                       max_running=16, quantization="fp8"))
 
     engine = fp8_moe()
-    assert engine.runner.decode_graphs is not None and engine.model.model.layers[0].mlp.experts.fp8 is not None
-    weights_bytes = sum(t.numel() * t.element_size() for t in engine.model.parameters())
+    assert engine.runner.decode_graphs is not None and engine.runner.model.model.layers[0].mlp.experts.fp8 is not None
+    weights_bytes = sum(t.numel() * t.element_size() for t in engine.runner.model.parameters())
     report = drill(engine, rounds=10)
     print(f"\n{report}")
     assert report.mode == "graphs" and all(len(times) == 10 for times in report.seconds.values())

@@ -32,7 +32,7 @@ def expected(hf_qwen3_moe_dir) -> list[list[int]]:
 @pytest.mark.slow
 def test_the_layers_are_sparse_dense_sparse_and_the_experts_stacked(hf_qwen3_moe_dir):
     engine = LLMEngine(engine_config(hf_qwen3_moe_dir))
-    layers = engine.model.model.layers
+    layers = engine.runner.model.model.layers
     assert [isinstance(layer.mlp, SparseMoeBlock) for layer in layers] == [True, False, True]
     experts = layers[0].mlp.experts
     assert tuple(experts.w13.shape) == (8, 64, 64) and tuple(experts.w2.shape) == (8, 64, 32)
@@ -56,7 +56,7 @@ def test_greedy_tokens_equal_transformers_alone_and_batched(hf_qwen3_moe_dir, ex
 
 def tp_rank(model_dir: str) -> dict | None:
     def inspect(engine):
-        experts = engine.model.model.layers[0].mlp.experts
+        experts = engine.runner.model.model.layers[0].mlp.experts
         return dict(tokens=[r["token_ids"] for r in engine.generate(PROMPTS, GREEDY)],
                     w13=tuple(experts.w13.shape), w2=tuple(experts.w2.shape))
     return on_rank0_engine(engine_config(model_dir, world_size=2, cudagraph_capture_sizes=[1, 4]), inspect)
@@ -197,7 +197,7 @@ def test_the_embedded_moe_default_serves_without_a_checkpoint(monkeypatch, tmp_p
     assert serve_config(monkeypatch, "--model", "default-moe").model == "default-moe"
     engine = LLMEngine(engine_config("default-moe", max_model_len=256))
     assert engine.model_config.architecture == "Qwen3MoeForCausalLM" and engine.model_dir.parent == tmp_path
-    layers = engine.model.model.layers
+    layers = engine.runner.model.model.layers
     assert [isinstance(layer.mlp, SparseMoeBlock) for layer in layers] == [True, False, True]
     tokens = engine.generate([PROMPTS[0]], GREEDY)[0]["token_ids"]
     assert len(tokens) == GREEDY.max_tokens and len(set(tokens)) > 2
@@ -209,13 +209,13 @@ def test_the_embedded_moe_default_serves_without_a_checkpoint(monkeypatch, tmp_p
 @pytest.mark.slow
 def test_sleep_level_2_and_reload_weights_restore_the_moe_models_checksum_and_tokens(hf_qwen3_moe_dir, expected):
     engine = LLMEngine(engine_config(hf_qwen3_moe_dir))
-    checksum = engine.weights_checksum()
+    checksum = engine.control.checksum()
     assert any(name.endswith("experts.w13") for name in checksum) and any(".mlp.gate." in n for n in checksum)
-    engine.sleep(2)
-    engine.wake_up()
-    assert not engine.state.weights_loaded
-    engine.reload_weights()
-    assert engine.weights_checksum() == checksum
+    engine.control.free_memory(2)
+    engine.control.restore_memory()
+    assert not engine.control.weights_loaded
+    engine.control.load_weights()
+    assert engine.control.checksum() == checksum
     assert [r["token_ids"] for r in engine.generate(PROMPTS, GREEDY)] == expected
 
 
@@ -236,13 +236,13 @@ def test_a_direct_update_of_every_expert_serves_transformers_tokens_of_the_new_w
     engine = LLMEngine(engine_config(hf_qwen3_moe_dir))
     model = engine.runner.model
     addresses = {n: t.data_ptr() for n, t in model.named_parameters()}
-    original = engine.weights_checksum()
-    assert engine.update_weights(b, "direct").mode == "direct"
+    original = engine.control.checksum()
+    assert engine.control.load_weights(b, "direct").mode == "direct"
     assert {n: t.data_ptr() for n, t in model.named_parameters()} == addresses
-    assert engine.weights_checksum() == LLMEngine(engine_config(b)).weights_checksum() != original
+    assert engine.control.checksum() == LLMEngine(engine_config(b)).control.checksum() != original
     assert [r["token_ids"] for r in engine.generate(PROMPTS, GREEDY)] == on_b
-    engine.update_weights(hf_qwen3_moe_dir, "direct")
-    assert engine.weights_checksum() == original
+    engine.control.load_weights(hf_qwen3_moe_dir, "direct")
+    assert engine.control.checksum() == original
 
 
 def test_pinned_staging_loads_the_experts_bit_identical_to_plain(hf_qwen3_moe_dir, monkeypatch):
@@ -305,9 +305,9 @@ def test_fp8_experts_are_transformers_with_dequantized_experts_and_fp8_projectio
 
     oracle = hf_fp8_moe_model(hf_qwen3_moe_dir)
     engine = LLMEngine(engine_config(hf_qwen3_moe_dir, quantization="fp8", enforce_eager=True))
-    experts = engine.model.model.layers[0].mlp.experts
+    experts = engine.runner.model.model.layers[0].mlp.experts
     assert experts.fp8 is not None and experts.fp8.w13.dtype == fp8.FP8_DTYPE
-    assert engine.model.model.layers[0].mlp.gate.weight.dtype == torch.float32  # the router is never quantized
+    assert engine.runner.model.model.layers[0].mlp.gate.weight.dtype == torch.float32  # the router is never quantized
     theirs = []
     for prompt in PROMPTS:
         ids = torch.tensor([prompt])
@@ -335,17 +335,17 @@ def test_a_weight_update_refreshes_the_fp8_kernel_configuration_in_place(hf_qwen
     save_file({n: t * 1.5 if ".experts." in n else t for n, t in tensors.items()}, b / "model.safetensors",
               metadata={"format": "pt"})
     engine = LLMEngine(engine_config(hf_qwen3_moe_dir, quantization="fp8"))
-    experts = engine.model.model.layers[2].mlp.experts
+    experts = engine.runner.model.model.layers[2].mlp.experts
     config, addresses = experts.fp8, [t.data_ptr() for t in vars(experts.fp8).values()]
-    checksum = engine.weights_checksum()
+    checksum = engine.control.checksum()
     assert "model.layers.2.mlp.experts.fp8_w13_scale" in checksum
-    engine.update_weights(b, "direct")
+    engine.control.load_weights(b, "direct")
     assert experts.fp8 is config and [t.data_ptr() for t in vars(config).values()] == addresses
     for weight, values, scales in ((experts.w13, config.w13, config.w13_scale),
                                    (experts.w2, config.w2, config.w2_scale)):
         q, s = fp8.quantize_fp8_rows(weight)
         assert torch.equal(values.float(), q.float()) and torch.equal(scales, s.squeeze(-1))
-    changed = {n for n in checksum if engine.weights_checksum()[n] != checksum[n]}
+    changed = {n for n in checksum if engine.control.checksum()[n] != checksum[n]}
     assert {"model.layers.2.mlp.experts.fp8_w13_scale", "model.layers.2.mlp.experts.w13"} <= changed
 
 

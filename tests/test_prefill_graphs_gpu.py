@@ -11,7 +11,6 @@ from tsdev_runtime.control_protocol import ReloadRequest
 from tsdev_runtime.engine.async_engine import AsyncEngine
 from tsdev_runtime.engine.llm_engine import LLMEngine
 from tsdev_runtime.engine.prefill_graphs import PrefillGraphs
-from tsdev_runtime.engine.reload_forward import ReloadForward
 from tsdev_runtime.engine.sequence import SamplingParams
 from test_reload_gpu import STORE, EDITED, EditedSources
 from tsdev.hotreload import Reloader
@@ -87,9 +86,10 @@ def test_reload_edit_changes_the_prefill_graphs_output(tiny_model_dir, recapture
 
     async def reload(rid):
         ae = AsyncEngine(engine)
+        engine.control.allow_reloads(edit)
         await ae.start()
         try:
-            return await ReloadForward(ae, edit)(ReloadRequest(id=rid, recapture=recapture))
+            return await engine.control.reload_forward(ReloadRequest(id=rid, recapture=recapture))
         finally:
             await ae.stop()
 

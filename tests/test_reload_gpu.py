@@ -10,7 +10,6 @@ from tsdev_runtime.config import EngineConfig
 from tsdev_runtime.control_protocol import ReloadRequest
 from tsdev_runtime.engine.async_engine import AsyncEngine
 from tsdev_runtime.engine.llm_engine import LLMEngine
-from tsdev_runtime.engine.reload_forward import ReloadForward
 from tsdev_runtime.engine.sequence import SamplingParams
 from tsdev.hotreload import Reloader
 
@@ -97,7 +96,8 @@ def test_edited_kernel_runs_in_the_captured_graphs_and_nothing_recompiles(tiny_m
     async def scenario():
         ae = AsyncEngine(engine)
         await ae.start()
-        reload = ReloadForward(ae, edit)
+        engine.control.allow_reloads(edit)
+        reload = engine.control.reload_forward
         before = await greedy(ae, "a")
         old_graph, _ = await ae.run_on_engine_thread(lambda: replay_and_eager(engine, [5, 9, 14]))  # size 4
         reply = await reload(ReloadRequest(id="r1"))
@@ -112,13 +112,13 @@ def test_edited_kernel_runs_in_the_captured_graphs_and_nothing_recompiles(tiny_m
         assert (patched == 0) == full_recapture and ("recapture_decode" in reply.workers[0].timings) == full_recapture
         compiled = compiled_kernels()
         after = await greedy(ae, "b")  # decode steps replay the recaptured batch-1 graph
-        await ae.run_on_engine_thread(engine.warmup)  # every kernel of every shape the startup warm-up runs
+        await ae.run_on_engine_thread(engine.control.ranked.warmup)  # every kernel of every shape startup warms
         assert compiled_kernels() == compiled  # the reload loaded every binary they need: none compiled
         for _ in range(500):  # deferred: the sizes the steps did not use are captured while the engine idles
-            if not engine.graphs_pending:
+            if not engine.runner.graphs_pending:
                 break
             await asyncio.sleep(0.01)
-        assert engine.graphs_pending == 0
+        assert engine.runner.graphs_pending == 0
         new_graph, new_eager = await ae.run_on_engine_thread(lambda: replay_and_eager(engine, [5, 9, 14]))
         # the size-4 graph (patched; captured after serving resumed with full_recapture) runs the edited kernel
         gap = (new_graph - new_eager).abs().max()
@@ -155,7 +155,8 @@ def test_layer_init_edit_rebuilds_the_default_model_without_a_restart():
     async def scenario():
         ae = AsyncEngine(engine)
         await ae.start()
-        reload = ReloadForward(ae, edit)
+        engine.control.allow_reloads(edit)
+        reload = engine.control.reload_forward
         before = await greedy(ae, "a")
         start = time.perf_counter()
         reply = await reload(ReloadRequest(id="r1"))

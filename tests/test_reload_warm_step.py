@@ -7,7 +7,6 @@ import pytest
 
 from tsdev_runtime.control_protocol import ReloadRequest
 from tsdev_runtime.engine.async_engine import AsyncEngine
-from tsdev_runtime.engine.reload_forward import ReloadForward
 from tsdev_runtime.engine.sequence import SamplingParams
 from tsdev.hotreload import Reloader
 from tsdev.outcome import worker_text
@@ -38,14 +37,16 @@ def test_the_warm_step_runs_the_warm_up_only_when_more_than_kernel_bodies_change
     engine = make_engine(cudagraph_capture_sizes=[1, 2])
     before = engine.generate([[5, 17, 300, 42]], GREEDY)[0]["token_ids"]
     warmups = []
-    warmup = engine.warmup
-    engine.warmup = lambda: warmups.append(1) or warmup()
+    ranked = engine.control.ranked  # (one rank: the runner) the reload's warm step runs its warm-up
+    warmup = ranked.warmup
+    ranked.warmup = lambda: warmups.append(1) or warmup()
 
     async def scenario():
         ae = AsyncEngine(engine)
+        engine.control.allow_reloads(Reporting(kernels_only))
         await ae.start()
         try:
-            return await ReloadForward(ae, Reporting(kernels_only))(
+            return await engine.control.reload_forward(
                 ReloadRequest(id="r1", modules=["tsdev_kernels.ops.activation"]))
         finally:
             await ae.stop()

@@ -331,7 +331,7 @@ def test_a_web_page_cannot_drive_control_routes_through_the_developers_browser(e
     for method, path in (("POST", "/flush_cache"), ("POST", "/v1/rl/engine/pause_generation")):
         error = error_of(from_address(app, ("127.0.0.1", 1), (method, path, headers))[0], 403)
         assert error.type == "permission_error" and "--api-key" in error.message
-    assert engine.can_step() is False and app.state.async_engine.state.paused is False  # nothing was paused
+    assert engine.can_step() is False and app.state.async_engine.control.paused is False  # nothing was paused
 
 
 def test_programs_and_same_machine_pages_still_reach_control_routes(engine):

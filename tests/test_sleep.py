@@ -116,10 +116,10 @@ def test_reload_weights_when_awake_writes_in_place(served):
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     assert any("cos_sin_cache" in name for name in tensors)  # a derived tensor is among them
     before = {name: t.data_ptr() for name, t in tensors.items()}
-    checksum = engine.weights_checksum()
+    checksum = engine.control.checksum()
     assert client.post("/v1/rl/engine/reload_weights").status_code == 200
     assert {name: t.data_ptr() for name, t in tensors.items()} == before
-    assert engine.weights_checksum() == checksum
+    assert engine.control.checksum() == checksum
 
 
 def test_a_reload_that_fails_midway_ends_queued_requests_with_503_instead_of_leaving_them_hung(served, monkeypatch):
@@ -143,15 +143,16 @@ def test_a_reload_that_fails_midway_ends_queued_requests_with_503_instead_of_lea
 
 
 def test_a_sleep_that_fails_takes_its_steps_back_and_the_server_serves_on(served, monkeypatch):
-    """Sleep's steps (runtime/tsdev_runtime/engine/operations.py): refuse new requests, drain, fail the queued, free;
-    an engine that fails to free is undone -- new requests accepted again, the server awake, serving as before."""
+    """Sleep's steps (EngineControl.sleep, runtime/tsdev_runtime/engine/control.py): refuse new requests, drain, fail
+    the queued, free; an engine that fails to free is undone -- new requests accepted again, the server awake, serving
+    as before."""
     client, engine, _ = served
     before = greedy_ids(client)
 
     def broken(level):
         raise RuntimeError("the allocator refused")
 
-    monkeypatch.setattr(engine, "sleep", broken)
+    monkeypatch.setattr(engine.control, "free_memory", broken)
     with pytest.raises(RuntimeError, match="the allocator refused"):  # the test client re-raises the server's error
         client.post("/sleep", json={"level": 1})
     monkeypatch.undo()
@@ -204,9 +205,9 @@ def test_the_drill_fails_when_derived_tensors_are_not_refreshed_in_place(drill_e
         drill(drill_engine, rounds=1)
     monkeypatch.delenv(DEBUG_DERIVED_ENV)
     # repair: a level-1 sleep keeps nothing stale; a reload refills the table (a rebound one stays rebound)
-    drill_engine.state.set(weights_loaded=True)
+    drill_engine.control.set(weights_loaded=True)
     if mode == "skip":
-        drill_engine.reload_weights()
+        drill_engine.control.load_weights()
         assert greedy(drill_engine) == greedy(LLMEngine(dataclasses.replace(drill_engine.config)))
 
 
@@ -276,14 +277,14 @@ def test_sleeping_one_engine_leaves_another_in_the_process_whole(make_engine):
     assert all(a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
                for a in named_tensors(first.runner.model, derived=True).values()
                for b in named_tensors(second.runner.model, derived=True).values())
-    first.sleep(2)
+    first.control.free_memory(2)
     assert greedy(second) == expected
 
 
 def test_one_engine_state_moves_through_pause_sleep_and_a_weight_load_and_each_move_is_an_event(served):
     client, engine, _ = served
     moves = []
-    engine.state.listeners.append(moves.append)  # what the events stream publishes (StateChanged), in order
+    engine.control.listeners.append(moves.append)  # what the events stream publishes (StateChanged), in order
     info = lambda: client.get("/server_info").json()["state"]  # noqa: E731
     try:
         assert info() == "serving"
@@ -299,9 +300,9 @@ def test_one_engine_state_moves_through_pause_sleep_and_a_weight_load_and_each_m
         assert client.post("/v1/rl/engine/reload_weights").status_code == 200
         assert info() == "serving" and greedy_ids(client)
     finally:
-        engine.state.listeners.remove(moves.append)
+        engine.control.listeners.remove(moves.append)
     # a sleep drains first (holding: new requests refused); the weight load's drain hides under weights_unloaded
     assert moves == ["paused", "serving", "holding", "sleeping", "weights_unloaded", "serving"], moves
     assert parse_event({"type": "state", "state": "paused"}).state == "paused"
     with pytest.raises(AttributeError, match="not an engine state flag"):
-        engine.state.set(asleep=True)
+        engine.control.set(asleep=True)

@@ -33,17 +33,17 @@ def test_level_2_gives_back_the_weights_and_kv_and_wake_recaptures():
     expected = greedy(e)
     weights = sum(t.numel() * t.element_size() for t in [*e.runner.model.parameters(), *e.runner.model.buffers()])
     kv = e.runner.kv_cache.numel() * e.runner.kv_cache.element_size()
-    info = e.sleep(2)
+    info = e.control.free_memory(2)
     device_freed = info["free_after"] - info["free_before"]
     print(f"\nweights {weights / 1e9:.2f} GB + KV {kv / 1e9:.2f} GB; freed {info['freed'] / 1e9:.2f} GB by storage, "
           f"{device_freed / 1e9:.2f} GB per cudaMemGetInfo")
     assert info["freed"] >= weights + kv * 0.99
     assert device_freed >= 0.9 * (weights + kv), segments_held()
     start = time.perf_counter()
-    woken, recapture = e.wake_up()
+    woken, recapture = e.control.restore_memory()
     wake = time.perf_counter() - start
     start = time.perf_counter()
-    e.reload_weights()
+    e.control.load_weights()
     reload = time.perf_counter() - start
     print(f"wake {wake:.3f} s (recapture {recapture}), reload {reload:.3f} s")
     assert set(woken) == {"weights", "kv_cache"} and e.runner.decode_graphs.graphs  # recaptured
@@ -52,10 +52,10 @@ def test_level_2_gives_back_the_weights_and_kv_and_wake_recaptures():
 
 def test_level_1_wake_is_bit_identical_without_a_reload():
     e = engine()
-    checksum, expected = e.weights_checksum(), greedy(e)
-    e.sleep(1)
-    e.wake_up()
-    assert e.cannot_step() is None and e.weights_checksum() == checksum and greedy(e) == expected
+    checksum, expected = e.control.checksum(), greedy(e)
+    e.control.free_memory(1)
+    e.control.restore_memory()
+    assert e.control.cannot_step() is None and e.control.checksum() == checksum and greedy(e) == expected
 
 
 def test_reload_when_awake_keeps_every_address_the_graphs_captured():
@@ -64,7 +64,7 @@ def test_reload_when_awake_keeps_every_address_the_graphs_captured():
     before = {n: t.data_ptr() for n, t in tensors.items()}
     graphs = dict(e.runner.decode_graphs.graphs)
     expected = greedy(e)
-    e.reload_weights()
+    e.control.load_weights()
     assert {n: t.data_ptr() for n, t in tensors.items()} == before
     assert e.runner.decode_graphs.graphs == graphs  # not recaptured: replayed as they were
     assert greedy(e) == expected
@@ -76,7 +76,7 @@ def test_drill_ten_rounds_with_graphs(quantization):
         pytest.skip("fp8 needs sm_89+")
     e = engine(quantization=quantization)
     assert e.runner.decode_graphs is not None
-    weights_bytes = sum(t.numel() * t.element_size() for t in e.model.parameters())
+    weights_bytes = sum(t.numel() * t.element_size() for t in e.runner.model.parameters())
     report = drill(e, rounds=10)
     print(f"\n{report}")
     assert report.mode == "graphs" and all(len(times) == 10 for times in report.seconds.values())
@@ -89,7 +89,7 @@ def test_drill_ten_rounds_with_graphs_on_block_fp8_checkpoints(model):
     experts, in the captured graphs: each round equal to a fresh load, greedy output equal."""
     e = engine(model=model)
     assert e.runner.decode_graphs is not None
-    assert any(getattr(m, "block", None) for m in e.model.modules())  # loaded as stored
+    assert any(getattr(m, "block", None) for m in e.runner.model.modules())  # loaded as stored
     report = drill(e, rounds=10)
     print(f"\n{model}: {report}")
     assert report.mode == "graphs" and all(len(times) == 10 for times in report.seconds.values())

@@ -77,10 +77,10 @@ def test_on_a_cpu_neither_the_start_nor_a_reload_claims_to_capture_graphs(make_e
         engine = make_engine(cudagraph_capture_sizes=[1, 2, 4], prefill_graph_capture_sizes=[16, 32])
     assert startup.lines and not [line for line in startup.lines if "captur" in line], startup.lines
     assert "no CUDA graphs on cpu: decode and prefill run eagerly" in startup.lines
-    engine.capture_graphs(deferring=True)  # as a reload leaves them: the sizes not used yet are pending
-    assert engine.graphs_pending
-    async_engine = AsyncEngine(engine)
+    engine.control.capture_graphs(deferring=True)  # as a reload leaves them: the sizes not used yet are pending
+    assert engine.runner.graphs_pending
+    AsyncEngine(engine)
     with Lines("tsdev_runtime.server") as server:
-        while engine.graphs_pending:
-            async_engine._capture_next()
+        while engine.runner.graphs_pending:
+            engine.control.capture_next()  # what the loop runs between steps
     assert not [line for line in server.lines if "captured" in line], server.lines

@@ -61,7 +61,7 @@ def on_rank(model_dir: str, world_size: int, scenario, *args):
     try:
         return scenario(engine, *args)
     finally:
-        engine.close()
+        engine.control.close()
 
 
 def greedy_scenario(engine):
@@ -90,7 +90,6 @@ def counted_scenario(engine):
 
     from tsdev_runtime.control_protocol import ReloadRequest
     from tsdev_runtime.engine.async_engine import AsyncEngine
-    from tsdev_runtime.engine.reload_forward import ReloadForward
     from tsdev.hotreload import Reloader
 
     counts = {}
@@ -106,9 +105,10 @@ def counted_scenario(engine):
 
     async def reload():
         ae = AsyncEngine(engine)
+        engine.control.allow_reloads(Reloader(PACKAGES))
         await ae.start()
         try:
-            return await ReloadForward(ae, Reloader(PACKAGES))(
+            return await engine.control.reload_forward(
                 ReloadRequest(id="one-rank", modules=["tsdev_runtime.layers.activation"]))
         finally:
             await ae.stop()
@@ -121,13 +121,13 @@ def counted_scenario(engine):
 def reload_scenario(engine, edit_args):
     from tsdev_runtime.control_protocol import ReloadRequest
     from tsdev_runtime.engine.async_engine import AsyncEngine
-    from tsdev_runtime.engine.reload_forward import ReloadForward
 
     async def run():
         ae = AsyncEngine(engine)
         await ae.start()
         edit = EditedSources(*edit_args)
-        reload = ReloadForward(ae, edit)
+        engine.control.allow_reloads(edit)
+        reload = engine.control.reload_forward
         before = await tokens(ae, "a")
         reply = await reload(ReloadRequest(id="r1"))
         after = await tokens(ae, "b")
@@ -172,15 +172,15 @@ def weights_scenario(engine, other_dir: str):
     from pathlib import Path
 
     before = generate(engine)
-    engine.sleep(2)
-    engine.wake_up()
-    engine.reload_weights()
+    engine.control.free_memory(2)
+    engine.control.restore_memory()
+    engine.control.load_weights()
     after_sleep = generate(engine)
-    engine.update_weights(Path(other_dir), "direct")
+    engine.control.load_weights(Path(other_dir), "direct")
     on_other = generate(engine)
-    engine.update_weights(None, "full")
+    engine.control.load_weights(None, "full")
     with pytest.raises(NotImplementedError, match="--tp 1"):
-        engine.weights_checksum()
+        engine.control.checksum()
     return before, after_sleep, on_other, generate(engine)
 
 

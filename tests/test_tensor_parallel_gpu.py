@@ -32,7 +32,7 @@ def on_rank(model_dir: str | None, dtype: str, prompts=PROMPTS, params=GREEDY):
         assert engine.describe().decode_graph_sizes == [1, 2, 4]
         return [r["token_ids"] for r in engine.generate(prompts, params)]
     finally:
-        engine.close()
+        engine.control.close()
 
 
 def single(model_dir: str | None, dtype: str, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:

@@ -210,21 +210,21 @@ def test_fp8_direct_update_refreshes_the_derived_tensors_in_place(tiny_model_dir
     _, b, _ = checkpoints
     engine = LLMEngine(config(tiny_model_dir, quantization="fp8"))
     before = addresses(engine)
-    engine.update_weights(b, "direct")
+    engine.control.load_weights(b, "direct")
     fresh = LLMEngine(config(b, quantization="fp8"))
-    assert any("weight_scale" in n for n in engine.weights_checksum())
-    assert engine.weights_checksum() == fresh.weights_checksum()  # fp8 values and scales, rotary table included
+    assert any("weight_scale" in n for n in engine.control.checksum())
+    assert engine.control.checksum() == fresh.control.checksum()  # fp8 values and scales, rotary table included
     assert addresses(engine) == before
 
 
 def test_a_model_rebuilt_after_an_update_loads_the_updated_weights_not_the_served_models(tiny_model_dir, checkpoints):
     """A layer edit rebuilds the model from the checkpoint its weights last came from (reload_forward's rebuild)."""
     engine = LLMEngine(config(tiny_model_dir))
-    original = engine.weights_checksum(derived=False)
-    engine.update_weights(checkpoints[1], "direct")
-    updated = engine.weights_checksum(derived=False)
-    assert updated != original and engine.weights_dir == checkpoints[1]
-    old = engine.rebuild_model()
-    assert engine.model is not old and engine.weights_checksum(derived=False) == updated
-    engine.restore_model(old)
-    assert engine.model is old.model
+    original = engine.control.checksum(derived=False)
+    engine.control.load_weights(checkpoints[1], "direct")
+    updated = engine.control.checksum(derived=False)
+    assert updated != original and engine.control.weights_dir == checkpoints[1]
+    old = engine.control.ranked.rebuild_model(engine.control.weights_dir)
+    assert engine.runner.model is not old and engine.control.checksum(derived=False) == updated
+    engine.control.ranked.restore_model(old)
+    assert engine.runner.model is old.model

@@ -54,7 +54,7 @@ def test_direct_update_keeps_every_address_and_graph_and_matches_a_fresh_engine(
     assert graphs["decode"] and graphs["prefill"]
 
     start = time.perf_counter()
-    update = engine.update_weights(other_weights, "direct")
+    update = engine.control.load_weights(other_weights, "direct")
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     assert update.recapture_seconds == 0
@@ -65,7 +65,7 @@ def test_direct_update_keeps_every_address_and_graph_and_matches_a_fresh_engine(
     assert updated != original
 
     start = time.perf_counter()
-    sums = engine.weights_checksum(derived=False)
+    sums = engine.control.checksum(derived=False)
     checksum_seconds = time.perf_counter() - start
     assert sums == fresh_checksum(EngineConfig(model=None, device="cuda", quantization=quantization),
                                   str(other_weights))
@@ -74,9 +74,9 @@ def test_direct_update_keeps_every_address_and_graph_and_matches_a_fresh_engine(
     assert greedy(fresh) == updated
     del fresh
 
-    engine.update_weights(a, "direct")
+    engine.control.load_weights(a, "direct")
     assert greedy(engine) == original and addresses(engine) == before
-    full = engine.update_weights(a, "full")
+    full = engine.control.load_weights(a, "full")
     assert full.recapture_seconds > 0 and greedy(engine) == original
     print(f"\n{quantization or 'bf16'}: direct update {seconds:.3f} s ({update.load}), restart {restart:.3f} s "
           f"({restart / seconds:.1f}x), full update {full.load.seconds + full.recapture_seconds:.3f} s, "

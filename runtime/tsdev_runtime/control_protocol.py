@@ -53,8 +53,8 @@ GRAPH_KINDS = ("decode", "prefill")  # recapture is reported split by graph kind
 TIMINGS = (*STEPS, "jit_slowest", "rebuild", "kernel_check", "check_prepare", "commit",
            *(f"recapture_{kind}" for kind in GRAPH_KINDS), "pause", "resumed", "total")
 TimingName = Literal[TIMINGS]
-# What a server is doing now (runtime/tsdev_runtime/engine/state.py), the first that holds: /server_info's and the
-# events' `state`
+# What a server is doing now (EngineControl.phase, runtime/tsdev_runtime/engine/control.py), the first that holds:
+# /server_info's and the events' `state`
 Phase = Literal["stopping", "sleeping", "weights_unloaded", "paused", "holding", "serving"]
 StepName = Literal[STEPS]
 
@@ -395,7 +395,7 @@ class Hello(_Event):
 
 
 class StateChanged(_Event):
-    """The server's phase moved (runtime/tsdev_runtime/engine/state.py)."""
+    """The server's phase moved (EngineControl.phase: runtime/tsdev_runtime/engine/control.py)."""
     type: Literal["state"] = "state"
     state: Phase
 

@@ -399,7 +399,7 @@ def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, cons
     async_engine = app.state.async_engine
     quiet_server_class(uvicorn.Server)(uvicorn_config, started, async_engine.shutdown,
                                        lambda: async_engine.left_behind).run(sockets=[listening])
-    engine.close()  # the other ranks, if any, stop
+    engine.control.close()  # the other ranks, if any, stop
     return 0
 
 

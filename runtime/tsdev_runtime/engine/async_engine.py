@@ -3,10 +3,11 @@ arriving while the model computes. Changes to the engine's request set (add, abo
 applied between steps, so the engine itself is only ever touched by one thread at a time. Each step's token ids
 become the requests' outputs (text, stop strings, logprobs) here, on the event loop, not on the engine's thread.
 
-Control calls (pause, continue, reload) take turns through one FIFO lock. What the server is doing now is the
-engine's `state` (runtime/tsdev_runtime/engine/state.py): its phase gates the steps (paused: nothing is computed;
-holding: a reload's drain, running requests finish, new ones wait in the queue without being admitted) and each change
-of phase is an event (`StateChanged`).
+Control calls (pause, continue, reload, sleep, weights) are the engine's control's (`LLMEngine.control`,
+runtime/tsdev_runtime/engine/control.py), which this loop serves as its `Loop` (steps.py): the engine's thread
+between steps, the drain, the events. The control's phase gates the steps (paused: nothing is computed; holding: a
+reload's drain, running requests finish, new ones wait in the queue without being admitted) and each change of phase
+is an event (`StateChanged`).
 """
 import asyncio
 import contextlib
@@ -34,15 +35,15 @@ LOOP_CALL_S = 5.0  # how long the engine thread waits for a call it hands to the
 # serves once every this many steps: the first requests after a reload run at full speed on the graphs it captured.
 STEPS_PER_DEFERRED_CAPTURE = 32
 
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_step: Callable[[float, list[RequestOutput]], None] | None = None):
         self.engine = engine
         self.on_step = on_step
-        self.state = engine.state
+        self.control = engine.control
         self.outputs = OutputProcessor(engine.tokenizer)  # the outputs of the requests of `generate`
         # where the outputs of requests added by `add_request` go (the API process: runtime/.../engine/channel.py)
         self.remote: Callable[[StepOutputs, dict[str, str] | None], None] | None = None
-        self.control_lock = asyncio.Lock()
         self._streams: dict[str, asyncio.Queue] = {}
         self._subscribers: set[asyncio.Queue] = set()
         self._commands: list[Callable[[], None]] = []
@@ -50,15 +51,15 @@ class AsyncEngine:
         self._stopping: asyncio.Event | None = None  # set by shutdown: calls waiting on the engine thread give up
         self._idle: asyncio.Future | None = None  # stop()'s: done once the engine thread is idle
         self._stepped: asyncio.Event | None = None
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=engine.prepare_thread)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=engine.runner.prepare_thread)
         self._task: asyncio.Task | None = None
         self.profiler = StepProfiler(engine.config.device, on_main_thread=self._on_loop_thread)
-        self._deferred_seconds, self._deferred_count = 0.0, 0  # graphs captured after a reload resumed serving
         self._steps_since_capture = 0
         self.last_step_at = time.monotonic()  # when the last engine step ended (idle since then, if none runs)
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
-        self.state.listeners.append(self._phase_moved)
+        self.control.listeners.append(self._phase_moved)
+        self.control.attach(self)  # the control's operations run their steps through this loop
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -70,7 +71,7 @@ class AsyncEngine:
     async def shutdown(self) -> None:
         """Stop serving (SIGINT/SIGTERM): refuse new requests, abort those in flight (their streams end with
         finish reason "abort") and end every events stream, so that no open connection holds the server."""
-        self.state.set(stopping=True)
+        self.control.set(stopping=True)
         if self._stopping is not None:
             self._stopping.set()  # a control call in progress answers now (run_on_engine_thread)
         for queue in self._subscribers:
@@ -212,42 +213,23 @@ class AsyncEngine:
 
     def unavailable(self) -> str | None:
         """Why requests are refused now (a sleep draining, sleeping, weights not loaded), else None."""
-        return self.state.unavailable()
+        return self.control.unavailable()
 
     def refusal(self) -> EngineError | None:
         """The error a new request gets now (the server stopping, or unavailable), else None."""
-        if self.state.stopping:
+        if self.control.stopping:
             return ShuttingDown("the server is shutting down: the request was not started")
         return Unavailable(why) if (why := self.unavailable()) else None
 
-    # --- gates -----------------------------------------------------------------------------------
+    # --- what the control's operations ask of the loop -------------------------------------------
 
-    def hold(self, on: bool) -> None:
-        """While holding, waiting requests are not admitted (they stay queued, not rejected), and no deferred graph
-        is captured (a reload, a weight load or a sleep holds: the engine thread is theirs)."""
-        self.state.set(holding=on)
+    def wake(self) -> None:
+        """Look at the control's gates again (paused, holding moved)."""
         self._wake.set()
-
-    def set_paused(self, paused: bool) -> None:
-        self.state.set(paused=paused)
-        self._wake.set()
-
-    def refuse(self, why: str | None) -> None:
-        """Refuse new requests, saying `why` (a sleep draining), or (None) accept them again."""
-        self.state.set(refusing=why)
-
-    async def drain(self) -> None:
-        """Hold new requests and let the admitted ones finish (on a paused server they stay as they are), then
-        admit again: what pause's mode wait, sleep and reload_weights do before they go on."""
-        self.hold(True)
-        try:
-            await self.wait_until_drained()
-        finally:
-            self.hold(False)
 
     async def wait_until_drained(self) -> None:
         """Return once no admitted request is left running (waiting ones stay queued)."""
-        while not self.engine.drained() and not self.state.paused:
+        while not self.engine.drained() and not self.control.paused:
             self._stepped.clear()
             await self._stepped.wait()
 
@@ -273,12 +255,12 @@ class AsyncEngine:
     async def events(self) -> AsyncIterator[Event]:
         """Every event published from now on, after a `Hello` with the state a new subscriber needs; the
         stream ends when the server shuts down."""
-        if self.state.stopping:
+        if self.control.stopping:
             return
         queue: asyncio.Queue = asyncio.Queue()
         self._subscribers.add(queue)
         try:
-            yield Hello(paused=self.state.paused, sleeping=self.state.memory.sleeping, state=self.state.phase,
+            yield Hello(paused=self.control.paused, sleeping=self.control.memory.sleeping, state=self.control.phase,
                         time=time.time())
             while (event := await queue.get()) is not None:
                 yield event
@@ -293,7 +275,7 @@ class AsyncEngine:
             self._wake.set()
 
     def _can_step(self) -> bool:
-        return not self.state.paused and self.state.cannot_step() is None and self.engine.can_step()
+        return not self.control.paused and self.control.cannot_step() is None and self.engine.can_step()
 
     async def _loop(self) -> None:
         while True:
@@ -303,7 +285,7 @@ class AsyncEngine:
             capturing = self._can_capture()
             if capturing and (not self._can_step() or self._steps_since_capture >= STEPS_PER_DEFERRED_CAPTURE):
                 self._steps_since_capture = 0
-                await self._on_engine_thread(self._capture_next)
+                await self._on_engine_thread(self.control.capture_next)
             if not self._can_step():
                 self._stepped.set()
                 self._wake.clear()
@@ -315,7 +297,7 @@ class AsyncEngine:
             try:
                 step, closed_range = await self._on_engine_thread(self._step)
             except Exception as exc:  # keep serving: end the request the step failed on, not the others
-                if self.engine.ranks is not None:  # ranks that may have stopped at different points are out of step
+                if self.control.ranks is not None:  # ranks that may have stopped at different points are out of step
                     stop_server(f"FATAL: an engine step failed with {self.engine.config.world_size} tensor-parallel "
                                 f"ranks ({type(exc).__name__}: {exc}); they cannot be brought back in step, so the "
                                 "server stops (tsdev watch restarts it).")
@@ -332,25 +314,8 @@ class AsyncEngine:
                 self.on_step(time.perf_counter() - start, outputs)
 
     def _can_capture(self) -> bool:
-        return (bool(self.engine.graphs_pending) and self.state.phase == "serving")
-
-    def _capture_next(self) -> None:
-        """A graph left to capture after serving (re)started (by a reload, or a start told to capture some first);
-        the last one logs how long they all took."""
-        start = time.perf_counter()
-        try:
-            captured = self.engine.capture_next()
-        except Exception as exc:  # that size stays eager; serving goes on
-            log.warning("capturing a deferred CUDA graph failed (%s: %s); that size runs eagerly",
-                        type(exc).__name__, exc)
-            captured = {}
-        self._deferred_seconds += time.perf_counter() - start
-        self._deferred_count += sum(map(len, captured.values()))
-        if not self.engine.graphs_pending:
-            if self.engine.config.device.startswith("cuda"):  # (on the CPU the same bookkeeping captures nothing)
-                log.info("captured the %d graph(s) left for after serving resumed in %.2f s", self._deferred_count,
-                         self._deferred_seconds)
-            self._deferred_seconds, self._deferred_count = 0.0, 0
+        """A graph left for after serving (re)started is pending (the control captures it, `capture_next`)."""
+        return bool(self.engine.runner.graphs_pending) and self.control.phase == "serving"
 
     def _step(self) -> tuple[StepOutputs, ProfileRange | None]:
         outputs = self.engine.step()
@@ -388,7 +353,7 @@ class AsyncEngine:
         self._stepped.set()
 
     def _fail_all(self, exc: Exception) -> None:
-        self.engine.discard_in_flight()
+        self.engine.in_flight = None  # the step in flight is forgotten: its requests are aborted
         for request_id, queue in list(self._streams.items()):
             self.engine.abort(request_id)
             self.outputs.drop(request_id)

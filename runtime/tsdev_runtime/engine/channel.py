@@ -24,7 +24,7 @@ class EngineSide:
         self.loop = asyncio.get_running_loop()
         reader, self.writer = await asyncio.open_unix_connection(sock=sock)
         self.ae.remote = self.hand_out
-        self.ae.state.watchers.append(self._state_changed)
+        self.ae.control.watchers.append(self._state_changed)
         self.send(("ready",))
         self._said_unavailable = self.ae.unavailable()
         self.send(("unavailable", self._said_unavailable))
@@ -36,8 +36,8 @@ class EngineSide:
                     self.ae.abort(message[1], message[2])
         finally:
             self.ae.remote = None
-            self.ae.state.watchers.remove(self._state_changed)
-            if not self.ae.state.stopping:  # the API process exited
+            self.ae.control.watchers.remove(self._state_changed)
+            if not self.ae.control.stopping:  # the API process exited
                 self.on_closed()
 
     def _add(self, request_id: str, prompt_token_ids: list[int], params, after: str | None, arrival: float) -> None:

@@ -3,7 +3,7 @@ the reference at the serving shapes (`strict`: inside the pause, before the relo
 `report`: once serving resumed, between its steps; when the engine is idle the inputs and the reference's outputs are
 drawn before the pause, so the check runs only the new kernels and the comparisons), and their time
 per call before and after (never while requests run, never in a reload's save → serving: the old code is timed
-while the server is idle, one call at a time, ahead of any reload (`time_one_pending`, ReloadForward.time_when_idle),
+while the server is idle, one call at a time, ahead of any reload (`time_one_pending`, EngineControl.time_when_idle),
 or by `tsdev check`; the new code after serving resumes, if it is idle then; a time no one could take comes from the
 last one taken for that code, marked not fresh, or is missing: the line then shows the new code's time alone).
 Times on CUDA only: Triton's interpreter, which runs the checks on the CPU, says nothing of a kernel's speed.

@@ -1,5 +1,7 @@
 """The engine: requests in, one scheduled step at a time, token ids out (`StepOutputs`; the text, stop strings and
-logprob objects are made by whoever consumes them: runtime/tsdev_runtime/engine/outputs.py).
+logprob objects are made by whoever consumes them: runtime/tsdev_runtime/engine/outputs.py). What the server is doing
+and every operation that pauses serving (reload, sleep, wake, weight loads, graph captures) are its control's,
+`LLMEngine.control` (runtime/tsdev_runtime/engine/control.py).
 
 With async scheduling (the default) a step is launched before the previous one's results are read: the
 host schedules and prepares step N+1 while the GPU computes step N, and its rows that decode take N's
@@ -12,29 +14,23 @@ import collections
 import gc
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
-from tsdev_runtime import distributed
 from tsdev_runtime.config import EngineConfig
 from tsdev_runtime.control_protocol import EngineInfo
 from tsdev_runtime.engine import compiles
 from tsdev_runtime.engine.block_manager import BlockManager
+from tsdev_runtime.engine.control import EngineControl
 from tsdev_runtime.engine.errors import describe_error
 from tsdev_runtime.engine.model_runner import Checkpoint, ModelRunner, step_range
 from tsdev_runtime.engine.outputs import Finish, OutputProcessor, StepOutputs
-from tsdev_runtime.engine.ranks import DrivenRunner, RankLedger, follow
+from tsdev_runtime.engine.ranks import follow
 from tsdev_runtime.engine.scheduler import ScheduledBatch, Scheduler
 from tsdev_runtime.engine.sequence import PENDING, SamplingParams, Sequence, Status, check_prompt, check_sampling
-from tsdev_runtime.engine.sleep import WEIGHTS, SleepState, weights_checksum
-from tsdev_runtime.engine.state import EngineState
 from tsdev_runtime.sampling.sampler import Sampled
 from tsdev_runtime.weights.checkpoint import checkpoint_files, read_entries
-from tsdev_runtime.weights.loader import LoadedWeights, LoadReport
-
-UPDATE_MODES = ("direct", "full")
 
 
 def thaw_heap(collect: bool) -> None:
@@ -62,23 +58,6 @@ def freeze_heap() -> None:
     # still alive then); one registration per process
     atexit.unregister(gc.unfreeze)
     atexit.register(gc.unfreeze)
-
-
-class WeightsAsleep(RuntimeError):
-    """A weight load while the weights are asleep: wake them first."""
-
-
-class CheckpointRefused(ValueError):
-    """A weight load refused before anything changed: no checkpoint there, or one that does not fit the model."""
-
-
-@dataclass(frozen=True)
-class WeightUpdate:
-    """What `update_weights` did: the load, the mode, tensors viewed back to their checkpoint layout, recapture."""
-    load: LoadReport
-    mode: str
-    relaid: int = 0
-    recapture_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -133,9 +112,8 @@ class _Launched:
 
 
 class LLMEngine:
-    """Used through its methods: requests (`add_request`, `step`, `abort`, `generate`) and the operations a
-    server or a benchmark needs (`stats`, `describe`, `state`, `flush_prefix_cache`, `warmup`,
-    `capture_graphs`, ...). Its runner, scheduler and block manager are its own business."""
+    """Requests (`add_request`, `abort`, `generate`), steps (`step`) and what a server or a benchmark reads (`stats`,
+    `describe`); every control operation is `control`'s. Its runner, scheduler and block manager are its business."""
 
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None):
         """`checkpoint`: `open_checkpoint(config)`'s, when the caller opened it already."""
@@ -146,30 +124,24 @@ class LLMEngine:
         opened = time.perf_counter() - start  # the first use of the default model writes it
         self.model_dir, self.model_config, self.max_model_len = (checkpoint.dir, checkpoint.config,
                                                                  checkpoint.max_model_len)
-        self.weights_dir = self.model_dir  # where the weights now served came from (an update changes it)
         self.tokenizer_dir = config.tokenizer_dir(self.model_dir)
         tokenizer_file = self.tokenizer_dir / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise FileNotFoundError(f"{self.tokenizer_dir} has no tokenizer.json (a fast tokenizer is required): "
                                     "give the directory of one with --tokenizer")
         self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
-        self.runner = ModelRunner(config, checkpoint)  # this rank's: what it reads or does alone
-        self.ranks: RankLedger | None = None  # tensor parallelism: every rank's outcome of the calls fanned out
-        self.ranked = self.runner  # the calls every rank makes (ranks.RANK_CALLS, launch, restore_model, stop)
-        if distributed.initialized():
-            self.ranks = RankLedger()
-            self.ranked = DrivenRunner(self.runner, self.ranks)
+        self.runner = ModelRunner(config, checkpoint)  # this rank's: the steps' forward, what it reads alone
+        # the state, the lock, the calls every rank makes (`control.ranked`) and every operation that pauses serving
+        self.control = EngineControl(self, self.runner)
         # the model's size: this process's parameters, or with several ranks (each holding a part) the checkpoint's
-        self.num_parameters = (sum(p.numel() for p in self.runner.model.parameters()) if self.ranks is None
+        self.num_parameters = (sum(p.numel() for p in self.runner.model.parameters()) if self.control.ranks is None
                                else sum(e.numel for e in read_entries(checkpoint_files(self.model_dir))))
         with compiles.install().expected():  # startup compiles every specialisation serving reaches
             self.startup_timings = {"checkpoint": opened, "load": time.perf_counter() - start - opened,
-                                    **self.ranked.start()}
-        # what the server is doing now (runtime/tsdev_runtime/engine/state.py)
-        self.state = EngineState(self.runner.sleep_state)
+                                    **self.control.ranked.start()}
         self.block_manager = BlockManager(self.runner.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_running, config.max_batched_tokens,
-                                   admitting=lambda: not self.state.holding)
+                                   admitting=lambda: not self.control.holding)
         self.in_flight: _Launched | None = None
         self.free_slots = list(range(config.max_running))  # the sampler's state rows (penalties, logit_bias)
         self.waiting_for: dict[Sequence, list[Sequence]] = {}  # a prompt's first request -> requests sharing it
@@ -192,12 +164,6 @@ class LLMEngine:
     def jit_compiles(self) -> dict[str, int]:
         """Triton compiles in this process so far, per kernel (runtime/tsdev_runtime/engine/compiles.py)."""
         return dict(compiles.COMPILES.counts)
-
-    def close(self) -> None:
-        """Let the other ranks of a tensor-parallel engine go (they exit); nothing to do with one rank."""
-        if self.ranks is not None:
-            self.ranked.stop()
-            self.ranks = None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, after: str | None = None) -> None:
@@ -248,10 +214,6 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self.in_flight is not None or bool(self.waiting_for)
-
-    def discard_in_flight(self) -> None:
-        """Forget the step in flight (after a failed step: its requests are aborted)."""
-        self.in_flight = None
 
     def recover(self) -> tuple[StepOutputs, dict[str, str]]:
         """After a step raised (one rank): find the request it failed on and end that one alone.
@@ -320,10 +282,6 @@ class LLMEngine:
 
     # --- what a server and a benchmark ask of the engine -------------------------------------------
 
-    @property
-    def num_running(self) -> int:
-        return len(self.scheduler.running)
-
     def drained(self) -> bool:
         """No admitted request is left running and no step is in flight (waiting ones may be queued)."""
         return not self.scheduler.running and self.in_flight is None
@@ -338,123 +296,6 @@ class LLMEngine:
         sched = self.scheduler
         while sched.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.running):
             self.step()
-
-    def flush_prefix_cache(self) -> None:
-        """Forget every cached prefix: KV computed by other code (or other weights) is not reused."""
-        self.block_manager.flush()
-
-    def prepare_thread(self) -> None:
-        """Make the calling thread ready to capture graphs (its cuBLAS handles): the engine's thread runs it first."""
-        self.runner.prepare_thread()
-
-    def warmup(self) -> float:
-        """Run every kernel once on dummy batches (startup does; a reload's warm step does): seconds."""
-        return self.ranked.warmup()
-
-    def capture_graphs(self, strict: bool = True, deferring: bool = False) -> dict[str, dict[int, float]]:
-        """(Re)capture the decode, then the prefill graphs: seconds per batch size / token bucket, by kind.
-        `strict`: a prefill capture failure raises (a reload) instead of leaving prefill eager. `deferring` (a
-        reload, unless --full-recapture): only the graphs the steps used since the last capture now; the others
-        are pending (`capture_next`, between steps once serving resumed) and run eagerly until captured."""
-        first = self.runner.used_graphs() if deferring and not self.config.full_recapture else None
-        return self.ranked.capture_graphs(strict, first)
-
-    def patch_graphs(self, swaps) -> int:
-        """A reload that changed only kernel bodies: the captured graphs run the new binaries (`swaps`: the
-        reloader's graph_swaps) without a capture; the nodes patched. GraphPatchError (nothing changed) if the
-        driver refuses a node."""
-        return self.runner.patch_graphs(swaps)
-
-    @property
-    def graphs_pending(self) -> int:
-        return self.runner.graphs_pending
-
-    def capture_next(self) -> dict[str, dict[int, float]]:
-        """Capture one pending graph (on every rank): {kind: {size: seconds}}."""
-        return self.ranked.capture_next()
-
-    # --- sleep, wake, weights (run between steps, on the engine's thread, with nothing running) --------
-
-    def cannot_step(self) -> str | None:
-        """Why the engine cannot compute now (sleeping, weights not loaded), else None. (Why the server refuses new
-        requests, which also covers a sleep still draining, is `AsyncEngine.unavailable`.)"""
-        return self.state.cannot_step()
-
-    @property
-    def sleep_state(self) -> SleepState:
-        """What is asleep (rank 0's; every rank's is the same)."""
-        return self.runner.sleep_state
-
-    def sleep(self, level: int) -> dict[str, int | None]:
-        """Free the device memory of the weights (kept in host memory at level 1, discarded at level 2), the KV
-        pool and the CUDA graphs, on every rank. Nothing may be running. Returns bytes freed (`freed`), and device
-        free memory before and after (`free_before`, `free_after`; None off CUDA), rank 0's."""
-        if not self.drained() or self.scheduler.waiting:
-            raise RuntimeError("requests are still queued or running: drain them before sleeping")
-        self.flush_prefix_cache()  # the KV pool is discarded
-        info = self.ranked.sleep(level)
-        self.state.set(weights_loaded=self.state.weights_loaded and level == 1)  # level 2 discards them
-        return info
-
-    def wake_up(self, tags: list[str] | None = None) -> tuple[list[str], dict[str, float]]:
-        """Take back the memory of `tags` (weights, kv_cache; default both); once both are back, recapture the
-        graphs (their addresses changed). Returns the tags woken and the recapture's seconds per graph kind."""
-        woken_and_recapture = self.ranked.wake_up(tags)
-        self.state.changed()
-        return woken_and_recapture
-
-    def update_weights(self, path: Path | None = None, mode: str = "direct") -> WeightUpdate:
-        """Load the checkpoint at `path` (default: the served model's) into the existing parameters, on every rank.
-
-        begin: check that it fits and that every tensor's storage can hold its cold-start checkpoint layout (else
-        CheckpointRefused, nothing changed), view re-laid-out tensors back, flush the prefix cache; from here until
-        finish the engine refuses to step (`unavailable`). load: the loader (pinned on CUDA) writes in place.
-        finish: the post-load hooks rerun into the same storage (fp8 scales, rotary tables). `direct` keeps every
-        address, so the CUDA graphs stay as captured; `full` releases the graphs first and recaptures them after.
-        A load that fails after begin (on any rank) leaves the weights marked not loaded until an update succeeds."""
-        if mode not in UPDATE_MODES:
-            raise ValueError(f"mode {mode!r}: use {' or '.join(UPDATE_MODES)}")
-        if WEIGHTS in self.sleep_state.asleep:
-            raise WeightsAsleep(f"the weights are asleep (level {self.sleep_state.level}): POST /wake_up (tags "
-                                f"[\"{WEIGHTS}\"]) first, then load them")
-        path = Path(path or self.model_dir)
-        try:
-            relaid = self.ranked.begin_update(path)  # refuses before touching anything
-        except (OSError, ValueError) as exc:
-            raise CheckpointRefused(f"{type(exc).__name__}: {exc}") from exc
-        self.flush_prefix_cache()  # KV computed with other weights is not reused
-        self.state.set(weights_loaded=False)  # until every rank's load succeeded
-        report, recapture = self.ranked.load_update(path, mode)
-        self.state.set(weights_loaded=True)
-        self.weights_dir = path
-        return WeightUpdate(report, mode, relaid, recapture)
-
-    @property
-    def model(self) -> torch.nn.Module:
-        """The model as it serves now (reload_forward compares its classes' code before and after a reload)."""
-        return self.runner.model
-
-    def rebuild_model(self) -> "LoadedWeights":
-        """Build the model anew with the code loaded now, load the weights served now (`weights_dir`: the last
-        update's checkpoint, else the served model's) and swap it in; returns the old model's weights for
-        `restore_model`.
-        ValueError when the checkpoint no longer fits the new code."""
-        return self.ranked.rebuild_model(self.weights_dir)
-
-    def restore_model(self, old: "LoadedWeights") -> None:
-        self.ranked.restore_model(old)
-
-    def reload_weights(self, path: Path | None = None) -> LoadReport:
-        """A direct `update_weights` (in place, no recapture) from `path`, default the served model's checkpoint."""
-        return self.update_weights(path, "direct").load
-
-    def weights_checksum(self, derived: bool = True) -> dict[str, str]:
-        """name -> sha256 of every parameter and buffer; `derived=False`: parameters and persistent buffers only
-        (what a checkpoint fills, in their runtime layout: GET /v1/rl/engine/weights_checksum)."""
-        if self.ranks is not None:
-            raise NotImplementedError(f"weights_checksum is not available with tensor parallelism (--tp "
-                                      f"{distributed.size()}) yet: serve with --tp 1 for it")
-        return weights_checksum(self.runner.model, derived)
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
@@ -481,7 +322,7 @@ class LLMEngine:
             prefill_graphs_failed=prefill.disabled if prefill else None, quantization=config.quantization,
             kv_cache_dtype=str(runner.kv_cache.dtype).removeprefix("torch."),
             decode_graphs_used=sorted(decode.used) if decode else [],
-            prefill_graphs_used=sorted(prefill.used) if prefill else [], graphs_pending=self.graphs_pending)
+            prefill_graphs_used=sorted(prefill.used) if prefill else [], graphs_pending=runner.graphs_pending)
 
     def step(self) -> StepOutputs:
         """Schedule and launch a step, then read the previous one (async scheduling) or this one. Its seconds and
@@ -524,7 +365,7 @@ class LLMEngine:
         started = torch.cuda.Event(enable_timing=True) if self._on_cuda else None
         if started is not None:
             started.record()
-        sampled = self.ranked.launch(batch, self.in_flight.in_flight if self.in_flight else None)
+        sampled = self.control.ranked.launch(batch, self.in_flight.in_flight if self.in_flight else None)
         for seq in starting:
             seq.init_slot = False
         for i, first, count in batch.prompt_rows:

@@ -2,8 +2,9 @@
 graphs' memory kept, everything undone if any step fails.
 
 Why it is a list of steps with undos: a reload touches the code, the model, the graphs and the serving state at
-once, and a failure at any point must leave the old code serving. The list is `_Reload.in_pause` (run by
-steps.py); what each step does and reports: docs/reload.md; the path from the client: docs/architecture.md.
+once, and a failure at any point must leave the old code serving. The list is `Reload.in_pause` (run by
+steps.py); the engine's control (control.py) runs a `Reload` in its turn, once per request id, and adds the other
+ranks' entries. What each step does and reports: docs/reload.md; the path from the client: docs/architecture.md.
 
 The reloader is anything that satisfies `ForwardReloader` (a `typing.Protocol`: the runtime never imports the
 toolkit); tsdev's `tsdev.hotreload.Reloader` is one (tests/test_reloader_protocol.py), another library's may be.
@@ -12,27 +13,20 @@ Requests, worker reports, the reply and the events are tsdev_runtime.control_pro
 import asyncio
 import logging
 import time
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 from tsdev_kernels import checks
-from tsdev_runtime.control_protocol import (STEPS, KernelCheckProgress, KernelCheckReply, KernelCheckRequest,
-                                            ReloadFinished, ReloadReply, ReloadRequest, ReloadStarted, ReloadStep,
+from tsdev_runtime.config import EngineConfig
+from tsdev_runtime.control_protocol import (STEPS, ReloadFinished, ReloadRequest, ReloadStarted, ReloadStep,
                                             WorkerReport)
-from tsdev_runtime.engine.compiles import COMPILES
-from tsdev_runtime.engine.async_engine import AsyncEngine
 from tsdev_runtime.engine.errors import describe_error, stop_server
-from tsdev_runtime.engine.kernel_checks import (KernelChecker, describe_failure, reported as reported_checks,
-                                                serving_of, why_off)
-from tsdev_runtime.engine.ranks import RankedReloader, RankLost, rank_entries, reported
-from tsdev_runtime.engine.steps import Step, Steps
+from tsdev_runtime.engine.kernel_checks import KernelChecker, describe_failure, reported as reported_checks, serving_of
+from tsdev_runtime.engine.model_runner import ModelRunner
+from tsdev_runtime.engine.ranks import DrivenRunner, RankLedger, RankLost, reported
+from tsdev_runtime.engine.steps import Loop, Step, Steps
 
-REMEMBERED_IDS = 256
-IDLE_BEFORE_TIMING_S = 0.3  # how long the engine must have been idle before time_when_idle takes a call
-IDLE_TIMING_GAP_S = 0.02  # between two of time_when_idle's calls: a request that arrives waits for one call at most
-CHECK_WAIT_REPORT_S = 1.0  # a check waiting for requests says so this often (the plain reply's route looks for its
-#                            client between two items; a stream's client sees it is alive)
 JIT, DRAIN, FLUSH, RELOAD, WARM, RECAPTURE = STEPS
 log = logging.getLogger("tsdev_runtime.server")  # `tsdev serve` prints its info lines on stderr
 
@@ -92,270 +86,131 @@ class StepTimeout(Exception):
     pass
 
 
-class CheckRunning(Exception):
-    """A `tsdev check` runs already: one at a time (the HTTP layer answers 409)."""
+class Owner(Protocol):
+    """What a reload uses of the engine's control (EngineControl, runtime/tsdev_runtime/engine/control.py), which
+    runs it: a Protocol, since the control imports this module (tests/test_no_import_cycles.py)."""
+    config: EngineConfig
+    loop: Loop
+    engine: Any  # the LLMEngine (it imports the control): drained or not, its shapes for the kernel checks
+    runner: ModelRunner  # this rank's
+    ranked: ModelRunner | DrivenRunner  # the calls every rank makes
+    ranks: RankLedger | None
+    reloader: ForwardReloader
+    checker: KernelChecker
+    checks_off: str | None  # why the kernel checks cannot run here
+    weights_dir: Path  # the weights served now (a rebuilt model loads them)
+    stopping: bool
+    reloads: int  # this one's number, for its events
+
+    def hold(self, on: bool) -> None: ...
+
+    async def flush_prefix_cache(self) -> None: ...
+
+    def capture_graphs(self, strict: bool = True, deferring: bool = False) -> dict[str, dict[int, float]]: ...
 
 
-class ReloadForward:
-    def __init__(self, async_engine: AsyncEngine, reloader: ForwardReloader, rank: int = 0):
-        ranks = async_engine.engine.ranks  # tensor parallelism: every rank reloads the bytes rank 0 read
-        self.reloader = RankedReloader(reloader, ranks) if ranks is not None else reloader
-        self.async_engine, self.rank = async_engine, rank
-        self.checker = KernelChecker(async_engine.engine.config.kernel_check)
-        self.checks_off = why_off(str(async_engine.engine.runner.device))
-        if self.checks_off and self.checker.mode == "strict":
-            raise ValueError(f"--kernel-check strict cannot hold: {self.checks_off}")
-        if self.checks_off and self.checker.mode == "report":
-            log.warning("%s", self.checks_off)
-        self.outcomes: OrderedDict[str, asyncio.Future[ReloadReply]] = OrderedDict()
-        self.cancel_epoch = 0
-        self.count = 0
-        self.checking: KernelCheckProgress | None = None  # the `tsdev check` under way, where it is
-        self.waiting = 0  # reload calls waiting for their turn (continue_generation would cancel them)
-
-    async def __call__(self, request: ReloadRequest) -> ReloadReply:
-        """Reload once per id: the same id again returns the first outcome (waiting for it if needed)."""
-        if request.id in self.outcomes:
-            return await asyncio.shield(self.outcomes[request.id])
-        outcome = asyncio.get_running_loop().create_future()
-        self.outcomes[request.id] = outcome
-        while len(self.outcomes) > REMEMBERED_IDS:
-            self.outcomes.popitem(last=False)
-        epoch = self.cancel_epoch
-        try:
-            self.waiting += 1
-            try:
-                await self.async_engine.control_lock.acquire()
-            finally:
-                self.waiting -= 1
-            try:
-                if epoch != self.cancel_epoch:
-                    reply = ReloadReply.of(request.id,
-                                           [self._worker("cancelled by continue_generation before it started")])
-                elif why := self.async_engine.engine.cannot_step():  # asleep: no memory to warm up or capture in
-                    reply = ReloadReply.of(request.id, [self._worker(f"cannot reload the forward now: {why}")])
-                else:
-                    with COMPILES.expected():  # compiling is what a reload does
-                        first = await self._run(request)
-                    reply = ReloadReply.of(request.id, [first, *self._other_ranks(first.ok)])
-            finally:
-                self.async_engine.control_lock.release()
-        except BaseException as exc:
-            outcome.set_exception(exc)
-            outcome.exception()  # retrieved: a repeat of this id re-raises it; nobody else needs to (no log noise)
-            raise
-        outcome.set_result(reply)
-        return reply
-
-    async def kernel_check_cases(self, request: KernelCheckRequest) -> list[tuple[str, tuple[int, ...]]]:
-        """The cases `tsdev check` asks for (`check_kernels` runs them); ValueError for an unknown op or where the
-        checks cannot run, CheckRunning while another check runs."""
-        ae = self.async_engine
-        if self.checks_off:
-            raise ValueError(self.checks_off)
-        self._one_check_at_a_time()
-        serving = serving_of(ae.engine)
-        async with ae.control_lock:  # the op modules as no reload is changing them
-            return await ae.run_on_engine_thread(lambda: self.checker.cases(request.ops, serving))
-
-    async def check_kernels(self, cases: list[tuple[str, tuple[int, ...]]]
-                            ) -> AsyncIterator[KernelCheckProgress | KernelCheckReply]:
-        """Run `cases` (`tsdev check`): a KernelCheckProgress before each, then the KernelCheckReply.
-
-        Why one engine-thread call per case, only when no request runs: a whole check is minutes under Triton's
-        interpreter, and as one call it held the engine thread that long, every completion waiting behind it. Now a
-        request waits for one case at most, and the next case starts only once no request has run for
-        IDLE_BEFORE_TIMING_S (a benchmark's requests in a row are never joined; meanwhile a progress item says how
-        many the check waits for, every CHECK_WAIT_REPORT_S). Why a generator: the caller stops the check between
-        two cases by closing it (the client went away), and `self.checking` tells /load and /health that one runs.
-        The control lock is held per case, not for the whole check: a reload goes in between two cases, and the
-        cases after it check the code that serves."""
-        ae = self.async_engine
-        self._one_check_at_a_time()
-        serving, start, results = serving_of(ae.engine), time.perf_counter(), []
-        self.checking = KernelCheckProgress(done=0, total=len(cases))
-        try:
-            for op, shape in cases:
-                told = None  # (requests waited for, when said)
-                while (waiting := self._check_waits_for()) is not None:
-                    now = time.monotonic()
-                    if waiting and (told is None or told[0] != waiting or now - told[1] >= CHECK_WAIT_REPORT_S):
-                        told = (waiting, now)
-                        self.checking = KernelCheckProgress(done=len(results), total=len(cases), waiting_for=waiting)
-                        yield self.checking
-                    await asyncio.sleep(IDLE_TIMING_GAP_S)
-                self.checking = KernelCheckProgress(done=len(results), total=len(cases), op=op, shape=list(shape))
-                yield self.checking
-                async with ae.control_lock:
-                    results.append(await ae.run_on_engine_thread(self._check_case, op, shape, serving))
-        except (GeneratorExit, asyncio.CancelledError):  # closed between cases, or cancelled during one
-            log.info("kernel check stopped after %d of %d case(s): its client went away", len(results), len(cases))
-            raise
-        finally:
-            self.checking = None
-        yield KernelCheckReply(ok=all(r.ok for r in results), checks=reported_checks(results),
-                               ops=[c.op for c in checks.declared()], seconds=time.perf_counter() - start)
-
-    def _one_check_at_a_time(self) -> None:
-        if (running := self.checking) is not None:
-            raise CheckRunning(f"a kernel check is running ({running.done} of {running.total} case(s) done): wait for "
-                               "it to finish, or stop it (Ctrl-C on its `tsdev check`) and check again")
-
-    def _check_waits_for(self) -> int | None:
-        """None when the next case may start; else the requests it gives way to (0: none since the last step,
-        IDLE_BEFORE_TIMING_S ago at most). A paused or held engine serves none: nothing to wait for."""
-        ae = self.async_engine
-        if ae.state.phase != "serving":
-            return None
-        stats = ae.engine.stats()
-        if (waiting := stats.running + stats.waiting) or not self._idle():
-            return max(waiting, 1)
-        return 0 if time.monotonic() - ae.last_step_at < IDLE_BEFORE_TIMING_S else None
-
-    def _check_case(self, op: str, shape: tuple[int, ...], serving: checks.Serving) -> checks.Result:
-        """One case, on the engine thread (a shape serving has not compiled may compile for the check: expected, not
-        a request's)."""
-        with COMPILES.expected():
-            return self.checker.check_one(op, shape, serving, idle=self._idle())
-
-    async def time_when_idle(self) -> None:
-        """Time every declared op's current code at the serving shapes, one call at a time (~0.1 s of the engine's
-        thread) whenever nothing runs, so that a reload finds the old code's times taken and its save → serving
-        never waits for them (the server's start leaves it idle: done in the first seconds, off the critical path).
-        Ends when all are timed; a later edit's new code is timed by that reload (time_new)."""
-        ae, engine = self.async_engine, self.async_engine.engine
-        if self.checker.mode == "off" or engine.ranks is not None:
-            return
-        serving = serving_of(engine)
-        quiet_since = None  # idle this long before the first call: requests in a row (a benchmark) are never joined
-        while True:
-            await asyncio.sleep(IDLE_TIMING_GAP_S)
-            if ae.state.phase != "serving" or not self._idle() or ae.control_lock.locked():
-                quiet_since = None
-                continue
-            # a short request that came and went between two looks here still moved the engine's last step
-            quiet_since = max(quiet_since or time.monotonic(), ae.last_step_at)
-            if time.monotonic() - quiet_since < IDLE_BEFORE_TIMING_S:
-                continue
-            async with ae.control_lock:
-                if not await ae.run_on_engine_thread(lambda: self.checker.time_one_pending(serving)):
-                    return
-
-    def cancel_pending(self) -> None:
-        """continue_generation: reloads still waiting for their turn give up."""
-        self.cancel_epoch += 1
-
-    def _other_ranks(self, rank0_ok: bool) -> list[WorkerReport]:
-        """The entries of ranks 1.. (tensor parallelism): their outcome and seconds of the calls this reload made."""
-        ranks = self.async_engine.engine.ranks
-        return [WorkerReport(**entry) for entry in rank_entries(ranks, rank0_ok)] if ranks is not None else []
-
-    def _worker(self, error: str | None, timings: dict[str, float] | None = None, **fields) -> WorkerReport:
-        """This rank's entry of the reply: ok when `error` is None; `fields` are WorkerReport's."""
-        return WorkerReport(rank=self.rank, ok=error is None, error=error,
-                            timings={k: round(v, 6) for k, v in (timings or {}).items()}, **fields)
-
-    async def _run(self, request: ReloadRequest) -> WorkerReport:
-        ae, engine = self.async_engine, self.async_engine.engine
-        self.count += 1
-        if engine.ranks is not None:
-            engine.ranks.start()
-        start = time.perf_counter()
-        ae.publish(ReloadStarted(id=request.id, n=self.count, modules=request.modules or []))
-        try:
-            sources = await ae.run_on_engine_thread(self.reloader.read_sources)
-            plan = self.reloader.plan(sources=sources, modules=request.modules)
-        except Exception as exc:  # e.g. a forced module that does not exist
-            return self._finish(request, self._worker(str(exc) if isinstance(exc, ValueError) else describe_error(exc)))
-        if not plan.reloaded:  # nothing to run: serving is not interrupted
-            total = time.perf_counter() - start
-            timings = {"total": total, "pause": 0.0, "resumed": total}
-            return self._finish(request, self._worker(None, timings, needs_restart=list(plan.needs_restart)))
-        reload = _Reload(self, request, sources, start)
-        if self.checks_off and reload.check_mode == "strict":
-            return self._finish(request, self._worker(f"this reload asks for --kernel-check strict, which cannot hold: "
-                                                      f"{self.checks_off}; nothing was reloaded"))
-        if self.checks_off and reload.check_mode == "report" and any(
-                checks.modules_reached(c) & set(plan.reloaded) for c in checks.declared()):
-            reload.warnings.append(self.checks_off)  # a kernel edit that was not checked
-        await reload.steps.run(reload.before_pause())  # the old code keeps serving meanwhile
-        if reload.check_mode != "off":  # the checks' inputs, drawn if nothing runs on the GPU now
-            with reload.steps.timed("check_prepare"):
-                await ae.run_on_engine_thread(lambda: self.checker.prepare(reload.serving, self._idle(),
-                                                                           plan.reloaded))
-                reload.before_edit = self.checker.fingerprints()
-        ae.hold(True)
-        try:
-            with reload.steps.timed("pause"):
-                await self._in_pause(reload)
-        finally:
-            ae.hold(False)
-            reload.steps.record("resumed", time.perf_counter() - start)  # the new code serves from here
-        if reload.error is None and reload.check_mode == "report":  # serving resumed: between its steps
-            try:
-                await reload.check_kernels()
-            except Exception as exc:  # the edit is in and stays: only the report is missing
-                reload.warnings.append(f"the kernel checks failed to run: {describe_error(exc)}")
-        self.checker.forget_drawn()
-        if reload.error is None and reload.kernel_checks:  # the new code's times, serving resumed (if idle)
-            await ae.run_on_engine_thread(lambda: self.checker.time_new(reload.kernel_checks, reload.serving,
-                                                                        idle=self._idle()))
-        return self._finish(request, reload.report())
-
-    async def _in_pause(self, reload: "_Reload") -> None:
-        """The pause's steps; a failure undoes the steps begun (every undo guarded) and is kept in `reload.error`."""
-        try:
-            await reload.steps.run(reload.in_pause())
-        except RankLost as exc:  # a wedged rank cannot roll back: nothing can run in step any more
-            stop_server(f"FATAL: reload {reload.request.id}, step '{reload.steps.current}': {exc}. The server stops "
-                        "(tsdev watch restarts it).")
-        except Exception as exc:
-            reload.error = str(exc) if isinstance(exc, (_ReportedFailure, StepTimeout)) else describe_error(exc)
-            if isinstance(exc, _NeedsRestart):
-                reload.needs_restart = exc.modules
-            if failures := await reload.steps.undo(reload.error):
-                reload.error += f" (rollback incomplete: {'; '.join(failures)})"
-                if reload.engine.ranks is not None:  # a rank's state is unknown now: they may no longer run in step
-                    stop_server(f"FATAL: reload {reload.request.id}: {reload.error}. The server stops (tsdev watch "
-                                "restarts it).")
-
-    def _idle(self) -> bool:
-        """Nothing runs on the GPU: no request, no step in flight (on the engine thread)."""
-        engine = self.async_engine.engine
-        return engine.num_running == 0 and engine.in_flight is None
-
-    def _finish(self, request: ReloadRequest, worker: WorkerReport) -> WorkerReport:
-        log.info(log_line(request.id, worker))
-        self.async_engine.publish(ReloadFinished(type="reload_finished" if worker.ok else "reload_failed",
-                                                 id=request.id, n=self.count, worker=worker))
-        return worker
+def worker_report(rank: int, error: str | None, timings: dict[str, float] | None = None, **fields) -> WorkerReport:
+    """A rank's entry of the reply: ok when `error` is None; `fields` are WorkerReport's."""
+    return WorkerReport(rank=rank, ok=error is None, error=error,
+                        timings={k: round(v, 6) for k, v in (timings or {}).items()}, **fields)
 
 
-class _Reload:
-    """One reload's steps and what they leave for the reply: before the pause `jit`; in it `drain`, `flush`, a guard
-    (its undo recaptures the graphs once the code is restored), `reload` (its undo: the old model and code back),
-    `warm`, `kernel_check` (under `strict`), `recapture` and `commit` (the point of no return). The timings keep
-    the order the steps ran in."""
+class Reload:
+    """One reload, run by the engine's control in its turn: read the sources, plan, then its steps -- before the
+    pause `jit`; in it `drain`, `flush`, a guard (its undo recaptures the graphs once the code is restored), `reload`
+    (its undo: the old model and code back), `warm`, `kernel_check` (under `strict`), `recapture` and `commit` (the
+    point of no return) -- and what they leave for this rank's entry of the reply. The timings keep the order the
+    steps ran in."""
 
-    def __init__(self, owner: ReloadForward, request: ReloadRequest, sources: Mapping[str, bytes], start: float):
-        self.owner, self.request, self.sources, self.start = owner, request, sources, start
-        self.ae, self.engine = owner.async_engine, owner.async_engine.engine
-        self.deadline = start + request.timeout_s if request.timeout_s else float("inf")
+    def __init__(self, control: Owner, request: ReloadRequest):
+        self.control, self.request, self.start = control, request, time.perf_counter()
+        self.loop, self.engine, self.rank = control.loop, control.engine, control.config.rank
+        self.deadline = self.start + request.timeout_s if request.timeout_s else float("inf")
         self.steps = Steps(self._publish)
+        self.sources: Mapping[str, bytes] = {}
         self.serving, self.before_edit = serving_of(self.engine), {}
-        self.check_mode = request.kernel_check or owner.checker.mode
+        self.check_mode = request.kernel_check or control.checker.mode
         self.tx, self.old_model, self.changed, self.rebuilt = None, None, set(), []
         self.jit_kernels, self.warnings, self.kernel_checks = 0, [], []
         self.warm_skipped, self.graphs_swapped, self.nodes_patched = False, False, None
         self.error: str | None = None
         self.needs_restart: list[str] = []
 
+    async def run(self) -> WorkerReport:
+        """This rank's entry of the reply: the steps' outcome, or why nothing ran."""
+        control, loop, request, checker = self.control, self.loop, self.request, self.control.checker
+        loop.publish(ReloadStarted(id=request.id, n=control.reloads, modules=request.modules or []))
+        try:
+            self.sources = await loop.run_on_engine_thread(control.reloader.read_sources)
+            plan = control.reloader.plan(sources=self.sources, modules=request.modules)
+        except Exception as exc:  # e.g. a forced module that does not exist
+            return self._finish(self._worker(str(exc) if isinstance(exc, ValueError) else describe_error(exc)))
+        if not plan.reloaded:  # nothing to run: serving is not interrupted
+            total = time.perf_counter() - self.start
+            timings = {"total": total, "pause": 0.0, "resumed": total}
+            return self._finish(self._worker(None, timings, needs_restart=list(plan.needs_restart)))
+        if control.checks_off and self.check_mode == "strict":
+            return self._finish(self._worker(f"this reload asks for --kernel-check strict, which cannot hold: "
+                                             f"{control.checks_off}; nothing was reloaded"))
+        if control.checks_off and self.check_mode == "report" and any(
+                checks.modules_reached(c) & set(plan.reloaded) for c in checks.declared()):
+            self.warnings.append(control.checks_off)  # a kernel edit that was not checked
+        await self.steps.run(self.before_pause())  # the old code keeps serving meanwhile
+        if self.check_mode != "off":  # the checks' inputs, drawn if nothing runs on the GPU now
+            with self.steps.timed("check_prepare"):
+                await loop.run_on_engine_thread(
+                    lambda: checker.prepare(self.serving, self.engine.drained(), plan.reloaded))
+                self.before_edit = checker.fingerprints()
+        control.hold(True)
+        try:
+            with self.steps.timed("pause"):
+                await self._in_pause()
+        finally:
+            control.hold(False)
+            self.steps.record("resumed", time.perf_counter() - self.start)  # the new code serves from here
+        if self.error is None and self.check_mode == "report":  # serving resumed: between its steps
+            try:
+                await self.check_kernels()
+            except Exception as exc:  # the edit is in and stays: only the report is missing
+                self.warnings.append(f"the kernel checks failed to run: {describe_error(exc)}")
+        checker.forget_drawn()
+        if self.error is None and self.kernel_checks:  # the new code's times, serving resumed (if idle)
+            await loop.run_on_engine_thread(lambda: checker.time_new(self.kernel_checks, self.serving,
+                                                                     idle=self.engine.drained()))
+        return self._finish(self.report())
+
+    async def _in_pause(self) -> None:
+        """The pause's steps; a failure undoes the steps begun (every undo guarded) and is kept in `error`."""
+        try:
+            await self.steps.run(self.in_pause())
+        except RankLost as exc:  # a wedged rank cannot roll back: nothing can run in step any more
+            stop_server(f"FATAL: reload {self.request.id}, step '{self.steps.current}': {exc}. The server stops "
+                        "(tsdev watch restarts it).")
+        except Exception as exc:
+            self.error = str(exc) if isinstance(exc, (_ReportedFailure, StepTimeout)) else describe_error(exc)
+            if isinstance(exc, _NeedsRestart):
+                self.needs_restart = exc.modules
+            if failures := await self.steps.undo(self.error):
+                self.error += f" (rollback incomplete: {'; '.join(failures)})"
+                if self.control.ranks is not None:  # a rank's state is unknown now: they may no longer run in step
+                    stop_server(f"FATAL: reload {self.request.id}: {self.error}. The server stops (tsdev watch "
+                                "restarts it).")
+
+    def _worker(self, error: str | None, timings: dict[str, float] | None = None, **fields) -> WorkerReport:
+        return worker_report(self.rank, error, timings, **fields)
+
+    def _finish(self, worker: WorkerReport) -> WorkerReport:
+        log.info(log_line(self.request.id, worker))
+        self.loop.publish(ReloadFinished(type="reload_finished" if worker.ok else "reload_failed",
+                                         id=self.request.id, n=self.control.reloads, worker=worker))
+        return worker
+
     def before_pause(self) -> list[Step]:
         return [Step(JIT, self._jit)]
 
     def in_pause(self) -> list[Step]:
-        return [Step(DRAIN, self._drain, started=lambda: {"running": self.engine.num_running}),
-                Step(FLUSH, lambda: self.ae.between_steps(self.engine.flush_prefix_cache)),
+        return [Step(DRAIN, self._drain, started=lambda: {"running": self.engine.stats().running}),
+                Step(FLUSH, self.control.flush_prefix_cache),
                 Step("graphs", undo=self._recapture_old_code),  # undone after `reload`: the old code captures
                 Step(RELOAD, self._reload, undo=self._undo_reload),
                 Step(WARM, self._warm),
@@ -365,7 +220,7 @@ class _Reload:
 
     def _publish(self, name: str, state: str, fields: dict) -> None:
         if name in STEPS:  # the others are timed, with no event of their own
-            self.ae.publish(ReloadStep(id=self.request.id, step=name, state=state, **fields))
+            self.loop.publish(ReloadStep(id=self.request.id, step=name, state=state, **fields))
 
     def _check_deadline(self) -> None:
         if time.perf_counter() > self.deadline:
@@ -374,7 +229,7 @@ class _Reload:
 
     async def _jit(self) -> None:
         try:
-            self.jit_kernels, _, *slowest = await asyncio.to_thread(self.owner.reloader.compile_ahead, self.sources,
+            self.jit_kernels, _, *slowest = await asyncio.to_thread(self.control.reloader.compile_ahead, self.sources,
                                                                     self.request.modules)
             if slowest:
                 self.steps.record("jit_slowest", slowest[0])
@@ -382,29 +237,34 @@ class _Reload:
             self.warnings.append(f"compiling ahead failed, kernels compile during the warm step: {describe_error(exc)}")
 
     async def _drain(self) -> None:
+        loop = self.loop
         if self.request.mode == "abort":
-            await self.ae.between_steps(lambda: self.ae.abort_all(running_only=True))
+            await loop.between_steps(lambda: loop.abort_all(running_only=True))
         remaining = self.deadline - time.perf_counter()
         try:
-            await asyncio.wait_for(self.ae.wait_until_drained(),
-                                   None if remaining == float("inf") else max(remaining, 0))
+            await asyncio.wait_for(loop.wait_until_drained(), None if remaining == float("inf") else max(remaining, 0))
         except TimeoutError:
             raise StepTimeout(f"timed out after {self.request.timeout_s} s in step '{DRAIN}' "
-                              f"({self.engine.num_running} request(s) still running); nothing was changed") from None
+                              f"({self.engine.stats().running} request(s) still running); nothing was changed"
+                              ) from None
 
     async def _reload(self) -> None:
-        engine, request = self.engine, self.request
-        before = init_signatures(engine.model)
-        self.tx = await self.ae.run_on_engine_thread(
-            lambda: self.owner.reloader.reload(modules=request.modules, sources=self.sources))
+        control, request = self.control, self.request
+        before = init_signatures(control.runner.model)
+        self.tx = await self.loop.run_on_engine_thread(
+            lambda: control.reloader.reload(modules=request.modules, sources=self.sources))
         if not self.tx.report.ok:
             raise _ReportedFailure(self.tx.report.error or "the reload failed")
         self.changed = changed_classes(before)
-        self.rebuilt = [name or "(model)" for name, m in engine.model.named_modules() if type(m) in self.changed]
+        self.rebuilt = [name or "(model)" for name, m in control.runner.model.named_modules()
+                        if type(m) in self.changed]
         if self.rebuilt:
             try:
                 with self.steps.timed("rebuild"):
-                    self.old_model = await self.ae.run_on_engine_thread(engine.rebuild_model)
+                    # the model built anew with the code loaded now, the weights served now loaded into it (the last
+                    # update's checkpoint, else the served model's) and swapped in; the old one's kept for the undo
+                    self.old_model = await self.loop.run_on_engine_thread(
+                        lambda: control.ranked.rebuild_model(control.weights_dir))
             except ValueError as exc:  # the checkpoint no longer fits the new code
                 restart = sorted({cls.__module__ for cls in self.changed})
                 raise _NeedsRestart(f"needs restart: the weights do not fit the new code of "
@@ -413,7 +273,7 @@ class _Reload:
 
     async def _undo_reload(self, why: str) -> None:
         if self.old_model is not None:  # the old model (and its weights) serve again
-            self.engine.restore_model(self.old_model)
+            self.control.ranked.restore_model(self.old_model)
         if self.tx is not None and self.tx.report.ok:  # (a failed reload rolled itself back)
             self.tx.rollback(why)
 
@@ -429,39 +289,39 @@ class _Reload:
     async def _warm(self) -> None:
         self.warm_skipped = not self.rebuilt and getattr(self.tx.report, "kernels_only", False)
         if not self.warm_skipped:
-            await self.ae.run_on_engine_thread(self.engine.warmup)
+            await self.loop.run_on_engine_thread(self.control.ranked.warmup)
 
     async def check_kernels(self) -> None:
         """The changed ops against their references; under `strict` (in the pause) a failed one raises."""
-        checker = self.owner.checker
+        checker = self.control.checker
         with self.steps.timed("kernel_check"):
-            self.kernel_checks = await self.ae.run_on_engine_thread(lambda: checker.check(self.before_edit,
-                                                                                          self.serving))
+            self.kernel_checks = await self.loop.run_on_engine_thread(lambda: checker.check(self.before_edit,
+                                                                                            self.serving))
         failed = next((r for r in self.kernel_checks if not r.ok), None)
         if failed is not None and self.check_mode == "strict":
             raise _ReportedFailure(describe_failure(failed))
 
     async def _recapture(self) -> None:
-        engine, ae = self.engine, self.ae
+        control, loop = self.control, self.loop
         self.graphs_swapped = True  # the decode graphs may be new even when the prefill capture then fails
         swaps = getattr(self.tx.report, "graph_swaps", None) if self.warm_skipped else None
-        patchable = not (self.request.recapture or engine.config.full_recapture or engine.ranks is not None)
+        patchable = not (self.request.recapture or control.config.full_recapture or control.ranks is not None)
         if swaps is not None and patchable:  # several ranks recapture (docs/parallel.md, "Not yet")
             try:
-                self.nodes_patched = await ae.run_on_engine_thread(lambda: engine.patch_graphs(swaps))
+                self.nodes_patched = await loop.run_on_engine_thread(lambda: control.runner.patch_graphs(swaps))
             except Exception as exc:  # set back: the graphs are captured as any reload's
                 self.warnings.append(f"patching the graphs failed, they were captured again: {describe_error(exc)}")
         if self.nodes_patched is None:
-            graph_timings = await ae.run_on_engine_thread(lambda: engine.capture_graphs(deferring=True))
+            graph_timings = await loop.run_on_engine_thread(lambda: control.capture_graphs(deferring=True))
             for kind, seconds in graph_timings.items():
                 self.steps.record(f"recapture_{kind}", sum(seconds.values()))
 
     async def _recapture_old_code(self, why: str) -> None:
         """Graphs were replaced by ones of the new code: recapture them with the restored old code."""
-        if not self.graphs_swapped or self.ae.state.stopping:  # (stopping: the process exits, nothing serves again)
+        if not self.graphs_swapped or self.control.stopping:  # (stopping: the process exits, nothing serves again)
             return
         try:
-            await self.ae.run_on_engine_thread(lambda: self.engine.capture_graphs(strict=False))  # prefill: eager ok
+            await self.loop.run_on_engine_thread(lambda: self.control.capture_graphs(strict=False))  # prefill: eager
         except Exception as exc:
             stop_server(f"FATAL: after a failed reload ({why}), recapturing the CUDA graphs with the old code failed: "
                         f"{describe_error(exc)}. The server cannot serve safely and stops.")
@@ -481,12 +341,12 @@ class _Reload:
             fields["needs_restart"] = sorted({*fields.get("needs_restart", []), *self.needs_restart})
         fields["jit_kernels"] = self.jit_kernels or fields.get("jit_kernels", 0)
         fields["kernels_only"] = self.warm_skipped
-        config = self.engine.config
+        config = self.control.config
         fields["graphs"] = config.device.startswith("cuda") and not config.enforce_eager
         fields["graph_nodes_patched"] = self.nodes_patched or 0
         fields["kernel_checks"] = reported_checks(self.kernel_checks)
         timings.setdefault(JIT, 0.0)
-        return self.owner._worker(self.error, timings, warnings=self.warnings, **fields)
+        return self._worker(self.error, timings, warnings=self.warnings, **fields)
 
 
 class _ReportedFailure(Exception):

@@ -47,7 +47,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        # False while the engine holds (runtime/tsdev_runtime/engine/state.py): waiting ones stay queued
+        # False while the engine holds (its control's phase: runtime/tsdev_runtime/engine/control.py): waiting ones
+        # stay queued
         self.admitting = admitting
 
     def add(self, seq: Sequence, first: bool = False) -> None:

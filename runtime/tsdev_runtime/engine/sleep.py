@@ -98,7 +98,7 @@ class _Freed:
 
 class SleepState:
     """What is asleep (`asleep`: tags whose memory is freed), at which level (whether the weights hold a load
-    after a level-2 sleep: runtime/tsdev_runtime/engine/state.py)."""
+    after a level-2 sleep: runtime/tsdev_runtime/engine/control.py)."""
 
     def __init__(self):
         self.level: int | None = None

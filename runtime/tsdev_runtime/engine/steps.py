@@ -6,6 +6,10 @@ A step's undo must hold wherever its run stopped; one that raises is reported an
 step may be a point of no return (a reload's commit), whose failure is not undone. A step with no run is a guard: it
 only adds an undo at its place in the order (what must be undone after the later steps' undos, e.g. graphs recaptured
 once the code is restored).
+
+The steps of a control operation run through the step loop serving the engine (`Loop`, which AsyncEngine is): the
+engine's thread between two steps, the drain, the events. A Protocol, so that the operations (control.py,
+reload_forward.py) never import the loop, which imports the engine, which builds the control.
 """
 from __future__ import annotations
 
@@ -13,8 +17,10 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
-from tsdev_runtime.engine.errors import describe_error
+from tsdev_runtime.control_protocol import Event
+from tsdev_runtime.engine.errors import EngineError, describe_error
 
 
 @dataclass
@@ -80,3 +86,39 @@ class Steps:
         seconds = time.perf_counter() - start
         self.timings[name] = seconds
         self.on_event(name, state, {"seconds": seconds})
+
+
+async def run_steps(steps: list[Step]) -> None:
+    """Run `steps`; after a failure undo what began, then raise."""
+    done = Steps()
+    try:
+        await done.run(steps)
+    except BaseException as exc:
+        await done.undo(describe_error(exc))
+        raise
+
+
+class Loop(Protocol):
+    """What a control operation asks of the step loop serving the engine (AsyncEngine)."""
+    last_step_at: float  # when the last engine step ended (time.monotonic())
+
+    async def between_steps(self, fn: Callable):
+        """Run `fn` on the event loop between two engine steps and return its result."""
+
+    async def run_on_engine_thread(self, fn: Callable, *args):
+        """Run `fn` on the thread that steps the engine."""
+
+    async def wait_until_drained(self) -> None:
+        """Return once no admitted request is left running (waiting ones stay queued)."""
+
+    def wake(self) -> None:
+        """Look at the engine's state again (a gate moved)."""
+
+    def publish(self, event: Event) -> None:
+        """Send an event to every subscriber of the events stream."""
+
+    def abort_all(self, running_only: bool) -> int:
+        """Abort requests (the running ones, or all) and tell their streams; via between_steps."""
+
+    def fail_all(self, error: EngineError) -> int:
+        """Abort every request and end its stream with `error`; via between_steps."""

@@ -45,29 +45,30 @@ def greedy(engine: LLMEngine, max_tokens: int = 12) -> list[list[int]]:
 def drill(engine: LLMEngine, rounds: int, mode: str = "",
           on_round: Callable[[int, dict[str, float]], None] | None = None) -> DrillReport:
     """Run `rounds` rounds on `engine` (nothing running); raise DrillFailed naming what differs."""
-    reference, expected = engine.weights_checksum(), greedy(engine)
+    control = engine.control
+    reference, expected = control.checksum(), greedy(engine)
     report = DrillReport(mode or ("eager" if engine.config.enforce_eager else "graphs"), rounds)
     for n in range(1, rounds + 1):
         times = {}
         start = time.perf_counter()
-        report.freed_bytes.append(engine.sleep(2)["freed"])
+        report.freed_bytes.append(control.free_memory(2)["freed"])
         times["sleep"] = time.perf_counter() - start
-        if engine.cannot_step() is None:
+        if control.cannot_step() is None:
             raise DrillFailed(f"round {n}: the engine says it can serve while asleep")
         start = time.perf_counter()
-        engine.wake_up()
+        control.restore_memory()
         times["wake"] = time.perf_counter() - start
-        if engine.cannot_step() is None:
+        if control.cannot_step() is None:
             raise DrillFailed(f"round {n}: after a level-2 wake the engine says it can serve before a weight load")
         start = time.perf_counter()
         try:
-            engine.reload_weights()
+            control.load_weights()
         except Exception as exc:
             raise DrillFailed(f"round {n}: reload_weights failed: {type(exc).__name__}: {exc}") from exc
         times["reload"] = time.perf_counter() - start
         for key, seconds in times.items():
             report.seconds[key].append(seconds)
-        checksum = engine.weights_checksum()
+        checksum = control.checksum()
         differ = sorted(name for name in reference.keys() | checksum.keys()
                         if reference.get(name) != checksum.get(name))
         if differ:

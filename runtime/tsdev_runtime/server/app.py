@@ -22,7 +22,7 @@ from tsdev_runtime.engine.channel import EngineSide
 from tsdev_runtime.engine.errors import stop_server
 from tsdev_runtime.engine.llm_engine import LLMEngine
 from tsdev_runtime.engine.outputs import RequestOutput
-from tsdev_runtime.engine.reload_forward import ForwardReloader, ReloadForward
+from tsdev_runtime.engine.reload_forward import ForwardReloader
 from tsdev_runtime.server.body_limit import BodyLimit
 from tsdev_runtime.server.chat import ChatTemplate
 from tsdev_runtime.server.control import control_router, disabled_routes, profile_router, weights_router
@@ -60,7 +60,10 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReload
         if request_metrics is not None:
             request_metrics.observe(outputs)
 
-    async_engine = AsyncEngine(engine, on_step=on_step)
+    async_engine = AsyncEngine(engine, on_step=on_step)  # the engine's control serves through it from now on
+    control = engine.control
+    if reloader is not None:
+        control.allow_reloads(reloader)
     security = security or SecurityPolicy()
     disabled = disabled_routes(reloader is not None)
     deps, engine_side = None, None
@@ -77,7 +80,7 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReload
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await async_engine.start()
-        timing = asyncio.create_task(reload_forward.time_when_idle()) if reload_forward is not None else None
+        timing = asyncio.create_task(control.time_when_idle()) if reloader is not None else None
         channel = asyncio.create_task(engine_side.serve(api_channel)) if engine_side is not None else None
         yield
         for task in (timing, channel):
@@ -91,30 +94,27 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReload
     app.add_middleware(BodyLimit, max_bytes=max_request_body_bytes)
     app.add_middleware(Guard, policy=security, disabled=disabled)  # added last: runs first, before the body is read
     app.state.engine, app.state.async_engine, app.state.security = engine, async_engine, security
-    reload_forward = ReloadForward(async_engine, reloader, engine.config.rank) if reloader is not None else None
-    app.include_router(control_router(async_engine, reload_forward))
+    app.include_router(control_router(async_engine))
     app.include_router(profile_router(async_engine, security))
     app.include_router(weights_router(async_engine, security))
     install_error_handlers(app)
     registries = (metrics.registry,) if request_metrics is None else (metrics.registry, request_metrics.registry)
-    app.include_router(info_router(engine, served_model_name, registries, reload_forward))
+    app.include_router(info_router(engine, served_model_name, registries, reloader is not None))
     if deps is not None:
         app.include_router(openai_router(deps))
     return app
 
 
-def info_router(engine: LLMEngine, name: str, registries: tuple[CollectorRegistry, ...],
-                reload_forward: ReloadForward | None) -> APIRouter:
+def info_router(engine: LLMEngine, name: str, registries: tuple[CollectorRegistry, ...], reloads: bool) -> APIRouter:
     """What the server is: health, the served model, its version and state, Prometheus metrics. With reloads
     allowed, /health and /load also name the `tsdev check` under way (`kernel_check`: the engine is busy with it
     between requests) and the reloads waiting for their turn (`reloads_waiting`)."""
-    router, created = APIRouter(), int(time.time())
-    reloads = reload_forward is not None
+    router, created, control = APIRouter(), int(time.time()), engine.control
 
     def busy() -> dict:
-        if reload_forward is None:
+        if not reloads:
             return {}
-        check, waiting = reload_forward.checking, reload_forward.waiting
+        check, waiting = control.checking, control.reloads_waiting
         return {**({"kernel_check": check.dump()} if check is not None else {}),
                 **({"reloads_waiting": waiting} if waiting else {})}
 
@@ -151,7 +151,7 @@ def info_router(engine: LLMEngine, name: str, registries: tuple[CollectorRegistr
 
     @router.get(SERVER_INFO_ROUTE)
     async def server_info():
-        return ServerInfo(model=name, allow_reload_forward=reloads, pid=os.getpid(), state=engine.state.phase,
+        return ServerInfo(model=name, allow_reload_forward=reloads, pid=os.getpid(), state=control.phase,
                           **dict(engine.describe())).dump()
 
     @router.get("/metrics")

@@ -1,5 +1,6 @@
 """Control routes: reload_forward, pause/continue, prefix-cache flush, profiling, sleep/wake, reload_weights /
-update_weights / weights_checksum, and the events stream (SSE).
+update_weights / weights_checksum, and the events stream (SSE). Each handler translates a request into a call of the
+engine's control (`ae.control`: runtime/tsdev_runtime/engine/control.py) and its outcome into a reply.
 
 Bodies, replies and events are tsdev_runtime.control_protocol's models, which the clients parse too.
 """
@@ -20,13 +21,11 @@ from tsdev_runtime.control_protocol import (CONTINUE_ROUTE, EVENTS_ROUTE, FLUSH_
                                       PauseRequest, ProfileFinished, ProfileRequest, ProfileStarted, ReloadRequest,
                                       ReloadWeightsReply, ReloadWeightsRequest, SleepReply, SleepRequest,
                                       SleepStatus, WakeUpReply, WakeUpRequest)
-from tsdev_runtime.engine import operations
 from tsdev_runtime.engine.async_engine import AsyncEngine
+from tsdev_runtime.engine.control import CheckpointRefused, CheckRunning, EngineControl, LoadFailedMidway, WeightsAsleep
 from tsdev_runtime.engine.errors import Unavailable
-from tsdev_runtime.engine.llm_engine import CheckpointRefused, WeightsAsleep
 from tsdev_runtime.engine.profiler import RangeOpen
 from tsdev_runtime.engine.sleep import overall_digest
-from tsdev_runtime.engine.reload_forward import CheckRunning, ReloadForward
 from tsdev_runtime.server.errors import APIError
 from tsdev_runtime.server.security import PathNotAllowed, SecurityPolicy
 from tsdev_runtime.server.sse import sse_response
@@ -59,24 +58,24 @@ def disabled_routes(reloads: bool) -> dict[str, str]:
     return {} if reloads else dict.fromkeys(RELOADS_ROUTES, RELOAD_DISABLED)
 
 
-def control_router(ae: AsyncEngine, reload_forward: ReloadForward | None) -> APIRouter:
+def control_router(ae: AsyncEngine) -> APIRouter:
     """Reload, kernel checks, pause/continue, flush and the events stream. Who may call these is security's concern
     (runtime/tsdev_runtime/server/security.py): its Guard covers every path."""
-    router = APIRouter()
+    router, control = APIRouter(), ae.control
 
-    def reloads() -> ReloadForward:
-        if reload_forward is None:
+    def reloads() -> EngineControl:
+        if control.reloader is None:
             raise APIError(403, RELOAD_DISABLED, None, "permission_error")
-        return reload_forward
+        return control
 
     @router.post(RELOAD_ROUTE)
     async def reload_route(body: ReloadRequest):
-        return (await reloads()(body)).dump()
+        return (await reloads().reload_forward(body)).dump()
 
     @router.post(KERNEL_CHECK_ROUTE)
     async def kernel_check(request: Request, body: KernelCheckRequest | None = None):
         """The declared kernels against their references at the serving shapes (`tsdev check`), one case at a time
-        between requests (ReloadForward.check_kernels). The client going away stops the check between two cases:
+        between requests (EngineControl.check_kernels). The client going away stops the check between two cases:
         a stream's end cancels it; the plain reply's route, which nothing cancels, looks for its client between
         two progress items."""
         body = body or KernelCheckRequest()
@@ -106,16 +105,16 @@ def control_router(ae: AsyncEngine, reload_forward: ReloadForward | None) -> API
     @router.post(PAUSE_ROUTE)
     async def pause(body: PauseRequest | None = None):
         mode = (body or PauseRequest()).mode
-        return PauseReply(mode=mode, aborted=await operations.pause(ae, mode)).dump()
+        return PauseReply(mode=mode, aborted=await control.pause(mode)).dump()
 
     @router.post(CONTINUE_ROUTE)
     async def continue_generation():
-        await operations.continue_generation(ae, reload_forward)
+        await control.continue_generation()
         return ContinueReply().dump()
 
     @router.post(FLUSH_ROUTE)
     async def flush_cache():
-        await operations.flush_prefix_cache(ae)
+        await control.flush_prefix_cache()
         return FlushReply().dump()
 
     @router.get(EVENTS_ROUTE)
@@ -157,39 +156,39 @@ def profile_router(ae: AsyncEngine, security: SecurityPolicy) -> APIRouter:
     return router
 
 
-def sleep_status(ae: AsyncEngine) -> dict:
-    state = ae.engine.sleep_state
-    return dict(is_sleeping=state.sleeping, level=state.level, asleep=sorted(state.asleep),
-                weights_loaded=ae.state.weights_loaded)
+def sleep_status(control: EngineControl) -> dict:
+    memory = control.memory
+    return dict(is_sleeping=memory.sleeping, level=memory.level, asleep=sorted(memory.asleep),
+                weights_loaded=control.weights_loaded)
 
 
 def weights_router(ae: AsyncEngine, security: SecurityPolicy) -> APIRouter:
-    """vLLM's sleep mode and the weight reload (SGLang's /update_weights_from_disk too): each an operation of
-    runtime/tsdev_runtime/engine/operations.py (in its turn in the control lock; sleep and reload_weights drain
-    first, as a reload does), translated."""
-    router = APIRouter()
+    """vLLM's sleep mode and the weight reload (SGLang's /update_weights_from_disk too): each an operation of the
+    engine's control (in its turn in the control lock; sleep and reload_weights drain first, as a reload does),
+    translated."""
+    router, control = APIRouter(), ae.control
 
     @router.post(SLEEP_ROUTE)
     async def sleep(body: SleepRequest | None = None):
         level = (body or SleepRequest()).level
         start = time.perf_counter()
-        report = await operations.sleep(ae, level)
+        report = await control.sleep(level)
         if report is None:  # asleep already
-            return SleepReply(**sleep_status(ae)).dump()
+            return SleepReply(**sleep_status(control)).dump()
         device_freed = None if report["free_after"] is None else report["free_after"] - report["free_before"]
-        return SleepReply(**sleep_status(ae), freed_bytes=report["freed"], device_freed_bytes=device_freed,
+        return SleepReply(**sleep_status(control), freed_bytes=report["freed"], device_freed_bytes=device_freed,
                           seconds=round(time.perf_counter() - start, 6)).dump()
 
     @router.post(WAKE_UP_ROUTE)
     async def wake_up(body: WakeUpRequest | None = None):
         start = time.perf_counter()
-        woken, recapture = await operations.wake_up(ae, (body or WakeUpRequest()).tags)
-        return WakeUpReply(**sleep_status(ae), woken=woken, recapture_seconds=round(sum(recapture.values()), 6),
+        woken, recapture = await control.wake_up((body or WakeUpRequest()).tags)
+        return WakeUpReply(**sleep_status(control), woken=woken, recapture_seconds=round(sum(recapture.values()), 6),
                            seconds=round(time.perf_counter() - start, 6)).dump()
 
     @router.get(IS_SLEEPING_ROUTE)
     async def is_sleeping():
-        return SleepStatus(**sleep_status(ae)).dump()
+        return SleepStatus(**sleep_status(control)).dump()
 
     @router.post(RELOAD_WEIGHTS_ROUTE)
     async def reload_weights(body: ReloadWeightsRequest | None = None):
@@ -205,7 +204,7 @@ def weights_router(ae: AsyncEngine, security: SecurityPolicy) -> APIRouter:
     @router.get(WEIGHTS_CHECKSUM_ROUTE)
     async def weights_checksum():
         start = time.perf_counter()
-        tensors = await operations.weights_checksum(ae)
+        tensors = await control.weights_checksum()
         return WeightsChecksumReply(overall=overall_digest(tensors), tensors=tensors,
                                     seconds=round(time.perf_counter() - start, 6)).dump()
 
@@ -213,18 +212,18 @@ def weights_router(ae: AsyncEngine, security: SecurityPolicy) -> APIRouter:
 
 
 async def load(ae: AsyncEngine, security: SecurityPolicy, path_field: str | None, mode: str, update_id: str | None):
-    """reload_weights and update_weights (`operations.load_weights`), translated."""
+    """reload_weights and update_weights (`EngineControl.update_weights`), translated."""
     try:
         path = security.weight_path(path_field, ae.engine.model_dir) if path_field else ae.engine.model_dir
     except PathNotAllowed as exc:
         raise APIError(400, str(exc), exc.param, "invalid_request_error") from None
     try:
-        update, seconds = await operations.load_weights(ae, path, mode, update_id)
+        update, seconds = await ae.control.update_weights(path, mode, update_id)
     except WeightsAsleep as exc:
         raise APIError(409, str(exc), None, "invalid_request_error") from None
     except CheckpointRefused as exc:  # before any weight changed
         raise APIError(400, f"{path}: {exc}", "path", "invalid_request_error") from None
-    except operations.LoadFailedMidway as exc:
+    except LoadFailedMidway as exc:
         raise APIError(500, str(exc), None, "server_error") from None
     report = update.load
     graphs = (f"; graphs recaptured in {update.recapture_seconds:.2f} s" if update.recapture_seconds
