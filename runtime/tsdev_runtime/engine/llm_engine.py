@@ -13,7 +13,9 @@ import atexit
 import collections
 import gc
 import time
+from itertools import chain
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
@@ -110,6 +112,28 @@ class _Launched:
         self.waited = time.perf_counter() - start
         return self.sampled.unpack(self.host)
 
+    def copy_out(self, started, forward) -> None:
+        """CUDA: copy the sampled tensors into pinned host memory as the GPU gets there (`read` waits for `ready`),
+        keeping the step's timing events: `started` before its GPU work, `forward` before its forward."""
+        tensors = self.sampled.tensors()
+        self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for host, device in zip(self.host, tensors):
+            host.copy_(device, non_blocking=True)
+        self.ready, self.started, self.forward = torch.cuda.Event(enable_timing=True), started, forward
+        self.ready.record()
+
+    def gpu_seconds(self, last_ready) -> tuple[float, float]:
+        """Once read (CUDA): the GPU's idle seconds before this step -- since `last_ready` (the step read before it,
+        None: no step ran just before), and while the host prepared its inputs (`started` completes once the GPU
+        finished the work queued before it, `forward` once the host launched the forward) -- and its busy seconds,
+        from its forward's launch to its tokens' copy. The events are complete once the step is read: the GPU runs
+        the steps in order."""
+        forward = self.forward or self.started
+        idle = self.started.elapsed_time(forward) / 1e3
+        if last_ready is not None:
+            idle += last_ready.elapsed_time(self.started) / 1e3
+        return idle, forward.elapsed_time(self.ready) / 1e3
+
 
 class LLMEngine:
     """Requests (`add_request`, `abort`, `generate`), steps (`step`) and what a server or a benchmark reads (`stats`,
@@ -125,11 +149,7 @@ class LLMEngine:
         self.model_dir, self.model_config, self.max_model_len = (checkpoint.dir, checkpoint.config,
                                                                  checkpoint.max_model_len)
         self.tokenizer_dir = config.tokenizer_dir(self.model_dir)
-        tokenizer_file = self.tokenizer_dir / "tokenizer.json"
-        if not tokenizer_file.is_file():
-            raise FileNotFoundError(f"{self.tokenizer_dir} has no tokenizer.json (a fast tokenizer is required): "
-                                    "give the directory of one with --tokenizer")
-        self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        self.tokenizer = load_tokenizer(self.tokenizer_dir)
         self.runner = ModelRunner(config, checkpoint)  # this rank's: the steps' forward, what it reads alone
         # the state, the lock, the calls every rank makes (`control.ranked`) and every operation that pauses serving
         self.control = EngineControl(self, self.runner)
@@ -184,103 +204,28 @@ class LLMEngine:
         string); returns its finish, or None for a request that is not here (it finished already)."""
         seq = self.scheduler.find(request_id)
         if seq is None:
-            for lead, followers in self.waiting_for.items():
-                if seq := next((f for f in followers if f.request_id == request_id), None):
-                    followers.remove(seq)
-                    seq.status, seq.finish_reason = Status.FINISHED, reason
-                    self.num_finished[reason] += 1
-                    return self._finished([seq])
-            return None
+            if (seq := take_follower(self.waiting_for, request_id)) is None:
+                return None
+            seq.status, seq.finish_reason = Status.FINISHED, reason
+            self.num_finished[reason] += 1
+            return finished([seq])
         self._finish(seq, reason)
         if seq.token_ids[-1] == PENDING:  # its in-flight token is dropped
             seq.token_ids.pop()
-        return self._finished([seq])
-
-    @staticmethod
-    def _finished(seqs: list[Sequence]) -> StepOutputs:
-        return StepOutputs(finished={seq.request_id: Finish(seq.finish_reason, seq.num_cached_tokens,
-                                                            seq.first_scheduled_time) for seq in seqs})
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        """End a scheduled sequence: its pages and sampler slot go back; requests waiting for its prompt go on."""
-        self.scheduler.finish(seq, reason)
-        self.num_finished[reason] += 1
-        self._release_slot(seq)
-        self._release_followers(seq)
-
-    def _release_followers(self, lead: Sequence) -> None:
-        for follower in reversed(self.waiting_for.pop(lead, [])):
-            self.scheduler.add(follower, first=True)
-
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self.in_flight is not None or bool(self.waiting_for)
-
-    def recover(self) -> tuple[StepOutputs, dict[str, str]]:
-        """After a step raised (one rank): find the request it failed on and end that one alone.
-
-        The steps in flight are forgotten and every running request is put back to be computed again (its pages
-        freed, its unread tokens dropped, its sampler slot started again from its history), then each runs alone,
-        one step at a time, until it draws its next token. A request whose step fails alone is aborted with the
-        error; the others go on, with the tokens they would have drawn anyway (a seeded draw depends on the seed
-        and the output count only). Returns the outputs of those steps and {request_id: error} of the aborted."""
-        self.in_flight = None
-        suspects = list(self.scheduler.running)
-        for seq in suspects:
-            self._drop_unread(seq)
-            self.scheduler.preempt(seq)
-            self._release_slot(seq)
-        outputs, failed = StepOutputs(), {}
-        for seq in suspects:
-            try:
-                outputs.extend(self._run_alone(seq))
-            except Exception as exc:
-                self.in_flight = None
-                self._drop_unread(seq)
-                failed[seq.request_id] = describe_error(exc)
-                outputs.extend(self.abort(seq.request_id) or StepOutputs())
-        return outputs, failed
-
-    def _run_alone(self, seq: Sequence) -> StepOutputs:
-        """Steps of `seq` alone, without async scheduling, until it drew a token (or could not be admitted)."""
-        sched = self.scheduler
-        running, waiting = sched.running, sched.waiting
-        waiting.remove(seq)
-        sched.running, sched.waiting = [], collections.deque([seq])
-        drawn, outputs = seq.num_known_output_tokens, StepOutputs()
-        try:
-            while not seq.is_finished and seq.num_known_output_tokens == drawn:
-                batch = sched.schedule()
-                if not batch.seqs:
-                    break
-                outputs.extend(self._read(self._launch(batch)))
-        finally:
-            running += sched.running
-            waiting.extendleft(reversed(sched.waiting))
-            sched.running, sched.waiting = running, waiting
-        return outputs
-
-    @staticmethod
-    def _drop_unread(seq: Sequence) -> None:
-        while len(seq.token_ids) > seq.num_prompt_tokens and seq.token_ids[-1] == PENDING:
-            seq.token_ids.pop()
-
-    def _release_slot(self, seq: Sequence) -> None:
-        if seq.sampler_slot is not None:
-            self.free_slots.append(seq.sampler_slot)
-            seq.sampler_slot = None
+        return finished([seq])
 
     def abort_all(self, running_only: bool = False) -> StepOutputs:
         """Abort the running requests (and the waiting ones unless `running_only`); their finishes."""
         sched = self.scheduler
-        seqs = list(sched.running) if running_only else [*sched.running, *sched.waiting]
-        if not running_only:
-            seqs += [f for followers in self.waiting_for.values() for f in followers]
+        seqs = (list(sched.running) if running_only  # (a copy: aborting removes them)
+                else [*sched.running, *sched.waiting, *chain(*self.waiting_for.values())])
         outputs = StepOutputs()
         for seq in seqs:
             outputs.extend(self.abort(seq.request_id))
         return outputs
 
-    # --- what a server and a benchmark ask of the engine -------------------------------------------
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or self.in_flight is not None or bool(self.waiting_for)
 
     def drained(self) -> bool:
         """No admitted request is left running and no step is in flight (waiting ones may be queued)."""
@@ -288,14 +233,42 @@ class LLMEngine:
 
     def can_step(self) -> bool:
         """Whether a step has anything to do: requests running, waiting ones it may admit, a step to read."""
-        sched = self.scheduler
-        return bool(sched.running or (sched.admitting() and sched.waiting) or self.in_flight)
+        return bool(self.scheduler.running or (self.scheduler.admitting() and self.scheduler.waiting) or self.in_flight)
 
     def prefill_all(self) -> None:
         """Step until no request is waiting or prefilling: from there on every step decodes (benchmarks)."""
         sched = self.scheduler
         while sched.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.running):
             self.step()
+
+    def recover(self) -> tuple[StepOutputs, dict[str, str]]:
+        """After a step raised (one rank), end the request it failed on alone: the steps in flight are forgotten, every
+        running request is computed again (pages freed, unread tokens dropped, sampler slot restarted from its
+        history), each alone, one step at a time, until it draws its next token. One whose step fails alone is
+        aborted with the error; the others draw the tokens they would have anyway (a seeded draw depends on the seed
+        and the output count only). Returns those steps' outputs and {request_id: error} of the aborted."""
+        self.in_flight, sched = None, self.scheduler
+        suspects = list(sched.running)
+        for seq in suspects:
+            seq.drop_unread()
+            sched.preempt(seq)
+            release_slot(seq, self.free_slots)
+        outputs, failed = StepOutputs(), {}
+        for seq in suspects:
+            drawn, alone = seq.num_known_output_tokens, StepOutputs()
+            try:
+                with sched.alone(seq):
+                    while (not seq.is_finished and seq.num_known_output_tokens == drawn
+                           and (batch := sched.schedule()).seqs):
+                        alone.extend(self._read(self._launch(batch)))
+            except Exception as exc:
+                self.in_flight = None
+                seq.drop_unread()
+                failed[seq.request_id] = describe_error(exc)
+                outputs.extend(self.abort(seq.request_id) or StepOutputs())
+                continue
+            outputs.extend(alone)
+        return outputs, failed
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
@@ -324,29 +297,28 @@ class LLMEngine:
             decode_graphs_used=sorted(decode.used) if decode else [],
             prefill_graphs_used=sorted(prefill.used) if prefill else [], graphs_pending=runner.graphs_pending)
 
+    # --- steps -------------------------------------------------------------------------------------
+
     def step(self) -> StepOutputs:
         """Schedule and launch a step, then read the previous one (async scheduling) or this one. Its seconds and
         those it waited for the GPU's results accumulate in `step_seconds` and `gpu_wait_seconds` (the host's share
         of a step: the difference; on the CPU the forward itself is host time)."""
         start, self.last_gpu_wait = time.perf_counter(), 0.0
         try:
-            return self._step()
+            with step_range("schedule"):
+                batch = self.scheduler.schedule()
+            launched = self._launch(batch) if batch.seqs else None
+            previous, self.in_flight = self.in_flight, launched
+            outputs = self._read(previous) if previous else StepOutputs()
+            if launched and not self.config.async_scheduling:
+                outputs.extend(self._read(launched))
+                self.in_flight = None
+            if launched is None:  # nothing runs now: the GPU's wait until the next request is not the host's share
+                self._last_ready = None
+            return outputs
         finally:
             self.step_seconds += time.perf_counter() - start
             self.gpu_wait_seconds += self.last_gpu_wait
-
-    def _step(self) -> StepOutputs:
-        with step_range("schedule"):
-            batch = self.scheduler.schedule()
-        launched = self._launch(batch) if batch.seqs else None
-        previous, self.in_flight = self.in_flight, launched
-        outputs = self._read(previous) if previous else StepOutputs()
-        if launched and not self.config.async_scheduling:
-            outputs.extend(self._read(launched))
-            self.in_flight = None
-        if launched is None:  # nothing runs now: the GPU's wait until the next request is not the host's share
-            self._last_ready = None
-        return outputs
 
     def _launch(self, batch: ScheduledBatch) -> _Launched:
         # prompt tokens computed (a recompute after preemption counts them again: they are computed again)
@@ -375,13 +347,7 @@ class LLMEngine:
             seq.token_ids.append(PENDING)
         self.scheduler.advance(batch)
         if sampled is not None and sampled.tokens.is_cuda:
-            tensors = sampled.tensors()
-            launched.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-            for host, device in zip(launched.host, tensors):
-                host.copy_(device, non_blocking=True)
-            launched.ready, launched.started = torch.cuda.Event(enable_timing=True), started
-            launched.forward = self.runner.forward_started
-            launched.ready.record()
+            launched.copy_out(started, self.runner.forward_started)
         return launched
 
     def _read(self, launched: _Launched) -> StepOutputs:
@@ -389,15 +355,13 @@ class LLMEngine:
         was launched drop theirs."""
         tokens, drawn, prompt = launched.read()
         self.last_gpu_wait += launched.waited
-        self._time_gpu(launched)
+        if launched.started is not None:  # CUDA: the GPU's time, idle before the step and busy in it
+            idle, busy = launched.gpu_seconds(self._last_ready)
+            self.gpu_idle_seconds += idle
+            self.gpu_busy_seconds += busy
+            self._last_ready = launched.ready
         out = StepOutputs()
-        if prompt is not None:
-            self._hand_out_prompt_logprobs(launched.batch, prompt, out)
-        if drawn is not None:
-            chosen, values, ids = drawn
-            rows = [i for i, s in enumerate(launched.sampling) if s.params.logprobs is not None]
-            out.logprobs = {launched.sampling[i].request_id: (chosen[r], values[r], ids[r]) for r, i in enumerate(rows)
-                            if not launched.sampling[i].is_finished}
+        hand_out_logprobs(launched, drawn, prompt, out)
         live = [(seq, pos, token) for seq, pos, token in zip(launched.sampling, launched.positions, tokens)
                 if seq.status is not Status.FINISHED]
         for seq, pos, token in live:
@@ -408,7 +372,8 @@ class LLMEngine:
                 if caching and seq.num_computed_tokens // page > len(seq.page_hashes):  # a page became full
                     self.block_manager.commit_full_pages(seq)
                 if waiting_for and seq in waiting_for and seq.num_computed_tokens >= seq.num_prompt_tokens:
-                    self._release_followers(seq)  # its prompt's pages are in the prefix cache now
+                    for follower in reversed(waiting_for.pop(seq)):  # its prompt's pages are cached now
+                        self.scheduler.add(follower, first=True)
         self.num_generated_tokens += len(live)
         ended = []
         for seq, pos, token in live:
@@ -421,45 +386,21 @@ class LLMEngine:
                 out.started[seq.request_id] = (seq.first_scheduled_time, seq.num_cached_tokens)
             out.request_ids.append(seq.request_id)
             out.token_ids.append(token)
-            if reason := self._finish_reason(seq, token, pos + 1):
+            if reason := finish_reason(seq, token, pos + 1, self.eos):
                 del seq.token_ids[pos + 1 :]  # a token the next step sampled for it is dropped
                 self._finish(seq, reason)
                 ended.append(seq)
         if ended:
-            out.finished = self._finished(ended).finished
+            out.finished = finished(ended).finished
         return out
 
-    def _time_gpu(self, launched: _Launched) -> None:
-        """The GPU's busy time in a step read (from its forward's launch to its tokens' copy) and its idle time
-        before it: since the step before, and while the host prepared this step's inputs (the `started` event
-        completes once the GPU finished the work queued before it, the `forward` event once the host launched the
-        forward). The events are complete once the step is read: the GPU runs the steps in order."""
-        if launched.started is None:
-            return
-        forward = launched.forward or launched.started
-        if self._last_ready is not None:
-            self.gpu_idle_seconds += self._last_ready.elapsed_time(launched.started) / 1e3
-        self.gpu_idle_seconds += launched.started.elapsed_time(forward) / 1e3
-        self.gpu_busy_seconds += forward.elapsed_time(launched.ready) / 1e3
-        self._last_ready = launched.ready
-
-    def _hand_out_prompt_logprobs(self, batch: ScheduledBatch, lists: list, out: StepOutputs) -> None:
-        """Each prompt row's logprob lists and the prompt token it scores (in batch.prompt_rows order)."""
-        r = 0
-        for i, first, count in batch.prompt_rows:
-            seq = batch.seqs[i]
-            out.prompt_logprobs[seq.request_id] = (seq.token_ids[first + 1 : first + 1 + count],
-                                                   tuple(column[r : r + count] for column in lists))
-            r += count
-
-    def _finish_reason(self, seq: Sequence, token: int, length: int) -> str | None:
-        """Whether the sequence ends with `token`, its `length`-th token (stop strings: the consumer's)."""
-        if (token in self.eos and not seq.params.ignore_eos) or (seq.params.stop_token_ids
-                                                                 and token in seq.params.stop_token_ids):
-            return "stop"
-        if length >= seq.length_limit:
-            return "length"
-        return None
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        """End a scheduled sequence: its pages and sampler slot go back; requests waiting for its prompt go on."""
+        self.scheduler.finish(seq, reason)
+        self.num_finished[reason] += 1
+        release_slot(seq, self.free_slots)
+        for follower in reversed(self.waiting_for.pop(seq, [])):
+            self.scheduler.add(follower, first=True)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[dict]:
         """Offline: run prompts (token ids) to completion; returns token ids, text and finish reason per prompt, in
@@ -492,6 +433,62 @@ class LLMEngine:
                 results[request_id]["text"] = self.tokenizer.decode(results[request_id]["token_ids"],
                                                                     skip_special_tokens=sp.skip_special_tokens)
         return list(results.values())
+
+
+def finished(seqs: list[Sequence]) -> StepOutputs:
+    return StepOutputs(finished={seq.request_id: Finish(seq.finish_reason, seq.num_cached_tokens,
+                                                        seq.first_scheduled_time) for seq in seqs})
+
+
+def finish_reason(seq: Sequence, token: int, length: int, eos: set[int]) -> str | None:
+    """Whether the sequence ends with `token`, its `length`-th token (stop strings: the consumer's)."""
+    if (token in eos and not seq.params.ignore_eos) or (seq.params.stop_token_ids
+                                                        and token in seq.params.stop_token_ids):
+        return "stop"
+    if length >= seq.length_limit:
+        return "length"
+    return None
+
+
+def hand_out_logprobs(launched: _Launched, drawn: list | None, prompt: list | None, out: StepOutputs) -> None:
+    """The logprob lists of the drawn tokens (of the sequences still running), and each prompt row's with the prompt
+    token it scores (in batch.prompt_rows order)."""
+    if prompt is not None:
+        r, batch = 0, launched.batch
+        for i, first, count in batch.prompt_rows:
+            seq = batch.seqs[i]
+            out.prompt_logprobs[seq.request_id] = (seq.token_ids[first + 1 : first + 1 + count],
+                                                   tuple(column[r : r + count] for column in prompt))
+            r += count
+    if drawn is not None:
+        chosen, values, ids = drawn
+        rows = [i for i, s in enumerate(launched.sampling) if s.params.logprobs is not None]
+        out.logprobs = {launched.sampling[i].request_id: (chosen[r], values[r], ids[r]) for r, i in enumerate(rows)
+                        if not launched.sampling[i].is_finished}
+
+
+def take_follower(waiting_for: dict[Sequence, list[Sequence]], request_id: str) -> Sequence | None:
+    """The request `request_id` if it waits for another's prompt, no longer waiting; else None."""
+    for followers in waiting_for.values():
+        if seq := next((f for f in followers if f.request_id == request_id), None):
+            followers.remove(seq)
+            return seq
+    return None
+
+
+def release_slot(seq: Sequence, free_slots: list[int]) -> None:
+    """A sequence's sampler state row goes back (it finished, or starts again from its history)."""
+    if seq.sampler_slot is not None:
+        free_slots.append(seq.sampler_slot)
+        seq.sampler_slot = None
+
+
+def load_tokenizer(tokenizer_dir: Path) -> Tokenizer:
+    tokenizer_file = tokenizer_dir / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise FileNotFoundError(f"{tokenizer_dir} has no tokenizer.json (a fast tokenizer is required): give the "
+                                "directory of one with --tokenizer")
+    return Tokenizer.from_file(str(tokenizer_file))
 
 
 def serve_rank(config: EngineConfig, make_reloader=None) -> None:

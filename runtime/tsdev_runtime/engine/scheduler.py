@@ -7,7 +7,8 @@ out, the newest running sequence is preempted: its pages are freed and it is rec
 """
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from tsdev_runtime.engine.block_manager import BlockManager
@@ -122,6 +123,20 @@ class Scheduler:
 
     def find(self, request_id: str) -> Sequence | None:
         return next((s for s in (*self.running, *self.waiting) if s.request_id == request_id), None)
+
+    @contextmanager
+    def alone(self, seq: Sequence) -> Iterator[None]:
+        """Schedule the waiting `seq` alone meanwhile (finding the request a failed step fails on): the others are set
+        aside and come back after, the running ones still running, the waiting ones first in the queue."""
+        running, waiting = self.running, self.waiting
+        waiting.remove(seq)
+        self.running, self.waiting = [], deque([seq])
+        try:
+            yield
+        finally:
+            running += self.running
+            waiting.extendleft(reversed(self.waiting))
+            self.running, self.waiting = running, waiting
 
     def preempt(self, seq: Sequence) -> None:
         """Free its pages and queue it first: it is computed again (its full pages usually from the prefix cache)."""

@@ -181,6 +181,11 @@ class Sequence:
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
+    def drop_unread(self) -> None:
+        """Forget the PENDING tokens of steps whose results will not be read (a failed step's)."""
+        while len(self.token_ids) > self.num_prompt_tokens and self.token_ids[-1] == PENDING:
+            self.token_ids.pop()
+
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
