@@ -74,7 +74,7 @@ class Daemon:
         self.reloads = Reloads(self)
         self.restarts = Restarts(self)
         self.weight_updates = WeightUpdates(self, self.weights) if self.weights else None
-        # the server's phase as it publishes it (Hello, then StateChanged: runtime/tsdev_runtime/engine/state.py)
+        # the server's phase as it publishes it (Hello, then StateChanged: runtime/tsdev_runtime/engine/control.py)
         self.server_phase = "serving"
         self.down = False  # the server failed to start or exited, and no restart has brought it back yet
         self._stop = asyncio.Event()
