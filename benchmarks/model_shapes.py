@@ -162,7 +162,7 @@ def shape_rows(name: str, args, bandwidth: float, fp8_blocks: bool = False) -> t
         reason = str(exc).replace("\n", " ").replace("|", "/")
         return [f"| {label} | – | not served: {reason} |" + " |" * (len(COLUMNS) - 3)], {}, []
     c = engine.model_config
-    model = engine.runner.model
+    model = engine.model
     weights = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied parameter counts once
     raw = c.raw
     experts, top_k = raw.get("num_experts", 0), raw.get("num_experts_per_tok", 0)
@@ -184,7 +184,7 @@ def shape_rows(name: str, args, bandwidth: float, fp8_blocks: bool = False) -> t
                   f"{floor * 1e3:.3f}", f"{step / floor:.2f}", f"{kv / 1e9:.2f}", f"{floor_kv * 1e3:.3f}",
                   f"{step / floor_kv:.2f}"]
         rows.append("| " + " | ".join(map(str, values)) + " |")
-    logits = [prefill_logits(engine, prompt) for prompt in cosine_prompts(c.vocab_size)] if args.fp8_blocks else []
+    logits = [engine.prompt_logits(prompt) for prompt in cosine_prompts(c.vocab_size)] if args.fp8_blocks else []
     return rows, steps, logits
 
 
@@ -192,24 +192,6 @@ def cosine_prompts(vocab_size: int, count: int = 8, length: int = 64) -> list[li
     """Random prompts (fixed seed) for the block-FP8 model's logits against the bf16 model's."""
     g = torch.Generator().manual_seed(7)
     return torch.randint(0, vocab_size, (count, length), generator=g).tolist()
-
-
-def prefill_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
-    """The logits after `prompt` (its last position), float32 on the CPU, from one eager prefill.
-
-    The one place this benchmark goes past LLMEngine's public calls (its block manager and runner): the engine offers
-    no full-vocabulary logits (logprobs stop at the top 20), and the cosine needs them all. A public
-    `LLMEngine.prompt_logits(prompt_token_ids) -> Tensor` (one eager prefill outside the scheduler, its pages
-    allocated and freed) would replace this function (issue 70)."""
-    from tsdev_runtime.engine.scheduler import ScheduledBatch
-    from tsdev_runtime.engine.sequence import Sequence
-
-    seq = Sequence("cosine", prompt, SamplingParams(max_tokens=1, temperature=0))
-    engine.block_manager.allocate(seq, len(prompt))
-    try:
-        return engine.runner.compute_logits(ScheduledBatch([seq], [len(prompt)]), use_graphs=False)[0].float().cpu()
-    finally:
-        engine.block_manager.free_pages(seq)
 
 
 def main() -> None:

@@ -49,7 +49,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         b = Path(tmp)
         write_checkpoint(b, SHAPES["qwen3-0.6b" if args.device.startswith("cuda") else "tiny"], seed=2)
-        model = engine.runner.model
+        model = engine.model
         before = [t.data_ptr() for t in [*model.parameters(), *model.buffers()]]
         for _ in range(args.rounds):
             for target in (b, a):

@@ -11,6 +11,7 @@ import torch
 import triton
 from batches import make_batch
 
+from tsdev_runtime.engine.compiles import jit_compiles
 from tsdev_runtime.config import EngineConfig
 from tsdev_runtime.engine.llm_engine import LLMEngine
 from tsdev_runtime.engine.sequence import SamplingParams
@@ -68,7 +69,7 @@ def test_serving_compiles_no_triton_kernel_after_startup():
     greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     sampled = SamplingParams(max_tokens=6, temperature=0.8, top_k=20, top_p=0.9, seed=1, ignore_eos=True)
     seeds = iter(range(1, 10_000))
-    counted = engine.jit_compiles()
+    counted = jit_compiles()
     assert sum(counted.values()) > 0  # startup's compiles, counted (tsdev_jit_compiles_total)
     with triton_compiles() as compiled:
         # decode at 1, 17 and 35 sequences outside the graphs (the engine steps eagerly e.g. with a prompt chunk
@@ -101,7 +102,7 @@ def test_serving_compiles_no_triton_kernel_after_startup():
                             [greedy, sampled] * (size // 2) + [greedy])
         torch.cuda.synchronize()
     assert not compiled, "Triton compiled while serving:\n" + "\n".join(compiled)
-    assert engine.jit_compiles() == counted
+    assert jit_compiles() == counted
 
 
 def random_params(rng) -> SamplingParams:
@@ -123,12 +124,12 @@ def test_randomized_requests_after_startup_compile_nothing():
     print(f"\nseed {seed}")
     rng = random.Random(seed)
     engine = LLMEngine(EngineConfig(model=str(default_model_dir("cuda")), device="cuda"))
-    before = engine.jit_compiles()
+    before = jit_compiles()
     seeds = iter(range(20_000, 40_000))
     for _ in range(8):
         size = rng.choice([1, 2, 3, 5, 8, 13, 17, 31, 48, 64, 100, 150])
         budget = 60_000 // size  # tokens a round may prefill: a few seconds at most
         prompts = [prompt(rng.randint(1, min(1500, budget)), next(seeds)) for _ in range(size)]
         engine.generate(prompts, [random_params(rng) for _ in range(size)])
-    after = engine.jit_compiles()
+    after = jit_compiles()
     assert after == before, {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}

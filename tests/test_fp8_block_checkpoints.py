@@ -114,16 +114,8 @@ def test_a_block_fp8_checkpoint_serves_the_greedy_tokens_of_the_same_arithmetic_
 
 def prefill_logits(model_dir, prompts) -> list[torch.Tensor]:
     """The logits after each prompt (its last position), one engine on `model_dir`, each prompt in a step alone."""
-    from tsdev_runtime.engine.scheduler import ScheduledBatch
-    from tsdev_runtime.engine.sequence import Sequence
-
     engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32"))
-    logits = []
-    for i, prompt in enumerate(prompts):
-        seq = Sequence(f"p{i}", prompt, SamplingParams(max_tokens=1, temperature=0))
-        engine.block_manager.allocate(seq, len(prompt))
-        logits.append(engine.runner.compute_logits(ScheduledBatch([seq], [len(prompt)]))[0].clone())
-    return logits
+    return [engine.prompt_logits(prompt) for prompt in prompts]
 
 
 def test_its_logits_are_close_to_the_unquantized_models(source_dir, tmp_path):

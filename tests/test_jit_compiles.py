@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import triton
 from fastapi.testclient import TestClient
 
+from tsdev_runtime.engine.compiles import jit_compiles
 from tsdev_runtime.engine import compiles
 from tsdev_runtime.server.app import build_app
 from test_server_api import labels, metric_lines
@@ -33,13 +34,13 @@ def test_compiles_are_counted_by_kernel_in_metrics_and_warned_about_only_while_s
 
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", max_model_len=128, kv_pages=64))
     assert getattr(triton.knobs.runtime.jit_post_compile_hook, "counts_into", None) is compiles.COMPILES
-    before = engine.jit_compiles().get("tsdev_kernels.ops.norm._probe_kernel", 0)
+    before = jit_compiles().get("tsdev_kernels.ops.norm._probe_kernel", 0)
     with caplog.at_level(logging.WARNING, logger="tsdev_runtime.server"):
         with compiles.COMPILES.expected():  # as startup and reloads mark themselves
             triton_compiled("_probe_kernel")
         assert not warnings(caplog)
         triton_compiled("_probe_kernel")
-    assert engine.jit_compiles()["tsdev_kernels.ops.norm._probe_kernel"] == before + 2
+    assert jit_compiles()["tsdev_kernels.ops.norm._probe_kernel"] == before + 2
     [record] = warnings(caplog)
     assert "tsdev_kernels.ops.norm._probe_kernel" in record.getMessage() and "num_warps=4" in record.getMessage()
     with TestClient(build_app(engine, "tiny-c")) as client:

@@ -330,6 +330,7 @@ def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, cons
     import uvicorn
     from jinja2 import TemplateError
 
+    from tsdev_runtime.engine.compiles import jit_compiles
     from tsdev_runtime.engine.llm_engine import LLMEngine
     from tsdev_runtime.server.app import build_app
     from tsdev_runtime.server.chat import ChatTemplate
@@ -354,7 +355,7 @@ def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, cons
         f"context length {info.max_model_len}; "
         f"up to {info.max_running} requests at once\n"
         f"warmed in {engine.startup_timings['warm']:.2f} s; {graphs}\n"
-        f"""{describe_startup(before, imports, engine.startup_timings, sum(engine.jit_compiles().values()),
+        f"""{describe_startup(before, imports, engine.startup_timings, sum(jit_compiles().values()),
                               process_age())}"""
     )
     reloader = None

@@ -49,6 +49,11 @@ class JitCompiles:
 COMPILES = JitCompiles()  # one per process, as Triton's hook is
 
 
+def jit_compiles() -> dict[str, int]:
+    """Triton compiles in this process so far, per kernel."""
+    return dict(COMPILES.counts)
+
+
 def install() -> JitCompiles:
     """Chain COMPILES into Triton's post-compile hook (once per process; a hook set before stays called)."""
     import triton

@@ -82,6 +82,18 @@ class EngineStats:
     gpu_idle_seconds: float  # the GPU waiting for the host while requests ran: between steps, during a step's prep
     finished: dict[str, int]  # requests finished, by finish reason
 
+    @classmethod
+    def of(cls, engine: "LLMEngine") -> "EngineStats":
+        bm, sched = engine.block_manager, engine.scheduler
+        return cls(
+            running=len(sched.running), waiting=len(sched.waiting) + sum(map(len, engine.waiting_for.values())),
+            kv_pages_used=bm.num_used_pages, kv_pages_total=bm.num_pages, prefix_cache_hits=bm.hits,
+            prefix_cache_queries=bm.queries, prompt_tokens=engine.num_prompt_tokens,
+            generated_tokens=engine.num_generated_tokens, steps=engine.num_steps, decode_steps=engine.num_decode_steps,
+            rows=engine.num_rows, decode_rows=engine.num_decode_rows, preemptions=sched.num_preemptions,
+            finished=dict(engine.num_finished), gpu_busy_seconds=engine.gpu_busy_seconds,
+            gpu_idle_seconds=engine.gpu_idle_seconds)
+
 
 @dataclass
 class _Launched:
@@ -181,10 +193,6 @@ class LLMEngine:
         loads; the default model's is written on first use. What an engine of `config` will serve."""
         return Checkpoint.open(config)
 
-    def jit_compiles(self) -> dict[str, int]:
-        """Triton compiles in this process so far, per kernel (runtime/tsdev_runtime/engine/compiles.py)."""
-        return dict(compiles.COMPILES.counts)
-
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, after: str | None = None) -> None:
         """Queue a request; `arrival_time` (time.monotonic(), default now) is when it reached the server. `after`:
@@ -271,16 +279,22 @@ class LLMEngine:
         return outputs, failed
 
     def stats(self) -> EngineStats:
-        bm = self.block_manager
-        return EngineStats(
-            running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting) + sum(map(len, self.waiting_for.values())),
-            kv_pages_used=bm.num_used_pages,
-            kv_pages_total=bm.num_pages, prefix_cache_hits=bm.hits, prefix_cache_queries=bm.queries,
-            prompt_tokens=self.num_prompt_tokens, generated_tokens=self.num_generated_tokens, steps=self.num_steps,
-            decode_steps=self.num_decode_steps, rows=self.num_rows, decode_rows=self.num_decode_rows,
-            preemptions=self.scheduler.num_preemptions, finished=dict(self.num_finished),
-            gpu_busy_seconds=self.gpu_busy_seconds, gpu_idle_seconds=self.gpu_idle_seconds)
+        return EngineStats.of(self)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """This rank's model (its parameters and buffers: benchmarks, the weights drill)."""
+        return self.runner.model
+
+    def prompt_logits(self, prompt: list[int]) -> torch.Tensor:
+        """The logits after `prompt` (token ids; its last position, float32, on the CPU) from one eager prefill outside
+        the scheduler, its pages taken and given back here: full-vocabulary logits of an idle engine (benchmarks)."""
+        seq = Sequence("prompt-logits", prompt, SamplingParams(max_tokens=1, temperature=0))
+        self.block_manager.allocate(seq, len(prompt))
+        try:
+            return self.runner.compute_logits(ScheduledBatch([seq], [len(prompt)]), use_graphs=False)[0].float().cpu()
+        finally:
+            self.block_manager.free_pages(seq)
 
     def describe(self) -> EngineInfo:
         runner, config = self.runner, self.config

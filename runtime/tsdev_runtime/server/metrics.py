@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
+from tsdev_runtime.engine.compiles import jit_compiles
 from tsdev_runtime.engine.outputs import RequestOutput
 
 if TYPE_CHECKING:
@@ -106,7 +107,7 @@ class EngineMetrics:
         CountsAtScrape("tsdev_request_success", "Requests finished, by finish reason", "finished_reason",
                        lambda: engine.stats().finished, model_name, r)
         CountsAtScrape("tsdev_jit_compiles", "Triton kernel compiles in this process, by kernel", "kernel",
-                       engine.jit_compiles, model_name, r)
+                       jit_compiles, model_name, r)
         self.tokens_per_second = gauge("tsdev_generation_tokens_per_second",
                                        "Generated tokens per second over the last few seconds")
         step_buckets = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
