@@ -3,7 +3,9 @@ the CPU, under Triton's interpreter: a kernel against its reference on fresh ran
 result is reported with its error), which ops an edit changed (through an inlined helper too), and a server whose reload
 checks the changed ops: a harmless edit reports ok, a wrong one reports not ok, and under --kernel-check strict rolls
 the reload back naming the op and the shape."""
+import inspect
 import math
+import textwrap
 import time
 from dataclasses import replace
 
@@ -172,6 +174,37 @@ def test_an_edit_of_an_inlined_helper_changes_the_fingerprint_of_the_ops_whose_k
     assert ({"tsdev_kernels.ops.linear", "tsdev_kernels.ops.activation", "tsdev_kernels.ops.norm"}
             <= reached["gemv_norm_gate_up"])
     assert "tsdev_kernels.ops.activation" not in reached["rms_norm"]
+
+
+def test_an_edit_of_a_launch_setting_changes_the_fingerprint_of_the_ops_it_launches():
+    """num_warps, a block size, the grid: the launcher is the op as much as the kernel's body is (a kernel author's
+    most common speed edit), so the reload checks and times it and the notebook records it."""
+    declared = checks.declared()
+    before = checks.fingerprints(declared)
+    launcher = norm.rms_norm_triton
+    original = launcher.__code__
+    source = textwrap.dedent(inspect.getsource(launcher))
+    assert "BLOCK // 256" in source
+    edited = {}
+    exec(compile(source.replace("BLOCK // 256", "BLOCK // 512"), norm.__file__, "exec"), vars(norm).copy(), edited)
+    try:
+        launcher.__code__ = edited["rms_norm_triton"].__code__
+        changed = {c.op for c in checks.changed(before, declared)}
+        assert {"rms_norm", "fused_add_rms_norm"} <= changed and "silu_and_mul" not in changed, changed
+    finally:
+        launcher.__code__ = original
+    assert checks.changed(before, declared) == []
+    assert "tsdev_kernels.ops.norm" in checks.modules_reached(next(c for c in declared if c.op == "rms_norm"))
+
+
+def test_a_module_constant_a_launcher_reads_is_part_of_the_fingerprint():
+    module = {"__name__": "tsdev_kernels.ops.planted", "WARPS": 4}
+    exec("def launch(x):\n    return x * WARPS\n", module)
+    check = replace(next(c for c in checks.declared() if c.op == "silu_and_mul"), kernel=module["launch"])
+    before = checks.fingerprints([check])
+    module["WARPS"] = 8
+    assert checks.changed(before, [check]) == [check]
+    assert "tsdev_kernels.ops.planted" in checks.modules_reached(check)
 
 
 def test_inputs_drawn_ahead_are_used_only_while_the_code_drawing_them_is_unchanged():

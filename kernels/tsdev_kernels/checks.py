@@ -378,10 +378,41 @@ def _tensors(out) -> list[torch.Tensor]:
 
 
 def _digest(check: KernelCheck) -> str:
+    """The check's kernels, the `@jit` helpers they reach and its launchers (`_launch_path`): an edit of a launch
+    setting (num_warps, a block size, the grid) changes the op as much as one of a kernel's body."""
     digest = hashlib.sha256()
     for fn in _reached(check):
         digest.update(b"-" if fn is None else _code_digest(_written(fn)))
+    for fn, constants in _launch_path(check):
+        digest.update(_code_digest(fn.__code__) + repr(constants).encode())
     return digest.hexdigest()
+
+
+def _launch_path(check: KernelCheck) -> list[tuple[types.FunctionType, tuple]]:
+    """The Python functions of tsdev_kernels.ops the check's call runs on its way to the kernels (its launcher, the
+    launcher's helpers), through globals and closures, each with the plain constants it reads from its module
+    (`BLOCK = 1024`). Kernels and `@jit` helpers are `_reached`'s."""
+    found, seen = [], set()
+
+    def visit(value) -> None:
+        if not isinstance(value, types.FunctionType) or _is_cute(value) or id(value) in seen:
+            return
+        if not (value.__module__ or "").startswith(OPS_PACKAGE):
+            return
+        seen.add(id(value))
+        names = value.__code__.co_names
+        constants = tuple((n, v) for n in names if isinstance(v := value.__globals__.get(n), (int, float, str, bool)))
+        found.append((value, constants))
+        for name in names:
+            visit(value.__globals__.get(name))
+        for cell in value.__closure__ or ():
+            try:
+                visit(cell.cell_contents)
+            except ValueError:  # an empty cell
+                pass
+
+    visit(check.kernel)
+    return found
 
 
 def drawing_digest(check: KernelCheck) -> str:
@@ -411,8 +442,10 @@ def drawing_digest(check: KernelCheck) -> str:
 
 
 def modules_reached(check: KernelCheck) -> set[str]:
-    """The modules that define the check's kernels or a helper they reach: an edit elsewhere cannot change it."""
-    return {fn.__module__ for fn in _reached(check) if fn is not None}
+    """The modules that define the check's kernels, a helper they reach or its launchers: an edit elsewhere cannot
+    change it."""
+    return ({fn.__module__ for fn in _reached(check) if fn is not None}
+            | {fn.__module__ for fn, _ in _launch_path(check)})
 
 
 def _python_function(obj) -> types.FunctionType | None:
