@@ -43,6 +43,18 @@ def test_the_spinners_seconds_count_while_a_phase_logs_nothing(monkeypatch):
     assert status.texts[0] == "starting (0 s)"
 
 
+def test_off_a_terminal_each_phase_says_its_line_as_it_begins_and_silence_is_broken_after_progress_s():
+    now = [100.0]
+    out = io.StringIO()
+    progress = StartupProgress(Console(file=out, force_terminal=False), None, clock=lambda: now[0])
+    progress.emit(record("importing torch, Triton and the engine"))
+    assert out.getvalue() == "starting (0 s): importing torch, Triton and the engine\n"  # at once, not at a tick
+    now[0] += 3
+    progress.emit(record("warm-up: running every kernel serving reaches"))
+    assert out.getvalue().splitlines()[-1] == "starting (3 s): warm-up: running every kernel serving reaches"
+    assert progress.said == now[0] and StartupProgress.PROGRESS_S < 2  # the ticker speaks after 1.5 s of silence
+
+
 def test_the_loaded_line_counts_the_load_not_the_warm_up_or_the_captures():
     info = SimpleNamespace(architecture="Qwen3ForCausalLM", parameters=0.6e9, dtype="bfloat16", model_dir="/m",
                            device="cuda:0")

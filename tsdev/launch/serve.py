@@ -161,24 +161,25 @@ def describe_startup(before: float | None, imports: float, t: dict, compiles: in
 
 
 class StartupProgress(logging.Handler):
-    """What the engine is doing while it starts (the runtime's `tsdev_runtime.startup` log: the default checkpoint
-    written, the model built, the weights loaded, warm-up, each kernel compiled, the captures), and for how long: the
-    spinner's text on a terminal, its seconds counting, else a line every PROGRESS_S seconds, so a first start on a
-    fresh machine (tens of seconds of compiles) never waits silently."""
+    """What `tsdev serve` is doing while it starts (the imports, then the runtime's `tsdev_runtime.startup` log: the
+    default checkpoint written, the model built, the weights loaded, warm-up, each kernel compiled, the captures), and
+    for how long: the spinner's text on a terminal, its seconds counting; else each phase's line as it begins and,
+    while one logs nothing, a line every PROGRESS_S seconds, so a first start on a fresh machine (tens of seconds of
+    imports and compiles) never waits two seconds silently."""
 
-    PROGRESS_S = 5.0  # off a terminal: a line this often
+    PROGRESS_S = 1.5  # off a terminal: the longest silence
     SPINNER_S = 1.0  # on a terminal: the spinner's seconds move on this often, a phase logging nothing meanwhile
 
     def __init__(self, console: Console, status, clock: Callable[[], float] = time.perf_counter):
         super().__init__(logging.INFO)
         self.console, self.status, self.message, self.clock = console, status, "starting", clock
-        self.start, self._done = clock(), threading.Event()
+        self.start = self.said = clock()
+        self._done = threading.Event()
         self._ticker = threading.Thread(target=self._tick, daemon=True)
 
     def emit(self, record: logging.LogRecord) -> None:
         self.message = record.getMessage()
-        if self.console.is_terminal:
-            self.show()
+        self.show()
 
     def show(self) -> None:
         """The current phase and the seconds since the start: the spinner's text, or (off a terminal) a line."""
@@ -187,10 +188,12 @@ class StartupProgress(logging.Handler):
             self.status.update(f"{escape(self.message)} ({seconds})")
         else:
             self.console.print(f"starting ({seconds}): {self.message}", markup=False, highlight=False, soft_wrap=True)
+        self.said = self.clock()
 
     def _tick(self) -> None:
-        while not self._done.wait(self.SPINNER_S if self.console.is_terminal else self.PROGRESS_S):
-            self.show()
+        while not self._done.wait(self.SPINNER_S if self.console.is_terminal else self.PROGRESS_S / 4):
+            if self.console.is_terminal or self.clock() - self.said >= self.PROGRESS_S:
+                self.show()
 
     def __enter__(self) -> "StartupProgress":
         logger = logging.getLogger("tsdev_runtime.startup")
@@ -304,20 +307,28 @@ def leave(status: int) -> int:
     os._exit(status)
 
 
+IMPORTING = "importing torch, Triton and the engine"
+
+
 def _load_and_serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, console: Console) -> int:
     before = process_age()
-    imports_start = time.perf_counter()
-    import jinja2  # noqa: F401  the startup's imports, timed here (_serve names what it uses)
-    import uvicorn  # noqa: F401
-
-    import tsdev_runtime.engine.llm_engine  # noqa: F401
-    import tsdev_runtime.server.app  # noqa: F401
-
-    imports = time.perf_counter() - imports_start
-    api = ApiProcess(sock) if server.api_process else None  # it imports while the model loads
-    pool = start_compile_pool(config, server)  # its workers import and warm up while the model loads
+    api = pool = None
     try:
-        return _serve(config, server, sock, console, pool, before, imports, api)
+        with console.status(f"{IMPORTING}...") as status, StartupProgress(console, status):
+            logging.getLogger("tsdev_runtime.startup").info(IMPORTING)  # said first: torch's import takes seconds
+            imports_start = time.perf_counter()
+            import jinja2  # noqa: F401  the startup's imports, timed here (_serve names what it uses)
+            import uvicorn  # noqa: F401
+
+            import tsdev_runtime.engine.llm_engine  # noqa: F401
+            import tsdev_runtime.server.app  # noqa: F401
+
+            imports = time.perf_counter() - imports_start
+            api = ApiProcess(sock) if server.api_process else None  # it imports while the model loads
+            pool = start_compile_pool(config, server)  # its workers import and warm up while the model loads
+            name = server.served_model_name or ("tsdev-default" if config.model is None else Path(config.model).name)
+            engine = _load(config, server, console, api, name)
+        return 2 if engine is None else _serve(config, server, sock, console, pool, before, imports, api, engine, name)
     finally:
         if pool is not None:
             pool.close()
@@ -325,28 +336,32 @@ def _load_and_serve(config: EngineConfig, server: ServerConfig, sock: socket.soc
             api.stop()
 
 
+def _load(config: EngineConfig, server: ServerConfig, console: Console, api: ApiProcess | None, name: str):
+    """The engine, loaded and warmed; None (the reason printed) when the checkpoint or a flag cannot be used."""
+    from tsdev_runtime.engine.llm_engine import LLMEngine
+
+    show_tuned_files()
+    logging.getLogger("tsdev_runtime.startup").info("loading the model (the first run creates the default checkpoint)")
+    try:
+        checkpoint, opened = api.hello(config, server, name) if api is not None else (None, 0.0)
+        engine = LLMEngine(config, checkpoint)
+    except (FileNotFoundError, ValueError) as exc:
+        console.print(f"[red]error:[/red] {exc}")
+        return None
+    engine.startup_timings["checkpoint"] += opened  # (opened for the API process's hello, and given to the engine)
+    return engine
+
+
 def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, console: Console, pool,
-           before: float | None, imports: float, api: ApiProcess | None) -> int:
+           before: float | None, imports: float, api: ApiProcess | None, engine, name: str) -> int:
     import uvicorn
     from jinja2 import TemplateError
 
     from tsdev_runtime.engine.compiles import jit_compiles
-    from tsdev_runtime.engine.llm_engine import LLMEngine
     from tsdev_runtime.server.app import build_app
     from tsdev_runtime.server.chat import ChatTemplate
     from tsdev_runtime.server.security import SecurityPolicy, describe
 
-    name = server.served_model_name or ("tsdev-default" if config.model is None else Path(config.model).name)
-    show_tuned_files()
-    with console.status("loading the model (the first run creates the default checkpoint)...") as status, \
-            StartupProgress(console, status):
-        try:
-            checkpoint, opened = api.hello(config, server, name) if api is not None else (None, 0.0)
-            engine = LLMEngine(config, checkpoint)
-        except (FileNotFoundError, ValueError) as exc:
-            console.print(f"[red]error:[/red] {exc}")
-            return 2
-    engine.startup_timings["checkpoint"] += opened  # (opened for the API process's hello, and given to the engine)
     info = engine.describe()
     graphs = describe_graphs(info, config.device.startswith("cuda"), engine.startup_timings)
     console.print(
