@@ -463,6 +463,65 @@ def test_compile_ahead_raises_when_any_binary_did_not_compile_not_only_when_all_
         r.compile_ahead()
 
 
+def test_compile_ahead_says_when_it_no_longer_needs_the_program_before_it_compiles(pkg, monkeypatch):
+    """`prepared` (an editor's buffer built while serving, runtime/tsdev_runtime/engine/buffers.py): called once the new
+    source ran aside and the binaries are drawn up, before any compile, so a reload may run beside the compiles."""
+    import linecache
+    import sys
+
+    from tsdev.hotreload import ahead
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    pkg.write("kern", COMPILED)
+    kern = pkg.mod("kern")
+    fake_compile(kern.independent)
+    registry = getattr(sys.modules["triton.runtime.jit"], "_triton_jit_function_registry", None)
+    before = dict(registry) if isinstance(registry, dict) else None
+    events = []
+
+    def prepared():  # the live state is back as it was by now
+        assert "* 2" in "".join(linecache.getlines(kern.__file__))
+        assert before is None or dict(registry) == before
+        events.append("prepared")
+
+    monkeypatch.setattr(ahead, "_recompile", lambda new_fn, *_: events.append(new_fn.__name__) or 1)
+    r = pkg.reloader()
+    edited = COMPILED.replace("tl.load(x_ptr + offs) * 2", "tl.load(x_ptr + offs) * 5")
+    built = r.compile_ahead({f"{pkg.name}.kern": edited.encode()}, prepared=prepared)
+    assert events == ["prepared", "independent"]
+    assert (built.binaries, built.kernels, built.reused) == (1, (f"{pkg.name}.kern.independent",), False)
+    with pytest.raises(ValueError):  # a failure before the compiles still lets the caller go
+        r.compile_ahead(prepared=lambda: events.append("prepared again"), modules=["no.such.module"])
+    assert events[-1] == "prepared again"
+
+
+def test_compile_ahead_of_the_same_edit_again_reuses_what_it_built(pkg, monkeypatch):
+    """A buffer compiled ahead, then saved as it was: the save's jit step builds nothing again (the binaries are in
+    Triton's cache). A commit since, or a binary serving added since, and it builds again."""
+    from tsdev.hotreload import ahead
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    pkg.write("kern", COMPILED)
+    kern = pkg.mod("kern")
+    fake_compile(kern.independent)
+    built = []
+    monkeypatch.setattr(ahead, "_recompile", lambda new_fn, *_: built.append(new_fn.__name__) or 1)
+    r = pkg.reloader()
+    edited = COMPILED.replace("tl.load(x_ptr + offs) * 2", "tl.load(x_ptr + offs) * 5")
+    buffer = {**r.read_sources(), f"{pkg.name}.kern": edited.encode()}
+    assert r.compile_ahead(buffer).binaries == 1 and built == ["independent"]
+    pkg.edit("kern", edited)  # saved as it was sent
+    again = r.compile_ahead()
+    assert (again.binaries, again.reused, built) == (1, True, ["independent"])
+    kern.independent.device_caches[0][0]["other spec"] = "binary"  # serving compiled one more specialisation
+    assert not r.compile_ahead().reused and built == ["independent"] * 3  # both specialisations
+    assert r.compile_ahead().reused
+    pkg.reload(r)  # the edit runs now: nothing of it left to build
+    pkg.edit("kern", COMPILED)
+    fake_compile(kern.independent)
+    assert r.compile_ahead().binaries == 1 and built == ["independent"] * 4
+
+
 @pytest.mark.parametrize("registry", [True, False], ids=["with-registry", "without"])  # Triton 3.6 has none
 def test_compile_ahead_also_builds_callers_of_an_edited_helper_elsewhere_against_the_new_helper(pkg, monkeypatch,
                                                                                                 registry):

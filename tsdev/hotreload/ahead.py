@@ -13,6 +13,11 @@ another.
 Triton internals used (checked on 3.6 and 3.9): `device_caches[device]` is a tuple whose first item
 maps keys to compiled kernels and whose third-from-last and second-from-last items are the target and
 the backend; what a compiled kernel was built for is read by `jit.specialisation`.
+
+`prepared` (an editor's unsaved buffer compiled ahead, runtime/tsdev_runtime/engine/buffers.py): called once the
+new source has run aside and the binaries to build are drawn up. Until then the caller keeps the program's modules
+(and Triton's registry and linecache, which this touches) to this call; after it the compiles use nothing live, so a
+reload may run meanwhile.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ import time
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 from . import jit
 from .snapshot import pin_lines
@@ -45,6 +50,17 @@ class Compiled:
     error: str | None = None  # "file:line: Type: message" of the kernel that did not compile
 
 
+class Ahead(NamedTuple):
+    """What `compile_ahead` did. A tuple whose first three items are (binaries, seconds, slowest compile's seconds),
+    as callers unpack it; `kernels`: module.name of each kernel compiled; `reused`: the same edit was compiled before
+    (nothing compiled now, the binaries are in Triton's cache)."""
+    binaries: int
+    seconds: float
+    slowest: float
+    kernels: tuple[str, ...] = ()
+    reused: bool = False
+
+
 class Compiler(Protocol):
     """What `compile_ahead` hands its jobs to: `CompilePool` (tsdev/hotreload/pool.py), whose workers apply `sources`
     to their own copies of the modules first. Named here so that neither this module nor the Reloader imports the
@@ -55,17 +71,20 @@ class Compiler(Protocol):
 
 def compile_ahead(modules: list[str], sources: Mapping[str, bytes], paths: Mapping[str, str],
                   running: Mapping[str, bytes], tracked: list[types.ModuleType] = (),
-                  pool: Compiler | None = None) -> tuple[int, float, float]:
+                  pool: Compiler | None = None, prepared: Callable[[], None] | None = None) -> Ahead:
     """Compile the new versions of the kernels in the edited `modules`; returns (binaries compiled, seconds, seconds
-    of the slowest compile).
+    of the slowest compile, the kernels' names).
 
     `running` is the source each module runs now: `linecache` shows the new source only while it executes.
     `tracked`: the modules whose kernels may call an edited helper (with Triton's registry, where it has one).
     `pool`: compile in its processes, side by side (they apply `sources` themselves); else one after another here.
+    `prepared()`: called once nothing live is used any more (the module docstring).
     Raises if any binary did not compile (those compile in the reload's pause: the caller warns).
     """
     if "triton" not in sys.modules:
-        return 0, 0.0, 0.0
+        if prepared is not None:
+            prepared()
+        return Ahead(0, 0.0, 0.0)
     start = time.perf_counter()
     restore_registry = jit.snapshot_registry()  # the scratch decorators register themselves: undo that
     edited, changed = set(), {}  # ids of the edited modules' kernels; id(live helper) -> (live, its new version)
@@ -87,14 +106,20 @@ def compile_ahead(modules: list[str], sources: Mapping[str, bytes], paths: Mappi
         for live_fn, new_fn in _callers_aside(changed, edited, tracked):
             fn = jit.base_function(live_fn)
             work.append((live_fn, new_fn, fn.__module__, fn.__name__))
+        # every binary to build, drawn now: a reload after `prepared` may reset the live kernels' caches
+        binaries = [(new_fn, module, attr, *held) for live_fn, new_fn, module, attr in work
+                    for held in _specialisations(live_fn)]
     finally:
         restore_registry()
-    compiled = _compile_in(pool, work, sources) if pool is not None else _compile_here(work)
+        if prepared is not None:
+            prepared()
+    compiled = _compile_in(pool, binaries, sources) if pool is not None else _compile_here(binaries)
     errors = [c.error for c in compiled if c.error]
     count = len(compiled) - len(errors)
     if errors:  # the reload compiles these in its pause (and reports a broken edit with file:line)
         raise RuntimeError(f"{len(errors)} of {len(compiled)} binaries did not compile: " + "; ".join(errors[:3]))
-    return count, time.perf_counter() - start, max((c.seconds for c in compiled), default=0.0)
+    kernels = tuple(sorted({f"{c.job.module}.{c.job.name}" for c in compiled}))
+    return Ahead(count, time.perf_counter() - start, max((c.seconds for c in compiled), default=0.0), kernels)
 
 
 def _specialisations(live_fn):
@@ -104,29 +129,27 @@ def _specialisations(live_fn):
             yield compiled, cache[-3], cache[-2]
 
 
-def _compile_here(work) -> list[Compiled]:
+def _compile_here(binaries) -> list[Compiled]:
     results = []
-    for live_fn, new_fn, module, attr in work:
-        for compiled, target, backend in _specialisations(live_fn):
-            job, start = Job(module, attr, (), target), time.perf_counter()
-            try:
-                if not _recompile(new_fn, compiled, target, backend):
-                    continue
-            except Exception as exc:  # the reload compiles it (and reports a real error with file:line)
-                results.append(Compiled(job, time.perf_counter() - start, f"{attr}: {type(exc).__name__}: {exc}"))
+    for new_fn, module, attr, compiled, target, backend in binaries:
+        job, start = Job(module, attr, (), target), time.perf_counter()
+        try:
+            if not _recompile(new_fn, compiled, target, backend):
                 continue
-            results.append(Compiled(job, time.perf_counter() - start))
+        except Exception as exc:  # the reload compiles it (and reports a real error with file:line)
+            results.append(Compiled(job, time.perf_counter() - start, f"{attr}: {type(exc).__name__}: {exc}"))
+            continue
+        results.append(Compiled(job, time.perf_counter() - start))
     return results
 
 
-def _compile_in(pool: Compiler, work, sources: Mapping[str, bytes]) -> list[Compiled]:
+def _compile_in(pool: Compiler, binaries, sources: Mapping[str, bytes]) -> list[Compiled]:
     jobs = []
-    for live_fn, _, module, attr in work:
-        for compiled, target, backend in _specialisations(live_fn):
-            spec = jit.specialisation(compiled, backend)
-            if spec is not None:
-                signature, constexprs, attrs, options = spec
-                jobs.append(Job(module, attr, (signature, constexprs, attrs, options.__dict__), target))
+    for _, module, attr, compiled, target, backend in binaries:
+        spec = jit.specialisation(compiled, backend)
+        if spec is not None:
+            signature, constexprs, attrs, options = spec
+            jobs.append(Job(module, attr, (signature, constexprs, attrs, options.__dict__), target))
     return pool.compile(sources, jobs)
 
 

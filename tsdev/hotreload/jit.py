@@ -373,6 +373,21 @@ def _stack(obj):
         obj = vars(obj).get("fn")
 
 
+def binaries_held(modules) -> int:
+    """How many binaries the kernels of `modules` (and of Triton's registry) hold: serving that compiles a kernel for
+    a new specialisation changes it, a reload's reset too."""
+    seen, count = set(), 0
+    for kernel in _kernels_in(modules):
+        for layer in _stack(kernel):
+            if id(layer) in seen:
+                continue
+            seen.add(id(layer))
+            for entry in list((vars(layer).get("device_caches") or {}).values()):
+                if isinstance(entry, tuple) and entry and isinstance(entry[0], dict):
+                    count += len(entry[0])
+    return count
+
+
 def _kernels_in(modules):
     for module in modules:
         for value in list(vars(module).values()):

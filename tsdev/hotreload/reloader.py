@@ -8,9 +8,9 @@ import sys
 import time
 import types
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
-from . import ahead, graph
+from . import ahead, graph, jit
 from .snapshot import default_packages, loaded_modules, pin_lines, read, under
 from .transaction import ReloadError, Transaction
 
@@ -51,6 +51,8 @@ class Reloader:
         self._latest: dict[str, _Source] = {}  # module -> newest source seen, compiled
         self._pending: Transaction | None = None
         self._compile_s = 0.0  # time spent compiling, for the report's timings
+        self._commits = 0  # reloads committed: the code that runs changed
+        self._built: tuple | None = None  # (what compile_ahead was called with, what it did): its last build
         self._track()
         self.graph()  # compile every reloadable module now, so the first reload is as fast as the rest
 
@@ -96,19 +98,37 @@ class Reloader:
         """{module: modules it uses}, for every tracked reloadable module."""
         return {m: sorted(self._providers(m, None)) for m in self._ran if self.reloadable(m)}
 
-    def compile_ahead(self, sources: Mapping[str, bytes] | None = None,
-                      modules: Iterable[str] | None = None) -> tuple[int, float, float]:
+    def compile_ahead(self, sources: Mapping[str, bytes] | None = None, modules: Iterable[str] | None = None,
+                      prepared: Callable[[], None] | None = None) -> ahead.Ahead:
         """Compile the edited Triton kernels into Triton's disk cache before `reload` (safe while serving), in
         `pool`'s processes side by side when there is one.
 
-        Returns (binaries compiled, seconds, seconds of the slowest compile). The warm-up after the reload then
-        loads instead of compiling.
+        Returns (binaries compiled, seconds, seconds of the slowest compile, kernels' names, reused). The warm-up
+        after the reload then loads instead of compiling. The same call again (the same sources and forced modules,
+        no commit since and no binary added to the live kernels: an editor's buffer compiled ahead, then saved as it
+        was) compiles nothing: `reused`, what it built is in Triton's cache.
+
+        `prepared()` is called once this no longer needs the program left to it (ahead.py): the rest may overlap a
+        reload. Until then, as every other method, call it from one thread at a time.
         """
-        sources = self.read_sources() if sources is None else sources
-        plan = self.plan(sources, modules)
+        done, start = prepared or (lambda: None), time.perf_counter()
+        try:
+            sources = self.read_sources() if sources is None else sources
+            key = (dict(sources), tuple(modules or ()), self._commits, jit.binaries_held(self._modules()))
+            if self._built is not None and self._built[0] == key:
+                done()
+                return self._built[1]._replace(seconds=time.perf_counter() - start, slowest=0.0, reused=True)
+            plan = self.plan(sources, modules)
+        except BaseException:
+            done()
+            raise
         # Only the edited modules: a dependent executed aside would import the live (old) providers.
-        return ahead.compile_ahead(plan.reloaded, sources, {m: self._ran[m][0] for m in plan.reloaded},
-                                   {m: self._ran[m][1].source for m in plan.reloaded}, self._modules(), self.pool)
+        built = ahead.compile_ahead(plan.reloaded, sources, {m: self._ran[m][0] for m in plan.reloaded},
+                                    {m: self._ran[m][1].source for m in plan.reloaded}, self._modules(), self.pool,
+                                    prepared)
+        if built.binaries:
+            self._built = (key, built)
+        return built
 
     def reload(self, modules: Iterable[str] | None = None, sources: Mapping[str, bytes] | None = None) -> Transaction:
         """Re-execute changed (and forced) modules and their dependents, patching live objects.
@@ -157,6 +177,7 @@ class Reloader:
     def _committed(self, tx: Transaction) -> None:
         for name, source in tx.executed.items():
             self._ran[name] = (self._ran[name][0], self._compile(name, source))
+        self._commits += 1
         self._pending = None
         self._track()
 
