@@ -84,6 +84,22 @@ def test_edit_changes_output_and_revert_restores_it(server, project):
     assert complete(server)["text"] == before
 
 
+def test_a_buffer_compiled_ahead_reloads_nothing_and_its_save_reloads_as_any(server, project):
+    """`tsdev reload --ahead` (an editor's unsaved buffer, through the API process's relay): nothing reloads, the old
+    code keeps serving; the save of that text then reloads. On the CPU nothing is built (Triton's interpreter)."""
+    before = complete(server)["text"]
+    negated = (project / ACTIVATION).read_text().replace(SILU_LINE, "    return -F.silu(gate) * up\n")
+    ahead = CliRunner().invoke(app, ["reload", "--url", server, "--ahead", str(project / ACTIVATION), "--stdin"],
+                               input=negated)
+    assert ahead.exit_code == 0 and "nothing to compile ahead: on cpu" in ahead.output, ahead.output
+    assert complete(server)["text"] == before
+    with edited(project, ACTIVATION, SILU_LINE, "    return -F.silu(gate) * up\n"):
+        worker = reload(server, new_id()).workers[0]
+        assert worker.ok and worker.reloaded == ["tsdev_kernels.ops.activation"]
+        assert complete(server)["text"] != before
+    assert reload(server, new_id()).ok and complete(server)["text"] == before
+
+
 def test_syntax_error_is_reported_and_old_code_keeps_serving(server, project):
     before = complete(server)["text"]
     with edited(project, ACTIVATION, SILU_LINE, "    return F.silu(gate) * up)\n"):

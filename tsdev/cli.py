@@ -1,4 +1,5 @@
 """The `tsdev` command line."""
+import os
 import re
 import sys
 from pathlib import Path
@@ -355,6 +356,17 @@ def reload(
         metavar="report|strict|off", show_default=False,
         help="This reload's kernel checks instead of the server's --kernel-check: strict rolls the edit back when a "
              "changed kernel fails its reference check; report checks once serving resumed; off skips them.")] = None,
+    ahead: Annotated[Optional[str], typer.Option(
+        "--ahead", metavar="PATH",
+        help="Compile ahead, reload nothing: PATH's unsaved text (from --stdin or --text, else the file) is sent to "
+             "the server, which builds the Triton kernels it changes while the old code serves; saving that text "
+             "then reloads without compiling them. For editor hooks that fire on idle (docs/editor-hooks.md). Exit "
+             "status 0 built or nothing to build, 1 the text (or a kernel) does not compile, 2 no server or "
+             "refused.")] = None,
+    stdin: Annotated[bool, typer.Option(
+        "--stdin", help="With --ahead: the buffer's text from standard input.")] = False,
+    text: Annotated[Optional[str], typer.Option(
+        "--text", metavar="TEXT", help="With --ahead: the buffer's text itself (VS Code's ${selectedText}).")] = None,
     api_key: Annotated[Optional[str], api_key_option()] = None,
 ):
     """Reload the server's forward pass now: edited modules and their dependents re-execute in place.
@@ -379,6 +391,12 @@ def reload(
     from tsdev.client import ErrorReply, reload_forward
 
     console = Console(soft_wrap=True, highlight=False)
+    if ahead is not None:
+        if files or modules:
+            raise typer.BadParameter("--ahead takes one file and reloads nothing: leave out --file and --modules")
+        raise typer.Exit(_compile_ahead(url, ahead, stdin, text, api_key, console))
+    if stdin or text is not None:
+        raise typer.BadParameter("--stdin and --text go with --ahead PATH (the buffer's text)")
     if mode not in ("wait", "abort"):
         raise typer.BadParameter("--mode is wait or abort")
     if kernel_check is not None and kernel_check not in KERNEL_CHECK_MODES:
@@ -419,6 +437,44 @@ def reload(
     for worker in reply.workers:
         console.print(outcome.worker_text(worker))
     raise typer.Exit(outcome.exit_status(reply))
+
+
+def _compile_ahead(url: str, path: str, stdin: bool, text: str | None, api_key: str | None, console) -> int:
+    """`tsdev reload --ahead PATH`: the buffer sent (a file outside the reloadable packages is not: nothing of it
+    compiles ahead), the server's answer printed; the exit status."""
+    import httpx
+    from rich.markup import escape
+
+    from tsdev import outcome
+    from tsdev.client import ErrorReply, compile_ahead
+    from tsdev.watch.watcher import classify_files
+
+    if stdin and text is not None:
+        raise typer.BadParameter("--stdin or --text, not both")
+    reloadable, others, _ = classify_files([path])
+    if not reloadable:
+        why = ("outside the reloadable packages: its save restarts the server" if others
+               else "not in a reloadable package's project")
+        console.print(f"nothing to compile ahead: {escape(path)} is {why}")
+        return outcome.RELOADED
+    try:
+        buffer = sys.stdin.read() if stdin else text if text is not None else Path(path).read_text()
+        reply = compile_ahead(url, os.path.abspath(path), buffer, api_key)
+    except OSError as exc:
+        console.print(f"[red]error:[/red] cannot read {escape(path)}: {exc}")
+        return outcome.FAILED
+    except httpx.TimeoutException:
+        console.print(f"[red]error:[/red] no reply from {url} within 600 s")
+        return outcome.FAILED
+    except httpx.TransportError as exc:
+        console.print(f"[red]error:[/red] cannot reach {url} ({exc}): is a server running there? Start one with "
+                      "`tsdev watch` or `tsdev serve --allow-reload-forward`, or pass --url")
+        return outcome.UNREACHABLE
+    except ErrorReply as exc:  # 403 without --allow-reload-forward, 400 a path the server refuses, 401 no key
+        console.print(f"[red]error:[/red] {escape(str(exc))}")
+        return outcome.FAILED if exc.status >= 500 else outcome.UNREACHABLE
+    console.print(escape(outcome.ahead_text(reply)), style=None if reply.ok else "red")
+    return outcome.RELOADED if reply.ok else outcome.FAILED
 
 
 @app.command(short_help="Check the server's Triton kernels against their torch references, now.")

@@ -9,7 +9,8 @@ from typing import TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from tsdev_runtime.control_protocol import (EVENTS_ROUTE, KERNEL_CHECK_ROUTE, RELOAD_ROUTE, ErrorBody, Event, Hello,
+from tsdev_runtime.control_protocol import (COMPILE_AHEAD_ROUTE, EVENTS_ROUTE, KERNEL_CHECK_ROUTE, RELOAD_ROUTE,
+                                            CompileAheadReply, CompileAheadRequest, ErrorBody, Event, Hello,
                                             KernelCheckProgress, KernelCheckReply, KernelCheckRequest, ReloadReply,
                                             ReloadRequest, parse_event)
 
@@ -88,6 +89,15 @@ def kernel_check(url: str, ops: list[str] | None = None,
                 continue
             return KernelCheckReply.model_validate(data)
     raise ErrorReply(502, f"{url} ended the check's stream before its reply: did the server stop? Its log says why")
+
+
+def compile_ahead(url: str, path: str, text: str, api_key: str | None = None,
+                  timeout: float = 600) -> CompileAheadReply:
+    """POST compile_ahead: an editor's unsaved buffer (`text`, of the file at `path`) built ahead, nothing reloaded.
+    Raises httpx errors when no server answers, ErrorReply for a refusal (403 without --allow-reload-forward, 400 a
+    file outside the reloadable packages)."""
+    return control_call(url, "POST", COMPILE_AHEAD_ROUTE, CompileAheadReply, CompileAheadRequest(path=path, text=text),
+                        api_key, timeout)
 
 
 def reload_request(modules: list[str] | None = None, mode: str = "wait", timeout_s: float | None = None,

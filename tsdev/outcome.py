@@ -9,8 +9,8 @@ from collections.abc import Iterable, Mapping
 from rich.console import Console
 from rich.markup import escape
 
-from tsdev_runtime.control_protocol import (GRAPH_KINDS, STEPS, Event, KernelCheckResult, ReloadReply, ReloadStep,
-                                            WorkerReport)
+from tsdev_runtime.control_protocol import (GRAPH_KINDS, STEPS, CompileAheadReply, Event, KernelCheckResult,
+                                            ReloadReply, ReloadStep, WorkerReport)
 
 SHOWN_STEPS = (*STEPS, "pause")  # the timings shown as steps, in server order; pause: what serving saw
 KEEPS_SERVING = "the old code keeps serving"
@@ -28,6 +28,24 @@ def exit_status(reply: ReloadReply) -> int:
     if not reply.ok:
         return FAILED
     return NEEDS_RESTART if any(w.needs_restart for w in reply.workers) else RELOADED
+
+
+def ahead_text(reply: CompileAheadReply) -> str:
+    """`tsdev reload --ahead`'s line (and the watch daemon's), plain text: what an editor's buffer built, or why
+    nothing."""
+    waited = f" (waited {reply.waited:.2f} s for its turn)" if reply.waited >= 0.05 else ""
+    if reply.outcome == "failed":
+        return f"not compiled ahead: {reply.error} (nothing was reloaded){waited}"
+    if reply.outcome != "compiled":
+        return f"{'superseded' if reply.outcome == 'superseded' else 'nothing to compile ahead'}: {reply.reason}"
+    names = [k.rsplit(".", 1)[-1] for k in reply.kernels]
+    kernels = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    binaries = f"{reply.compiled} {'binary' if reply.compiled == 1 else 'binaries'}"
+    if reply.reused:
+        return (f"built already: {reply.module} with this text was compiled ahead before ({binaries}: {kernels}); "
+                "saving it reloads without compiling them")
+    return (f"compiled ahead: {binaries} of {reply.module} ({kernels}) in {reply.seconds:.2f} s (slowest "
+            f"{reply.slowest:.2f} s){waited}; saving this text reloads without compiling them")
 
 
 def graph_split(timings: Mapping[str, float], step: str = "recapture") -> str:

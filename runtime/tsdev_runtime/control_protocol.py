@@ -16,6 +16,7 @@ from pydantic import (AfterValidator, AliasChoices, BaseModel, ConfigDict, Field
                       field_validator)
 
 RELOAD_ROUTE = "/v1/rl/engine/reload_forward"
+COMPILE_AHEAD_ROUTE = "/v1/rl/engine/compile_ahead"  # an editor's unsaved buffer: its kernels built, nothing reloaded
 MODULES_ROUTE = "/v1/rl/engine/modules"
 KERNEL_CHECK_ROUTE = "/v1/rl/engine/kernel_check"
 PAUSE_ROUTE = "/v1/rl/engine/pause_generation"
@@ -220,6 +221,40 @@ class KernelCheckReply(_Message):
     checks: list[KernelCheckResult]
     ops: list[str]  # every op declared (what `ops` may name)
     seconds: float = 0.0
+
+
+class CompileAheadRequest(_Message):
+    """An editor's unsaved buffer: `text` is what the file at `path` (a module of the reloadable packages) will hold
+    once saved. The server compiles the Triton kernels it changes into Triton's disk cache while the old code serves,
+    and reloads nothing: the save's reload finds them built."""
+    path: Text = Field(min_length=1)
+    text: Text
+
+    @field_validator("path")
+    @classmethod
+    def _a_path_the_file_system_takes(cls, value: str) -> str:
+        return file_system_path(value)
+
+
+# compiled: built now (or `reused`: the same text was built before); nothing: nothing to build (`reason`);
+# superseded: a newer buffer of the same file came before this one's turn; failed: the text does not compile, or a
+# kernel does not (`error`)
+AheadOutcome = Literal["compiled", "nothing", "superseded", "failed"]
+
+
+class CompileAheadReply(_Message):
+    path: str  # the file, resolved
+    module: str | None = None  # its module (None: not one the server has imported)
+    outcome: AheadOutcome
+    ok: bool  # not failed
+    compiled: int = 0  # binaries built into Triton's disk cache (one per kernel and specialisation the server runs)
+    kernels: list[str] = []  # module.name of each kernel built
+    reused: bool = False  # the same text (and code served) was built before: nothing compiled now
+    seconds: float = 0.0  # building (side by side in the compile pool: about the slowest compile)
+    slowest: float = 0.0  # the slowest single compile
+    waited: float = 0.0  # for its turn (another buffer's build, a reload)
+    reason: str | None = None  # why nothing was built
+    error: str | None = None  # "file:line: Type: message" (the buffer's syntax error), or the kernels that failed
 
 
 class ModulesReply(_Message):
@@ -454,6 +489,12 @@ class WeightsReloaded(_Event):
     id: str | None = None
 
 
+class CompiledAhead(_Event):
+    """An editor's buffer was compiled ahead (or failed to): the watch daemon says so."""
+    type: Literal["compiled_ahead"] = "compiled_ahead"
+    reply: CompileAheadReply
+
+
 class ProfileStarted(ProfileRange, _Event):
     type: Literal["profile_started"] = "profile_started"
 
@@ -463,7 +504,8 @@ class ProfileFinished(ProfileRange, _Event):
 
 
 Event = Annotated[Union[Hello, StateChanged, Paused, Continued, ReloadStarted, ReloadStep, ReloadFinished,
-                        ProfileStarted, ProfileFinished, Sleeping, Awake, WeightsReloaded], Field(discriminator="type")]
+                        ProfileStarted, ProfileFinished, Sleeping, Awake, WeightsReloaded, CompiledAhead],
+                  Field(discriminator="type")]
 _EVENT = TypeAdapter(Event)
 
 

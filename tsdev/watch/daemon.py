@@ -21,10 +21,10 @@ from collections.abc import Callable
 
 import httpx
 
-from tsdev_runtime.control_protocol import (Awake, Hello, ProfileFinished, Sleeping, StateChanged,
+from tsdev_runtime.control_protocol import (Awake, CompiledAhead, Hello, ProfileFinished, Sleeping, StateChanged,
                                             WeightsReloaded)
 from tsdev.notebook import Writer, notebook_path, prune_settings
-from tsdev.outcome import outside
+from tsdev.outcome import ahead_text, outside
 from tsdev.launch.child import ServerProcess
 from tsdev.watch.args import WatchConfig
 from tsdev.watch.checks import Checker
@@ -197,6 +197,9 @@ class Daemon:
                     self.message(f"weights updated by another client ({event.mode}, {event.path}): the golden "
                                  "completion is taken again on them")
                     self.jobs.put(RetakeGolden())
+            elif isinstance(event, CompiledAhead):  # an editor's buffer (tsdev reload --ahead)
+                self.message(f"editor's buffer of {self.packages.display(event.reply.path)}: {ahead_text(event.reply)}",
+                             "info" if event.reply.ok else "warning")
             elif isinstance(event, ProfileFinished) and event.error:
                 self.message(f"profile {event.name} not written: {event.error}", "error")
             elif isinstance(event, ProfileFinished):

@@ -35,9 +35,10 @@ from typing import Any
 from tsdev_kernels import checks
 from tsdev_runtime import distributed
 from tsdev_runtime.config import EngineConfig
-from tsdev_runtime.control_protocol import (UPDATE_WEIGHTS_ROUTE, Awake, Continued, KernelCheckProgress,
-                                            KernelCheckReply, KernelCheckRequest, Paused, Phase, ReloadReply,
-                                            ReloadRequest, Sleeping, WeightsReloaded, WorkerReport)
+from tsdev_runtime.control_protocol import (UPDATE_WEIGHTS_ROUTE, Awake, CompileAheadReply, Continued,
+                                            KernelCheckProgress, KernelCheckReply, KernelCheckRequest, Paused, Phase,
+                                            ReloadReply, ReloadRequest, Sleeping, WeightsReloaded, WorkerReport)
+from tsdev_runtime.engine.buffers import BufferCompiles
 from tsdev_runtime.engine.compiles import COMPILES
 from tsdev_runtime.engine.errors import Unavailable
 from tsdev_runtime.engine.kernel_checks import KernelChecker, reported as reported_checks, serving_of, why_off
@@ -116,6 +117,7 @@ class EngineControl:
         (`allow_reloads`), nothing remembered of an earlier loop's reloads, checks and deferred captures."""
         self.loop, self.lock = loop, asyncio.Lock()
         self.reloader: ForwardReloader | None = None  # None: reload_forward and kernel checks refused
+        self.buffers: BufferCompiles | None = None  # editors' unsaved buffers built ahead (with the reloader)
         self.checker: KernelChecker | None = None
         self.checks_off: str | None = None  # why the kernel checks cannot run here
         self.outcomes: OrderedDict[str, asyncio.Future[ReloadReply]] = OrderedDict()  # by reload id
@@ -135,6 +137,7 @@ class EngineControl:
             log.warning("%s", checks_off)
         self.checker, self.checks_off = checker, checks_off
         self.reloader = RankedReloader(reloader, self.ranks) if self.ranks is not None else reloader
+        self.buffers = BufferCompiles(self)
 
     def close(self) -> None:
         """Let the other ranks of a tensor-parallel engine go (they exit); nothing to do with one rank."""
@@ -443,6 +446,12 @@ class EngineControl:
             first = await Reload(self, request).run()
         others = rank_entries(self.ranks, first.ok) if self.ranks is not None else []
         return ReloadReply.of(request.id, [first, *(WorkerReport(**entry) for entry in others)])
+
+    async def compile_ahead(self, path: Path, text: str) -> CompileAheadReply:
+        """Build the kernels that an editor's unsaved `text` of `path` (resolved, under `buffers.roots()`) changes,
+        while the old code serves; nothing is reloaded, and a save of that text then finds them built (buffers.py).
+        No turn in the lock of its own: the build takes it only while it reads the sources and runs the text aside."""
+        return await self.buffers.compile(path, text)
 
     # --- kernel checks (`tsdev check`, and the old code's times before an edit) ------------------
 

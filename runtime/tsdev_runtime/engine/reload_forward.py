@@ -13,7 +13,7 @@ Requests, worker reports, the reply and the events are tsdev_runtime.control_pro
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -78,8 +78,18 @@ class ForwardReloader(Protocol):
 
     def modules(self) -> list[str]: ...
 
-    def compile_ahead(self, sources: Mapping[str, bytes] | None = None,
-                      modules: Iterable[str] | None = None) -> tuple: ...
+    def compile_ahead(self, sources: Mapping[str, bytes] | None = None, modules: Iterable[str] | None = None,
+                      prepared: Callable[[], None] | None = None) -> tuple:
+        """Build the kernels the sources change, reloading nothing: (binaries, seconds, slowest compile's seconds,
+        ...). `prepared()`, when given, is called once the rest may overlap a reload (nothing live used any more)."""
+
+
+class BuiltAhead(Protocol):
+    """Editors' buffers being built ahead (BufferCompiles, runtime/tsdev_runtime/engine/buffers.py), as a reload sees
+    them."""
+
+    async def settled(self, sources: Mapping[str, bytes]) -> None:
+        """Return once no build of exactly `sources` runs."""
 
 
 class StepTimeout(Exception):
@@ -96,6 +106,7 @@ class Owner(Protocol):
     ranked: ModelRunner | DrivenRunner  # the calls every rank makes
     ranks: RankLedger | None
     reloader: ForwardReloader
+    buffers: BuiltAhead | None  # editors' buffers being built ahead (POST compile_ahead)
     checker: KernelChecker
     checks_off: str | None  # why the kernel checks cannot run here
     weights_dir: Path  # the weights served now (a rebuilt model loads them)
@@ -228,6 +239,8 @@ class Reload:
                               "was changed")
 
     async def _jit(self) -> None:
+        if self.control.buffers is not None:  # the buffer saved as it is being built: its binaries, not a second build
+            await self.control.buffers.settled(self.sources)
         try:
             self.jit_kernels, _, *slowest = await asyncio.to_thread(self.control.reloader.compile_ahead, self.sources,
                                                                     self.request.modules)

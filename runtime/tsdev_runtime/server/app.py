@@ -94,7 +94,7 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReload
     app.add_middleware(BodyLimit, max_bytes=max_request_body_bytes)
     app.add_middleware(Guard, policy=security, disabled=disabled)  # added last: runs first, before the body is read
     app.state.engine, app.state.async_engine, app.state.security = engine, async_engine, security
-    app.include_router(control_router(async_engine))
+    app.include_router(control_router(async_engine, security))
     app.include_router(profile_router(async_engine, security))
     app.include_router(weights_router(async_engine, security))
     install_error_handlers(app)

@@ -12,15 +12,16 @@ from contextlib import aclosing
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from tsdev_runtime.control_protocol import (CONTINUE_ROUTE, EVENTS_ROUTE, FLUSH_ROUTE, IS_SLEEPING_ROUTE,
-                                      KERNEL_CHECK_ROUTE, ErrorBody, ErrorDetail, KernelCheckRequest, MODULES_ROUTE,
-                                      PAUSE_ROUTE, RELOAD_ROUTE, RELOAD_WEIGHTS_ROUTE, SLEEP_ROUTE, START_PROFILE_ROUTE,
-                                      STOP_PROFILE_ROUTE, UPDATE_WEIGHTS_FROM_DISK_ROUTE, UPDATE_WEIGHTS_ROUTE,
-                                      WAKE_UP_ROUTE, WEIGHTS_CHECKSUM_ROUTE, UpdateWeightsRequest, WeightsChecksumReply,
-                                      ContinueReply, FlushReply, ModulesReply, PauseReply,
-                                      PauseRequest, ProfileFinished, ProfileRequest, ProfileStarted, ReloadRequest,
-                                      ReloadWeightsReply, ReloadWeightsRequest, SleepReply, SleepRequest,
-                                      SleepStatus, WakeUpReply, WakeUpRequest)
+from tsdev_runtime.control_protocol import (COMPILE_AHEAD_ROUTE, CONTINUE_ROUTE, EVENTS_ROUTE, FLUSH_ROUTE,
+                                            IS_SLEEPING_ROUTE, KERNEL_CHECK_ROUTE, MODULES_ROUTE, PAUSE_ROUTE,
+                                            RELOAD_ROUTE, RELOAD_WEIGHTS_ROUTE, SLEEP_ROUTE, START_PROFILE_ROUTE,
+                                            STOP_PROFILE_ROUTE, UPDATE_WEIGHTS_FROM_DISK_ROUTE, UPDATE_WEIGHTS_ROUTE,
+                                            WAKE_UP_ROUTE, WEIGHTS_CHECKSUM_ROUTE, CompileAheadRequest, ContinueReply,
+                                            ErrorBody, ErrorDetail, FlushReply, KernelCheckRequest, ModulesReply,
+                                            PauseReply, PauseRequest, ProfileFinished, ProfileRequest, ProfileStarted,
+                                            ReloadRequest, ReloadWeightsReply, ReloadWeightsRequest, SleepReply,
+                                            SleepRequest, SleepStatus, UpdateWeightsRequest, WakeUpReply,
+                                            WakeUpRequest, WeightsChecksumReply)
 from tsdev_runtime.engine.async_engine import AsyncEngine
 from tsdev_runtime.engine.control import CheckpointRefused, CheckRunning, EngineControl, LoadFailedMidway, WeightsAsleep
 from tsdev_runtime.engine.errors import Unavailable
@@ -33,7 +34,8 @@ from tsdev_runtime.server.sse import sse_response
 log = logging.getLogger("tsdev_runtime.server")
 RELOAD_DISABLED = ("reload_forward is disabled on this server: start it with `tsdev serve --allow-reload-forward` "
                    "(for development: it runs code from disk), or use `tsdev watch`, which does")
-RELOADS_ROUTES = (RELOAD_ROUTE, KERNEL_CHECK_ROUTE, MODULES_ROUTE)  # what --allow-reload-forward enables
+# what --allow-reload-forward enables
+RELOADS_ROUTES = (RELOAD_ROUTE, COMPILE_AHEAD_ROUTE, KERNEL_CHECK_ROUTE, MODULES_ROUTE)
 
 
 async def _said(run: AsyncIterator) -> AsyncIterator:
@@ -58,9 +60,9 @@ def disabled_routes(reloads: bool) -> dict[str, str]:
     return {} if reloads else dict.fromkeys(RELOADS_ROUTES, RELOAD_DISABLED)
 
 
-def control_router(ae: AsyncEngine) -> APIRouter:
-    """Reload, kernel checks, pause/continue, flush and the events stream. Who may call these is security's concern
-    (runtime/tsdev_runtime/server/security.py): its Guard covers every path."""
+def control_router(ae: AsyncEngine, security: SecurityPolicy) -> APIRouter:
+    """Reload, compile ahead, kernel checks, pause/continue, flush and the events stream. Who may call these is
+    security's concern (runtime/tsdev_runtime/server/security.py): its Guard covers every path."""
     router, control = APIRouter(), ae.control
 
     def reloads() -> EngineControl:
@@ -71,6 +73,16 @@ def control_router(ae: AsyncEngine) -> APIRouter:
     @router.post(RELOAD_ROUTE)
     async def reload_route(body: ReloadRequest):
         return (await reloads().reload_forward(body)).dump()
+
+    @router.post(COMPILE_AHEAD_ROUTE)
+    async def compile_ahead(body: CompileAheadRequest):
+        """An editor's unsaved buffer: the kernels its text changes built while serving, nothing reloaded. A syntax
+        error in the text is a reply (`failed`), not an error: buffers are sent mid-edit."""
+        try:
+            path = security.code_path(body.path, reloads().buffers.roots())
+        except PathNotAllowed as exc:
+            raise APIError(400, str(exc), exc.param, "invalid_request_error") from None
+        return (await control.compile_ahead(path, body.text)).dump()
 
     @router.post(KERNEL_CHECK_ROUTE)
     async def kernel_check(request: Request, body: KernelCheckRequest | None = None):

@@ -105,6 +105,17 @@ class SecurityPolicy:
             confine(directory / f"{name}.trace.json", [self.profile_dir], remedy, "name")
         return directory
 
+    def code_path(self, path: str, roots: Sequence[Path]) -> Path:
+        """A source file from compile_ahead's body (an editor's buffer): in one of the reloadable packages' `roots`. A
+        relative path is taken from the server's working directory."""
+        if not roots:
+            raise PathNotAllowed("the server has imported no module of the reloadable packages: nothing can be "
+                                 "compiled ahead", "path")
+        return confine(Path.cwd() / path, roots,
+                       "compile_ahead takes files of the reloadable packages (tsdev_kernels.ops, tsdev_runtime.layers, "
+                       "... : [tool.tsdev] reload-packages); a save of any other file is reloaded, or restarts the "
+                       "server, with nothing to build ahead", "path")
+
     def weight_path(self, path: str, model_dir: Path) -> Path:
         """A checkpoint path from a weight route's body (reload_weights, update_weights): under the served model's
         directory or an --allowed-weight-dir."""
