@@ -9,7 +9,13 @@ serving again" from the restart line, each save --restart-gap seconds after the 
 takes the next start imports torch, Triton and the HTTP stack first, ~4 s on the H200 host: a save sooner than that
 waits for it); the servers' startup lines follow (where each restart's seconds went).
 
+With `--ahead MS`, every other pair of cycles sends the fresh edit's text as an editor's unsaved buffer first
+(POST /v1/rl/engine/compile_ahead, what `tsdev reload --ahead` does) and saves it MS milliseconds later: the server
+builds its kernels while the old code serves, and the save's jit step finds them built. Fresh edits with and without
+the buffer sent ahead are reported apart (`fresh_ahead`, `fresh`), on the same server, alternately.
+
     python3 benchmarks/save_to_serving.py                    # CUDA, the default model
+    python3 benchmarks/save_to_serving.py --cycles 8 --restarts 0 --ahead 1000   # the buffer sent 1 s before the save
     python3 benchmarks/save_to_serving.py --cycles 5 -- --settle-ms 200
     python3 benchmarks/save_to_serving.py --device cpu --cycles 1   # a smoke run
 
@@ -49,6 +55,24 @@ def fresh_constant(rng: random.Random) -> str:
     return f"{1 + rng.uniform(1e-4, 1e-3):.12f}"
 
 
+def send_ahead(url: str, path: Path, text: str) -> None:
+    """POST the text as an editor's unsaved buffer of `path`, in a thread (its reply comes while the save is made);
+    the reply is printed when it comes."""
+    from tsdev.client import compile_ahead
+    from tsdev.outcome import ahead_text
+
+    def send() -> None:
+        sent = time.monotonic()
+        try:
+            reply = compile_ahead(url, str(path), text)
+        except Exception as exc:  # the benchmark goes on: that save is then a fresh one like the others
+            print(f"compile ahead failed: {type(exc).__name__}: {exc}", flush=True)
+            return
+        print(f"buffer sent ahead, answered after {time.monotonic() - sent:.2f} s: {ahead_text(reply)}", flush=True)
+
+    threading.Thread(target=send, daemon=True).start()
+
+
 def summary(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "reloads": len(values)}
 
@@ -63,11 +87,15 @@ def main() -> None:
                         help="fresh-edit/revert cycles (two reloads each: a fresh edit, then a repeated one)")
     parser.add_argument("--device", default=None, help="the server's --device (default: its own choice)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds to wait for the server, then per reload")
+    parser.add_argument("--ahead", type=float, default=None, metavar="MS",
+                        help="cycles 2-3, 6-7, ...: send the fresh edit's text as an unsaved buffer to compile ahead, "
+                             "MS milliseconds before saving it")
     parser.add_argument("watch_args", nargs="*", help="extra `tsdev watch` flags (after --)")
     args = parser.parse_args()
 
     project = copy_project(Path(tempfile.mkdtemp(prefix="tsdev-save-")))
-    command = [sys.executable, "-m", "tsdev", "watch", "--no-tui", "--port", str(free_port()),
+    port = free_port()
+    command = [sys.executable, "-m", "tsdev", "watch", "--no-tui", "--port", str(port),
                "--server-log", str(project / "server.log"), *args.watch_args]
     if args.device:
         command += ["--device", args.device]
@@ -103,19 +131,25 @@ def main() -> None:
         for file, old, _ in HELPERS:
             assert old in originals[file], f"{file} no longer contains {old!r}: update the benchmark's edit"
         rng = random.Random(time.time_ns())
-        seconds = {"fresh": [], "repeated": []}
+        seconds = {"fresh": [], "repeated": [], **({"fresh_ahead": []} if args.ahead is not None else {})}
         for cycle in range(args.cycles):
             file, old, new = HELPERS[cycle % len(HELPERS)]
             edited = originals[file].replace(old, new.format(c=fresh_constant(rng)))
-            for kind, text in (("fresh", edited), ("repeated", originals[file])):
+            ahead = args.ahead is not None and (cycle // 2) % 2 == 1  # both files with and without, alternately
+            for kind, text in (("fresh_ahead" if ahead else "fresh", edited), ("repeated", originals[file])):
                 time.sleep(1.0)  # the previous reload's checks are done and the server is steady again
+                if kind == "fresh_ahead":
+                    send_ahead(f"http://127.0.0.1:{port}", project / file, text)
+                    time.sleep(args.ahead / 1000)
                 (project / file).write_text(text)
                 line = wait_for(RELOAD, args.timeout)
                 if line.group(2) != "ok":
                     sys.exit(f"the reload failed: {line.group(0)}")
                 seconds[kind].append(float(SECONDS.search(line.group(0)).group(1)))
-        for kind, target in (("fresh", "0.6, each <= 1.0"), ("repeated", "0.25")):
-            values = seconds[kind]
+        for kind, target in (("fresh", "0.6, each <= 1.0"), ("fresh_ahead", "0.6, each <= 1.0"), ("repeated", "0.25")):
+            values = seconds.get(kind)
+            if not values:
+                continue
             print(f"save → serving, {kind} edits, over {len(values)} reloads: "
                   f"median {statistics.median(values):.3f} s, "
                   f"{min(values):.2f}–{max(values):.2f} s (target <= {target})")
@@ -128,7 +162,7 @@ def main() -> None:
             if line.group(1) is None:
                 sys.exit(f"the restart failed: {line.group(0)}")
             seconds.setdefault("restart", []).append(float(line.group(1)))
-        result = {kind: summary(values) for kind, values in seconds.items()}
+        result = {kind: summary(values) for kind, values in seconds.items() if values}
         if "restart" in result:
             values = seconds["restart"]
             print(f"save of an engine file → serving again over {len(values)} restarts: median "

@@ -188,3 +188,39 @@ def test_a_gluon_kernel_compiles_in_a_worker_from_gluons_own_ir(pkg, tmp_path, m
         assert len(cubins(tmp_path / "triton-cache")) == 1
     finally:
         pool.close()
+
+
+def test_a_buffer_built_ahead_lands_in_the_cache_and_the_save_of_its_text_builds_nothing(pkg, tmp_path, monkeypatch):
+    """An editor's unsaved buffer compiled ahead (runtime/tsdev_runtime/engine/buffers.py), with real sm_90 binaries:
+    the pool builds the kernel its text changes, for the specialisation the live kernel holds, into Triton's cache
+    while nothing is reloaded; the save of that text then builds nothing (reused) and adds no binary."""
+    import triton
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import make_backend
+
+    from tsdev.hotreload import Reloader
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a JITFunction, holding binaries (as on a GPU)
+    pkg.write("ops", KERNEL)
+    ops = pkg.mod("ops")
+    pool = CompilePool([pkg.name], workers=1, target=sm90())
+    try:
+        [done] = pool.compile(sources(pkg), [sm90_job(f"{pkg.name}.ops")])  # the binary the server runs: a worker
+        assert done.error is None  # builds it, and it is loaded from the cache here (as after a launch)
+        signature, constexprs, attrs, options = sm90_job(f"{pkg.name}.ops").spec
+        served = triton.compile(ASTSource(ops.kernel, signature, constexprs, attrs), target=sm90(), options=options)
+        ops.kernel.device_caches[0] = ({"served": served}, {}, sm90(), make_backend(sm90()), None)
+        reloader = Reloader([pkg.name], pool=pool)
+        cache = tmp_path / "triton-cache"
+        before = cubins(cache)
+        edited = KERNEL.replace("helper_x * 2.0", "helper_x * 3.0")
+        built = reloader.compile_ahead({**reloader.read_sources(), f"{pkg.name}.ops": edited.encode()})
+        assert (built.binaries, built.kernels, built.reused) == (1, (f"{pkg.name}.ops.kernel",), False)
+        assert len(cubins(cache) - before) == 1 and "2.0" in ops.scale.src  # built; the old code still runs
+        Path(pkg.path("ops")).write_text(textwrap.dedent(edited))  # the save, of that text
+        after = cubins(cache)
+        again = reloader.compile_ahead()
+        assert (again.binaries, again.reused) == (1, True) and cubins(cache) == after
+    finally:
+        pool.close()
