@@ -95,8 +95,10 @@ class BufferCompiles:
             buffer = self.waiting.pop(next(iter(self.waiting)))
             try:
                 reply = await self._build(buffer)
-            except asyncio.CancelledError:  # the server stops
-                buffer.reply.set_result(_reply(buffer, "failed", error="the server stopped before it was built"))
+            except asyncio.CancelledError:  # the server stops: every caller hears so
+                for left in (buffer, *self.waiting.values()):
+                    left.reply.set_result(_reply(left, "failed", error="the server stopped before it was built"))
+                self.waiting.clear()
                 raise
             except Exception as exc:
                 reply = _reply(buffer, "failed", error=describe_error(exc))

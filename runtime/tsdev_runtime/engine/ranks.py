@@ -181,8 +181,8 @@ class RankedReloader:
     def modules(self):
         return self._reloader.modules()
 
-    def compile_ahead(self, sources=None, modules=None):
-        return self._reloader.compile_ahead(sources, modules)
+    def compile_ahead(self, sources=None, modules=None, prepared=None):
+        return self._reloader.compile_ahead(sources, modules, prepared)
 
     def reload(self, modules=None, sources=None):
         tx = self._reloader.reload(modules=modules, sources=sources)
