@@ -9,11 +9,13 @@
         python3 benchmarks/decode_step.py --batch-sizes 1        # the batch-1 replays alone (5 + --iters of them)
     (--nvtx-capture=engine-steps-256 takes the engine's timed steps at batch 256 instead: host and GPU together)
 
-The floor is the time to read every weight once plus each sequence's KV cache, at the copy bandwidth
-measured in the same run. "step" is what the runner pays per decode step (host prep, graph replay,
-sampling, copy back, one after the other); "graph" is the replay alone; "engine" is the steady-state time
-of `LLMEngine.step` decoding that many requests with async scheduling (host work overlapped with the GPU;
-the context grows by --iters tokens while it is timed, `--context` on average, so that the same floor holds).
+The floor is the time to read every weight once plus each sequence's KV cache, at the copy bandwidth measured in the
+same run -- of a mixture of experts' routed experts only those the batch touches on average (`experts_touched`), of
+an untied embedding table only the batch's rows (`unread_weight_bytes`, benchmarks/model_shapes.py's floor too).
+"step" is what the runner pays per decode step (host prep, graph replay, sampling, copy back, one after the other);
+"graph" is the replay alone; "engine" is the steady-state time of `LLMEngine.step` decoding that many requests with
+async scheduling (host work overlapped with the GPU; the context grows by --iters tokens while it is timed,
+`--context` on average, so that the same floor holds).
 
 The engine is timed first, through its public methods only; "step" and "graph" then time a model runner
 (and page manager) this benchmark builds and owns once the engine is freed.
@@ -32,6 +34,7 @@ from tsdev_runtime.engine.llm_engine import LLMEngine, thaw_heap
 from tsdev_runtime.engine.model_runner import Checkpoint, ModelRunner
 from tsdev_runtime.engine.scheduler import ScheduledBatch
 from tsdev_runtime.engine.sequence import SamplingParams, Sequence
+from tsdev_runtime.layers.embedding import LMHead, VocabEmbedding
 
 
 def copy_bandwidth(device) -> float:
@@ -46,6 +49,26 @@ def copy_bandwidth(device) -> float:
         dst.copy_(src)
     torch.cuda.synchronize()
     return 2 * src.numel() * n / (time.perf_counter() - start)
+
+
+def experts_touched(experts: int, top_k: int, batch: int) -> float:
+    """The experts of one sparse layer that a uniform routing of `batch` tokens, `top_k` each, touches on average:
+    E * (1 - (1 - k/E)^batch) (8 of 128 at batch 1, ~124 at 64 for Qwen3-30B-A3B)."""
+    return experts * (1 - (1 - top_k / experts) ** batch)
+
+
+def unread_weight_bytes(model, raw: dict, batch: int) -> float:
+    """The bytes of `model`'s parameters that a decode step of `batch` tokens does not read: the routed experts (its
+    parameters named `.experts.`) its tokens do not touch, by `experts_touched`, and an untied embedding table's rows
+    but the batch's (a tied one is the logits' weight, read whole). `raw`: the checkpoint's config.json."""
+    heads = {id(m.weight) for m in model.modules() if isinstance(m, LMHead)}
+    tables = [m.weight for m in model.modules() if type(m) is VocabEmbedding and id(m.weight) not in heads]
+    unread = sum(max(0, w.shape[0] - batch) * w.shape[1] * w.element_size() for w in tables)
+    experts = int(raw.get("num_experts") or raw.get("n_routed_experts") or raw.get("num_local_experts") or 0)
+    if experts:
+        routed = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+        unread += routed * (1 - experts_touched(experts, raw["num_experts_per_tok"], batch) / experts)
+    return unread
 
 
 def time_cuda(fn, iters: int) -> float:
@@ -104,7 +127,8 @@ def main() -> None:
     # from the pool's layout: a key and a value per KV head, or (DeepSeek) one latent row, in every layer
     kv_bytes_per_token = runner.kv_cache[:, :, 0, 0].numel() * kv_dtype.itemsize
     print(f"{checkpoint.dir.name}{' fp8' if args.quantization else ''}, KV {str(kv_dtype).removeprefix('torch.')}: "
-          f"{weight_bytes / 1e9:.2f} GB of weights read per step, copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
+          f"{weight_bytes / 1e9:.2f} GB of weights (a step reads less: `unread_weight_bytes`), copy "
+          f"bandwidth {bandwidth / 1e12:.2f} TB/s, "
           f"context {args.context}, graphs {runner.decode_graphs.sizes if runner.decode_graphs else 'off'}")
     print(f"{'batch':>5} {'step ms':>8} {'graph ms':>8} {'engine ms':>9} {'floor ms':>8} {'step/floor':>10} "
           f"{'tok/s':>9} {'GB/s':>7}")
@@ -128,10 +152,11 @@ def main() -> None:
             breakdown.append((bs, kernel_breakdown(runner.decode_graphs.graphs[size].replay, args.iters)))
         for seq in seqs:
             bm.free_pages(seq)
-        floor = (weight_bytes + bs * args.context * kv_bytes_per_token) / bandwidth
+        read = (weight_bytes - unread_weight_bytes(runner.model, runner.model_config.raw, bs)
+                + bs * args.context * kv_bytes_per_token)
+        floor = read / bandwidth
         print(f"{bs:>5} {step * 1e3:>8.3f} {graph * 1e3:>8.3f} {engine_times[bs] * 1e3:>9.3f} {floor * 1e3:>8.3f} "
-              f"{step / floor:>10.2f} "
-              f"{bs / step:>9,.0f} {(weight_bytes + bs * args.context * kv_bytes_per_token) / step / 1e9:>7.0f}")
+              f"{step / floor:>10.2f} {bs / step:>9,.0f} {read / step / 1e9:>7.0f}")
     for bs, kernels in breakdown:
         total = sum(us for us, _ in kernels.values())
         print(f"\nbatch {bs}: {total:.1f} us of kernels per replay "

@@ -15,14 +15,16 @@ while `batch` requests decode, CUDA graphs and async scheduling, `--context` tok
 
 floor: every weight read once per step (each parameter once: the tied embedding is the logits' weight) at 4.8 TB/s
 (H200 HBM) and at the copy bandwidth measured in the run (~4.3 TB/s achievable); "step / floor" is against the
-latter. A mixture of experts reads only the experts its tokens chose: its floor counts, per sparse layer, the experts
-a uniform routing of `batch` tokens touches on average, E * (1 - (1 - k/E)^batch) (8 at batch 1, ~124 of 128 at 64
-for Qwen3-30B-A3B). qwen3-30b-a3b-4l is Qwen3-30B-A3B's shape (hidden 2048, 128 experts top 8, expert intermediate
-768, 32/4 heads of 128) with 4 of its 48 layers and tied embeddings (6.1 GB to write): per-layer numbers are what
-matter. qwen3-8b is Qwen3-8B's shape, all 36 layers, lm_head untied (16.4 GB to write). --fp8-blocks adds each
-shape's block-FP8 copy (the same weights quantized as Qwen's *-FP8 releases store them, lm_head kept bf16: 9.4 GB
-for qwen3-8b; qwen3-0.6b's is the embedded default-fp8): its step against the bf16 one at each batch, and the cosine
-of the two models' logits after random prompts (issue 50's targets: <= 0.6x at batch 1, faster at 256, >= 0.99).
+latter. A mixture of experts reads only the experts its tokens chose: its floor counts, per sparse layer, the
+experts a uniform routing of `batch` tokens touches on average, E * (1 - (1 - k/E)^batch) (8 at batch 1, ~124 of 128
+at 64 for Qwen3-30B-A3B), and of an untied embedding table only the batch's rows (decode_step.py's
+`unread_weight_bytes`, which its floor uses too). qwen3-30b-a3b-4l is Qwen3-30B-A3B's shape (hidden 2048, 128
+experts top 8, expert intermediate 768, 32/4 heads of 128) with 4 of its 48 layers and tied embeddings (6.1 GB to
+write): per-layer numbers are what matter. qwen3-8b is Qwen3-8B's shape, all 36 layers, lm_head untied (16.4 GB to
+write). --fp8-blocks adds each shape's block-FP8 copy (the same weights quantized as Qwen's *-FP8 releases store
+them, lm_head kept bf16: 9.4 GB for qwen3-8b; qwen3-0.6b's is the embedded default-fp8): its step against the bf16
+one at each batch, and the cosine of the two models' logits after random prompts (issue 50's targets: <= 0.6x at
+batch 1, faster at 256, >= 0.99).
 "+ KV" adds each sequence's KV cache to the bytes read (what bounds batch 256). The replay alone and its
 kernels: `python3 benchmarks/decode_step.py --model DIR --breakdown` on the directory printed for the shape.
 Prints markdown rows for docs/benchmarks.md; a shape the runtime refuses gets a row saying why.
@@ -38,7 +40,7 @@ import torch
 import triton
 from safetensors.torch import save_file
 
-from decode_step import copy_bandwidth, engine_step_time
+from decode_step import copy_bandwidth, engine_step_time, unread_weight_bytes
 from tsdev_kernels.cache import cache_dir
 from tsdev_runtime.config import EngineConfig
 from tsdev_runtime.engine.llm_engine import LLMEngine, thaw_heap
@@ -164,10 +166,6 @@ def shape_rows(name: str, args, bandwidth: float, fp8_blocks: bool = False) -> t
     c = engine.model_config
     model = engine.model
     weights = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied parameter counts once
-    raw = c.raw
-    experts, top_k = raw.get("num_experts", 0), raw.get("num_experts_per_tok", 0)
-    expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                       if ".experts." in n) / max(experts, 1)  # one expert of every sparse layer
     itemsize = getattr(torch, engine.describe().kv_cache_dtype).itemsize  # the KV pool's element, e.g. float8_e4m3fn
     kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * itemsize
     startup = ", ".join(f"{k} {v:.1f} s" for k, v in engine.startup_timings.items())
@@ -177,8 +175,7 @@ def shape_rows(name: str, args, bandwidth: float, fp8_blocks: bool = False) -> t
     for batch in args.batch_sizes:
         step = steps[batch] = engine_step_time(engine, batch, args.context, args.iters, decoding)
         kv = batch * args.context * kv_per_token
-        read = (weights - (experts - experts * (1 - (1 - top_k / experts) ** batch)) * expert_bytes if experts
-                else weights)
+        read = weights - unread_weight_bytes(model, c.raw, batch)
         floor, floor_kv = read / bandwidth, (read + kv) / bandwidth
         values = [label, batch, f"{step * 1e3:.3f}", f"{read / 1e9:.2f}", f"{read / HBM_PEAK * 1e3:.3f}",
                   f"{floor * 1e3:.3f}", f"{step / floor:.2f}", f"{kv / 1e9:.2f}", f"{floor_kv * 1e3:.3f}",
