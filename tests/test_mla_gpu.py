@@ -1,9 +1,10 @@
 """DeepSeek's multi-head latent attention on the H200 (`pytest -m gpu`): the MLA kernels against their torch reference
 at DeepSeek-V3's shapes (128 heads, latent 512, rope 64) on fresh random pages, bf16 and an e4m3 cache, decode with
-splits and a mixed prefill step, the same inside a CUDA graph; the transformers-written tiny DeepSeek-V2 and -V3
-served with graphs equal to transformers in float32 (and to themselves eagerly), a 300-token prompt alone through
-the expanded form; the drill on V3 with graphs, 10
-rounds, W_UK / W_UV compared, and its negative control (the absorbed tensors rebuilt into new storage) failing."""
+splits and a mixed prefill step, the same inside a CUDA graph, with either decode kernel (TSDEV_MLA_DECODE: tiles,
+flash); the transformers-written tiny DeepSeek-V2 and -V3 served with graphs equal to transformers in float32 (and to
+themselves eagerly; either decode kernel), a 300-token prompt alone through the expanded form; the drill on V3 with
+graphs, 10 rounds, W_UK / W_UV compared, and its negative control (the absorbed tensors rebuilt into new storage)
+failing."""
 import pytest
 import torch
 from test_model_families import hf_greedy, hf_model
@@ -17,6 +18,7 @@ from tsdev_runtime.weights.processing import DEBUG_DERIVED_ENV
 
 pytestmark = pytest.mark.gpu
 HEADS, LATENT, ROPE = 128, 512, 64
+DECODE_KERNELS = ["tiles", "flash"]  # mla.MLA_DECODE's values: `_mla_kernel`'s decode tiles, mla_decode.py's kernel
 PROMPTS = [[5, 17, 300, 42, 9, 77, 123, 4], [200, 201, 202], [(13 * j + 1) % 1000 + 3 for j in range(40)],
            [(7 * j + 5) % 1000 + 3 for j in range(300)]]  # alone, 300 rows: the expanded form (>= 256)
 
@@ -53,24 +55,33 @@ def kernel_vs_reference(q_lens, cached, kv_dtype, seed, graph=False):
     assert_close_in_bf16(out, want)
 
 
+@pytest.mark.parametrize("decode_kernel", DECODE_KERNELS)
 @pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("batch", [1, 64, 256])
-def test_decode_equals_the_reference_at_deepseek_v3_shapes(batch, kv_dtype):
+def test_decode_equals_the_reference_at_deepseek_v3_shapes(batch, kv_dtype, decode_kernel, monkeypatch):
+    monkeypatch.setattr(mla, "MLA_DECODE", decode_kernel)
     g = torch.Generator().manual_seed(batch)
     kernel_vs_reference([1] * batch, torch.randint(0, 1024, (batch,), generator=g).tolist(), kv_dtype, batch)
 
 
+@pytest.mark.parametrize("decode_kernel", DECODE_KERNELS)
 @pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["bf16", "fp8"])
-def test_a_mixed_prefill_step_equals_the_reference(kv_dtype):
+def test_a_mixed_prefill_step_equals_the_reference(kv_dtype, decode_kernel, monkeypatch):
+    monkeypatch.setattr(mla, "MLA_DECODE", decode_kernel)
     kernel_vs_reference([300, 77, 1, 1], [500, 0, 90, 2000], kv_dtype, 5)
 
 
-def test_decode_replayed_from_a_cuda_graph_on_other_lengths_equals_the_reference():
+@pytest.mark.parametrize("decode_kernel", DECODE_KERNELS)
+def test_decode_replayed_from_a_cuda_graph_on_other_lengths_equals_the_reference(decode_kernel, monkeypatch):
+    monkeypatch.setattr(mla, "MLA_DECODE", decode_kernel)
     kernel_vs_reference([1] * 8, [100, 900, 3, 64, 2000, 17, 512, 33], None, 8, graph=True)
 
 
+@pytest.mark.parametrize("decode_kernel", DECODE_KERNELS)
 @pytest.mark.parametrize("fixture", ["hf_deepseek_v2_dir", "hf_deepseek_v3_dir"])
-def test_transformers_written_deepseeks_serve_transformers_greedy_tokens_with_graphs(fixture, request):
+def test_transformers_written_deepseeks_serve_transformers_greedy_tokens_with_graphs(fixture, decode_kernel, request,
+                                                                                     monkeypatch):
+    monkeypatch.setattr(mla, "MLA_DECODE", decode_kernel)
 
     model_dir = request.getfixturevalue(fixture)
     model = hf_model(model_dir).cuda()

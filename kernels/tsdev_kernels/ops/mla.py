@@ -25,7 +25,14 @@ one head per tile, causal, the cached prefix first (row j of a query of q_len si
 no splits. The grid depends on the batch size and head count only (graph-safe); `num_splits` and the page table's
 width are not specialised on (module docstring of attention.py says why). The CUDA tiles are the H200 sweep's best
 (`CUDA_DECODE_TILES`; docs/mla.md, docs/benchmarks.md).
+
+A second decode kernel, in FlashMLA's structure (mla_decode.py: 64 heads of a row per program against every latent
+column, q loaded once, blocks of 64 cached rows, the scores computed once per block), serves decode steps under
+TSDEV_MLA_DECODE=flash (`mla_decode_triton`: `mla_attention_triton`'s contract for decode; merged by the same
+`_mla_merge_kernel`); opt-in until an H100 has timed both (benchmarks/mla_decode.py).
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -34,6 +41,15 @@ from tsdev_kernels.checks import KernelCheck, nbytes
 from tsdev_kernels.ops import sm_count, use_triton
 from tsdev_kernels.ops.attention import (ATTENTION_TOLERANCE, FP8_KV_DTYPE, LOG2E, PagedSteps, _quantized,
                                          decode_step, dequantize_kv, keys_seen, mixed_step, quantize_kv)
+from tsdev_kernels.ops.mla_decode import _mla_decode_kernel
+
+# Which kernel serves decode steps on CUDA: "tiles", `_mla_kernel`'s decode tiles (the default), or "flash",
+# mla_decode.py's (FlashMLA's structure; opt-in until the H100 has timed both: benchmarks/mla_decode.py). Read when
+# this module is (re)loaded.
+MLA_DECODE = os.environ.get("TSDEV_MLA_DECODE", "tiles")
+if MLA_DECODE not in ("tiles", "flash"):
+    raise ValueError(f"TSDEV_MLA_DECODE={MLA_DECODE!r}: expected tiles (the decode tiles of mla.py's _mla_kernel, "
+                     "the default) or flash (mla_decode.py's kernel, FlashMLA's structure)")
 
 
 def store_latent_ref(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, scale: float = 1.0) -> None:
@@ -315,6 +331,70 @@ def mla_attention_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: tor
     return out
 
 
+# The flash decode kernel's tile on CUDA, by cache dtype (mla_decode.py): 64 heads (a warpgroup's rows), blocks of 64
+# cached rows, the latent columns in `chunks` chunks, 8 warps. Compiled for sm_90 without a GPU (Triton 3.9,
+# tests/test_mla_decode_compile.py): with a bf16 cache 216 KiB of shared memory, 255 registers and 144 bytes spilled
+# (loop-invariant addresses, reloaded once per block; 1 or 4 chunks spill more); with e4m3 172 KiB and 336 bytes
+# (the addresses of the rows' conversion to bf16 through shared memory; 2 chunks 392). Not timed yet:
+# benchmarks/mla_decode.py times them beside its other tiles and `_mla_kernel`'s decode tiles.
+CUDA_FLASH_TILES = {False: dict(heads=64, block_n=64, chunks=2, num_warps=8),
+                    True: dict(heads=64, block_n=64, chunks=4, num_warps=8)}
+FLASH_MAX_SPLITS = 32  # at batch 1 each split writes 128 heads x 512 float32 (256 KiB) for the merge to read
+
+
+def flash_splits(batch: int, heads: int, device: torch.device, tile_heads: int = 64) -> int:
+    """KV splits per sequence of the flash decode kernel: about one program per SM (one program fills an SM's
+    shared memory), at most FLASH_MAX_SPLITS, from shapes only (graph-safe); 2 off CUDA (the interpreter tests)."""
+    if device.type != "cuda":
+        return 2
+    programs = batch * triton.cdiv(heads, tile_heads)
+    return max(1, min(FLASH_MAX_SPLITS, sm_count(device.index or 0) // programs))
+
+
+def mla_decode_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                      page_table: torch.Tensor, scale: float, latent_dim: int, max_q_len: int = 1,
+                      out: torch.Tensor | None = None, num_splits: int | None = None,
+                      order: torch.Tensor | None = None, kv_scale: float = 1.0,
+                      store: tuple[torch.Tensor, torch.Tensor] | None = None, heads: int | None = None,
+                      block_n: int | None = None, chunks: int | None = None,
+                      num_warps: int | None = None) -> torch.Tensor:
+    """A decode step's `mla_attention_ref` by mla_decode.py's kernel (the splits, then `_mla_merge_kernel`):
+    `mla_attention_triton`'s contract for max_q_len 1, storing this step's rows when store = (rows, slot_mapping).
+    heads (per program: a power of two), block_n, chunks (of the latent columns) and num_warps: the tile, for
+    benchmarks/mla_decode.py; on CUDA left out, `CUDA_FLASH_TILES`'."""
+    if max_q_len != 1:
+        raise ValueError(f"mla_decode_triton runs decode steps (max_q_len 1), not max_q_len {max_q_len}")
+    B = seq_lens.shape[0] if order is None else order.shape[0]
+    T, H, width = q.shape
+    out = q.new_empty(T, H, latent_dim) if out is None else out
+    if B == 0:
+        return out
+    quantized = cache.dtype == FP8_KV_DTYPE
+    tile = CUDA_FLASH_TILES[quantized] if q.is_cuda else dict(heads=16, block_n=16, chunks=2, num_warps=4)
+    heads = min(heads or tile["heads"], max(16, triton.next_power_of_2(H)))
+    num_splits = num_splits or flash_splits(B, H, q.device, heads)
+    rows, slots = store if store is not None else (q, cu_seqlens_q)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    split = num_splits > 1
+    part_o = q.new_empty((B, H, num_splits, latent_dim) if split else (1,), dtype=torch.float32)
+    part_lse = q.new_empty((B, H, num_splits) if split else (1,), dtype=torch.float32)
+    _mla_decode_kernel[(triton.cdiv(H, heads), num_splits, B)](
+        q, cache, out, part_o, part_lse, cu_seqlens_q, seq_lens, page_table, order if order is not None else seq_lens,
+        rows, slots, scale * LOG2E * (kv_scale if quantized else 1.0), q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), cache.stride(0), cache.stride(1), page_table.stride(0), rows.stride(0), H, num_splits, kv_scale,
+        LATENT=latent_dim, ROPE=width - latent_dim, PAGE_SIZE=cache.shape[1], HEADS=heads,
+        BLOCK_L=triton.next_power_of_2(latent_dim), BLOCK_R=max(16, triton.next_power_of_2(width - latent_dim)),
+        CHUNKS=chunks or tile["chunks"], BLOCK_N=block_n or tile["block_n"], SPLIT=split, STORE=store is not None,
+        ORDERED=order is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANTIZED=quantized,
+        num_warps=num_warps or tile["num_warps"], num_stages=2,
+    )
+    if split:
+        _mla_merge_kernel[(B, H)](part_o, part_lse, out, cu_seqlens_q, out.stride(0), out.stride(1), H, num_splits,
+                                  LATENT=latent_dim, BLOCK_L=triton.next_power_of_2(latent_dim), num_warps=4)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------
 # Public op
 
@@ -340,14 +420,15 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.Tens
     triton_ok = use_triton(q, "mla")
     if triton_ok and max_q_len is None:
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if seq_lens.numel() else 0
+    decode = mla_decode_triton if MLA_DECODE == "flash" else mla_attention_triton  # (the same contract)
     if triton_ok and max_q_len == 1:  # the decode kernel stores this step's rows itself
-        return mla_attention_triton(q, cache, cu_seqlens_q, seq_lens, page_table, scale, latent_dim, 1, out=out,
-                                    order=None if seq_lens.shape[0] == 1 else order, kv_scale=kv_scale, store=store)
+        return decode(q, cache, cu_seqlens_q, seq_lens, page_table, scale, latent_dim, 1, out=out,
+                      order=None if seq_lens.shape[0] == 1 else order, kv_scale=kv_scale, store=store)
     split = triton_ok and 0 < decodes < seq_lens.shape[0] and order is not None
     if split:  # the decode rows as a decode step of them (storing their rows), then the rest by their batch index
-        out = mla_attention_triton(q, cache, cu_seqlens_q[: decodes + 1], seq_lens[:decodes], page_table[:decodes],
-                                   scale, latent_dim, 1, out=out, order=order[:decodes] if decodes > 1 else None,
-                                   kv_scale=kv_scale, store=store)
+        out = decode(q, cache, cu_seqlens_q[: decodes + 1], seq_lens[:decodes], page_table[:decodes], scale,
+                     latent_dim, 1, out=out, order=order[:decodes] if decodes > 1 else None, kv_scale=kv_scale,
+                     store=store)
         order = order[decodes:]
         store = store and tuple(t[decodes:] for t in store)  # the decode path stored the first `decodes` rows
     if store is not None:
@@ -409,6 +490,12 @@ def _kernel(q, cache, cu, lens, table, rows, slots, order, max_q_len, latent):
     return mla_attention_triton(q, cache, cu, lens, table, q.shape[-1] ** -0.5, latent, max_q_len, order=order)
 
 
+def _flash_kernel(q, cache, cu, lens, table, rows, slots, order, max_q_len, latent):
+    """The flash decode kernel as serving would run it (TSDEV_MLA_DECODE=flash): storing the step's rows itself."""
+    return mla_decode_triton(q, cache, cu, lens, table, q.shape[-1] ** -0.5, latent, order=order,
+                             store=(rows, slots))
+
+
 def _cost(q, cache, cu, lens, table, rows, slots, order, max_q_len, latent):
     """q and the step's latent rows read, the rows stored, each sequence's latent rows read once (one head shared by
     all query heads), the output [T, H, latent] written, the metadata; QK^T over latent + rope and PV over the latent:
@@ -434,4 +521,9 @@ CHECKS = [
                 inputs=_inputs(step == "decode", kv_dtype), kernel=_kernel, reference=_reference,
                 tolerance=MLA_TOLERANCE, cost=_cost)
     for step in ("decode", "prefill") for suffix, kv_dtype in (("", None), ("_fp8", FP8_KV_DTYPE))
+] + [
+    KernelCheck(op=f"mla_decode_flash{suffix}", kernels=("_mla_decode_kernel", "_mla_merge_kernel"),
+                shapes=_shapes(True, kv_dtype is not None), inputs=_inputs(True, kv_dtype), kernel=_flash_kernel,
+                reference=_reference, tolerance=MLA_TOLERANCE, cost=_cost)
+    for suffix, kv_dtype in (("", None), ("_fp8", FP8_KV_DTYPE))
 ]

@@ -1,0 +1,83 @@
+"""The flash MLA decode kernel's CUDA tiles (`mla.CUDA_FLASH_TILES`, bf16 and e4m3 caches) compile for sm_90 (through
+ptxas, no GPU needed) at DeepSeek-V3's shapes (128 heads, latent 512 + rope 64, pages of 16), split with the fused
+store and unsplit, within the shared memory an H100 block may use (227 KiB), and spill no more than they did when
+chosen (mla.py's CUDA_FLASH_TILES comment: loop-invariant addresses, not yet timed). The launches are
+`mla_decode_triton`'s on meta tensors, recorded instead of run and compiled with the signature Triton's JIT gives
+them (tests/test_kernel_configs.py's `specialise`), in a subprocess without TRITON_INTERPRET."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_kernel_configs import Recorder, meta, specialise
+from tsdev.launch.child import project_pythonpath
+
+ROOT = Path(__file__).resolve().parent.parent
+H100_SHARED = 227 * 1024  # bytes of shared memory one block may use (sm_90)
+SPILLED = {"bf16": 144, "fp8": 336}  # bytes per thread when the tiles were chosen (Triton 3.9), split or not
+
+
+@pytest.mark.slow
+def test_the_flash_tiles_compile_for_sm90_within_shared_memory_and_their_spills():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = project_pythonpath(ROOT, env.get("PYTHONPATH"))
+    result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=280,
+                            cwd=Path(__file__).parent)
+    assert result.returncode == 0, result.stdout + result.stderr
+    compiled = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert sorted(c["label"] for c in compiled) == ["bf16 split", "bf16 unsplit", "fp8 split", "fp8 unsplit"]
+    print("\n".join(map(json.dumps, compiled)))
+    for c in compiled:
+        assert c["shared"] <= H100_SHARED and c["stack"] <= SPILLED[c["label"].split()[0]], c
+
+
+def compile_sm90(fn, signature, constexprs, attrs, options) -> dict[str, int]:
+    """Registers and stack (spills) per thread from the cubin, and the shared memory the launch asks for."""
+    import re
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    binary = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options=options)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(binary.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-res-usage", cubin.name], capture_output=True,
+                               text=True, check=True).stdout
+    regs, stack = re.search(r"REG:(\d+) STACK:(\d+)", usage).groups()
+    return dict(regs=int(regs), stack=int(stack), shared=binary.metadata.shared)
+
+
+def main() -> None:
+    from tsdev_kernels.ops import mla
+
+    heads, latent, rope = 128, 512, 64
+    for kv, name in ((torch.bfloat16, "bf16"), (torch.float8_e4m3fn, "fp8")):
+        cache = meta(64, 16, 1, latent + rope, dtype=kv)
+        for label, batch, splits in (("split", 4, 8), ("unsplit", 256, 1)):
+            ints = meta(batch + 1, dtype=torch.int32)
+            kernel = mla._mla_decode_kernel = Recorder(mla._mla_decode_kernel)
+            merge = mla._mla_merge_kernel = Recorder(mla._mla_merge_kernel)  # (few registers: not compiled here)
+            try:
+                mla.mla_decode_triton(meta(batch, heads, latent + rope), cache, ints, ints[:batch],
+                                      meta(batch, 8, dtype=torch.int32), 0.1, latent, out=meta(batch, heads, latent),
+                                      num_splits=splits, order=meta(batch, dtype=torch.int64),
+                                      store=(meta(batch, 1, latent + rope), meta(batch, dtype=torch.int64)),
+                                      **mla.CUDA_FLASH_TILES[kv != torch.bfloat16])
+            finally:
+                mla._mla_decode_kernel, mla._mla_merge_kernel = kernel.fn, merge.fn
+            args, kwargs = kernel.launches[0]
+            usage = compile_sm90(kernel.fn, *specialise(kernel.fn, args, kwargs))
+            tile = {k: kwargs[k] for k in ("HEADS", "BLOCK_N", "CHUNKS", "num_warps")}
+            print(json.dumps({"label": f"{name} {label}", **tile, **usage}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
