@@ -1,53 +1,102 @@
-"""MLA decode attention (`tsdev_kernels.ops.mla`) against its KV-read floor: DeepSeek-V3's shapes (128 heads, latent
-512, rope 64), a paged latent cache of bf16 or e4m3, every sequence at --context tokens.
+"""MLA decode attention (`tsdev_kernels.ops.mla`) against its floor: DeepSeek-V3's shapes (128 heads, latent 512, rope
+64), a paged latent cache of bf16 or e4m3 (pages of 16), every sequence at --context tokens. Both decode kernels side by
+side: "tiles" (`mla_attention_triton`, `_mla_kernel`'s decode tiles, the default) and "flash" (`mla_decode_triton`,
+mla_decode.py's kernel in FlashMLA's structure, TSDEV_MLA_DECODE=flash), each of its tiles (FLASH_TILES).
 
-    python3 benchmarks/mla_decode.py                          # batch 1, 64, 256 at context 4096, bf16 and fp8 cache
-    python3 benchmarks/mla_decode.py --sweep                  # each tile (heads, latent columns per program, KV
-                                                              # rows, warps) too
-    python3 benchmarks/mla_decode.py --tile 64,512,32,8,t     # the default tile beside these (heads, columns, rows,
-                                                              # warps[, t: transposed]) only
+    python3 benchmarks/mla_decode.py                          # both kernels, batch 1, 64, 256 at context 4096, bf16
+                                                              # and e4m3 caches
+    python3 benchmarks/mla_decode.py --flash-splits 8 16 32 64   # + the flash kernel's default tile at these splits
+    python3 benchmarks/mla_decode.py --kernels tiles --sweep  # each tile of `_mla_kernel` (heads, latent columns per
+                                                              # program, KV rows, warps)
+    python3 benchmarks/mla_decode.py --tile 64,512,32,8,t     # `_mla_kernel`'s default tile beside these (heads,
+                                                              # columns, rows, warps[, t: transposed]) only
     python3 benchmarks/mla_decode.py --prefill 4096           # then one 4096-token prompt's attention (prefill tiles)
 
-floor: the cache rows every sequence reads (576 values x 2 bytes, 1 in an e4m3 cache, per token) at the copy bandwidth
-measured in the same run (FlashMLA reports ~3,000 GB/s for this read on an H800). The kernel is replayed from a CUDA
-graph (triton.testing.do_bench_cudagraph) as serving replays it: the splits' launch (storing the step's rows), then the
-merge; the error against the torch reference is checked on every configuration timed.
+The next session's command on the H100 (issue 66: both kernels and the flash tiles at batch 1/64/256, bf16 and e4m3,
+the batch-1 split counts; then default-mla's decode step with each kernel):
+
+    python3 benchmarks/mla_decode.py --flash-splits 16 32 64 && for k in tiles flash; do TSDEV_MLA_DECODE=$k \
+        python3 benchmarks/decode_step.py --model default-mla --batch-sizes 1 64 256 --context 4096; done
+
+floor: the larger of the KV-read time -- the cache rows every sequence reads (576 values x 2 bytes, 1 in an e4m3
+cache, per token) at the copy bandwidth measured in the same run -- and the tensor-core time -- 2 x 128 heads x (576 +
+512) FLOPs per cached row (the scores over the whole row, the output over its latent part) at the GPU's dense bf16 rate
+(`checks.limits_of`; an e4m3 cache's rows are multiplied in bf16). At 128 heads the two are close: on the H100 (3.0
+TB/s, 989 TFLOP/s) 0.38 against 0.28 ns per cached row with a bf16 cache, 0.19 against 0.28 with e4m3 (FlashMLA
+reports ~3,000 GB/s memory-bound and ~580 TFLOP/s compute-bound on an H800). "of floor" is floor / kernel time
+(`checks.share_of`). Each kernel is replayed from a CUDA graph (triton.testing.do_bench_cudagraph) as serving replays
+it: the splits' launch (storing the step's rows), then the merge; its error against the torch reference is checked on
+every configuration timed.
 """
 import argparse
 import datetime
 import shlex
 import sys
+from dataclasses import replace
 
 import torch
 import triton
 import triton.testing
 
 from decode_step import copy_bandwidth
+from tsdev_kernels.checks import Limits, limits_of, share_of
 from tsdev_kernels.ops import mla
 
 HEADS, LATENT, ROPE, PAGE = 128, 512, 64, 16
+SCALE = (128 + ROPE) ** -0.5  # V3's softmax scale before YaRN (the kernels' speed does not depend on it)
+# the flash kernel's tiles timed (mla_decode_triton's keywords): CUDA_FLASH_TILES' (bf16: 2 chunks, e4m3: 4) and
+# their neighbours; 128 heads in one program do not fit (mla_decode.py's docstring): the last row says by how much
+FLASH_TILES = [dict(heads=64, block_n=64, chunks=c, num_warps=8) for c in (1, 2, 4)] + [
+    dict(heads=64, block_n=32, chunks=2, num_warps=8), dict(heads=128, block_n=16, chunks=2, num_warps=16)]
 
 
-def batch(sequences: int, q_len: int, context: int, kv_dtype, generator):
-    return mla.mla_batch([q_len] * sequences, [context - q_len] * sequences, HEADS, LATENT, ROPE, PAGE,
-                         torch.bfloat16, "cuda", generator, kv_dtype)
+def decode_cost(sequences: int, context: int, kv_itemsize: int) -> tuple[int, int]:
+    """(bytes, FLOPs) of a decode step's attention: every cached row read once, and per head and cached row the
+    scores over the row (576) and the output over its latent part (512), 2 FLOPs a product."""
+    rows = sequences * context
+    return rows * (LATENT + ROPE) * kv_itemsize, 2 * HEADS * (LATENT + ROPE + LATENT) * rows
 
 
-def time_decode(args, sequences: int, kv_dtype, **config) -> tuple[float, float]:
-    """(microseconds per call, max relative error) of one decode step's attention."""
+def floor_us(bytes_: int, flops: int, limits: Limits) -> tuple[float, float, float]:
+    """(KV-read µs, tensor-core µs, the floor: the larger of the two) at the limits' bandwidth and dense bf16 rate."""
+    read, tensor = bytes_ / limits.bandwidth * 1e6, flops / limits.bf16 * 1e6
+    return read, tensor, max(read, tensor)
+
+
+def measured_limits(bandwidth: float) -> Limits:
+    """This GPU's limits (`checks.GPU_LIMITS`) with the copy bandwidth measured in this run; a GPU without a known
+    tensor-core rate gets an infinite one (its floor is the KV read alone, and the header says so)."""
+    name = torch.cuda.get_device_name()
+    known = limits_of(name)
+    if known is None:
+        return Limits(name, bandwidth, float("inf"), float("inf"), "no tensor-core rate known: the KV read only")
+    return replace(known, bandwidth=bandwidth, source=f"copy measured {bandwidth / 1e12:.2f} TB/s in this run; "
+                                                     f"{known.bf16 / 1e12:.0f} TFLOP/s dense bf16 (datasheet)")
+
+
+def step_inputs(sequences: int, context: int, kv_dtype) -> tuple[tuple, torch.Tensor]:
+    """A decode step of `sequences` rows each behind context - 1 cached ones (pages in random order), its rows
+    stored, and the reference's output."""
     g = torch.Generator(device="cuda").manual_seed(sequences)
-    q, cache, cu, lens, table, rows, slots, order, max_q_len, latent = batch(sequences, 1, args.context, kv_dtype, g)
+    q, cache, cu, lens, table, rows, slots, order, _, latent = mla.mla_batch(
+        [1] * sequences, [context - 1] * sequences, HEADS, LATENT, ROPE, PAGE, torch.bfloat16, "cuda", g, kv_dtype)
     mla.store_latent_triton(rows, cache, slots)
-    scale = (128 + ROPE) ** -0.5
-    want = mla.mla_attention_ref(q, cache, cu, lens, table, scale, latent)
+    want = mla.mla_attention_ref(q, cache, cu, lens, table, SCALE, latent)
+    return (q, cache, cu, lens, table, rows, slots, order), want
+
+
+def time_decode(kernel, inputs: tuple, want: torch.Tensor, **config) -> tuple[float, float]:
+    """(microseconds per call, max error relative to the output's largest value) of `kernel` (mla_attention_triton
+    or mla_decode_triton: one contract) on a step's inputs, called as serving calls it: the step's rows stored by the
+    kernel (again: the same values)."""
+    q, cache, cu, lens, table, rows, slots, order = inputs
     out = torch.empty_like(want)
 
-    def call():  # as serving calls it: the step's rows stored by the kernel (again: the same values)
-        mla.mla_attention_triton(q, cache, cu, lens, table, scale, latent, 1, out=out, order=order,
-                                 store=(rows, slots), **config)
+    def call():
+        kernel(q, cache, cu, lens, table, SCALE, LATENT, 1, out=out, order=order, store=(rows, slots), **config)
     call()
     error = float(((out.float() - want.float()).abs().max() / want.float().abs().max()))
-    return triton.testing.do_bench_cudagraph(call, rep=100 if config else 200) * 1e3, error
+    return triton.testing.do_bench_cudagraph(call, rep=100) * 1e3, error
 
 
 def tile(spec: str) -> dict:
@@ -63,22 +112,8 @@ def tile(spec: str) -> dict:
     return config | dict(transposed=True) if transposed else config
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
-    parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--sweep", action="store_true", help="time each tile configuration at each batch")
-    parser.add_argument("--tile", action="append", default=[], metavar="HEADS,COLUMNS,ROWS,WARPS[,t]",
-                        help="time this tile beside the default (t: transposed); repeatable; a few of --sweep's")
-    parser.add_argument("--prefill", type=int, default=0, help="also time one prompt of this many tokens")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("mla_decode.py times kernels on a CUDA GPU; none is visible")
-    bandwidth = copy_bandwidth("cuda")
-    print(f"{datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}, Triton "
-          f"{triton.__version__}; {HEADS} heads, latent {LATENT} + rope {ROPE}, context {args.context}, pages of "
-          f"{PAGE}; copy bandwidth {bandwidth / 1e12:.2f} TB/s. Command: "
-          f"`python3 benchmarks/mla_decode.py {shlex.join(sys.argv[1:])}`\n")
+def tiles_configs(args) -> list[dict]:
+    """`_mla_kernel`'s decode tiles to time: the default, --tile's, and with --sweep its sweep."""
     configs = [{}] + [tile(spec) for spec in args.tile]
     if args.sweep:
         # heads per program x latent columns each sums; those that compile for sm_90 without register spills
@@ -96,27 +131,70 @@ def main() -> None:
         # or per column half as above): 245 registers with 8 warps, 128 and a 56-byte spill with 16 (bf16 cache); an
         # e4m3 cache spills with both (2026-12-05, fifth session)
         configs += [dict(heads=64, columns=512, block_n=32, num_warps=w, transposed=True) for w in (8, 16)]
-    print("| cache | batch | configuration | floor us | kernel us | floor / kernel | max rel err |")
-    print("|---|---:|---|---:|---:|---:|---:|")
+    return configs
+
+
+def flash_configs(args, quantized: bool) -> list[dict]:
+    """The flash kernel's configurations to time: its default tile first, the other FLASH_TILES, then the default
+    tile at each of --flash-splits."""
+    default = mla.CUDA_FLASH_TILES[quantized]
+    configs = [{}] + [t for t in FLASH_TILES if t != default]
+    return configs + [dict(num_splits=s) for s in args.flash_splits]
+
+
+def label(config: dict, default: dict | None = None) -> str:
+    if not config:
+        return "default" + (f" ({', '.join(f'{k} {v}' for k, v in default.items())})" if default else "")
+    return ", ".join(f"{k} {v}" for k, v in config.items())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--kernels", nargs="+", choices=["tiles", "flash"], default=["tiles", "flash"])
+    parser.add_argument("--sweep", action="store_true", help="time each of _mla_kernel's decode tiles at each batch")
+    parser.add_argument("--tile", action="append", default=[], metavar="HEADS,COLUMNS,ROWS,WARPS[,t]",
+                        help="time this _mla_kernel tile beside its default (t: transposed); repeatable")
+    parser.add_argument("--flash-splits", type=int, nargs="*", default=[], metavar="SPLITS",
+                        help="also time the flash kernel's default tile at these split counts (default: one wave)")
+    parser.add_argument("--prefill", type=int, default=0, help="also time one prompt of this many tokens")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("mla_decode.py times kernels on a CUDA GPU; none is visible")
+    limits = measured_limits(copy_bandwidth("cuda"))
+    print(f"{datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}, Triton "
+          f"{triton.__version__}; {HEADS} heads, latent {LATENT} + rope {ROPE}, context {args.context}, pages of "
+          f"{PAGE}; {limits.source}. Command: `python3 benchmarks/mla_decode.py {shlex.join(sys.argv[1:])}`\n")
+    print("| cache | batch | kernel | configuration | KV read us | tensor us | floor us | kernel us | of floor | bound "
+          "| max rel err |")
+    print("|---|---:|---|---|---:|---:|---:|---:|---:|---|---:|")
     for kv_dtype, name in ((None, "bf16"), (torch.float8_e4m3fn, "fp8")):
+        quantized = kv_dtype is not None
+        runs = [("tiles", mla.mla_attention_triton, c, None) for c in tiles_configs(args) if "tiles" in args.kernels]
+        runs += [("flash", mla.mla_decode_triton, c, mla.CUDA_FLASH_TILES[quantized])
+                 for c in flash_configs(args, quantized) if "flash" in args.kernels]
         for sequences in args.batch:
-            floor = sequences * args.context * (LATENT + ROPE) * (1 if kv_dtype else 2) / bandwidth * 1e6
-            for config in configs:
+            inputs, want = step_inputs(sequences, args.context, kv_dtype)
+            bytes_, flops = decode_cost(sequences, args.context, 1 if quantized else 2)
+            read, tensor, floor = floor_us(bytes_, flops, limits)
+            for kernel_name, kernel, config, default in runs:
+                row = f"| {name} | {sequences} | {kernel_name} | {label(config, default)} | {read:.1f} | {tensor:.1f} "
                 try:
-                    us, error = time_decode(args, sequences, kv_dtype, **config)
+                    us, error = time_decode(kernel, inputs, want, **config)
                 except Exception as exc:  # a tile that does not compile (shared memory, registers): say so
-                    print(f"| {name} | {sequences} | {config or 'default'} | {floor:.1f} | failed: "
-                          f"{type(exc).__name__} | | |")
+                    print(f"{row}| {floor:.1f} | failed: {type(exc).__name__} | | | |")
                     continue
-                print(f"| {name} | {sequences} | {config or 'default'} | {floor:.1f} | {us:.1f} | "
-                      f"{floor / us:.0%} | {error:.2e} |")
+                share, bound = share_of(bytes_, flops, us, limits)
+                print(f"{row}| {floor:.1f} | {us:.1f} | {share:.0%} | {bound} | {error:.2e} |")
+            del inputs, want
+            torch.cuda.empty_cache()
     if args.prefill:
         g = torch.Generator(device="cuda").manual_seed(0)
-        q, cache, cu, lens, table, rows, slots, order, max_q_len, latent = batch(1, args.prefill, args.prefill, None,
-                                                                                 g)
+        q, cache, cu, lens, table, rows, slots, order, max_q_len, latent = mla.mla_batch(
+            [args.prefill], [0], HEADS, LATENT, ROPE, PAGE, torch.bfloat16, "cuda", g)
         mla.store_latent_triton(rows, cache, slots)
-        scale = (128 + ROPE) ** -0.5
-        ms = triton.testing.do_bench(lambda: mla.mla_attention_triton(q, cache, cu, lens, table, scale, latent,
+        ms = triton.testing.do_bench(lambda: mla.mla_attention_triton(q, cache, cu, lens, table, SCALE, latent,
                                                                        max_q_len), rep=200)
         flops = 2 * HEADS * (LATENT + ROPE + LATENT) * args.prefill * (args.prefill + 1) / 2
         print(f"\nprefill of one {args.prefill}-token prompt (absorbed form, causal): {ms:.2f} ms per layer, "
