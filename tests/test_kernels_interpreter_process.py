@@ -1,4 +1,4 @@
-"""On a GPU machine, tests/test_kernels_interpreter.py and test_mla_kernels.py cannot run in pytest's process (its
+"""On a GPU machine, tests/test_kernels_interpreter.py, test_mla_kernels.py and test_mla_decode.py cannot run in pytest's process (its
 kernels are compiled for the GPU there): they run in a process that sees no GPU, so a plain `pytest` checks every
 kernel against its reference on any machine. A CPU machine runs those files directly (this test is for machines with
 a GPU only)."""
@@ -26,7 +26,8 @@ def triton_version() -> tuple[int, int]:
 def test_a_gpu_machine_runs_the_interpreter_kernel_tests_in_a_process_that_sees_no_gpu():
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu",
-                           "tests/test_kernels_interpreter.py", "tests/test_mla_kernels.py"],
+                           "tests/test_kernels_interpreter.py", "tests/test_mla_kernels.py",
+                           "tests/test_mla_decode.py"],
                           cwd=Path(__file__).parent.parent, env=env,
                           capture_output=True, text=True, timeout=850)
     assert done.returncode == 0 and " passed" in done.stdout and "skipped" not in done.stdout, done.stdout[-4000:]
