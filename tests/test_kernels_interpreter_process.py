@@ -1,7 +1,7 @@
-"""On a GPU machine, tests/test_kernels_interpreter.py, test_mla_kernels.py and test_mla_decode.py cannot run in pytest's process (its
-kernels are compiled for the GPU there): they run in a process that sees no GPU, so a plain `pytest` checks every
-kernel against its reference on any machine. A CPU machine runs those files directly (this test is for machines with
-a GPU only)."""
+"""On a GPU machine, tests/test_kernels_interpreter.py, test_mla_kernels.py and test_mla_decode.py cannot run in
+pytest's process (their kernels are compiled for the GPU there): they run in a process that sees no GPU, so a plain
+`pytest` checks every kernel against its reference on any machine. A CPU machine runs those files directly (this test
+is for machines with a GPU only)."""
 import os
 import subprocess
 import sys
