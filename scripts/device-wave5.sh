@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The wave-5 measurements that need a GPU, in two device calls (after the GPU suite's own call):
+#   issue 66  the MLA decode kernels side by side against their floor, and the default-mla decode step with each
+#   issue 67  save -> serving with the unsaved buffer compiled ahead against without (one server, alternating)
+#   issue 69  the notebook drill (the TUI's picture, tsdev history, the page)
+# run: source scripts/device-setup.sh; bash scripts/device-wave5.sh mla; then (another call) ... ahead notebook
+#      (carry .whl .debs; all three together can pass the 10-minute limit of one call)
+set -u
+source "$(dirname "$0")/device-check.sh" --steps-only
+out=${OUT:-/tmp/device-out}
+parts=("$@")
+[ $# -gt 0 ] || parts=(mla ahead notebook)
+for part in "${parts[@]}"; do
+  case $part in
+    mla)
+      TAIL=30 step mla-kernels 200 python3 benchmarks/mla_decode.py --flash-splits 16 32 64
+      for k in tiles flash; do
+        TAIL=8 step "mla-step-$k" 120 env TSDEV_MLA_DECODE=$k python3 benchmarks/decode_step.py --model default-mla \
+          --batch-sizes 1 64 256 --context 4096
+      done ;;
+    ahead) TAIL=12 step save-ahead 200 python3 benchmarks/save_to_serving.py --cycles 8 --restarts 0 --ahead 1000 ;;
+    notebook) OUT=$out TAIL=30 step notebook 150 python3 scripts/notebook_drill.py ;;
+    *) echo "unknown part $part (mla, ahead, notebook)"; exit 2 ;;
+  esac
+done
