@@ -49,7 +49,7 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReload
     """The app; `reloader` (a tsdev.hotreload.Reloader or alike) enables reload_forward, None refuses it (403).
     `security`: who may call what (API key, loopback-only control routes, profile and weight directories).
     `chat_template`: a jinja2 file to render chat prompts with instead of the checkpoint's own.
-    `api_channel`: the engine process's end of the channel to an API process (which had its hello: tsdev/serving.py
+    `api_channel`: the engine process's end of the channel to an API process (which had its hello: tsdev/launch/serve.py
     `ApiProcess.hello`); it hears "ready" once this app runs.
     `app.state.async_engine.shutdown()` ends its requests and streams (what a server does on SIGTERM)."""
     metrics = EngineMetrics(engine, served_model_name)
