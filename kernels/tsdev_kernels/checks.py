@@ -378,74 +378,58 @@ def _tensors(out) -> list[torch.Tensor]:
 
 
 def _digest(check: KernelCheck) -> str:
-    """The check's kernels, the `@jit` helpers they reach and its launchers (`_launch_path`): an edit of a launch
-    setting (num_warps, a block size, the grid) changes the op as much as one of a kernel's body."""
+    """The check's kernels, the `@jit` helpers they reach and its launchers (`_python_path` of its call): an edit of
+    a launch setting (num_warps, a block size, the grid) changes the op as much as one of a kernel's body."""
     digest = hashlib.sha256()
     for fn in _reached(check):
         digest.update(b"-" if fn is None else _code_digest(_written(fn)))
-    for fn, constants in _launch_path(check):
+    for fn, constants in _python_path(check.kernel):
         digest.update(_code_digest(fn.__code__) + repr(constants).encode())
     return digest.hexdigest()
 
 
-def _launch_path(check: KernelCheck) -> list[tuple[types.FunctionType, tuple]]:
-    """The Python functions of tsdev_kernels.ops the check's call runs on its way to the kernels (its launcher, the
-    launcher's helpers), through globals and closures, each with the plain constants it reads from its module
-    (`BLOCK = 1024`). Kernels and `@jit` helpers are `_reached`'s."""
+def drawing_digest(check: KernelCheck) -> str:
+    """A digest of the code that draws the check's inputs and computes its reference: the Python functions of
+    tsdev_kernels.ops they reach and the plain constants these read (`_python_path`)."""
+    digest = hashlib.sha256()
+    for fn, constants in _python_path(check.inputs, check.reference):
+        digest.update(_code_digest(fn.__code__) + repr(constants).encode())
+    return digest.hexdigest()
+
+
+_PLAIN = (int, float, str, bool, tuple)
+
+
+def _python_path(*roots) -> list[tuple[types.FunctionType, tuple]]:
+    """The Python functions of tsdev_kernels.ops that `roots` run, through globals and closures, each with the plain
+    constants it reads (`BLOCK = 1024`, a captured int). Kernels, `@jit` helpers and CuTe wrappers are `_reached`'s."""
     found, seen = [], set()
 
     def visit(value) -> None:
-        if not isinstance(value, types.FunctionType) or _is_cute(value) or id(value) in seen:
-            return
-        if not (value.__module__ or "").startswith(OPS_PACKAGE):
+        if (not isinstance(value, types.FunctionType) or _is_cute(value) or id(value) in seen
+                or not (value.__module__ or "").startswith(OPS_PACKAGE)):
             return
         seen.add(id(value))
-        names = value.__code__.co_names
-        constants = tuple((n, v) for n in names if isinstance(v := value.__globals__.get(n), (int, float, str, bool)))
-        found.append((value, constants))
-        for name in names:
-            visit(value.__globals__.get(name))
+        reads = [value.__globals__.get(name) for name in value.__code__.co_names]
         for cell in value.__closure__ or ():
             try:
-                visit(cell.cell_contents)
+                reads.append(cell.cell_contents)
             except ValueError:  # an empty cell
                 pass
+        found.append((value, tuple(v for v in reads if isinstance(v, _PLAIN))))
+        for read in reads:
+            visit(read)
 
-    visit(check.kernel)
+    for root in roots:
+        visit(root)
     return found
-
-
-def drawing_digest(check: KernelCheck) -> str:
-    """A digest of the code that draws the check's inputs and computes its reference: the Python functions of
-    tsdev_kernels.ops they reach through globals and closures, and the plain constants these read."""
-    digest, seen = hashlib.sha256(), set()
-
-    def visit(value) -> None:
-        if isinstance(value, types.FunctionType):
-            if id(value) in seen or not value.__module__.startswith(OPS_PACKAGE):
-                return
-            seen.add(id(value))
-            digest.update(_code_digest(value.__code__))
-            for name in value.__code__.co_names:
-                visit(value.__globals__.get(name))
-            for cell in value.__closure__ or ():
-                try:
-                    visit(cell.cell_contents)
-                except ValueError:  # an empty cell
-                    pass
-        elif isinstance(value, (int, float, str, bool, tuple)) or value is None:
-            digest.update(repr(value).encode())
-
-    visit(check.inputs)
-    visit(check.reference)
-    return digest.hexdigest()
 
 
 def modules_reached(check: KernelCheck) -> set[str]:
     """The modules that define the check's kernels, a helper they reach or its launchers: an edit elsewhere cannot
     change it."""
     return ({fn.__module__ for fn in _reached(check) if fn is not None}
-            | {fn.__module__ for fn, _ in _launch_path(check)})
+            | {fn.__module__ for fn, _ in _python_path(check.kernel)})
 
 
 def _python_function(obj) -> types.FunctionType | None:
