@@ -22,10 +22,10 @@ NORM = "kernels/tsdev_kernels/ops/norm.py"
 ROW = "    return w * (x * rstd).to(dt).to(tl.float32)"  # rms_norm_values: the normalized row
 SETTLE_S = 8
 WARPS = "num_warps=min(max(BLOCK // 256, 1), 8)"
-EDITS = [  # (what the author tries, old, new)
+EDITS = [  # (what the author tries, old, new): each on the file as the last save left it
     ("fewer warps", WARPS, "num_warps=min(max(BLOCK // 512, 1), 8)"),
     ("more warps", "num_warps=min(max(BLOCK // 512, 1), 8)", "num_warps=min(max(BLOCK // 128, 1), 16)"),
-    ("a wrong edit", "num_warps=min(max(BLOCK // 128, 1), 16)", "num_warps=min(max(BLOCK // 128, 1), 16)"),
+    ("a wrong edit (its kernel check must fail)", ROW, "    return 1.5 * " + ROW.removeprefix("    return ")),
     ("the file put back", None, None),
 ]
 
@@ -42,8 +42,7 @@ async def drive(project: Path, out: Path, device: str, port: int) -> None:
             await pilot.pause(0.5)
         for what, old, new in EDITS:
             text = (project / NORM).read_text()
-            if what == "a wrong edit":  # the normalized row scaled as well: its kernel check must catch it
-                text = text.replace(ROW, "    return 1.5 * " + ROW.removeprefix("    return "), 1)
+            assert old is None or old in text, old
             (project / NORM).write_text(original if old is None else text.replace(old, new, 1))
             print(f"saved: {what}", flush=True)
             await pilot.pause(SETTLE_S)  # the reload, its checks and the decode probe
