@@ -186,7 +186,11 @@ def test_a_newer_buffer_supersedes_the_waiting_one_of_its_file_and_the_lock_is_f
         buffers.files = lambda: {a: "tsdev_kernels.ops.activation", b: "tsdev_kernels.ops.norm"}
         first = asyncio.create_task(buffers.compile(a, "a = 1\n"))
         await asyncio.to_thread(blocking.ahead_started.wait, 30)
-        assert not control.lock.locked()  # the pool compiles: a reload may take its turn
+        for _ in range(3000):  # `prepared` hands the release to this loop (call_soon_threadsafe): let it run
+            if not control.lock.locked():
+                break
+            await asyncio.sleep(0.01)
+        assert not control.lock.locked()  # the pool still compiles (it waits for `go`): a reload may take its turn
         sources = {"tsdev_kernels.ops.activation": b"a = 1\n", "tsdev_kernels.ops.norm": b""}
         same = asyncio.create_task(buffers.settled(sources))  # a reload of the text being built waits for it
         other = asyncio.create_task(buffers.settled({**sources, "tsdev_kernels.ops.activation": b"a = 9\n"}))

@@ -281,8 +281,18 @@ def until(server, holds, timeout_s: float = 60.0) -> None:
         time.sleep(0.01)
 
 
+def requests_running(server) -> int:
+    """The engine's admitted requests (/metrics' tsdev_requests_running): /load counts the queued ones too."""
+    metrics = httpx.get(server + "/metrics").text
+    return int(float(next(line.split()[-1] for line in metrics.splitlines()
+                          if line.startswith("tsdev_requests_running"))))
+
+
 def test_continue_generation_cancels_a_reload_that_has_not_started(server):
     threads, results = start_streams(server, 1, max_tokens=600)  # keeps the first reload draining a while
+    # admitted before the first reload holds admission (a stream still queued then left nothing to drain: the first
+    # reload ended before the second could wait for it, on a loaded CI machine)
+    until(server, lambda info, load: requests_running(server) == 1)
     replies = {}
     first = threading.Thread(target=lambda: replies.__setitem__(
         "first", reload(server, new_id(), modules=["tsdev_kernels.ops.norm"])))
