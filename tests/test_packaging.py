@@ -21,5 +21,6 @@ def test_the_wheel_holds_tsdev_tsdev_runtime_and_tsdev_kernels_with_their_data(t
     for package in ("tsdev_runtime", "tsdev_kernels", "tsdev_runtime/engine", "tsdev_kernels/ops", "tsdev/watch"):
         assert f"{package}/__init__.py" in names, package
     assert "tsdev_runtime/weights/corpus.txt" in names
-    configs = {Path(name).name for name in names if name.startswith("tsdev_kernels/moe_configs/")}
-    assert configs == {path.name for path in (ROOT / "kernels/tsdev_kernels/moe_configs").glob("*.json")} != set()
+    for folder in ("moe_configs", "gemm_configs"):  # the tuned files `tsdev tune` made, shipped
+        configs = {Path(name).name for name in names if name.startswith(f"tsdev_kernels/{folder}/")}
+        assert configs == {path.name for path in (ROOT / "kernels/tsdev_kernels" / folder).glob("*.json")} != set()

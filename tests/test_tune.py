@@ -152,8 +152,8 @@ def test_the_route_by_m_follows_the_crossover_else_the_rule_and_tsdev_kernels_fo
     available = [True]
     monkeypatch.setattr(fp8_block, "scaled_mm_available", lambda device: available[0])
     monkeypatch.setenv("TSDEV_KERNELS", "triton")
-    rule = {m: fp8_block.uses_scaled_mm(m, 4096, 4096, cuda) for m in (1, 8, 16, 2048)}
-    assert rule == {1: False, 8: False, 16: True, 2048: True}  # no measured crossover: SCALED_MM_MIN_ROWS
+    rule = {m: fp8_block.uses_scaled_mm(m, 4096, 4096, cuda) for m in (1, 64, 255, 256, 2048)}
+    assert rule == {1: False, 64: False, 255: False, 256: True, 2048: True}  # no crossover: SCALED_MM_MIN_ROWS
     write(fp8_block.block_gemm_config_path(4096, 4096, H100, route=True),
           {"1": dict(triton_us=9.0, scaled_mm_us=13.0), "64": dict(triton_us=20.0, scaled_mm_us=19.0),
            "2048": dict(triton_us=90.0, scaled_mm_us=60.0), "4096": dict(triton_us=150.0, scaled_mm_us=160.0)})

@@ -373,9 +373,12 @@ def fp8_block_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_
 # token group, weights 128 x 128. On the H100 at 96b8aee it took 20-22 us for Qwen3-8B's q|k|v at M 1-256 and 87 at
 # 2048, where the Triton projection took 21 / 59 / 30 / 40 / 220 at M 1 / 16 / 64 / 256 / 2048 (untuned), 175 us for
 # down at 2048 against 500 (issue 65; docs/benchmarks.md). The op routes each M to the faster side by the crossover
-# `tsdev tune` measures; the Triton kernel stays the one a user edits and reloads.
+# `tsdev tune` measures; the Triton kernel stays the one a user edits and reloads. The crossover `tsdev tune` measured
+# on an H100 on 2026-12-07 at Qwen3-8B's four projections (gemm_configs/*route=scaled_mm*): Triton faster up to 64
+# tokens even untuned (qkv 15.8 us against 19 at 64), _scaled_mm at 256 for three of four untuned (gate_up 84 / 64,
+# down 83 / 71, qkv 30 / 29, o 25 / 28) and for all from 1024 (down 249 / 202 at 1024, 991 / 797 at 4096).
 
-SCALED_MM_MIN_ROWS = 16  # without a measured crossover: _scaled_mm from this many tokens (the H100 figures above)
+SCALED_MM_MIN_ROWS = 256  # without a measured crossover: _scaled_mm from this many tokens (the H100 figures above)
 
 
 def fp8_block_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
