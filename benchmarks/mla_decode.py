@@ -1,7 +1,7 @@
 """MLA decode attention (`tsdev_kernels.ops.mla`) against its floor: DeepSeek-V3's shapes (128 heads, latent 512, rope
 64), a paged latent cache of bf16 or e4m3 (pages of 16), every sequence at --context tokens. Both decode kernels side by
-side: "tiles" (`mla_attention_triton`, `_mla_kernel`'s decode tiles, the default) and "flash" (`mla_decode_triton`,
-mla_decode.py's kernel in FlashMLA's structure, TSDEV_MLA_DECODE=flash), each of its tiles (FLASH_TILES).
+side: "flash" (`mla_decode_triton`, mla_decode.py's kernel in FlashMLA's structure, the default), each of its tiles
+(FLASH_TILES), and "tiles" (`mla_attention_triton`, `_mla_kernel`'s decode tiles, TSDEV_MLA_DECODE=tiles).
 
     python3 benchmarks/mla_decode.py                          # both kernels, batch 1, 64, 256 at context 4096, bf16
                                                               # and e4m3 caches

@@ -27,9 +27,10 @@ width are not specialised on (module docstring of attention.py says why). The CU
 (`CUDA_DECODE_TILES`; docs/mla.md, docs/benchmarks.md).
 
 A second decode kernel, in FlashMLA's structure (mla_decode.py: 64 heads of a row per program against every latent
-column, q loaded once, blocks of 64 cached rows, the scores computed once per block), serves decode steps under
-TSDEV_MLA_DECODE=flash (`mla_decode_triton`: `mla_attention_triton`'s contract for decode; merged by the same
-`_mla_merge_kernel`); opt-in until an H100 has timed both (benchmarks/mla_decode.py).
+column, q loaded once, blocks of 64 cached rows, the scores computed once per block), serves decode steps by
+default (`mla_decode_triton`: `mla_attention_triton`'s contract for decode; merged by the same `_mla_merge_kernel`):
+on an H100 it took 0.55-0.80x the decode tiles' time (benchmarks/mla_decode.py, docs/mla.md); TSDEV_MLA_DECODE=tiles
+serves the decode tiles instead.
 """
 import os
 
@@ -43,13 +44,13 @@ from tsdev_kernels.ops.attention import (ATTENTION_TOLERANCE, FP8_KV_DTYPE, LOG2
                                          decode_step, dequantize_kv, keys_seen, mixed_step, quantize_kv)
 from tsdev_kernels.ops.mla_decode import _mla_decode_kernel
 
-# Which kernel serves decode steps on CUDA: "tiles", `_mla_kernel`'s decode tiles (the default), or "flash",
-# mla_decode.py's (FlashMLA's structure; opt-in until the H100 has timed both: benchmarks/mla_decode.py). Read when
-# this module is (re)loaded.
-MLA_DECODE = os.environ.get("TSDEV_MLA_DECODE", "tiles")
+# Which kernel serves decode steps on CUDA: "flash", mla_decode.py's (FlashMLA's structure; the default), or "tiles",
+# `_mla_kernel`'s decode tiles (slower at every shape timed on an H100 on 2026-12-07: benchmarks/mla_decode.py).
+# Read when this module is (re)loaded.
+MLA_DECODE = os.environ.get("TSDEV_MLA_DECODE", "flash")
 if MLA_DECODE not in ("tiles", "flash"):
-    raise ValueError(f"TSDEV_MLA_DECODE={MLA_DECODE!r}: expected tiles (the decode tiles of mla.py's _mla_kernel, "
-                     "the default) or flash (mla_decode.py's kernel, FlashMLA's structure)")
+    raise ValueError(f"TSDEV_MLA_DECODE={MLA_DECODE!r}: expected flash (mla_decode.py's kernel, FlashMLA's structure, "
+                     "the default) or tiles (the decode tiles of mla.py's _mla_kernel)")
 
 
 def store_latent_ref(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, scale: float = 1.0) -> None:
@@ -332,13 +333,14 @@ def mla_attention_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: tor
 
 
 # The flash decode kernel's tile on CUDA, by cache dtype (mla_decode.py): 64 heads (a warpgroup's rows), blocks of 64
-# cached rows, the latent columns in `chunks` chunks, 8 warps. Compiled for sm_90 without a GPU (Triton 3.9,
-# tests/test_mla_decode_compile.py): with a bf16 cache 216 KiB of shared memory, 255 registers and 144 bytes spilled
-# (loop-invariant addresses, reloaded once per block; 1 or 4 chunks spill more); with e4m3 172 KiB and 336 bytes
-# (the addresses of the rows' conversion to bf16 through shared memory; 2 chunks 392). Not timed yet:
-# benchmarks/mla_decode.py times them beside its other tiles and `_mla_kernel`'s decode tiles.
-CUDA_FLASH_TILES = {False: dict(heads=64, block_n=64, chunks=2, num_warps=8),
-                    True: dict(heads=64, block_n=64, chunks=4, num_warps=8)}
+# cached rows, the latent columns in `chunks` chunks, 8 warps. The fastest of benchmarks/mla_decode.py's tiles on an
+# H100 (2026-12-07, 128 heads, context 4096, Triton 3.6; docs/mla.md): bf16 cache, 4 chunks: 20.6 / 314 / 1235 us at
+# batch 1 / 64 / 256 (2 chunks 21.7 / 329 / 1286, 1 chunk 23.1 / 348 / 1365); e4m3, 1 chunk: 24.4 / 365 / 1429
+# (4 chunks 24.8 / 404 / 1590). Blocks of 32 rows and 128 heads per program were slower at every batch. Compiled
+# for sm_90 (Triton 3.9, tests/test_mla_decode_compile.py): 255 registers, 208 bytes spilled with bf16 (216 KiB of
+# shared memory), 376 with e4m3 (172 KiB).
+CUDA_FLASH_TILES = {False: dict(heads=64, block_n=64, chunks=4, num_warps=8),
+                    True: dict(heads=64, block_n=64, chunks=1, num_warps=8)}
 FLASH_MAX_SPLITS = 32  # at batch 1 each split writes 128 heads x 512 float32 (256 KiB) for the merge to read
 
 
