@@ -319,3 +319,24 @@ def test_a_history_cursor_moved_up_stays_on_its_row_when_a_reload_adds_one(tmp_p
     assert on == "ReloadRecord-2", on
     assert any(re.match(r"│ 2 +reload all", line) for line in history), history
     assert after == "ReloadRecord-5", after
+
+
+def test_a_reload_served_with_a_failing_kernel_check_reads_check_failed_in_its_row_as_in_the_notebook():
+    """Under --kernel-checks report a failing check is served (the reload is ok): its history row says so in red, the
+    word `tsdev history` uses, where the H100 drill of 2026-12-07 showed "ok" beside "kernel check failed"."""
+    from tsdev_runtime.control_protocol import KernelCheckResult, WorkerReport
+    from tsdev.watch.records import ReloadRecord, entry_of
+
+    failing = KernelCheckResult(op="rms_norm", shape=[4, 64], dtype="float32", max_abs=1.0, max_rel=1.0, atol=0,
+                                rtol=0, ok=False, seed=1)
+    served = ReloadRecord(4, "save", ["norm.py"])
+    served.finish(WorkerReport(ok=True, reloaded=["tsdev_kernels.ops.norm"], kernel_checks=[failing]))
+    passing = ReloadRecord(5, "save", ["norm.py"])
+    passing.finish(WorkerReport(ok=True, reloaded=["tsdev_kernels.ops.norm"], kernel_checks=[
+        KernelCheckResult(op="rms_norm", shape=[4, 64], dtype="float32", max_abs=0.0, max_rel=0.0, atol=0, rtol=0,
+                          ok=True, seed=1)]))
+    served.done = passing.done = True  # as the daemon marks a reload it has told
+    cells = WatchApp.cells(served)["outcome"]
+    assert (cells.plain, str(cells.style)) == ("check failed", "red")
+    assert entry_of(served).outcome == "kernel check failed"
+    assert WatchApp.cells(passing)["outcome"].plain == "ok"

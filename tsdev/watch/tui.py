@@ -21,7 +21,7 @@ from tsdev.outcome import (KEEPS_SERVING, SHOWN_STEPS, checks_table, fold, graph
 from tsdev.notebook import sparkline
 from tsdev.watch.args import WatchConfig
 from tsdev.watch.daemon import Daemon
-from tsdev.watch.records import Event, ReloadRecord, RestartRecord, WeightsRecord
+from tsdev.watch.records import Event, ReloadRecord, RestartRecord, WeightsRecord, outcome_of
 from tsdev.watch.plain import checks_text, message_line, restart_line, started_line, trigger_text, weights_line
 
 WHERE = re.compile(r"(?P<path>[^\s:'\"]+\.py):(?P<line>\d+)")
@@ -464,7 +464,9 @@ class WatchApp(App):
             delta = record.probe.delta
             cells["decode ms/step"] = f"{record.probe.ms:.2f}" + (f" ({delta:+.2f})" if delta is not None else "")
         if record.done:
-            if record.error:
+            if isinstance(record, ReloadRecord) and outcome_of(record) == "kernel check failed":
+                cells["outcome"] = Text("check failed", "red")  # rolled back under strict, served under report
+            elif record.error:
                 cells["outcome"] = Text("failed", "red")
             elif isinstance(record, ReloadRecord) and record.restart:
                 cells["outcome"] = Text("needs restart", "yellow")
