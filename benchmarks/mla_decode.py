@@ -47,7 +47,8 @@ SCALE = (128 + ROPE) ** -0.5  # V3's softmax scale before YaRN (the kernels' spe
 # the flash kernel's tiles timed (mla_decode_triton's keywords): CUDA_FLASH_TILES' (bf16: 2 chunks, e4m3: 4) and
 # their neighbours; 128 heads in one program do not fit (mla_decode.py's docstring): the last row says by how much
 FLASH_TILES = [dict(heads=64, block_n=64, chunks=c, num_warps=8) for c in (1, 2, 4)] + [
-    dict(heads=64, block_n=32, chunks=2, num_warps=8), dict(heads=128, block_n=16, chunks=2, num_warps=16)]
+    dict(heads=64, block_n=32, chunks=2, num_warps=8), dict(heads=128, block_n=16, chunks=2, num_warps=16)] + [
+    dict(heads=64, block_n=64, chunks=c, num_warps=8, transposed=True) for c in (2, 4)]  # mla_decode.py: spills
 
 
 def decode_cost(sequences: int, context: int, kv_itemsize: int) -> tuple[int, int]:
@@ -138,7 +139,7 @@ def flash_configs(args, quantized: bool) -> list[dict]:
     """The flash kernel's configurations to time: its default tile first, the other FLASH_TILES, then the default
     tile at each of --flash-splits."""
     default = mla.CUDA_FLASH_TILES[quantized]
-    configs = [{}] + [t for t in FLASH_TILES if t != default]
+    configs = [{}] + [t for t in FLASH_TILES if {"transposed": False, **t} != default]
     return configs + [dict(num_splits=s) for s in args.flash_splits]
 
 

@@ -1,7 +1,8 @@
 """The flash MLA decode kernel (kernels/tsdev_kernels/ops/mla_decode.py, launched by `mla.mla_decode_triton`) against
 the torch reference under Triton's interpreter, on fresh random inputs: ragged lengths across page boundaries, several
 splits (shares past a short sequence's end), head blocks of 16 and 64 over a head count that fills neither, the
-latent columns in 1, 2 or 4 chunks, V3's widths (512 + 64), an e4m3 cache with a scale that is not 1, this step's rows
+latent columns in 1, 2 or 4 chunks, either orientation of the products (heads x rows, or rows x heads and latent
+columns x heads: `transposed`), V3's widths (512 + 64), an e4m3 cache with a scale that is not 1, this step's rows
 stored by the kernel (a padding slot writes nothing), and a negative control: the kernel without the online softmax's
 rescale fails. Then its reload check and the TSDEV_MLA_DECODE switch that routes `mla_attention`'s decode rows to it.
 
@@ -40,8 +41,10 @@ def flash(q, cache, cu, lens, table, rows, slots, order, latent, **tile):
 
 
 @pytest.mark.parametrize("kv_dtype", [None, E4M3])
-@pytest.mark.parametrize("splits, heads, chunks", [(1, 16, 2), (3, 16, 1), (5, 64, 4), (2, 64, 2)])
-def test_decode_matches_the_reference_over_ragged_lengths_splits_and_head_blocks(splits, heads, chunks, kv_dtype):
+@pytest.mark.parametrize("splits, heads, chunks, transposed", [(1, 16, 2, False), (3, 16, 1, False), (5, 64, 4, False),
+                                                               (2, 64, 2, False), (3, 16, 1, True), (5, 64, 2, True)])
+def test_decode_matches_the_reference_over_ragged_lengths_splits_and_head_blocks(splits, heads, chunks, transposed,
+                                                                                 kv_dtype):
     g = torch.Generator().manual_seed(splits * heads + chunks)
     # 40 heads (head blocks of 16: the third 8/16 full; of 64: 40/64), latent 24 (chunks of a 32 block), rope 8 (of
     # 16); lengths 1 to 70 over pages of 4 in blocks of 16 rows; a one-token sequence leaves every split but one empty
@@ -50,21 +53,23 @@ def test_decode_matches_the_reference_over_ragged_lengths_splits_and_head_blocks
     slots[3] = -1  # a graph's padding row: writes nothing (its own output is unspecified)
     want, want_cache = reference(q, cache, cu, lens, table, rows, slots, latent)
     got = flash(q, cache, cu, lens, table, rows, slots, order, latent, num_splits=splits, heads=heads, block_n=16,
-                chunks=chunks)
+                chunks=chunks, transposed=transposed)
     assert torch.equal(cache.float(), want_cache.float())
     keep = torch.arange(5) != 3
     torch.testing.assert_close(got[keep], want[keep], atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("kv_dtype", [None, E4M3])
-def test_decode_at_v3s_widths_with_few_heads(kv_dtype):
+def test_decode_at_v3s_widths_with_few_heads(kv_dtype, transposed):
     """Latent 512 + rope 64 as DeepSeek-V3 (BLOCK_L and BLOCK_R without padding), 4 heads, pages of 16, blocks of 32
     rows, two chunks of 256 columns."""
     g = torch.Generator().manual_seed(17)
     q, cache, cu, lens, table, rows, slots, order, _, latent = mla.mla_batch(
         [1] * 3, [5, 70, 33], 4, 512, 64, 16, torch.float32, "cpu", g, kv_dtype)
     want, want_cache = reference(q, cache, cu, lens, table, rows, slots, latent)
-    got = flash(q, cache, cu, lens, table, rows, slots, order, latent, num_splits=2, block_n=32, chunks=2)
+    got = flash(q, cache, cu, lens, table, rows, slots, order, latent, num_splits=2, block_n=32, chunks=2,
+                transposed=transposed)
     assert torch.equal(cache.float(), want_cache.float())
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
@@ -86,13 +91,15 @@ def test_an_e4m3_cache_with_a_scale_is_dequantized_by_it_and_the_rows_stored_qua
     assert not torch.allclose(unscaled, want, atol=1e-2, rtol=1e-2)  # the scale matters at these values
 
 
-def test_without_the_online_softmaxs_rescale_the_kernel_fails(tmp_path, monkeypatch):
+@pytest.mark.parametrize("transposed", [False, True])
+def test_without_the_online_softmaxs_rescale_the_kernel_fails(tmp_path, monkeypatch, transposed):
     """The negative control: the same kernel, its accumulator no longer rescaled when a block raises the running
-    maximum, is wrong on sequences of several blocks (so the tests above see the rescale)."""
+    maximum, is wrong on sequences of several blocks (so the tests above see the rescale), in either orientation."""
     source = Path(mla.__file__).with_name("mla_decode.py").read_text()
-    assert source.count("acc[i] * alpha[:, None]") == 1
+    rescale = "acc[i] * alpha[None, :]" if transposed else "acc[i] * alpha[:, None]"
+    assert source.count(rescale) == 1
     path = tmp_path / "mla_decode_without_rescale.py"
-    path.write_text(source.replace("acc[i] * alpha[:, None]", "acc[i]"))
+    path.write_text(source.replace(rescale, "acc[i]"))
     spec = importlib.util.spec_from_file_location("mla_decode_without_rescale", path)
     edited = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(edited)
@@ -101,9 +108,9 @@ def test_without_the_online_softmaxs_rescale_the_kernel_fails(tmp_path, monkeypa
         [1] * 3, [40, 70, 55], 6, 24, 8, 4, torch.float32, "cpu", g)
     want, _ = reference(q, cache, cu, lens, table, rows, slots, latent)
     torch.testing.assert_close(flash(q, cache, cu, lens, table, rows, slots, order, latent, num_splits=1,
-                                     block_n=16), want, atol=2e-5, rtol=2e-5)
+                                     block_n=16, transposed=transposed), want, atol=2e-5, rtol=2e-5)
     monkeypatch.setattr(mla, "_mla_decode_kernel", edited._mla_decode_kernel)
-    got = flash(q, cache, cu, lens, table, rows, slots, order, latent, num_splits=1, block_n=16)
+    got = flash(q, cache, cu, lens, table, rows, slots, order, latent, num_splits=1, block_n=16, transposed=transposed)
     assert not torch.allclose(got, want, atol=1e-2, rtol=1e-2)
 
 

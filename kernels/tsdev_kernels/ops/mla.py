@@ -339,8 +339,8 @@ def mla_attention_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: tor
 # (4 chunks 24.8 / 404 / 1590). Blocks of 32 rows and 128 heads per program were slower at every batch. Compiled
 # for sm_90 (Triton 3.9, tests/test_mla_decode_compile.py): 255 registers, 208 bytes spilled with bf16 (216 KiB of
 # shared memory), 376 with e4m3 (172 KiB).
-CUDA_FLASH_TILES = {False: dict(heads=64, block_n=64, chunks=4, num_warps=8),
-                    True: dict(heads=64, block_n=64, chunks=1, num_warps=8)}
+CUDA_FLASH_TILES = {False: dict(heads=64, block_n=64, chunks=4, num_warps=8, transposed=False),
+                    True: dict(heads=64, block_n=64, chunks=1, num_warps=8, transposed=False)}
 FLASH_MAX_SPLITS = 32  # at batch 1 each split writes 128 heads x 512 float32 (256 KiB) for the merge to read
 
 
@@ -359,10 +359,11 @@ def mla_decode_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.
                       order: torch.Tensor | None = None, kv_scale: float = 1.0,
                       store: tuple[torch.Tensor, torch.Tensor] | None = None, heads: int | None = None,
                       block_n: int | None = None, chunks: int | None = None,
-                      num_warps: int | None = None) -> torch.Tensor:
+                      num_warps: int | None = None, transposed: bool | None = None) -> torch.Tensor:
     """A decode step's `mla_attention_ref` by mla_decode.py's kernel (the splits, then `_mla_merge_kernel`):
     `mla_attention_triton`'s contract for max_q_len 1, storing this step's rows when store = (rows, slot_mapping).
-    heads (per program: a power of two), block_n, chunks (of the latent columns) and num_warps: the tile, for
+    heads (per program: a power of two), block_n, chunks (of the latent columns), num_warps and transposed (the
+    products as cached rows x heads and latent columns x heads: mla_decode.py's docstring): the tile, for
     benchmarks/mla_decode.py; on CUDA left out, `CUDA_FLASH_TILES`'."""
     if max_q_len != 1:
         raise ValueError(f"mla_decode_triton runs decode steps (max_q_len 1), not max_q_len {max_q_len}")
@@ -372,7 +373,8 @@ def mla_decode_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.
     if B == 0:
         return out
     quantized = cache.dtype == FP8_KV_DTYPE
-    tile = CUDA_FLASH_TILES[quantized] if q.is_cuda else dict(heads=16, block_n=16, chunks=2, num_warps=4)
+    tile = CUDA_FLASH_TILES[quantized] if q.is_cuda else dict(heads=16, block_n=16, chunks=2, num_warps=4,
+                                                              transposed=False)
     heads = min(heads or tile["heads"], max(16, triton.next_power_of_2(H)))
     num_splits = num_splits or flash_splits(B, H, q.device, heads)
     rows, slots = store if store is not None else (q, cu_seqlens_q)
@@ -389,7 +391,8 @@ def mla_decode_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.
         BLOCK_L=triton.next_power_of_2(latent_dim), BLOCK_R=max(16, triton.next_power_of_2(width - latent_dim)),
         CHUNKS=chunks or tile["chunks"], BLOCK_N=block_n or tile["block_n"], SPLIT=split, STORE=store is not None,
         ORDERED=order is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANTIZED=quantized,
-        num_warps=num_warps or tile["num_warps"], num_stages=2,
+        TRANSPOSED=tile["transposed"] if transposed is None else transposed, num_warps=num_warps or tile["num_warps"],
+        num_stages=2,
     )
     if split:
         _mla_merge_kernel[(B, H)](part_o, part_lse, out, cu_seqlens_q, out.stride(0), out.stride(1), H, num_splits,
