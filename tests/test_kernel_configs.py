@@ -140,14 +140,19 @@ def test_a_mixed_steps_launches_compile_the_same_binaries_whatever_its_count_of_
     assert keys[0] == keys[1] == keys[2]
 
 
-def test_a_mixed_steps_latent_attention_compiles_the_same_binaries_whatever_its_count_of_decodes(monkeypatch):
-    """MLA's split as attention's (the test above): the prompts' launch and the store of their latent rows."""
+@pytest.mark.parametrize("decode_kernel", ["tiles", "flash"])  # mla.MLA_DECODE: the decode rows' kernel
+def test_a_mixed_steps_latent_attention_compiles_the_same_binaries_whatever_its_count_of_decodes(monkeypatch,
+                                                                                               decode_kernel):
+    """MLA's split as attention's (the test above): the prompts' launch and the store of their latent rows, whichever
+    kernel runs the decode rows (`_mla_kernel`'s decode tiles, or mla_decode.py's, which stores their rows)."""
     from tsdev_kernels.ops import mla
 
     monkeypatch.setattr(mla, "use_triton", lambda x, family: True)
+    monkeypatch.setattr(mla, "MLA_DECODE", decode_kernel)
     heads, latent, rope, page = 4, 32, 16, 16
     cache = torch.zeros(32, page, 1, latent + rope, dtype=torch.bfloat16)
-    kernels = {name: getattr(mla, name) for name in ("_mla_kernel", "_mla_merge_kernel", "_store_latent_kernel")}
+    kernels = {name: getattr(mla, name) for name in ("_mla_kernel", "_mla_decode_kernel", "_mla_merge_kernel",
+                                                     "_store_latent_kernel")}
     keys = []
     for decodes in (1, 2, 3):
         rows, cu, seq_lens, page_table, order = mixed_step(decodes)
@@ -156,7 +161,10 @@ def test_a_mixed_steps_latent_attention_compiles_the_same_binaries_whatever_its_
                           page_table, 0.1, latent, max_q_len=20, order=order, decodes=decodes,
                           store=(torch.randn(rows, 1, latent + rope, dtype=torch.bfloat16),
                                  torch.arange(rows, dtype=torch.int64)))
-        assert len(launched["_mla_kernel"].launches) == 2 and len(launched["_store_latent_kernel"].launches) == 1
+        decode_launches = launched["_mla_kernel" if decode_kernel == "tiles" else "_mla_decode_kernel"].launches
+        assert len(launched["_mla_kernel"].launches) == (2 if decode_kernel == "tiles" else 1)
+        assert len(decode_launches) == (2 if decode_kernel == "tiles" else 1)  # (tiles: the prompts' launch too)
+        assert len(launched["_store_latent_kernel"].launches) == 1
         keys.append([alignment_key(kernels["_mla_kernel"], launched["_mla_kernel"].launches[-1]),  # the prompts'
                      alignment_key(kernels["_store_latent_kernel"], launched["_store_latent_kernel"].launches[0])])
     assert keys[0] == keys[1] == keys[2]

@@ -109,10 +109,12 @@ def test_the_public_op_stores_the_rows_then_attends_on_any_device():
 def test_a_mixed_step_runs_its_decode_rows_as_a_decode_step_and_the_rest_on_the_prefill_tiles(monkeypatch):
     """The leading one-row sequences (`decodes`, `split_order`'s order) on the decode path, which stores their rows,
     then the other rows stored and the prompts' chunks on the prefill tiles: together the reference, the cache as the
-    reference stores it."""
+    reference stores it. With `_mla_kernel`'s decode tiles (TSDEV_MLA_DECODE=tiles); tests/test_mla_decode.py routes
+    the same step to the flash kernel."""
     from tsdev_kernels.ops.attention import split_order
 
     monkeypatch.setattr(mla, "use_triton", lambda x, family: True)  # the Triton paths, interpreted
+    monkeypatch.setattr(mla, "MLA_DECODE", "tiles")
     g = torch.Generator().manual_seed(5)
     q_lens, cached = [1, 1, 1, 21, 1, 18], [9, 25, 4, 30, 6, 0]
     q, cache, cu, lens, table, rows, slots, _, max_q_len, latent = mla.mla_batch(
