@@ -126,6 +126,12 @@ def test_edit_outside_the_reloadable_packages_restarts_the_server(watch):
     assert "tsdev_runtime.engine.scheduler changed outside the reloadable packages → restarted in" in line
     assert "golden: same 24 tokens" in line
     assert httpx.get(url + "/health").status_code == 200
+    # where its seconds went: the old server's stop, then the new server's own account and the daemon's rest
+    where = re.search(r"restarted in (\d+\.\d) s.*\| old server stopped in \d+\.\d\d s, then start: ([^|]+) s \|", line)
+    assert where, line
+    parts = {name.strip(): float(seconds) for name, seconds in re.findall(r"([A-Za-z -]+) (\d+\.\d\d)", where.group(2))}
+    assert {"python and the CLI", "imports", "load", "warm-up", "capture", "other"} <= set(parts), line
+    assert abs(sum(parts.values()) - float(where.group(1))) <= 0.06 + 0.005 * len(parts), line  # they add up
 
 
 def test_killed_server_is_restarted(watch):

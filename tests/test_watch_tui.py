@@ -340,3 +340,14 @@ def test_a_reload_served_with_a_failing_kernel_check_reads_check_failed_in_its_r
     assert (cells.plain, str(cells.style)) == ("check failed", "red")
     assert entry_of(served).outcome == "kernel check failed"
     assert WatchApp.cells(passing)["outcome"].plain == "ok"
+
+
+def test_a_restart_line_says_where_its_seconds_went_and_nothing_when_the_server_gave_no_account():
+    from tsdev.watch.plain import restart_parts
+    from tsdev.watch.records import RestartRecord
+
+    record = RestartRecord(1, "an engine edit", seconds=2.5, stopped=0.4,
+                           startup={"python and the CLI": 0.1, "imports": 0.3, "load": 0.9, "warm-up": 1.0})
+    assert restart_parts(record) == ("old server stopped in 0.40 s, then start: python and the CLI 0.10, imports 0.30, "
+                                     "load 0.90, warm-up 1.00, hand-over and health checks 0.20 s")
+    assert restart_parts(RestartRecord(2, "an engine edit", seconds=2.5, stopped=0.4)) == ""  # an older server

@@ -412,6 +412,7 @@ class ServerInfo(EngineInfo):
     allow_reload_forward: bool = False
     pid: int
     state: Phase = "serving"
+    startup: dict[str, float] = {}  # where the start's seconds went, in order (the startup line); {}: unknown
 
 
 # --- events (GET /v1/rl/engine/events, one SSE `data:` line each) -------------------------------------------

@@ -141,23 +141,33 @@ def process_age() -> float | None:
         return None
 
 
-def describe_startup(before: float | None, imports: float, t: dict, compiles: int, total: float | None) -> str:
-    """Where every second of the start went: `before` (the interpreter, the CLI's imports, its checks: the
+def startup_parts(before: float | None, imports: float, t: dict, total: float | None) -> dict[str, float]:
+    """Where every second of the start went, in order: `before` (the interpreter, the CLI's imports, its checks: the
     process's age when serving began), the runtime's imports, then the engine's phases; `other` is what none of
-    them holds, so the parts add up to `total`, the process's age now (both None where it cannot be read)."""
+    them holds, so the parts add up to `total`, the process's age now (both None where it cannot be read: no
+    `other` then). GET /server_info's `startup`, which `tsdev watch`'s restart line shows."""
     parts = {"imports": imports, "checkpoint": t.get("checkpoint", 0.0), "load": t["load"], "warm-up": t["warm"],
              "capture": t["capture"] + t["capture_prefill"]}
     if before is not None:
         parts = {"python and the CLI": before, **parts}
+        if total is not None:
+            parts["other"] = max(total - sum(parts.values()), 0.0)
+    return parts
+
+
+def describe_startup(before: float | None, imports: float, t: dict, compiles: int, total: float | None) -> str:
+    """The startup line: `startup_parts`, the captures split, the compiles counted."""
+    parts = startup_parts(before, imports, t, total)
+    other = parts.pop("other", None)
     text = (", ".join(f"{name} {seconds:.2f} s" for name, seconds in parts.items())
             + f" (decode {t['capture']:.2f}, prefill {t['capture_prefill']:.2f}); {compiles} Triton compile(s) in the "
               "warm-up and capture")
-    if total is None or before is None:
+    if other is None:
         return f"startup: {text}"
     from tsdev.launch.child import HANDED_OVER_ENV
 
     since = "a standby took the start" if os.environ.get(HANDED_OVER_ENV) else "the process began"
-    return f"startup: {total:.2f} s since {since} = {text}; other {max(total - sum(parts.values()), 0):.2f} s"
+    return f"startup: {total:.2f} s since {since} = {text}; other {other:.2f} s"
 
 
 class StartupProgress(logging.Handler):
@@ -364,14 +374,14 @@ def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, cons
 
     info = engine.describe()
     graphs = describe_graphs(info, config.device.startswith("cuda"), engine.startup_timings)
+    age = process_age()
     console.print(
         f"{describe_loaded(name, info, engine.startup_timings)}\n"
         f"KV pool: {info.kv_pages} pages x {info.page_size} tokens{kv_pool_note(info)}; "
         f"context length {info.max_model_len}; "
         f"up to {info.max_running} requests at once\n"
         f"warmed in {engine.startup_timings['warm']:.2f} s; {graphs}\n"
-        f"""{describe_startup(before, imports, engine.startup_timings, sum(jit_compiles().values()),
-                              process_age())}"""
+        f"{describe_startup(before, imports, engine.startup_timings, sum(jit_compiles().values()), age)}"
     )
     reloader = None
     if server.allow_reload_forward:
@@ -393,7 +403,8 @@ def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, cons
             ChatTemplate(engine.tokenizer_dir, server.chat_template)
         app = build_app(engine, name, reloader, max_request_body_bytes=server.max_request_body_bytes,
                         security=SecurityPolicy.of(server), chat_template=server.chat_template,
-                        api_channel=api and api.channel)
+                        api_channel=api and api.channel,
+                        startup=startup_parts(before, imports, engine.startup_timings, age))
     except (FileNotFoundError, ValueError, TemplateError) as exc:  # --chat-template, or the checkpoint's template
         console.print(f"[red]error:[/red] the chat template: {exc}")
         return 2

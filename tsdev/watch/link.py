@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -20,6 +20,7 @@ class Described:
     model: str | None
     device: str | None
     vocab: int
+    startup: dict[str, float] = field(default_factory=dict)  # where the server's start went (ServerInfo.startup)
 
 
 class ServerLink:
@@ -39,7 +40,7 @@ class ServerLink:
         response = await self.client.get(self.url + SERVER_INFO_ROUTE)
         if response.status_code == 200:
             info = ServerInfo.model_validate_json(response.content)
-            return Described(info.model, info.device, info.vocab_size)
+            return Described(info.model, info.device, info.vocab_size, info.startup)
         first = (await self.client.get(self.url + "/v1/models")).json()["data"][0]
         return Described(first.get("id"), None, int(first.get("vocab_size") or 256))
 

@@ -116,7 +116,23 @@ def restart_line(record: RestartRecord, daemon: Daemon) -> str:
                 f"{' by the standby' if record.standby else ''} ({where})")
         if record.served_after_save is not None:
             head += f" | save → serving again {record.served_after_save:.2f} s"
+        if where_it_went := restart_parts(record):
+            head += f" | {where_it_went}"
     return " | ".join([head, *checks_text(record)])
+
+
+def restart_parts(record: RestartRecord) -> str:
+    """Where a restart's seconds went: the old server's stop, then the new server's own account of its start
+    (GET /server_info's `startup`: the CLI, imports, checkpoint, load, warm-up, capture, other) and what is left
+    of the daemon's `seconds` (the hand-over and its health checks); '' when the server gave no account."""
+    if not record.startup:
+        return ""
+    parts = ", ".join(f"{name} {seconds:.2f}" for name, seconds in record.startup.items())
+    text = f"old server stopped in {record.stopped:.2f} s, then " if record.stopped is not None else ""
+    text += f"start: {parts}"
+    if (rest := record.seconds - sum(record.startup.values())) >= 0.005:
+        text += f", hand-over and health checks {rest:.2f}"
+    return text + " s"
 
 
 def started_line(event: Event, daemon: Daemon) -> str | None:

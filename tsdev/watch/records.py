@@ -102,6 +102,8 @@ class RestartRecord:
     done: bool = False
     standby: bool = False  # a standby process took the start (tsdev/launch/standby.py)
     served_after_save: float | None = None  # from the saved file's modification time to healthy again
+    stopped: float | None = None  # seconds the old server took to stop (a restart's, before `seconds` began)
+    startup: dict[str, float] = field(default_factory=dict)  # the new server's own account (ServerInfo.startup)
 
 
 def outcome_of(record: ReloadRecord | RestartRecord) -> str:

@@ -47,7 +47,9 @@ class Restarts:
         first = [] if self.daemon.down else await self.daemon.link.capture_first()  # graphs it used: before serving
         self.daemon.watcher.rescan()  # before the standby imports the sources: later saves count as changes
         self.daemon.server.prepare_standby()  # it imports the project while the old server stops
+        stopping = time.perf_counter()
         await self.daemon.server.stop_async(15)
+        record.stopped = time.perf_counter() - stopping
         self.after_exit = 0 if by_user else self.after_exit + 1
         await self._start(record, first)
         if saved_at and not record.error:
@@ -84,6 +86,7 @@ class Restarts:
         try:
             described = await daemon.link.describe()
             daemon.checker.vocab, daemon.checker.device = described.vocab, described.device
+            record.startup = described.startup
             daemon.info.update(model=described.model, device=described.device)
             if take_golden:
                 await daemon.checker.take_golden()
