@@ -44,7 +44,8 @@ class ApiProcess:
     """The API process (`python -m tsdev.launch.api`: the HTTP front) beside this engine process, started before
     the model loads so that its imports overlap the load; it listens on the public socket once the engine says hello
     over `channel` (runtime/tsdev_runtime/engine/wire.py). Either stops when the other dies: the channel closes. It
-    runs in a session of its own: Ctrl-C reaches this process, which stops it (`stop`) once its requests ended."""
+    runs in a session of its own: Ctrl-C (or SIGTERM) reaches this process, which signals it at once (`stop_soon`:
+    their shutdowns, each ending its requests with finish reason "abort", overlap) and waits for it (`stop`)."""
 
     def __init__(self, public: socket.socket):
         self.channel, theirs = socket.socketpair()
@@ -52,6 +53,7 @@ class ApiProcess:
         fds = (public.fileno(), theirs.fileno())
         self.proc = subprocess.Popen([sys.executable, "-m", "tsdev.launch.api", *map(str, fds)], pass_fds=fds,
                                      start_new_session=True)
+        self.signalled = False  # SIGTERM sent (`stop_soon`)
         theirs.close()
         self.dir = Path(tempfile.mkdtemp(prefix="tsdev-engine-"))  # only this user may reach the socket in it
         self.socket_path = self.dir / "app.sock"
@@ -84,9 +86,15 @@ class ApiProcess:
         sock.listen(BACKLOG)
         return sock
 
+    def stop_soon(self) -> None:
+        """SIGTERM, once: its server stops taking requests and ends those in flight; `stop` waits for it."""
+        if self.proc.poll() is None and not self.signalled:
+            self.signalled = True
+            self.proc.terminate()
+
     def stop(self) -> None:
         if self.proc.poll() is None:
-            self.proc.terminate()
+            self.stop_soon()
             try:
                 self.proc.wait(API_PROCESS_STOP_S)
             except subprocess.TimeoutExpired:
@@ -424,8 +432,14 @@ def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, cons
 
     uvicorn_config = uvicorn.Config(app, log_level=server.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     async_engine = app.state.async_engine
-    quiet_server_class(uvicorn.Server)(uvicorn_config, started, async_engine.shutdown,
-                                       lambda: async_engine.left_behind).run(sockets=[listening])
+
+    async def stop() -> None:  # SIGINT/SIGTERM: the API process's shutdown beside this one's (each ~0.1 s of uvicorn's)
+        if api is not None:
+            api.stop_soon()
+        await async_engine.shutdown()
+
+    quiet_server_class(uvicorn.Server)(uvicorn_config, started, stop, lambda: async_engine.left_behind).run(
+        sockets=[listening])
     engine.control.close()  # the other ranks, if any, stop
     return 0
 
@@ -493,24 +507,38 @@ def log_to_stderr(log_level: str = "warning") -> None:
 def quiet_server_class(base: type) -> type:
     """uvicorn's Server (imported late: it is part of the startup's imports), told when it accepts
     connections, stopping the app's streams on SIGINT/SIGTERM, and exiting quietly after such a stop
-    (uvicorn re-raises the signal, which Ctrl-C turns into a KeyboardInterrupt traceback)."""
+    (uvicorn re-raises the signal, which Ctrl-C turns into a KeyboardInterrupt traceback). Its main loop wakes on the
+    signal instead of at its next 0.1 s tick: a restart waits for the old server (and its API process) to exit."""
 
     class Server(base):
         def __init__(self, config, on_started, stop_streams, left_behind=lambda: False):
             super().__init__(config)
             self._on_started, self._stop_streams, self._stopping = on_started, stop_streams, None
             self._left_behind = left_behind
+            self._exiting: asyncio.Event | None = None  # made in the loop's thread by main_loop
 
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets=sockets)
             if self.started:
                 self._on_started()
 
+        async def main_loop(self) -> None:
+            """uvicorn's (a tick every 0.1 s: the date header, the exit flag), woken at once by `handle_exit`."""
+            self._exiting, counter = asyncio.Event(), 0
+            while not await self.on_tick(counter):
+                counter = (counter + 1) % 864000
+                try:
+                    await asyncio.wait_for(self._exiting.wait(), 0.1)
+                except asyncio.TimeoutError:
+                    pass
+
         def handle_exit(self, sig, frame) -> None:
             if not self.should_exit:
                 self._stopping = asyncio.ensure_future(self._stop_streams())
                 sys.setswitchinterval(0.0005)  # this thread gets the GIL back sooner from a busy engine thread
             super().handle_exit(sig, frame)
+            if self._exiting is not None:
+                self._exiting.set()
 
         async def shutdown(self, sockets=None) -> None:
             await super().shutdown(sockets=sockets)
