@@ -126,6 +126,10 @@ def test_the_buffer_is_built_as_its_modules_source_nothing_reloads_until_it_is_s
         reply = CompileAheadReply.model_validate_json(post(client, ACTIVATION, text).content)
         assert (reply.outcome, reply.compiled, reply.kernels) == ("compiled", 3, [f"{MODULE}.silu_and_mul_kernel"])
         assert reply.seconds == 0.5 and reply.slowest == 0.4 and tokens(client) == before and spy.reloads == 0
+        spy.built = Ahead(0, 0.01, 0.0, on_disk=3)  # a version built before: its binaries in Triton's cache
+        reply = CompileAheadReply.model_validate_json(post(client, ACTIVATION, text).content)
+        assert reply.outcome == "nothing" and "(3) are in Triton's cache already" in reply.reason, reply
+        spy.built = Ahead(3, 0.5, 0.4, (f"{MODULE}.silu_and_mul_kernel",))
 
         spy.saved = {MODULE: text.encode()}  # the save: the same text, on disk now
         try:

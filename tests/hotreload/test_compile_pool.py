@@ -224,3 +224,38 @@ def test_a_buffer_built_ahead_lands_in_the_cache_and_the_save_of_its_text_builds
         assert (again.binaries, again.reused) == (1, True) and cubins(cache) == after
     finally:
         pool.close()
+
+
+@pytest.mark.slow
+def test_a_binary_on_disk_is_found_by_triton_compiles_own_key_so_a_revert_skips_the_pool(pkg, tmp_path):
+    """`ahead._on_disk` (what lets a revert or an edit seen before skip the compile and the pool's round trip) answers
+    as `triton.compile` would: True for the source and specialisation it compiled, False for an edited kernel or an
+    edited helper it inlines until that version is compiled too. Compiled for sm_90 in a process of its own (no
+    interpreter), with its own Triton cache."""
+    pkg.write("ops", KERNEL)
+    pkg.write("ops_edited", KERNEL.replace("offs < N)), mask", "offs < N) + 1.0), mask"))
+    pkg.write("ops_helper", KERNEL.replace("helper_x * 2.0", "helper_x * 3.0"))
+    check = textwrap.dedent(f"""
+        import json
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from triton.compiler.compiler import make_backend
+        from tsdev.hotreload.ahead import _on_disk
+        from {pkg.name} import ops, ops_edited, ops_helper
+        target = GPUTarget("cuda", 90, 32)
+        backend, spec = make_backend(target), ({{"X": "*fp32", "N": "i32", "BLOCK": "constexpr"}}, {{(2,): 16}}, {{}})
+        def build(module):
+            return triton.compile(ASTSource(module.kernel, *spec), target=target, options={{"num_warps": 4}})
+        live = build(ops)
+        seen = [_on_disk(m.kernel, live, target, backend) for m in (ops, ops_edited, ops_helper)]
+        build(ops_edited)
+        seen.append(_on_disk(ops_edited.kernel, live, target, backend))
+        print(json.dumps(seen))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    proc = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[true, false, false, true]", proc.stdout

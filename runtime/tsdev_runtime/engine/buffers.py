@@ -128,7 +128,7 @@ class BufferCompiles:
         slowest = rest[0] if rest else 0.0
         kernels, reused = (list(rest[1]), bool(rest[2])) if len(rest) >= 3 else ([], False)
         if not binaries:
-            return _reply(buffer, "nothing", waited=waited, reason=self._why_nothing())
+            return _reply(buffer, "nothing", waited=waited, reason=self._why_nothing(rest[3] if len(rest) >= 4 else 0))
         return self._said(_reply(buffer, "compiled", waited=waited, compiled=binaries, kernels=kernels, reused=reused,
                                  seconds=seconds, slowest=slowest))
 
@@ -150,7 +150,10 @@ class BufferCompiles:
             return sources, _reply(buffer, "nothing", reason=f"the server runs this text of {buffer.module} already")
         return sources, None
 
-    def _why_nothing(self) -> str:
+    def _why_nothing(self, on_disk: int = 0) -> str:
+        if on_disk:
+            return (f"the binaries this text needs ({on_disk}) are in Triton's cache already (a version built "
+                    "before): saving it reloads without compiling")
         if not self.control.config.device.startswith("cuda"):
             return (f"on {self.control.config.device} Triton's interpreter runs the kernels: there are no binaries to "
                     "build (on a GPU the kernels this text changes are built here)")
