@@ -100,13 +100,13 @@ def compile_job(sources: dict[str, bytes], job: Job) -> Compiled:
     import triton
 
     start = time.perf_counter()
-    if _import(name for name in sources if _reloader.reloadable(name)):  # what the server imported since
+    if _import([*(name for name in sources if _reloader.reloadable(name)), job.module]):  # the server's since
         _reloader.modules()  # (it tracks what was just imported)
     tx = _reloader.reload(sources=sources)
     if not tx.report.ok:
         return Compiled(job, time.perf_counter() - start, f"the edit did not load: {tx.report.error}")
     tx.commit()
-    kernel = next((layer for layer in jit._stack(getattr(sys.modules[job.module], job.name, None))
+    kernel = next((layer for layer in jit._stack(getattr(sys.modules.get(job.module), job.name, None))
                    if "device_caches" in vars(layer)), None)
     if kernel is None:
         return Compiled(job, time.perf_counter() - start, f"{job.module}.{job.name} is no Triton kernel now")

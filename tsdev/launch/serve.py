@@ -344,9 +344,18 @@ def _load_and_serve(config: EngineConfig, server: ServerConfig, sock: socket.soc
             imports = time.perf_counter() - imports_start
             api = ApiProcess(sock) if server.api_process else None  # it imports while the model loads
             pool = start_compile_pool(config, server)  # its workers import and warm up while the model loads
+            manifest_file = prewarm(pool, config)  # and compile what the last such start compiled, side by side
             name = server.served_model_name or ("tsdev-default" if config.model is None else Path(config.model).name)
             engine = _load(config, server, console, api, name)
-        return 2 if engine is None else _serve(config, server, sock, console, pool, before, imports, api, engine, name)
+        if engine is None:
+            return 2
+        if manifest_file is not None:  # what this start compiled, for the next one (not the graphs captured later)
+            from tsdev.hotreload import default_packages, manifest
+            from tsdev.hotreload.pool import imported
+
+            with contextlib.suppress(OSError):  # (a read-only cache: the next start compiles as this one did)
+                manifest.write(manifest_file, manifest.entries(imported(default_packages())))
+        return _serve(config, server, sock, console, pool, before, imports, api, engine, name)
     finally:
         if pool is not None:
             pool.close()
@@ -458,6 +467,52 @@ def start_compile_pool(config: EngineConfig, server: ServerConfig):
     major, minor = torch.cuda.get_device_capability(torch.device(config.device))
     packages = default_packages()
     return CompilePool(packages, workers, GPUTarget("cuda", major * 10 + minor, 32), imported(packages))
+
+
+# What a start's configuration changes in the kernels it compiles (not: which graphs come first after a restart, the
+# seed, timeouts, the checks, how the weights are read, the memory kept back, the device's index)
+NOT_IN_MANIFEST_KEY = {"cudagraph_capture_first", "prefill_graph_capture_first", "seed", "rank_timeout_s",
+                       "kernel_check", "load_format", "load_memory_limit", "gpu_memory_utilization", "kv_pages",
+                       "device"}
+
+
+def manifest_path(config: EngineConfig, target, triton_version: str) -> Path:
+    """<cache>/warmup/sm90-triton3.6.0-<digest of the configuration>.json: the binaries a start of this configuration
+    on this GPU architecture with this Triton compiled (tsdev/hotreload/manifest.py)."""
+    import hashlib
+
+    from tsdev_kernels.cache import cache_dir
+
+    kept = {k: v for k, v in sorted(dataclasses.asdict(config).items()) if k not in NOT_IN_MANIFEST_KEY}
+    digest = hashlib.sha256(repr(kept).encode()).hexdigest()[:16]
+    return cache_dir() / "warmup" / f"sm{target.arch}-triton{triton_version}-{digest}.json"
+
+
+def prewarm(pool, config: EngineConfig) -> Path | None:
+    """Hand the pool (a thread waits on it) what the last start of this configuration compiled, so that the warm-up
+    finds it in Triton's disk cache; the manifest's path, to write once this start has warmed up. None without a
+    pool."""
+    if pool is None:
+        return None
+    import triton
+
+    from tsdev.hotreload import manifest
+
+    path = manifest_path(config, pool.target, triton.__version__)
+    if jobs := manifest.jobs(manifest.read(path), pool.target):
+        logging.getLogger("tsdev_runtime.startup").info(
+            f"compiling {len(jobs)} kernel {'binary' if len(jobs) == 1 else 'binaries'} the last start of this "
+            f"configuration built, in {pool.workers} worker(s), while the model loads")
+        threading.Thread(target=_compile_quietly, args=(pool, jobs), name="prewarm", daemon=True).start()
+    return path
+
+
+def _compile_quietly(pool, jobs) -> None:
+    """The manifest's jobs: what fails (a kernel changed since, the pool closed at exit) the warm-up compiles."""
+    try:
+        pool.compile({}, jobs)
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def default_compile_workers() -> int:

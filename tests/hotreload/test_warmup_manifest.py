@@ -1,0 +1,114 @@
+"""The warm-up manifest (tsdev/hotreload/manifest.py): what a start compiled, written down and handed to the compile
+pool by the next start. Its entries must name exactly the binaries Triton's JIT built -- a job made from one compiles
+to the same disk-cache key, so the next warm-up loads instead of compiling -- and a start's configuration picks its
+file. Compiled for sm_90 in a process of its own (no interpreter, no GPU)."""
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from test_compile_pool import KERNEL
+
+
+@pytest.mark.slow
+def test_a_manifest_entry_compiles_to_the_binary_the_jit_built_and_survives_its_file(pkg, tmp_path):
+    pkg.write("ops", KERNEL)
+    check = textwrap.dedent(f"""
+        import json
+        from pathlib import Path
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from triton.compiler.compiler import make_backend
+        from tsdev.hotreload import manifest
+        from {pkg.name} import ops
+
+        cache = Path({str(tmp_path / "triton-cache")!r})
+        cubins = lambda: len(list(cache.rglob("*.cubin")))
+        target = GPUTarget("cuda", 90, 32)
+        backend = make_backend(target)
+        spec = ({{"X": "*fp32", "N": "i32", "BLOCK": "constexpr"}}, {{(2,): 64}}, {{(0,): [["tt.divisibility", 16]]}})
+        built = triton.compile(ASTSource(ops.kernel, *spec), target=target, options={{"num_warps": 8}})
+        ops.kernel.device_caches = {{0: ({{"key": built}}, {{}}, target, backend, None)}}  # as the JIT keeps it
+        path = Path({str(tmp_path / "warmup" / "m.json")!r})
+        manifest.write(path, manifest.entries(["{pkg.name}.ops", "{pkg.name}"]))
+        entries = manifest.read(path)
+        [job] = manifest.jobs(entries, target)
+        before = cubins()
+        signature, constexprs, attrs, options = job.spec
+        triton.compile(ASTSource(ops.kernel, signature, constexprs, attrs), target=target, options=options)
+        same = cubins() == before  # a cache hit: the job is the JIT's binary
+        triton.compile(ASTSource(ops.kernel, signature, constexprs, attrs), target=target, options={{}})
+        print(json.dumps({{"entries": entries, "same": same, "other": cubins() == before + 1,
+                           "garbled": manifest.read(path.with_name("missing.json"))}}))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    proc = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    [entry] = got["entries"]  # the package's __init__ holds no kernel: one binary, of ops.kernel
+    assert (entry["module"], entry["name"]) == (f"{pkg.name}.ops", "kernel")
+    assert entry["constexprs"] == [[[2], 64]] and entry["attrs"] == [[[0], [["tt.divisibility", 16]]]]
+    assert entry["options"] == {"num_warps": 8}  # only what differs from the backend's defaults for the target
+    assert got["same"] and got["other"]  # its job hits the JIT's key; the defaults' options (4 warps) do not
+    assert got["garbled"] == []
+
+
+def test_a_start_picks_its_manifest_by_what_changes_its_kernels(tmp_path, monkeypatch):
+    from triton.backends.compiler import GPUTarget
+
+    from tsdev.launch.serve import manifest_path
+    from tsdev_runtime.config import EngineConfig
+
+    monkeypatch.setenv("TSDEV_CACHE_DIR", str(tmp_path))
+    sm90, base = GPUTarget("cuda", 90, 32), EngineConfig("default", device="cuda")
+    path = manifest_path(base, sm90, "3.6.0")
+    assert path.parent == tmp_path / "warmup" and path.name.startswith("sm90-triton3.6.0-")
+    same = [dataclasses.replace(base, seed=7, device="cuda:0", cudagraph_capture_first=[1], gpu_memory_utilization=0.5)]
+    other = [dataclasses.replace(base, quantization="fp8"), dataclasses.replace(base, kv_cache_dtype="fp8"),
+             dataclasses.replace(base, max_running=8), dataclasses.replace(base, model="/models/qwen3-8b")]
+    assert all(manifest_path(c, sm90, "3.6.0") == path for c in same)
+    assert len({manifest_path(c, sm90, "3.6.0") for c in other} | {path}) == len(other) + 1
+    assert manifest_path(base, GPUTarget("cuda", 100, 32), "3.6.0") != path != manifest_path(base, sm90, "3.9.0")
+
+
+def test_a_start_hands_the_last_such_starts_binaries_to_its_pool_and_says_so(tmp_path, monkeypatch, caplog):
+    import logging
+    import threading
+
+    from triton.backends.compiler import GPUTarget
+
+    from tsdev.hotreload import manifest
+    from tsdev.launch.serve import manifest_path, prewarm
+    from tsdev_runtime.config import EngineConfig
+
+    class Pool:
+        target, workers, handed = GPUTarget("cuda", 90, 32), 2, threading.Event()
+
+        def compile(self, sources, jobs):
+            self.got = (sources, jobs)
+            self.handed.set()
+            raise RuntimeError("the pool closed at exit")  # never reaches the server
+
+    monkeypatch.setenv("TSDEV_CACHE_DIR", str(tmp_path))
+    config, pool = EngineConfig("default", device="cuda"), Pool()
+    assert prewarm(None, config) is None  # no pool (the CPU, or no --allow-reload-forward): nothing to hand
+    path = manifest_path(config, pool.target, __import__("triton").__version__)
+    assert prewarm(pool, config) == path and not pool.handed.is_set()  # no manifest yet: the warm-up compiles
+    entry = {"module": "tsdev_kernels.ops.norm", "name": "_rms_norm_kernel", "signature": {"X": "*bf16"},
+             "constexprs": [[[1], 1024]], "attrs": [[[0], [["tt.divisibility", 16]]]], "options": {"num_warps": 4}}
+    manifest.write(path, [entry])
+    with caplog.at_level(logging.INFO, "tsdev_runtime.startup"):
+        assert prewarm(pool, config) == path
+    assert pool.handed.wait(10)
+    sources, [job] = pool.got
+    assert sources == {} and (job.module, job.name, job.target) == (entry["module"], entry["name"], pool.target)
+    assert job.spec == ({"X": "*bf16"}, {(1,): 1024}, {(0,): [["tt.divisibility", 16]]}, {"num_warps": 4})
+    assert "compiling 1 kernel binary the last start of this configuration built, in 2 worker(s)" in caplog.text
