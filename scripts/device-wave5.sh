@@ -3,6 +3,7 @@
 #   issue 66  the MLA decode kernels side by side against their floor, and the default-mla decode step with each
 #   issue 67  save -> serving with the unsaved buffer compiled ahead against without (one server, alternating)
 #   issue 69  the notebook drill (the TUI's picture, tsdev history, the page)
+#   issue 67  (warmup) a fresh machine's first start against one with the warm-up manifest the first wrote
 # run: source scripts/device-setup.sh; bash scripts/device-wave5.sh mla; then (another call) ... ahead notebook
 #      (carry .whl .debs; all three together can pass the 10-minute limit of one call)
 set -u
@@ -20,6 +21,15 @@ for part in "${parts[@]}"; do
       done ;;
     ahead) TAIL=12 step save-ahead 200 python3 benchmarks/save_to_serving.py --cycles 8 --restarts 0 --ahead 1000 ;;
     notebook) OUT=$out TAIL=30 step notebook 150 python3 scripts/notebook_drill.py ;;
-    *) echo "unknown part $part (mla, ahead, notebook)"; exit 2 ;;
+    warmup)  # issue 67 point 3: a fresh machine's first start (caches empty), then one with only the warm-up manifest
+      # the first wrote; the manifest comes back in $OUT (ship it: cp FILES_AT/sm*.json tsdev/warmup/)
+      fresh=$(mktemp -d)
+      export TSDEV_CACHE_DIR=$fresh/tsdev TRITON_CACHE_DIR=$fresh/triton
+      TAIL=8 step fresh-start 240 python3 benchmarks/startup.py --starts 1 -- --allow-reload-forward
+      cp "$TSDEV_CACHE_DIR"/warmup/*.json "$out"/ 2>/dev/null || echo "no manifest written"
+      rm -rf "$TRITON_CACHE_DIR"
+      TAIL=8 step fresh-with-manifest 240 python3 benchmarks/startup.py --starts 1 -- --allow-reload-forward
+      unset TSDEV_CACHE_DIR TRITON_CACHE_DIR ;;
+    *) echo "unknown part $part (mla, ahead, notebook, warmup)"; exit 2 ;;
   esac
 done

@@ -112,3 +112,29 @@ def test_a_start_hands_the_last_such_starts_binaries_to_its_pool_and_says_so(tmp
     assert sources == {} and (job.module, job.name, job.target) == (entry["module"], entry["name"], pool.target)
     assert job.spec == ({"X": "*bf16"}, {(1,): 1024}, {(0,): [["tt.divisibility", 16]]}, {"num_warps": 4})
     assert "compiling 1 kernel binary the last start of this configuration built, in 2 worker(s)" in caplog.text
+
+
+def test_a_fresh_machine_takes_the_manifest_shipped_for_its_configuration(tmp_path, monkeypatch):
+    import threading
+
+    from triton.backends.compiler import GPUTarget
+
+    from tsdev.hotreload import manifest
+    from tsdev.launch import serve
+    from tsdev_runtime.config import EngineConfig
+
+    class Pool:
+        target, workers, handed = GPUTarget("cuda", 90, 32), 8, threading.Event()
+
+        def compile(self, sources, jobs):
+            self.jobs = jobs
+            self.handed.set()
+
+    monkeypatch.setenv("TSDEV_CACHE_DIR", str(tmp_path / "cache"))  # this machine has none
+    monkeypatch.setattr(serve, "SHIPPED_WARMUP", tmp_path / "shipped")
+    config, pool = EngineConfig("default", device="cuda"), Pool()
+    mine = serve.manifest_path(config, pool.target, __import__("triton").__version__)
+    entry = {"module": "m", "name": "k", "signature": {}, "constexprs": [], "attrs": [], "options": {}}
+    manifest.write(tmp_path / "shipped" / mine.name, [entry, entry])
+    assert serve.prewarm(pool, config) == mine and pool.handed.wait(10) and len(pool.jobs) == 2
+    assert not mine.exists()  # written by the start once it has warmed up, as its own

@@ -488,9 +488,13 @@ def manifest_path(config: EngineConfig, target, triton_version: str) -> Path:
     return cache_dir() / "warmup" / f"sm{target.arch}-triton{triton_version}-{digest}.json"
 
 
+SHIPPED_WARMUP = Path(__file__).resolve().parent.parent / "warmup"  # manifests made on a GPU for a fresh machine
+
+
 def prewarm(pool, config: EngineConfig) -> Path | None:
-    """Hand the pool (a thread waits on it) what the last start of this configuration compiled, so that the warm-up
-    finds it in Triton's disk cache; the manifest's path, to write once this start has warmed up. None without a
+    """Hand the pool (a thread waits on it) what the last start of this configuration compiled -- this machine's
+    manifest, else one shipped for it (tsdev/warmup/: a fresh machine's first start) -- so that the warm-up finds it
+    in Triton's disk cache; this machine's manifest path, to write once this start has warmed up. None without a
     pool."""
     if pool is None:
         return None
@@ -499,7 +503,7 @@ def prewarm(pool, config: EngineConfig) -> Path | None:
     from tsdev.hotreload import manifest
 
     path = manifest_path(config, pool.target, triton.__version__)
-    if jobs := manifest.jobs(manifest.read(path), pool.target):
+    if jobs := manifest.jobs(manifest.read(path) or manifest.read(SHIPPED_WARMUP / path.name), pool.target):
         logging.getLogger("tsdev_runtime.startup").info(
             f"compiling {len(jobs)} kernel {'binary' if len(jobs) == 1 else 'binaries'} the last start of this "
             f"configuration built, in {pool.workers} worker(s), while the model loads")
