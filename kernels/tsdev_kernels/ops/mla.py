@@ -42,7 +42,7 @@ from tsdev_kernels.checks import KernelCheck, nbytes
 from tsdev_kernels.ops import sm_count, use_triton
 from tsdev_kernels.ops.attention import (ATTENTION_TOLERANCE, FP8_KV_DTYPE, LOG2E, PagedSteps, _quantized,
                                          decode_step, dequantize_kv, keys_seen, mixed_step, quantize_kv)
-from tsdev_kernels.ops.mla_decode import _mla_decode_kernel
+from tsdev_kernels.ops.mla_decode import _mla_decode_kernel, _store_own_row
 
 # Which kernel serves decode steps on CUDA: "flash", mla_decode.py's (FlashMLA's structure; the default), or "tiles",
 # `_mla_kernel`'s decode tiles (slower at every shape timed on an H100 on 2026-12-07: benchmarks/mla_decode.py).
@@ -149,19 +149,9 @@ def _mla_kernel(
         chunk = tl.cdiv(tl.cdiv(end, num_splits), BLOCK_N) * BLOCK_N  # this split's share, in whole blocks
         start = split * chunk
         stop = tl.minimum(start + chunk, end)
-        if STORE:  # decode: this step's row goes to the cache from every program whose share holds its position,
-            # each writing the same values and reading back its own write (no order between programs is needed)
-            if (seq_len - 1 >= start) & (seq_len - 1 < stop):
-                slot = tl.load(SLOTS + q_start).to(tl.int64)
-                if slot >= 0:  # -1: a padding row, writes nothing
-                    dst = CACHE + (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_cs
-                    new_lat = tl.load(ROWS + q_start * stride_rt + lat, mask=lat < LATENT)
-                    new_rot = tl.load(ROWS + q_start * stride_rt + LATENT + rot, mask=rot < ROPE)
-                    if QUANTIZED:
-                        new_lat, new_rot = _quantized(new_lat, kv_scale, CACHE), _quantized(new_rot, kv_scale, CACHE)
-                    tl.store(dst + lat, new_lat, mask=lat < LATENT)
-                    tl.store(dst + LATENT + rot, new_rot, mask=rot < ROPE)
-            tl.debug_barrier()  # every thread of this program reads it back below
+        if STORE:  # decode: this step's row, stored by the programs whose share holds its position
+            _store_own_row(CACHE, ROWS, SLOTS, q_start, seq_len, start, stop, stride_rt, stride_cp, stride_cs,
+                           kv_scale, LATENT, ROPE, PAGE_SIZE, BLOCK_L, BLOCK_R, QUANTIZED)
 
         m_i = tl.full([QUERIES * HEADS], float("-inf"), tl.float32)
         l_i = tl.zeros([QUERIES * HEADS], tl.float32)

@@ -37,6 +37,29 @@ import triton.language as tl
 from tsdev_kernels.ops.attention import _quantized
 
 
+@triton.jit
+def _store_own_row(CACHE, ROWS, SLOTS, t, seq_len, start, stop, stride_rt, stride_cp, stride_cs, kv_scale,
+                   LATENT: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_L: tl.constexpr,
+                   BLOCK_R: tl.constexpr, QUANTIZED: tl.constexpr):
+    """A decode step's row `t` (ROWS, quantized by kv_scale in an e4m3 cache) into its cache slot, by every program
+    whose share [start, stop) of the sequence holds its position (seq_len - 1): each writes the same values and reads
+    back its own write, so no order between programs is needed. Slot -1 (a graph's padding row) writes nothing.
+    `_mla_kernel`'s decode tiles (mla.py) and this module's kernel both store their step's rows so."""
+    if (seq_len - 1 >= start) & (seq_len - 1 < stop):
+        slot = tl.load(SLOTS + t).to(tl.int64)
+        if slot >= 0:
+            lat = tl.arange(0, BLOCK_L)
+            rot = tl.arange(0, BLOCK_R)
+            dst = CACHE + (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_cs
+            new_lat = tl.load(ROWS + t * stride_rt + lat, mask=lat < LATENT)
+            new_rot = tl.load(ROWS + t * stride_rt + LATENT + rot, mask=rot < ROPE)
+            if QUANTIZED:
+                new_lat, new_rot = _quantized(new_lat, kv_scale, CACHE), _quantized(new_rot, kv_scale, CACHE)
+            tl.store(dst + lat, new_lat, mask=lat < LATENT)
+            tl.store(dst + LATENT + rot, new_rot, mask=rot < ROPE)
+    tl.debug_barrier()  # every thread of the program reads it back
+
+
 @triton.jit(do_not_specialize=["stride_pt", "num_splits", "ORDER", "SLOTS"])  # attention.py's module docstring says why
 def _mla_decode_kernel(
     Q, CACHE, O, PART_O, PART_LSE, CU, SEQ_LENS, PAGE_TABLE, ORDER, ROWS, SLOTS,
@@ -67,19 +90,9 @@ def _mla_decode_kernel(
         share = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N  # each split's rows, in whole blocks
         start = split * share
         stop = tl.minimum(start + share, seq_len)
-        if STORE:  # this step's row, from every program whose share holds its position (the same values)
-            if (seq_len - 1 >= start) & (seq_len - 1 < stop):
-                slot = tl.load(SLOTS + t).to(tl.int64)
-                if slot >= 0:  # -1: a padding row, writes nothing
-                    lat = tl.arange(0, BLOCK_L)
-                    dst = CACHE + (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_cs
-                    new_lat = tl.load(ROWS + t * stride_rt + lat, mask=lat < LATENT)
-                    new_rot = tl.load(ROWS + t * stride_rt + LATENT + rot, mask=rot < ROPE)
-                    if QUANTIZED:
-                        new_lat, new_rot = _quantized(new_lat, kv_scale, CACHE), _quantized(new_rot, kv_scale, CACHE)
-                    tl.store(dst + lat, new_lat, mask=lat < LATENT)
-                    tl.store(dst + LATENT + rot, new_rot, mask=rot < ROPE)
-            tl.debug_barrier()  # every thread of this program reads it back below
+        if STORE:
+            _store_own_row(CACHE, ROWS, SLOTS, t, seq_len, start, stop, stride_rt, stride_cp, stride_cs, kv_scale,
+                           LATENT, ROPE, PAGE_SIZE, BLOCK_L, BLOCK_R, QUANTIZED)
 
         m_i = tl.full([HEADS], float("-inf"), tl.float32)
         l_i = tl.zeros([HEADS], tl.float32)
