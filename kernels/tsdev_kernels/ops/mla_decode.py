@@ -28,8 +28,9 @@ TRANSPOSED computes both products the other way round, FlashMLA's split of the w
 S^T = K . q^T [BLOCK_N rows, HEADS] (the cached rows are M: with 8 warps each warpgroup takes half of the heads, so
 no score is computed twice), the softmax down the columns, then O^T += V^T . P^T [latent columns, HEADS] (the 512
 columns are M, 256 per warpgroup; P^T goes to the product through shared memory). Compiled for sm_90 (Triton 3.9,
-64 heads, 64 rows, 8 warps) it spills more than the default orientation: 616 / 368 bytes with 2 / 4 chunks and a bf16
-cache, 1728 / 784 with e4m3 (against 208 and 376). Not timed yet: benchmarks/mla_decode.py's FLASH_TILES has it.
+64 heads, 64 rows, 8 warps; q transposed once, before the blocks) it spills more than the default orientation: 304 /
+264 bytes with 2 / 4 chunks and a bf16 cache (224 KiB of shared memory), 864 / 544 with e4m3 (against 208 and 376).
+Not timed yet: benchmarks/mla_decode.py's FLASH_TILES has it.
 """
 import triton
 import triton.language as tl
@@ -87,6 +88,11 @@ def _mla_decode_kernel(
             q_lat += (tl.load(q_row + i * CHUNK + c[None, :], mask=(h < H)[:, None] & (i * CHUNK + c < LATENT)[None, :],
                               other=0.0),)
         q_rot = tl.load(q_row + LATENT + rot[None, :], mask=(h < H)[:, None] & (rot < ROPE)[None, :], other=0.0)
+        if TRANSPOSED:  # q^T once, the products' B operand
+            q_t = ()
+            for i in tl.static_range(CHUNKS):
+                q_t += (tl.trans(q_lat[i]),)
+            q_rot_t = tl.trans(q_rot)
         share = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N  # each split's rows, in whole blocks
         start = split * share
         stop = tl.minimum(start + share, seq_len)
@@ -105,7 +111,7 @@ def _mla_decode_kernel(
             k_rot = tl.load(row + LATENT + rot[None, :], mask=n_mask[:, None] & (rot < ROPE)[None, :], other=0.0)
             k_rot = k_rot.to(Q.dtype.element_ty)
             if TRANSPOSED:  # S^T [BLOCK_N, HEADS]: the cached rows are the tensor cores' M
-                s = tl.dot(k_rot, tl.trans(q_rot), input_precision=PRECISION)
+                s = tl.dot(k_rot, q_rot_t, input_precision=PRECISION)
             else:
                 s = tl.dot(q_rot, tl.trans(k_rot), input_precision=PRECISION)
             k_lat = ()  # the block's latent part, chunk by chunk: keys for S, then values for P . V
@@ -113,7 +119,7 @@ def _mla_decode_kernel(
                 k = tl.load(row + i * CHUNK + c[None, :], mask=n_mask[:, None] & (i * CHUNK + c < LATENT)[None, :],
                             other=0.0).to(Q.dtype.element_ty)  # (an e4m3 row to q's dtype, exactly)
                 if TRANSPOSED:
-                    s = tl.dot(k, tl.trans(q_lat[i]), s, input_precision=PRECISION)
+                    s = tl.dot(k, q_t[i], s, input_precision=PRECISION)
                 else:
                     s = tl.dot(q_lat[i], tl.trans(k), s, input_precision=PRECISION)
                 k_lat += (k,)
