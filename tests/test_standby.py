@@ -86,3 +86,17 @@ def test_a_standby_prepared_before_a_broken_edit_reports_it_when_it_starts(tmp_p
                              input='prepare\n["serve", "--device", "cpu", "--port", "0"]\n',
                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert standby.returncode != 0 and "broken on purpose" in standby.stderr
+
+
+def test_tritons_own_cache_key_is_computed_ahead_once_per_process():
+    """`warm_triton_key` (a standby while it waits, a first start beside its load) leaves Triton's install hash in
+    its per-process cache, where the first kernel compiled or loaded from the disk cache finds it."""
+    from triton.runtime.cache import triton_key
+
+    from tsdev.launch.standby import warm_triton_key
+
+    triton_key.cache_clear()
+    warm_triton_key()
+    assert triton_key.cache_info().currsize == 1 and triton_key.cache_info().misses == 1
+    warm_triton_key()
+    assert triton_key.cache_info().hits == 1  # the next caller pays nothing

@@ -342,6 +342,10 @@ def _load_and_serve(config: EngineConfig, server: ServerConfig, sock: socket.soc
             import tsdev_runtime.server.app  # noqa: F401
 
             imports = time.perf_counter() - imports_start
+            if config.device.startswith("cuda"):  # the first kernel's key, beside the model's load
+                from tsdev.launch.standby import warm_triton_key
+
+                threading.Thread(target=warm_triton_key, name="triton-key", daemon=True).start()
             api = ApiProcess(sock) if server.api_process else None  # it imports while the model loads
             pool = start_compile_pool(config, server)  # its workers import and warm up while the model loads
             manifest_file = prewarm(pool, config)  # and compile what the last such start compiled, side by side

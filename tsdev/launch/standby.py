@@ -33,6 +33,21 @@ def prepare() -> None:
         pass
 
 
+def warm_triton_key() -> None:
+    """Triton's own cache key -- a hash of its install, libtriton's hundreds of MB included: 0.33 s on the 2-core dev
+    box, paid once per process by the first kernel compiled or loaded from Triton's disk cache -- computed now, off
+    the start's path: by a standby while it waits, by a first start beside its model's load (the hashing and the
+    reads let go of the GIL). Nothing where this Triton keeps no such key."""
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:
+        try:
+            from triton.compiler.compiler import triton_key
+        except ImportError:
+            return
+    triton_key()
+
+
 def init_cuda(device: str) -> bool:
     """The CUDA context, made now (a few hundred MB of the GPU's memory beside the running server): a start's `load`
     included it (0.5-1 s on the H200). Nothing on the CPU or without a GPU. False when it cannot be made now (a GPU
@@ -67,6 +82,8 @@ def main() -> int:
         pass
     if (device := os.environ.get(DEVICE_ENV)) is not None and not init_cuda(device):
         return 0
+    if device is not None and not device.startswith("cpu") and torch.cuda.is_available() and "triton" in sys.modules:
+        warm_triton_key()
     line = sys.stdin.readline()
     if line.strip() == PREPARE:
         prepare()
