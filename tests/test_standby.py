@@ -93,7 +93,7 @@ def test_tritons_own_cache_key_is_computed_ahead_once_per_process():
     its per-process cache, where the first kernel compiled or loaded from the disk cache finds it."""
     from triton.runtime.cache import triton_key
 
-    from tsdev.launch.standby import warm_triton_key
+    from tsdev.launch.child import warm_triton_key
 
     triton_key.cache_clear()
     warm_triton_key()

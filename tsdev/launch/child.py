@@ -274,3 +274,18 @@ class ServerProcess:
         if self.log_path is None:
             return "(its output is above)"
         return "\n".join(self.output().rstrip().splitlines()[-lines:]) or f"(nothing in {self.log_path})"
+
+
+def warm_triton_key() -> None:
+    """Triton's own cache key -- a hash of its install, libtriton's hundreds of MB included: 0.33 s on the 2-core dev
+    box, paid once per process by the first kernel compiled or loaded from Triton's disk cache -- computed now, off
+    the start's path: by a standby while it waits, by a first start beside its model's load (the hashing and the
+    reads let go of the GIL). Nothing where this Triton keeps no such key."""
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:
+        try:
+            from triton.compiler.compiler import triton_key
+        except ImportError:
+            return
+    triton_key()

@@ -343,7 +343,7 @@ def _load_and_serve(config: EngineConfig, server: ServerConfig, sock: socket.soc
 
             imports = time.perf_counter() - imports_start
             if config.device.startswith("cuda"):  # the first kernel's key, beside the model's load
-                from tsdev.launch.standby import warm_triton_key
+                from tsdev.launch.child import warm_triton_key
 
                 threading.Thread(target=warm_triton_key, name="triton-key", daemon=True).start()
             api = ApiProcess(sock) if server.api_process else None  # it imports while the model loads

@@ -18,7 +18,7 @@ import os
 import sys
 import time
 
-from tsdev.launch.child import DEVICE_ENV, HANDED_OVER_ENV, PREPARE
+from tsdev.launch.child import DEVICE_ENV, HANDED_OVER_ENV, PREPARE, warm_triton_key
 
 
 def prepare() -> None:
@@ -31,21 +31,6 @@ def prepare() -> None:
         import tsdev.cli  # noqa: F401
     except BaseException:  # noqa: BLE001  (SystemExit included: the start reports it)
         pass
-
-
-def warm_triton_key() -> None:
-    """Triton's own cache key -- a hash of its install, libtriton's hundreds of MB included: 0.33 s on the 2-core dev
-    box, paid once per process by the first kernel compiled or loaded from Triton's disk cache -- computed now, off
-    the start's path: by a standby while it waits, by a first start beside its model's load (the hashing and the
-    reads let go of the GIL). Nothing where this Triton keeps no such key."""
-    try:
-        from triton.runtime.cache import triton_key
-    except ImportError:
-        try:
-            from triton.compiler.compiler import triton_key
-        except ImportError:
-            return
-    triton_key()
 
 
 def init_cuda(device: str) -> bool:
