@@ -95,11 +95,11 @@ def compile_ahead(modules: list[str], sources: Mapping[str, bytes], paths: Mappi
     try:
         for name in modules:
             live = sys.modules.get(name)
-            if live is None or name not in sources or not any(map(_jit_function, vars(live).values())):
+            if live is None or name not in sources or not any(map(jit.jit_layer, vars(live).values())):
                 continue
             scratch = _execute_aside(name, sources[name], paths[name], running[name], live)
             for attr, old in vars(live).items():
-                new_fn, old_fn = _jit_function(scratch.get(attr)), _jit_function(old)
+                new_fn, old_fn = jit.jit_layer(scratch.get(attr)), jit.jit_layer(old)
                 if new_fn is None or old_fn is None:
                     continue
                 edited.add(id(old_fn))
@@ -198,7 +198,7 @@ def _callers_aside(changed: dict, edited: set[int], tracked: list[types.ModuleTy
     Kernels that reach an edited helper only through another helper compile in the reload."""
     seen = set(edited)
     for kernel in list(jit._kernels_in(tracked)):
-        live = _jit_function(kernel)
+        live = jit.jit_layer(kernel)
         fn = jit.base_function(live)
         if live is None or fn is None or id(live) in seen or not jit._has_code(live):
             continue
@@ -226,10 +226,6 @@ def _recompile(new_fn, compiled, target, backend) -> int:
                    options=options.__dict__)
     return 1
 
-
-def _jit_function(obj):
-    """The JITFunction (the layer that holds binaries) under autotune/heuristics wrappers, or None."""
-    return next((layer for layer in jit._stack(obj) if "device_caches" in vars(layer)), None)
 
 
 def _execute_aside(name: str, source: bytes, path: str, running: bytes, live: types.ModuleType) -> dict:

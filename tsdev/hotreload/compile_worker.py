@@ -106,8 +106,7 @@ def compile_job(sources: dict[str, bytes], job: Job) -> Compiled:
     if not tx.report.ok:
         return Compiled(job, time.perf_counter() - start, f"the edit did not load: {tx.report.error}")
     tx.commit()
-    kernel = next((layer for layer in jit._stack(getattr(sys.modules.get(job.module), job.name, None))
-                   if "device_caches" in vars(layer)), None)
+    kernel = jit.jit_layer(getattr(sys.modules.get(job.module), job.name, None))
     if kernel is None:
         return Compiled(job, time.perf_counter() - start, f"{job.module}.{job.name} is no Triton kernel now")
     signature, constexprs, attrs, options = job.spec

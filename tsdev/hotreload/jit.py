@@ -373,6 +373,11 @@ def _stack(obj):
         obj = vars(obj).get("fn")
 
 
+def jit_layer(obj):
+    """The JITFunction (the layer that holds binaries) under autotune/heuristics wrappers, or None."""
+    return next((layer for layer in _stack(obj) if "device_caches" in vars(layer)), None)
+
+
 def binaries_held(modules) -> int:
     """How many binaries the kernels of `modules` (and of Triton's registry) hold: serving that compiles a kernel for
     a new specialisation changes it, a reload's reset too."""

@@ -25,18 +25,20 @@ _MISSING = object()
 
 def entries(modules: Iterable[str]) -> list[dict]:
     """Every binary the kernels that are attributes of `modules` hold, as `jobs` reads them back."""
-    found, seen = [], set()
+    found, seen, defaults = [], set(), {}  # defaults: id(backend) -> its options for {} (its target's defaults)
     for name in modules:
         module = sys.modules.get(name)
         for attr, value in list(vars(module).items()) if module is not None else ():
-            kernel = _jit_layer(value)
+            kernel = jit.jit_layer(value)
             if kernel is None or id(kernel) in seen or getattr(jit.base_function(kernel), "__module__", None) != name:
                 continue  # (a kernel imported from another module is that module's)
             seen.add(id(kernel))
             for cache in list(vars(kernel)["device_caches"].values()):
                 backend = cache[-2]
+                if id(backend) not in defaults:
+                    defaults[id(backend)] = vars(backend.parse_options({}))
                 for compiled in list(cache[0].values()):
-                    entry = _entry(name, attr, jit.specialisation(compiled, backend), backend)
+                    entry = _entry(name, attr, jit.specialisation(compiled, backend), defaults[id(backend)])
                     if entry is not None:
                         found.append(entry)
     return found
@@ -68,16 +70,10 @@ def read(path: Path) -> list[dict]:
     return manifest if isinstance(manifest, list) and all(isinstance(e, dict) for e in manifest) else []
 
 
-def _jit_layer(obj):
-    return next((layer for layer in jit._stack(obj) if "device_caches" in vars(layer)), None) if jit.is_kernel(obj) \
-        else None
-
-
-def _entry(module: str, name: str, spec: tuple | None, backend) -> dict | None:
+def _entry(module: str, name: str, spec: tuple | None, defaults: dict) -> dict | None:
     if spec is None:
         return None
     signature, constexprs, attrs, options = spec
-    defaults = vars(backend.parse_options({}))
     entry = {"module": module, "name": name, "signature": dict(signature),
              "constexprs": [[list(path), value] for path, value in constexprs.items()],
              "attrs": [[list(path), value] for path, value in attrs.items()],

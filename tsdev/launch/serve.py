@@ -53,7 +53,6 @@ class ApiProcess:
         fds = (public.fileno(), theirs.fileno())
         self.proc = subprocess.Popen([sys.executable, "-m", "tsdev.launch.api", *map(str, fds)], pass_fds=fds,
                                      start_new_session=True)
-        self.signalled = False  # SIGTERM sent (`stop_soon`)
         theirs.close()
         self.dir = Path(tempfile.mkdtemp(prefix="tsdev-engine-"))  # only this user may reach the socket in it
         self.socket_path = self.dir / "app.sock"
@@ -87,9 +86,9 @@ class ApiProcess:
         return sock
 
     def stop_soon(self) -> None:
-        """SIGTERM, once: its server stops taking requests and ends those in flight; `stop` waits for it."""
-        if self.proc.poll() is None and not self.signalled:
-            self.signalled = True
+        """SIGTERM: its server stops taking requests and ends those in flight; `stop` waits for it (and signals it
+        again, which only repeats what the first did)."""
+        if self.proc.poll() is None:
             self.proc.terminate()
 
     def stop(self) -> None:
