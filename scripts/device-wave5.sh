@@ -22,7 +22,9 @@ for part in "${parts[@]}"; do
     ahead) TAIL=12 step save-ahead 200 python3 benchmarks/save_to_serving.py --cycles 8 --restarts 0 --ahead 1000 ;;
     notebook) OUT=$out TAIL=30 step notebook 150 python3 scripts/notebook_drill.py ;;
     warmup)  # issue 67 point 3: a fresh machine's first start (caches empty), then one with only the warm-up manifest
-      # the first wrote; the manifest comes back in $OUT (ship it: cp FILES_AT/sm*.json tsdev/warmup/)
+      # the first wrote (Triton's cache emptied again; the default checkpoint the first wrote stays: compare the
+      # startup lines' warm-up parts and compile counts, not only healthy-after); the manifest comes back in $OUT
+      # (ship it: cp FILES_AT/sm*.json tsdev/warmup/)
       fresh=$(mktemp -d)
       export TSDEV_CACHE_DIR=$fresh/tsdev TRITON_CACHE_DIR=$fresh/triton
       TAIL=8 step fresh-start 240 python3 benchmarks/startup.py --starts 1 -- --allow-reload-forward

@@ -138,8 +138,8 @@ def _specialisations(live_fn):
 def _on_disk(new_fn, compiled, target, backend) -> bool:
     """Whether Triton's disk cache holds `new_fn`'s binary for a live binary's specialisation: `triton.compile`'s
     own key and lookup (the source, specialisation, options, backend, Triton and its cache-invalidating variables),
-    so a revert or an edit seen before costs neither a compile nor a trip through the pool's workers (0.10-0.15 s on
-    an H100). False whenever it cannot tell: then it compiles, as before."""
+    so a revert or an edit seen before costs neither a compile nor a trip through the pool's workers (a revert's jit
+    step took 0.10-0.15 s on an H100 with no compile over 0.01 s). False whenever it cannot tell: then it compiles."""
     import hashlib
 
     spec = jit.specialisation(compiled, backend)
