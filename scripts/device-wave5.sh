@@ -19,7 +19,7 @@ for part in "${parts[@]}"; do
         TAIL=8 step "mla-step-$k" 120 env TSDEV_MLA_DECODE=$k python3 benchmarks/decode_step.py --model default-mla \
           --batch-sizes 1 64 256 --context 4096
       done ;;
-    ahead) TAIL=12 step save-ahead 200 python3 benchmarks/save_to_serving.py --cycles 8 --restarts 0 --ahead 1000 ;;
+    ahead) TAIL=16 step save-ahead 240 python3 benchmarks/save_to_serving.py --cycles 8 --restarts 2 --ahead 1000 ;;
     notebook) OUT=$out TAIL=30 step notebook 150 python3 scripts/notebook_drill.py ;;
     warmup)  # issue 67 point 3: a fresh machine's first start (caches empty), then one with only the warm-up manifest
       # the first wrote (Triton's cache emptied again; the default checkpoint the first wrote stays: compare the
