@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The whole GPU suite in one device call of a few minutes: four pytest-xdist workers, one test file each at a time
-# (a fresh machine compiles every kernel: one process would need two calls), then tests/test_sleep_gpu.py alone --
-# it measures the device's free memory (cudaMemGetInfo), which other workers' allocations move.
-# run: source scripts/device-setup.sh; bash scripts/device-suite.sh      (carry .whl .debs)
+# The whole GPU suite: pytest-xdist workers, one test file each at a time (a fresh machine compiles every kernel),
+# then tests/test_sleep_gpu.py alone -- it measures the device's free memory (cudaMemGetInfo), which other workers'
+# allocations move. The two parts fit one 10-minute call when all pass (2026-12-07: 320 + 216 s); with failures the
+# first can run past its limit before pytest prints why, so each failure is written as it happens to
+# $OUT/failures.txt (tests/conftest.py, TSDEV_FAILURES), and each part can be a call of its own:
+# run: source scripts/device-setup.sh; bash scripts/device-suite.sh [parallel|sleep]      (carry .whl .debs)
 # The device's copy has your working tree but an older .git: never `git checkout`/`stash`/`clean` there (it brings
 # back that older commit's files, as on 2026-12-07), and `git log` there does not name the code that runs.
 set -u
@@ -11,6 +13,17 @@ source "$(dirname "$0")/device-check.sh" --steps-only
 # (2026-12-07: pools of 105 and -122380 pages), so a GPU under 100 GiB gets three workers.
 memory_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 workers=$([ "${memory_mib:-0}" -lt 102400 ] && echo 3 || echo 4)
-TAIL=15 step suite-parallel 420 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE -n "$workers" --dist loadfile \
-  --deselect tests/test_sleep_gpu.py --ignore tests/test_sleep_gpu.py
-TAIL=8 step suite-sleep 250 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE -s tests/test_sleep_gpu.py
+part=${1:-all}
+out=${OUT:-/tmp/device-out}
+export TSDEV_FAILURES=$out/failures.txt
+limit=$([ "$part" = all ] && echo 340 || echo 560)
+if [ "$part" != sleep ]; then
+  TAIL=15 step suite-parallel "$limit" python3 -m pytest -v -m gpu -p no:cacheprovider -rfE -n "$workers" \
+    --dist loadfile --durations 15 --ignore tests/test_sleep_gpu.py
+  # the tests' outcomes counted, should the run be cut off before pytest's summary
+  grep -oE "\] (PASSED|FAILED|ERROR|SKIPPED) " "$out/suite-parallel.txt" | sort | uniq -c
+fi
+[ "$part" = parallel ] || TAIL=8 step suite-sleep 230 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE -s \
+  tests/test_sleep_gpu.py
+[ -s "$TSDEV_FAILURES" ] && { echo "== failures (also in $TSDEV_FAILURES):"; grep "^=====" "$TSDEV_FAILURES"; }
+true

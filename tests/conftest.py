@@ -282,3 +282,15 @@ def allocator_still_returns_memory(request):
     released = before - torch.cuda.memory_reserved()
     assert released >= size, (f"after this test empty_cache released {released >> 20} MiB of a free {size >> 20} MiB "
                               "block: a CUDA graph capture was begun and never ended")
+
+
+def pytest_runtest_logreport(report):
+    """TSDEV_FAILURES=FILE: each failure's report appended as it happens, so that a device run cut off by its time
+    limit (before pytest's summary) still says why (scripts/device-suite.sh sets it). Written by the controller
+    only: xdist's workers send it their reports."""
+    path = os.environ.get("TSDEV_FAILURES")
+    if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):
+        with open(path, "a") as out:
+            out.write(f"===== {report.nodeid} ({report.when}, {report.duration:.1f} s)\n{report.longreprtext}\n")
+            for name, text in report.sections:  # captured output: a server's last lines (tests/serve_process.py)
+                out.write(f"----- {name}\n{text[-8000:]}\n")

@@ -5,6 +5,7 @@ keyed by argument specialisation, not by source, so each test launches the same 
 with the same arguments before and after the edit: a stale binary would give the old result.
 """
 import os
+import random
 
 import pytest
 
@@ -104,11 +105,17 @@ def test_compile_ahead_works_for_binaries_loaded_from_the_disk_cache(pkg, cuda):
     ops.scale_kernel.device_caches.clear()  # the next launch loads the binary back from Triton's disk cache
     assert ops.launch(ops.scale_kernel, cuda)[1] == 2
     r = pkg.reloader()
-    pkg.edit("ops", OPS.replace("* SCALE, mask=mask)", "* SCALE + 3, mask=mask)"))
-    compiled, *_ = r.compile_ahead()
-    assert compiled == 1
+    offset = random.randrange(3, 1 << 20)  # an edit Triton's disk cache has never seen (a run before may have left one)
+    pkg.edit("ops", OPS.replace("* SCALE, mask=mask)", f"* SCALE + {offset}, mask=mask)"))
+    ahead = r.compile_ahead()
+    assert ahead.binaries == 1 and ahead.on_disk == 0, ahead
     assert pkg.reload(r).ok
-    assert ops.launch(ops.scale_kernel, cuda)[1] == 5
+    assert ops.launch(ops.scale_kernel, cuda)[1] == 2 + offset
+    pkg.edit("ops", OPS)  # the revert: its binary is on disk, neither compiled nor sent anywhere, and it serves
+    ahead = r.compile_ahead()
+    assert ahead.binaries == 0 and ahead.on_disk == 1, ahead
+    assert pkg.reload(r).ok
+    assert ops.launch(ops.scale_kernel, cuda)[1] == 2
 
 
 def test_constexpr_global_change(pkg, cuda):

@@ -343,6 +343,15 @@ def flash_splits(batch: int, heads: int, device: torch.device, tile_heads: int =
     return max(1, min(FLASH_MAX_SPLITS, sm_count(device.index or 0) // programs))
 
 
+def flash_tile(quantized: bool, latent_dim: int, cuda: bool = True) -> dict:
+    """The flash decode kernel's tile: `CUDA_FLASH_TILES`' on CUDA (off it a small one, for the interpreter), in no
+    more chunks than leave each 16 latent columns -- a chunk is the K of the scores' products and the N of the
+    output's, and the tensor cores take no fewer (a small model's latent: 32 columns in 4 chunks did not compile)."""
+    tile = (CUDA_FLASH_TILES[quantized] if cuda else
+            dict(heads=16, block_n=16, chunks=2, num_warps=4, transposed=False))
+    return {**tile, "chunks": min(tile["chunks"], max(1, triton.next_power_of_2(latent_dim) // 16))}
+
+
 def mla_decode_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                       page_table: torch.Tensor, scale: float, latent_dim: int, max_q_len: int = 1,
                       out: torch.Tensor | None = None, num_splits: int | None = None,
@@ -354,7 +363,7 @@ def mla_decode_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.
     `mla_attention_triton`'s contract for max_q_len 1, storing this step's rows when store = (rows, slot_mapping).
     heads (per program: a power of two), block_n, chunks (of the latent columns), num_warps and transposed (the
     products as cached rows x heads and latent columns x heads: mla_decode.py's docstring): the tile, for
-    benchmarks/mla_decode.py; on CUDA left out, `CUDA_FLASH_TILES`'."""
+    benchmarks/mla_decode.py; left out, `flash_tile`'s."""
     if max_q_len != 1:
         raise ValueError(f"mla_decode_triton runs decode steps (max_q_len 1), not max_q_len {max_q_len}")
     B = seq_lens.shape[0] if order is None else order.shape[0]
@@ -363,8 +372,7 @@ def mla_decode_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.
     if B == 0:
         return out
     quantized = cache.dtype == FP8_KV_DTYPE
-    tile = CUDA_FLASH_TILES[quantized] if q.is_cuda else dict(heads=16, block_n=16, chunks=2, num_warps=4,
-                                                              transposed=False)
+    tile = flash_tile(quantized, latent_dim, q.is_cuda)
     heads = min(heads or tile["heads"], max(16, triton.next_power_of_2(H)))
     num_splits = num_splits or flash_splits(B, H, q.device, heads)
     rows, slots = store if store is not None else (q, cu_seqlens_q)
