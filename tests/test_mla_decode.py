@@ -4,7 +4,8 @@ splits (shares past a short sequence's end), head blocks of 16 and 64 over a hea
 latent columns in 1, 2 or 4 chunks, either orientation of the products (heads x rows, or rows x heads and latent
 columns x heads: `transposed`), V3's widths (512 + 64), an e4m3 cache with a scale that is not 1, this step's rows
 stored by the kernel (a padding slot writes nothing), and a negative control: the kernel without the online softmax's
-rescale fails. Then its reload check and the TSDEV_MLA_DECODE switch that routes `mla_attention`'s decode rows to it.
+rescale fails. Then its reload check, the TSDEV_MLA_DECODE switch that routes `mla_attention`'s decode rows to it,
+and the CUDA tile's chunks (never under 16 latent columns).
 
 Tolerance: float32 q and cache, IEEE products, softmax and sums in float32 in another order than the reference's: a
 few float32 ulps of the output (2e-5, as tests/test_mla_kernels.py). bf16 runs on the GPU only (the interpreter's
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
 
 from tsdev_kernels import checks
 from tsdev_kernels.ops import mla
@@ -168,3 +170,14 @@ def test_an_unknown_switch_value_fails_at_import_naming_the_variable():
     result = subprocess.run([sys.executable, "-c", "import tsdev_kernels.ops.mla"], env=env, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode != 0 and "TSDEV_MLA_DECODE='fast'" in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["bf16", "e4m3"])
+def test_the_cuda_tile_never_cuts_the_latent_into_chunks_under_16_columns(quantized):
+    """A tensor-core product takes K and N of 16 at least: a small model's latent keeps whole 16-column chunks (the
+    bf16 tile's 4 chunks of a 32-column latent did not compile for sm_90), V3's keeps the timed tile."""
+    for latent in (16, 24, 32, 64, 128, 512):
+        tile = mla.flash_tile(quantized, latent)
+        assert triton.next_power_of_2(latent) // tile["chunks"] >= 16, (latent, tile)
+    assert mla.flash_tile(quantized, 512) == mla.CUDA_FLASH_TILES[quantized]
+    assert mla.flash_tile(quantized, 32)["chunks"] == min(2, mla.CUDA_FLASH_TILES[quantized]["chunks"])
