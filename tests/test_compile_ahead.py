@@ -129,12 +129,15 @@ def test_the_buffer_is_built_as_its_modules_source_nothing_reloads_until_it_is_s
         spy.built = Ahead(0, 0.01, 0.0, on_disk=3)  # a version built before: its binaries in Triton's cache
         reply = CompileAheadReply.model_validate_json(post(client, ACTIVATION, text).content)
         assert reply.outcome == "nothing" and "(3) are in Triton's cache already" in reply.reason, reply
-        spy.built = Ahead(3, 0.5, 0.4, (f"{MODULE}.silu_and_mul_kernel",))
+        # the save's own build: 2 binaries the buffer built, in Triton's cache now, and one specialisation serving
+        # compiled since (the reload counts all 3 as ready before its pause)
+        spy.built = Ahead(1, 0.2, 0.2, (f"{MODULE}.silu_and_mul_kernel",), on_disk=2)
 
         spy.saved = {MODULE: text.encode()}  # the save: the same text, on disk now
         try:
             reloaded = client.post("/v1/rl/engine/reload_forward", json={"id": "save"}).json()
             assert reloaded["ok"] and reloaded["workers"][0]["reloaded"] == [MODULE], reloaded
+            assert reloaded["workers"][0]["jit_kernels"] == 3, reloaded
             assert tokens(client) != before and engine.control.reloads == 1
             again = CompileAheadReply.model_validate_json(post(client, ACTIVATION, text).content)
             assert again.outcome == "nothing" and "runs this text" in again.reason  # it serves that text now

@@ -156,7 +156,8 @@ class WorkerReport(_Message):
     stale: list[StaleDefinition] = []
     needs_restart: list[str] = []  # changed modules outside the reloadable packages
     rebuilt: list[str] = []  # model modules rebuilt (their class's __init__ or post-load hook changed)
-    jit_kernels: int = 0  # Triton kernels compiled ahead (or reset to compile on their next launch)
+    jit_kernels: int = 0  # Triton binaries ready ahead (built before the pause, or found in Triton's disk cache),
+    #                       or the kernels reset to compile on their next launch
     # module.name -> dialect ("triton", "gluon", "cute") of each kernel the reload replaced
     kernels: dict[str, str] = {}
     kernels_only: bool = False  # only Triton kernel bodies changed (binaries loaded): the warm step ran nothing

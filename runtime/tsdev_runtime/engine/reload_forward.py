@@ -81,7 +81,8 @@ class ForwardReloader(Protocol):
     def compile_ahead(self, sources: Mapping[str, bytes] | None = None, modules: Iterable[str] | None = None,
                       prepared: Callable[[], None] | None = None) -> tuple:
         """Build the kernels the sources change, reloading nothing: (binaries, seconds, slowest compile's seconds,
-        ...). `prepared()`, when given, is called once the rest may overlap a reload (nothing live used any more)."""
+        ...), with `on_disk` (binaries Triton's disk cache held, not built again) where it has it. `prepared()`, when
+        given, is called once the rest may overlap a reload (nothing live used any more)."""
 
 
 class BuiltAhead(Protocol):
@@ -242,8 +243,10 @@ class Reload:
         if self.control.buffers is not None:  # the buffer saved as it is being built: its binaries, not a second build
             await self.control.buffers.settled(self.sources)
         try:
-            self.jit_kernels, _, *slowest = await asyncio.to_thread(self.control.reloader.compile_ahead, self.sources,
-                                                                    self.request.modules)
+            ahead = await asyncio.to_thread(self.control.reloader.compile_ahead, self.sources, self.request.modules)
+            binaries, _, *slowest = ahead
+            # ready before the pause: built now, or found in Triton's disk cache (a revert, a buffer built ahead)
+            self.jit_kernels = binaries + getattr(ahead, "on_disk", 0)
             if slowest:
                 self.steps.record("jit_slowest", slowest[0])
         except Exception as exc:  # only an optimisation: the warm step compiles what is missing
