@@ -4,7 +4,8 @@
 # allocations move. The two parts fit one 10-minute call when all pass (2026-12-07: 320 + 216 s); with failures the
 # first can run past its limit before pytest prints why, so each failure is written as it happens to
 # $OUT/failures.txt (tests/conftest.py, TSDEV_FAILURES), and each part can be a call of its own:
-# run: source scripts/device-setup.sh; bash scripts/device-suite.sh [parallel|sleep]      (carry .whl .debs)
+# run: source scripts/device-setup.sh; [FIRST="tests/x.py ..."] bash scripts/device-suite.sh [parallel|sleep]
+# (carry .whl .debs)
 # The device's copy has your working tree but an older .git: never `git checkout`/`stash`/`clean` there (it brings
 # back that older commit's files, as on 2026-12-07), and `git log` there does not name the code that runs.
 set -u
@@ -16,10 +17,20 @@ workers=$([ "${memory_mib:-0}" -lt 102400 ] && echo 3 || echo 4)
 part=${1:-all}
 out=${OUT:-/tmp/device-out}
 export TSDEV_FAILURES=$out/failures.txt
-limit=$([ "$part" = all ] && echo 340 || echo 560)
+limit=${LIMIT:-$([ "$part" = all ] && echo 340 || echo 560)}
+# FIRST="tests/a.py tests/b.py": those files first (what failed last time answers early), then the others in the time
+# left of the part's limit -- the whole suite still, in two pytest runs.
+first=${FIRST:-}
 if [ "$part" != sleep ]; then
-  TAIL=15 step suite-parallel "$limit" python3 -m pytest -v -m gpu -p no:cacheprovider -rfE -n "$workers" \
-    --dist loadfile --durations 15 --ignore tests/test_sleep_gpu.py
+  parallel=(python3 -m pytest -v -m gpu -p no:cacheprovider -rfE -n "$workers" --dist loadfile --durations 15
+            --ignore tests/test_sleep_gpu.py)
+  started=$SECONDS
+  if [ -n "$first" ]; then
+    TAIL=15 step suite-first "$limit" "${parallel[@]}" $first
+    grep -oE "\] (PASSED|FAILED|ERROR|SKIPPED) " "$out/suite-first.txt" | sort | uniq -c
+    parallel+=($(printf -- "--ignore %s " $first))
+  fi
+  TAIL=15 step suite-parallel $((limit - (SECONDS - started))) "${parallel[@]}"
   # the tests' outcomes counted, should the run be cut off before pytest's summary
   grep -oE "\] (PASSED|FAILED|ERROR|SKIPPED) " "$out/suite-parallel.txt" | sort | uniq -c
 fi
