@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The whole GPU suite: pytest-xdist workers, one test file each at a time (a fresh machine compiles every kernel),
 # then tests/test_sleep_gpu.py alone -- it measures the device's free memory (cudaMemGetInfo), which other workers'
-# allocations move. The two parts fit one 10-minute call when all pass (2026-12-07: 320 + 216 s); with failures the
-# first can run past its limit before pytest prints why, so each failure is written as it happens to
-# $OUT/failures.txt (tests/conftest.py, TSDEV_FAILURES), and each part can be a call of its own:
+# allocations move. On an H100 the two parts took 320 + 216 s at 389a279 and 383 + over 230 s at 7b41ff5, so they
+# are two calls of their own; with failures the first can run past its limit before pytest prints why, so each
+# failure is written as it happens to $OUT/failures.txt (tests/conftest.py, TSDEV_FAILURES):
 # run: source scripts/device-setup.sh; [FIRST="tests/x.py ..."] bash scripts/device-suite.sh [parallel|sleep]
 # (carry .whl .debs)
 # The device's copy has your working tree but an older .git: never `git checkout`/`stash`/`clean` there (it brings
@@ -34,7 +34,7 @@ if [ "$part" != sleep ]; then
   # the tests' outcomes counted, should the run be cut off before pytest's summary
   grep -oE "\] (PASSED|FAILED|ERROR|SKIPPED) " "$out/suite-parallel.txt" | sort | uniq -c
 fi
-[ "$part" = parallel ] || TAIL=8 step suite-sleep 230 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE -s \
+[ "$part" = parallel ] || TAIL=8 step suite-sleep 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE -s \
   tests/test_sleep_gpu.py
 [ -s "$TSDEV_FAILURES" ] && { echo "== failures (also in $TSDEV_FAILURES):"; grep "^=====" "$TSDEV_FAILURES"; }
 true
