@@ -171,7 +171,7 @@ def main() -> None:
             log = (project / "server.log").read_text(errors="replace")
             print("the servers' startup lines (the first start, then each restart):")
             print("\n".join(line for line in log.splitlines() if line.startswith("startup:")))
-        print(json.dumps({"summary": {**result["fresh"], **result}}))
+        print(json.dumps({"summary": {**result.get("fresh", {}), **result}}))  # (--cycles 0: restarts alone)
     finally:
         daemon.send_signal(signal.SIGINT)
         try:
