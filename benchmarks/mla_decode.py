@@ -1,9 +1,10 @@
 """MLA decode attention (`tsdev_kernels.ops.mla`) against its floor: DeepSeek-V3's shapes (128 heads, latent 512, rope
-64), a paged latent cache of bf16 or e4m3 (pages of 16), every sequence at --context tokens. Both decode kernels side by
-side: "flash" (`mla_decode_triton`, mla_decode.py's kernel in FlashMLA's structure, the default), each of its tiles
+64), a paged latent cache of bf16 or e4m3 (pages of 16), every sequence at --context tokens. The decode kernels side by
+side: "gluon" (`mla_decode_gluon`, mla_decode_gluon.py's kernel: what TSDEV_MLA_DECODE=auto serves on Hopper),
+"flash" (`mla_decode_triton`, mla_decode.py's Triton kernel in FlashMLA's structure), each of its tiles
 (FLASH_TILES), and "tiles" (`mla_attention_triton`, `_mla_kernel`'s decode tiles, TSDEV_MLA_DECODE=tiles).
 
-    python3 benchmarks/mla_decode.py                          # both kernels, batch 1, 64, 256 at context 4096, bf16
+    python3 benchmarks/mla_decode.py                          # the kernels, batch 1, 64, 256 at context 4096, bf16
                                                               # and e4m3 caches
     python3 benchmarks/mla_decode.py --flash-splits 8 16 32 64   # + the flash kernel's default tile at these splits
     python3 benchmarks/mla_decode.py --kernels tiles --sweep  # each tile of `_mla_kernel` (heads, latent columns per
@@ -12,11 +13,8 @@ side: "flash" (`mla_decode_triton`, mla_decode.py's kernel in FlashMLA's structu
                                                               # columns, rows, warps[, t: transposed]) only
     python3 benchmarks/mla_decode.py --prefill 4096           # then one 4096-token prompt's attention (prefill tiles)
 
-The next session's command on the H100 (issue 66: both kernels and the flash tiles at batch 1/64/256, bf16 and e4m3,
-the batch-1 split counts; then default-mla's decode step with each kernel):
-
-    python3 benchmarks/mla_decode.py --flash-splits 16 32 64 && for k in tiles flash; do TSDEV_MLA_DECODE=$k \
-        python3 benchmarks/decode_step.py --model default-mla --batch-sizes 1 64 256 --context 4096; done
+Issue 66's commands on the H100 (the kernels and the flash tiles at batch 1/64/256, bf16 and e4m3; then default-mla's
+decode step with each kernel): scripts/device-wave5.sh mla.
 
 floor: the larger of the KV-read time -- the cache rows every sequence reads (576 values x 2 bytes, 1 in an e4m3
 cache, per token) at the copy bandwidth measured in the same run -- and the tensor-core time -- 2 x 128 heads x (576 +
@@ -44,11 +42,10 @@ from tsdev_kernels.ops import mla
 
 HEADS, LATENT, ROPE, PAGE = 128, 512, 64, 16
 SCALE = (128 + ROPE) ** -0.5  # V3's softmax scale before YaRN (the kernels' speed does not depend on it)
-# the flash kernel's tiles timed (mla_decode_triton's keywords): CUDA_FLASH_TILES' (bf16: 2 chunks, e4m3: 4) and
+# the flash kernel's tiles timed (mla_decode_triton's keywords): CUDA_FLASH_TILES' (bf16: 4 chunks, e4m3: 1) and
 # their neighbours; 128 heads in one program do not fit (mla_decode.py's docstring): the last row says by how much
 FLASH_TILES = [dict(heads=64, block_n=64, chunks=c, num_warps=8) for c in (1, 2, 4)] + [
-    dict(heads=64, block_n=32, chunks=2, num_warps=8), dict(heads=128, block_n=16, chunks=2, num_warps=16)] + [
-    dict(heads=64, block_n=64, chunks=c, num_warps=8, transposed=True) for c in (2, 4)]  # mla_decode.py: spills
+    dict(heads=64, block_n=32, chunks=2, num_warps=8), dict(heads=128, block_n=16, chunks=2, num_warps=16)]
 
 
 def decode_cost(sequences: int, context: int, kv_itemsize: int) -> tuple[int, int]:
@@ -139,7 +136,7 @@ def flash_configs(args, quantized: bool) -> list[dict]:
     """The flash kernel's configurations to time: its default tile first, the other FLASH_TILES, then the default
     tile at each of --flash-splits."""
     default = mla.CUDA_FLASH_TILES[quantized]
-    configs = [{}] + [t for t in FLASH_TILES if {"transposed": False, **t} != default]
+    configs = [{}] + [t for t in FLASH_TILES if t != default]
     return configs + [dict(num_splits=s) for s in args.flash_splits]
 
 
@@ -153,7 +150,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--kernels", nargs="+", choices=["tiles", "flash"], default=["tiles", "flash"])
+    parser.add_argument("--kernels", nargs="+", choices=["tiles", "flash", "gluon"],
+                        default=["tiles", "flash", "gluon"])
     parser.add_argument("--sweep", action="store_true", help="time each of _mla_kernel's decode tiles at each batch")
     parser.add_argument("--tile", action="append", default=[], metavar="HEADS,COLUMNS,ROWS,WARPS[,t]",
                         help="time this _mla_kernel tile beside its default (t: transposed); repeatable")
@@ -175,6 +173,7 @@ def main() -> None:
         runs = [("tiles", mla.mla_attention_triton, c, None) for c in tiles_configs(args) if "tiles" in args.kernels]
         runs += [("flash", mla.mla_decode_triton, c, mla.CUDA_FLASH_TILES[quantized])
                  for c in flash_configs(args, quantized) if "flash" in args.kernels]
+        runs += [("gluon", mla.mla_decode_gluon, {}, None)] if "gluon" in args.kernels else []
         for sequences in args.batch:
             inputs, want = step_inputs(sequences, args.context, kv_dtype)
             bytes_, flops = decode_cost(sequences, args.context, 1 if quantized else 2)

@@ -5,7 +5,7 @@
 #   issue 69  the notebook drill (the TUI's picture, tsdev history, the page)
 #   issue 67  (warmup) a fresh machine's first start against one with the warm-up manifest the first wrote
 # run: source scripts/device-setup.sh; bash scripts/device-wave5.sh mla; then (another call) ... ahead notebook
-#      (carry .whl .debs, and .gluon for the part gluon; all three together can pass the 10-minute limit of one call)
+#      (carry .whl .debs; all three together can pass the 10-minute limit of one call)
 set -u
 source "$(dirname "$0")/device-check.sh" --steps-only
 out=${OUT:-/tmp/device-out}
@@ -15,7 +15,7 @@ for part in "${parts[@]}"; do
   case $part in
     mla)
       TAIL=30 step mla-kernels 200 python3 benchmarks/mla_decode.py --flash-splits 16 32 64
-      for k in tiles flash; do
+      for k in tiles flash auto; do  # auto: the Gluon kernel on Hopper
         TAIL=8 step "mla-step-$k" 120 env TSDEV_MLA_DECODE=$k python3 benchmarks/decode_step.py --model default-mla \
           --batch-sizes 1 64 256 --context 4096
       done ;;
@@ -32,10 +32,6 @@ for part in "${parts[@]}"; do
       rm -rf "$TRITON_CACHE_DIR"
       TAIL=8 step fresh-with-manifest 240 python3 benchmarks/startup.py --starts 1 -- --allow-reload-forward
       unset TSDEV_CACHE_DIR TRITON_CACHE_DIR ;;
-    gluon)  # issue 66: the Gluon draft (git-ignored .gluon/, carried: not in the tree until a GPU ran it), its
-      # odd cases and V3's shapes against the reference and the Triton kernel, then the timings; last in a call (a
-      # kernel that deadlocks holds the GPU until its step's limit)
-      TAIL=40 step gluon-check 240 env PYTHONUNBUFFERED=1 python3 .gluon/gpu_check.py ;;
-    *) echo "unknown part $part (mla, ahead, notebook, warmup, gluon)"; exit 2 ;;
+    *) echo "unknown part $part (mla, ahead, notebook, warmup)"; exit 2 ;;
   esac
 done

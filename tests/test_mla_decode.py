@@ -43,10 +43,8 @@ def flash(q, cache, cu, lens, table, rows, slots, order, latent, **tile):
 
 
 @pytest.mark.parametrize("kv_dtype", [None, E4M3])
-@pytest.mark.parametrize("splits, heads, chunks, transposed", [(1, 16, 2, False), (3, 16, 1, False), (5, 64, 4, False),
-                                                               (2, 64, 2, False), (3, 16, 1, True), (5, 64, 2, True)])
-def test_decode_matches_the_reference_over_ragged_lengths_splits_and_head_blocks(splits, heads, chunks, transposed,
-                                                                                 kv_dtype):
+@pytest.mark.parametrize("splits, heads, chunks", [(1, 16, 2), (3, 16, 1), (5, 64, 4), (2, 64, 2)])
+def test_decode_matches_the_reference_over_ragged_lengths_splits_and_head_blocks(splits, heads, chunks, kv_dtype):
     g = torch.Generator().manual_seed(splits * heads + chunks)
     # 40 heads (head blocks of 16: the third 8/16 full; of 64: 40/64), latent 24 (chunks of a 32 block), rope 8 (of
     # 16); lengths 1 to 70 over pages of 4 in blocks of 16 rows; a one-token sequence leaves every split but one empty
@@ -55,23 +53,21 @@ def test_decode_matches_the_reference_over_ragged_lengths_splits_and_head_blocks
     slots[3] = -1  # a graph's padding row: writes nothing (its own output is unspecified)
     want, want_cache = reference(q, cache, cu, lens, table, rows, slots, latent)
     got = flash(q, cache, cu, lens, table, rows, slots, order, latent, num_splits=splits, heads=heads, block_n=16,
-                chunks=chunks, transposed=transposed)
+                chunks=chunks)
     assert torch.equal(cache.float(), want_cache.float())
     keep = torch.arange(5) != 3
     torch.testing.assert_close(got[keep], want[keep], atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("kv_dtype", [None, E4M3])
-def test_decode_at_v3s_widths_with_few_heads(kv_dtype, transposed):
+def test_decode_at_v3s_widths_with_few_heads(kv_dtype):
     """Latent 512 + rope 64 as DeepSeek-V3 (BLOCK_L and BLOCK_R without padding), 4 heads, pages of 16, blocks of 32
     rows, two chunks of 256 columns."""
     g = torch.Generator().manual_seed(17)
     q, cache, cu, lens, table, rows, slots, order, _, latent = mla.mla_batch(
         [1] * 3, [5, 70, 33], 4, 512, 64, 16, torch.float32, "cpu", g, kv_dtype)
     want, want_cache = reference(q, cache, cu, lens, table, rows, slots, latent)
-    got = flash(q, cache, cu, lens, table, rows, slots, order, latent, num_splits=2, block_n=32, chunks=2,
-                transposed=transposed)
+    got = flash(q, cache, cu, lens, table, rows, slots, order, latent, num_splits=2, block_n=32, chunks=2)
     assert torch.equal(cache.float(), want_cache.float())
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
@@ -93,12 +89,11 @@ def test_an_e4m3_cache_with_a_scale_is_dequantized_by_it_and_the_rows_stored_qua
     assert not torch.allclose(unscaled, want, atol=1e-2, rtol=1e-2)  # the scale matters at these values
 
 
-@pytest.mark.parametrize("transposed", [False, True])
-def test_without_the_online_softmaxs_rescale_the_kernel_fails(tmp_path, monkeypatch, transposed):
+def test_without_the_online_softmaxs_rescale_the_kernel_fails(tmp_path, monkeypatch):
     """The negative control: the same kernel, its accumulator no longer rescaled when a block raises the running
-    maximum, is wrong on sequences of several blocks (so the tests above see the rescale), in either orientation."""
+    maximum, is wrong on sequences of several blocks (so the tests above see the rescale)."""
     source = Path(mla.__file__).with_name("mla_decode.py").read_text()
-    rescale = "acc[i] * alpha[None, :]" if transposed else "acc[i] * alpha[:, None]"
+    rescale = "acc[i] * alpha[:, None]"
     assert source.count(rescale) == 1
     path = tmp_path / "mla_decode_without_rescale.py"
     path.write_text(source.replace(rescale, "acc[i]"))
@@ -110,9 +105,9 @@ def test_without_the_online_softmaxs_rescale_the_kernel_fails(tmp_path, monkeypa
         [1] * 3, [40, 70, 55], 6, 24, 8, 4, torch.float32, "cpu", g)
     want, _ = reference(q, cache, cu, lens, table, rows, slots, latent)
     torch.testing.assert_close(flash(q, cache, cu, lens, table, rows, slots, order, latent, num_splits=1,
-                                     block_n=16, transposed=transposed), want, atol=2e-5, rtol=2e-5)
+                                     block_n=16), want, atol=2e-5, rtol=2e-5)
     monkeypatch.setattr(mla, "_mla_decode_kernel", edited._mla_decode_kernel)
-    got = flash(q, cache, cu, lens, table, rows, slots, order, latent, num_splits=1, block_n=16, transposed=transposed)
+    got = flash(q, cache, cu, lens, table, rows, slots, order, latent, num_splits=1, block_n=16)
     assert not torch.allclose(got, want, atol=1e-2, rtol=1e-2)
 
 
@@ -136,10 +131,11 @@ def test_the_check_runs_at_a_latent_models_shapes_and_a_wrong_scale_fails():
     assert not checks.run(replace(check, kernel=wrong), (3, 4, 32, 8, 16, 60), torch.float32, "cpu").ok
 
 
-@pytest.mark.parametrize("switch", ["tiles", "flash"])
+@pytest.mark.parametrize("switch", ["tiles", "flash", "auto"])
 def test_the_switch_routes_decode_steps_and_a_mixed_steps_decode_rows(monkeypatch, switch):
     """TSDEV_MLA_DECODE (read into mla.MLA_DECODE) picks the kernel of `mla_attention`'s decode rows: a decode step's,
-    and a mixed step's leading one-row sequences; the prompts stay on the prefill tiles."""
+    and a mixed step's leading one-row sequences; the prompts stay on the prefill tiles. auto, off a Hopper GPU (the
+    Gluon kernel's), takes the Triton flash kernel."""
     from tsdev_kernels.ops.attention import split_order
 
     monkeypatch.setattr(mla, "use_triton", lambda x, family: True)  # the Triton paths, interpreted
@@ -158,11 +154,22 @@ def test_the_switch_routes_decode_steps_and_a_mixed_steps_decode_rows(monkeypatc
         want, want_cache = reference(q, cache, cu, lens, table, rows, slots, latent)
         got = mla.mla_attention(q, cache, cu, lens, table, q.shape[-1] ** -0.5, latent, max_q_len=max_q_len,
                                 store=(rows, slots), order=torch.tensor(order), decodes=decodes)
-        decode = "mla_decode_triton" if switch == "flash" else "mla_attention_triton"
+        decode = "mla_attention_triton" if switch == "tiles" else "mla_decode_triton"
         assert launched[0] == (decode, 1) and launched[1:] == ([] if max_q_len == 1 else [("mla_attention_triton",
                                                                                            max_q_len)])
         assert torch.equal(cache, want_cache)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_gluon_asked_for_where_it_cannot_run_fails_saying_why_and_what_to_set(monkeypatch):
+    monkeypatch.setattr(mla, "use_triton", lambda x, family: True)
+    monkeypatch.setattr(mla, "MLA_DECODE", "gluon")
+    q, cache, cu, lens, table, rows, slots, _, _, latent = mla.mla_batch(
+        [1, 1], [9, 25], 3, 32, 8, 4, torch.float32, "cpu", torch.Generator().manual_seed(37))
+    with pytest.raises(ValueError, match="TSDEV_MLA_DECODE=gluon.*Hopper.*flash"):
+        mla.mla_attention(q, cache, cu, lens, table, q.shape[-1] ** -0.5, latent, max_q_len=1, store=(rows, slots))
+    with pytest.raises(ValueError, match="Hopper"):
+        mla.mla_decode_gluon(q, cache, cu, lens, table, q.shape[-1] ** -0.5, latent)
 
 
 def test_an_unknown_switch_value_fails_at_import_naming_the_variable():

@@ -5,7 +5,9 @@ chosen (mla.py's CUDA_FLASH_TILES comment: timed on an H100; docs/mla.md names t
 shapes (the tests' tiny DeepSeeks: 4 heads, latent 32 + rope 8) in bf16, float32 and e4m3 (32 latent columns in the
 bf16 tile's 4 chunks did not compile: `flash_tile` caps the chunks). The launches are
 `mla_decode_triton`'s on meta tensors, recorded instead of run and compiled with the signature Triton's JIT gives
-them (tests/test_kernel_configs.py's `specialise`), in a subprocess without TRITON_INTERPRET."""
+them (tests/test_kernel_configs.py's `specialise`), in a subprocess without TRITON_INTERPRET. The Gluon kernel
+(mla_decode_gluon.py, what serves V3's shapes on Hopper) the same way at V3's shapes: within the shared memory and
+without a spill (254 registers at most: a spill would be a regression the timings did not see)."""
 import json
 import os
 import subprocess
@@ -32,15 +34,18 @@ def test_the_flash_tiles_compile_for_sm90_within_shared_memory_and_their_spills(
     assert result.returncode == 0, result.stdout + result.stderr
     compiled = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert sorted(c["label"] for c in compiled) == ["bf16 split", "bf16 unsplit", "fp8 split", "fp8 unsplit",
-                                                    "tiny bf16", "tiny float32", "tiny fp8"]
+                                                    "gluon bf16 split", "gluon bf16 unsplit", "gluon fp8 split",
+                                                    "gluon fp8 unsplit", "tiny bf16", "tiny float32", "tiny fp8"]
     print("\n".join(map(json.dumps, compiled)))
     for c in compiled:
         assert c["shared"] <= H100_SHARED, c
-        if not c["label"].startswith("tiny"):
+        if c["label"].startswith("gluon"):
+            assert c["stack"] == 0, c
+        elif not c["label"].startswith("tiny"):
             assert c["stack"] <= SPILLED[c["label"].split()[0]], c
 
 
-def compile_sm90(fn, signature, constexprs, attrs, options) -> dict[str, int]:
+def compile_sm90(fn, signature, constexprs, attrs, options, gluon: bool = False) -> dict[str, int]:
     """Registers and stack (spills) per thread from the cubin, and the shared memory the launch asks for."""
     import re
     import tempfile
@@ -48,9 +53,10 @@ def compile_sm90(fn, signature, constexprs, attrs, options) -> dict[str, int]:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource
 
-    binary = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32), options=options)
+    source = (GluonASTSource if gluon else ASTSource)(fn, signature, constexprs, attrs)
+    binary = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(binary.asm["cubin"])
         cubin.flush()
@@ -88,6 +94,23 @@ def main() -> None:
         usage = compile_sm90(kernel.fn, *specialise(kernel.fn, args, kwargs))
         tile = {k: kwargs[k] for k in ("HEADS", "BLOCK_N", "CHUNKS", "num_warps")}
         print(json.dumps({"label": label, **tile, **usage}), flush=True)
+    mla.gluon_misfit = lambda q, cache, latent: None  # (meta tensors are on no GPU)
+    for label, heads, latent, rope, q_dtype, kv, batch, splits in cases[:4]:
+        kernel = mla._mla_decode_gluon_kernel = Recorder(mla._mla_decode_gluon_kernel)
+        merge = mla._mla_merge_kernel = Recorder(mla._mla_merge_kernel)
+        ints = meta(batch + 1, dtype=torch.int32)
+        try:
+            mla.mla_decode_gluon(meta(batch, heads, latent + rope, dtype=q_dtype), meta(64, 16, 1, latent + rope,
+                                 dtype=kv), ints, ints[:batch], meta(batch, 8, dtype=torch.int32), 0.1, latent,
+                                 out=meta(batch, heads, latent, dtype=q_dtype), num_splits=splits,
+                                 order=meta(batch, dtype=torch.int64),
+                                 store=(meta(batch, 1, latent + rope, dtype=q_dtype), meta(batch, dtype=torch.int64)))
+        finally:
+            mla._mla_decode_gluon_kernel, mla._mla_merge_kernel = kernel.fn, merge.fn
+        args, kwargs = kernel.launches[0]
+        usage = compile_sm90(kernel.fn, *specialise(kernel.fn, args, kwargs), gluon=True)
+        print(json.dumps({"label": f"gluon {label}", "HEADS": kwargs["HEADS"], "BLOCK_N": kwargs["BLOCK_N"],
+                          "num_warps": kwargs["num_warps"], **usage}), flush=True)
 
 
 if __name__ == "__main__":

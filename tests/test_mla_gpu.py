@@ -1,8 +1,9 @@
 """DeepSeek's multi-head latent attention on the H200 (`pytest -m gpu`): the MLA kernels against their torch reference
 at DeepSeek-V3's shapes (128 heads, latent 512, rope 64) on fresh random pages, bf16 and an e4m3 cache, decode with
-splits and a mixed prefill step, the same inside a CUDA graph, with either decode kernel (TSDEV_MLA_DECODE: tiles,
-flash); the transformers-written tiny DeepSeek-V2 and -V3 served with graphs equal to transformers in float32 (and to
-themselves eagerly; either decode kernel), a 300-token prompt alone through the expanded form; the drill on V3 with
+splits and a mixed prefill step, the same inside a CUDA graph, with each decode kernel (TSDEV_MLA_DECODE: tiles,
+flash, gluon -- the last on Hopper only: auto serves it there); the transformers-written tiny DeepSeek-V2 and -V3
+served with graphs equal to transformers in float32 (and to themselves eagerly; the tiles or the flash kernel: the
+Gluon one takes bf16 and V3's latent widths), a 300-token prompt alone through the expanded form; the drill on V3 with
 graphs, 10 rounds, W_UK / W_UV compared, and its negative control (the absorbed tensors rebuilt into new storage)
 failing."""
 import pytest
@@ -18,7 +19,9 @@ from tsdev_runtime.weights.processing import DEBUG_DERIVED_ENV
 
 pytestmark = pytest.mark.gpu
 HEADS, LATENT, ROPE = 128, 512, 64
-DECODE_KERNELS = ["tiles", "flash"]  # mla.MLA_DECODE's values: `_mla_kernel`'s decode tiles, mla_decode.py's kernel
+# mla.MLA_DECODE's values: `_mla_kernel`'s decode tiles, mla_decode.py's kernel, mla_decode_gluon.py's (sm_90 only)
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+DECODE_KERNELS = ["tiles", "flash", pytest.param("gluon", marks=pytest.mark.skipif(not HOPPER, reason="sm_90 only"))]
 PROMPTS = [[5, 17, 300, 42, 9, 77, 123, 4], [200, 201, 202], [(13 * j + 1) % 1000 + 3 for j in range(40)],
            [(7 * j + 5) % 1000 + 3 for j in range(300)]]  # alone, 300 rows: the expanded form (>= 256)
 
@@ -77,7 +80,7 @@ def test_decode_replayed_from_a_cuda_graph_on_other_lengths_equals_the_reference
     kernel_vs_reference([1] * 8, [100, 900, 3, 64, 2000, 17, 512, 33], None, 8, graph=True)
 
 
-@pytest.mark.parametrize("decode_kernel", DECODE_KERNELS)
+@pytest.mark.parametrize("decode_kernel", ["tiles", "flash"])
 @pytest.mark.parametrize("fixture", ["hf_deepseek_v2_dir", "hf_deepseek_v3_dir"])
 def test_transformers_written_deepseeks_serve_transformers_greedy_tokens_with_graphs(fixture, decode_kernel, request,
                                                                                      monkeypatch):
@@ -94,6 +97,20 @@ def test_transformers_written_deepseeks_serve_transformers_greedy_tokens_with_gr
         assert [r["token_ids"] for r in engine.generate(PROMPTS, params)] == want, f"eager={eager}"
         assert engine.generate(PROMPTS[-1:], params)[0]["token_ids"] == want[-1]  # alone: expanded
         del engine
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Gluon kernel runs on sm_90 only")
+def test_auto_serves_v3s_decode_steps_with_the_gluon_kernel_on_hopper(monkeypatch):
+    """TSDEV_MLA_DECODE=auto (the default) takes the Gluon kernel for V3's bf16 and e4m3 decode steps, the Triton
+    flash kernel for a float32 model and for 16 heads (a tensor-parallel rank of V3: most of a 64-row tile empty)."""
+    monkeypatch.setattr(mla, "MLA_DECODE", "auto")
+    for heads, dtype, kv_dtype, want in ((HEADS, torch.bfloat16, None, mla.mla_decode_gluon),
+                                         (HEADS, torch.bfloat16, torch.float8_e4m3fn, mla.mla_decode_gluon),
+                                         (HEADS, torch.float32, None, mla.mla_decode_triton),
+                                         (16, torch.bfloat16, None, mla.mla_decode_triton)):
+        q = torch.zeros(1, heads, LATENT + ROPE, dtype=dtype, device="cuda")
+        cache = torch.zeros(1, 16, 1, LATENT + ROPE, dtype=kv_dtype or dtype, device="cuda")
+        assert mla.decode_kernel(q, cache, LATENT) is want, (heads, dtype, kv_dtype)
 
 
 def test_the_mla_drill_holds_ten_rounds_with_graphs_and_catches_rebuilt_absorbed_tensors(hf_deepseek_v3_dir,

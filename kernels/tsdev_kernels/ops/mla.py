@@ -27,11 +27,13 @@ width are not specialised on (module docstring of attention.py says why). The CU
 (`CUDA_DECODE_TILES`; docs/mla.md, docs/benchmarks.md).
 
 A second decode kernel, in FlashMLA's structure (mla_decode.py: 64 heads of a row per program against every latent
-column, q loaded once, blocks of 64 cached rows, the scores computed once per block), serves decode steps by
-default (`mla_decode_triton`: `mla_attention_triton`'s contract for decode; merged by the same `_mla_merge_kernel`):
-on an H100 it took 0.55-0.80x the decode tiles' time (benchmarks/mla_decode.py, docs/mla.md); TSDEV_MLA_DECODE=tiles
-serves the decode tiles instead.
+column, q loaded once, blocks of 64 cached rows, the scores computed once per block; `mla_decode_triton`:
+`mla_attention_triton`'s contract for decode, merged by the same `_mla_merge_kernel`), took 0.55-0.80x the decode
+tiles' time on an H100; the same structure in Gluon (mla_decode_gluon.py: wgmma, both warpgroups sharing the scores
+through shared memory; `mla_decode_gluon`) took 0.68-0.91x the Triton one's (benchmarks/mla_decode.py, docs/mla.md).
+Which serves decode steps: TSDEV_MLA_DECODE (`decode_kernel`).
 """
+import functools
 import os
 
 import torch
@@ -43,14 +45,21 @@ from tsdev_kernels.ops import sm_count, use_triton
 from tsdev_kernels.ops.attention import (ATTENTION_TOLERANCE, FP8_KV_DTYPE, LOG2E, PagedSteps, _quantized,
                                          decode_step, dequantize_kv, keys_seen, mixed_step, quantize_kv)
 from tsdev_kernels.ops.mla_decode import _mla_decode_kernel, _store_own_row
+from tsdev_kernels.ops.mla_decode_gluon import BLOCK_N as GLUON_BLOCK_N
+from tsdev_kernels.ops.mla_decode_gluon import HEADS as GLUON_HEADS
+from tsdev_kernels.ops.mla_decode_gluon import NUM_WARPS as GLUON_WARPS
+from tsdev_kernels.ops.mla_decode_gluon import _mla_decode_gluon_kernel
 
-# Which kernel serves decode steps on CUDA: "flash", mla_decode.py's (FlashMLA's structure; the default), or "tiles",
-# `_mla_kernel`'s decode tiles (slower at every shape timed on an H100 on 2026-12-07: benchmarks/mla_decode.py).
-# Read when this module is (re)loaded.
-MLA_DECODE = os.environ.get("TSDEV_MLA_DECODE", "flash")
-if MLA_DECODE not in ("tiles", "flash"):
-    raise ValueError(f"TSDEV_MLA_DECODE={MLA_DECODE!r}: expected flash (mla_decode.py's kernel, FlashMLA's structure, "
-                     "the default) or tiles (the decode tiles of mla.py's _mla_kernel)")
+# Which kernel serves decode steps on CUDA (`decode_kernel`), read when this module is (re)loaded: "auto" (the default:
+# the Gluon kernel where it fits and the model has 64 heads or more -- what was timed -- else the Triton flash kernel),
+# "gluon" (mla_decode_gluon.py's; an error where it cannot run), "flash" (mla_decode.py's Triton kernel, FlashMLA's
+# structure) or "tiles" (`_mla_kernel`'s decode tiles, slower than both at every shape timed on an H100).
+MLA_DECODE = os.environ.get("TSDEV_MLA_DECODE", "auto")
+MLA_DECODE_CHOICES = ("auto", "gluon", "flash", "tiles")
+if MLA_DECODE not in MLA_DECODE_CHOICES:
+    raise ValueError(f"TSDEV_MLA_DECODE={MLA_DECODE!r}: expected auto (the default: gluon where it runs, else flash), "
+                     "gluon (mla_decode_gluon.py's kernel, Hopper only), flash (mla_decode.py's Triton kernel) or "
+                     "tiles (the decode tiles of mla.py's _mla_kernel)")
 
 
 def store_latent_ref(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, scale: float = 1.0) -> None:
@@ -268,6 +277,23 @@ def mla_splits(batch: int, heads: int, device: torch.device) -> int:
     return max(1, min(64, triton.cdiv(4 * sm_count(device.index or 0), programs)))
 
 
+def split_partials(q: torch.Tensor, batch: int, num_splits: int, latent_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split decode launches' partial outputs [B, H, splits, latent] and log2-sum-exps [B, H, splits] (float32;
+    unsplit, placeholders the kernels do not touch)."""
+    heads, split = q.shape[1], num_splits > 1
+    return (q.new_empty((batch, heads, num_splits, latent_dim) if split else (1,), dtype=torch.float32),
+            q.new_empty((batch, heads, num_splits) if split else (1,), dtype=torch.float32))
+
+
+def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                 batch: int, num_splits: int) -> None:
+    """`_mla_merge_kernel`: each (sequence, head)'s splits into its output row, weighted by their log-sum-exps."""
+    heads, latent_dim = out.shape[1], out.shape[2]
+    _mla_merge_kernel[(batch, heads)](part_o, part_lse, out, cu_seqlens_q, out.stride(0), out.stride(1), heads,
+                                      num_splits, LATENT=latent_dim, BLOCK_L=triton.next_power_of_2(latent_dim),
+                                      num_warps=4)
+
+
 def mla_attention_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
                          page_table: torch.Tensor, scale: float, latent_dim: int, max_q_len: int,
                          out: torch.Tensor | None = None, num_splits: int | None = None,
@@ -301,8 +327,7 @@ def mla_attention_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: tor
         heads, columns, block_n, num_warps = tile["heads"], tile["columns"], tile["block_n"], tile["num_warps"]
     queries, heads = (1, heads or DECODE_HEADS) if decode else (PREFILL_QUERIES, 1)
     split = num_splits > 1
-    part_o = q.new_empty((B, H, num_splits, latent_dim) if split else (1,), dtype=torch.float32)
-    part_lse = q.new_empty((B, H, num_splits) if split else (1,), dtype=torch.float32)
+    part_o, part_lse = split_partials(q, B, num_splits, latent_dim)
     block_l = triton.next_power_of_2(latent_dim)
     columns = min(columns or block_l, block_l)
     _mla_kernel[(triton.cdiv(H, heads) * (block_l // columns), triton.cdiv(max_q_len, queries) * num_splits, B)](
@@ -317,8 +342,7 @@ def mla_attention_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: tor
         num_stages=2,
     )
     if split:
-        _mla_merge_kernel[(B, H)](part_o, part_lse, out, cu_seqlens_q, out.stride(0), out.stride(1), H, num_splits,
-                                  LATENT=latent_dim, BLOCK_L=triton.next_power_of_2(latent_dim), num_warps=4)
+        merge_splits(part_o, part_lse, out, cu_seqlens_q, B, num_splits)
     return out
 
 
@@ -329,8 +353,8 @@ def mla_attention_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: tor
 # (4 chunks 24.8 / 404 / 1590). Blocks of 32 rows and 128 heads per program were slower at every batch. Compiled
 # for sm_90 (Triton 3.9, tests/test_mla_decode_compile.py): 255 registers, 208 bytes spilled with bf16 (216 KiB of
 # shared memory), 376 with e4m3 (172 KiB).
-CUDA_FLASH_TILES = {False: dict(heads=64, block_n=64, chunks=4, num_warps=8, transposed=False),
-                    True: dict(heads=64, block_n=64, chunks=1, num_warps=8, transposed=False)}
+CUDA_FLASH_TILES = {False: dict(heads=64, block_n=64, chunks=4, num_warps=8),
+                    True: dict(heads=64, block_n=64, chunks=1, num_warps=8)}
 FLASH_MAX_SPLITS = 32  # at batch 1 each split writes 128 heads x 512 float32 (256 KiB) for the merge to read
 
 
@@ -348,7 +372,7 @@ def flash_tile(quantized: bool, latent_dim: int, cuda: bool = True) -> dict:
     more chunks than leave each 16 latent columns -- a chunk is the K of the scores' products and the N of the
     output's, and the tensor cores take no fewer (a small model's latent: 32 columns in 4 chunks did not compile)."""
     tile = (CUDA_FLASH_TILES[quantized] if cuda else
-            dict(heads=16, block_n=16, chunks=2, num_warps=4, transposed=False))
+            dict(heads=16, block_n=16, chunks=2, num_warps=4))
     return {**tile, "chunks": min(tile["chunks"], max(1, triton.next_power_of_2(latent_dim) // 16))}
 
 
@@ -358,11 +382,10 @@ def mla_decode_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.
                       order: torch.Tensor | None = None, kv_scale: float = 1.0,
                       store: tuple[torch.Tensor, torch.Tensor] | None = None, heads: int | None = None,
                       block_n: int | None = None, chunks: int | None = None,
-                      num_warps: int | None = None, transposed: bool | None = None) -> torch.Tensor:
+                      num_warps: int | None = None) -> torch.Tensor:
     """A decode step's `mla_attention_ref` by mla_decode.py's kernel (the splits, then `_mla_merge_kernel`):
     `mla_attention_triton`'s contract for max_q_len 1, storing this step's rows when store = (rows, slot_mapping).
-    heads (per program: a power of two), block_n, chunks (of the latent columns), num_warps and transposed (the
-    products as cached rows x heads and latent columns x heads: mla_decode.py's docstring): the tile, for
+    heads (per program: a power of two), block_n, chunks (of the latent columns) and num_warps: the tile, for
     benchmarks/mla_decode.py; left out, `flash_tile`'s."""
     if max_q_len != 1:
         raise ValueError(f"mla_decode_triton runs decode steps (max_q_len 1), not max_q_len {max_q_len}")
@@ -379,8 +402,7 @@ def mla_decode_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     split = num_splits > 1
-    part_o = q.new_empty((B, H, num_splits, latent_dim) if split else (1,), dtype=torch.float32)
-    part_lse = q.new_empty((B, H, num_splits) if split else (1,), dtype=torch.float32)
+    part_o, part_lse = split_partials(q, B, num_splits, latent_dim)
     _mla_decode_kernel[(triton.cdiv(H, heads), num_splits, B)](
         q, cache, out, part_o, part_lse, cu_seqlens_q, seq_lens, page_table, order if order is not None else seq_lens,
         rows, slots, scale * LOG2E * (kv_scale if quantized else 1.0), q.stride(0), q.stride(1), out.stride(0),
@@ -389,13 +411,101 @@ def mla_decode_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.
         BLOCK_L=triton.next_power_of_2(latent_dim), BLOCK_R=max(16, triton.next_power_of_2(width - latent_dim)),
         CHUNKS=chunks or tile["chunks"], BLOCK_N=block_n or tile["block_n"], SPLIT=split, STORE=store is not None,
         ORDERED=order is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANTIZED=quantized,
-        TRANSPOSED=tile["transposed"] if transposed is None else transposed, num_warps=num_warps or tile["num_warps"],
-        num_stages=2,
+        num_warps=num_warps or tile["num_warps"], num_stages=2,
     )
     if split:
-        _mla_merge_kernel[(B, H)](part_o, part_lse, out, cu_seqlens_q, out.stride(0), out.stride(1), H, num_splits,
-                                  LATENT=latent_dim, BLOCK_L=triton.next_power_of_2(latent_dim), num_warps=4)
+        merge_splits(part_o, part_lse, out, cu_seqlens_q, B, num_splits)
     return out
+
+
+GLUON_MAX_WIDTH = 576  # latent + rope: q, two stages of a block and P fill 224 of the H100's 227 KiB of shared memory
+
+
+@functools.lru_cache(maxsize=16)
+def on_hopper(device: torch.device | None = None) -> bool:
+    """Whether `device` (default: the current CUDA device) is a Hopper GPU (sm_90: H100, H200)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def gluon_shape_misfit(dtype: torch.dtype, kv_dtype: torch.dtype, latent_dim: int, rope_dim: int) -> str | None:
+    """Why mla_decode_gluon.py's kernel cannot take these dtypes and widths (None: it can): bf16 or fp16 queries over
+    a cache of their dtype or e4m3, a latent and a rope part in powers of two (latent >= 256, rope >= 16) of at most
+    GLUON_MAX_WIDTH together."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"its products take bf16 or fp16 queries, not {dtype}"
+    if kv_dtype not in (dtype, FP8_KV_DTYPE):
+        return f"a {kv_dtype} cache with {dtype} queries"
+    if latent_dim & (latent_dim - 1) or rope_dim & (rope_dim - 1) or latent_dim < 256 or rope_dim < 16:
+        return f"latent {latent_dim} and rope {rope_dim} must be powers of two (at least 256 and 16)"
+    if latent_dim + rope_dim > GLUON_MAX_WIDTH:
+        return f"latent + rope {latent_dim + rope_dim} is over {GLUON_MAX_WIDTH} (its blocks fill the shared memory)"
+    return None
+
+
+def gluon_misfit(q: torch.Tensor, cache: torch.Tensor, latent_dim: int) -> str | None:
+    """Why mla_decode_gluon.py's kernel cannot serve this decode step (None: it can): it runs on Hopper (sm_90:
+    wgmma), on `gluon_shape_misfit`'s dtypes and widths, with contiguous last dims."""
+    if not q.is_cuda or not on_hopper(q.device):
+        return "it runs on Hopper GPUs (sm_90: H100, H200) only"
+    if why := gluon_shape_misfit(q.dtype, cache.dtype, latent_dim, q.shape[-1] - latent_dim):
+        return why
+    if q.stride(-1) != 1 or cache.stride(-1) != 1:
+        return "q's and the cache's last dims must be contiguous"
+    return None
+
+
+def mla_decode_gluon(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                     page_table: torch.Tensor, scale: float, latent_dim: int, max_q_len: int = 1,
+                     out: torch.Tensor | None = None, num_splits: int | None = None,
+                     order: torch.Tensor | None = None, kv_scale: float = 1.0,
+                     store: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """`mla_decode_triton`'s contract by mla_decode_gluon.py's kernel (one tile: 64 heads, blocks of 64 rows, 8 warps),
+    the splits then `_mla_merge_kernel`. ValueError, saying why, where `gluon_misfit` finds it cannot run."""
+    if max_q_len != 1:
+        raise ValueError(f"mla_decode_gluon runs decode steps (max_q_len 1), not max_q_len {max_q_len}")
+    if why := gluon_misfit(q, cache, latent_dim):
+        raise ValueError(f"mla_decode_gluon: {why}; TSDEV_MLA_DECODE=flash serves the Triton kernel instead")
+    B = seq_lens.shape[0] if order is None else order.shape[0]
+    T, H, width = q.shape
+    out = q.new_empty(T, H, latent_dim) if out is None else out
+    if B == 0:
+        return out
+    quantized = cache.dtype == FP8_KV_DTYPE
+    num_splits = num_splits or flash_splits(B, H, q.device, GLUON_HEADS)
+    rows, slots = store if store is not None else (q, cu_seqlens_q)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    split = num_splits > 1
+    part_o, part_lse = split_partials(q, B, num_splits, latent_dim)
+    _mla_decode_gluon_kernel[(triton.cdiv(H, GLUON_HEADS), num_splits, B)](
+        q, cache, out, part_o, part_lse, cu_seqlens_q, seq_lens, page_table, order if order is not None else seq_lens,
+        rows, slots, scale * LOG2E * (kv_scale if quantized else 1.0), q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), cache.stride(0), cache.stride(1), page_table.stride(0), rows.stride(0), H, num_splits,
+        kv_scale, LATENT=latent_dim, ROPE=width - latent_dim, PAGE_SIZE=cache.shape[1], HEADS=GLUON_HEADS,
+        BLOCK_N=GLUON_BLOCK_N, SPLIT=split, STORE=store is not None, ORDERED=order is not None, QUANTIZED=quantized,
+        num_warps=GLUON_WARPS,
+    )
+    if split:
+        merge_splits(part_o, part_lse, out, cu_seqlens_q, B, num_splits)
+    return out
+
+
+def decode_kernel(q: torch.Tensor, cache: torch.Tensor, latent_dim: int):
+    """The launcher (one contract: `mla_decode_triton`'s) that serves this decode step on CUDA, as TSDEV_MLA_DECODE
+    says (MLA_DECODE): auto takes the Gluon kernel where `gluon_misfit` finds nothing against it and the model has
+    at least GLUON_HEADS heads (fewer leave most of each program's 64 rows empty), else the Triton flash kernel;
+    gluon takes it or raises, saying why."""
+    if MLA_DECODE == "tiles":
+        return mla_attention_triton
+    if MLA_DECODE == "flash":
+        return mla_decode_triton
+    why = gluon_misfit(q, cache, latent_dim)
+    if MLA_DECODE == "gluon":
+        if why:
+            raise ValueError(f"TSDEV_MLA_DECODE=gluon: the Gluon MLA decode kernel cannot serve this model: {why}; "
+                             "unset TSDEV_MLA_DECODE (auto: it serves where it can) or set it to flash")
+        return mla_decode_gluon
+    return mla_decode_gluon if why is None and q.shape[1] >= GLUON_HEADS else mla_decode_triton
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -423,7 +533,7 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.Tens
     triton_ok = use_triton(q, "mla")
     if triton_ok and max_q_len is None:
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if seq_lens.numel() else 0
-    decode = mla_decode_triton if MLA_DECODE == "flash" else mla_attention_triton  # (the same contract)
+    decode = decode_kernel(q, cache, latent_dim) if triton_ok else None
     if triton_ok and max_q_len == 1:  # the decode kernel stores this step's rows itself
         return decode(q, cache, cu_seqlens_q, seq_lens, page_table, scale, latent_dim, 1, out=out,
                       order=None if seq_lens.shape[0] == 1 else order, kv_scale=kv_scale, store=store)
@@ -499,6 +609,12 @@ def _flash_kernel(q, cache, cu, lens, table, rows, slots, order, max_q_len, late
                              store=(rows, slots))
 
 
+def _gluon_kernel(q, cache, cu, lens, table, rows, slots, order, max_q_len, latent):
+    """The Gluon decode kernel as serving runs it (TSDEV_MLA_DECODE=auto on Hopper): storing the step's rows itself."""
+    return mla_decode_gluon(q, cache, cu, lens, table, q.shape[-1] ** -0.5, latent, order=order,
+                            store=(rows, slots))
+
+
 def _cost(q, cache, cu, lens, table, rows, slots, order, max_q_len, latent):
     """q and the step's latent rows read, the rows stored, each sequence's latent rows read once (one head shared by
     all query heads), the output [T, H, latent] written, the metadata; QK^T over latent + rope and PV over the latent:
@@ -518,6 +634,17 @@ def _shapes(decode: bool, fp8: bool = False):
     return shapes
 
 
+def _gluon_shapes(fp8: bool):
+    """The decode shapes where the Gluon kernel runs: on a Hopper GPU (Triton's interpreter does not run Gluon), at
+    the dtypes and widths it takes (`gluon_shape_misfit`)."""
+    def shapes(s):
+        if not (s.latent_dim and s.device.startswith("cuda") and on_hopper()):
+            return []
+        misfit = gluon_shape_misfit(s.dtype, FP8_KV_DTYPE if fp8 else s.dtype, s.latent_dim, s.rope_dim)
+        return [] if misfit else _shapes(True, fp8)(s)
+    return shapes
+
+
 CHECKS = [
     KernelCheck(op=f"mla_{step}{suffix}", kernels=("_mla_kernel", "_mla_merge_kernel", "_store_latent_kernel"),
                 shapes=_shapes(step == "decode", kv_dtype is not None),
@@ -527,6 +654,11 @@ CHECKS = [
 ] + [
     KernelCheck(op=f"mla_decode_flash{suffix}", kernels=("_mla_decode_kernel", "_mla_merge_kernel"),
                 shapes=_shapes(True, kv_dtype is not None), inputs=_inputs(True, kv_dtype), kernel=_flash_kernel,
+                reference=_reference, tolerance=MLA_TOLERANCE, cost=_cost)
+    for suffix, kv_dtype in (("", None), ("_fp8", FP8_KV_DTYPE))
+] + [
+    KernelCheck(op=f"mla_decode_gluon{suffix}", kernels=("_mla_decode_gluon_kernel", "_mla_merge_kernel"),
+                shapes=_gluon_shapes(kv_dtype is not None), inputs=_inputs(True, kv_dtype), kernel=_gluon_kernel,
                 reference=_reference, tolerance=MLA_TOLERANCE, cost=_cost)
     for suffix, kv_dtype in (("", None), ("_fp8", FP8_KV_DTYPE))
 ]

@@ -24,13 +24,10 @@ products per cached row where 64 x (288 + 256) would do (FlashMLA's warpgroups s
 Triton layout says that). 128 heads in one program do not fit: q alone is 144 KiB of shared memory and the
 [128, 512] float32 accumulator the whole register file (HEADS is a constexpr: benchmarks/mla_decode.py times it).
 
-TRANSPOSED computes both products the other way round, FlashMLA's split of the work without a layout Triton lacks:
-S^T = K . q^T [BLOCK_N rows, HEADS] (the cached rows are M: with 8 warps each warpgroup takes half of the heads, so
-no score is computed twice), the softmax down the columns, then O^T += V^T . P^T [latent columns, HEADS] (the 512
-columns are M, 256 per warpgroup; P^T goes to the product through shared memory). Compiled for sm_90 (Triton 3.9,
-64 heads, 64 rows, 8 warps; q transposed once, before the blocks) it spills more than the default orientation: 304 /
-264 bytes with 2 / 4 chunks and a bf16 cache (224 KiB of shared memory), 864 / 544 with e4m3 (against 208 and 376).
-Not timed yet: benchmarks/mla_decode.py's FLASH_TILES has it.
+Computing both products the other way round (S^T = K . q^T, then O^T += V^T . P^T: FlashMLA's split of the work
+without a layout Triton lacks) was tried and dropped: on an H100 (2026-12-07, V3's shapes, Triton 3.6) it took
+1.8-3.4x the time of this orientation (benchmarks/mla_decode.py; the Gluon kernel, mla_decode_gluon.py, shares the
+scores between the warpgroups instead).
 """
 import triton
 import triton.language as tl
@@ -68,7 +65,6 @@ def _mla_decode_kernel(
     kv_scale, LATENT: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr, HEADS: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     STORE: tl.constexpr, ORDERED: tl.constexpr, PRECISION: tl.constexpr, QUANTIZED: tl.constexpr,
-    TRANSPOSED: tl.constexpr,
 ):
     CHUNK: tl.constexpr = BLOCK_L // CHUNKS
     head_block = tl.program_id(0)
@@ -88,11 +84,6 @@ def _mla_decode_kernel(
             q_lat += (tl.load(q_row + i * CHUNK + c[None, :], mask=(h < H)[:, None] & (i * CHUNK + c < LATENT)[None, :],
                               other=0.0),)
         q_rot = tl.load(q_row + LATENT + rot[None, :], mask=(h < H)[:, None] & (rot < ROPE)[None, :], other=0.0)
-        if TRANSPOSED:  # q^T once, the products' B operand
-            q_t = ()
-            for i in tl.static_range(CHUNKS):
-                q_t += (tl.trans(q_lat[i]),)
-            q_rot_t = tl.trans(q_rot)
         share = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N  # each split's rows, in whole blocks
         start = split * share
         stop = tl.minimum(start + share, seq_len)
@@ -102,7 +93,7 @@ def _mla_decode_kernel(
 
         m_i = tl.full([HEADS], float("-inf"), tl.float32)
         l_i = tl.zeros([HEADS], tl.float32)
-        acc = (tl.zeros([CHUNK, HEADS] if TRANSPOSED else [HEADS, CHUNK], tl.float32),) * CHUNKS
+        acc = (tl.zeros([HEADS, CHUNK], tl.float32),) * CHUNKS
         for n0 in range(start, stop, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             n_mask = n < stop
@@ -110,39 +101,22 @@ def _mla_decode_kernel(
             row = CACHE + (page * stride_cp + (n % PAGE_SIZE) * stride_cs)[:, None]
             k_rot = tl.load(row + LATENT + rot[None, :], mask=n_mask[:, None] & (rot < ROPE)[None, :], other=0.0)
             k_rot = k_rot.to(Q.dtype.element_ty)
-            if TRANSPOSED:  # S^T [BLOCK_N, HEADS]: the cached rows are the tensor cores' M
-                s = tl.dot(k_rot, q_rot_t, input_precision=PRECISION)
-            else:
-                s = tl.dot(q_rot, tl.trans(k_rot), input_precision=PRECISION)
+            s = tl.dot(q_rot, tl.trans(k_rot), input_precision=PRECISION)
             k_lat = ()  # the block's latent part, chunk by chunk: keys for S, then values for P . V
             for i in tl.static_range(CHUNKS):
                 k = tl.load(row + i * CHUNK + c[None, :], mask=n_mask[:, None] & (i * CHUNK + c < LATENT)[None, :],
                             other=0.0).to(Q.dtype.element_ty)  # (an e4m3 row to q's dtype, exactly)
-                if TRANSPOSED:
-                    s = tl.dot(k, q_t[i], s, input_precision=PRECISION)
-                else:
-                    s = tl.dot(q_lat[i], tl.trans(k), s, input_precision=PRECISION)
+                s = tl.dot(q_lat[i], tl.trans(k), s, input_precision=PRECISION)
                 k_lat += (k,)
-            if TRANSPOSED:
-                s = tl.where(n_mask[:, None], s * scale_log2, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, axis=0))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[None, :])
-                l_i = l_i * alpha + tl.sum(p, axis=0)
-                p = p.to(Q.dtype.element_ty)
-                summed = ()  # O^T [CHUNK, HEADS] += V^T . P^T: the latent columns are M, P^T goes through shared memory
-                for i in tl.static_range(CHUNKS):
-                    summed += (tl.dot(tl.trans(k_lat[i]), p, acc[i] * alpha[None, :], input_precision=PRECISION),)
-            else:
-                s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, axis=1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                p = p.to(Q.dtype.element_ty)
-                summed = ()
-                for i in tl.static_range(CHUNKS):
-                    summed += (tl.dot(p, k_lat[i], acc[i] * alpha[:, None], input_precision=PRECISION),)
+            s = tl.where(n_mask[None, :], s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            p = p.to(Q.dtype.element_ty)
+            summed = ()
+            for i in tl.static_range(CHUNKS):
+                summed += (tl.dot(p, k_lat[i], acc[i] * alpha[:, None], input_precision=PRECISION),)
             acc = summed
             m_i = m_new
         scale = kv_scale if QUANTIZED else 1.0  # an e4m3 cache's values times its scale
@@ -150,13 +124,12 @@ def _mla_decode_kernel(
         for i in tl.static_range(CHUNKS):
             col = i * CHUNK + c
             mask = (h < H)[:, None] & (col < LATENT)[None, :]
-            out = tl.trans(acc[i]) if TRANSPOSED else acc[i]
             if SPLIT:  # a share past the sequence's end has l_i == 0: its partial is 0, its log-sum-exp -inf
                 tl.store(PART_O + part[:, None] * LATENT + col[None, :],
-                         out * (scale / tl.maximum(l_i, 1e-30))[:, None], mask=mask)
+                         acc[i] * (scale / tl.maximum(l_i, 1e-30))[:, None], mask=mask)
             else:
                 tl.store(O + t.to(tl.int64) * stride_ot + h[:, None] * stride_oh + col[None, :],
-                         (out * (scale / l_i)[:, None]).to(O.dtype.element_ty), mask=mask)
+                         (acc[i] * (scale / l_i)[:, None]).to(O.dtype.element_ty), mask=mask)
         if SPLIT:
             tl.store(PART_LSE + part, tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf")),
                      mask=h < H)
