@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+import httpcore
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -130,11 +131,49 @@ class EngineChannel:
         self.metrics.observe(outputs)
 
 
+class _AsyncioStream(httpcore.AsyncNetworkStream):
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.reader, self.writer = reader, writer
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return await self.reader.read(max_bytes)
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self.writer.write(buffer)
+        await self.writer.drain()
+
+    async def aclose(self) -> None:
+        self.writer.close()
+
+    def get_extra_info(self, info: str):
+        return self.writer.get_extra_info(info)
+
+
+class _AsyncioUnixBackend(httpcore.AsyncNetworkBackend):
+    """httpcore's connections to a Unix socket on asyncio's own streams. httpx's default (anyio's socket stream) waits
+    for bytes with a reader callback that can set the result of a waiter already cancelled -- a client that leaves
+    mid-relay while the engine's next bytes arrive in the same loop pass, likely on a loaded CPU -- and asyncio then
+    prints an InvalidStateError traceback into the server's log (harmless, but a user reads it as a failure)."""
+
+    async def connect_unix_socket(self, path: str, timeout: float | None = None, socket_options=None):
+        return _AsyncioStream(*await asyncio.open_unix_connection(path))
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
+def engine_transport(engine_socket: str) -> httpx.AsyncHTTPTransport:
+    """httpx's transport to the engine's Unix socket, on `_AsyncioUnixBackend` (httpx takes no backend argument: its
+    pool's is set; an httpx without that pool fails here, at startup)."""
+    transport = httpx.AsyncHTTPTransport(uds=engine_socket)
+    transport._pool._network_backend = _AsyncioUnixBackend()
+    return transport
+
+
 def relay_to(engine_socket: str, gone: Callable[[], None]):
     """A route relaying any request to the engine process's app (on its Unix socket), its reply streamed back; the
     socket failing means the engine process is gone (`gone`)."""
-    client = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=engine_socket), base_url="http://localhost",
-                               timeout=None)
+    client = httpx.AsyncClient(transport=engine_transport(engine_socket), base_url="http://localhost", timeout=None)
 
     async def relay(request: Request, path: str):
         headers = {k: v for k, v in request.headers.items() if k.lower() in RELAYED_HEADERS}
