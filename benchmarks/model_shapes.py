@@ -43,7 +43,7 @@ from safetensors.torch import save_file
 from decode_step import copy_bandwidth, engine_step_time, unread_weight_bytes
 from tsdev_kernels.cache import cache_dir
 from tsdev_runtime.config import EngineConfig
-from tsdev_runtime.engine.llm_engine import LLMEngine, thaw_heap
+from tsdev_runtime.engine.llm_engine import LLMEngine, prompt_logits, thaw_heap
 from tsdev_runtime.engine.sequence import SamplingParams
 from tsdev_runtime.weights.default_model import (CHATML, DEFAULT_FP8, build_tokenizer, default_model_dir,
                                                  eos_token_ids, random_weights)
@@ -181,7 +181,7 @@ def shape_rows(name: str, args, bandwidth: float, fp8_blocks: bool = False) -> t
                   f"{floor * 1e3:.3f}", f"{step / floor:.2f}", f"{kv / 1e9:.2f}", f"{floor_kv * 1e3:.3f}",
                   f"{step / floor_kv:.2f}"]
         rows.append("| " + " | ".join(map(str, values)) + " |")
-    logits = [engine.prompt_logits(prompt) for prompt in cosine_prompts(c.vocab_size)] if args.fp8_blocks else []
+    logits = [prompt_logits(engine, prompt) for prompt in cosine_prompts(c.vocab_size)] if args.fp8_blocks else []
     return rows, steps, logits
 
 

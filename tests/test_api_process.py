@@ -353,3 +353,26 @@ def test_a_relay_cancelled_as_the_engines_next_bytes_arrive_logs_no_invalid_stat
     reported = asyncio.run(relay_cancelled_as_bytes_arrive(engine_transport(path)))
     server.close()
     assert reported == [], reported
+
+
+def test_the_engines_process_behind_the_api_process_never_reads_the_tokenizer(make_engine, tmp_path):
+    """Its tokenizer is read when first used (a request of `generate`, a single-process server): behind the API process
+    (serve's default) the engine's process skips that read, 0.2-0.3 s of every start and restart. A checkpoint without
+    a tokenizer still fails at once."""
+    import shutil
+
+    from tsdev_runtime.config import EngineConfig
+    from tsdev_runtime.engine.async_engine import AsyncEngine
+    from tsdev_runtime.engine.llm_engine import LLMEngine
+    from tsdev_runtime.engine.sequence import SamplingParams
+
+    engine = make_engine()
+    AsyncEngine(engine)
+    assert "tokenizer" not in vars(engine)
+    assert engine.generate([[5, 17, 300]], SamplingParams(max_tokens=3, ignore_eos=True))[0]["text"] is not None
+    assert "tokenizer" in vars(engine)
+    no_tokenizer = tmp_path / "model"
+    shutil.copytree(engine.model_dir, no_tokenizer)
+    (no_tokenizer / "tokenizer.json").unlink()
+    with pytest.raises(FileNotFoundError, match="has no tokenizer.json"):
+        LLMEngine(EngineConfig(model=str(no_tokenizer), device="cpu"))

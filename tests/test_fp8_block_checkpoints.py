@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from tsdev_kernels.ops.fp8_block import fp8_block_linear_ref, quantize_fp8_blocks
 from tsdev_runtime.config import EngineConfig
-from tsdev_runtime.engine.llm_engine import LLMEngine
+from tsdev_runtime.engine.llm_engine import LLMEngine, prompt_logits
 from tsdev_runtime.engine.sequence import SamplingParams
 from written import save_with_tiny_tokenizer
 
@@ -115,7 +115,7 @@ def test_a_block_fp8_checkpoint_serves_the_greedy_tokens_of_the_same_arithmetic_
 def prefill_logits(model_dir, prompts) -> list[torch.Tensor]:
     """The logits after each prompt (its last position), one engine on `model_dir`, each prompt in a step alone."""
     engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32"))
-    return [engine.prompt_logits(prompt) for prompt in prompts]
+    return [prompt_logits(engine, prompt) for prompt in prompts]
 
 
 def test_its_logits_are_close_to_the_unquantized_models(source_dir, tmp_path):

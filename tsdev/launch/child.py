@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -25,12 +26,24 @@ from pathlib import Path
 
 import httpx
 
-POLL_S = 0.05  # how often a start polls GET /health (benchmarks time the start, so keep it short)
+POLL_S = 0.01  # how often a start polls GET /health (a restart's hand-over waits on it: keep it short)
 # what a server process and its standby (tsdev/launch/standby.py) say to each other:
 HANDED_OVER_ENV = "TSDEV_HANDED_OVER_AT"  # when the standby took the start (the startup line counts from it)
 DEVICE_ENV = "TSDEV_STANDBY_DEVICE"  # the device the next start serves on ("": the default); unset: do not touch CUDA
 PREPARE = "prepare"  # a line before the arguments: import the project now (the old server is stopping meanwhile)
 _LIBC = ctypes.CDLL(None) if sys.platform == "linux" else None
+
+
+def reap(proc: subprocess.Popen, timeout: float) -> None:
+    """Wait for `proc` to exit, SIGKILL after `timeout` s: a blocking waitpid, which returns the moment the process
+    exits (Popen.wait with a timeout polls, up to 50 ms late: a restart waits for the old server so)."""
+    killer = threading.Timer(timeout, proc.kill)
+    killer.daemon = True
+    killer.start()
+    try:
+        proc.wait()
+    finally:
+        killer.cancel()
 
 
 class StartFailed(RuntimeError):
@@ -239,11 +252,7 @@ class ServerProcess:
         if proc is None or proc.poll() is not None:
             return
         proc.terminate()
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        reap(proc, timeout)
 
     async def stop_async(self, timeout: float = 20) -> None:
         await asyncio.to_thread(self.stop, timeout)

@@ -94,11 +94,9 @@ class ApiProcess:
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.stop_soon()
-            try:
-                self.proc.wait(API_PROCESS_STOP_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            from tsdev.launch.child import reap
+
+            reap(self.proc, API_PROCESS_STOP_S)
         self.channel.close()
         self.remove_socket()
 

@@ -41,7 +41,7 @@ class AsyncEngine:
         self.engine = engine
         self.on_step = on_step
         self.control = engine.control
-        self.outputs = OutputProcessor(engine.tokenizer)  # the outputs of the requests of `generate`
+        self.outputs = OutputProcessor(lambda: engine.tokenizer)  # the outputs of the requests of `generate`
         # where the outputs of requests added by `add_request` go (the API process: runtime/.../engine/channel.py)
         self.remote: Callable[[StepOutputs, dict[str, str] | None], None] | None = None
         self._streams: dict[str, asyncio.Queue] = {}

@@ -11,6 +11,7 @@ which ends the request with `abort(request_id, "stop")`; tokens drawn for it unt
 """
 import atexit
 import collections
+import functools
 import gc
 import time
 from itertools import chain
@@ -161,7 +162,7 @@ class LLMEngine:
         self.model_dir, self.model_config, self.max_model_len = (checkpoint.dir, checkpoint.config,
                                                                  checkpoint.max_model_len)
         self.tokenizer_dir = config.tokenizer_dir(self.model_dir)
-        self.tokenizer = load_tokenizer(self.tokenizer_dir)
+        tokenizer_file(self.tokenizer_dir)  # (a missing tokenizer fails now; it is read when first used: `tokenizer`)
         self.runner = ModelRunner(config, checkpoint)  # this rank's: the steps' forward, what it reads alone
         # the state, the lock, the calls every rank makes (`control.ranked`) and every operation that pauses serving
         self.control = EngineControl(self, self.runner)
@@ -281,20 +282,16 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         return EngineStats.of(self)
 
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer, read when first used (`generate`, a single-process server): with the API process
+        (tsdev serve's default) the engine's process never reads it -- 0.2-0.3 s of every start and restart."""
+        return load_tokenizer(self.tokenizer_dir)
+
     @property
     def model(self) -> torch.nn.Module:
         """This rank's model (its parameters and buffers: benchmarks, the weights drill)."""
         return self.runner.model
-
-    def prompt_logits(self, prompt: list[int]) -> torch.Tensor:
-        """The logits after `prompt` (token ids; its last position, float32, on the CPU) from one eager prefill outside
-        the scheduler, its pages taken and given back here: full-vocabulary logits of an idle engine (benchmarks)."""
-        seq = Sequence("prompt-logits", prompt, SamplingParams(max_tokens=1, temperature=0))
-        self.block_manager.allocate(seq, len(prompt))
-        try:
-            return self.runner.compute_logits(ScheduledBatch([seq], [len(prompt)]), use_graphs=False)[0].float().cpu()
-        finally:
-            self.block_manager.free_pages(seq)
 
     def describe(self) -> EngineInfo:
         runner, config = self.runner, self.config
@@ -497,12 +494,29 @@ def release_slot(seq: Sequence, free_slots: list[int]) -> None:
         seq.sampler_slot = None
 
 
-def load_tokenizer(tokenizer_dir: Path) -> Tokenizer:
-    tokenizer_file = tokenizer_dir / "tokenizer.json"
-    if not tokenizer_file.is_file():
+def prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
+    """The logits after `prompt` (token ids; its last position, float32, on the CPU) from one eager prefill outside
+    the engine's scheduler, its pages taken and given back here: full-vocabulary logits of an idle engine
+    (benchmarks)."""
+    seq = Sequence("prompt-logits", prompt, SamplingParams(max_tokens=1, temperature=0))
+    engine.block_manager.allocate(seq, len(prompt))
+    try:
+        return engine.runner.compute_logits(ScheduledBatch([seq], [len(prompt)]), use_graphs=False)[0].float().cpu()
+    finally:
+        engine.block_manager.free_pages(seq)
+
+
+def tokenizer_file(tokenizer_dir: Path) -> Path:
+    """tokenizer_dir's tokenizer.json; FileNotFoundError, saying what to do, when it has none."""
+    path = tokenizer_dir / "tokenizer.json"
+    if not path.is_file():
         raise FileNotFoundError(f"{tokenizer_dir} has no tokenizer.json (a fast tokenizer is required): give the "
                                 "directory of one with --tokenizer")
-    return Tokenizer.from_file(str(tokenizer_file))
+    return path
+
+
+def load_tokenizer(tokenizer_dir: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(tokenizer_file(tokenizer_dir)))
 
 
 def serve_rank(config: EngineConfig, make_reloader=None) -> None:

@@ -7,7 +7,9 @@ latency stamps -- is `OutputProcessor`'s, run by whoever consumes the steps (the
 `LLMEngine.generate`). A stop string it finds ends the request in the engine (`LLMEngine.abort(request_id,
 "stop")`); a token the engine drew for it meanwhile is dropped here.
 """
+import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
@@ -106,9 +108,15 @@ class OutputProcessor:
     """Turns the engine's `StepOutputs` into each request's `RequestOutput` (text, stop strings, logprobs, usage,
     latency stamps). Requests are added before the engine may read a token of theirs, and leave once finished."""
 
-    def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer | Callable[[], Tokenizer]):
+        """`tokenizer`, or what reads it when the first request is added (the engine's process behind the API
+        process adds none: it never reads the tokenizer)."""
+        self._tokenizer = tokenizer
         self.requests: dict[str, _Request] = {}
+
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer if isinstance(self._tokenizer, Tokenizer) else self._tokenizer()
 
     def add(self, request_id: str, num_prompt_tokens: int, params: SamplingParams,
             arrival_time: float | None = None) -> None:
