@@ -19,6 +19,14 @@ for part in "${parts[@]}"; do
         TAIL=8 step "mla-step-$k" 120 env TSDEV_MLA_DECODE=$k python3 benchmarks/decode_step.py --model default-mla \
           --batch-sizes 1 64 256 --context 4096
       done ;;
+    mla-auto)  # issue 66: default-mla's decode step with what auto serves (the Gluon kernel on Hopper)
+      TAIL=8 step mla-step-auto 150 env TSDEV_MLA_DECODE=auto python3 benchmarks/decode_step.py --model default-mla \
+        --batch-sizes 1 64 256 --context 4096 ;;
+    restart) TAIL=12 step restart 200 python3 benchmarks/save_to_serving.py --cycles 0 --restarts 2 ;;
+    shipped)  # issue 67 point 3: a fresh machine's first start (every cache empty) with the manifest tsdev/warmup/ ships
+      fresh=$(mktemp -d)
+      TAIL=8 step fresh-shipped 240 env TSDEV_CACHE_DIR=$fresh/tsdev TRITON_CACHE_DIR=$fresh/triton \
+        python3 benchmarks/startup.py --starts 1 -- --allow-reload-forward ;;
     ahead) TAIL=16 step save-ahead 240 python3 benchmarks/save_to_serving.py --cycles 8 --restarts 2 --ahead 1000 ;;
     notebook) OUT=$out TAIL=30 step notebook 150 python3 scripts/notebook_drill.py ;;
     warmup)  # issue 67 point 3: a fresh machine's first start (caches empty), then one with only the warm-up manifest
@@ -32,6 +40,6 @@ for part in "${parts[@]}"; do
       rm -rf "$TRITON_CACHE_DIR"
       TAIL=8 step fresh-with-manifest 240 python3 benchmarks/startup.py --starts 1 -- --allow-reload-forward
       unset TSDEV_CACHE_DIR TRITON_CACHE_DIR ;;
-    *) echo "unknown part $part (mla, ahead, notebook, warmup)"; exit 2 ;;
+    *) echo "unknown part $part (mla, mla-auto, restart, shipped, ahead, notebook, warmup)"; exit 2 ;;
   esac
 done
