@@ -40,7 +40,8 @@ def test_every_op_passes_at_the_served_shapes_and_a_reload_reports_error_and_tim
         assert {c.op for c in every.checks} == set(every.ops) - {
             "fused_moe", "fp8_gemv", "fp8_skinny_linear", "paged_decode_fp8", "paged_prefill_fp8",
             "mla_decode", "mla_prefill", "mla_decode_fp8", "mla_prefill_fp8", "fp8_token_groups", "fp8_block_linear",
-            "fused_moe_fp8", "fused_moe_fp8_block", "mla_decode_flash", "mla_decode_flash_fp8"}
+            "fused_moe_fp8", "fused_moe_fp8_block", "mla_decode_flash", "mla_decode_flash_fp8", "mla_decode_gluon",
+            "mla_decode_gluon_fp8"}
         assert all(c.us_after and c.us_after > 0 for c in every.checks)  # idle: all timed
         assert all(c.timed == "graph" for c in every.checks), [(c.op, c.timed) for c in every.checks]  # device time
         assert CliRunner().invoke(app, ["check", "rms_norm", "--url", url]).exit_code == 0
