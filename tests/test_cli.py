@@ -57,6 +57,8 @@ def test_serve_banner_names_the_graphs_and_the_startup_phases(make_engine):
     accounted = 0.8 + 1.5 + t["checkpoint"] + t["load"] + t["warm"] + t["capture"] + t["capture_prefill"]
     assert startup.endswith(f"; other {10.0 - accounted:.2f} s")  # every second of the start is somewhere
     assert describe_startup(None, 1.5, t, 0, None).startswith("startup: imports 1.50 s, checkpoint ")
+    assert "34 Triton compile(s) in the warm-up and capture (7 built, 27 from Triton's disk cache)" in describe_startup(
+        0.8, 1.5, t, 34, 10.0, built=7)
     assert describe_graphs(make_engine(enforce_eager=True).describe(), False, {}) == "CUDA graphs off"
 
 

@@ -58,3 +58,17 @@ def test_a_second_engine_does_not_chain_the_hook_twice(tiny_model_dir):
     before = compiles.COMPILES.counts["tsdev_kernels.ops.norm._once"]
     triton_compiled("_once")
     assert compiles.COMPILES.counts["tsdev_kernels.ops.norm._once"] == before + 1
+
+
+def test_compiles_the_disk_cache_did_not_answer_are_counted_apart(tiny_model_dir):
+    """Triton's compilation listener says whether its disk cache answered a compile: the startup line counts those it
+    did not (built in this process) apart from the loads."""
+    from tsdev_runtime.config import EngineConfig
+    from tsdev_runtime.engine.compiles import jit_built
+    from tsdev_runtime.engine.llm_engine import LLMEngine
+
+    LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", max_model_len=128, kv_pages=64))
+    before = jit_built()
+    for hit in (False, True, False):
+        triton.knobs.compilation.listener(src=None, metadata={}, metadata_group={}, times=None, cache_hit=hit)
+    assert jit_built() == before + 2

@@ -351,3 +351,10 @@ def test_a_restart_line_says_where_its_seconds_went_and_nothing_when_the_server_
     assert restart_parts(record) == ("old server stopped in 0.40 s, then start: python and the CLI 0.10, imports 0.30, "
                                      "load 0.90, warm-up 1.00, hand-over and health checks 0.20 s")
     assert restart_parts(RestartRecord(2, "an engine edit", seconds=2.5, stopped=0.4)) == ""  # an older server
+    # the moments (the daemon's and the server's) split what is beyond the server's account
+    record.moments = {"restart began": 100.0, "arguments sent": 100.02, "began": 100.08, "startup line": 102.38,
+                      "serving": 102.45, "healthy": 102.5}
+    assert restart_parts(record).endswith("warm-up 1.00, hand-over 0.08 (the standby busy 0.06), serving set-up 0.07, "
+                                          "health checks 0.05 s")
+    record.moments["arguments sent"] = None  # an ordinary start: no standby
+    assert restart_parts(record).endswith("hand-over and health checks 0.20 s")

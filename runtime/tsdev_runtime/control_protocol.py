@@ -414,6 +414,9 @@ class ServerInfo(EngineInfo):
     pid: int
     state: Phase = "serving"
     startup: dict[str, float] = {}  # where the start's seconds went, in order (the startup line); {}: unknown
+    # when (seconds since the epoch) the start began (a standby's: when it took it), the startup line was said and the
+    # server began serving: `tsdev watch` splits what its restart took beyond `startup` by them; {}: unknown
+    moments: dict[str, float] = {}
 
 
 # --- events (GET /v1/rl/engine/events, one SSE `data:` line each) -------------------------------------------

@@ -101,12 +101,14 @@ def test_a_start_hands_the_last_such_starts_binaries_to_its_pool_and_says_so(tmp
     config, pool = EngineConfig("default", device="cuda"), Pool()
     assert prewarm(None, config) is None  # no pool (the CPU, or no --allow-reload-forward): nothing to hand
     path = manifest_path(config, pool.target, __import__("triton").__version__)
-    assert prewarm(pool, config) == path and not pool.handed.is_set()  # no manifest yet: the warm-up compiles
+    started = prewarm(pool, config)
+    assert started.manifest == path and not pool.handed.is_set()  # no manifest yet: the warm-up compiles
     entry = {"module": "tsdev_kernels.ops.norm", "name": "_rms_norm_kernel", "signature": {"X": "*bf16"},
              "constexprs": [[[1], 1024]], "attrs": [[[0], [["tt.divisibility", 16]]]], "options": {"num_warps": 4}}
     manifest.write(path, [entry])
     with caplog.at_level(logging.INFO, "tsdev_runtime.startup"):
-        assert prewarm(pool, config) == path
+        started = prewarm(pool, config)
+    assert started.manifest == path and started.shipped is None  # this machine's own: the warm-up does not wait
     assert pool.handed.wait(10)
     sources, [job] = pool.got
     assert sources == {} and (job.module, job.name, job.target) == (entry["module"], entry["name"], pool.target)
@@ -124,11 +126,12 @@ def test_a_fresh_machine_takes_the_manifest_shipped_for_its_configuration(tmp_pa
     from tsdev_runtime.config import EngineConfig
 
     class Pool:
-        target, workers, handed = GPUTarget("cuda", 90, 32), 8, threading.Event()
+        target, workers, handed, finish = GPUTarget("cuda", 90, 32), 8, threading.Event(), threading.Event()
 
         def compile(self, sources, jobs):
             self.jobs = jobs
             self.handed.set()
+            self.finish.wait(10)  # compiling
 
     monkeypatch.setenv("TSDEV_CACHE_DIR", str(tmp_path / "cache"))  # this machine has none
     monkeypatch.setattr(serve, "SHIPPED_WARMUP", tmp_path / "shipped")
@@ -136,5 +139,12 @@ def test_a_fresh_machine_takes_the_manifest_shipped_for_its_configuration(tmp_pa
     mine = serve.manifest_path(config, pool.target, __import__("triton").__version__)
     entry = {"module": "m", "name": "k", "signature": {}, "constexprs": [], "attrs": [], "options": {}}
     manifest.write(tmp_path / "shipped" / mine.name, [entry, entry])
-    assert serve.prewarm(pool, config) == mine and pool.handed.wait(10) and len(pool.jobs) == 2
+    started = serve.prewarm(pool, config)
+    assert started.manifest == mine and pool.handed.wait(10) and len(pool.jobs) == 2
     assert not mine.exists()  # written by the start once it has warmed up, as its own
+    # the warm-up waits for the pool's compiles (rather than compile the same kernels again beside it), at most a while
+    started.wait(timeout=0.2)
+    assert started.shipped.is_alive()
+    pool.finish.set()
+    started.wait()
+    assert not started.shipped.is_alive()

@@ -144,6 +144,9 @@ class ServerProcess:
         self.keep_standby = standby and not prefix
         self.standby: subprocess.Popen | None = None  # the process the next start() hands its arguments to
         self.handed_over = False  # the current run is a standby that took over
+        # when (time.time()) the current run's arguments went to its standby, and when it answered /health first
+        self.arguments_sent: float | None = None
+        self.healthy_at: float | None = None
 
     @property
     def command_line(self) -> str:
@@ -168,10 +171,11 @@ class ServerProcess:
         try:
             standby, self.standby = self.standby, None
             self.handed_over = standby is not None and standby.poll() is None
+            self.arguments_sent = self.healthy_at = None
             if self.handed_over:
                 standby.stdin.write((json.dumps([*self.serve_args, *extra_args]) + "\n").encode())
                 standby.stdin.flush()
-                self.proc = standby
+                self.proc, self.arguments_sent = standby, time.time()
             else:  # none yet, or it died: an ordinary start (the next standby replaces it)
                 self.proc = self._spawn([*self.argv, *extra_args], log, subprocess.DEVNULL)
         finally:
@@ -226,6 +230,7 @@ class ServerProcess:
                     raise StartFailed(f"the server exited during startup ({describe_exit(code)}):\n{self.tail()}")
                 try:
                     if (await client.get(self.url + "/health", timeout=2)).status_code == 200:
+                        self.healthy_at = time.time()
                         if standby:
                             self.start_standby()
                         return

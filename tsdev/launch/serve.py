@@ -160,13 +160,16 @@ def startup_parts(before: float | None, imports: float, t: dict, total: float | 
     return parts
 
 
-def describe_startup(before: float | None, imports: float, t: dict, compiles: int, total: float | None) -> str:
-    """The startup line: `startup_parts`, the captures split, the compiles counted."""
+def describe_startup(before: float | None, imports: float, t: dict, compiles: int, total: float | None,
+                     built: int | None = None) -> str:
+    """The startup line: `startup_parts`, the captures split, the compiles counted (`built`: how many of them
+    Triton's disk cache did not answer)."""
     parts = startup_parts(before, imports, t, total)
     other = parts.pop("other", None)
+    cached = "" if built is None else f" ({built} built, {compiles - built} from Triton's disk cache)"
     text = (", ".join(f"{name} {seconds:.2f} s" for name, seconds in parts.items())
             + f" (decode {t['capture']:.2f}, prefill {t['capture_prefill']:.2f}); {compiles} Triton compile(s) in the "
-              "warm-up and capture")
+              f"warm-up and capture{cached}")
     if other is None:
         return f"startup: {text}"
     from tsdev.launch.child import HANDED_OVER_ENV
@@ -345,17 +348,17 @@ def _load_and_serve(config: EngineConfig, server: ServerConfig, sock: socket.soc
                 threading.Thread(target=warm_triton_key, name="triton-key", daemon=True).start()
             api = ApiProcess(sock) if server.api_process else None  # it imports while the model loads
             pool = start_compile_pool(config, server)  # its workers import and warm up while the model loads
-            manifest_file = prewarm(pool, config)  # and compile what the last such start compiled, side by side
+            prewarming = prewarm(pool, config)  # and compile what the last such start compiled, side by side
             name = server.served_model_name or ("tsdev-default" if config.model is None else Path(config.model).name)
-            engine = _load(config, server, console, api, name)
+            engine = _load(config, server, console, api, name, prewarming)
         if engine is None:
             return 2
-        if manifest_file is not None:  # what this start compiled, for the next one (not the graphs captured later)
+        if prewarming is not None:  # what this start compiled, for the next one (not the graphs captured later)
             from tsdev.hotreload import default_packages, manifest
             from tsdev.hotreload.pool import imported
 
             with contextlib.suppress(OSError):  # (a read-only cache: the next start compiles as this one did)
-                manifest.write(manifest_file, manifest.entries(imported(default_packages())))
+                manifest.write(prewarming.manifest, manifest.entries(imported(default_packages())))
         return _serve(config, server, sock, console, pool, before, imports, api, engine, name)
     finally:
         if pool is not None:
@@ -364,19 +367,30 @@ def _load_and_serve(config: EngineConfig, server: ServerConfig, sock: socket.soc
             api.stop()
 
 
-def _load(config: EngineConfig, server: ServerConfig, console: Console, api: ApiProcess | None, name: str):
-    """The engine, loaded and warmed; None (the reason printed) when the checkpoint or a flag cannot be used."""
+def _load(config: EngineConfig, server: ServerConfig, console: Console, api: ApiProcess | None, name: str,
+          prewarming: Prewarm | None):
+    """The engine, loaded and warmed; None (the reason printed) when the checkpoint or a flag cannot be used. The
+    checkpoint is opened first (the default model's written on its first use), then a fresh machine waits for the
+    pool's compiles of the shipped warm-up (`Prewarm.wait`: counted in the warm-up), then the engine loads and warms."""
     from tsdev_runtime.engine.llm_engine import LLMEngine
 
     show_tuned_files()
     logging.getLogger("tsdev_runtime.startup").info("loading the model (the first run creates the default checkpoint)")
     try:
-        checkpoint, opened = api.hello(config, server, name) if api is not None else (None, 0.0)
+        start = time.perf_counter()
+        checkpoint, opened = api.hello(config, server, name) if api is not None else (LLMEngine.open_checkpoint(config),
+                                                                                       None)
+        opened = time.perf_counter() - start if opened is None else opened
+        waited = time.perf_counter()
+        if prewarming is not None:
+            prewarming.wait()
+        waited = time.perf_counter() - waited
         engine = LLMEngine(config, checkpoint)
     except (FileNotFoundError, ValueError) as exc:
         console.print(f"[red]error:[/red] {exc}")
         return None
-    engine.startup_timings["checkpoint"] += opened  # (opened for the API process's hello, and given to the engine)
+    engine.startup_timings["checkpoint"] += opened  # (opened before the engine, and given to it)
+    engine.startup_timings["warm"] += waited
     return engine
 
 
@@ -385,7 +399,7 @@ def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, cons
     import uvicorn
     from jinja2 import TemplateError
 
-    from tsdev_runtime.engine.compiles import jit_compiles
+    from tsdev_runtime.engine.compiles import jit_built, jit_compiles
     from tsdev_runtime.server.app import build_app
     from tsdev_runtime.server.chat import ChatTemplate
     from tsdev_runtime.server.security import SecurityPolicy, describe
@@ -393,13 +407,16 @@ def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, cons
     info = engine.describe()
     graphs = describe_graphs(info, config.device.startswith("cuda"), engine.startup_timings)
     age = process_age()
+    moments = {"startup line": time.time()}  # (GET /server_info's: tsdev watch splits its restarts' time by them)
+    if age is not None:
+        moments = {"began": moments["startup line"] - age, **moments}
     console.print(
         f"{describe_loaded(name, info, engine.startup_timings)}\n"
         f"KV pool: {info.kv_pages} pages x {info.page_size} tokens{kv_pool_note(info)}; "
         f"context length {info.max_model_len}; "
         f"up to {info.max_running} requests at once\n"
         f"warmed in {engine.startup_timings['warm']:.2f} s; {graphs}\n"
-        f"{describe_startup(before, imports, engine.startup_timings, sum(jit_compiles().values()), age)}"
+        f"{describe_startup(before, imports, engine.startup_timings, sum(jit_compiles().values()), age, jit_built())}"
     )
     reloader = None
     if server.allow_reload_forward:
@@ -422,7 +439,7 @@ def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, cons
         app = build_app(engine, name, reloader, max_request_body_bytes=server.max_request_body_bytes,
                         security=SecurityPolicy.of(server), chat_template=server.chat_template,
                         api_channel=api and api.channel,
-                        startup=startup_parts(before, imports, engine.startup_timings, age))
+                        startup=startup_parts(before, imports, engine.startup_timings, age), moments=moments)
     except (FileNotFoundError, ValueError, TemplateError) as exc:  # --chat-template, or the checkpoint's template
         console.print(f"[red]error:[/red] the chat template: {exc}")
         return 2
@@ -437,6 +454,7 @@ def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, cons
         listening = sock
 
     def started() -> None:  # (the API process says it once it listens)
+        moments["serving"] = time.time()
         if api is None:
             console.print(f"listening on [bold]http://{server.host}:{port}[/bold] (OpenAI API under /v1)")
 
@@ -490,13 +508,27 @@ def manifest_path(config: EngineConfig, target, triton_version: str) -> Path:
 
 
 SHIPPED_WARMUP = Path(__file__).resolve().parent.parent / "warmup"  # manifests made on a GPU for a fresh machine
+PREWARM_WAIT_S = 60.0  # the longest a fresh machine's warm-up waits for the pool's compiles of the shipped manifest
 
 
-def prewarm(pool, config: EngineConfig) -> Path | None:
+@dataclasses.dataclass
+class Prewarm:
+    manifest: Path  # this machine's manifest for the configuration, to write once this start has warmed up
+    # the compiles of the manifest tsdev ships (a fresh machine's first start: Triton's cache is empty), which the
+    # warm-up waits for rather than compiling the same kernels again, one at a time, beside the pool (`wait`)
+    shipped: threading.Thread | None = None
+
+    def wait(self, timeout: float = PREWARM_WAIT_S) -> None:
+        if self.shipped is not None and self.shipped.is_alive():
+            logging.getLogger("tsdev_runtime.startup").info(
+                "waiting for the compile workers to finish the shipped warm-up kernels (a fresh machine)")
+            self.shipped.join(timeout)
+
+
+def prewarm(pool, config: EngineConfig) -> Prewarm | None:
     """Hand the pool (a thread waits on it) what the last start of this configuration compiled -- this machine's
     manifest, else one shipped for it (tsdev/warmup/: a fresh machine's first start) -- so that the warm-up finds it
-    in Triton's disk cache; this machine's manifest path, to write once this start has warmed up. None without a
-    pool."""
+    in Triton's disk cache. None without a pool."""
     if pool is None:
         return None
     import triton
@@ -504,12 +536,16 @@ def prewarm(pool, config: EngineConfig) -> Path | None:
     from tsdev.hotreload import manifest
 
     path = manifest_path(config, pool.target, triton.__version__)
-    if jobs := manifest.jobs(manifest.read(path) or manifest.read(SHIPPED_WARMUP / path.name), pool.target):
+    local = manifest.read(path)
+    started = Prewarm(path)
+    if jobs := manifest.jobs(local or manifest.read(SHIPPED_WARMUP / path.name), pool.target):
         logging.getLogger("tsdev_runtime.startup").info(
             f"compiling {len(jobs)} kernel {'binary' if len(jobs) == 1 else 'binaries'} the last start of this "
             f"configuration built, in {pool.workers} worker(s), while the model loads")
-        threading.Thread(target=_compile_quietly, args=(pool, jobs), name="prewarm", daemon=True).start()
-    return path
+        thread = threading.Thread(target=_compile_quietly, args=(pool, jobs), name="prewarm", daemon=True)
+        thread.start()
+        started.shipped = None if local else thread
+    return started
 
 
 def _compile_quietly(pool, jobs) -> None:

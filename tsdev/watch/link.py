@@ -21,6 +21,7 @@ class Described:
     device: str | None
     vocab: int
     startup: dict[str, float] = field(default_factory=dict)  # where the server's start went (ServerInfo.startup)
+    moments: dict[str, float] = field(default_factory=dict)  # when its parts began (ServerInfo.moments)
 
 
 class ServerLink:
@@ -40,7 +41,7 @@ class ServerLink:
         response = await self.client.get(self.url + SERVER_INFO_ROUTE)
         if response.status_code == 200:
             info = ServerInfo.model_validate_json(response.content)
-            return Described(info.model, info.device, info.vocab_size, info.startup)
+            return Described(info.model, info.device, info.vocab_size, info.startup, info.moments)
         first = (await self.client.get(self.url + "/v1/models")).json()["data"][0]
         return Described(first.get("id"), None, int(first.get("vocab_size") or 256))
 

@@ -124,15 +124,30 @@ def restart_line(record: RestartRecord, daemon: Daemon) -> str:
 def restart_parts(record: RestartRecord) -> str:
     """Where a restart's seconds went: the old server's stop, then the new server's own account of its start
     (GET /server_info's `startup`: the CLI, imports, checkpoint, load, warm-up, capture, other) and what is left
-    of the daemon's `seconds` (the hand-over and its health checks); '' when the server gave no account."""
+    of the daemon's `seconds`, split by `handover_parts` where the moments allow; '' when the server gave no
+    account."""
     if not record.startup:
         return ""
     parts = ", ".join(f"{name} {seconds:.2f}" for name, seconds in record.startup.items())
     text = f"old server stopped in {record.stopped:.2f} s, then " if record.stopped is not None else ""
     text += f"start: {parts}"
     if (rest := record.seconds - sum(record.startup.values())) >= 0.005:
-        text += f", hand-over and health checks {rest:.2f}"
+        text += ", " + (handover_parts(record.moments) or f"hand-over and health checks {rest:.2f}")
     return text + " s"
+
+
+def handover_parts(moments: dict[str, float | None]) -> str:
+    """What a restart took beyond the new server's own account: the hand-over (from the restart's beginning until
+    the standby took the start; of it, the standby still busy after it was sent the arguments -- importing the
+    saved sources), the set-up after the startup line (the reloader, the app) until it served, and the health checks
+    until /health first answered (the API process's start, the polls). '' when a moment is missing."""
+    need = ("restart began", "arguments sent", "began", "startup line", "serving", "healthy")
+    if any(moments.get(name) is None for name in need):
+        return ""
+    m = moments
+    busy = m["began"] - m["arguments sent"]
+    return (f"hand-over {m['began'] - m['restart began']:.2f} (the standby busy {busy:.2f}), serving set-up "
+            f"{m['serving'] - m['startup line']:.2f}, health checks {m['healthy'] - m['serving']:.2f}")
 
 
 def started_line(event: Event, daemon: Daemon) -> str | None:

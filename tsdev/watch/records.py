@@ -104,6 +104,9 @@ class RestartRecord:
     served_after_save: float | None = None  # from the saved file's modification time to healthy again
     stopped: float | None = None  # seconds the old server took to stop (a restart's, before `seconds` began)
     startup: dict[str, float] = field(default_factory=dict)  # the new server's own account (ServerInfo.startup)
+    # when (time.time()) the restart began, its arguments went to the standby and /health first answered (the
+    # daemon's), and the server's ServerInfo.moments: `restart_parts` splits the hand-over and health checks by them
+    moments: dict[str, float] = field(default_factory=dict)
 
 
 def outcome_of(record: ReloadRecord | RestartRecord) -> str:

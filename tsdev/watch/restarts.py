@@ -61,7 +61,7 @@ class Restarts:
         daemon, server, url = self.daemon, self.daemon.server, self.daemon.config.url
         daemon.emit("restart_started", record)
         daemon.set_state("restarting" if record.n else "starting", pid=None)
-        start = time.perf_counter()
+        start, began = time.perf_counter(), time.time()
         try:
             try:
                 server.start(f"tsdev watch: starting the server ({record.reason})", extra_args)
@@ -76,6 +76,8 @@ class Restarts:
             daemon.emit("restart_finished", record)
             return
         record.seconds, record.pid = time.perf_counter() - start, server.proc.pid
+        record.moments = {"restart began": began, "arguments sent": server.arguments_sent,
+                          "healthy": server.healthy_at}
         record.standby = server.handed_over
         daemon.down = False
         daemon.info.update(pid=record.pid)
@@ -87,6 +89,7 @@ class Restarts:
             described = await daemon.link.describe()
             daemon.checker.vocab, daemon.checker.device = described.vocab, described.device
             record.startup = described.startup
+            record.moments = {**record.moments, **described.moments}
             daemon.info.update(model=described.model, device=described.device)
             if take_golden:
                 await daemon.checker.take_golden()

@@ -22,6 +22,7 @@ class JitCompiles:
 
     def __init__(self):
         self.counts: Counter[str] = Counter()
+        self.built = 0  # of them, those Triton's disk cache did not answer (its compilation listener says)
         self._expected = 0
         self._lock = threading.Lock()
 
@@ -54,6 +55,11 @@ def jit_compiles() -> dict[str, int]:
     return dict(COMPILES.counts)
 
 
+def jit_built() -> int:
+    """How many of this process's compiles so far Triton's disk cache did not answer: built here."""
+    return COMPILES.built
+
+
 def install() -> JitCompiles:
     """Chain COMPILES into Triton's post-compile hook (once per process; a hook set before stays called)."""
     import triton
@@ -72,4 +78,15 @@ def install() -> JitCompiles:
 
     hook.counts_into = COMPILES
     runtime.jit_post_compile_hook = hook
+    compilation = getattr(triton.knobs, "compilation", None)
+    if compilation is not None and hasattr(compilation, "listener"):
+        chained = compilation.listener
+
+        def listener(*, cache_hit, **kwargs):
+            if not cache_hit:
+                with COMPILES._lock:
+                    COMPILES.built += 1
+            if chained is not None:
+                chained(cache_hit=cache_hit, **kwargs)
+        compilation.listener = listener
     return COMPILES

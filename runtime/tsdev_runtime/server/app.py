@@ -45,13 +45,15 @@ def server_version() -> str:
 def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReloader | None = None,
               max_request_body_bytes: int = ServerConfig.max_request_body_bytes,
               security: SecurityPolicy | None = None, chat_template: str | None = None,
-              api_channel: socket.socket | None = None, startup: dict[str, float] | None = None) -> FastAPI:
+              api_channel: socket.socket | None = None, startup: dict[str, float] | None = None,
+              moments: dict[str, float] | None = None) -> FastAPI:
     """The app; `reloader` (a tsdev.hotreload.Reloader or alike) enables reload_forward, None refuses it (403).
     `security`: who may call what (API key, loopback-only control routes, profile and weight directories).
     `chat_template`: a jinja2 file to render chat prompts with instead of the checkpoint's own.
     `api_channel`: the engine process's end of the channel to an API process (which had its hello: tsdev/launch/serve.py
     `ApiProcess.hello`); it hears "ready" once this app runs.
-    `startup`: where the start's seconds went (tsdev/launch/serve.py's `startup_parts`), for GET /server_info.
+    `startup`: where the start's seconds went (tsdev/launch/serve.py's `startup_parts`), for GET /server_info;
+    `moments`: when its parts began (ServerInfo.moments; the caller may add to it later).
     `app.state.async_engine.shutdown()` ends its requests and streams (what a server does on SIGTERM)."""
     metrics = EngineMetrics(engine, served_model_name)
     request_metrics = RequestMetrics(served_model_name) if api_channel is None else None
@@ -100,14 +102,15 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReload
     app.include_router(weights_router(async_engine, security))
     install_error_handlers(app)
     registries = (metrics.registry,) if request_metrics is None else (metrics.registry, request_metrics.registry)
-    app.include_router(info_router(engine, served_model_name, registries, reloader is not None, startup or {}))
+    app.include_router(info_router(engine, served_model_name, registries, reloader is not None, startup or {},
+                                   {} if moments is None else moments))
     if deps is not None:
         app.include_router(openai_router(deps))
     return app
 
 
 def info_router(engine: LLMEngine, name: str, registries: tuple[CollectorRegistry, ...], reloads: bool,
-                startup: dict[str, float]) -> APIRouter:
+                startup: dict[str, float], moments: dict[str, float]) -> APIRouter:
     """What the server is: health, the served model, its version and state (and where its start went), Prometheus
     metrics. With reloads allowed, /health and /load also name the `tsdev check` under way (`kernel_check`: the engine
     is busy with it between requests) and the reloads waiting for their turn (`reloads_waiting`)."""
@@ -154,7 +157,7 @@ def info_router(engine: LLMEngine, name: str, registries: tuple[CollectorRegistr
     @router.get(SERVER_INFO_ROUTE)
     async def server_info():
         return ServerInfo(model=name, allow_reload_forward=reloads, pid=os.getpid(), state=control.phase,
-                          startup=startup, **dict(engine.describe())).dump()
+                          startup=startup, moments=moments, **dict(engine.describe())).dump()
 
     @router.get("/metrics")
     async def prometheus():
