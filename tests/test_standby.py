@@ -100,3 +100,38 @@ def test_tritons_own_cache_key_is_computed_ahead_once_per_process():
     assert triton_key.cache_info().currsize == 1 and triton_key.cache_info().misses == 1
     warm_triton_key()
     assert triton_key.cache_info().hits == 1  # the next caller pays nothing
+
+
+def test_prepare_imports_again_only_the_changed_module_and_its_importers(tmp_path, monkeypatch):
+    """The standby imports the project as it starts; `prepare` (after the save that restarts the server) reads from
+    disk again only the modules whose file changed and those importing them: the others are the objects imported
+    before (not read twice)."""
+    from tsdev.launch import standby
+
+    package = tmp_path / "pkgx"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("VALUE = 1\n")
+    (package / "b.py").write_text("from pkgx.a import VALUE\n")  # imports the edited module
+    (package / "c.py").write_text("from . import d\n")  # does not
+    (package / "d.py").write_text("")
+    (package / "top.py").write_text("import pkgx.b\nimport pkgx.c\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(standby, "PROJECT_PACKAGES", ("pkgx",))
+    monkeypatch.setattr(standby, "ENTRY_MODULES", ("pkgx.top",))
+    try:
+        project = standby.Project()
+        project.import_now()
+        before = {name: sys.modules[name] for name in ("pkgx", "pkgx.a", "pkgx.b", "pkgx.c", "pkgx.d", "pkgx.top")}
+        assert project.changed() == set()
+        (package / "a.py").write_text("VALUE = 22\n")  # the save
+        stamp = os.stat(package / "a.py").st_mtime_ns + 10 ** 9
+        os.utime(package / "a.py", ns=(stamp, stamp))
+        assert project.changed() == {"pkgx.a", "pkgx.b", "pkgx.top"}
+        project.refresh()
+        assert sys.modules["pkgx.b"].VALUE == 22 and sys.modules["pkgx.b"] is not before["pkgx.b"]
+        assert sys.modules["pkgx.top"] is not before["pkgx.top"] and sys.modules["pkgx.top"].pkgx.b.VALUE == 22
+        assert all(sys.modules[name] is before[name] for name in ("pkgx", "pkgx.c", "pkgx.d"))  # not read again
+    finally:
+        for name in [n for n in sys.modules if n == "pkgx" or n.startswith("pkgx.")]:
+            del sys.modules[name]

@@ -295,7 +295,7 @@ def test_the_next_standby_starts_after_the_new_servers_checks_not_beside_them():
     order = []
 
     async def describe():
-        return SimpleNamespace(vocab=100, model="m", device="cuda", startup={})
+        return SimpleNamespace(vocab=100, model="m", device="cuda", startup={}, moments={})
 
     async def check(record, golden):
         order.append("probe")

@@ -454,7 +454,6 @@ def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, cons
         listening = sock
 
     def started() -> None:  # (the API process says it once it listens)
-        moments["serving"] = time.time()
         if api is None:
             console.print(f"listening on [bold]http://{server.host}:{port}[/bold] (OpenAI API under /v1)")
 

@@ -2,35 +2,142 @@
 stack), waiting for its arguments on stdin. `ServerProcess` keeps one beside a running server (`standby=True`, as
 `tsdev watch` does) and hands it the next start, so a restart pays neither the interpreter nor those imports.
 
-It imports nothing of the runtime or the CLI until the restart begins (only the constants it shares with
-tsdev/launch/child.py): the edit that made the restart necessary (an engine file, say) is read from disk then. A
-`prepare` line (sent as the old server is told to stop) imports the CLI and the runtime while the old server stops;
-the arguments follow once it has exited (the GPU and the port are free). It allocates no GPU memory and, like a
-server, dies with its parent. An empty stdin (the parent closed it or died) ends it quietly. On a GPU it creates its
-CUDA context as it starts (TSDEV_STANDBY_DEVICE: the device the next start serves on), so that the start's load pays
-none of it; the standby is started once the running server's checks are done, never beside them.
+It imports the CLI and the runtime too, as they are on disk when it starts (`Project`), noting each module's source
+file; a `prepare` line (sent as the old server is told to stop, after the save that restarts it) drops the modules
+whose file changed since and every project module that imports one of them, and imports those again: only what the
+edit touched is read after the save (an engine file and its importers, not the kernels). The arguments follow once
+the old server has exited (the GPU and the port are free). It allocates no GPU memory and, like a server, dies with
+its parent. An empty stdin (the parent closed it or died) ends it quietly. On a GPU it creates its CUDA context as it
+starts (TSDEV_STANDBY_DEVICE: the device the next start serves on), so that the start's load pays none of it; the
+standby is started once the running server's checks are done, never beside them.
 
     python -m tsdev.launch.standby   # then one line on stdin: the JSON list of `tsdev` arguments, e.g. ["serve", ...]
                                      # (optionally after a line `prepare`)
 """
+import ast
+import contextlib
+import importlib
 import json
 import os
 import sys
 import time
+from pathlib import Path
 
 from tsdev.launch.child import DEVICE_ENV, HANDED_OVER_ENV, PREPARE, warm_triton_key
 
 
-def prepare() -> None:
-    """Import the CLI and the runtime as they are on disk now (after the save that restarts the server), while the
-    old server stops: the start then pays neither. An error is left to the start, which imports again and reports
-    it as any start does."""
+PROJECT_PACKAGES = ("tsdev", "tsdev_runtime", "tsdev_kernels")
+ENTRY_MODULES = ("tsdev_runtime.engine.llm_engine", "tsdev_runtime.server.app", "tsdev.cli")  # what a start imports
+
+
+class Project:
+    """The project's modules this process imported (`import_now`), each module's source file and its stamp (size and
+    modification time) then, and which project modules each imports (read from its source). `refresh` drops the
+    modules whose file changed since and their importers, and imports the entry modules again: the edit's modules
+    are read from disk now, the others are not. An import that fails is left to the start, which imports again and
+    reports it as any start does (then nothing is kept: the start imports everything)."""
+
+    def __init__(self):
+        self.stamps: dict[str, tuple[int, int] | None] = {}  # module -> its file's stamp when imported (None: unsure)
+        self.imports: dict[str, set[str]] = {}  # module -> the project modules its source imports
+
+    def import_now(self) -> None:
+        since = time.time_ns()  # a file written from here on may be newer than what was imported: unsure
+        if not _import(ENTRY_MODULES):
+            self.stamps, self.imports = {}, {}
+            _drop(list(project_modules()))
+            return
+        for name, path in project_modules().items():
+            stamp = _stamp(path)
+            self.stamps[name] = stamp if stamp is not None and stamp[0] < since else None
+            self.imports[name] = imported_modules(name, path)
+
+    def changed(self) -> set[str]:
+        """The modules whose file changed since they were imported, and every module importing one of them."""
+        modules = project_modules()
+        stale = {name for name, stamp in self.stamps.items()
+                 if stamp is None or name not in modules or _stamp(modules[name]) != stamp}
+        importers: dict[str, set[str]] = {}
+        for name, imported in self.imports.items():
+            for target in imported:
+                importers.setdefault(target, set()).add(name)
+        todo = list(stale)
+        while todo:
+            for name in importers.get(todo.pop(), ()):
+                if name not in stale:
+                    stale.add(name)
+                    todo.append(name)
+        for name in list(stale):  # a package's submodules were imported through it
+            if modules.get(name, "").endswith("__init__.py"):
+                stale |= {m for m in modules if m.startswith(name + ".")}
+        return stale
+
+    def refresh(self) -> None:
+        stale = self.changed() if self.stamps else set(project_modules())
+        _drop(sorted(stale))
+        importlib.invalidate_caches()
+        _import(ENTRY_MODULES)
+
+
+def project_modules() -> dict[str, str]:
+    """The project's modules imported in this process, with their source files."""
+    found = {}
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if name.split(".")[0] in PROJECT_PACKAGES and path and path.endswith(".py"):
+            found[name] = path
+    return found
+
+
+def imported_modules(name: str, path: str) -> set[str]:
+    """The modules `name`'s source imports, anywhere in it (functions included), relative ones resolved; each
+    dotted name's packages too. What cannot be read: nothing."""
     try:
-        import tsdev_runtime.engine.llm_engine  # noqa: F401
-        import tsdev_runtime.server.app  # noqa: F401
-        import tsdev.cli  # noqa: F401
+        tree = ast.parse(Path(path).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return set()
+    package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parent = ".".join(parts[:len(parts) - node.level + 1])
+                base = f"{parent}.{base}" if base else parent
+            found.add(base)
+            found |= {f"{base}.{alias.name}" for alias in node.names}
+    return {".".join(dotted.split(".")[:i]) for dotted in found for i in range(1, dotted.count(".") + 2)}
+
+
+def _stamp(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
+
+
+def _drop(names: list[str]) -> None:
+    """Forget these modules: the next import reads them again (their parent packages lose the attribute, or a
+    `from package import module` would find the old one)."""
+    for name in names:
+        sys.modules.pop(name, None)
+        parent, _, child = name.rpartition(".")
+        if parent in sys.modules and getattr(sys.modules[parent], child, None) is not None:
+            with contextlib.suppress(AttributeError):
+                delattr(sys.modules[parent], child)
+
+
+def _import(names) -> bool:
+    try:
+        for name in names:
+            importlib.import_module(name)
     except BaseException:  # noqa: BLE001  (SystemExit included: the start reports it)
-        pass
+        return False
+    return True
 
 
 def init_cuda(device: str) -> bool:
@@ -69,9 +176,11 @@ def main() -> int:
         return 0
     if device is not None and not device.startswith("cpu") and torch.cuda.is_available() and "triton" in sys.modules:
         warm_triton_key()
+    project = Project()
+    project.import_now()
     line = sys.stdin.readline()
     if line.strip() == PREPARE:
-        prepare()
+        project.refresh()
         line = sys.stdin.readline()
     if not line.strip():
         return 0

@@ -53,7 +53,7 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReload
     `api_channel`: the engine process's end of the channel to an API process (which had its hello: tsdev/launch/serve.py
     `ApiProcess.hello`); it hears "ready" once this app runs.
     `startup`: where the start's seconds went (tsdev/launch/serve.py's `startup_parts`), for GET /server_info;
-    `moments`: when its parts began (ServerInfo.moments; the caller may add to it later).
+    `moments`: when its parts began (ServerInfo.moments), "serving" added as the app starts (before it answers).
     `app.state.async_engine.shutdown()` ends its requests and streams (what a server does on SIGTERM)."""
     metrics = EngineMetrics(engine, served_model_name)
     request_metrics = RequestMetrics(served_model_name) if api_channel is None else None
@@ -83,6 +83,8 @@ def build_app(engine: LLMEngine, served_model_name: str, reloader: ForwardReload
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await async_engine.start()
+        if moments is not None:
+            moments["serving"] = time.time()
         timing = asyncio.create_task(control.time_when_idle()) if reloader is not None else None
         channel = asyncio.create_task(engine_side.serve(api_channel)) if engine_side is not None else None
         yield
