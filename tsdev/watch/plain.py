@@ -145,7 +145,7 @@ def handover_parts(moments: dict[str, float | None]) -> str:
     if any(moments.get(name) is None for name in need):
         return ""
     m = moments
-    busy = m["began"] - m["arguments sent"]
+    busy = max(m["began"] - m["arguments sent"], 0.0)  # (two processes' clocks: never "-0.00")
     return (f"hand-over {m['began'] - m['restart began']:.2f} (the standby busy {busy:.2f}), serving set-up "
             f"{m['serving'] - m['startup line']:.2f}, health checks {m['healthy'] - m['serving']:.2f}")
 
