@@ -125,13 +125,18 @@ def test_prepare_imports_again_only_the_changed_module_and_its_importers(tmp_pat
         before = {name: sys.modules[name] for name in ("pkgx", "pkgx.a", "pkgx.b", "pkgx.c", "pkgx.d", "pkgx.top")}
         assert project.changed() == set()
         (package / "a.py").write_text("VALUE = 22\n")  # the save
-        stamp = os.stat(package / "a.py").st_mtime_ns + 10 ** 9
+        stamp = os.stat(package / "a.py").st_mtime_ns - 10 ** 9  # another stamp (a coarse clock may not move)
         os.utime(package / "a.py", ns=(stamp, stamp))
         assert project.changed() == {"pkgx.a", "pkgx.b", "pkgx.top"}
         project.refresh()
         assert sys.modules["pkgx.b"].VALUE == 22 and sys.modules["pkgx.b"] is not before["pkgx.b"]
         assert sys.modules["pkgx.top"] is not before["pkgx.top"] and sys.modules["pkgx.top"].pkgx.b.VALUE == 22
         assert all(sys.modules[name] is before[name] for name in ("pkgx", "pkgx.c", "pkgx.d"))  # not read again
+        assert project.changed() == set()  # what was imported again is noted as it is now
+        (package / "d.py").write_text("X = 3\n")  # saved later, with no `prepare` (a crashed server's restart)
+        os.utime(package / "d.py", ns=(stamp - 10 ** 9, stamp - 10 ** 9))
+        project.refresh()  # as the arguments arrive
+        assert sys.modules["pkgx.c"].d.X == 3 and sys.modules["pkgx.b"] is not before["pkgx.b"]
     finally:
         for name in [n for n in sys.modules if n == "pkgx" or n.startswith("pkgx.")]:
             del sys.modules[name]

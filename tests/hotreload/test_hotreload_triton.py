@@ -310,10 +310,11 @@ def test_a_binary_that_compiles_in_the_reload_instead_of_loading_is_named_with_i
     monkeypatch.setattr(type(kern.independent), "_do_compile", compiles)
     r = pkg.reloader()
     pkg.edit("kern", COMPILED.replace("tl.load(x_ptr + offs) * 2", "tl.load(x_ptr + offs) * 3"))
+    listening = triton.knobs.compilation.listener  # (an engine made earlier in this process counts compiles so)
     tx = r.reload()
     [(name, seconds)] = tx.report.compiled_in_pause.items()
     assert tx.report.ok and name == f"{pkg.full('kern')[0]}.independent" and seconds >= 0.02
-    assert triton.knobs.compilation.listener is None  # given back
+    assert triton.knobs.compilation.listener is listening  # given back
     tx.rollback()
 
 

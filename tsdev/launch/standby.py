@@ -6,10 +6,11 @@ It imports the CLI and the runtime too, as they are on disk when it starts (`Pro
 file; a `prepare` line (sent as the old server is told to stop, after the save that restarts it) drops the modules
 whose file changed since and every project module that imports one of them, and imports those again: only what the
 edit touched is read after the save (an engine file and its importers, not the kernels). The arguments follow once
-the old server has exited (the GPU and the port are free). It allocates no GPU memory and, like a server, dies with
-its parent. An empty stdin (the parent closed it or died) ends it quietly. On a GPU it creates its CUDA context as it
-starts (TSDEV_STANDBY_DEVICE: the device the next start serves on), so that the start's load pays none of it; the
-standby is started once the running server's checks are done, never beside them.
+the old server has exited (the GPU and the port are free), and what changed meanwhile (or since the standby started,
+when no `prepare` came: a crashed server's restart) is imported again then. It allocates no GPU memory and, like a
+server, dies with its parent. An empty stdin (the parent closed it or died) ends it quietly. On a GPU it creates its
+CUDA context as it starts (TSDEV_STANDBY_DEVICE: the device the next start serves on), so that the start's load pays
+none of it; the standby is started once the running server's checks are done, never beside them.
 
     python -m tsdev.launch.standby   # then one line on stdin: the JSON list of `tsdev` arguments, e.g. ["serve", ...]
                                      # (optionally after a line `prepare`)
@@ -42,12 +43,15 @@ class Project:
         self.imports: dict[str, set[str]] = {}  # module -> the project modules its source imports
 
     def import_now(self) -> None:
+        """The entry modules imported (what is not imported yet), the stamps of the modules imported now noted."""
         since = time.time_ns()  # a file written from here on may be newer than what was imported: unsure
         if not _import(ENTRY_MODULES):
             self.stamps, self.imports = {}, {}
             _drop(list(project_modules()))
             return
         for name, path in project_modules().items():
+            if name in self.stamps:  # imported before, and unchanged since
+                continue
             stamp = _stamp(path)
             self.stamps[name] = stamp if stamp is not None and stamp[0] < since else None
             self.imports[name] = imported_modules(name, path)
@@ -75,8 +79,11 @@ class Project:
     def refresh(self) -> None:
         stale = self.changed() if self.stamps else set(project_modules())
         _drop(sorted(stale))
+        for name in stale:
+            self.stamps.pop(name, None)
+            self.imports.pop(name, None)
         importlib.invalidate_caches()
-        _import(ENTRY_MODULES)
+        self.import_now()
 
 
 def project_modules() -> dict[str, str]:
@@ -185,6 +192,7 @@ def main() -> int:
     if not line.strip():
         return 0
     os.environ[HANDED_OVER_ENV] = repr(time.time())  # the server's startup line counts from here, not the wait
+    project.refresh()  # what changed since `prepare`, or since the standby started when none came (a crash's restart)
     from tsdev.cli import app
 
     app(args=json.loads(line), prog_name="tsdev")
