@@ -295,6 +295,31 @@ def test_a_kernel_body_edit_loads_the_new_binaries_under_the_old_keys(pkg, monke
     assert kern.independent.device_caches[0][0]["spec"] is not binary and "* 2" in kern.independent.src
 
 
+def test_a_manifests_binaries_load_into_a_new_process_kernels_whose_source_is_unchanged(pkg, monkeypatch):
+    """What a start wrote down (tsdev/hotreload/manifest.py) holds each binary's JIT key and its kernel's source hash:
+    `preload` (a restart's standby) loads those of unchanged kernels under their keys, where the first launch looks."""
+    from tsdev.hotreload import manifest
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    pkg.write("kern", COMPILED)
+    kern = pkg.mod("kern")
+    calls = compile_stand_ins(monkeypatch, kern.independent, kern.uses_helper)
+    written = manifest.entries([pkg.full("kern")[0]])
+    assert sorted(e["name"] for e in written) == ["independent", "uses_helper"]
+    assert all(e["key"] == "spec" and e["hash"] == getattr(kern, e["name"]).cache_key for e in written)
+    for kernel in (kern.independent, kern.uses_helper):  # a new process: its kernels hold no binary yet
+        kernel.device_caches[0] = ({}, {}, None, StandInBackend(), None)
+    [edited] = [e for e in written if e["name"] == "uses_helper"]
+    edited["hash"] = "the source before an edit"  # its binary is not this source's: left to the first launch
+    assert manifest.preload(written, 0) == 1 and manifest.preload(written, 0) == 0  # (held already: nothing again)
+    [(kernel, key, signature, device, constexprs, options, attrs, warmup, binary)] = calls
+    assert kernel is kern.independent and (key, signature, device, constexprs, attrs) == (
+        "spec", {"x_ptr": "*fp32"}, 0, {(1,): 8}, {(0,): [["tt.divisibility", 16]]})
+    assert options == {"num_warps": 4, "launch_pdl": (True,), "shared": 1024, "global_scratch_size": 0}
+    assert binary.loaded and kern.independent.device_caches[0][0] == {"spec": binary}
+    assert kern.uses_helper.device_caches[0][0] == {}
+
+
 def test_a_binary_that_compiles_in_the_reload_instead_of_loading_is_named_with_its_seconds(pkg, monkeypatch):
     """Not compiled ahead (a miss of the disk cache): the pause waits for the compile, and the report says whose."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")

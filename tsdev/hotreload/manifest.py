@@ -8,6 +8,11 @@ JIT compiled (signature, constexprs and attributes with their index paths as lis
 backend's defaults for that target). Binaries whose constexprs are no JSON value (a dtype, a function) are left out:
 those compile in the warm-up, as before. An entry that no longer fits the code (the kernel gone, a new argument)
 fails in its worker and costs that worker one compile attempt; nothing else reads it.
+
+Each entry also holds the JIT's in-memory key of the binary and its kernel's source hash (Triton's `cache_key`):
+`preload` loads into this process's kernels, under those keys, the binaries of every kernel whose source is unchanged --
+Triton's disk cache has them -- so that their first launch finds them in memory (a restart's standby does that while
+the old server still serves: the new server's warm-up then loads nothing).
 """
 from __future__ import annotations
 
@@ -37,8 +42,9 @@ def entries(modules: Iterable[str]) -> list[dict]:
                 backend = cache[-2]
                 if id(backend) not in defaults:
                     defaults[id(backend)] = vars(backend.parse_options({}))
-                for compiled in list(cache[0].values()):
-                    entry = _entry(name, attr, jit.specialisation(compiled, backend), defaults[id(backend)])
+                for key, compiled in list(cache[0].items()):
+                    entry = _entry(name, attr, jit.specialisation(compiled, backend), defaults[id(backend)], key,
+                                   _source_hash(kernel))
                     if entry is not None:
                         found.append(entry)
     return found
@@ -70,7 +76,8 @@ def read(path: Path) -> list[dict]:
     return manifest if isinstance(manifest, list) and all(isinstance(e, dict) for e in manifest) else []
 
 
-def _entry(module: str, name: str, spec: tuple | None, defaults: dict) -> dict | None:
+def _entry(module: str, name: str, spec: tuple | None, defaults: dict, key: Any = None,
+           source: str | None = None) -> dict | None:
     if spec is None:
         return None
     signature, constexprs, attrs, options = spec
@@ -78,7 +85,44 @@ def _entry(module: str, name: str, spec: tuple | None, defaults: dict) -> dict |
              "constexprs": [[list(path), value] for path, value in constexprs.items()],
              "attrs": [[list(path), value] for path, value in attrs.items()],
              "options": {k: v for k, v in vars(options).items() if defaults.get(k, _MISSING) != v}}
+    if isinstance(key, str) and source is not None:
+        entry |= {"key": key, "hash": source}
     try:
         return json.loads(json.dumps(entry))  # (tuples as lists, as `jobs` reads them)
     except (TypeError, ValueError):
         return None
+
+
+def _source_hash(kernel) -> str | None:
+    try:
+        return kernel.cache_key  # (Triton's hash of the kernel's source and of the @jit functions it calls)
+    except Exception:  # noqa: BLE001  a dependency that cannot be hashed: no preload for it
+        return None
+
+
+def preload(manifest: list[dict], device: int) -> int:
+    """Load the manifest's binaries into this process's kernels (the JIT layers at `module`.`name`) on CUDA device
+    `device`, each under its JIT key, where the kernel's source hash is the entry's (so Triton's disk cache holds the
+    binary: a read and a module load, not a compile) and the kernel holds none under that key yet. How many loaded;
+    an entry that does not fit or fails is skipped (the kernel's first launch compiles or loads it, as before)."""
+    loaded = 0
+    for entry in manifest:
+        key, source = entry.get("key"), entry.get("hash")
+        kernel = jit.jit_layer(getattr(sys.modules.get(entry.get("module", "")), entry.get("name", ""), None))
+        if not isinstance(key, str) or source is None or kernel is None:
+            continue
+        try:
+            if _source_hash(kernel) != source:
+                continue
+            cache = kernel.device_caches[device]
+            if key in cache[0]:
+                continue
+            [job] = jobs([entry], None)
+            signature, constexprs, attrs, options = job.spec
+            compiled = kernel._do_compile(key, signature, device, constexprs, cache[-2].parse_options(options), attrs,
+                                          True)
+            compiled._init_handles()
+        except Exception:  # noqa: BLE001
+            continue
+        loaded += 1
+    return loaded
