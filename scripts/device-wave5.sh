@@ -22,7 +22,7 @@ for part in "${parts[@]}"; do
     mla-auto)  # issue 66: default-mla's decode step with what auto serves (the Gluon kernel on Hopper)
       TAIL=8 step mla-step-auto 150 env TSDEV_MLA_DECODE=auto python3 benchmarks/decode_step.py --model default-mla \
         --batch-sizes 1 64 256 --context 4096 ;;
-    restart) TAIL=12 step restart 200 python3 benchmarks/save_to_serving.py --cycles 0 --restarts 2 ;;
+    restart) TAIL=14 step restart 240 python3 benchmarks/save_to_serving.py --cycles 0 --restarts 3 ;;
     shipped)  # issue 67 point 3: a fresh machine's first start (every cache empty) with the manifest tsdev/warmup/ ships
       fresh=$(mktemp -d)
       TAIL=8 step fresh-shipped 240 env TSDEV_CACHE_DIR=$fresh/tsdev TRITON_CACHE_DIR=$fresh/triton \
