@@ -33,3 +33,22 @@ def test_an_engine_dropped_in_a_reference_cycle_is_freed_by_the_next_one(tiny_mo
     assert kv() is not None  # frozen: the collector does not see the cycle
     engine(tiny_model_dir)
     assert kv() is None
+
+
+def test_what_a_standby_froze_before_its_first_engine_stays_frozen(tiny_model_dir):
+    """A restart's standby freezes what it imported before it becomes the server (tsdev/launch/standby.py): the first
+    engine's `thaw_heap` leaves that frozen (its `freeze_heap` then collects only what the start made); what an
+    engine froze, the next engine thaws."""
+    from tsdev_runtime.engine import llm_engine
+
+    gc.unfreeze()
+    llm_engine._FROZEN_BY_AN_ENGINE[0] = False  # (as a fresh process: no engine froze anything yet)
+    gc.collect()
+    gc.freeze()  # the standby's
+    frozen = gc.get_freeze_count()
+    llm_engine.thaw_heap(collect=True)
+    assert gc.get_freeze_count() == frozen  # left frozen
+    engine(tiny_model_dir)
+    assert gc.get_freeze_count() > frozen and llm_engine._FROZEN_BY_AN_ENGINE[0]
+    llm_engine.thaw_heap(collect=False)  # a next engine's
+    assert gc.get_freeze_count() == 0

@@ -18,6 +18,7 @@ none of it; the standby is started once the running server's checks are done, ne
 """
 import ast
 import contextlib
+import gc
 import importlib
 import json
 import os
@@ -210,6 +211,8 @@ def main() -> int:
     if (device is not None and not device.startswith("cpu") and torch.cuda.is_available() and project.stamps
             and torch.device(device or "cuda").index in (None, torch.cuda.current_device())):
         preload_binaries()
+    gc.collect()  # what it imported and loaded, out of the collector's reach: the server's start then collects
+    gc.freeze()  # only what the start made (`freeze_heap`; 0.1-0.13 s of a walk over everything on the H100)
     line = sys.stdin.readline()
     if line.strip() == PREPARE:
         project.refresh()

@@ -36,13 +36,19 @@ from tsdev_runtime.sampling.sampler import Sampled
 from tsdev_runtime.weights.checkpoint import checkpoint_files, read_entries
 
 
+_FROZEN_BY_AN_ENGINE = [False]  # `freeze_heap` ran in this process since the last `thaw_heap`
+
+
 def thaw_heap(collect: bool) -> None:
     """Hand what an earlier engine froze back to Python's cyclic collector; `collect` (on a GPU) collects now, so an
     engine that became garbage (a test's, a benchmark's) is freed before a new one sizes its KV pool to the memory
     left. Otherwise (the CPU, whose pool does not depend on free memory) `freeze_heap`'s collection at the end of
     startup frees it: one walk of the heap instead of two (in a test process each walk takes ~0.4 s).
-    Nothing frozen (a server's first engine): nothing to do, `freeze_heap` collects at the end of startup."""
-    if gc.get_freeze_count():
+    No engine froze anything (a server's first engine): nothing to do, `freeze_heap` collects at the end of startup
+    (what a restart's standby froze before it became the server -- the libraries and the project, imported -- stays
+    frozen: that collection walks only what the start made)."""
+    if _FROZEN_BY_AN_ENGINE[0]:
+        _FROZEN_BY_AN_ENGINE[0] = False
         gc.unfreeze()
         if collect:
             gc.collect()
@@ -57,6 +63,7 @@ def freeze_heap() -> None:
     stays until the next engine's `thaw_heap`."""
     gc.collect()
     gc.freeze()
+    _FROZEN_BY_AN_ENGINE[0] = True
     # thawed at exit, so the interpreter's last collection frees them (Triton's bindings report as leaked what is
     # still alive then); one registration per process
     atexit.unregister(gc.unfreeze)
