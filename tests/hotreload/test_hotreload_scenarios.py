@@ -250,6 +250,26 @@ def test_constant_used_by_dependent_via_from_import(pkg):
     assert size() == 8 and report.dependents == pkg.full("b")
 
 
+def test_a_reloader_that_compiles_later_plans_and_reloads_as_one_that_compiled_at_once(pkg):
+    """A server's Reloader compiles the modules' graph on a thread once the server listens; the sources it records
+    are those that ran (read at once), and a method called meanwhile waits for the thread."""
+    import threading
+
+    from tsdev.hotreload import Reloader
+
+    pkg.write("a", "SIZE = 4\n")
+    pkg.write("b", "from .a import SIZE\ndef size():\n    return SIZE\n")
+    size = pkg.mod("b").size
+    r = Reloader([pkg.name], compile_later=True)
+    r.compile_in_background()
+    pkg.edit("a", "SIZE = 8\n")  # saved while the thread may still compile what ran
+    plan = r.plan()
+    assert not [t for t in threading.enumerate() if t.name == "reloader-compile"]
+    assert plan.reloaded == pkg.full("a") and plan.dependents == pkg.full("b")
+    report = pkg.reload(r)
+    assert size() == 8 and report.dependents == pkg.full("b")
+
+
 def test_new_name_imported_by_another_module(pkg):
     pkg.write("a", "def f():\n    return 1\n")
     pkg.write("b", "from .a import f\ndef g():\n    return f()\n")

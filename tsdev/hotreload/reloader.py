@@ -5,6 +5,7 @@ import ast
 import dataclasses
 import gc
 import sys
+import threading
 import time
 import types
 from dataclasses import dataclass
@@ -43,7 +44,8 @@ class Reloader:
     one thread while the program is quiescent (the engine drains first).
     """
 
-    def __init__(self, packages: Sequence[str] | None = None, pool: ahead.Compiler | None = None) -> None:
+    def __init__(self, packages: Sequence[str] | None = None, pool: ahead.Compiler | None = None,
+                 compile_later: bool = False) -> None:
         self.packages = tuple(packages) if packages else tuple(default_packages())
         self.pool = pool  # compile_ahead's processes (a CompilePool, tsdev/hotreload/pool.py); None: in this process
         self.roots = tuple(sorted({p.split(".")[0] for p in self.packages}))
@@ -53,8 +55,22 @@ class Reloader:
         self._compile_s = 0.0  # time spent compiling, for the report's timings
         self._commits = 0  # reloads committed: the code that runs changed
         self._built: tuple | None = None  # (what compile_ahead was called with, what it did): its last build
+        self._compiling: threading.Thread | None = None  # compile_later's, until a method waits for it
         self._track()
-        self.graph()  # compile every reloadable module now, so the first reload is as fast as the rest
+        if not compile_later:  # (a server listens first, then calls compile_in_background: 0.1 s on 2 cores)
+            self._graph()
+
+    def compile_in_background(self) -> None:
+        """Compile every reloadable module (so that the first reload is as fast as the rest) on a thread of its
+        own, for a Reloader made with `compile_later`: each method here waits for it before it reads or changes what
+        the Reloader holds."""
+        self._compiling = threading.Thread(target=self._graph, name="reloader-compile", daemon=True)
+        self._compiling.start()
+
+    def _settle(self) -> None:
+        if self._compiling is not None:
+            self._compiling.join()
+            self._compiling = None
 
     def reloadable(self, module: str) -> bool:
         return under(module, self.packages)
@@ -65,6 +81,7 @@ class Reloader:
         A multi-rank server calls this on rank 0 and passes the result to every
         rank's `reload(sources=...)`, so all ranks run the same bytes.
         """
+        self._settle()
         self._track()
         names = self._ran if modules is None else modules
         found = {}
@@ -75,6 +92,7 @@ class Reloader:
 
     def plan(self, sources: Mapping[str, bytes] | None = None, modules: Iterable[str] | None = None) -> Plan:
         """Changed modules (plus the forced `modules`), their dependents and what needs a restart."""
+        self._settle()
         sources = self.read_sources() if sources is None else sources
         changed = [m for m, data in sources.items() if m in self._ran and data != self._ran[m][1].source]
         forced = list(modules or [])
@@ -91,11 +109,16 @@ class Reloader:
 
     def modules(self) -> list[str]:
         """The loaded modules under the reloadable packages (what `reload(modules=...)` accepts)."""
+        self._settle()
         self._track()
         return sorted(m for m in self._ran if self.reloadable(m))
 
     def graph(self) -> dict[str, list[str]]:
         """{module: modules it uses}, for every tracked reloadable module."""
+        self._settle()
+        return self._graph()
+
+    def _graph(self) -> dict[str, list[str]]:
         return {m: sorted(self._providers(m, None)) for m in self._ran if self.reloadable(m)}
 
     def compile_ahead(self, sources: Mapping[str, bytes] | None = None, modules: Iterable[str] | None = None,
@@ -113,6 +136,7 @@ class Reloader:
         """
         done, start = prepared or (lambda: None), time.perf_counter()
         try:
+            self._settle()
             sources = self.read_sources() if sources is None else sources
             key = (dict(sources), tuple(modules or ()), self._commits, jit.binaries_held(self._modules()))
             if self._built is not None and self._built[0] == key:
@@ -136,6 +160,7 @@ class Reloader:
         Never raises for a broken edit: the returned transaction's report says
         what failed (file:line) and everything is already rolled back.
         """
+        self._settle()
         if self._pending is not None:
             raise RuntimeError("the previous reload is still pending: commit() or rollback() it first")
         start = time.perf_counter()

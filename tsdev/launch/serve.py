@@ -427,7 +427,8 @@ def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, cons
             workers = f"; {pool.workers} compile worker(s)"
         elif server.compile_workers:
             workers = "; no compile workers on the CPU (Triton's interpreter compiles no binaries)"
-        reloader = Reloader(default_packages(), pool=pool)  # snapshots the sources the server is running now
+        # snapshots the sources the server runs now; compiles them once it listens (started)
+        reloader = Reloader(default_packages(), pool=pool, compile_later=True)
         console.print(f"reload_forward enabled for {', '.join(reloader.packages)}{workers}")
     if access := describe(server):
         console.print(access)
@@ -456,6 +457,8 @@ def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, cons
     def started() -> None:  # (the API process says it once it listens)
         if api is None:
             console.print(f"listening on [bold]http://{server.host}:{port}[/bold] (OpenAI API under /v1)")
+        if reloader is not None:
+            reloader.compile_in_background()
 
     uvicorn_config = uvicorn.Config(app, log_level=server.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     async_engine = app.state.async_engine
