@@ -35,44 +35,39 @@ ENTRY_MODULES = ("tsdev_runtime.engine.llm_engine", "tsdev_runtime.server.app", 
 
 class Project:
     """The project's modules this process imported (`import_now`), each module's source file and its stamp (size and
-    modification time) then, and which project modules each imports (read from its source). `refresh` drops the
+    modification time) then, and which project modules each uses (tsdev/hotreload/graph.py's providers: its imports
+    and what its namespace holds, as a reload finds them). `refresh` drops the
     modules whose file changed since and their importers, and imports the entry modules again: the edit's modules
     are read from disk now, the others are not. An import that fails is left to the start, which imports again and
     reports it as any start does (then nothing is kept: the start imports everything)."""
 
     def __init__(self):
         self.stamps: dict[str, tuple[int, int] | None] = {}  # module -> its file's stamp when imported (None: unsure)
-        self.imports: dict[str, set[str]] = {}  # module -> the project modules its source imports
+        self.uses: dict[str, set[str]] = {}  # module -> the project modules it uses
 
     def import_now(self) -> None:
         """The entry modules imported (what is not imported yet), the stamps of the modules imported now noted."""
         since = time.time_ns()  # a file written from here on may be newer than what was imported: unsure
         if not _import(ENTRY_MODULES):
-            self.stamps, self.imports = {}, {}
+            self.stamps, self.uses = {}, {}
             _drop(list(project_modules()))
             return
-        for name, path in project_modules().items():
+        modules = project_modules()
+        for name, path in modules.items():
             if name in self.stamps:  # imported before, and unchanged since
                 continue
             stamp = _stamp(path)
             self.stamps[name] = stamp if stamp is not None and stamp[0] < since else None
-            self.imports[name] = imported_modules(name, path)
+            self.uses[name] = providers(name, path, set(modules))
 
     def changed(self) -> set[str]:
-        """The modules whose file changed since they were imported, and every module importing one of them."""
+        """The modules whose file changed since they were imported, and every module using one of them."""
+        from tsdev.hotreload.graph import dependents
+
         modules = project_modules()
         stale = {name for name, stamp in self.stamps.items()
                  if stamp is None or name not in modules or _stamp(modules[name]) != stamp}
-        importers: dict[str, set[str]] = {}
-        for name, imported in self.imports.items():
-            for target in imported:
-                importers.setdefault(target, set()).add(name)
-        todo = list(stale)
-        while todo:
-            for name in importers.get(todo.pop(), ()):
-                if name not in stale:
-                    stale.add(name)
-                    todo.append(name)
+        stale |= set(dependents(stale, self.uses, lambda name: True))
         for name in list(stale):  # a package's submodules were imported through it
             if modules.get(name, "").endswith("__init__.py"):
                 stale |= {m for m in modules if m.startswith(name + ".")}
@@ -83,7 +78,7 @@ class Project:
         _drop(sorted(stale))
         for name in stale:
             self.stamps.pop(name, None)
-            self.imports.pop(name, None)
+            self.uses.pop(name, None)
         importlib.invalidate_caches()
         self.import_now()
 
@@ -98,27 +93,18 @@ def project_modules() -> dict[str, str]:
     return found
 
 
-def imported_modules(name: str, path: str) -> set[str]:
-    """The modules `name`'s source imports, anywhere in it (functions included), relative ones resolved; each
-    dotted name's packages too. What cannot be read: nothing."""
+def providers(name: str, path: str, known: set[str]) -> set[str]:
+    """The modules of `known` that module `name` (its source at `path`) uses: `static_providers` and
+    `runtime_providers` of tsdev/hotreload/graph.py, as a reload's dependents are found. Its source unreadable: what
+    its namespace holds only."""
+    from tsdev.hotreload.graph import runtime_providers, static_providers
+
+    found = runtime_providers(sys.modules[name], known)
     try:
         tree = ast.parse(Path(path).read_text())
+        return found | static_providers(tree, compile(tree, path, "exec"), name, path.endswith("__init__.py"), known)
     except (OSError, SyntaxError, ValueError):
-        return set()
-    package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                parent = ".".join(parts[:len(parts) - node.level + 1])
-                base = f"{parent}.{base}" if base else parent
-            found.add(base)
-            found |= {f"{base}.{alias.name}" for alias in node.names}
-    return {".".join(dotted.split(".")[:i]) for dotted in found for i in range(1, dotted.count(".") + 2)}
+        return found
 
 
 def _stamp(path: str) -> tuple[int, int] | None:

@@ -277,6 +277,14 @@ def mla_splits(batch: int, heads: int, device: torch.device) -> int:
     return max(1, min(64, triton.cdiv(4 * sm_count(device.index or 0), programs)))
 
 
+def stored_rows(q: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                store: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (rows, slot_mapping) a decode launch stores (their last dim contiguous), or placeholders it does not read
+    (STORE off)."""
+    rows, slots = store if store is not None else (q, cu_seqlens_q)
+    return (rows if rows.stride(-1) == 1 else rows.contiguous()), slots
+
+
 def split_partials(q: torch.Tensor, batch: int, num_splits: int, latent_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The split decode launches' partial outputs [B, H, splits, latent] and log2-sum-exps [B, H, splits] (float32;
     unsplit, placeholders the kernels do not touch)."""
@@ -318,9 +326,7 @@ def mla_attention_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: tor
         num_splits = mla_splits(B, H, q.device) if decode else 1
     if (num_splits > 1 or store is not None) and not decode:
         raise ValueError("splitting the keys and storing the rows in the kernel are for decode steps (max_q_len 1)")
-    rows, slots = store if store is not None else (q, cu_seqlens_q)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows, slots = stored_rows(q, cu_seqlens_q, store)
     quantized = cache.dtype == FP8_KV_DTYPE
     if decode and q.is_cuda and heads is None and columns is None and block_n is None and num_warps is None:
         tile = decode_tile(H, quantized)
@@ -398,9 +404,7 @@ def mla_decode_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.
     tile = flash_tile(quantized, latent_dim, q.is_cuda)
     heads = min(heads or tile["heads"], max(16, triton.next_power_of_2(H)))
     num_splits = num_splits or flash_splits(B, H, q.device, heads)
-    rows, slots = store if store is not None else (q, cu_seqlens_q)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows, slots = stored_rows(q, cu_seqlens_q, store)
     split = num_splits > 1
     part_o, part_lse = split_partials(q, B, num_splits, latent_dim)
     _mla_decode_kernel[(triton.cdiv(H, heads), num_splits, B)](
@@ -472,9 +476,7 @@ def mla_decode_gluon(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.T
         return out
     quantized = cache.dtype == FP8_KV_DTYPE
     num_splits = num_splits or flash_splits(B, H, q.device, GLUON_HEADS)
-    rows, slots = store if store is not None else (q, cu_seqlens_q)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows, slots = stored_rows(q, cu_seqlens_q, store)
     split = num_splits > 1
     part_o, part_lse = split_partials(q, B, num_splits, latent_dim)
     _mla_decode_gluon_kernel[(triton.cdiv(H, GLUON_HEADS), num_splits, B)](
@@ -533,11 +535,11 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.Tens
     triton_ok = use_triton(q, "mla")
     if triton_ok and max_q_len is None:
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if seq_lens.numel() else 0
-    decode = decode_kernel(q, cache, latent_dim) if triton_ok else None
+    split = triton_ok and 0 < decodes < seq_lens.shape[0] and order is not None
+    decode = decode_kernel(q, cache, latent_dim) if triton_ok and (max_q_len == 1 or split) else None
     if triton_ok and max_q_len == 1:  # the decode kernel stores this step's rows itself
         return decode(q, cache, cu_seqlens_q, seq_lens, page_table, scale, latent_dim, 1, out=out,
                       order=None if seq_lens.shape[0] == 1 else order, kv_scale=kv_scale, store=store)
-    split = triton_ok and 0 < decodes < seq_lens.shape[0] and order is not None
     if split:  # the decode rows as a decode step of them (storing their rows), then the rest by their batch index
         out = decode(q, cache, cu_seqlens_q[: decodes + 1], seq_lens[:decodes], page_table[:decodes], scale,
                      latent_dim, 1, out=out, order=order[:decodes] if decodes > 1 else None, kv_scale=kv_scale,
