@@ -42,13 +42,13 @@ def test_what_a_standby_froze_before_its_first_engine_stays_frozen(tiny_model_di
     from tsdev_runtime.engine import llm_engine
 
     gc.unfreeze()
-    llm_engine._FROZEN_BY_AN_ENGINE[0] = False  # (as a fresh process: no engine froze anything yet)
+    llm_engine._frozen_by_an_engine = False  # (as a fresh process: no engine froze anything yet)
     gc.collect()
     gc.freeze()  # the standby's
     frozen = gc.get_freeze_count()
     llm_engine.thaw_heap(collect=True)
     assert gc.get_freeze_count() == frozen  # left frozen
     engine(tiny_model_dir)
-    assert gc.get_freeze_count() > frozen and llm_engine._FROZEN_BY_AN_ENGINE[0]
+    assert gc.get_freeze_count() > frozen and llm_engine._frozen_by_an_engine
     llm_engine.thaw_heap(collect=False)  # a next engine's
     assert gc.get_freeze_count() == 0

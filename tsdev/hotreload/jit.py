@@ -171,6 +171,16 @@ def _cache_misses(misses: list):
         knobs.listener = chained
 
 
+def load_binary(kernel, key, device: int, spec: tuple):
+    """`kernel`'s binary for `spec` (signature, constexprs, attrs, parsed options) compiled -- from Triton's disk cache
+    where it has it -- and loaded on `device`, under the JIT's key `key`: where its next launch of that specialisation
+    looks."""
+    signature, constexprs, attrs, options = spec
+    compiled = kernel._do_compile(key, signature, device, constexprs, options, attrs, warmup=True)
+    compiled._init_handles()
+    return compiled
+
+
 def load_binaries(patcher) -> bool:
     """Compile (Triton's disk cache has them when compiled ahead) and load each reset kernel's binaries for every
     specialisation its old version had compiled, under the old cache keys. False, loading nothing more, where
@@ -200,8 +210,7 @@ def load_binaries(patcher) -> bool:
         start, misses = time.perf_counter(), []
         try:
             with _cache_misses(misses):
-                new = kernel._do_compile(key, signature, device, constexprs, options, attrs, warmup=True)
-            new._init_handles()
+                new = load_binary(kernel, key, device, (signature, constexprs, attrs, options))
         except Exception as exc:
             code = base_function(kernel).__code__
             raise KernelCompileError(f"{code.co_filename}:{code.co_firstlineno}: {type(exc).__name__}: {exc}") from exc

@@ -119,9 +119,7 @@ def preload(manifest: list[dict], device: int) -> int:
                 continue
             [job] = jobs([entry], None)
             signature, constexprs, attrs, options = job.spec
-            compiled = kernel._do_compile(key, signature, device, constexprs, cache[-2].parse_options(options), attrs,
-                                          True)
-            compiled._init_handles()
+            jit.load_binary(kernel, key, device, (signature, constexprs, attrs, cache[-2].parse_options(options)))
         except Exception:  # noqa: BLE001
             continue
         loaded += 1

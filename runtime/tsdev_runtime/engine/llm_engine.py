@@ -36,7 +36,7 @@ from tsdev_runtime.sampling.sampler import Sampled
 from tsdev_runtime.weights.checkpoint import checkpoint_files, read_entries
 
 
-_FROZEN_BY_AN_ENGINE = [False]  # `freeze_heap` ran in this process since the last `thaw_heap`
+_frozen_by_an_engine = False  # `freeze_heap` ran in this process since the last `thaw_heap`
 
 
 def thaw_heap(collect: bool) -> None:
@@ -47,8 +47,9 @@ def thaw_heap(collect: bool) -> None:
     No engine froze anything (a server's first engine): nothing to do, `freeze_heap` collects at the end of startup
     (what a restart's standby froze before it became the server -- the libraries and the project, imported -- stays
     frozen: that collection walks only what the start made)."""
-    if _FROZEN_BY_AN_ENGINE[0]:
-        _FROZEN_BY_AN_ENGINE[0] = False
+    global _frozen_by_an_engine
+    if _frozen_by_an_engine:
+        _frozen_by_an_engine = False
         gc.unfreeze()
         if collect:
             gc.collect()
@@ -61,9 +62,10 @@ def freeze_heap() -> None:
     nsys trace of a batch-256 decode loop showed a 98 ms host stall with no CUDA call in it. Objects made later
     (requests, a reload's new module objects) are collected as before; what startup made and a reload replaces
     stays until the next engine's `thaw_heap`."""
+    global _frozen_by_an_engine
     gc.collect()
     gc.freeze()
-    _FROZEN_BY_AN_ENGINE[0] = True
+    _frozen_by_an_engine = True
     # thawed at exit, so the interpreter's last collection frees them (Triton's bindings report as leaked what is
     # still alive then); one registration per process
     atexit.unregister(gc.unfreeze)
