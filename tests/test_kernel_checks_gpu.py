@@ -12,7 +12,9 @@ import torch
 from typer.testing import CliRunner
 
 from tsdev_kernels import checks
-from tsdev_kernels.ops import linear
+import tsdev_kernels.ops.fp8  # noqa: F401 (checks.declared() lists the loaded families: fp8, moe)
+import tsdev_kernels.ops.moe  # noqa: F401
+from tsdev_kernels.ops import fp8_block, linear
 from tsdev_runtime.control_protocol import KERNEL_CHECK_ROUTE, KernelCheckReply
 from serve_process import copy_project, serve
 from test_reload_forward import complete, edited, new_id, reload
@@ -91,8 +93,6 @@ def test_the_fp8_projections_pass_at_the_default_models_shapes_and_a_wrong_scale
 
 def test_the_block_fp8_and_fp8_expert_checks_pass_on_random_values_and_a_wrong_scale_fails():
     """At Qwen3-8B's down projection (K 12288, N 4096) and Qwen3-30B-A3B's layer (16 of its 128 experts), bf16."""
-    from tsdev_kernels.ops import fp8_block
-
     by_op = {c.op: c for c in checks.declared()}
     dense = checks.Serving(tokens=(1, 8, 64, 256), hidden=4096, intermediate=12288, dtype=torch.bfloat16,
                            fp8_blocks=True)

@@ -286,3 +286,13 @@ def test_without_cuda_it_refuses_saying_what_to_do(tmp_path, monkeypatch):
     listed = CliRunner().invoke(app, ["tune", "--model", "qwen3-30b-a3b", "--tp", "2", "--dry-run", "--out",
                                       str(tmp_path)])
     assert listed.exit_code == 0 and "E=128,I=384,H=2048,dtype=bfloat16" in listed.output
+
+
+def test_a_compile_worker_holds_few_gemm_rows_with_ns_divisibility_by_16():
+    """Sixteen compile workers each holding DeepSeek-V3's gate_up weight (36864 x 7168) ran an H100 out of memory."""
+    from tsdev.tune_gpu import compile_rows
+
+    for n in (576, 1024, 1536, 7168, 24576, 36864, 1000, 4100):
+        rows = compile_rows(n)
+        assert rows <= max(n, 1040) and (rows % 16 == 0) == (n % 16 == 0), (n, rows)
+    assert compile_rows(36864) * 7168 * 4 < 2**30 / 16

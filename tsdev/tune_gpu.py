@@ -43,15 +43,24 @@ def moe_inputs(job: Job, tokens: int, generator: torch.Generator, experts: int |
     return x, w13, w2, (weights / weights.sum(-1, keepdim=True)).float(), ids.int(), scales
 
 
-def gemm_inputs(job: Job, tokens: int, generator: torch.Generator) -> tuple:
-    """x (bf16), its quantization (e4m3, group scales) and the block-FP8 weight with its scales."""
+def gemm_inputs(job: Job, tokens: int, generator: torch.Generator, rows: int | None = None) -> tuple:
+    """x (bf16), its quantization (e4m3, group scales) and the block-FP8 weight with its scales; `rows` fewer weight
+    rows for compiling (`compile_rows`)."""
     from tsdev_kernels.ops import fp8_block
 
     n, k = job.shape
+    n = rows or n
     device = generator.device
     weight, scale = fp8_block.quantize_fp8_blocks(torch.randn(n, k, generator=generator, device=device) * k**-0.5)
     x = torch.randn(tokens, k, generator=generator, device=device, dtype=torch.bfloat16)
     return (x, *fp8_block.quantize_fp8_token_groups_triton(x), weight, scale)
+
+
+def compile_rows(n: int) -> int:
+    """Weight rows enough to compile a GEMM of N = n: the binaries depend on N only through its divisibility by 16
+    (Triton's specialization), which this keeps. Sixteen workers each holding DeepSeek-V3's gate_up weight
+    (36864 x 7168) in float32 would not fit in one H100."""
+    return n if n <= 1024 else 1024 + n % 16
 
 
 def launch(job: Job, data: tuple, config: Config) -> None:
@@ -71,10 +80,11 @@ def launch(job: Job, data: tuple, config: Config) -> None:
 
 def compile_chunk(job: Job, tokens: int, configs: list[Config]) -> int:
     """Run each configuration once (Triton compiles its kernels into its cache on disk, which the timing process
-    then loads) on few experts of the shape; the count that failed (out of shared memory or registers). A worker."""
+    then loads) on few experts (MoE) or weight rows (GEMM: `compile_rows`) of the shape; the count that failed (out
+    of shared memory or registers). A worker."""
     generator = torch.Generator(device="cuda").manual_seed(0)
     if job.kind == "gemm":
-        data = gemm_inputs(job, tokens, generator)
+        data = gemm_inputs(job, tokens, generator, rows=compile_rows(job.shape[0]))
     else:
         data = moe_inputs(job, tokens, generator, experts=min(job.shape[0], max(job.shape[3], 8)))
     failed = 0
