@@ -13,13 +13,25 @@ import pytest
 from test_compile_pool import KERNEL
 
 
+CAST = """
+
+@triton.jit
+def cast(X, N, BLOCK: tl.constexpr, DOT: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(X + offs, tl.load(X + offs, mask=offs < N).to(DOT).to(tl.float32), mask=offs < N)
+"""
+
+
 @pytest.mark.slow
 def test_a_manifest_entry_compiles_to_the_binary_the_jit_built_and_survives_its_file(pkg, tmp_path):
-    pkg.write("ops", KERNEL)
+    """Also for a dtype constexpr (the decode attention's DOT): left out, a fresh machine compiled those kernels one
+    after another in its graph capture."""
+    pkg.write("ops", KERNEL + CAST)
     check = textwrap.dedent(f"""
         import json
         from pathlib import Path
         import triton
+        import triton.language as tl
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
         from triton.compiler.compiler import make_backend
@@ -30,18 +42,23 @@ def test_a_manifest_entry_compiles_to_the_binary_the_jit_built_and_survives_its_
         cubins = lambda: len(list(cache.rglob("*.cubin")))
         target = GPUTarget("cuda", 90, 32)
         backend = make_backend(target)
-        spec = ({{"X": "*fp32", "N": "i32", "BLOCK": "constexpr"}}, {{(2,): 64}}, {{(0,): [["tt.divisibility", 16]]}})
-        built = triton.compile(ASTSource(ops.kernel, *spec), target=target, options={{"num_warps": 8}})
-        ops.kernel.device_caches = {{0: ({{"key": built}}, {{}}, target, backend, None)}}  # as the JIT keeps it
+        attrs = {{(0,): [["tt.divisibility", 16]]}}
+        for kernel, spec, options in (
+                (ops.kernel, ({{"X": "*fp32", "N": "i32", "BLOCK": "constexpr"}}, {{(2,): 64}}), {{"num_warps": 8}}),
+                (ops.cast, ({{"X": "*fp32", "N": "i32", "BLOCK": "constexpr", "DOT": "constexpr"}},
+                            {{(2,): 64, (3,): tl.bfloat16}}), {{}})):
+            built = triton.compile(ASTSource(kernel, *spec, attrs), target=target, options=options)
+            kernel.device_caches = {{0: ({{"key": built}}, {{}}, target, backend, None)}}  # as the JIT keeps it
         path = Path({str(tmp_path / "warmup" / "m.json")!r})
         manifest.write(path, manifest.entries(["{pkg.name}.ops", "{pkg.name}"]))
         entries = manifest.read(path)
-        [job] = manifest.jobs(entries, target)
         before = cubins()
-        signature, constexprs, attrs, options = job.spec
-        triton.compile(ASTSource(ops.kernel, signature, constexprs, attrs), target=target, options=options)
-        same = cubins() == before  # a cache hit: the job is the JIT's binary
-        triton.compile(ASTSource(ops.kernel, signature, constexprs, attrs), target=target, options={{}})
+        for job in manifest.jobs(entries, target):
+            signature, constexprs, attrs, options = job.spec
+            triton.compile(ASTSource(getattr(ops, job.name), signature, constexprs, attrs), target=target,
+                           options=options)
+        same = cubins() == before  # cache hits: the jobs are the JIT's binaries
+        triton.compile(ASTSource(ops.kernel, *manifest.jobs(entries, target)[0].spec[:3]), target=target, options={{}})
         print(json.dumps({{"entries": entries, "same": same, "other": cubins() == before + 1,
                            "garbled": manifest.read(path.with_name("missing.json"))}}))
     """)
@@ -53,9 +70,10 @@ def test_a_manifest_entry_compiles_to_the_binary_the_jit_built_and_survives_its_
     import json
 
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    [entry] = got["entries"]  # the package's __init__ holds no kernel: one binary, of ops.kernel
-    assert (entry["module"], entry["name"]) == (f"{pkg.name}.ops", "kernel")
+    entry, cast = got["entries"]  # the package's __init__ holds no kernel: a binary of each kernel in ops
+    assert [(e["module"], e["name"]) for e in (entry, cast)] == [(f"{pkg.name}.ops", n) for n in ("kernel", "cast")]
     assert entry["constexprs"] == [[[2], 64]] and entry["attrs"] == [[[0], [["tt.divisibility", 16]]]]
+    assert cast["constexprs"] == [[[2], 64], [[3], {"tl.dtype": "bf16"}]]
     assert entry["options"] == {"num_warps": 8}  # only what differs from the backend's defaults for the target
     assert got["same"] and got["other"]  # its job hits the JIT's key; the defaults' options (4 warps) do not
     assert got["garbled"] == []

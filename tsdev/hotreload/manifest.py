@@ -5,9 +5,11 @@ another (a fresh H100's first start: 34 compiles, 13.3 s of its warm-up).
 
 A manifest is a JSON list, one entry per binary: the kernel's module and attribute, and the specialisation Triton's
 JIT compiled (signature, constexprs and attributes with their index paths as lists, the options that differ from the
-backend's defaults for that target). Binaries whose constexprs are no JSON value (a dtype, a function) are left out:
-those compile in the warm-up, as before. An entry that no longer fits the code (the kernel gone, a new argument)
-fails in its worker and costs that worker one compile attempt; nothing else reads it.
+backend's defaults for that target). A dtype constexpr is written as {"tl.dtype": "bf16"} (the decode attention's
+DOT: left out, the decode kernels compiled one after another in a fresh machine's graph capture); binaries with
+other constexprs that are no JSON value (a function) are left out: those compile in the warm-up, as before. An entry
+that no longer fits the code (the kernel gone, a new argument) fails in its worker and costs that worker one compile
+attempt; nothing else reads it.
 
 Each entry also holds the JIT's in-memory key of the binary and its kernel's source hash (Triton's `cache_key`):
 `preload` loads into this process's kernels, under those keys, the binaries of every kernel whose source is unchanged --
@@ -53,7 +55,7 @@ def entries(modules: Iterable[str]) -> list[dict]:
 def jobs(manifest: list[dict], target: Any) -> list[Job]:
     """The pool's jobs for `target` (Triton's GPUTarget of the serving device)."""
     return [Job(e["module"], e["name"], ({k: v for k, v in e["signature"].items()},
-                                          {tuple(path): jit._frozen(v) for path, v in e["constexprs"]},
+                                          {tuple(path): _constexpr(v) for path, v in e["constexprs"]},
                                           {tuple(path): v for path, v in e["attrs"]},
                                           {k: jit._frozen(v) for k, v in e["options"].items()}), target)
             for e in manifest]
@@ -82,7 +84,7 @@ def _entry(module: str, name: str, spec: tuple | None, defaults: dict, key: Any 
         return None
     signature, constexprs, attrs, options = spec
     entry = {"module": module, "name": name, "signature": dict(signature),
-             "constexprs": [[list(path), value] for path, value in constexprs.items()],
+             "constexprs": [[list(path), _written_constexpr(value)] for path, value in constexprs.items()],
              "attrs": [[list(path), value] for path, value in attrs.items()],
              "options": {k: v for k, v in vars(options).items() if defaults.get(k, _MISSING) != v}}
     if isinstance(key, str) and source is not None:
@@ -91,6 +93,20 @@ def _entry(module: str, name: str, spec: tuple | None, defaults: dict, key: Any 
         return json.loads(json.dumps(entry))  # (tuples as lists, as `jobs` reads them)
     except (TypeError, ValueError):
         return None
+
+
+def _written_constexpr(value: Any) -> Any:
+    import triton.language as tl
+
+    return {"tl.dtype": value.name} if type(value) is tl.dtype else value
+
+
+def _constexpr(value: Any) -> Any:
+    if isinstance(value, dict) and set(value) == {"tl.dtype"}:
+        import triton.language as tl
+
+        return tl.dtype(value["tl.dtype"])
+    return jit._frozen(value)
 
 
 def _source_hash(kernel) -> str | None:
