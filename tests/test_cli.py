@@ -113,7 +113,7 @@ def engine_config(monkeypatch, *args: str) -> EngineConfig:
     import tsdev.launch.serve
 
     seen = []
-    monkeypatch.setattr(tsdev.launch.serve, "run_server", lambda config, server, console: seen.append(config) or 0)
+    monkeypatch.setattr(tsdev.launch.serve, "run_server", lambda config, server, console, *_: seen.append(config) or 0)
     result = CliRunner().invoke(app, ["serve", "--device", "cpu", *args])
     assert result.exit_code == 0 and len(seen) == 1, result.output
     return seen[0]
@@ -333,3 +333,57 @@ def test_serve_says_what_is_starting_before_it_imports_torch(tiny_model_dir):
     first = next(i for i, line in enumerate(lines) if line.startswith("starting tsdev serve:"))
     torch = next(i for i, line in enumerate(lines) if re.search(r"\|\s+torch$", line))
     assert first < torch and str(tiny_model_dir) in lines[first] and "on cpu" in lines[first], lines[first]
+
+
+class _RecordedPool:
+    """CompilePool's stand-in: what `tsdev serve` started early and whether it was closed."""
+    started: list = []
+
+    def __init__(self, packages, workers, target=None, modules=None):
+        self.workers, self.target, self.modules, self.closed = workers, target, modules, False
+        _RecordedPool.started.append(self)
+
+    def close(self):
+        self.closed = True
+
+
+def test_the_compile_pool_starts_before_torch_only_where_the_start_will_have_one(monkeypatch):
+    """Reloads allowed, workers, a CUDA device (asked for, or an NVIDIA GPU visible with none asked for), one rank:
+    its workers import torch side by side with the server's own import; anywhere else none."""
+    from tsdev.hotreload import pool
+    from tsdev.launch import serve
+
+    monkeypatch.setattr(pool, "CompilePool", _RecordedPool)
+    monkeypatch.setattr(serve, "nvidia_gpu_visible", lambda: True)
+    early = serve.early_compile_pool
+    started = early("cuda:1", True, None, 1)
+    assert started.target is None and started.modules == () and started.workers == serve.default_compile_workers()
+    assert early(None, True, 3, 1).workers == 3
+    assert not any((early("cpu", True, None, 1), early("cuda", False, None, 1), early("cuda", True, 0, 1),
+                    early("cuda", True, None, 2)))
+    monkeypatch.setattr(serve, "nvidia_gpu_visible", lambda: False)
+    assert early(None, True, None, 1) is None and early("cuda", True, None, 1) is not None
+
+
+def test_a_start_that_fails_closes_the_pool_it_started_before_torch(monkeypatch):
+    import torch
+
+    from tsdev.hotreload import pool
+
+    _RecordedPool.started = []
+    monkeypatch.setattr(pool, "CompilePool", _RecordedPool)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = CliRunner().invoke(app, ["serve", "--device", "cuda", "--allow-reload-forward"])
+    assert result.exit_code == 2 and "sees no CUDA GPU" in result.output
+    [started] = _RecordedPool.started
+    assert started.closed
+
+
+def test_a_cpu_start_closes_a_pool_started_for_a_gpu_it_does_not_use():
+    from tsdev.launch.serve import start_compile_pool
+    from tsdev_runtime.config import EngineConfig, ServerConfig
+
+    early = _RecordedPool(["p"], 2, modules=())
+    assert start_compile_pool(EngineConfig("default", device="cpu"), ServerConfig(allow_reload_forward=True),
+                              early) is None
+    assert early.closed

@@ -80,7 +80,7 @@ def test_serve_takes_a_hub_id_and_serves_it_under_that_name(tmp_path, monkeypatc
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     seen = []
     monkeypatch.setattr(tsdev.launch.serve, "run_server",
-                        lambda config, server, console: seen.append((config, server)) or 0)
+                        lambda config, server, console, *_: seen.append((config, server)) or 0)
     result = CliRunner().invoke(app, ["serve", "acme/tiny-chat", "--device", "cpu", "--revision", "v2"])
     assert result.exit_code == 0, result.output
     config, server = seen[0]

@@ -112,7 +112,8 @@ def test_default_names_the_embedded_default_model(monkeypatch):
     import tsdev.launch.serve
 
     seen = []
-    monkeypatch.setattr(tsdev.launch.serve, "run_server", lambda config, server, console: seen.append((config, server)))
+    monkeypatch.setattr(tsdev.launch.serve, "run_server",
+                        lambda config, server, console, *_: seen.append((config, server)))
     result = CliRunner().invoke(app, ["serve", "default", "--device", "cpu"])
     assert result.exit_code == 0, result.output
     config, server = seen[0]

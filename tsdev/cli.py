@@ -273,8 +273,11 @@ def serve(
                   f"{f' on {device}' if device else ''} (torch imports first; a first start on a machine compiles its "
                   "kernels, saying which as it goes)", highlight=False, markup=False)
 
-    from tsdev.launch.serve import run_server  # what serving does: bind, load, serve, stop (it imports torch)
+    from tsdev.launch.serve import early_compile_pool, run_server  # bind, load, serve, stop (torch when run)
 
+    early_pool = early_compile_pool(device, allow_reload_forward, compile_workers, tp * dp)  # before torch
+    if early_pool is not None:
+        ctx.call_on_close(early_pool.close)  # however the command ends
     if device and device.startswith("cuda"):
         import torch
 
@@ -330,7 +333,7 @@ def serve(
         from tsdev.launch.data_parallel import run_front
 
         raise typer.Exit(run_front(server, dp, tp, sys.argv[sys.argv.index("serve") + 1 :], console))
-    raise typer.Exit(run_server(config, server, console))
+    raise typer.Exit(run_server(config, server, console, early_pool))
 
 
 @app.command(short_help="Reload the server's forward pass after an edit.")

@@ -123,6 +123,26 @@ def test_workers_import_the_servers_modules_and_the_ones_it_imports_later(pkg, t
         pool.close()
 
 
+@pytest.mark.slow
+def test_a_pool_started_before_the_gpu_was_known_compiles_for_it_once_aimed(pkg, tmp_path, monkeypatch):
+    """`tsdev serve` starts its pool before it imports torch (`early_compile_pool`): no target, no modules. Aimed at
+    the GPU once known (`aim`), a worker imports the serving process's modules and compiles for that target."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))
+    marker = tmp_path / "imported"
+    pkg.write("ops", KERNEL)
+    pkg.write("later", f"from pathlib import Path\nPath({str(marker)!r}).write_text('yes')\n")
+    pkg.mod("ops")
+    pool = CompilePool([pkg.name], workers=1, modules=())
+    try:
+        pool.wait_ready()
+        assert not marker.exists()
+        pool.aim(sm90(), [pkg.name, f"{pkg.name}.later"])
+        [done] = pool.compile(sources(pkg), [sm90_job(f"{pkg.name}.ops")])
+        assert done.error is None and marker.read_text() == "yes" and cubins(tmp_path / "triton-cache")
+    finally:
+        pool.close()
+
+
 def test_a_kernel_that_does_not_compile_names_its_file_and_line_and_the_worker_stays_usable(pkg, pool, tmp_path):
     broken = KERNEL.replace("offs = tl.arange(0, BLOCK)", "offs = tl.arange(0, BLOCK + 1)")  # not a power of 2
     results = pool.compile(sources(pkg, ops=broken), [sm90_job(f"{pkg.name}.ops")] * 2)

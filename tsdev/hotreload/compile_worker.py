@@ -29,6 +29,7 @@ def init(packages: tuple[str, ...], target: tuple | None, server_pid: int, modul
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the terminal's whole process group
     threading.Thread(target=_exit_with, args=(server_pid,), daemon=True).start()
     os.environ.pop("TRITON_INTERPRET", None)  # binaries, not the interpreter's rewritten Python
+    import torch  # noqa: F401  every kernel module's: seconds on a fresh machine, side by side with the server's
     import triton  # noqa: F401
 
     if modules is None:
@@ -39,9 +40,16 @@ def init(packages: tuple[str, ...], target: tuple | None, server_pid: int, modul
     _import(modules)
     _reloader = Reloader(packages)
     if target is not None:
-        from triton.backends.compiler import GPUTarget
+        warm(target)
 
-        _warm_compiler(GPUTarget(*target))
+
+def warm(target: tuple, modules: tuple[str, ...] = ()) -> None:
+    """Warm this worker's compiler for `target` (a GPUTarget's plain values), with `modules` imported and tracked."""
+    from triton.backends.compiler import GPUTarget
+
+    if _import(modules):
+        _reloader.modules()
+    _warm_compiler(GPUTarget(*target))
 
 
 def _exit_with(server_pid: int) -> None:

@@ -37,6 +37,14 @@ class CompilePool:
         for _ in range(self.workers):  # start every worker now: importing Triton and torch takes seconds
             self._executor.submit(compile_worker.ready)
 
+    def aim(self, target: Any, modules: Sequence[str] | None) -> None:
+        """For a pool started before the serving device was known (`target` None, `modules` ()): its target now,
+        and the serving process's modules; each worker (as they take the tasks) warms its compiler for the target
+        and imports those modules (one that lacks them imports them when a compile needs them)."""
+        self.target, self.modules = target, None if modules is None else tuple(modules)
+        for _ in range(self.workers):
+            self._executor.submit(compile_worker.warm, _plain(target), self.modules or ())
+
     def pids(self) -> list[int]:
         """The workers' process ids (once started)."""
         return [p.pid for p in (getattr(self._executor, "_processes", None) or {}).values()]

@@ -280,9 +280,10 @@ def claim_address(server: ServerConfig, console: Console) -> socket.socket | Non
         return None
 
 
-def run_server(config: EngineConfig, server: ServerConfig, console: Console | None = None) -> int:
+def run_server(config: EngineConfig, server: ServerConfig, console: Console | None = None, early_pool=None) -> int:
     """Bind, load the model, serve until SIGINT/SIGTERM. Returns the exit status: 0 once stopped, 2 when the
-    security flags do not go together or the port or the model cannot be used, 130 for Ctrl-C during the load."""
+    security flags do not go together or the port or the model cannot be used, 130 for Ctrl-C during the load.
+    `early_pool`: `early_compile_pool`'s, this start's compile pool (closed when it ends)."""
     from tsdev.launch.tensor_ranks import fail_fast, follow, launched_rank, start_ranks, stop_ranks
 
     console = console or Console(stderr=True, soft_wrap=True)
@@ -302,7 +303,7 @@ def run_server(config: EngineConfig, server: ServerConfig, console: Console | No
             distributed.init(0, config.world_size, config.device, config.rank_timeout_s)
     with sock:
         try:
-            status = _load_and_serve(config, server, sock, console)
+            status = _load_and_serve(config, server, sock, console, early_pool)
         except KeyboardInterrupt:  # Ctrl-C while loading, before the server handles signals itself
             console.print("stopped before the server started")
             return 130
@@ -328,7 +329,8 @@ def leave(status: int) -> int:
 IMPORTING = "importing torch, Triton and the engine"
 
 
-def _load_and_serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, console: Console) -> int:
+def _load_and_serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, console: Console,
+                    early_pool=None) -> int:
     before = process_age()
     api = pool = None
     try:
@@ -347,7 +349,7 @@ def _load_and_serve(config: EngineConfig, server: ServerConfig, sock: socket.soc
 
                 threading.Thread(target=warm_triton_key, name="triton-key", daemon=True).start()
             api = ApiProcess(sock) if server.api_process else None  # it imports while the model loads
-            pool = start_compile_pool(config, server)  # its workers import and warm up while the model loads
+            pool = start_compile_pool(config, server, early_pool)  # its workers warm up while the model loads
             prewarming = prewarm(pool, config)  # and compile what the last such start compiled, side by side
             name = server.served_model_name or ("tsdev-default" if config.model is None else Path(config.model).name)
             engine = _load(config, server, console, api, name, prewarming)
@@ -474,10 +476,13 @@ def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, cons
     return 0
 
 
-def start_compile_pool(config: EngineConfig, server: ServerConfig):
-    """The compile workers of --compile-workers (reloads on CUDA only), started for the serving device's target."""
+def start_compile_pool(config: EngineConfig, server: ServerConfig, early=None):
+    """The compile workers of --compile-workers (reloads on CUDA only), for the serving device's target: `early`'s
+    (`early_compile_pool`, aimed at it now), else started now; None (`early` closed) when this start has none."""
     workers = default_compile_workers() if server.compile_workers is None else server.compile_workers
     if not (workers and server.allow_reload_forward and config.device.startswith("cuda")):
+        if early is not None:
+            early.close()
         return None
     import torch
     from triton.backends.compiler import GPUTarget
@@ -486,8 +491,35 @@ def start_compile_pool(config: EngineConfig, server: ServerConfig):
     from tsdev.hotreload.pool import CompilePool, imported
 
     major, minor = torch.cuda.get_device_capability(torch.device(config.device))
-    packages = default_packages()
-    return CompilePool(packages, workers, GPUTarget("cuda", major * 10 + minor, 32), imported(packages))
+    target, packages = GPUTarget("cuda", major * 10 + minor, 32), default_packages()
+    if early is not None:
+        early.aim(target, imported(packages))
+        return early
+    return CompilePool(packages, workers, target, imported(packages))
+
+
+def early_compile_pool(device: str | None, allow_reload_forward: bool, workers: int | None, ranks: int):
+    """The compile pool started as `tsdev serve` begins, before this process imports torch (seconds on a fresh
+    machine): its workers import torch and Triton side by side with it, so that the warm-up manifest's compiles
+    (`prewarm`) start as soon as the GPU's target is known. None where the start will have no pool (no reloads, no
+    workers, a CPU device: none asked for, or no NVIDIA GPU here) or several ranks or servers (each starts its own)."""
+    from tsdev.hotreload import default_packages
+    from tsdev.hotreload.pool import CompilePool
+
+    workers = default_compile_workers() if workers is None else workers
+    gpu = device.startswith("cuda") if device else nvidia_gpu_visible()
+    if not (workers and allow_reload_forward and gpu and ranks == 1):
+        return None
+    return CompilePool(default_packages(), workers, modules=())  # aimed at the GPU by `start_compile_pool`
+
+
+def nvidia_gpu_visible() -> bool:
+    """An NVIDIA GPU this process may use, by the driver's files and CUDA_VISIBLE_DEVICES (without importing torch;
+    `tsdev serve`'s default device is decided by torch later)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return gpus.is_dir() and any(gpus.iterdir())
 
 
 # What a start's configuration changes in the kernels it compiles (not: which graphs come first after a restart, the
