@@ -666,6 +666,24 @@ def test_init_unchanged_no_scan_no_stale(pkg):
     assert "stale" in report.timings and report.timings["stale"] < 0.001  # no heap scan on the common path
 
 
+def test_a_default_that_is_a_class_of_the_rerun_module_is_no_init_change_and_costs_no_heap_scan(pkg, monkeypatch):
+    """A causal LM's `decoder_layer=LlamaDecoderLayer`: re-running llama.py for an unrelated edit makes a new class
+    object for the default; it is the same default (the new class merges into the old), so no heap scan."""
+    import gc
+
+    source = ("class Layer:\n    pass\n\n\nclass Model:\n    def __init__(self, layer=Layer, *, extra=Layer):\n"
+              "        self.layer = layer()\n\n\ndef act(x):\n    return x + 1\n")
+    pkg.write("a", source)
+    model = pkg.mod("a").Model()
+    r = pkg.reloader()
+    scans, heap_scan = [], gc.get_referrers
+    monkeypatch.setattr(gc, "get_referrers", lambda *objects: scans.append(objects) or heap_scan(*objects))
+    pkg.edit("a", source.replace("x + 1", "x + 2"))
+    report = pkg.reload(r)
+    assert report.ok and not report.stale and not scans
+    assert pkg.mod("a").act(1) == 3 and isinstance(model.layer, pkg.mod("a").Layer)
+
+
 def test_init_changed_instances_only_in_the_old_namespace_are_not_stale(pkg):
     pkg.write("a", NORM + "NORM = Norm(2)\n")
     pkg.mod("a")

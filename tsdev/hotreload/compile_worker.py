@@ -1,6 +1,7 @@
-"""What runs inside a `CompilePool` worker process (tsdev/hotreload/pool.py): it starts by importing the packages
+"""What runs inside a `CompilePool` worker process (tsdev/hotreload/pool.py): it starts by importing the kernel modules
 the server runs (and warming Triton's compiler), brings its copy of those modules to the server's newest sources with
-its own `Reloader`, and compiles one kernel per task into Triton's disk cache. Errors come back as `Compiled.error`,
+its own `Reloader` (the sources of modules it does not hold -- the models, the layers -- are not a compile's
+business), and compiles one kernel per task into Triton's disk cache. Errors come back as `Compiled.error`,
 never raised. The pool imports this module; this module never imports the pool.
 """
 from __future__ import annotations
@@ -108,7 +109,7 @@ def compile_job(sources: dict[str, bytes], job: Job) -> Compiled:
     import triton
 
     start = time.perf_counter()
-    if _import([*(name for name in sources if _reloader.reloadable(name)), job.module]):  # the server's since
+    if _import([job.module]):  # (a kernel module imports what its kernels read: only those follow `sources`)
         _reloader.modules()  # (it tracks what was just imported)
     tx = _reloader.reload(sources=sources)
     if not tx.report.ok:

@@ -188,7 +188,7 @@ class Patcher:
             self.add_stale(old, name, reason)
             return new
         self._new_to_old[id(new)] = (new, old)  # methods, nested classes, instances translate to old
-        init_change = _init_change(vars(old).get("__init__"), vars(new).get("__init__"))
+        init_change = _init_change(vars(old).get("__init__"), vars(new).get("__init__"), self.translate)
         if init_change is not None:
             self._init_changed.append((old, name, init_change))
         saved = dict(vars(old))
@@ -457,17 +457,28 @@ def _nested_codes(code: types.CodeType) -> dict[str, list[types.CodeType]]:
     return found
 
 
-def _init_change(old, new) -> list[str] | None:
-    """None when `__init__` did not change; else the attributes the new one sets on self that the old did not."""
+def _init_change(old, new, translate: Callable[[Any], Any] = lambda value: value) -> list[str] | None:
+    """None when `__init__` did not change; else the attributes the new one sets on self that the old did not.
+    `translate`: a new object to the old one it was merged into -- a default that is a class of the re-run module (a
+    decoder layer's) is the same default, not a change (which cost every reload of a model module a heap scan)."""
     if old is new:
         return None
     old_fn, new_fn = _underlying(old), _underlying(new)
     if not isinstance(old_fn, types.FunctionType) or not isinstance(new_fn, types.FunctionType):
         return None if old is None and new is None else sorted(_self_attributes(new_fn) - _self_attributes(old_fn))
-    if (same_code(old_fn.__code__, new_fn.__code__) and old_fn.__defaults__ == new_fn.__defaults__
-            and old_fn.__kwdefaults__ == new_fn.__kwdefaults__):
+    defaults = None if new_fn.__defaults__ is None else tuple(map(translate, new_fn.__defaults__))
+    kwdefaults = None if new_fn.__kwdefaults__ is None else {k: translate(v) for k, v in new_fn.__kwdefaults__.items()}
+    if (same_code(old_fn.__code__, new_fn.__code__) and _same_values(old_fn.__defaults__, defaults)
+            and _same_values(old_fn.__kwdefaults__, kwdefaults)):
         return None
     return sorted(_self_attributes(new_fn) - _self_attributes(old_fn))
+
+
+def _same_values(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001  (a default whose == does not give a bool: a tensor)
+        return a is b
 
 
 def _self_attributes(fn) -> set[str]:
