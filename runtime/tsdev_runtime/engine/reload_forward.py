@@ -167,12 +167,16 @@ class Reload:
         if control.checks_off and self.check_mode == "report" and any(
                 checks.modules_reached(c) & set(plan.reloaded) for c in checks.declared()):
             self.warnings.append(control.checks_off)  # a kernel edit that was not checked
-        await self.steps.run(self.before_pause())  # the old code keeps serving meanwhile
-        if self.check_mode != "off":  # the checks' inputs, drawn if nothing runs on the GPU now
-            with self.steps.timed("check_prepare"):
-                await loop.run_on_engine_thread(
-                    lambda: checker.prepare(self.serving, self.engine.drained(), plan.reloaded))
-                self.before_edit = checker.fingerprints()
+        prepared = None  # the checks' inputs (drawn if nothing runs on the GPU now), while the kernels compile
+        if self.check_mode != "off":
+            prepared = asyncio.ensure_future(loop.run_on_engine_thread(
+                lambda: (checker.prepare(self.serving, self.engine.drained(), plan.reloaded), checker.fingerprints())))
+        try:
+            await self.steps.run(self.before_pause())  # the old code keeps serving meanwhile
+        finally:
+            if prepared is not None:
+                with self.steps.timed("check_prepare"):  # (what the drawing took beyond the jit step)
+                    _, self.before_edit = await prepared
         control.hold(True)
         try:
             with self.steps.timed("pause"):
