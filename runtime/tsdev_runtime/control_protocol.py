@@ -48,9 +48,9 @@ GRAPH_KINDS = ("decode", "prefill")  # recapture is reported split by graph kind
 # `jit_slowest`: the slowest single compile of the jit step (compiled side by side, it bounds that step);
 # `kernel_check`: checking the changed kernels against their references (kernel_checks): in the pause under `strict`
 # (a failure rolls the reload back), after it under `report`; `check_prepare`: before the pause, the checks' inputs
-# drawn (if the GPU is idle) while the jit step compiles -- the time it took beyond that step; `commit`: the pause's last step, the point of no return (every rank's transaction
-# committed); `resumed`: from the request to serving resumed (the new code serves; what follows, report-mode checks,
-# does not hold it).
+# drawn (if the GPU is idle) while the jit step compiles -- the time it took beyond that step; `commit`: the pause's
+# last step, the point of no return (every rank's transaction committed); `resumed`: from the request to serving
+# resumed (the new code serves; what follows, report-mode checks, does not hold it).
 TIMINGS = (*STEPS, "jit_slowest", "rebuild", "kernel_check", "check_prepare", "commit",
            *(f"recapture_{kind}" for kind in GRAPH_KINDS), "pause", "resumed", "total")
 TimingName = Literal[TIMINGS]
