@@ -356,5 +356,7 @@ def test_a_restart_line_says_where_its_seconds_went_and_nothing_when_the_server_
                       "serving": 102.45, "healthy": 102.5}
     assert restart_parts(record).endswith("warm-up 1.00, hand-over 0.08 (the standby busy 0.06), serving set-up 0.07, "
                                           "health checks 0.05 s")
+    record.moments["health asked"] = 102.47  # the request that /health answered first: sent 0.03 s before
+    assert restart_parts(record).endswith("health checks 0.05 (the answer 0.03) s")
     record.moments["arguments sent"] = None  # an ordinary start: no standby
     assert restart_parts(record).endswith("hand-over and health checks 0.20 s")

@@ -145,8 +145,10 @@ class ServerProcess:
         self.standby: subprocess.Popen | None = None  # the process the next start() hands its arguments to
         self.handed_over = False  # the current run is a standby that took over
         # when (time.time()) the current run's arguments went to its standby, and when it answered /health first
+        # (and when that request was sent: polled every POLL_S, the first one the API process took)
         self.arguments_sent: float | None = None
         self.healthy_at: float | None = None
+        self.healthy_asked_at: float | None = None
 
     @property
     def command_line(self) -> str:
@@ -171,7 +173,7 @@ class ServerProcess:
         try:
             standby, self.standby = self.standby, None
             self.handed_over = standby is not None and standby.poll() is None
-            self.arguments_sent = self.healthy_at = None
+            self.arguments_sent = self.healthy_at = self.healthy_asked_at = None
             if self.handed_over:
                 standby.stdin.write((json.dumps([*self.serve_args, *extra_args]) + "\n").encode())
                 standby.stdin.flush()
@@ -229,8 +231,9 @@ class ServerProcess:
                 if (code := self.proc.poll()) is not None:
                     raise StartFailed(f"the server exited during startup ({describe_exit(code)}):\n{self.tail()}")
                 try:
+                    asked = time.time()
                     if (await client.get(self.url + "/health", timeout=2)).status_code == 200:
-                        self.healthy_at = time.time()
+                        self.healthy_at, self.healthy_asked_at = time.time(), asked
                         if standby:
                             self.start_standby()
                         return

@@ -140,14 +140,17 @@ def handover_parts(moments: dict[str, float | None]) -> str:
     """What a restart took beyond the new server's own account: the hand-over (from the restart's beginning until
     the standby took the start; of it, the standby still busy after it was sent the arguments -- importing the
     saved sources), the set-up after the startup line (the reloader, the app) until it served, and the health checks
-    until /health first answered (the API process's start, the polls). '' when a moment is missing."""
+    until /health first answered (the API process's start, the polls); of them, the answer to the request that
+    succeeded (sent within a poll of the API process listening: what is slow after that is the answer). '' when a
+    moment is missing."""
     need = ("restart began", "arguments sent", "began", "startup line", "serving", "healthy")
     if any(moments.get(name) is None for name in need):
         return ""
     m = moments
     busy = max(m["began"] - m["arguments sent"], 0.0)  # (two processes' clocks: never "-0.00")
+    answer = "" if m.get("health asked") is None else f" (the answer {m['healthy'] - m['health asked']:.2f})"
     return (f"hand-over {m['began'] - m['restart began']:.2f} (the standby busy {busy:.2f}), serving set-up "
-            f"{m['serving'] - m['startup line']:.2f}, health checks {m['healthy'] - m['serving']:.2f}")
+            f"{m['serving'] - m['startup line']:.2f}, health checks {m['healthy'] - m['serving']:.2f}{answer}")
 
 
 def started_line(event: Event, daemon: Daemon) -> str | None:

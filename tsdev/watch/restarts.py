@@ -77,7 +77,7 @@ class Restarts:
             return
         record.seconds, record.pid = time.perf_counter() - start, server.proc.pid
         record.moments = {"restart began": began, "arguments sent": server.arguments_sent,
-                          "healthy": server.healthy_at}
+                          "health asked": server.healthy_asked_at, "healthy": server.healthy_at}
         record.standby = server.handed_over
         daemon.down = False
         daemon.info.update(pid=record.pid)
