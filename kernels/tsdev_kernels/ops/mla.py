@@ -228,25 +228,27 @@ def _mla_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _mla_merge_kernel(PART_O, PART_LSE, O, CU, stride_ot, stride_oh, H, num_splits, LATENT: tl.constexpr,
-                      BLOCK_L: tl.constexpr):
-    """One program per (sequence, head) of a decode step: the splits' partial outputs weighted by their sums."""
+                      BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr):
+    """One program per (sequence, head, BLOCK_L latent columns) of a decode step: the splits' partial outputs weighted
+    by their sums, every split's columns read at once (a [BLOCK_S, BLOCK_L] tile: a loop over the splits paid a
+    memory latency per split, most of a batch-1 step's merge)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = tl.load(CU + b)
     if tl.load(CU + b + 1) > row:  # a sequence with no row this step has nothing to merge
-        lat = tl.arange(0, BLOCK_L)
+        s = tl.arange(0, BLOCK_S)
+        lat = tl.program_id(2) * BLOCK_L + tl.arange(0, BLOCK_L)
         first = (b * H + h) * num_splits
-        top = tl.load(PART_LSE + first)  # loop-carried values start as float32 tensors, not Python floats
-        for s in range(1, num_splits):
-            top = tl.maximum(top, tl.load(PART_LSE + first + s))
-        acc = tl.zeros([BLOCK_L], tl.float32)
-        total = tl.sum(acc, axis=0)
-        for s in range(num_splits):
-            weight = tl.exp2(tl.load(PART_LSE + first + s) - top)  # an empty share: 0
-            acc += weight * tl.load(PART_O + (first + s) * LATENT + lat, mask=lat < LATENT, other=0.0)
-            total += weight
-        tl.store(O + row.to(tl.int64) * stride_ot + h * stride_oh + lat, (acc / total).to(O.dtype.element_ty),
+        lse = tl.load(PART_LSE + first + s, mask=s < num_splits, other=float("-inf"))
+        weight = tl.exp2(lse - tl.max(lse, axis=0))  # an empty share (and a missing split): 0
+        parts = tl.load(PART_O + (first + s).to(tl.int64)[:, None] * LATENT + lat[None, :],
+                        mask=(s < num_splits)[:, None] & (lat < LATENT)[None, :], other=0.0)
+        out = tl.sum(parts * weight[:, None], axis=0) / tl.sum(weight, axis=0)
+        tl.store(O + row.to(tl.int64) * stride_ot + h * stride_oh + lat, out.to(O.dtype.element_ty),
                  mask=lat < LATENT)
+
+
+MERGE_TILE = 4096  # float32 partials a merge program reads at once (splits x latent columns)
 
 
 DECODE_HEADS, PREFILL_QUERIES = 16, 16  # the tiles off CUDA: heads of one decode row; rows of one prefill head
@@ -297,9 +299,11 @@ def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor
                  batch: int, num_splits: int) -> None:
     """`_mla_merge_kernel`: each (sequence, head)'s splits into its output row, weighted by their log-sum-exps."""
     heads, latent_dim = out.shape[1], out.shape[2]
-    _mla_merge_kernel[(batch, heads)](part_o, part_lse, out, cu_seqlens_q, out.stride(0), out.stride(1), heads,
-                                      num_splits, LATENT=latent_dim, BLOCK_L=triton.next_power_of_2(latent_dim),
-                                      num_warps=4)
+    block_s = triton.next_power_of_2(num_splits)
+    block_l = min(triton.next_power_of_2(latent_dim), max(16, MERGE_TILE // block_s))
+    _mla_merge_kernel[(batch, heads, triton.cdiv(latent_dim, block_l))](
+        part_o, part_lse, out, cu_seqlens_q, out.stride(0), out.stride(1), heads, num_splits, LATENT=latent_dim,
+        BLOCK_S=block_s, BLOCK_L=block_l, num_warps=4)
 
 
 def mla_attention_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
