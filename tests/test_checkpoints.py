@@ -26,10 +26,37 @@ def test_default_checkpoint_is_created_once_and_reused(tmp_path, monkeypatch):
     monkeypatch.setattr(default_model, "write_checkpoint", lambda *a, **k: writes.append(a))
     assert default_model.default_model_dir("cpu") == first
     assert writes == [] and os.stat(first / "model.safetensors").st_mtime_ns == stamp
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temp dirs left behind
+    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == [first.name]  # no temp dirs left behind
     engine = LLMEngine(EngineConfig(model=None, device="cpu", kv_pages=256))
     assert engine.model_dir == first
     assert engine.model_config.hidden_size == default_model.SHAPES["tiny"]["hidden_size"]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_written_ahead_is_waited_for_not_written_twice(tmp_path, monkeypatch, caplog, capfd):
+    """`tsdev serve` on a GPU starts writing the default checkpoint in a process of its own before it imports torch
+    (`write_ahead`); its load then waits for that process instead of writing a second copy beside it."""
+    import logging
+
+    monkeypatch.setenv("TSDEV_CACHE_DIR", str(tmp_path))
+    writer = default_model.write_ahead("cpu", None)
+    with caplog.at_level(logging.INFO, logger="tsdev_runtime.startup"):
+        final = default_model.default_model_dir("cpu")
+    assert writer.wait(120) == 0
+    here = sum("writing the default checkpoint" in r.getMessage() for r in caplog.records)
+    there = capfd.readouterr().err.count("writing the default checkpoint")
+    assert here + there == 1, (here, there)  # one of the two wrote it, whichever took the lock first
+    assert (final / "config.json").is_file() and [p.name for p in tmp_path.iterdir() if p.is_dir()] == [final.name]
+    assert default_model.write_ahead("cpu", None) is None  # there now: nothing to start
+
+
+def test_the_default_models_names_and_place_come_without_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; from tsdev_runtime.weights import default_model as d; d.checkpoint_dir('cuda', 'default-mla');"
+            " print('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 
 
 @pytest.mark.parametrize("shape", ["tiny", "qwen3-0.6b"])

@@ -387,3 +387,23 @@ def test_a_cpu_start_closes_a_pool_started_for_a_gpu_it_does_not_use():
     assert start_compile_pool(EngineConfig("default", device="cpu"), ServerConfig(allow_reload_forward=True),
                               early) is None
     assert early.closed
+
+
+def test_a_gpu_start_of_an_embedded_model_writes_its_checkpoint_ahead_and_no_other_does(monkeypatch):
+    import torch
+
+    from tsdev.launch import serve
+    from tsdev_runtime.weights import default_model
+
+    started = []
+    monkeypatch.setattr(default_model, "write_ahead", lambda device, name: started.append((device, name)))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # (the start then stops: no GPU here)
+    monkeypatch.setattr(serve, "nvidia_gpu_visible", lambda: True)
+    monkeypatch.setattr(serve, "run_server", lambda *args: 0)  # (what is asked before serving is the point)
+    for args in (["serve", "--device", "cuda"], ["serve", "default-mla"], ["serve", "--device", "cpu"],
+                 ["serve", "acme/missing-model", "--device", "cuda"]):
+        CliRunner().invoke(app, args)
+    assert started == [("cuda", None), ("cuda", "default-mla")]
+    monkeypatch.setattr(serve, "nvidia_gpu_visible", lambda: False)
+    CliRunner().invoke(app, ["serve", "--device", "cuda"])
+    assert len(started) == 2

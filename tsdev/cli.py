@@ -273,11 +273,15 @@ def serve(
                   f"{f' on {device}' if device else ''} (torch imports first; a first start on a machine compiles its "
                   "kernels, saying which as it goes)", highlight=False, markup=False)
 
-    from tsdev.launch.serve import early_compile_pool, run_server  # bind, load, serve, stop (torch when run)
+    from tsdev.launch.serve import early_compile_pool, nvidia_gpu_visible, run_server  # (torch when run)
+    from tsdev_runtime.weights.default_model import DEFAULT_NAMES, EMBEDDED_NAMES, write_ahead
 
     early_pool = early_compile_pool(device, allow_reload_forward, compile_workers, tp * dp)  # before torch
     if early_pool is not None:
         ctx.call_on_close(early_pool.close)  # however the command ends
+    name = model or model_opt
+    if name in DEFAULT_NAMES and (device or "cuda").startswith("cuda") and nvidia_gpu_visible():
+        write_ahead(device or "cuda", name)  # a GPU's first run writes its embedded checkpoint beside torch's import
     if device and device.startswith("cuda"):
         import torch
 
@@ -285,10 +289,8 @@ def serve(
             console.print(f"[red]error:[/red] --device {device}, but this torch ({torch.__version__}) sees no CUDA "
                           "GPU: use --device cpu, or install a CUDA build of torch on a machine with a GPU")
             raise typer.Exit(2)
-    from tsdev_runtime.weights.default_model import DEFAULT_NAMES, EMBEDDED_NAMES
     from tsdev_runtime.weights.hub import is_hub_id, resolve_model
 
-    name = model or model_opt
     try:
         checkpoint = name if name in DEFAULT_NAMES else str(resolve_model(name, revision, EMBEDDED_NAMES))
         tokenizer_dir = None if tokenizer is None else str(resolve_model(tokenizer))
