@@ -149,7 +149,7 @@ def write_ahead(device: str, name: str | None = None) -> subprocess.Popen | None
     if (checkpoint_dir(device, name) / "config.json").is_file():
         return None
     return subprocess.Popen([sys.executable, "-m", "tsdev_runtime.weights.default_model", device, name or ""],
-                            stdout=subprocess.DEVNULL)
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
 
 
 def write_checkpoint(out: Path, shape: dict, seed: int = 0, std: float | None = None, fp8_blocks: bool = False) -> None:
