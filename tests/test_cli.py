@@ -362,7 +362,7 @@ def test_the_compile_pool_starts_before_torch_only_where_the_start_will_have_one
     assert not any((early("cpu", True, None, 1), early("cuda", False, None, 1), early("cuda", True, 0, 1),
                     early("cuda", True, None, 2)))
     monkeypatch.setattr(serve, "nvidia_gpu_visible", lambda: False)
-    assert early(None, True, None, 1) is None and early("cuda", True, None, 1) is not None
+    assert early(None, True, None, 1) is None and early("cuda", True, None, 1) is None
 
 
 def test_a_start_that_fails_closes_the_pool_it_started_before_torch(monkeypatch):
@@ -370,8 +370,13 @@ def test_a_start_that_fails_closes_the_pool_it_started_before_torch(monkeypatch)
 
     from tsdev.hotreload import pool
 
+    from tsdev.launch import serve
+    from tsdev_runtime.weights import default_model
+
     _RecordedPool.started = []
     monkeypatch.setattr(pool, "CompilePool", _RecordedPool)
+    monkeypatch.setattr(serve, "nvidia_gpu_visible", lambda: True)  # (a GPU seen by its driver, not by torch)
+    monkeypatch.setattr(default_model, "write_ahead", lambda device, name: None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     result = CliRunner().invoke(app, ["serve", "--device", "cuda", "--allow-reload-forward"])
     assert result.exit_code == 2 and "sees no CUDA GPU" in result.output

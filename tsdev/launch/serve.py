@@ -502,12 +502,13 @@ def early_compile_pool(device: str | None, allow_reload_forward: bool, workers: 
     """The compile pool started as `tsdev serve` begins, before this process imports torch (seconds on a fresh
     machine): its workers import torch and Triton side by side with it, so that the warm-up manifest's compiles
     (`prewarm`) start as soon as the GPU's target is known. None where the start will have no pool (no reloads, no
-    workers, a CPU device: none asked for, or no NVIDIA GPU here) or several ranks or servers (each starts its own)."""
+    workers, a CPU device, no NVIDIA GPU seen here) or several ranks or servers (each starts its own); then, or
+    where the GPU is not seen this way, the start makes its pool as before (`start_compile_pool`)."""
     from tsdev.hotreload import default_packages
     from tsdev.hotreload.pool import CompilePool
 
     workers = default_compile_workers() if workers is None else workers
-    gpu = device.startswith("cuda") if device else nvidia_gpu_visible()
+    gpu = (device or "cuda").startswith("cuda") and nvidia_gpu_visible()
     if not (workers and allow_reload_forward and gpu and ranks == 1):
         return None
     return CompilePool(default_packages(), workers, modules=())  # aimed at the GPU by `start_compile_pool`
