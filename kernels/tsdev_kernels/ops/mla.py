@@ -279,6 +279,16 @@ def mla_splits(batch: int, heads: int, device: torch.device) -> int:
     return max(1, min(64, triton.cdiv(4 * sm_count(device.index or 0), programs)))
 
 
+def decode_batch(launcher: str, q: torch.Tensor, seq_lens: torch.Tensor, order: torch.Tensor | None,
+                 out: torch.Tensor | None, latent_dim: int, max_q_len: int) -> tuple[int, torch.Tensor]:
+    """A decode launcher's sequences and its output [T, H, latent_dim] (`out`, else new); ValueError for a step that
+    is no decode step (max_q_len other than 1)."""
+    if max_q_len != 1:
+        raise ValueError(f"{launcher} runs decode steps (max_q_len 1), not max_q_len {max_q_len}")
+    out = q.new_empty(*q.shape[:2], latent_dim) if out is None else out
+    return (seq_lens.shape[0] if order is None else order.shape[0]), out
+
+
 def stored_rows(q: torch.Tensor, cu_seqlens_q: torch.Tensor,
                 store: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The (rows, slot_mapping) a decode launch stores (their last dim contiguous), or placeholders it does not read
@@ -397,11 +407,8 @@ def mla_decode_triton(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.
     `mla_attention_triton`'s contract for max_q_len 1, storing this step's rows when store = (rows, slot_mapping).
     heads (per program: a power of two), block_n, chunks (of the latent columns) and num_warps: the tile, for
     benchmarks/mla_decode.py; left out, `flash_tile`'s."""
-    if max_q_len != 1:
-        raise ValueError(f"mla_decode_triton runs decode steps (max_q_len 1), not max_q_len {max_q_len}")
-    B = seq_lens.shape[0] if order is None else order.shape[0]
+    B, out = decode_batch("mla_decode_triton", q, seq_lens, order, out, latent_dim, max_q_len)
     T, H, width = q.shape
-    out = q.new_empty(T, H, latent_dim) if out is None else out
     if B == 0:
         return out
     quantized = cache.dtype == FP8_KV_DTYPE
@@ -469,13 +476,10 @@ def mla_decode_gluon(q: torch.Tensor, cache: torch.Tensor, cu_seqlens_q: torch.T
                      store: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`mla_decode_triton`'s contract by mla_decode_gluon.py's kernel (one tile: 64 heads, blocks of 64 rows, 8 warps),
     the splits then `_mla_merge_kernel`. ValueError, saying why, where `gluon_misfit` finds it cannot run."""
-    if max_q_len != 1:
-        raise ValueError(f"mla_decode_gluon runs decode steps (max_q_len 1), not max_q_len {max_q_len}")
+    B, out = decode_batch("mla_decode_gluon", q, seq_lens, order, out, latent_dim, max_q_len)
     if why := gluon_misfit(q, cache, latent_dim):
         raise ValueError(f"mla_decode_gluon: {why}; TSDEV_MLA_DECODE=flash serves the Triton kernel instead")
-    B = seq_lens.shape[0] if order is None else order.shape[0]
     T, H, width = q.shape
-    out = q.new_empty(T, H, latent_dim) if out is None else out
     if B == 0:
         return out
     quantized = cache.dtype == FP8_KV_DTYPE
