@@ -109,7 +109,7 @@ def test_workers_import_the_kernel_modules_they_are_given_and_a_jobs_but_not_eve
     """`modules` (the serving process's kernel modules): a worker imports those and no more -- a module the server
     never imported (an optional extra it does not use) stays out of it -- and a job's module when it lacks it; the
     sources of other modules (the models around the kernels) come along with every compile but are not imported:
-    re-running them in each worker cost an edit 0.05 s."""
+    each worker re-running them cost every compile a few ms (benchmarks/worker_reload.py)."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))
     marker = tmp_path / "imported"
     pkg.write("ops", KERNEL)
