@@ -25,7 +25,11 @@ for part in "${parts[@]}"; do
     mla-small)  # issue 66: small batches, where the splits' merge counts (batch 1's target: 12 us)
       TAIL=20 step mla-small 150 python3 benchmarks/mla_decode.py --kernels gluon flash --batch 1 4 16 64 ;;
     restart) TAIL=14 step restart 240 python3 benchmarks/save_to_serving.py --cycles 0 --restarts 3 ;;
-    shipped)  # issue 67 point 3: a fresh machine's first start (every cache empty) with the manifest tsdev/warmup/ ships
+    shipped)  # issue 67 point 3: a fresh machine's first start (every cache empty) with the manifest tsdev/warmup/ ships;
+      # the carried wheels byte-compiled first, as `pip install` does by default (device-setup.sh installs them with
+      # --no-compile, which left the first start compiling fastapi's, pydantic's, rich's... modules: not what a user's
+      # fresh machine does); the project's own modules stay uncompiled, as after `pip install -e .`
+      python3 -m compileall -q -j 0 /tmp/site >/dev/null 2>&1; echo "compiled the carried wheels' modules"
       fresh=$(mktemp -d)
       TAIL=8 step fresh-shipped 240 env TSDEV_CACHE_DIR=$fresh/tsdev TRITON_CACHE_DIR=$fresh/triton \
         python3 benchmarks/startup.py --starts 1 -- --allow-reload-forward ;;
