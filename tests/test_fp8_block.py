@@ -119,6 +119,28 @@ def test_the_block_gemm_kernel_is_the_block_linear_reference(tokens, n, k):
     assert not torch.allclose(got, fp8_block_linear_ref(x, weight, scale_inv), rtol=1e-5, atol=1e-4)  # the bias
 
 
+@pytest.mark.parametrize("tokens, n, k, split_k", [(5, 200, 300, 1), (40, 128, 130, 1), (20, 200, 600, 3)])
+def test_the_block_gemm_quantizing_its_own_tiles_is_the_two_launch_path(tokens, n, k, split_k):
+    """x_scale None: the kernel quantizes each activation tile per token and K block itself -- the same products as
+    quantizing first (`quantize_fp8_token_groups`), so the same output to float32 order; partial groups at the K
+    edge, a zero group (scale 1), a bias, K split. Values e4m3 holds exactly after the division (the interpreter's
+    cast rounds others a binade down; the GPU test draws random ones)."""
+    from tsdev_kernels.ops.fp8_block import _check_activations, fp8_block_gemm_triton
+
+    g = torch.Generator().manual_seed(tokens + split_k)
+    weight, scale_inv = quantize_fp8_blocks(torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g))
+    x, bias = _check_activations(tokens, k, torch.float32, "cpu", g), torch.randn(n, generator=g)
+    x[1, :128] = 0
+    xq, x_scale = quantize_fp8_token_groups(x)
+    want = fp8_block_gemm_triton(xq, x_scale, weight, scale_inv, bias=bias, out_dtype=torch.float32,
+                                 config=(16, 64, 4, split_k))
+    got = fp8_block_gemm_triton(x, None, weight, scale_inv, bias=bias, out_dtype=torch.float32,
+                                config=(16, 64, 4, split_k))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(got, fp8_block_linear_ref(x, weight, scale_inv, bias=bias), rtol=1e-5, atol=1e-4)
+    assert not torch.allclose(got, fp8_block_linear_ref(x * 1.5, weight, scale_inv, bias=bias), rtol=1e-3, atol=1e-3)
+
+
 @pytest.mark.parametrize("split_k", [2, 3, 5])
 def test_the_block_gemm_split_over_k_is_the_reference_and_leaves_its_counters_zero(split_k):
     """K cut into shares (5 blocks in 3 shares: 2, 2, 1), each program's share into a float32 partial, the last of a

@@ -351,23 +351,28 @@ def record_mla_launches() -> dict[str, tuple]:
 def record_block_fp8_launches() -> dict[str, tuple]:
     """The block-FP8 GEMM (`fp8_block_gemm_triton`) at Qwen3-8B's o and q|k|v projections as a block-FP8 checkpoint
     serves them on the H200: unsplit at M 256, split over K as `block_gemm_split` picks at M 16 (4 and 2 shares),
-    multiplied on the FP8 tensor cores (F32_DOT off: the meta tensors are not on CUDA)."""
+    multiplied on the FP8 tensor cores (F32_DOT off: the meta tensors are not on CUDA); and as the served projection
+    launches it, quantizing its bf16 activation tiles itself (x_scale None), at M 16 and 256."""
     from tsdev_kernels.ops import fp8_block
 
     recorded = {}
-    for name, m, n, k in (("o", 256, 4096, 4096), ("o", 16, 4096, 4096), ("qkv", 16, 6144, 4096)):
+    for name, m, n, k, inside in (("o", 256, 4096, 4096, False), ("o", 16, 4096, 4096, False),
+                                  ("qkv", 16, 6144, 4096, False), ("qkv", 16, 6144, 4096, True),
+                                  ("o", 256, 4096, 4096, True)):
         bm, bn, warps = fp8_block.UNTUNED_GEMM  # (no tuned file for the H200 yet: block_gemm_config serves this)
         split = fp8_block.block_gemm_split(-(-m // bm) * -(-n // bn), k // 128, H200_SMS)
         kernel = fp8_block._block_gemm_kernel = Recorder(fp8_block._block_gemm_kernel)
         try:
             e4m3, scales = torch.float8_e4m3fn, torch.float32
-            fp8_block.fp8_block_gemm_triton(meta(m, k, dtype=e4m3), meta(m, k // 128, dtype=scales),
+            x = meta(m, k, dtype=torch.bfloat16) if inside else meta(m, k, dtype=e4m3)
+            fp8_block.fp8_block_gemm_triton(x, None if inside else meta(m, k // 128, dtype=scales),
                                             meta(n, k, dtype=e4m3), meta(n // 128, k // 128, dtype=scales),
                                             config=(bm, bn, warps, split))
         finally:
             fp8_block._block_gemm_kernel = kernel.fn
         args, kwargs = kernel.launches[0]
-        recorded[f"qwen3-8b block-fp8 {name} M {m} split {split}"] = (kernel.fn, args, kwargs | dict(F32_DOT=False))
+        label = f"qwen3-8b block-fp8 {name} M {m} split {split}{' quantizing inside' if inside else ''}"
+        recorded[label] = (kernel.fn, args, kwargs | dict(F32_DOT=False))
     return recorded
 
 

@@ -278,8 +278,8 @@ def test_gemm_skips_unused_blocks_and_writes_only_real_slots():
     moe._moe_gemm[(expert_ids.numel(), 2)](x, x, w13, x, inter, sorted_ids, expert_ids, x, I, H, T * K, K,
                                            x.stride(0), 0, w13.stride(0), w13.stride(1), 0, 0, inter.stride(0),
                                            GATED=True, MUL_WEIGHT=False, HAS_SCALE=False, A_FP8=False,
-                                           SCALE_BLOCK_N=0, F32_DOT=True, FP8_WGMMA=False, BLOCK_M=16, BLOCK_N=16,
-                                           BLOCK_K=16, PDL=False)
+                                           SCALE_BLOCK_N=0, QUANTIZE_A=False, F32_DOT=True, FP8_WGMMA=False,
+                                           BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, PDL=False)
     flat = ids.reshape(-1).long()
     gu = torch.einsum("sh,sih->si", x[torch.arange(T * K) // K], w13[flat])
     torch.testing.assert_close(inter, F.silu(gu[:, :I]) * gu[:, I:], **TOL)
@@ -545,3 +545,29 @@ def test_block_fp8_experts_on_the_aligned_gemms_are_the_block_reference(T, kind)
     torch.testing.assert_close(wgmma, want, rtol=1e-5, atol=1e-5)
     exact = moe.fused_moe_ref(x, w13, w2, weights, ids)
     assert 0 < (got - exact).abs().max() < 0.1 * exact.abs().max()  # FP8's rounding, not garbage
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_block_fp8_gemms_quantizing_their_own_tiles_are_the_two_launch_path(block_m, monkeypatch):
+    """On CUDA each aligned GEMM of block-FP8 experts quantizes its input tiles itself (`quantize_tile`, no
+    quantization launch before it): the same e4m3 values and scales as the token-group kernel's, so the same layer to
+    float32 order. Both ways here under the interpreter: the Triton quantization in front (its cast is the
+    interpreter's, as the GEMM's is), against the GEMMs quantizing inside; partial blocks along H, an all-zero row."""
+    from tsdev_kernels.ops import fp8_block
+
+    E, hidden, inter, T = 3, 200, 256, 7
+    g = torch.Generator().manual_seed(block_m)
+    w13 = torch.randn(E, 2 * inter, hidden, generator=g) * hidden**-0.5
+    w2 = torch.randn(E, hidden, inter, generator=g) * inter**-0.5
+    (q13, s13), (q2, s2) = ([torch.stack(t) for t in zip(*map(fp8_block.quantize_fp8_blocks, w))] for w in (w13, w2))
+    x = torch.randn(T, hidden, generator=g) * 3
+    x[2] = 0
+    weights, ids = routing(T, E, 2, "random")
+    scales = dict(w13_scale=s13, w2_scale=s2, block=(128, 128))
+    config = dict(SMALL, BLOCK_M=block_m, BLOCK_N=128)
+    monkeypatch.setattr(moe, "_quantized", lambda t, group: fp8_block.quantize_fp8_token_groups_triton(t, group))
+    two_launches = moe.fused_moe_triton(x, q13, q2, weights, ids, config=config, **scales)
+    monkeypatch.setattr(moe, "_quantizes_in_gemm", lambda x, block: block is not None)
+    inside = moe.fused_moe_triton(x, q13, q2, weights, ids, config=config, **scales)
+    torch.testing.assert_close(inside, two_launches, rtol=1e-5, atol=1e-5)
+    assert not inside[2].any() and inside.abs().max() > 0.1

@@ -4,8 +4,9 @@ time), then timed replayed from a CUDA graph (triton.testing.do_bench_cudagraph,
 benchmarks/fp8_block_linear.py time).
 
 MoE: `fused_moe_triton` (alignment, both GEMMs, the sum; FP8 experts with their activations' quantization) on a
-random routing. GEMM: the token-group quantization and the block GEMM (`fp8_block_gemm_triton`), and for the crossover
-the served Triton projection against the quantization and torch._scaled_mm (`fp8_block_linear_scaled_mm`).
+random routing. GEMM: the block GEMM quantizing its activation tiles itself (`fp8_block_gemm_triton(x, None, ...)`,
+as `fp8_block_linear_triton` serves it), and for the crossover that against the quantization and torch._scaled_mm
+(`fp8_block_linear_scaled_mm`).
 """
 import concurrent.futures
 import multiprocessing
@@ -44,8 +45,7 @@ def moe_inputs(job: Job, tokens: int, generator: torch.Generator, experts: int |
 
 
 def gemm_inputs(job: Job, tokens: int, generator: torch.Generator, rows: int | None = None) -> tuple:
-    """x (bf16), its quantization (e4m3, group scales) and the block-FP8 weight with its scales; `rows` fewer weight
-    rows for compiling (`compile_rows`)."""
+    """x (bf16) and the block-FP8 weight with its scales; `rows` fewer weight rows for compiling (`compile_rows`)."""
     from tsdev_kernels.ops import fp8_block
 
     n, k = job.shape
@@ -53,7 +53,7 @@ def gemm_inputs(job: Job, tokens: int, generator: torch.Generator, rows: int | N
     device = generator.device
     weight, scale = fp8_block.quantize_fp8_blocks(torch.randn(n, k, generator=generator, device=device) * k**-0.5)
     x = torch.randn(tokens, k, generator=generator, device=device, dtype=torch.bfloat16)
-    return (x, *fp8_block.quantize_fp8_token_groups_triton(x), weight, scale)
+    return x, weight, scale
 
 
 def compile_rows(n: int) -> int:
@@ -68,9 +68,9 @@ def launch(job: Job, data: tuple, config: Config) -> None:
     if job.kind == "gemm":
         from tsdev_kernels.ops.fp8_block import fp8_block_gemm_triton
 
-        _, xq, x_scale, weight, scale = data
+        x, weight, scale = data
         entry = (config["BLOCK_M"], config["BLOCK_N"], config["num_warps"], config.get("SPLIT_K"))
-        fp8_block_gemm_triton(xq, x_scale, weight, scale, config=entry if entry[-1] else entry[:3])
+        fp8_block_gemm_triton(x, None, weight, scale, config=entry if entry[-1] else entry[:3])
     else:
         from tsdev_kernels.ops.moe import fused_moe_triton
 
@@ -137,10 +137,6 @@ class CudaTimer:
 
     def time(self, job: Job, tokens: int, config: Config) -> float | None:
         data = self._inputs(job, tokens)
-        if job.kind == "gemm":  # the quantization of the activations belongs to the projection's time
-            from tsdev_kernels.ops.fp8_block import quantize_fp8_token_groups_triton
-
-            return self._bench(lambda: (quantize_fp8_token_groups_triton(data[0]), launch(job, data, config)))
         return self._bench(lambda: launch(job, data, config))
 
     def crossover(self, job: Job, tokens: int, config: Config) -> tuple[float, float] | None:
@@ -148,7 +144,7 @@ class CudaTimer:
         µs, None where _scaled_mm has no block scales here."""
         from tsdev_kernels.ops import fp8_block
 
-        x, _, _, weight, scale = self._inputs(job, tokens)
+        x, weight, scale = self._inputs(job, tokens)
         if job.shape[0] % 128 or job.shape[1] % 128 or not fp8_block.scaled_mm_available(x.device):
             return None
         triton_us = self.time(job, tokens, config)

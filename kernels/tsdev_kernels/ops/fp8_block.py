@@ -3,9 +3,10 @@ weights with one float32 multiplier per block of 128 x 128 (`<name>.weight_scale
 block), and activations quantized at run time per token and per group of 128 columns (`activation_scheme:
 dynamic`). The torch references of that arithmetic (what the checkpoint writer of the tests stores) and the Triton
 kernels checked against them: `quantize_fp8_token_groups_triton` (one program per token and group) and
-`fp8_block_linear_triton` (a GEMM whose K loop steps one block at a time: each block's e4m3 product starts from
-zero, is multiplied by the token's group scale and the weight block's scale and added to a float32 sum -- so the
-reduced-precision sums of Hopper's FP8 tensor cores never run past one block, the scheme of DeepSeek's DeepGEMM).
+`fp8_block_linear_triton` (one launch: a GEMM whose K loop steps one block at a time, quantizing each activation
+tile's groups itself; each block's e4m3 product starts from zero, is multiplied by the token's group scale and the
+weight block's scale and added to a float32 sum -- so the reduced-precision sums of Hopper's FP8 tensor cores never
+run past one block, the scheme of DeepSeek's DeepGEMM).
 `fp8_block_linear` serves layers: the Triton kernels on CUDA (their GPU test: tests/test_fp8_block_gpu.py), or
 torch._scaled_mm's block-scaled cuBLASLt GEMM at the token counts where the crossover `tsdev tune` measures says it is
 faster (`uses_scaled_mm`; TSDEV_KERNELS=cublas:fp8 or triton:fp8 forces a side), the reference elsewhere and under
@@ -140,13 +141,28 @@ def quantize_fp8_token_groups_triton(x: torch.Tensor, group: int = BLOCK[1]) -> 
 
 
 @triton.jit
+def quantize_tile(a, ROWS: tl.constexpr, GROUP: tl.constexpr, dtype: tl.constexpr):
+    """A [ROWS, GROUP] tile of activations (one group of columns per row) as `_token_group_quant_kernel` quantizes
+    each row's group, bit for bit: (e4m3 values in `dtype`, float32 scales [ROWS]). The GEMMs that quantize their
+    own tiles (`_block_gemm_kernel`, moe.py's `_moe_gemm`) call it."""
+    a32 = a.to(tl.float32)
+    amax = tl.max(tl.abs(a32), axis=1)
+    scale = tl.where(amax > 0, amax * _RECIPROCAL, 1.0)
+    q = tl.math.div_rn(a32, tl.broadcast_to(scale[:, None], (ROWS, GROUP)))
+    return tl.clamp(q, -_MAX, _MAX).to(dtype), scale
+
+
+@triton.jit
 def _block_gemm_kernel(A, A_S, W, W_S, B, OUT, PART, ARRIVED, M, N, K, stride_am, stride_as, stride_wn, stride_ws,
                        stride_om, stride_part, BLOCK_N_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT_K: tl.constexpr, PDL: tl.constexpr):
+                       QUANTIZE_A: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
     """OUT[m, n] for a BLOCK_M x BLOCK_N tile: over the K blocks (BLOCK_K = the checkpoint's block_k), the e4m3 tiles'
     product from zero, times A_S[m, block] and W_S[n // BLOCK_N_SCALE, block], added to a float32 sum; plus the bias,
     rounded once. BLOCK_N divides BLOCK_N_SCALE, so a tile's columns share one weight scale per K block.
+    QUANTIZE_A: A holds the unquantized activations (A_S unread), each tile's rows quantized per K block as
+    `_token_group_quant_kernel` does, bit for bit (one launch instead of two; every column tile's program
+    quantizes its rows again, which costs little where the projection streams its weight).
     SPLIT_K > 1 (axis 2): each program sums its share of the K blocks into PART[split, m, n] (float32); the last of a
     tile's splits to arrive (ARRIVED: `split_arrivals`) adds the shares in split order -- the same result whichever
     arrives last -- and writes the tile (attention.py's split merge: stored before the count is raised, read after).
@@ -167,11 +183,14 @@ def _block_gemm_kernel(A, A_S, W, W_S, B, OUT, PART, ARRIVED, M, N, K, stride_am
         k = block * BLOCK_K + ks
         a = tl.load(a_rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
         w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & (k < K)[None, :], other=0.0)
+        if QUANTIZE_A:
+            a, a_s = quantize_tile(a, BLOCK_M, BLOCK_K, W.dtype.element_ty)
+        else:
+            a_s = tl.load(A_S + rows.to(tl.int64) * stride_as + block, mask=row_ok, other=0.0)
         if F32_DOT:
             part = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             part = tl.dot(a, tl.trans(w))
-        a_s = tl.load(A_S + rows.to(tl.int64) * stride_as + block, mask=row_ok, other=0.0)
         acc += part * a_s[:, None] * tl.load(w_scales + block)
     tile_mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT_K > 1:
@@ -324,13 +343,14 @@ def block_gemm_split(tiles: int, k_blocks: int, sms: int) -> int:
     return max(1, split)
 
 
-def fp8_block_gemm_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+def fp8_block_gemm_triton(xq: torch.Tensor, x_scale: torch.Tensor | None, weight: torch.Tensor,
                           weight_scale_inv: torch.Tensor, block: tuple[int, int] = BLOCK,
                           bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
                           config: tuple[int, ...] | None = None) -> torch.Tensor:
     """xq [T, K] e4m3 with its group scales [T, ceil(K / block_k)] (`quantize_fp8_token_groups`) @ the block-FP8
     weight [N, K].T (+ bias) -> [T, N] in out_dtype: `_block_gemm_kernel`, config (BLOCK_M, BLOCK_N, num_warps) and
-    optionally the shares of K (default `block_gemm_split` on CUDA, 1 elsewhere)."""
+    optionally the shares of K (default `block_gemm_split` on CUDA, 1 elsewhere). x_scale None: xq holds the
+    unquantized activations (last dim contiguous), quantized inside the kernel with the same arithmetic."""
     block_n, block_k = block
     t, n, k = xq.shape[0], weight.shape[0], weight.shape[1]
     out = torch.empty(t, n, dtype=out_dtype, device=xq.device)
@@ -345,26 +365,28 @@ def fp8_block_gemm_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch
         use_pdl = pdl(xq)
         part = torch.empty((split_k, t, n) if split_k > 1 else (1,), dtype=torch.float32, device=xq.device)
         arrived = split_arrivals(xq.device, grid[0] * grid[1]) if split_k > 1 else part
+        quantize = x_scale is None
+        scales = weight_scale_inv if quantize else x_scale  # not read when quantizing
         _block_gemm_kernel[(*grid, split_k)](
-            xq, x_scale, weight, weight_scale_inv, bias if bias is not None else x_scale, out, part, arrived, t, n, k,
-            xq.stride(0), x_scale.stride(0), weight.stride(0), weight_scale_inv.stride(0), out.stride(0), t * n,
-            BLOCK_N_SCALE=block_n, HAS_BIAS=bias is not None, F32_DOT=not xq.is_cuda, BLOCK_M=bm, BLOCK_N=bn,
-            BLOCK_K=block_k, SPLIT_K=split_k, PDL=use_pdl, num_warps=warps, launch_pdl=use_pdl)
+            xq, scales, weight, weight_scale_inv, bias if bias is not None else scales, out, part, arrived, t, n, k,
+            xq.stride(0), scales.stride(0), weight.stride(0), weight_scale_inv.stride(0), out.stride(0), t * n,
+            BLOCK_N_SCALE=block_n, HAS_BIAS=bias is not None, QUANTIZE_A=quantize, F32_DOT=not xq.is_cuda,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block_k, SPLIT_K=split_k, PDL=use_pdl, num_warps=warps,
+            launch_pdl=use_pdl)
     return out
 
 
 def fp8_block_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                             block: tuple[int, int] = BLOCK, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`fp8_block_linear_ref`'s arithmetic: the GEMV (one launch) where `uses_gemv`, else two launches, the
-    token-group quantization, then the block GEMM."""
+    """`fp8_block_linear_ref`'s arithmetic in one launch: the GEMV where `uses_gemv`, else the block GEMM quantizing
+    its activation tiles itself."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     if uses_gemv(rows.shape[0], *weight.shape, x.device):
         out = fp8_block_gemv_triton(rows, weight, weight_scale_inv, block, bias)
-        return out.view(*x.shape[:-1], weight.shape[0])
-    xq, x_scale = quantize_fp8_token_groups_triton(rows, block[1])
-    out = fp8_block_gemm_triton(xq, x_scale, weight, weight_scale_inv, block, bias, x.dtype)
+    else:
+        out = fp8_block_gemm_triton(rows, None, weight, weight_scale_inv, block, bias, x.dtype)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 

@@ -52,7 +52,7 @@ from tsdev_kernels.ops import (device_name, find_tuned, nearest, pdl, tuned_file
 from tsdev_kernels.ops.activation import silu_and_mul_values
 from tsdev_kernels.ops.fp8 import quantize_fp8_rows, quantize_fp8_rows_triton
 from tsdev_kernels.ops.fp8_block import (BLOCK, fp8_block_linear_ref, quantize_fp8_blocks, quantize_fp8_token_groups,
-                                         quantize_fp8_token_groups_triton)
+                                         quantize_fp8_token_groups_triton, quantize_tile)
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "moe_configs"
 TOKEN_BUCKETS = (1, 16, 64, 256, 1024)  # what `tsdev tune` measures
@@ -239,9 +239,9 @@ def _dot(a, w, acc, F32_DOT: tl.constexpr, EXACT_FP8: tl.constexpr):
 @triton.jit
 def _moe_gemm(A, A_S, W, S, OUT, SORTED, EXPERT_IDS, TOPK_W, N, K, num_slots, a_div, stride_am, stride_as,
               stride_we, stride_wn, stride_se, stride_sb, stride_om, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-              HAS_SCALE: tl.constexpr, A_FP8: tl.constexpr, SCALE_BLOCK_N: tl.constexpr, F32_DOT: tl.constexpr,
-              FP8_WGMMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              PDL: tl.constexpr):
+              HAS_SCALE: tl.constexpr, A_FP8: tl.constexpr, SCALE_BLOCK_N: tl.constexpr, QUANTIZE_A: tl.constexpr,
+              F32_DOT: tl.constexpr, FP8_WGMMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """OUT[slot, n] for the block's slots and BLOCK_N columns: A's row slot // a_div @ W[expert].T, float32 sums.
     GATED: W's rows n (gate) and N + n (up), written as silu(gate) * up. MUL_WEIGHT: times TOPK_W[slot].
     HAS_SCALE: W is e4m3 with a scale per (expert, row): each sum times S[expert, row]; A_FP8: A is e4m3 too, with a
@@ -250,6 +250,8 @@ def _moe_gemm(A, A_S, W, S, OUT, SORTED, EXPERT_IDS, TOPK_W, N, K, num_slots, a_
     experts, BLOCK_K its block_k): A_S[row, k block] and S[expert, row block, k block] instead, each K block's e4m3
     product from zero times its two scales added to the float32 sum (at BLOCK_M >= 64 as bf16, `_dot`'s EXACT_FP8: one
     block's wgmma sum alone put 8e-3 relative error on the layer's output through the second GEMM's requantization).
+    QUANTIZE_A (with SCALE_BLOCK_N): A holds the unquantized rows (A_S unread), each tile quantized per K block as
+    fp8_block's token-group kernel does, bit for bit (`quantize_tile`): no launch of its own before each GEMM.
     FP8_WGMMA (the configuration's `fp8_wgmma`; benchmarks/fp8_moe_accuracy.py measures it against the unquantized
     layer): at BLOCK_M >= 64 the e4m3 tiles go to the FP8 wgmma as they are, each K block's product summed from zero
     and added to the float32 sum (the sum promoted every BLOCK_K products, DeepGEMM's scheme), per-row scales too.
@@ -279,6 +281,9 @@ def _moe_gemm(A, A_S, W, S, OUT, SORTED, EXPERT_IDS, TOPK_W, N, K, num_slots, a_
     for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + ks) < K
         a = tl.load(a_rows[:, None] + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if QUANTIZE_A:
+            a, a_s = quantize_tile(a, BLOCK_M, BLOCK_K, W.dtype.element_ty)
+            a_s = a_s[:, None]
         w_mask = col_ok[:, None] & k_ok[None, :]
         w = tl.load(w_rows + (k0 + ks)[None, :], mask=w_mask, other=0.0)
         if F32_DOT:
@@ -286,7 +291,8 @@ def _moe_gemm(A, A_S, W, S, OUT, SORTED, EXPERT_IDS, TOPK_W, N, K, num_slots, a_
         if HAS_SCALE and not A_FP8:
             w = w.to(a.dtype)
         if SCALE_BLOCK_N:
-            a_s = tl.load(a_scale_rows + k0 // BLOCK_K, mask=row_ok, other=0.0)[:, None]
+            if not QUANTIZE_A:
+                a_s = tl.load(a_scale_rows + k0 // BLOCK_K, mask=row_ok, other=0.0)[:, None]
             part = _dot(a, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), F32_DOT, EXACT)
             acc += part * a_s * tl.load(w_scales + k0 // BLOCK_K)
         elif PROMOTED:
@@ -529,6 +535,13 @@ def _quantized(t: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.
     return q, scales.squeeze(-1)
 
 
+def _quantizes_in_gemm(x: torch.Tensor, block: tuple[int, int] | None) -> bool:
+    """Block-FP8 experts on CUDA: each aligned GEMM quantizes its own input tiles (`_moe_gemm`'s QUANTIZE_A, one
+    launch fewer per GEMM, the same e4m3 values). Elsewhere `_quantized` first: torch's quantization, whose e4m3
+    cast Triton's interpreter does not match."""
+    return block is not None and x.is_cuda
+
+
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -595,13 +608,15 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
                       PDL=use_pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=use_pdl)
 
         group = block[1] if block else None  # a block-FP8 checkpoint's activations: per group of block_k columns
+        inside = _quantizes_in_gemm(x, block)
 
         def gemm(a, w, scale, out, n, k, a_div, **flags):
-            a, a_s = _quantized(a, group) if fp8 else (a, weights)  # W8A8: each GEMM's input rows
+            # W8A8: each GEMM's input rows quantized, by the GEMM itself for block-FP8 experts on CUDA
+            a, a_s = _quantized(a, group) if fp8 and not inside else (a, weights)
             _moe_gemm[(blocks, triton.cdiv(n, bn))](
                 a, a_s, w, scale, out, sorted_ids, expert_ids, weights, n, k, num_slots, a_div, a.stride(0),
                 a_s.stride(0), w.stride(0), w.stride(1), scale.stride(0), scale.stride(1) if block else 0,
-                out.stride(0), **flags, **launch)
+                out.stride(0), QUANTIZE_A=inside, **flags, **launch)
         gemm(x, w13, s13, inter, I, H, K, GATED=True, MUL_WEIGHT=False)  # x per token
         gemm(inter, w2, s2, per_slot, H, I, 1, GATED=False, MUL_WEIGHT=True)  # the activation per slot
     return per_slot.view(T, K, H).sum(1, dtype=torch.float32).to(x.dtype)
