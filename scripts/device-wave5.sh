@@ -26,6 +26,8 @@ for part in "${parts[@]}"; do
       TAIL=20 step mla-small 150 python3 benchmarks/mla_decode.py --kernels gluon flash --batch 1 4 16 64 ;;
     fp8-target)  # issue 65: the served block-FP8 projection against the best library GEMM (target 1.15x)
       TAIL=40 step fp8-target 150 python3 benchmarks/fp8_projection_target.py ;;
+    moe-peer)  # issue 65: the MoE layer beside vLLM's Triton kernels (carry .peer: benchmarks/moe_vs_peer.py)
+      TAIL=16 step moe-peer 200 python3 benchmarks/moe_vs_peer.py ;;
     restart) TAIL=14 step restart 240 python3 benchmarks/save_to_serving.py --cycles 0 --restarts 3 ;;
     shipped)  # issue 67 point 3: a fresh machine's first start (every cache empty) with the manifest tsdev/warmup/ ships;
       # the carried wheels byte-compiled first, as `pip install` does by default (device-setup.sh installs them with
@@ -48,6 +50,6 @@ for part in "${parts[@]}"; do
       rm -rf "$TRITON_CACHE_DIR"
       TAIL=8 step fresh-with-manifest 240 python3 benchmarks/startup.py --starts 1 -- --allow-reload-forward
       unset TSDEV_CACHE_DIR TRITON_CACHE_DIR ;;
-    *) echo "unknown part $part (mla, mla-auto, mla-small, fp8-target, restart, shipped, ahead, notebook, warmup)"; exit 2 ;;
+    *) echo "unknown part $part (mla, mla-auto, mla-small, fp8-target, moe-peer, restart, shipped, ahead, notebook, warmup)"; exit 2 ;;
   esac
 done
