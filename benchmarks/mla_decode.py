@@ -7,6 +7,7 @@ side: "gluon" (`mla_decode_gluon`, mla_decode_gluon.py's kernel: what TSDEV_MLA_
     python3 benchmarks/mla_decode.py                          # the kernels, batch 1, 64, 256 at context 4096, bf16
                                                               # and e4m3 caches
     python3 benchmarks/mla_decode.py --flash-splits 8 16 32 64   # + the flash kernel's default tile at these splits
+    python3 benchmarks/mla_decode.py --kernels gluon --batch 1 4 --gluon-splits 8 16 64   # the Gluon kernel's too
     python3 benchmarks/mla_decode.py --kernels tiles --sweep  # each tile of `_mla_kernel` (heads, latent columns per
                                                               # program, KV rows, warps)
     python3 benchmarks/mla_decode.py --tile 64,512,32,8,t     # `_mla_kernel`'s default tile beside these (heads,
@@ -157,6 +158,8 @@ def main() -> None:
                         help="time this _mla_kernel tile beside its default (t: transposed); repeatable")
     parser.add_argument("--flash-splits", type=int, nargs="*", default=[], metavar="SPLITS",
                         help="also time the flash kernel's default tile at these split counts (default: one wave)")
+    parser.add_argument("--gluon-splits", type=int, nargs="*", default=[], metavar="SPLITS",
+                        help="also time the Gluon kernel at these split counts (default: one wave)")
     parser.add_argument("--prefill", type=int, default=0, help="also time one prompt of this many tokens")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -173,7 +176,8 @@ def main() -> None:
         runs = [("tiles", mla.mla_attention_triton, c, None) for c in tiles_configs(args) if "tiles" in args.kernels]
         runs += [("flash", mla.mla_decode_triton, c, mla.CUDA_FLASH_TILES[quantized])
                  for c in flash_configs(args, quantized) if "flash" in args.kernels]
-        runs += [("gluon", mla.mla_decode_gluon, {}, None)] if "gluon" in args.kernels else []
+        gluon_configs = [{}] + [dict(num_splits=n) for n in args.gluon_splits]
+        runs += [("gluon", mla.mla_decode_gluon, c, None) for c in gluon_configs if "gluon" in args.kernels]
         for sequences in args.batch:
             inputs, want = step_inputs(sequences, args.context, kv_dtype)
             bytes_, flops = decode_cost(sequences, args.context, 1 if quantized else 2)

@@ -23,7 +23,8 @@ for part in "${parts[@]}"; do
       TAIL=8 step mla-step-auto 150 env TSDEV_MLA_DECODE=auto python3 benchmarks/decode_step.py --model default-mla \
         --batch-sizes 1 64 256 --context 4096 ;;
     mla-small)  # issue 66: small batches, where the splits' merge counts (batch 1's target: 12 us)
-      TAIL=20 step mla-small 150 python3 benchmarks/mla_decode.py --kernels gluon flash --batch 1 4 16 64 ;;
+      TAIL=30 step mla-small 150 python3 benchmarks/mla_decode.py --kernels gluon flash --batch 1 4 16 64 \
+        --gluon-splits 8 16 64 ;;
     fp8-target)  # issue 65: the served block-FP8 projection against the best library GEMM (target 1.15x)
       TAIL=40 step fp8-target 150 python3 benchmarks/fp8_projection_target.py ;;
     moe-peer)  # issue 65: the MoE layer beside vLLM's Triton kernels (carry .peer: benchmarks/moe_vs_peer.py)
