@@ -296,3 +296,22 @@ def test_a_compile_worker_holds_few_gemm_rows_with_ns_divisibility_by_16():
         rows = compile_rows(n)
         assert rows <= max(n, 1040) and (rows % 16 == 0) == (n % 16 == 0), (n, rows)
     assert compile_rows(36864) * 7168 * 4 < 2**30 / 16
+
+
+def test_timed_calls_cycle_through_operands_enough_to_miss_the_l2():
+    """Serving runs each layer's projection once a step, reading its weights from memory: the timer cycles through
+    enough copies (twice the L2) that no call finds them in the L2 the one before filled; one copy of a layer far
+    larger than the L2; the bytes counted are the weights' and their scales'."""
+    from tsdev.tune import Job
+    from tsdev.tune_gpu import copies_past_l2, gemm_inputs, moe_inputs, operand_bytes
+
+    h100_l2 = 50 * 2**20
+    assert copies_past_l2(25 * 2**20, h100_l2) == 4  # Qwen3-8B's q|k|v in e4m3
+    assert copies_past_l2(264 * 2**20, h100_l2) == 1  # DeepSeek-V3's gate|up
+    assert copies_past_l2(1000, h100_l2) == 8  # at most 8
+    g = torch.Generator().manual_seed(0)
+    gemm = Job("gemm", (256, 384), "small")
+    assert operand_bytes(gemm, gemm_inputs(gemm, 4, g)) == 256 * 384 + 2 * 3 * 4  # e4m3 values, float32 scales
+    moe = Job("block-fp8", (4, 128, 256, 2), "small")
+    want = 4 * (2 * 128 * 256 + 256 * 128) + 4 * 4 * (2 * 2 + 2 * 1)
+    assert operand_bytes(moe, moe_inputs(moe, 3, g)) == want

@@ -1,7 +1,7 @@
 """`tsdev tune`'s timer on a CUDA GPU: random inputs of a job's shape, each configuration's kernels compiled in
 parallel processes first (about a second per binary: one process compiling a search's would take most of its
-time), then timed replayed from a CUDA graph (triton.testing.do_bench_cudagraph, as benchmarks/tune_moe.py and
-benchmarks/fp8_block_linear.py time).
+time), then timed replayed from a CUDA graph (triton.testing.do_bench_cudagraph), each call on its own copy of the
+operands where one copy would sit in L2 (`copies_past_l2`: serving's layers each read their weights from memory).
 
 MoE: `fused_moe_triton` (alignment, both GEMMs, the sum; FP8 experts with their activations' quantization) on a
 random routing. GEMM: the block GEMM quantizing its activation tiles itself (`fp8_block_gemm_triton(x, None, ...)`,
@@ -63,6 +63,19 @@ def compile_rows(n: int) -> int:
     return n if n <= 1024 else 1024 + n % 16
 
 
+def copies_past_l2(nbytes: int, l2_bytes: int, most: int = 8) -> int:
+    """How many copies of a call's operands (`nbytes` each) to cycle through so that each call reads its weights from
+    memory, not from an L2 the call before filled -- as serving runs each layer's projection once per step: enough
+    for twice the L2 (50 MB on an H100; Qwen3-8B's q|k|v in e4m3 is 25 MB), at most `most`, at least 1."""
+    return max(1, min(most, -(-2 * l2_bytes // max(nbytes, 1))))
+
+
+def operand_bytes(job: Job, data: tuple) -> int:
+    """The bytes of the weights (and scales) one call of `launch` reads."""
+    tensors = data[1:] if job.kind == "gemm" else (data[1], data[2], *data[5].values())
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
 def launch(job: Job, data: tuple, config: Config) -> None:
     """One call of the kernels `config` tunes."""
     if job.kind == "gemm":
@@ -108,12 +121,17 @@ class CudaTimer:
         context = multiprocessing.get_context("spawn")  # CUDA in every worker
         self.pool = concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) if jobs > 1 else None
 
-    def _inputs(self, job: Job, tokens: int) -> tuple:
+    def _inputs(self, job: Job, tokens: int) -> list[tuple]:
+        """The operands of `copies_past_l2` calls: each timed call cycles through them all."""
         key = (job, tokens)
         if key not in self.data:
             self.data.clear()  # one (job, bucket) at a time: a DeepSeek layer's experts are 22 GB in bf16
             torch.cuda.empty_cache()
-            self.data[key] = (gemm_inputs if job.kind == "gemm" else moe_inputs)(job, tokens, self.generator)
+            make = gemm_inputs if job.kind == "gemm" else moe_inputs
+            first = make(job, tokens, self.generator)
+            l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+            copies = copies_past_l2(operand_bytes(job, first), l2)
+            self.data[key] = [first] + [make(job, tokens, self.generator) for _ in range(copies - 1)]
         return self.data[key]
 
     def prepare(self, job: Job, tokens: int, configs: list[Config]) -> None:
@@ -123,35 +141,38 @@ class CudaTimer:
             list(self.pool.map(compile_chunk, [job] * len(chunks), [tokens] * len(chunks), chunks))
         self.compiled.update((job, tokens, repr(sorted(c.items()))) for c in todo)
 
-    def _bench(self, call) -> float | None:
+    def _bench(self, call, copies: list[tuple]) -> float | None:
+        """µs per call of `call(data)`, replayed from a CUDA graph over every copy of the operands in turn."""
         import triton.testing
 
+        def calls():
+            for data in copies:
+                call(data)
         try:
-            call()
+            calls()
             torch.cuda.synchronize()
-            return triton.testing.do_bench_cudagraph(call, rep=self.rep) * 1e3
+            return triton.testing.do_bench_cudagraph(calls, rep=self.rep) * 1e3 / len(copies)
         except Exception as exc:  # noqa: BLE001 -- out of shared memory / registers: not a candidate
             print(f"  skip: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
             torch.cuda.synchronize()
             return None
 
     def time(self, job: Job, tokens: int, config: Config) -> float | None:
-        data = self._inputs(job, tokens)
-        return self._bench(lambda: launch(job, data, config))
+        return self._bench(lambda data: launch(job, data, config), self._inputs(job, tokens))
 
     def crossover(self, job: Job, tokens: int, config: Config) -> tuple[float, float] | None:
         """(the Triton projection at `config`, the GEMV too at one token; the quantization and torch._scaled_mm) in
         µs, None where _scaled_mm has no block scales here."""
         from tsdev_kernels.ops import fp8_block
 
-        x, weight, scale = self._inputs(job, tokens)
-        if job.shape[0] % 128 or job.shape[1] % 128 or not fp8_block.scaled_mm_available(x.device):
+        copies = self._inputs(job, tokens)
+        if job.shape[0] % 128 or job.shape[1] % 128 or not fp8_block.scaled_mm_available(copies[0][0].device):
             return None
         triton_us = self.time(job, tokens, config)
         if tokens <= fp8_block.GEMV_MAX_ROWS:
-            gemv = self._bench(lambda: fp8_block.fp8_block_gemv_triton(x, weight, scale))
+            gemv = self._bench(lambda data: fp8_block.fp8_block_gemv_triton(*data), copies)
             triton_us = min(t for t in (triton_us, gemv) if t is not None)
-        cublas_us = self._bench(lambda: fp8_block.fp8_block_linear_scaled_mm(x, weight, scale))
+        cublas_us = self._bench(lambda data: fp8_block.fp8_block_linear_scaled_mm(*data), copies)
         if triton_us is None or cublas_us is None:
             return None
         return triton_us, cublas_us
