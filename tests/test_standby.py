@@ -40,6 +40,9 @@ def test_a_restart_is_served_by_the_standby_and_a_dead_standby_is_replaced(tiny_
         restart(server)
         assert server.handed_over and server.proc is standby  # the standby became the server
         assert served(server) == first
+        log = (tmp_path / "serve.log").read_text()
+        assert "weights for the restart: " in log and "tensors copied by the standby" in log  # the old server's
+        assert "the weights handed over by the server it replaces" in log  # the new one's: nothing read again
         dead = server.standby
         assert dead is not None and dead is not standby  # the next one waits already
         os.kill(dead.pid, signal.SIGKILL)

@@ -15,6 +15,15 @@ from typing import Annotated, Literal, Union
 from pydantic import (AfterValidator, AliasChoices, BaseModel, ConfigDict, Field, TypeAdapter, ValidationInfo,
                       field_validator)
 
+# a restart's weights, from the server that stops to its standby (runtime/tsdev_runtime/weights/handover.py): the
+# Unix socket tsdev watch names for both
+WEIGHTS_HANDOVER_ENV = "TSDEV_WEIGHTS_HANDOVER"
+
+
+def restart_marker(handover_path: str) -> str:
+    """The file tsdev watch writes beside the hand-over socket when it stops the server for a restart (a standby
+    preparing to take over), and not when it quits: only then does the stopping server wait for the standby."""
+    return handover_path + ".restart"
 RELOAD_ROUTE = "/v1/rl/engine/reload_forward"
 COMPILE_AHEAD_ROUTE = "/v1/rl/engine/compile_ahead"  # an editor's unsaved buffer: its kernels built, nothing reloaded
 MODULES_ROUTE = "/v1/rl/engine/modules"

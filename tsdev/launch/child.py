@@ -18,13 +18,17 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
+import contextlib
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+
+from tsdev_runtime.control_protocol import WEIGHTS_HANDOVER_ENV, restart_marker
 
 POLL_S = 0.01  # how often a start polls GET /health (a restart's hand-over waits on it: keep it short)
 # what a server process and its standby (tsdev/launch/standby.py) say to each other:
@@ -138,10 +142,13 @@ class ServerProcess:
             extra["PYTHONPATH"] = project_pythonpath(pythonpath)
         if api_key:
             extra["TSDEV_API_KEY"] = api_key
-        self.env = {**os.environ, **extra} if extra else None
+        self.keep_standby = standby and not prefix
+        if self.keep_standby:  # the server it replaces hands a restart's standby its weights through this socket
+            extra[WEIGHTS_HANDOVER_ENV] = str(Path(tempfile.gettempdir()) / f"tsdev-{os.getpid()}-{id(self):x}.sock")
+        environment = {k: v for k, v in os.environ.items() if k != WEIGHTS_HANDOVER_ENV}  # not a replica's
+        self.env = {**environment, **extra} if extra or len(environment) != len(os.environ) else None
         self.proc: subprocess.Popen | None = None  # None once stop() was called
         self._offset = 0  # where the current run's output starts in the log
-        self.keep_standby = standby and not prefix
         self.standby: subprocess.Popen | None = None  # the process the next start() hands its arguments to
         self.handed_over = False  # the current run is a standby that took over
         # when (time.time()) the current run's arguments went to its standby, and when it answered /health first
@@ -205,6 +212,9 @@ class ServerProcess:
         """Let the standby import the project now, while the current run stops (tsdev/launch/standby.py)."""
 
         if self.standby is not None and self.standby.poll() is None:
+            if path := (self.env or {}).get(WEIGHTS_HANDOVER_ENV):  # the old server waits for it with its weights
+                with contextlib.suppress(OSError):
+                    Path(restart_marker(path)).touch()
             try:
                 self.standby.stdin.write(f"{PREPARE}\n".encode())
                 self.standby.stdin.flush()

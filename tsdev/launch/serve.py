@@ -249,6 +249,14 @@ def describe_loaded(name: str, info, timings: dict) -> str:
             f"{timings.get('checkpoint', 0.0) + timings['load']:.1f} s")
 
 
+def weights_source(report) -> str:
+    """Where a restart's weights came from, for the loaded line: handed over by the server it replaced, or read
+    and why they were not handed over (runtime/tsdev_runtime/weights/handover.py); nothing for a plain read."""
+    if report.format == "handed over":
+        return "; the weights handed over by the server it replaces"
+    return f"; the weights read ({report.detail})" if report.detail.startswith("not handed over") else ""
+
+
 def describe_graphs(info, cuda: bool, timings: dict) -> str:
     """'35 decode graphs captured in 0.30 s; 40 prefill graphs (16..2048 tokens) captured in 0.80 s'.
     `info` is the engine's `describe()`."""
@@ -413,7 +421,7 @@ def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, cons
     if age is not None:
         moments = {"began": moments["startup line"] - age, **moments}
     console.print(
-        f"{describe_loaded(name, info, engine.startup_timings)}\n"
+        f"{describe_loaded(name, info, engine.startup_timings)}{weights_source(engine.load_report)}\n"
         f"KV pool: {info.kv_pages} pages x {info.page_size} tokens{kv_pool_note(info)}; "
         f"context length {info.max_model_len}; "
         f"up to {info.max_running} requests at once\n"
@@ -470,9 +478,15 @@ def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, cons
             api.stop_soon()
         await async_engine.shutdown()
 
+    from tsdev_runtime.weights.handover import Listener
+
+    listener = Listener.open(config.world_size)  # a restart's standby may take the weights from this process
     quiet_server_class(uvicorn.Server)(uvicorn_config, started, stop, lambda: async_engine.left_behind).run(
         sockets=[listening])
     engine.control.close()  # the other ranks, if any, stop
+    if listener is not None:
+        outcome = engine.offer_weights(listener)
+        console.print(f"weights for the restart: {outcome}")
     return 0
 
 

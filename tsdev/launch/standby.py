@@ -200,13 +200,23 @@ def main() -> int:
     gc.collect()  # what it imported and loaded, out of the collector's reach: the server's start then collects
     gc.freeze()  # only what the start made (`freeze_heap`; 0.1-0.13 s of a walk over everything on the H100)
     line = sys.stdin.readline()
+    received = None
     if line.strip() == PREPARE:
+        from tsdev_runtime.weights import handover
+
+        offer = handover.connect()  # before the old server, stopping now, reaches its offer
         project.refresh()
+        received = handover.receive(offer)  # its weights, copied, while it exits
         line = sys.stdin.readline()
     if not line.strip():
         return 0
     os.environ[HANDED_OVER_ENV] = repr(time.time())  # the server's startup line counts from here, not the wait
     project.refresh()  # what changed since `prepare`, or since the standby started when none came (a crash's restart)
+    if received is not None:
+        from tsdev_runtime.weights import handover
+
+        handover.hold(received)  # (the module as the start imports it, after the refresh)
+        received = None  # the start frees the copies once its model holds them
     from tsdev.cli import app
 
     app(args=json.loads(line), prog_name="tsdev")

@@ -1,5 +1,6 @@
 """Owns the model, the KV pool and the sampler; turns a scheduled batch into sampled tokens."""
 import contextlib
+import dataclasses
 import logging
 import math
 import random
@@ -22,7 +23,7 @@ from tsdev_runtime.engine import graph_patch
 from tsdev_runtime.engine.cuda_graphs import DecodeGraphs
 from tsdev_runtime.engine.prefill_graphs import PrefillGraphs, prefill_buckets
 from tsdev_runtime.engine.scheduler import ScheduledBatch
-from tsdev_runtime.engine.sleep import SleepState, device_free_bytes, free_cached_memory
+from tsdev_runtime.engine.sleep import SleepState, device_free_bytes, free_cached_memory, unique_storages
 from tsdev_runtime.engine.sequence import PENDING, SamplingParams, Sequence
 from tsdev_runtime.layers.attention import Attention
 from tsdev_runtime.models import MODELS, build_model
@@ -31,7 +32,8 @@ from tsdev_runtime.sampling.sampler import Extras, Sampled, Sampler, SamplerStat
 from tsdev_runtime.weights.default_model import DEFAULT_NAMES, EMBEDDED_NAMES, default_model_dir
 from tsdev_runtime.weights.hub import not_a_model
 from tsdev_runtime.weights.layout import named_tensors
-from tsdev_runtime.weights.loader import LoadedWeights, LoadReport, load_weights
+from tsdev_runtime.weights import handover
+from tsdev_runtime.weights.loader import LoadedWeights, LoadReport, adopt_weights, load_weights
 
 CPU_KV_BYTES = 512 << 20
 NVTX_DOMAIN = "tsdev"
@@ -106,11 +108,28 @@ progress = logging.getLogger("tsdev_runtime.startup")  # runtime/tsdev_runtime/e
 
 def loaded_model(model_config: ModelConfig, model_dir: Path, config: EngineConfig, device: torch.device,
                  dtype: torch.dtype) -> LoadedWeights:
-    """The model built as `config` says (quantization), `model_dir`'s checkpoint loaded into it, in eval mode."""
+    """The model built as `config` says (quantization), `model_dir`'s checkpoint loaded into it -- or the tensors the
+    server this one replaces handed over, where they are what the read would give (`handover.take`) --, in eval
+    mode."""
     progress.info("building %s on %s", model_config.architecture, device)
     model = build_model(model_config, device, dtype, config.quantization)
-    progress.info("loading the weights from %s", model_dir)
-    weights = load_weights(model, model_dir, config.load_format, config.load_memory_limit)
+    handed, why_not = handover.take(model_dir, config)
+    weights = None
+    if handed is not None:
+        progress.info("copying the weights the stopped server handed over")
+        try:
+            weights = adopt_weights(model, handed.tensors, handed.seconds)
+        except ValueError as exc:
+            why_not = str(exc)
+        handed.tensors.clear()  # the copies' memory back before the KV pool is sized from what is free
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if weights is None:
+        progress.info("loading the weights from %s%s", model_dir, f" ({why_not})" if why_not else "")
+        weights = load_weights(model, model_dir, config.load_format, config.load_memory_limit)
+    if why_not:
+        weights.report = dataclasses.replace(weights.report, detail=f"not handed over: {why_not}")
+    weights.fingerprint = handover.fingerprint(model_dir, config) if config.world_size == 1 else None
     model.eval()
     return weights
 
@@ -499,9 +518,24 @@ class ModelRunner:
                       "serving eagerly", file=sys.stderr, flush=True)
         return woken, recapture
 
+    def offer_weights(self, listener: handover.Listener, loaded: bool) -> str:
+        """As the server stops for a restart: the KV pool and the graphs freed, every parameter and persistent buffer
+        offered to the standby (`handover`); what happened, in words. Not where the weights were updated in place,
+        slept away (`loaded` False) or sleep freed them."""
+        if self.weights.fingerprint is None or not loaded or self.sleep_state.sleeping:
+            listener.close()
+            return "weights not offered (updated in place or asleep since they were read)"
+        self.release_graphs()
+        self.decode_graphs = self.prefill_graphs = None
+        for storage in unique_storages([self.kv_cache]):
+            storage.resize_(0)
+        free_cached_memory(self.device)
+        return listener.offer(named_tensors(self.model), self.weights.fingerprint)
+
     def begin_update(self, model_dir: Path) -> int:
         """A weight update's begin (`prepare_update`): raises before touching anything if the checkpoint does not
         fit; returns how many tensors were viewed back to their checkpoint layout."""
+        self.weights.fingerprint = None  # the values are the update's now, not the checkpoint's a restart reads
         return self.weights.prepare_update(model_dir)
 
     def load_update(self, model_dir: Path, mode: str) -> tuple[LoadReport, float]:

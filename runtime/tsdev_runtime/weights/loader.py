@@ -69,6 +69,32 @@ def load_weights(model: nn.Module, model_dir: Path, load_format: str = EngineCon
     return LoadedWeights(targets, report)
 
 
+def adopt_weights(model: nn.Module, tensors: dict[str, torch.Tensor], seconds: float = 0.0) -> "LoadedWeights":
+    """The first load of `model` from another process's tensors instead of a checkpoint (a restart's hand-over:
+    runtime/tsdev_runtime/weights/handover.py): every parameter and persistent buffer (`layout.named_tensors`)
+    copied in by name, then every post-load hook run, as after a read. ValueError, before anything is copied, unless
+    the names, shapes and dtypes are the model's."""
+    begin = time.perf_counter()
+    targets = _Targets(model)
+    before = layout.snapshot(model)
+    own = layout.named_tensors(model)
+    misfit = sorted(set(own) ^ set(tensors)) or [n for n, t in own.items()
+                                                 if (t.shape, t.dtype) != (tensors[n].shape, tensors[n].dtype)]
+    if misfit:
+        raise ValueError(f"the handed-over tensors do not fit the model built now, e.g. {', '.join(misfit[:3])}")
+    with torch.no_grad():
+        for name, tensor in own.items():
+            tensor.copy_(tensors[name])
+    LoadSession(model, {}, reprocessing=False)  # every module complete: each hook runs, children first
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    targets.recorded = layout.record(model, before)
+    nbytes = sum(t.numel() * t.element_size() for t in own.values())
+    return LoadedWeights(targets, LoadReport("handed over", nbytes, seconds + time.perf_counter() - begin,
+                                             "from the server this one replaces"))
+
+
 def check_checkpoint(model: nn.Module, model_dir: Path) -> None:
     """Raise (as `load_weights` would, before reading any data) unless `model_dir`'s checkpoint fits `model`."""
     _Targets(model).check(read_entries(checkpoint_files(model_dir)), model_dir)
@@ -85,6 +111,8 @@ class LoadedWeights:
         self.model, self._targets, self.report = targets.model, targets, report
         self.layout: layout.Layout = targets.recorded
         self.keys: Keys = targets.keys
+        # what the values depend on (handover.fingerprint), for a restart's hand-over; None once updated in place
+        self.fingerprint: str | None = None
 
     def load(self, model_dir: Path, load_format: str = EngineConfig.load_format,
              memory_limit: int = EngineConfig.load_memory_limit) -> LoadReport:

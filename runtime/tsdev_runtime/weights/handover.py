@@ -1,0 +1,233 @@
+"""A restart's weights, handed from the server that stops to the standby that takes its place (`tsdev watch`),
+instead of read from the checkpoint a second time: on a GPU through CUDA IPC (torch's multiprocessing reductions: the
+receiver maps the sender's memory and copies it device to device), on the CPU through shared memory.
+
+`ServerProcess(standby=True)` names one Unix socket (`ENV`) for the server it starts and for its standby:
+
+* the server, once loaded, listens on it (`Listener`); as it stops for a restart (SIGTERM after tsdev watch wrote
+  `restart_marker`, after the engine has stopped) it frees the KV pool and the graphs, then `offer`s every
+  parameter and persistent buffer with the load's fingerprint to the standby once it connects, and waits for its
+  answer before the process exits (the sender's memory is what the receiver maps: it must live until the copy is
+  done);
+* the standby connects when it is told to prepare (`connect`, then `receive`; a standby still importing when the
+  restart came connects once it is done, and the stopping server waits for it), copies what it is offered into its
+  own memory and answers; the start that follows (`take`) builds its model and copies the tensors
+  in (`loader.adopt_weights`: the post-load hooks then derive the rest, as after a read) -- only when its own
+  fingerprint is the sender's: the same checkpoint files (sizes, modification times), the same configuration of the
+  weights, and the same source of every file that builds or fills a model (an edit of a layer's code since the
+  sender loaded means a read from disk). Anything else -- no server listening, a crash, a timeout, a mismatch, too
+  little memory for the copy -- and the start reads the checkpoint as before; the load line says which it was.
+  One process only (no tensor-parallel ranks, no data-parallel replicas); weights the server updated in place
+  (`POST /update_weights`) or slept away are not offered: the restart reads the checkpoint the user names.
+"""
+import contextlib
+import hashlib
+import io
+import logging
+import os
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tsdev_runtime.control_protocol import WEIGHTS_HANDOVER_ENV, restart_marker
+
+ENV = WEIGHTS_HANDOVER_ENV  # the socket's path, set by ServerProcess for a server and its standby
+OFFER_WAIT_S = 10.0  # how long a stopping server waits for the standby to connect (it may still be importing), and
+# then for its answer (the copy of every tensor)
+RECEIVE_WAIT_S = 20.0  # how long a standby waits for the offer once connected (the old server's stop comes first)
+# the files whose code builds a model or fills its tensors: an edit of one since the sender loaded means a read
+WEIGHT_SOURCES = ("tsdev_runtime/models", "tsdev_runtime/layers", "tsdev_runtime/moe", "tsdev_runtime/weights",
+                  "tsdev_kernels/ops/fp8.py", "tsdev_kernels/ops/fp8_block.py", "tsdev_kernels/ops/rope.py")
+WEIGHT_CONFIG = ("model", "dtype", "quantization", "world_size", "device")
+
+log = logging.getLogger("tsdev_runtime.startup")
+
+
+def fingerprint(model_dir: Path, config) -> str:
+    """What a load's values depend on: the checkpoint's files (names, sizes, modification times), the configuration
+    of the weights, and the source of `WEIGHT_SOURCES`."""
+    import tsdev_kernels
+    import tsdev_runtime
+
+    digest = hashlib.sha256(repr([(k, getattr(config, k, None)) for k in WEIGHT_CONFIG]).encode())
+    for path in sorted(Path(model_dir).iterdir()):
+        if path.suffix in (".safetensors", ".json"):
+            stat = path.stat()
+            digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
+    roots = {"tsdev_runtime": Path(tsdev_runtime.__file__).parent, "tsdev_kernels": Path(tsdev_kernels.__file__).parent}
+    for source in WEIGHT_SOURCES:
+        package, _, rest = source.partition("/")
+        path = roots[package] / rest
+        for file in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            digest.update(f"{file.relative_to(roots[package])}\n".encode() + file.read_bytes())
+    return digest.hexdigest()
+
+
+def _send(sock: socket.socket, payload: bytes) -> None:
+    sock.sendall(struct.pack("<Q", len(payload)) + payload)
+
+
+def _recv(sock: socket.socket) -> bytes:
+    size = struct.unpack("<Q", _recv_exactly(sock, 8))[0]
+    return _recv_exactly(sock, size)
+
+
+def _recv_exactly(sock: socket.socket, size: int) -> bytes:
+    chunks, left = [], size
+    while left:
+        chunk = sock.recv(min(left, 1 << 20))
+        if not chunk:
+            raise ConnectionError("the other side closed the hand-over")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _dumps(value) -> bytes:
+    """`value` pickled with torch's reductions: a CUDA tensor as its IPC handle, a CPU one as shared memory (the
+    file-system strategy: the receiver opens it by name; file descriptors would need a channel of their own)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing
+
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    buffer = io.BytesIO()
+    ForkingPickler(buffer).dump(value)
+    return buffer.getvalue()
+
+
+class Listener:
+    """The socket a loaded server listens on (`ENV`), until it stops and offers its weights; None-like when the
+    environment names none."""
+
+    def __init__(self, path: str):
+        self.path = path
+        for stale in (path, restart_marker(path)):  # what a process that died left
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(stale)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(path)
+        self.sock.listen(1)
+
+    @classmethod
+    def open(cls, world_size: int) -> "Listener | None":
+        path = os.environ.get(ENV)
+        if not path or world_size != 1:
+            return None
+        try:
+            return cls(path)
+        except OSError as exc:
+            log.info("no weight hand-over for a restart (%s: %s)", path, exc)
+            return None
+
+    def offer(self, tensors: dict[str, torch.Tensor], print_fingerprint: str, wait_s: float = OFFER_WAIT_S) -> str:
+        """For a restart (tsdev watch wrote `restart_marker`: a standby is preparing), send `tensors` and the
+        fingerprint to the standby once it connects and wait for its answer; what happened, in words. Not a restart
+        (the watch quits, or the server was stopped otherwise): nothing waits."""
+        restart = os.path.exists(restart_marker(self.path))
+        self.sock.settimeout(wait_s)
+        try:
+            if not restart:
+                return "not a restart"
+            peer, _ = self.sock.accept()
+        except OSError:
+            return f"no standby connected within {wait_s:.0f} s"
+        finally:
+            self.close()
+        with peer:
+            peer.settimeout(wait_s)
+            try:
+                _send(peer, _dumps({"fingerprint": print_fingerprint, "tensors": tensors}))
+                answer = _recv(peer).decode()
+            except (OSError, ConnectionError) as exc:
+                return f"the standby did not answer ({type(exc).__name__})"
+        return answer
+
+    def close(self) -> None:
+        self.sock.close()
+        for path in (self.path, restart_marker(self.path)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+@dataclass
+class Received:
+    fingerprint: str
+    tensors: dict[str, torch.Tensor]  # this process's own copies
+    seconds: float
+
+
+def connect(path: str | None = None) -> socket.socket | None:
+    """In a standby told to prepare, first (before the old server can reach its offer): a connection to the server
+    about to stop, or None when none listens (no socket, or one a dead process left)."""
+    path = path or os.environ.get(ENV)
+    if not path or not os.path.exists(path):
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
+def receive(sock: socket.socket | None, wait_s: float = RECEIVE_WAIT_S) -> Received | None:
+    """The offer on `connect`'s connection: every tensor copied into this process's memory, and the answer sent;
+    None when nothing came (the server stopped without offering, or after `wait_s`) or the copy did not fit."""
+    if sock is None:
+        return None
+    begin = time.perf_counter()
+    with sock:
+        sock.settimeout(wait_s)
+        try:
+            offered = _loads(_recv(sock))
+        except Exception as exc:  # noqa: BLE001  (closed, timed out, a handle this process cannot open): a read
+            log.debug("no weights handed over: %s", exc)
+            return None
+        print_fingerprint, copies = offered["fingerprint"], None
+        try:
+            copies = {name: tensor.clone() for name, tensor in offered["tensors"].items()}
+            if any(t.is_cuda for t in copies.values()):
+                torch.cuda.synchronize()
+            answer = f"{len(copies)} tensors copied by the standby"
+        except Exception as exc:  # noqa: BLE001  (no room for a second copy, above all): the start reads instead
+            copies = None
+            answer = f"the standby could not copy them ({str(exc).splitlines()[0][:120]})"
+        del offered
+        with contextlib.suppress(OSError):
+            _send(sock, answer.encode())
+    return None if copies is None else Received(print_fingerprint, copies, time.perf_counter() - begin)
+
+
+def _loads(payload: bytes) -> dict:
+    import pickle
+
+    import torch.multiprocessing  # noqa: F401  (its reductions, which rebuild the tensors)
+
+    return pickle.loads(payload)
+
+
+_held: Received | None = None
+
+
+def hold(received: Received | None) -> None:
+    """Keep what a standby received for the start that follows (`take`)."""
+    global _held
+    _held = received
+
+
+def take(model_dir: Path, config) -> tuple[Received | None, str]:
+    """What is held for this start, if its tensors are what a read of `model_dir` with `config` would give (the same
+    fingerprint), and why not otherwise (for the load line); taken once."""
+    global _held
+    held, _held = _held, None
+    if held is None:
+        return None, ""
+    if held.fingerprint != fingerprint(model_dir, config):
+        return None, "the checkpoint, its configuration or the model's code changed since the server loaded it"
+    return held, ""
