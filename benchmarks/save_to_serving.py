@@ -171,6 +171,10 @@ def main() -> None:
             log = (project / "server.log").read_text(errors="replace")
             print("the servers' startup lines (the first start, then each restart):")
             print("\n".join(line for line in log.splitlines() if line.startswith("startup:")))
+            print("the weights: " + "; ".join(  # the old server's offer, the new one's source (weights/handover.py)
+                line.strip() for line in log.splitlines()
+                if line.startswith("weights for the restart:") or "the weights handed over" in line
+                or "the weights read (not handed over" in line))
         print(json.dumps({"summary": {**result.get("fresh", {}), **result}}))  # (--cycles 0: restarts alone)
     finally:
         daemon.send_signal(signal.SIGINT)

@@ -29,7 +29,12 @@ for part in "${parts[@]}"; do
       TAIL=40 step fp8-target 150 python3 benchmarks/fp8_projection_target.py ;;
     moe-peer)  # issue 65: the MoE layer beside vLLM's Triton kernels (carry .peer: benchmarks/moe_vs_peer.py)
       TAIL=16 step moe-peer 200 python3 benchmarks/moe_vs_peer.py ;;
-    restart) TAIL=14 step restart 240 python3 benchmarks/save_to_serving.py --cycles 0 --restarts 3 ;;
+    changed)  # this session's GPU-facing changes first (when the whole suite does not fit): their GPU tests, then a
+      # restart (the weights' hand-over through CUDA IPC)
+      TAIL=15 step changed-tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_fp8_block_gpu.py \
+        tests/test_moe_gpu.py tests/test_kernel_checks_gpu.py
+      TAIL=16 step restart 150 python3 benchmarks/save_to_serving.py --cycles 0 --restarts 2 ;;
+    restart) TAIL=16 step restart 240 python3 benchmarks/save_to_serving.py --cycles 0 --restarts 3 ;;
     shipped)  # issue 67 point 3: a fresh machine's first start (every cache empty) with the manifest tsdev/warmup/ ships;
       # the carried wheels byte-compiled first, as `pip install` does by default (device-setup.sh installs them with
       # --no-compile, which left the first start compiling fastapi's, pydantic's, rich's... modules: not what a user's
@@ -51,6 +56,6 @@ for part in "${parts[@]}"; do
       rm -rf "$TRITON_CACHE_DIR"
       TAIL=8 step fresh-with-manifest 240 python3 benchmarks/startup.py --starts 1 -- --allow-reload-forward
       unset TSDEV_CACHE_DIR TRITON_CACHE_DIR ;;
-    *) echo "unknown part $part (mla, mla-auto, mla-small, fp8-target, moe-peer, restart, shipped, ahead, notebook, warmup)"; exit 2 ;;
+    *) echo "unknown part $part (mla, mla-auto, mla-small, fp8-target, moe-peer, changed, restart, shipped, ahead, notebook, warmup)"; exit 2 ;;
   esac
 done
