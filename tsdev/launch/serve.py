@@ -421,7 +421,7 @@ def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, cons
     if age is not None:
         moments = {"began": moments["startup line"] - age, **moments}
     console.print(
-        f"{describe_loaded(name, info, engine.startup_timings)}{weights_source(engine.load_report)}\n"
+        f"{describe_loaded(name, info, engine.startup_timings)}{weights_source(engine.control.load_report)}\n"
         f"KV pool: {info.kv_pages} pages x {info.page_size} tokens{kv_pool_note(info)}; "
         f"context length {info.max_model_len}; "
         f"up to {info.max_running} requests at once\n"
@@ -485,7 +485,7 @@ def _serve(config: EngineConfig, server: ServerConfig, sock: socket.socket, cons
         sockets=[listening])
     engine.control.close()  # the other ranks, if any, stop
     if listener is not None:
-        outcome = engine.offer_weights(listener)
+        outcome = engine.control.offer_weights(listener)
         console.print(f"weights for the restart: {outcome}")
     return 0
 

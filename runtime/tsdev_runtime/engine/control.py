@@ -145,6 +145,16 @@ class EngineControl:
             self.ranked.stop()
             self.ranks = None
 
+    @property
+    def load_report(self) -> LoadReport:
+        """How the weights served came in: read (how fast), or handed over by the server this one replaced."""
+        return self.runner.load_report
+
+    def offer_weights(self, listener) -> str:
+        """As the server stops for a restart (after `close`): its weights to the standby that takes over
+        (`ModelRunner.offer_weights`, runtime/tsdev_runtime/weights/handover.py); what happened, in words."""
+        return self.runner.offer_weights(listener, self.weights_loaded)
+
     # --- the phase ------------------------------------------------------------------------------
 
     @property

@@ -302,15 +302,6 @@ class LLMEngine:
         """This rank's model (its parameters and buffers: benchmarks, the weights drill)."""
         return self.runner.model
 
-    @property
-    def load_report(self):
-        """How the weights came in (read, and how fast; or handed over by the server this one replaces)."""
-        return self.runner.load_report
-
-    def offer_weights(self, listener) -> str:
-        """As the server stops for a restart: its weights to the standby (`ModelRunner.offer_weights`)."""
-        return self.runner.offer_weights(listener, self.control.weights_loaded)
-
     def describe(self) -> EngineInfo:
         runner, config = self.runner, self.config
         decode, prefill = runner.decode_graphs, runner.prefill_graphs
