@@ -101,8 +101,8 @@ def _dumps(value) -> bytes:
 
 
 class Listener:
-    """The socket a loaded server listens on (`ENV`), until it stops and offers its weights; None-like when the
-    environment names none."""
+    """The socket a loaded server listens on (`ENV`) until it stops and offers its weights (`open`: None where the
+    environment names none, or with more than one rank)."""
 
     def __init__(self, path: str):
         self.path = path
@@ -124,7 +124,7 @@ class Listener:
             log.info("no weight hand-over for a restart (%s: %s)", path, exc)
             return None
 
-    def offer(self, tensors: dict[str, torch.Tensor], print_fingerprint: str, wait_s: float = OFFER_WAIT_S) -> str:
+    def offer(self, tensors: dict[str, torch.Tensor], load_fingerprint: str, wait_s: float = OFFER_WAIT_S) -> str:
         """For a restart (tsdev watch wrote `restart_marker`: a standby is preparing), send `tensors` and the
         fingerprint to the standby once it connects and wait for its answer; what happened, in words. Not a restart
         (the watch quits, or the server was stopped otherwise): nothing waits."""
@@ -141,7 +141,7 @@ class Listener:
         with peer:
             peer.settimeout(wait_s)
             try:
-                _send(peer, _dumps({"fingerprint": print_fingerprint, "tensors": tensors}))
+                _send(peer, _dumps({"fingerprint": load_fingerprint, "tensors": tensors}))
                 answer = _recv(peer).decode()
             except (OSError, ConnectionError) as exc:
                 return f"the standby did not answer ({type(exc).__name__})"
@@ -156,9 +156,9 @@ class Listener:
 
 @dataclass
 class Received:
-    fingerprint: str
+    fingerprint: str  # the sender's load's (`fingerprint`)
     tensors: dict[str, torch.Tensor]  # this process's own copies
-    seconds: float
+    seconds: float  # the copy's
 
 
 def connect(path: str | None = None) -> socket.socket | None:
@@ -181,7 +181,6 @@ def receive(sock: socket.socket | None, wait_s: float = RECEIVE_WAIT_S) -> Recei
     None when nothing came (the server stopped without offering, or after `wait_s`) or the copy did not fit."""
     if sock is None:
         return None
-    begin = time.perf_counter()
     with sock:
         sock.settimeout(wait_s)
         try:
@@ -189,7 +188,8 @@ def receive(sock: socket.socket | None, wait_s: float = RECEIVE_WAIT_S) -> Recei
         except Exception as exc:  # noqa: BLE001  (closed, timed out, a handle this process cannot open): a read
             log.debug("no weights handed over: %s", exc)
             return None
-        print_fingerprint, copies = offered["fingerprint"], None
+        begin = time.perf_counter()  # (the copy's time, not the wait for the old server's stop)
+        load_fingerprint, copies = offered["fingerprint"], None
         try:
             copies = {name: tensor.clone() for name, tensor in offered["tensors"].items()}
             if any(t.is_cuda for t in copies.values()):
@@ -201,7 +201,7 @@ def receive(sock: socket.socket | None, wait_s: float = RECEIVE_WAIT_S) -> Recei
         del offered
         with contextlib.suppress(OSError):
             _send(sock, answer.encode())
-    return None if copies is None else Received(print_fingerprint, copies, time.perf_counter() - begin)
+    return None if copies is None else Received(load_fingerprint, copies, time.perf_counter() - begin)
 
 
 def _loads(payload: bytes) -> dict:
