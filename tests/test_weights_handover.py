@@ -80,6 +80,7 @@ def test_weights_updated_in_place_are_not_offered(make_engine, tiny_model_dir, t
     engine = make_engine()
     engine.runner.begin_update(tiny_model_dir)
     listener = handover.Listener(str(tmp_path / "w.sock"))
+    Path(restart_marker(str(tmp_path / "w.sock"))).touch()
     assert engine.runner.offer_weights(listener, True).startswith("weights not offered")
     assert not (tmp_path / "w.sock").exists()
 

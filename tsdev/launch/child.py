@@ -10,6 +10,7 @@ torch, Triton and the HTTP stack imported) waits beside the running server and t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import json
 import os
@@ -22,7 +23,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
-import contextlib
 from contextlib import contextmanager
 from pathlib import Path
 

@@ -522,6 +522,9 @@ class ModelRunner:
         """As the server stops for a restart: the KV pool and the graphs freed, every parameter and persistent buffer
         offered to the standby (`handover`); what happened, in words. Not where the weights were updated in place,
         slept away (`loaded` False) or sleep freed them."""
+        if not listener.restarting:
+            listener.close()
+            return "not a restart"
         if self.weights.fingerprint is None or not loaded or self.sleep_state.sleeping:
             listener.close()
             return "weights not offered (updated in place or asleep since they were read)"

@@ -128,10 +128,9 @@ class Listener:
         """For a restart (tsdev watch wrote `restart_marker`: a standby is preparing), send `tensors` and the
         fingerprint to the standby once it connects and wait for its answer; what happened, in words. Not a restart
         (the watch quits, or the server was stopped otherwise): nothing waits."""
-        restart = os.path.exists(restart_marker(self.path))
         self.sock.settimeout(wait_s)
         try:
-            if not restart:
+            if not self.restarting:
                 return "not a restart"
             peer, _ = self.sock.accept()
         except OSError:
@@ -146,6 +145,11 @@ class Listener:
             except (OSError, ConnectionError) as exc:
                 return f"the standby did not answer ({type(exc).__name__})"
         return answer
+
+    @property
+    def restarting(self) -> bool:
+        """Whether tsdev watch stops this server for a restart (its `restart_marker` is there)."""
+        return os.path.exists(restart_marker(self.path))
 
     def close(self) -> None:
         self.sock.close()
