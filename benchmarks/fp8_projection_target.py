@@ -2,7 +2,9 @@
 checkpoint's layers call: the activations' quantization, then the Triton kernel or torch._scaled_mm by the tuned
 crossover) against the best library GEMM alone -- torch._scaled_mm with block scales (cuBLASLt, 1x128 activation
 groups, 128x128 weight blocks) or with row-wise scales, the activations quantized beforehand -- at each M. Target:
-served <= 1.15 x the best library GEMM at every M from 1 to 2048 on Qwen3-8B's four projections.
+served <= 1.15 x the best library GEMM at every M from 1 to 2048 on Qwen3-8B's four projections. Beside them the Triton
+GEMM (the tuned or default configuration) quantizing its own activation tiles, as served since 2026-12-07's eighth
+session, and the same GEMM after a quantization launch, as served before: the A/B of that change.
 
 One timing method for all: each side runs in a CUDA graph over enough distinct copies of the weights and activations
 (over twice the GPU's L2 in all) that every call reads its operands from memory, as a decode step's layers do; the
@@ -44,9 +46,10 @@ def main() -> None:
     print(f"{datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}, Triton "
           f"{triton.__version__}, L2 {l2 >> 20} MiB. Command: `python3 benchmarks/fp8_projection_target.py "
           f"{shlex.join(sys.argv[1:])}`\n")
-    print("| proj | M | served us | served takes | block-scaled _scaled_mm us | row-wise _scaled_mm us | "
+    print("| proj | M | served us | served takes | Triton GEMM quantizing inside us | Triton, quantization launch + "
+          "GEMM us | block-scaled _scaled_mm us | row-wise _scaled_mm us | "
           f"served / best library | <= {TARGET} |")
-    print("|---|---:|---:|---|---:|---:|---:|---|")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---|")
     g = torch.Generator(device="cuda").manual_seed(0)
     fp8_block.scaled_mm_available(device)  # the probe, before any capture
     misses = 0
@@ -64,6 +67,11 @@ def main() -> None:
                                   for x, w in zip(xs, weights)])
             block_scaled = per_call_us([lambda a=a, w=w: fp8_block.fp8_block_scaled_mm(*a, *w[0])
                                         for a, w in zip(blocks, weights)])
+            inside = per_call_us([lambda x=x, w=w: fp8_block.fp8_block_gemm_triton(x, None, *w[0])
+                                  for x, w in zip(xs, weights)])
+            two_launches = per_call_us([  # the served Triton path before 2026-12-07's eighth session
+                lambda x=x, w=w: fp8_block.fp8_block_gemm_triton(*fp8_block.quantize_fp8_token_groups_triton(x), *w[0])
+                for x, w in zip(xs, weights)])
             row_wise = per_call_us([
                 lambda a=a, w=w: torch._scaled_mm(a[0], w[1][0].t(), scale_a=a[1].float(),
                                                   scale_b=w[1][1].float().t(), out_dtype=torch.bfloat16)
@@ -72,7 +80,8 @@ def main() -> None:
                 "Triton GEMV" if fp8_block.uses_gemv(m, n, k, device) else "Triton GEMM")
             ratio = served / min(block_scaled, row_wise)
             misses += ratio > TARGET
-            print(f"| {name} {n}x{k} | {m} | {served:.1f} | {takes} | {block_scaled:.1f} | {row_wise:.1f} | "
+            print(f"| {name} {n}x{k} | {m} | {served:.1f} | {takes} | {inside:.1f} | {two_launches:.1f} | "
+                  f"{block_scaled:.1f} | {row_wise:.1f} | "
                   f"{ratio:.2f} | {'yes' if ratio <= TARGET else 'NO'} |", flush=True)
         del weights
         torch.cuda.empty_cache()
