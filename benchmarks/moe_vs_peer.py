@@ -164,7 +164,7 @@ def main() -> None:
     print(f"{datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}, Triton "
           f"{triton.__version__}; E {E}, top {K}, I {I}, H {H}. Command: `python3 benchmarks/moe_vs_peer.py "
           f"{shlex.join(sys.argv[1:])}`\n")
-    print("| kind | tokens | tsdev layer us | tsdev, quantization launches us | vLLM GEMMs (+ quantization) us | "
+    print("| kind | tokens | tsdev layer us | tsdev, the GEMMs quantizing inside us | vLLM GEMMs (+ quantization) us | "
           "vLLM whole us | tsdev / vLLM GEMMs | max rel diff | vLLM config |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     graphed = lambda fn: triton.testing.do_bench_cudagraph(fn) * 1e3  # noqa: E731
@@ -177,19 +177,17 @@ def main() -> None:
             cfg, source = peer_config(args.peer, E, I, kind, T)
             gemms, whole = peer_layer(peer, x, *peer_args[kind], weights, ids, kind, cfg, E)
             ours_us = graphed(lambda: moe.fused_moe_triton(x, a13, a2, weights, ids, **scales))
-            launches_us = float("nan")  # block FP8: the GEMMs after a quantization launch each, as before 2026-12-07
+            inside_us = float("nan")  # block FP8: the GEMMs quantizing their own tiles (`quantize_inside`)
             if kind == "block":
-                inside, moe._quantizes_in_gemm = moe._quantizes_in_gemm, lambda x, block: False
-                try:
-                    launches_us = graphed(lambda: moe.fused_moe_triton(x, a13, a2, weights, ids, **scales))
-                finally:
-                    moe._quantizes_in_gemm = inside
+                config = moe.moe_config(E, I, H, a13.dtype, T, device=x.device, block=fp8_block.BLOCK)
+                inside_us = graphed(lambda: moe.fused_moe_triton(x, a13, a2, weights, ids, **scales,
+                                                                 config=dict(config, quantize_inside=True)))
             peer_us = graphed(lambda: [gemm() for gemm in gemms])
             peer_whole_us = graphed(whole)
             ours = moe.fused_moe_triton(x, a13, a2, weights, ids, **scales).float()
             theirs = whole().float()
             diff = ((ours - theirs).abs().max() / theirs.abs().max()).item()
-            print(f"| {kind} | {T} | {ours_us:.1f} | {launches_us:.1f} | {peer_us:.1f} | {peer_whole_us:.1f} | "
+            print(f"| {kind} | {T} | {ours_us:.1f} | {inside_us:.1f} | {peer_us:.1f} | {peer_whole_us:.1f} | "
                   f"{ours_us / peer_us:.2f} | "
                   f"{diff:.1e} | {source} |", flush=True)
 

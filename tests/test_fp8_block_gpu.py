@@ -37,7 +37,7 @@ def test_the_block_linear_is_its_reference_in_bf16(tokens, n, k, config):
     assert (ours - ref).abs().max() / ref.abs().max() < 6e-3  # a bf16 rounding's few 1e-3 at most
     fused = fp8_block_gemm_triton(x, None, weight, scale_inv, out_dtype=torch.bfloat16, config=config).float()
     assert (fused - ref).abs().max() / ref.abs().max() < 6e-3  # its tiles quantized inside the kernel
-    served = fp8_block_linear_triton(x, weight, scale_inv).float()  # one launch, the default configuration
+    served = fp8_block_linear_triton(x, weight, scale_inv).float()  # as served, the default configuration
     assert (served - ref).abs().max() / ref.abs().max() < 6e-3
 
 

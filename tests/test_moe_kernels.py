@@ -549,10 +549,11 @@ def test_block_fp8_experts_on_the_aligned_gemms_are_the_block_reference(T, kind)
 
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_block_fp8_gemms_quantizing_their_own_tiles_are_the_two_launch_path(block_m, monkeypatch):
-    """On CUDA each aligned GEMM of block-FP8 experts quantizes its input tiles itself (`quantize_tile`, no
-    quantization launch before it): the same e4m3 values and scales as the token-group kernel's, so the same layer to
-    float32 order. Both ways here under the interpreter: the Triton quantization in front (its cast is the
-    interpreter's, as the GEMM's is), against the GEMMs quantizing inside; partial blocks along H, an all-zero row."""
+    """On CUDA, where the tuned configuration says `quantize_inside`, each aligned GEMM of block-FP8 experts quantizes
+    its input tiles itself (`quantize_tile`, no quantization launch before it): the same e4m3 values and scales as the
+    token-group kernel's, so the same layer to float32 order. Both ways here under the interpreter: the Triton
+    quantization in front (its cast is the interpreter's, as the GEMM's is), against the GEMMs quantizing inside;
+    partial blocks along H, an all-zero row."""
     from tsdev_kernels.ops import fp8_block
 
     E, hidden, inter, T = 3, 200, 256, 7
@@ -564,10 +565,12 @@ def test_block_fp8_gemms_quantizing_their_own_tiles_are_the_two_launch_path(bloc
     x[2] = 0
     weights, ids = routing(T, E, 2, "random")
     scales = dict(w13_scale=s13, w2_scale=s2, block=(128, 128))
-    config = dict(SMALL, BLOCK_M=block_m, BLOCK_N=128)
+    config = dict(SMALL, BLOCK_M=block_m, BLOCK_N=128, quantize_inside=True)  # (as `tsdev tune` writes it)
     monkeypatch.setattr(moe, "_quantized", lambda t, group: fp8_block.quantize_fp8_token_groups_triton(t, group))
-    two_launches = moe.fused_moe_triton(x, q13, q2, weights, ids, config=config, **scales)
-    monkeypatch.setattr(moe, "_quantizes_in_gemm", lambda x, block: block is not None)
+    two_launches = moe.fused_moe_triton(x, q13, q2, weights, ids, config=config, **scales)  # off CUDA: launches
+    monkeypatch.setattr(moe, "_quantizes_in_gemm", lambda x, block: block is not None)  # as on CUDA
     inside = moe.fused_moe_triton(x, q13, q2, weights, ids, config=config, **scales)
+    assert moe.fused_moe_triton(x, q13, q2, weights, ids, config=dict(config, quantize_inside=False),
+                                **scales).equal(two_launches)  # a configuration without it: two launches
     torch.testing.assert_close(inside, two_launches, rtol=1e-5, atol=1e-5)
     assert not inside[2].any() and inside.abs().max() > 0.1

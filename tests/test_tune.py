@@ -160,6 +160,11 @@ def test_the_route_by_m_follows_the_crossover_else_the_rule_and_tsdev_kernels_fo
     gpu()
     got = {m: fp8_block.uses_scaled_mm(m, 4096, 4096, cuda) for m in (1, 16, 40, 64, 2048, 5000)}
     assert got == {1: False, 16: False, 40: True, 64: True, 2048: True, 5000: False}
+    assert not any(fp8_block.quantizes_inside(m, 4096, 4096, cuda) for m in (1, 64, 2048))  # not measured: two launches
+    write(fp8_block.block_gemm_config_path(4096, 4096, H100, route=True),
+          {"64": dict(triton_us=20.0, scaled_mm_us=19.0, inside_us=15.0)})
+    gpu()
+    assert fp8_block.quantizes_inside(64, 4096, 4096, cuda) and not fp8_block.uses_scaled_mm(64, 4096, 4096, cuda)
     assert not fp8_block.uses_scaled_mm(2048, 576, 7168, cuda)  # not whole 128-blocks: Triton
     monkeypatch.setenv("TSDEV_KERNELS", "cublas:fp8")
     assert all(fp8_block.uses_scaled_mm(m, 4096, 4096, cuda) for m in (1, 16, 5000))
@@ -236,7 +241,7 @@ class StubTimer:
         return 10.0 + abs(config["BLOCK_M"] - 8 * (1 + tokens // 64)) + stages / config["num_warps"]
 
     def crossover(self, job, tokens, config):
-        return 20.0, 10.0 + tokens / 100
+        return dict(triton_us=20.0, scaled_mm_us=10.0 + tokens / 100, inside_us=19.0 if tokens < 64 else 21.0)
 
 
 def test_a_stopped_run_keeps_its_buckets_and_resume_times_only_the_rest(tmp_path, monkeypatch):
@@ -275,6 +280,8 @@ def test_the_gemm_writes_its_configs_and_its_crossover(tmp_path, monkeypatch, gp
     monkeypatch.setattr(fp8_block, "scaled_mm_available", lambda device: True)
     route = [fp8_block.uses_scaled_mm(m, 4096, 4096, torch.device("cuda")) for m in (1, 256, 4096)]
     assert route == [True, True, False]  # the stub's cuBLAS: 10 + M / 100 µs against 20
+    inside = [fp8_block.quantizes_inside(m, 4096, 4096, torch.device("cuda")) for m in (16, 64, 1024)]
+    assert inside == [True, False, False]  # the stub's GEMM quantizing inside: 19 µs under 64 tokens, else 21
 
 
 def test_without_cuda_it_refuses_saying_what_to_do(tmp_path, monkeypatch):
@@ -315,3 +322,23 @@ def test_timed_calls_cycle_through_operands_enough_to_miss_the_l2():
     moe = Job("block-fp8", (4, 128, 256, 2), "small")
     want = 4 * (2 * 128 * 256 + 256 * 128) + 4 * 4 * (2 * 2 + 2 * 1)
     assert operand_bytes(moe, moe_inputs(moe, 3, g)) == want
+
+
+def test_block_fp8_experts_keep_quantizing_inside_only_where_it_was_faster():
+    """After the search, the best configuration is timed again with the GEMMs quantizing their own tiles; the file
+    says `quantize_inside` only where that was faster (the served layer reads it; without it, two launches)."""
+    from tsdev.tune import Job, search_bucket
+
+    class Timer(StubTimer):
+        def __init__(self, saves):
+            super().__init__()
+            self.saves = saves
+
+        def time(self, job, tokens, config):
+            return super().time(job, tokens, config) - (self.saves if config.get("quantize_inside") else 0.0)
+
+    job = Job("block-fp8", (8, 256, 512, 2), "small")
+    faster, _, _, _ = search_bucket(job, 16, Timer(saves=1.0))
+    slower, _, _, _ = search_bucket(job, 16, Timer(saves=-1.0))
+    assert faster.get("quantize_inside") is True and "quantize_inside" not in slower
+    assert {k: v for k, v in faster.items() if k != "quantize_inside"} == slower

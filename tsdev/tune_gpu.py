@@ -4,9 +4,10 @@ time), then timed replayed from a CUDA graph (triton.testing.do_bench_cudagraph)
 operands where one copy would sit in L2 (`copies_past_l2`: serving's layers each read their weights from memory).
 
 MoE: `fused_moe_triton` (alignment, both GEMMs, the sum; FP8 experts with their activations' quantization) on a
-random routing. GEMM: the block GEMM quantizing its activation tiles itself (`fp8_block_gemm_triton(x, None, ...)`,
-as `fp8_block_linear_triton` serves it), and for the crossover that against the quantization and torch._scaled_mm
-(`fp8_block_linear_scaled_mm`).
+random routing. GEMM: the token-group quantization and the block GEMM (`fp8_block_gemm_triton`), and for the
+crossover the chosen configuration quantizing inside (`fp8_block_gemm_triton(x, None, ...)`) and the quantization
+and torch._scaled_mm (`fp8_block_linear_scaled_mm`). Block-FP8 experts: the best configuration again with
+`quantize_inside` (tsdev/tune.py's `search_bucket`).
 """
 import concurrent.futures
 import multiprocessing
@@ -76,14 +77,16 @@ def operand_bytes(job: Job, data: tuple) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
-def launch(job: Job, data: tuple, config: Config) -> None:
-    """One call of the kernels `config` tunes."""
+def launch(job: Job, data: tuple, config: Config, inside: bool = False) -> None:
+    """One call of the kernels `config` tunes; the GEMM's with the activations' quantization launch before it, or
+    (`inside`) quantizing its own tiles."""
     if job.kind == "gemm":
-        from tsdev_kernels.ops.fp8_block import fp8_block_gemm_triton
+        from tsdev_kernels.ops.fp8_block import fp8_block_gemm_triton, quantize_fp8_token_groups_triton
 
         x, weight, scale = data
         entry = (config["BLOCK_M"], config["BLOCK_N"], config["num_warps"], config.get("SPLIT_K"))
-        fp8_block_gemm_triton(x, None, weight, scale, config=entry if entry[-1] else entry[:3])
+        a = (x, None) if inside else quantize_fp8_token_groups_triton(x)
+        fp8_block_gemm_triton(*a, weight, scale, config=entry if entry[-1] else entry[:3])
     else:
         from tsdev_kernels.ops.moe import fused_moe_triton
 
@@ -160,9 +163,10 @@ class CudaTimer:
     def time(self, job: Job, tokens: int, config: Config) -> float | None:
         return self._bench(lambda data: launch(job, data, config), self._inputs(job, tokens))
 
-    def crossover(self, job: Job, tokens: int, config: Config) -> tuple[float, float] | None:
-        """(the Triton projection at `config`, the GEMV too at one token; the quantization and torch._scaled_mm) in
-        µs, None where _scaled_mm has no block scales here."""
+    def crossover(self, job: Job, tokens: int, config: Config) -> dict[str, float] | None:
+        """µs of the Triton projection at `config` with its quantization launch (`triton_us`; the GEMV too at one
+        token), of the GEMM quantizing inside (`inside_us`), of the quantization and torch._scaled_mm
+        (`scaled_mm_us`); None where _scaled_mm has no block scales here."""
         from tsdev_kernels.ops import fp8_block
 
         copies = self._inputs(job, tokens)
@@ -172,10 +176,12 @@ class CudaTimer:
         if tokens <= fp8_block.GEMV_MAX_ROWS:
             gemv = self._bench(lambda data: fp8_block.fp8_block_gemv_triton(*data), copies)
             triton_us = min(t for t in (triton_us, gemv) if t is not None)
+        inside_us = self._bench(lambda data: launch(job, data, config, inside=True), copies)
         cublas_us = self._bench(lambda data: fp8_block.fp8_block_linear_scaled_mm(*data), copies)
         if triton_us is None or cublas_us is None:
             return None
-        return triton_us, cublas_us
+        times = dict(triton_us=triton_us, scaled_mm_us=cublas_us)
+        return times if inside_us is None else times | dict(inside_us=inside_us)
 
     def close(self) -> None:
         if self.pool:

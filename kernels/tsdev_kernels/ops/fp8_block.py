@@ -3,10 +3,10 @@ weights with one float32 multiplier per block of 128 x 128 (`<name>.weight_scale
 block), and activations quantized at run time per token and per group of 128 columns (`activation_scheme:
 dynamic`). The torch references of that arithmetic (what the checkpoint writer of the tests stores) and the Triton
 kernels checked against them: `quantize_fp8_token_groups_triton` (one program per token and group) and
-`fp8_block_linear_triton` (one launch: a GEMM whose K loop steps one block at a time, quantizing each activation
-tile's groups itself; each block's e4m3 product starts from zero, is multiplied by the token's group scale and the
-weight block's scale and added to a float32 sum -- so the reduced-precision sums of Hopper's FP8 tensor cores never
-run past one block, the scheme of DeepSeek's DeepGEMM).
+`fp8_block_linear_triton` (a GEMM whose K loop steps one block at a time, after the group quantization or quantizing
+each activation tile's groups itself where `tsdev tune` measured that faster; each block's e4m3 product starts from
+zero, is multiplied by the token's group scale and the weight block's scale and added to a float32 sum -- so the
+reduced-precision sums of Hopper's FP8 tensor cores never run past one block, the scheme of DeepSeek's DeepGEMM).
 `fp8_block_linear` serves layers: the Triton kernels on CUDA (their GPU test: tests/test_fp8_block_gpu.py), or
 torch._scaled_mm's block-scaled cuBLASLt GEMM at the token counts where the crossover `tsdev tune` measures says it is
 faster (`uses_scaled_mm`; TSDEV_KERNELS=cublas:fp8 or triton:fp8 forces a side), the reference elsewhere and under
@@ -378,15 +378,18 @@ def fp8_block_gemm_triton(xq: torch.Tensor, x_scale: torch.Tensor | None, weight
 
 def fp8_block_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                             block: tuple[int, int] = BLOCK, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`fp8_block_linear_ref`'s arithmetic in one launch: the GEMV where `uses_gemv`, else the block GEMM quantizing
-    its activation tiles itself."""
+    """`fp8_block_linear_ref`'s arithmetic: the GEMV (one launch) where `uses_gemv`; else the block GEMM quantizing its
+    activation tiles itself (one launch) where `quantizes_inside`, or after the token-group quantization (two)."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     if uses_gemv(rows.shape[0], *weight.shape, x.device):
         out = fp8_block_gemv_triton(rows, weight, weight_scale_inv, block, bias)
-    else:
+    elif quantizes_inside(rows.shape[0], *weight.shape, x.device):
         out = fp8_block_gemm_triton(rows, None, weight, weight_scale_inv, block, bias, x.dtype)
+    else:
+        xq, x_scale = quantize_fp8_token_groups_triton(rows, block[1])
+        out = fp8_block_gemm_triton(xq, x_scale, weight, weight_scale_inv, block, bias, x.dtype)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -461,6 +464,17 @@ def _route_table(n: int, k: int, gpu: str) -> dict | None:
     return found.table if found else None
 
 
+def quantizes_inside(rows: int, n: int, k: int, device: torch.device) -> bool:
+    """Whether the Triton projection of `rows` tokens (n x k) runs the block GEMM that quantizes its own activation
+    tiles rather than a quantization launch before it: where `tsdev tune`'s crossover file measured it faster
+    (`inside_us` against `triton_us`, the two launches' time) at the nearest bucket; without that measurement the two
+    launches, the path measured before. Every column tile's program quantizes its rows again: one launch fewer,
+    more arithmetic."""
+    table = _route_table(n, k, device_name(device)) if device.type == "cuda" else None
+    entry = nearest(table, rows) if table else None
+    return entry is not None and entry.get("inside_us", float("inf")) < entry["triton_us"]
+
+
 def uses_scaled_mm(rows: int, n: int, k: int, device: torch.device) -> bool:
     """Whether a block-FP8 projection of `rows` tokens (n x k, no bias) runs `fp8_block_scaled_mm` rather than the
     Triton kernel: where _scaled_mm is available (`scaled_mm_available`) and n and k are whole blocks, by
@@ -474,7 +488,7 @@ def uses_scaled_mm(rows: int, n: int, k: int, device: torch.device) -> bool:
     table = _route_table(n, k, device_name(device))
     if table:
         entry = nearest(table, rows)
-        return entry["scaled_mm_us"] < entry["triton_us"]
+        return entry["scaled_mm_us"] < min(entry["triton_us"], entry.get("inside_us", float("inf")))
     return rows >= SCALED_MM_MIN_ROWS
 
 

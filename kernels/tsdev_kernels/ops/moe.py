@@ -536,9 +536,10 @@ def _quantized(t: torch.Tensor, group: int | None) -> tuple[torch.Tensor, torch.
 
 
 def _quantizes_in_gemm(x: torch.Tensor, block: tuple[int, int] | None) -> bool:
-    """Block-FP8 experts on CUDA: each aligned GEMM quantizes its own input tiles (`_moe_gemm`'s QUANTIZE_A, one
-    launch fewer per GEMM, the same e4m3 values). Elsewhere `_quantized` first: torch's quantization, whose e4m3
-    cast Triton's interpreter does not match."""
+    """Whether block-FP8 experts' aligned GEMMs may quantize their own input tiles (`_moe_gemm`'s QUANTIZE_A, one
+    launch fewer per GEMM, the same e4m3 values; where the tuned configuration says `quantize_inside`, which
+    `tsdev tune` sets where it measured it faster): on CUDA. Elsewhere `_quantized` first: torch's quantization, whose
+    e4m3 cast Triton's interpreter does not match."""
     return block is not None and x.is_cuda
 
 
@@ -608,7 +609,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
                       PDL=use_pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], launch_pdl=use_pdl)
 
         group = block[1] if block else None  # a block-FP8 checkpoint's activations: per group of block_k columns
-        inside = _quantizes_in_gemm(x, block)
+        inside = _quantizes_in_gemm(x, block) and bool(cfg.get("quantize_inside"))
 
         def gemm(a, w, scale, out, n, k, a_div, **flags):
             # W8A8: each GEMM's input rows quantized, by the GEMM itself for block-FP8 experts on CUDA
