@@ -3,8 +3,8 @@ checkpoint's layers call: the activations' quantization, then the Triton kernel 
 crossover) against the best library GEMM alone -- torch._scaled_mm with block scales (cuBLASLt, 1x128 activation
 groups, 128x128 weight blocks) or with row-wise scales, the activations quantized beforehand -- at each M. Target:
 served <= 1.15 x the best library GEMM at every M from 1 to 2048 on Qwen3-8B's four projections. Beside them the Triton
-GEMM (the tuned or default configuration) quantizing its own activation tiles, as served since 2026-12-07's eighth
-session, and the same GEMM after a quantization launch, as served before: the A/B of that change.
+GEMM (the tuned or default configuration) quantizing its own activation tiles and the same GEMM after a quantization
+launch: the A/B that `tsdev tune` records per M (`inside_us`, `triton_us`) and serving follows (`quantizes_inside`).
 
 One timing method for all: each side runs in a CUDA graph over enough distinct copies of the weights and activations
 (over twice the GPU's L2 in all) that every call reads its operands from memory, as a decode step's layers do; the
@@ -69,7 +69,7 @@ def main() -> None:
                                         for a, w in zip(blocks, weights)])
             inside = per_call_us([lambda x=x, w=w: fp8_block.fp8_block_gemm_triton(x, None, *w[0])
                                   for x, w in zip(xs, weights)])
-            two_launches = per_call_us([  # the served Triton path before 2026-12-07's eighth session
+            two_launches = per_call_us([  # the Triton path served without a measurement of the other
                 lambda x=x, w=w: fp8_block.fp8_block_gemm_triton(*fp8_block.quantize_fp8_token_groups_triton(x), *w[0])
                 for x, w in zip(xs, weights)])
             row_wise = per_call_us([
