@@ -165,6 +165,11 @@ def test_the_route_by_m_follows_the_crossover_else_the_rule_and_tsdev_kernels_fo
           {"64": dict(triton_us=20.0, scaled_mm_us=19.0, inside_us=15.0)})
     gpu()
     assert fp8_block.quantizes_inside(64, 4096, 4096, cuda) and not fp8_block.uses_scaled_mm(64, 4096, 4096, cuda)
+    write(fp8_block.block_gemm_config_path(4096, 4096, H100, route=True),  # where _scaled_mm could not be timed
+          {"64": dict(triton_us=20.0, inside_us=15.0), "2048": dict(triton_us=90.0, inside_us=95.0)})
+    gpu()
+    assert fp8_block.quantizes_inside(64, 4096, 4096, cuda) and not fp8_block.quantizes_inside(2048, 4096, 4096, cuda)
+    assert not any(fp8_block.uses_scaled_mm(m, 4096, 4096, cuda) for m in (64, 2048))
     assert not fp8_block.uses_scaled_mm(2048, 576, 7168, cuda)  # not whole 128-blocks: Triton
     monkeypatch.setenv("TSDEV_KERNELS", "cublas:fp8")
     assert all(fp8_block.uses_scaled_mm(m, 4096, 4096, cuda) for m in (1, 16, 5000))

@@ -123,7 +123,8 @@ class Timer(Protocol):
 
     def time(self, job: Job, tokens: int, config: Config) -> float | None: ...  # µs, None: cannot run
 
-    # µs: triton_us (with the quantization launch), scaled_mm_us, inside_us (the GEMM quantizing inside; optional)
+    # µs: triton_us (with the quantization launch), inside_us (the GEMM quantizing inside), scaled_mm_us; the last two
+    # where they can run
     def crossover(self, job: Job, tokens: int, config: Config) -> dict[str, float] | None: ...
 
 

@@ -165,23 +165,23 @@ class CudaTimer:
 
     def crossover(self, job: Job, tokens: int, config: Config) -> dict[str, float] | None:
         """µs of the Triton projection at `config` with its quantization launch (`triton_us`; the GEMV too at one
-        token), of the GEMM quantizing inside (`inside_us`), of the quantization and torch._scaled_mm
-        (`scaled_mm_us`); None where _scaled_mm has no block scales here."""
+        token), of the GEMM quantizing inside (`inside_us`), and of the quantization and torch._scaled_mm
+        (`scaled_mm_us`, where _scaled_mm has block scales here and the shape is whole 128-blocks); each left out
+        where it cannot run, None where the Triton projection cannot."""
         from tsdev_kernels.ops import fp8_block
 
         copies = self._inputs(job, tokens)
-        if job.shape[0] % 128 or job.shape[1] % 128 or not fp8_block.scaled_mm_available(copies[0][0].device):
-            return None
         triton_us = self.time(job, tokens, config)
         if tokens <= fp8_block.GEMV_MAX_ROWS:
             gemv = self._bench(lambda data: fp8_block.fp8_block_gemv_triton(*data), copies)
-            triton_us = min(t for t in (triton_us, gemv) if t is not None)
-        inside_us = self._bench(lambda data: launch(job, data, config, inside=True), copies)
-        cublas_us = self._bench(lambda data: fp8_block.fp8_block_linear_scaled_mm(*data), copies)
-        if triton_us is None or cublas_us is None:
+            triton_us = min((t for t in (triton_us, gemv) if t is not None), default=None)
+        if triton_us is None:
             return None
-        times = dict(triton_us=triton_us, scaled_mm_us=cublas_us)
-        return times if inside_us is None else times | dict(inside_us=inside_us)
+        times = dict(triton_us=triton_us, inside_us=self._bench(lambda data: launch(job, data, config, inside=True),
+                                                                  copies))
+        if not (job.shape[0] % 128 or job.shape[1] % 128) and fp8_block.scaled_mm_available(copies[0][0].device):
+            times["scaled_mm_us"] = self._bench(lambda data: fp8_block.fp8_block_linear_scaled_mm(*data), copies)
+        return {name: us for name, us in times.items() if us is not None}
 
     def close(self) -> None:
         if self.pool:

@@ -488,7 +488,7 @@ def uses_scaled_mm(rows: int, n: int, k: int, device: torch.device) -> bool:
     table = _route_table(n, k, device_name(device))
     if table:
         entry = nearest(table, rows)
-        return entry["scaled_mm_us"] < min(entry["triton_us"], entry.get("inside_us", float("inf")))
+        return entry.get("scaled_mm_us", float("inf")) < min(entry["triton_us"], entry.get("inside_us", float("inf")))
     return rows >= SCALED_MM_MIN_ROWS
 
 

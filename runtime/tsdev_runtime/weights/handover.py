@@ -18,7 +18,7 @@ receiver maps the sender's memory and copies it device to device), on the CPU th
   sender loaded means a read from disk). Anything else -- no server listening, a crash, a timeout, a mismatch, too
   little memory for the copy -- and the start reads the checkpoint as before; the load line says which it was.
   One process only (no tensor-parallel ranks, no data-parallel replicas); weights the server updated in place
-  (`POST /update_weights`) or slept away are not offered: the restart reads the checkpoint the user names.
+  (the update_weights routes) or slept away are not offered: the restart reads the checkpoint the user names.
 """
 import contextlib
 import hashlib
