@@ -9,7 +9,8 @@ peer's side is its two GEMM launches with the config vLLM would pick (its file f
 the same way tsdev's lookup goes, else vLLM's default), plus for FP8 its activation quantization: per token in torch
 (vLLM runs a CUDA op) or per group of 128 with its Triton kernel. The alignment, the SiLU-and-mul and the sum vLLM
 runs as CUDA ops are left out of its time (tsdev's alignment feeds both), so the comparison favours the peer.
-Both sides replay from CUDA graphs; the outputs are compared to each other.
+Both sides replay from CUDA graphs, the same routing each replay (at one token its 8 experts' 75 MB of bf16
+weights against the H100's 50 MB L2: part may stay cached, alike for both); the outputs are compared to each other.
 
     python3 benchmarks/moe_vs_peer.py                                       # Qwen3-30B-A3B's layer
     python3 benchmarks/moe_vs_peer.py --experts 256 --intermediate 2048 --hidden 7168 --tokens 1 16 64 256
