@@ -10,8 +10,10 @@ from types import SimpleNamespace
 
 import httpx
 
-from tsdev_runtime.control_protocol import (EVENTS_ROUTE, MODULES_ROUTE, RELOAD_ROUTE, SERVER_INFO_ROUTE,
-                                      START_PROFILE_ROUTE, UPDATE_WEIGHTS_ROUTE, ErrorBody, ErrorDetail, Hello,
+from tsdev_runtime.control_protocol import (COMPILE_AHEAD_ROUTE, EVENTS_ROUTE, MODULES_ROUTE, RELOAD_ROUTE,
+                                      SERVER_INFO_ROUTE, START_PROFILE_ROUTE, UPDATE_WEIGHTS_ROUTE,
+                                      CompileAheadReply, CompileAheadRequest, CompiledAhead, ErrorBody, ErrorDetail,
+                                      Hello,
                                       ModulesReply, ProfileRange, ProfileRequest, ReloadReply, ReloadRequest,
                                       ReloadWeightsReply, ServerInfo, UpdateWeightsRequest, WorkerReport)
 from tsdev.watch.checks import prompt_ids
@@ -42,6 +44,8 @@ def sse(payloads: list) -> httpx.Response:
 class FakeServer:
     def __init__(self):
         self.reloads: list[ReloadRequest] = []  # the reload_forward calls, in order
+        self.builds: list[CompileAheadRequest] = []  # the compile_ahead calls, in order
+        self.calls: list[str] = []  # "reload" and "build", in the order they came
         self.reload_delay = 0.0
         self.answer = lambda request: ok_worker()  # the worker to reply with (a list: one per rank)
         self.output_changed_at: int | None = None  # golden tokens differ from here on, after the next reload
@@ -71,12 +75,21 @@ class FakeServer:
         if path == RELOAD_ROUTE:
             reload = ReloadRequest.model_validate(body)
             self.reloads.append(reload)
+            self.calls.append("reload")
             await asyncio.sleep(self.reload_delay)
             answer = self.answer(reload)
             workers = answer if isinstance(answer, list) else [answer]  # a list: one per rank
             if all(w.ok for w in workers) and workers[0].reloaded:
                 self._changed_at = self.output_changed_at
             return httpx.Response(200, json=ReloadReply.of(reload.id, workers).dump())
+        if path == COMPILE_AHEAD_ROUTE:  # built: the event goes out on the next events connection
+            build = CompileAheadRequest.model_validate(body)
+            self.builds.append(build)
+            self.calls.append("build")
+            reply = CompileAheadReply(path=build.path, id=build.id, module="tsdev_kernels.ops.act", outcome="compiled",
+                                      ok=True, compiled=1, kernels=["tsdev_kernels.ops.act._act_kernel"], seconds=0.3)
+            self.pending_events.append(CompiledAhead(reply=reply))
+            return httpx.Response(200, json=reply.dump())
         if path == UPDATE_WEIGHTS_ROUTE:
             update = UpdateWeightsRequest.model_validate(body)
             self.weight_updates.append(update)

@@ -123,8 +123,10 @@ def test_the_buffer_is_built_as_its_modules_source_nothing_reloads_until_it_is_s
         assert tokens(client) == before and spy.reloads == 0 and engine.control.reloads == 0
 
         spy.built = Ahead(3, 0.5, 0.4, (f"{MODULE}.silu_and_mul_kernel",))  # what a GPU's would have built
-        reply = CompileAheadReply.model_validate_json(post(client, ACTIVATION, text).content)
+        r = client.post(ROUTE, json={"path": str(ACTIVATION), "text": text, "id": "watch-1-early-1"})
+        reply = CompileAheadReply.model_validate_json(r.content)
         assert (reply.outcome, reply.compiled, reply.kernels) == ("compiled", 3, [f"{MODULE}.silu_and_mul_kernel"])
+        assert reply.id == "watch-1-early-1"  # the caller's name for its build, echoed (tsdev watch knows its own)
         assert reply.seconds == 0.5 and reply.slowest == 0.4 and tokens(client) == before and spy.reloads == 0
         spy.built = Ahead(0, 0.01, 0.0, on_disk=3)  # a version built before: its binaries in Triton's cache
         reply = CompileAheadReply.model_validate_json(post(client, ACTIVATION, text).content)

@@ -407,3 +407,30 @@ def test_the_probe_measures_each_round_through_the_completions_route():
     rounds = asyncio.run(probe())
     assert len(rounds) >= 3 and len(served) == 2 * len(rounds) and set(served) == {12}
     assert rounds[1] < rounds[2] < rounds[0] and min(rounds) < 0.6 * rounds[0]  # each round its own steps' time
+
+
+def test_a_saved_kernel_file_is_built_as_soon_as_it_is_seen_before_the_settled_reload(tmp_path):
+    """The settle is on the path from save to serving: the new text goes to compile_ahead at its first sight, so
+    the reload that follows the settle finds its kernels built or being built. Only reloadable files whose text
+    parses; the daemon's own builds are not shown as an editor's buffer."""
+    project, server, events = make_project(tmp_path), FakeServer(), []
+    act, text = project / "kernels/tsdev_kernels/ops/act.py", "def act(x):\n    return 4 * x\n"
+
+    async def main():
+        daemon, task = await running(project, server, events)
+        daemon.watcher.settle = 0.3  # a long settle: the build is asked for well before it ends
+        act.write_text(text)
+        await until(lambda: len(finished(events)) == 1)
+        (project / "runtime/tsdev_runtime/layers/norm.py").write_text("X = (\n")  # mid-edit: does not parse
+        await until(lambda: len(finished(events)) == 2)
+        await asyncio.sleep(1.2)  # the events connection comes back (0.5 s) with the builds' events
+        await stop(daemon, task)
+        return daemon
+
+    daemon = asyncio.run(main())
+    assert server.calls == ["build", "reload", "reload"]
+    (build,) = server.builds
+    assert (build.path, build.text) == (str(act.resolve()), text)
+    assert build.id.startswith(daemon.reloads.session)
+    assert not [e for e in events if e.kind == "message" and "editor's buffer" in e.text]
+    assert finished(events)[0].files == ["kernels/tsdev_kernels/ops/act.py"]

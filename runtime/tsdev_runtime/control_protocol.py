@@ -239,6 +239,7 @@ class CompileAheadRequest(_Message):
     and reloads nothing: the save's reload finds them built."""
     path: Text = Field(min_length=1)
     text: Text
+    id: Text | None = None  # the caller's name for this build, in its reply and event (`tsdev watch` knows its own)
 
     @field_validator("path")
     @classmethod
@@ -254,6 +255,7 @@ AheadOutcome = Literal["compiled", "nothing", "superseded", "failed"]
 
 class CompileAheadReply(_Message):
     path: str  # the file, resolved
+    id: str | None = None  # the request's
     module: str | None = None  # its module (None: not one the server has imported)
     outcome: AheadOutcome
     ok: bool  # not failed

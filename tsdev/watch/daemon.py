@@ -14,10 +14,12 @@ receives `Event`s (records.py) and never touches the server; link.py does.
 """
 from __future__ import annotations
 
-import os
 import asyncio
+import itertools
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 
@@ -78,6 +80,8 @@ class Daemon:
         self.server_phase = "serving"
         self.down = False  # the server failed to start or exited, and no restart has brought it back yet
         self._stop = asyncio.Event()
+        self._early: set[asyncio.Task] = set()  # early builds in flight (`_build_early`)
+        self._early_ids = itertools.count(1)
 
     # --- what the screen calls -------------------------------------------------------------------
 
@@ -174,8 +178,23 @@ class Daemon:
                 await asyncio.to_thread(self.notebook.close)
 
     async def _watch(self) -> None:
-        async for changes in self.watcher.batches(self._stop):
+        async for changes in self.watcher.batches(self._stop, self._build_early):
             self.jobs.put(Saved(changes))
+
+    def _build_early(self, path: Path, text: str) -> None:
+        """A reloadable file's new text, seen before the save has settled: the server builds its kernels now (as an
+        editor's unsaved buffer), and the settled reload of that text waits for the build instead of compiling."""
+        if self.down or self.info["state"] in ("starting", "restarting") or self.sleeping:
+            return
+        request_id = f"{self.reloads.session}-early-{next(self._early_ids)}"
+        task = asyncio.create_task(self.link.compile_ahead(str(path), text, request_id), name=request_id)
+        self._early.add(task)
+        task.add_done_callback(self._early_done)
+
+    def _early_done(self, task: asyncio.Task) -> None:
+        self._early.discard(task)
+        if not task.cancelled():
+            task.exception()  # a refused or failed early build costs nothing: the reload compiles, and says why
 
     async def _watch_weights(self) -> None:
         async for path in self.weights.checkpoints(self._stop):
@@ -197,6 +216,8 @@ class Daemon:
                     self.message(f"weights updated by another client ({event.mode}, {event.path}): the golden "
                                  "completion is taken again on them")
                     self.jobs.put(RetakeGolden())
+            elif isinstance(event, CompiledAhead) and (event.reply.id or "").startswith(self.reloads.session):
+                pass  # this daemon's own early build: the reload that follows says what it found
             elif isinstance(event, CompiledAhead):  # an editor's buffer (tsdev reload --ahead)
                 self.message(f"editor's buffer of {self.packages.display(event.reply.path)}: {ahead_text(event.reply)}",
                              "info" if event.reply.ok else "warning")

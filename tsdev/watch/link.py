@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from tsdev_runtime.control_protocol import (EVENTS_ROUTE, MODULES_ROUTE, RELOAD_ROUTE, SERVER_INFO_ROUTE,
-                                      START_PROFILE_ROUTE, UPDATE_WEIGHTS_ROUTE, Event, ModulesReply,
+from tsdev_runtime.control_protocol import (COMPILE_AHEAD_ROUTE, EVENTS_ROUTE, MODULES_ROUTE, RELOAD_ROUTE,
+                                      SERVER_INFO_ROUTE, START_PROFILE_ROUTE, UPDATE_WEIGHTS_ROUTE,
+                                      CompileAheadReply, CompileAheadRequest, Event, ModulesReply,
                                       ProfileRequest, ReloadReply, ReloadWeightsReply, ServerInfo,
                                       UpdateWeightsRequest, parse_event)
 from tsdev.client import aiter_sse_data, auth_headers, body, error_message, reload_request, reply_or_raise
@@ -87,6 +88,13 @@ class ServerLink:
         """Raises httpx errors, and RuntimeError for refusals."""
         request = reload_request(modules, request_id=request_id)
         return reply_or_raise(await self.client.post(self.url + RELOAD_ROUTE, json=body(request)), ReloadReply)
+
+    async def compile_ahead(self, path: str, text: str, request_id: str) -> CompileAheadReply:
+        """Build the kernels `text` of the file at `path` changes (nothing reloaded). Raises httpx errors, and
+        RuntimeError for refusals."""
+        request = CompileAheadRequest(path=path, text=text, id=request_id)
+        return reply_or_raise(await self.client.post(self.url + COMPILE_AHEAD_ROUTE, json=body(request)),
+                              CompileAheadReply)
 
     async def update_weights(self, path: str, update_id: str, mode: str = "direct") -> ReloadWeightsReply:
         """Raises httpx errors, and ErrorReply (a RuntimeError, with .status) for refusals."""

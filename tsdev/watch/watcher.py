@@ -6,13 +6,18 @@ original, and a formatter writes again ~100 ms later. So the watcher keeps only 
 waits until the directories have been quiet for `settle` seconds, then looks at what is on disk: a path
 counts when the file exists and its content differs from the last content seen. Directories are
 watched, never single files (a rename would lose the watch).
+
+The settle is on the path from save to serving, so the first sight of a reloadable file's new text -- a few ms after
+the save, before the settle -- is handed to `early` (`Watcher.batches`): the daemon has the server build that text's
+kernels then (the route an editor's unsaved buffer takes), and the settled reload of the same text finds them built
+or being built.
 """
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import importlib.util
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +26,7 @@ from watchfiles import awatch
 from tsdev.hotreload.snapshot import import_roots, under
 
 DEBOUNCE_MS = 1600  # the longest burst of saves gathered into one batch (watchfiles' default)
+SIGHT_MS = 10  # the quiet time before watchfiles reports changes: the settle's first part, the early sight's delay
 
 
 def module_name(path: str | Path) -> str | None:
@@ -145,6 +151,7 @@ class Watcher:
     def __init__(self, packages: Packages, settle: float = 0.05):
         self.packages, self.settle = packages, settle
         self.seen: dict[str, str] = {}
+        self.sighted: dict[str, str] = {}  # path -> digest of the text last handed to `early`
         self.ready = asyncio.Event()  # set once the OS watches exist (saves before that are missed)
         self.rescan()
 
@@ -173,24 +180,45 @@ class Watcher:
             (out.reload if self.packages.is_reloadable(module) else out.restart).append(module)
         return out
 
-    async def batches(self, stop: asyncio.Event) -> AsyncIterator[Changes]:
-        """Yield each settled burst of real changes until `stop` is set."""
-        async for paths in settled(list(self.packages.dirs.values()), self.settle, stop, self.ready, self.keep):
+    async def batches(self, stop: asyncio.Event,
+                      early: Callable[[Path, str], None] | None = None) -> AsyncIterator[Changes]:
+        """Yield each settled burst of real changes until `stop` is set. `early(path, text)`: each reloadable file's
+        new text as soon as it is seen, before the settle ends, when it parses (a file caught mid-write does not)."""
+        sighted = None if early is None else (lambda paths: self._sight(paths, early))
+        async for paths in settled(list(self.packages.dirs.values()), self.settle, stop, self.ready, self.keep,
+                                   sighted):
             if changes := self.compare(paths):
                 yield changes
 
+    def _sight(self, paths: Iterable[str], early: Callable[[Path, str], None]) -> None:
+        for p in sorted({Path(path).resolve() for path in paths}):
+            module = self.packages.module(p)
+            if module is None or not self.packages.is_reloadable(module):
+                continue
+            try:
+                data = p.read_bytes()
+                text = data.decode()
+                compile(text, str(p), "exec", dont_inherit=True)
+            except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+                continue
+            digest = hashlib.blake2b(data, digest_size=16).hexdigest()
+            if digest != self.seen.get(str(p)) and digest != self.sighted.get(str(p)):
+                self.sighted[str(p)] = digest
+                early(p, text)
+
 
 async def settled(dirs: list[Path], settle: float, stop: asyncio.Event, ready: asyncio.Event | None = None,
-                  keep=None) -> AsyncIterator[set[str]]:
+                  keep=None, sighted: Callable[[set[str]], None] | None = None) -> AsyncIterator[set[str]]:
     """The paths changed under `dirs` (watched with watchfiles, filtered by `keep`), one set per burst that has
-    been quiet for `settle` seconds (watchfiles' `step`: each new change restarts the quiet period, for at most
-    DEBOUNCE_MS), until `stop` is set; `ready` is set once the OS watches exist."""
+    been quiet for `settle` seconds (each new change restarts the quiet period, for at most DEBOUNCE_MS), until `stop`
+    is set; `ready` is set once the OS watches exist. `sighted(paths)`: each group of changes as watchfiles reports
+    it (after SIGHT_MS of quiet), before the burst's settle ends."""
     raw: asyncio.Queue[set[str] | None] = asyncio.Queue()
+    step_ms = max(1, min(SIGHT_MS, round(settle * 1000)))
 
     async def pump() -> None:
         try:
-            async for changes in awatch(*dirs, watch_filter=keep, stop_event=stop, debounce=DEBOUNCE_MS,
-                                        step=max(1, round(settle * 1000))):
+            async for changes in awatch(*dirs, watch_filter=keep, stop_event=stop, debounce=DEBOUNCE_MS, step=step_ms):
                 raw.put_nowait({path for _, path in changes})
         finally:
             raw.put_nowait(None)  # watching ended
@@ -199,8 +227,22 @@ async def settled(dirs: list[Path], settle: float, stop: asyncio.Event, ready: a
     await asyncio.sleep(0)  # the task runs until awatch's first wait: its OS watches exist by then
     if ready is not None:
         ready.set()
+    loop = asyncio.get_running_loop()
     try:
         while (paths := await raw.get()) is not None:
+            ends = loop.time() + DEBOUNCE_MS / 1000
+            more: set[str] | None = paths
+            while more is not None:
+                if sighted is not None:
+                    sighted(more)
+                try:  # watchfiles waited step_ms of quiet already
+                    more = await asyncio.wait_for(raw.get(), max(0.0, min(settle - step_ms / 1000, ends - loop.time())))
+                except TimeoutError:
+                    break
+                if more is None:
+                    yield paths
+                    return
+                paths |= more
             yield paths
     finally:
         stop.set()

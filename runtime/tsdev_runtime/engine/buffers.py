@@ -43,6 +43,7 @@ class _Buffer:
     path: Path
     text: str
     reply: asyncio.Future
+    id: str | None = None
     arrived: float = field(default_factory=time.perf_counter)
 
 
@@ -69,13 +70,13 @@ class BufferCompiles:
         """The reloadable packages' directories (a single-module package: its file): where a buffer's path may lie."""
         return package_roots(self.control.reloader.modules())
 
-    async def compile(self, path: Path, text: str) -> CompileAheadReply:
+    async def compile(self, path: Path, text: str, request_id: str | None = None) -> CompileAheadReply:
         """Build the kernels `text` changes for the file at `path` (resolved, inside `roots`), in its turn."""
         module = self.files().get(path)
         if module is None:
-            return CompileAheadReply(path=str(path), outcome="nothing", ok=True,
+            return CompileAheadReply(path=str(path), id=request_id, outcome="nothing", ok=True,
                                      reason=f"{path} is not a module the server has imported: nothing of it runs yet")
-        buffer = _Buffer(module, path, text, asyncio.get_running_loop().create_future())
+        buffer = _Buffer(module, path, text, asyncio.get_running_loop().create_future(), request_id)
         if (older := self.waiting.pop(module, None)) is not None:
             older.reply.set_result(_reply(older, "superseded", reason="a newer buffer of this file came before this "
                                                                       "one's turn: that one is built instead"))
@@ -163,8 +164,9 @@ class BufferCompiles:
 
 def _reply(buffer: _Buffer, outcome: str, waited: float = 0.0, seconds: float = 0.0, slowest: float = 0.0,
            **fields) -> CompileAheadReply:
-    return CompileAheadReply(path=str(buffer.path), module=buffer.module, outcome=outcome, ok=outcome != "failed",
-                             waited=round(waited, 6), seconds=round(seconds, 6), slowest=round(slowest, 6), **fields)
+    return CompileAheadReply(path=str(buffer.path), id=buffer.id, module=buffer.module, outcome=outcome,
+                             ok=outcome != "failed", waited=round(waited, 6), seconds=round(seconds, 6),
+                             slowest=round(slowest, 6), **fields)
 
 
 def module_files(modules: Iterable[str]) -> dict[Path, str]:

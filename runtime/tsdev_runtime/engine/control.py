@@ -457,11 +457,11 @@ class EngineControl:
         others = rank_entries(self.ranks, first.ok) if self.ranks is not None else []
         return ReloadReply.of(request.id, [first, *(WorkerReport(**entry) for entry in others)])
 
-    async def compile_ahead(self, path: Path, text: str) -> CompileAheadReply:
+    async def compile_ahead(self, path: Path, text: str, request_id: str | None = None) -> CompileAheadReply:
         """Build the kernels that an editor's unsaved `text` of `path` (resolved, under `buffers.roots()`) changes,
         while the old code serves; nothing is reloaded, and a save of that text then finds them built (buffers.py).
         No turn in the lock of its own: the build takes it only while it reads the sources and runs the text aside."""
-        return await self.buffers.compile(path, text)
+        return await self.buffers.compile(path, text, request_id)
 
     # --- kernel checks (`tsdev check`, and the old code's times before an edit) ------------------
 

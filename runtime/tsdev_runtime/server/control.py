@@ -82,7 +82,7 @@ def control_router(ae: AsyncEngine, security: SecurityPolicy) -> APIRouter:
             path = security.code_path(body.path, reloads().buffers.roots())
         except PathNotAllowed as exc:
             raise APIError(400, str(exc), exc.param, "invalid_request_error") from None
-        return (await control.compile_ahead(path, body.text)).dump()
+        return (await control.compile_ahead(path, body.text, body.id)).dump()
 
     @router.post(KERNEL_CHECK_ROUTE)
     async def kernel_check(request: Request, body: KernelCheckRequest | None = None):
