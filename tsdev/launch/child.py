@@ -30,6 +30,8 @@ import httpx
 
 from tsdev_runtime.control_protocol import WEIGHTS_HANDOVER_ENV, restart_marker
 
+RESTART_WEIGHTS_ENV = "TSDEV_RESTART_WEIGHTS"  # "read": a restart's standby reads the checkpoint (no hand-over)
+
 POLL_S = 0.01  # how often a start polls GET /health (a restart's hand-over waits on it: keep it short)
 # what a server process and its standby (tsdev/launch/standby.py) say to each other:
 HANDED_OVER_ENV = "TSDEV_HANDED_OVER_AT"  # when the standby took the start (the startup line counts from it)
@@ -143,7 +145,8 @@ class ServerProcess:
         if api_key:
             extra["TSDEV_API_KEY"] = api_key
         self.keep_standby = standby and not prefix
-        if self.keep_standby:  # the server it replaces hands a restart's standby its weights through this socket
+        if self.keep_standby and os.environ.get(RESTART_WEIGHTS_ENV, "handover") != "read":
+            # the server it replaces hands a restart's standby its weights through this socket
             extra[WEIGHTS_HANDOVER_ENV] = str(Path(tempfile.gettempdir()) / f"tsdev-{os.getpid()}-{id(self):x}.sock")
         environment = {k: v for k, v in os.environ.items() if k != WEIGHTS_HANDOVER_ENV}  # not a replica's
         self.env = {**environment, **extra} if extra or len(environment) != len(os.environ) else None
