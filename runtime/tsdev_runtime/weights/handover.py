@@ -129,6 +129,7 @@ class Listener:
         fingerprint to the standby once it connects and wait for its answer; what happened, in words. Not a restart
         (the watch quits, or the server was stopped otherwise): nothing waits."""
         self.sock.settimeout(wait_s)
+        begin = time.perf_counter()
         try:
             if not self.restarting:
                 return "not a restart"
@@ -137,14 +138,20 @@ class Listener:
             return f"no standby connected within {wait_s:.0f} s"
         finally:
             self.close()
+        connected = time.perf_counter()
         with peer:
             peer.settimeout(wait_s)
             try:
                 _send(peer, _dumps({"fingerprint": load_fingerprint, "tensors": tensors}))
+                sent = time.perf_counter()
                 answer = _recv(peer).decode()
             except (OSError, ConnectionError) as exc:
                 return f"the standby did not answer ({type(exc).__name__})"
-        return answer
+        # where this server's stop waited: for the standby to connect (still importing), to receive (still
+        # re-importing what the save changed), to copy
+        answered = time.perf_counter()
+        return (f"{answer}; this server waited {answered - begin:.2f} s (the standby connecting "
+                f"{connected - begin:.2f}, the offer sent {sent - connected:.2f}, its answer {answered - sent:.2f})")
 
     @property
     def restarting(self) -> bool:
@@ -188,17 +195,21 @@ def receive(sock: socket.socket | None, wait_s: float = RECEIVE_WAIT_S) -> Recei
     with sock:
         sock.settimeout(wait_s)
         try:
-            offered = _loads(_recv(sock))
+            payload = _recv(sock)
+            mapped = time.perf_counter()
+            offered = _loads(payload)  # (on a GPU: the sender's memory mapped, a handle per allocation)
         except Exception as exc:  # noqa: BLE001  (closed, timed out, a handle this process cannot open): a read
             log.debug("no weights handed over: %s", exc)
             return None
         begin = time.perf_counter()  # (the copy's time, not the wait for the old server's stop)
+        del payload
         load_fingerprint, copies = offered["fingerprint"], None
         try:
             copies = {name: tensor.clone() for name, tensor in offered["tensors"].items()}
             if any(t.is_cuda for t in copies.values()):
                 torch.cuda.synchronize()
-            answer = f"{len(copies)} tensors copied by the standby"
+            answer = (f"{len(copies)} tensors copied by the standby in {time.perf_counter() - begin:.2f} s (mapped in "
+                      f"{begin - mapped:.2f} s)")
         except Exception as exc:  # noqa: BLE001  (no room for a second copy, above all): the start reads instead
             copies = None
             answer = f"the standby could not copy them ({str(exc).splitlines()[0][:120]})"
