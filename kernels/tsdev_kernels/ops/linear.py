@@ -55,18 +55,21 @@ def _gemv_kernel(X, R, NW, W, B, S, OUT, R_OUT, N, K, stride_wn, eps,
                 tl.store(R_OUT + ks, x, mask=k_ok)
             x = x.to(tl.float32)
         x = rms_norm_values(x, tl.load(NW + ks, mask=k_ok, other=0.0).to(tl.float32), K, eps, dt).to(dt).to(tl.float32)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if not NORM:
+    if NORM:  # the whole row is one chunk: no loop
+        acc = w.to(tl.float32) * x[None, :]
+        acc_up = u.to(tl.float32) * x[None, :] if GATED else acc
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
             x = tl.load(X + k0 + ks, mask=(k0 + ks) < K, other=0.0).to(tl.float32)
-        acc += w.to(tl.float32) * x[None, :]
-        if GATED:
-            acc_up += u.to(tl.float32) * x[None, :]
-        nk = k0 + BLOCK_K + ks
-        w = tl.load(rows + nk[None, :], mask=col_ok[:, None] & (nk < K)[None, :], other=0.0)
-        if GATED:
-            u = tl.load(up_rows + nk[None, :], mask=col_ok[:, None] & (nk < K)[None, :], other=0.0)
+            acc += w.to(tl.float32) * x[None, :]
+            if GATED:
+                acc_up += u.to(tl.float32) * x[None, :]
+            nk = k0 + BLOCK_K + ks
+            w = tl.load(rows + nk[None, :], mask=col_ok[:, None] & (nk < K)[None, :], other=0.0)
+            if GATED:
+                u = tl.load(up_rows + nk[None, :], mask=col_ok[:, None] & (nk < K)[None, :], other=0.0)
     y = _finish_row(tl.sum(acc, axis=1), cols, col_ok, B, S, HAS_BIAS, HAS_SCALE)
     if GATED:  # silu(gate) * up, each rounded where activation.py rounds after the projection's rounding
         gate = y.to(dt).to(tl.float32)
