@@ -143,3 +143,33 @@ def test_prepare_imports_again_only_the_changed_module_and_its_importers(tmp_pat
     finally:
         for name in [n for n in sys.modules if n == "pkgx" or n.startswith("pkgx.")]:
             del sys.modules[name]
+
+
+def test_the_standby_receives_the_weights_while_it_imports_what_the_save_changed(make_engine, tmp_path, monkeypatch):
+    """The stopping server waits for the standby's copy, not for its re-import of the edit's modules: the offer is
+    answered while `refresh` is still running (a refresh that waits for the answer would never end)."""
+    import threading
+
+    from tsdev.launch import standby
+    from tsdev_runtime.weights import handover
+
+    engine, path = make_engine(), str(tmp_path / "w.sock")
+    monkeypatch.setenv(handover.ENV, path)
+    listener = handover.Listener(path)
+    open(handover.restart_marker(path), "w").close()
+    answered, outcome = threading.Event(), {}
+
+    def stop_the_old_server():
+        outcome["words"] = engine.runner.offer_weights(listener, engine.control.weights_loaded)
+        answered.set()
+
+    class Refreshing:
+        def refresh(self):
+            assert answered.wait(60), "the copy waited for the re-import"
+
+    old = threading.Thread(target=stop_the_old_server)
+    old.start()
+    received = standby.prepare(Refreshing())
+    old.join(60)
+    assert received is not None and received.tensors
+    assert outcome["words"].startswith(f"{len(received.tensors)} tensors copied by the standby")

@@ -172,6 +172,21 @@ def init_cuda(device: str) -> bool:
     return True
 
 
+def prepare(project: Project):
+    """The old server stops for a restart: connect to it (before it reaches its offer), then import again what the
+    save changed while a thread receives its weights and copies them (handover.py); what was received. The stopping
+    server waits for the copy (its memory is what the copy reads), not for the imports."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tsdev_runtime.weights import handover
+
+    offer = handover.connect()
+    with ThreadPoolExecutor(1, thread_name_prefix="handover") as pool:
+        receiving = pool.submit(handover.receive, offer)
+        project.refresh()
+        return receiving.result()
+
+
 def main() -> int:
     import fastapi  # noqa: F401  what every start imports first, and the slow part of it
     import httpx  # noqa: F401  the CLI's, the server's and the chat template's libraries, not the project's
@@ -202,11 +217,7 @@ def main() -> int:
     line = sys.stdin.readline()
     received = None
     if line.strip() == PREPARE:
-        from tsdev_runtime.weights import handover
-
-        offer = handover.connect()  # before the old server, stopping now, reaches its offer
-        project.refresh()
-        received = handover.receive(offer)  # its weights, copied, while it exits
+        received = prepare(project)
         line = sys.stdin.readline()
     if not line.strip():
         return 0
