@@ -9,6 +9,9 @@ serving again" from the restart line, each save --restart-gap seconds after the 
 takes the next start imports torch, Triton and the HTTP stack first, ~4 s on the H200 host: a save sooner than that
 waits for it); the servers' startup lines follow (where each restart's seconds went).
 
+The watch builds each saved text's kernels at its first sight, before the settle (docs/watch.md); with
+TSDEV_WATCH_BUILD_ON_SIGHT=0 in the environment only the reload builds them (an A/B of that).
+
 With `--ahead MS`, every other pair of cycles sends the fresh edit's text as an editor's unsaved buffer first
 (POST /v1/rl/engine/compile_ahead, what `tsdev reload --ahead` does) and saves it MS milliseconds later: the server
 builds its kernels while the old code serves, and the save's jit step finds them built. Fresh edits with and without

@@ -11,6 +11,15 @@ source "$(dirname "$0")/device-check.sh" --steps-only
 out=${OUT:-/tmp/device-out}
 parts=("$@")
 [ $# -gt 0 ] || parts=(mla ahead notebook)
+# The carried wheels byte-compiled once, as `pip install` does by default (device-setup.sh installs them with
+# --no-compile, which left a first start compiling fastapi's, pydantic's, rich's... modules: 5.7-6.7 s of "python and
+# the CLI" on 2026-12-08's H100, not what a user's fresh machine does); the project's own modules stay uncompiled, as
+# after `pip install -e .`. Every part that times a start or a standby runs it first.
+compile_wheels() {
+  [ -d /tmp/site ] && [ ! -e /tmp/site/.compiled ] || return 0
+  python3 -m compileall -q -j 0 /tmp/site >/dev/null 2>&1; touch /tmp/site/.compiled
+  echo "compiled the carried wheels' modules"
+}
 for part in "${parts[@]}"; do
   case $part in
     mla)
@@ -34,16 +43,23 @@ for part in "${parts[@]}"; do
       TAIL=15 step changed-tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests/test_fp8_block_gpu.py \
         tests/test_moe_gpu.py tests/test_kernel_checks_gpu.py
       TAIL=16 step restart 150 python3 benchmarks/save_to_serving.py --cycles 0 --restarts 2 ;;
-    restart) TAIL=16 step restart 240 python3 benchmarks/save_to_serving.py --cycles 0 --restarts 3 ;;
-    shipped)  # issue 67 point 3: a fresh machine's first start (every cache empty) with the manifest tsdev/warmup/ ships;
-      # the carried wheels byte-compiled first, as `pip install` does by default (device-setup.sh installs them with
-      # --no-compile, which left the first start compiling fastapi's, pydantic's, rich's... modules: not what a user's
-      # fresh machine does); the project's own modules stay uncompiled, as after `pip install -e .`
-      python3 -m compileall -q -j 0 /tmp/site >/dev/null 2>&1; echo "compiled the carried wheels' modules"
+    restart) compile_wheels; TAIL=16 step restart 240 python3 benchmarks/save_to_serving.py --cycles 0 --restarts 3 ;;
+    restart-ab)  # issue 67: the restart with the weights read (TSDEV_RESTART_WEIGHTS=read), then handed over
+      compile_wheels
+      TAIL=16 step restart-read 200 env TSDEV_RESTART_WEIGHTS=read python3 benchmarks/save_to_serving.py --cycles 0 \
+        --restarts 3 --restart-gap 10
+      TAIL=16 step restart-handover 200 python3 benchmarks/save_to_serving.py --cycles 0 --restarts 3 --restart-gap 10 ;;
+    sight-ab)  # issue 67: never-seen edits with each saved text built only by its reload, then also at its first sight
+      compile_wheels
+      TAIL=8 step sight-off 200 env TSDEV_WATCH_BUILD_ON_SIGHT=0 python3 benchmarks/save_to_serving.py --cycles 8 \
+        --restarts 0
+      TAIL=8 step sight-on 200 python3 benchmarks/save_to_serving.py --cycles 8 --restarts 0 ;;
+    shipped)  # issue 67 point 3: a fresh machine's first start (every cache empty) with the manifest tsdev/warmup/ ships
+      compile_wheels
       fresh=$(mktemp -d)
       TAIL=8 step fresh-shipped 240 env TSDEV_CACHE_DIR=$fresh/tsdev TRITON_CACHE_DIR=$fresh/triton \
         python3 benchmarks/startup.py --starts 1 -- --allow-reload-forward ;;
-    ahead) TAIL=16 step save-ahead 240 python3 benchmarks/save_to_serving.py --cycles 8 --restarts 2 --ahead 1000 ;;
+    ahead) compile_wheels; TAIL=16 step save-ahead 240 python3 benchmarks/save_to_serving.py --cycles 8 --restarts 2 --ahead 1000 ;;
     notebook) OUT=$out TAIL=30 step notebook 150 python3 scripts/notebook_drill.py ;;
     warmup)  # issue 67 point 3: a fresh machine's first start (caches empty), then one with only the warm-up manifest
       # the first wrote (Triton's cache emptied again; the default checkpoint the first wrote stays: compare the

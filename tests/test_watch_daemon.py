@@ -434,3 +434,11 @@ def test_a_saved_kernel_file_is_built_as_soon_as_it_is_seen_before_the_settled_r
     assert build.id.startswith(daemon.reloads.session)
     assert not [e for e in events if e.kind == "message" and "editor's buffer" in e.text]
     assert finished(events)[0].files == ["kernels/tsdev_kernels/ops/act.py"]
+
+
+def test_with_build_on_sight_off_only_the_reload_builds(tmp_path, monkeypatch):
+    monkeypatch.setenv("TSDEV_WATCH_BUILD_ON_SIGHT", "0")
+    project, server = make_project(tmp_path), FakeServer()
+    act = project / "kernels/tsdev_kernels/ops/act.py"
+    session(project, server, lambda daemon: act.write_text("def act(x):\n    return 5 * x\n"))
+    assert server.calls == ["reload"] and server.builds == []

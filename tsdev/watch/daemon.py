@@ -39,6 +39,7 @@ from tsdev.watch.watcher import Packages, Watcher
 from tsdev.watch.weights import CheckpointWatcher, WeightUpdates
 
 WEIGHTS_SETTLE = 0.2  # seconds: the least quiet time before a checkpoint directory is looked at
+BUILD_ON_SIGHT_ENV = "TSDEV_WATCH_BUILD_ON_SIGHT"  # "0": a save's kernels are built by its reload only (an A/B)
 QUIET_S = 10.0  # how long the checks wait for the server to capture its pending graphs
 
 
@@ -178,7 +179,8 @@ class Daemon:
                 await asyncio.to_thread(self.notebook.close)
 
     async def _watch(self) -> None:
-        async for changes in self.watcher.batches(self._stop, self._build_early):
+        early = None if os.environ.get(BUILD_ON_SIGHT_ENV) == "0" else self._build_early
+        async for changes in self.watcher.batches(self._stop, early):
             self.jobs.put(Saved(changes))
 
     def _build_early(self, path: Path, text: str) -> None:
