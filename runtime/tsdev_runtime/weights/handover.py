@@ -206,8 +206,8 @@ def receive(sock: socket.socket | None, wait_s: float = RECEIVE_WAIT_S) -> Recei
         load_fingerprint, copies = offered["fingerprint"], None
         try:
             copies = {name: tensor.clone() for name, tensor in offered["tensors"].items()}
-            if any(t.is_cuda for t in copies.values()):
-                torch.cuda.synchronize()
+            for device in {t.device for t in copies.values() if t.is_cuda}:  # the weights' GPU, not this thread's
+                torch.cuda.synchronize(device)
             answer = (f"{len(copies)} tensors copied by the standby in {time.perf_counter() - begin:.2f} s (mapped in "
                       f"{begin - mapped:.2f} s)")
         except Exception as exc:  # noqa: BLE001  (no room for a second copy, above all): the start reads instead
