@@ -168,6 +168,7 @@ class Daemon:
             return 0
         finally:
             self._stop.set()
+            tasks += self._early  # early builds still asked for
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
