@@ -4,6 +4,7 @@
 #   issue 67  save -> serving with the unsaved buffer compiled ahead against without (one server, alternating)
 #   issue 69  the notebook drill (the TUI's picture, tsdev history, the page)
 #   issue 67  (warmup) a fresh machine's first start against one with the warm-up manifest the first wrote
+#   issue 67  (sight-ab, restart-ab) never-seen edits without/with the first-sight build; restarts read/handed over
 # run: source scripts/device-setup.sh; bash scripts/device-wave5.sh mla; then (another call) ... ahead notebook
 #      (carry .whl .debs; all three together can pass the 10-minute limit of one call)
 set -u
