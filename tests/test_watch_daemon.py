@@ -13,8 +13,8 @@ SERVE_FLAGS = {"--device": True, "--port": True, "--cudagraph-capture-sizes": Tr
                "--model": True}
 
 
-async def running(project, server: FakeServer, events: list):
-    daemon = Daemon(WatchConfig(attach=URL, project=project, probe_batch=2, probe_steps=4), events.append,
+async def running(project, server: FakeServer, events: list, **config):
+    daemon = Daemon(WatchConfig(attach=URL, project=project, probe_batch=2, probe_steps=4, **config), events.append,
                     server.transport())
     task = asyncio.create_task(daemon.run())
     await until(lambda: any(e.kind == "message" and e.text.startswith("watching") for e in events))
@@ -417,8 +417,7 @@ def test_a_saved_kernel_file_is_built_as_soon_as_it_is_seen_before_the_settled_r
     act, text = project / "kernels/tsdev_kernels/ops/act.py", "def act(x):\n    return 4 * x\n"
 
     async def main():
-        daemon, task = await running(project, server, events)
-        daemon.watcher.settle = 0.3  # a long settle: the build is asked for well before it ends
+        daemon, task = await running(project, server, events, settle=0.3)  # the build asked for well before it ends
         act.write_text(text)
         await until(lambda: len(finished(events)) == 1)
         (project / "runtime/tsdev_runtime/layers/norm.py").write_text("X = (\n")  # mid-edit: does not parse
@@ -442,3 +441,11 @@ def test_with_build_on_sight_off_only_the_reload_builds(tmp_path, monkeypatch):
     act = project / "kernels/tsdev_kernels/ops/act.py"
     session(project, server, lambda daemon: act.write_text("def act(x):\n    return 5 * x\n"))
     assert server.calls == ["reload"] and server.builds == []
+
+
+@pytest.mark.parametrize("name, value", [("TSDEV_WATCH_BUILD_ON_SIGHT", "off"), ("TSDEV_RESTART_WEIGHTS", "reread")])
+def test_a_switch_with_a_value_it_does_not_know_is_refused_naming_the_values_it_takes(tmp_path, monkeypatch, name,
+                                                                                      value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"{name}='{value}': .*\\(.*\\) or "):
+        Daemon(WatchConfig(project=make_project(tmp_path)), lambda event: None)

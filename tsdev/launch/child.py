@@ -145,7 +145,10 @@ class ServerProcess:
         if api_key:
             extra["TSDEV_API_KEY"] = api_key
         self.keep_standby = standby and not prefix
-        if self.keep_standby and os.environ.get(RESTART_WEIGHTS_ENV, "handover") != "read":
+        if (weights := os.environ.get(RESTART_WEIGHTS_ENV, "handover")) not in ("handover", "read"):
+            raise ValueError(f"{RESTART_WEIGHTS_ENV}={weights!r}: handover (a restart's standby takes the stopping "
+                             "server's weights, the default) or read (it reads the checkpoint)")
+        if self.keep_standby and weights == "handover":
             # the server it replaces hands a restart's standby its weights through this socket
             extra[WEIGHTS_HANDOVER_ENV] = str(Path(tempfile.gettempdir()) / f"tsdev-{os.getpid()}-{id(self):x}.sock")
         environment = {k: v for k, v in os.environ.items() if k != WEIGHTS_HANDOVER_ENV}  # not a replica's

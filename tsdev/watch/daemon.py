@@ -51,6 +51,10 @@ class Daemon:
         from tsdev.hotreload import default_packages
 
         self.config, self.on_event = config, on_event
+        if (sight := os.environ.get(BUILD_ON_SIGHT_ENV, "1")) not in ("0", "1"):
+            raise ValueError(f"{BUILD_ON_SIGHT_ENV}={sight!r}: 0 (a save's kernels built by its reload only) or 1 "
+                             "(built at the save's first sight, the default)")
+        self.build_on_sight = sight == "1"
         self.packages = Packages.locate(default_packages(config.project), config.project)
         self.watcher = Watcher(self.packages, config.settle)
         server_args = list(config.server_args)
@@ -180,8 +184,7 @@ class Daemon:
                 await asyncio.to_thread(self.notebook.close)
 
     async def _watch(self) -> None:
-        early = None if os.environ.get(BUILD_ON_SIGHT_ENV) == "0" else self._build_early
-        async for changes in self.watcher.batches(self._stop, early):
+        async for changes in self.watcher.batches(self._stop, self._build_early if self.build_on_sight else None):
             self.jobs.put(Saved(changes))
 
     def _build_early(self, path: Path, text: str) -> None:
