@@ -135,9 +135,13 @@ class Changes:
 
 def _digest(path: Path) -> str | None:
     try:
-        return hashlib.blake2b(path.read_bytes(), digest_size=16).hexdigest()
+        return _hash(path.read_bytes())
     except OSError:  # gone again, or mid-rename
         return None
+
+
+def _hash(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 def _modified(path: Path) -> float:
@@ -201,7 +205,7 @@ class Watcher:
                 compile(text, str(p), "exec", dont_inherit=True)
             except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
                 continue
-            digest = hashlib.blake2b(data, digest_size=16).hexdigest()
+            digest = _hash(data)
             if digest != self.seen.get(str(p)) and digest != self.sighted.get(str(p)):
                 self.sighted[str(p)] = digest
                 early(p, text)
