@@ -52,7 +52,7 @@ def peer_config(folder: Path, experts: int, intermediate: int, kind: str, tokens
     for name in (gpu, sibling):
         path = folder / "configs" / f"E={experts},N={intermediate},device_name={name}{suffix}.json"
         if name and path.exists():
-            table = {int(m): c for m, c in json.loads(path.read_text()).items()}
+            table = {int(m): c for m, c in json.loads(path.read_text()).items() if m != "triton_version"}
             return table[min(table, key=lambda m: abs(m - tokens))], path.name
     if kind == "block":
         return dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=32, num_warps=4,
