@@ -14,7 +14,7 @@ import gzip
 from collections import Counter
 
 KINDS = (("decode attention", ("_decode_kernel",)), ("prefill attention", ("_prefill_kernel",)),
-         ("GEMM", ("nvjet", "gemm", "cublas", "_skinny_kernel", "_gemv_kernel", "splitKreduce")),
+         ("GEMM", ("nvjet", "gemm", "cublas", "_skinny_kernel", "_gemv_kernel", "_gemv_norm_kernel", "splitKreduce")),
          ("copies", ("[CUDA memcpy", "[CUDA memset")))
 
 

@@ -30,11 +30,13 @@ def main() -> None:
                           SPLIT=split, STORE=store, ORDERED=ordered, PRECISION="tf32", PDL=True, QUANTIZED=kv == FP8,
                           DOT=tl.float16 if kv == FP8 else tl.bfloat16,
                           V_IN_REGISTERS=kv == FP8), num_warps=4, num_stages=3)
-    for norm_in, gated, fp8 in ((True, True, False), (True, False, False), (False, False, True)):
-        compile_sm90(linear._gemv_kernel,
-                     dict(X=BF16, R=BF16, NW=BF16, W="*fp8e4nv" if fp8 else BF16, B=BF16, S=F32, OUT=BF16, R_OUT=BF16),
-                     dict(NORM=norm_in, HAS_RESIDUAL=norm_in, GATED=gated, HAS_BIAS=False, HAS_SCALE=fp8, BLOCK_N=4,
-                          BLOCK_K=1024, PDL=True), num_warps=2, num_stages=3)
+    for gated in (True, False):
+        compile_sm90(linear._gemv_norm_kernel,
+                     dict(X=BF16, R=BF16, NW=BF16, W=BF16, B=BF16, S=F32, OUT=BF16, R_OUT=BF16),
+                     dict(HAS_RESIDUAL=True, GATED=gated, HAS_BIAS=False, HAS_SCALE=False, BLOCK_N=4, BLOCK_K=1024,
+                          PDL=True), num_warps=2, num_stages=3)
+    compile_sm90(linear._gemv_kernel, dict(X=BF16, W="*fp8e4nv", B=BF16, S=F32, OUT=BF16),
+                 dict(HAS_BIAS=False, HAS_SCALE=True, BLOCK_N=4, BLOCK_K=1024, PDL=True), num_warps=2, num_stages=3)
     compile_sm90(rope._rope_kernel,
                  dict(Q=BF16, K=BF16, QW=BF16, KW=BF16, Q_OUT=BF16, K_OUT=BF16, POS=I64, COS_SIN=F32),
                  dict(HALF=64, BLOCK_HQ=16, BLOCK_HK=8, BLOCK_HALF=64, NORM=True, PDL=True), num_warps=4)

@@ -24,7 +24,7 @@ def test_decode_path_kernels_compile_for_sm90():
         if line.startswith("compiled "):
             shared.setdefault(line.split()[1], set()).add(int(line.split()[3]))
     # each compile that ran succeeded (the exit status); the decode path's kernels were among them (a new one may join)
-    assert {"_decode_kernel", "_gemv_kernel", "_rope_kernel", "_store_kvcache_kernel", "_rms_norm_kernel",
-            "_silu_and_mul_kernel", "_skinny_kernel", "_rms_norm_gluon_kernel"} <= set(shared)
+    assert {"_decode_kernel", "_gemv_kernel", "_gemv_norm_kernel", "_rope_kernel", "_store_kvcache_kernel",
+            "_rms_norm_kernel", "_silu_and_mul_kernel", "_skinny_kernel", "_rms_norm_gluon_kernel"} <= set(shared)
     # the Gluon RMSNorm reduces each row within one warp: no shared memory, where Triton's sums across warps in it
     assert shared["_rms_norm_gluon_kernel"] == {0} and min(shared["_rms_norm_kernel"]) > 0

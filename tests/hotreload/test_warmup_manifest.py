@@ -166,3 +166,27 @@ def test_a_fresh_machine_takes_the_manifest_shipped_for_its_configuration(tmp_pa
     pool.finish.set()
     started.wait()
     assert not started.shipped.is_alive()
+
+
+def test_every_shipped_manifest_entry_fits_the_kernel_it_names():
+    """A shipped entry that no longer fits its kernel (renamed, an argument added or moved) costs a fresh machine a
+    failed compile and a warm-up compile in its place: each names a kernel of its module with exactly the entry's
+    arguments, in order, its constexprs at constexpr parameters."""
+    import importlib
+    import json
+
+    from triton.runtime.jit import JITFunction
+
+    from tsdev.launch import serve
+
+    files = sorted(serve.SHIPPED_WARMUP.glob("*.json"))
+    assert files
+    for path in files:
+        for entry in json.loads(path.read_text()):
+            where = f"{path.name}: {entry['module']}.{entry['name']}"
+            found = getattr(importlib.import_module(entry["module"]), entry["name"], None)
+            assert hasattr(found, "fn"), f"{where} is no kernel"
+            kernel = JITFunction(found.fn)  # (as a GPU's JIT sees it; under the interpreter the module holds another)
+            assert list(entry["signature"]) == list(kernel.arg_names), where
+            constexprs = {kernel.arg_names[i] for (i,), _ in entry["constexprs"]}
+            assert {p.name for p in kernel.params if p.is_constexpr} <= constexprs, where

@@ -31,49 +31,57 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 
 @triton.jit
-def _gemv_kernel(X, R, NW, W, B, S, OUT, R_OUT, N, K, stride_wn, eps,
-                 NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _gemv_kernel(X, W, B, S, OUT, N, K, stride_wn, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     dt = OUT.dtype.element_ty
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     col_ok = cols < N
     rows = W + cols[:, None].to(tl.int64) * stride_wn
-    up_rows = rows + N * stride_wn  # GATED: the up projection's rows follow the gate's
     # the first chunk of weights is read before waiting for the kernel that writes x (weights never change
     # within a step)
     w = tl.load(rows + ks[None, :], mask=col_ok[:, None] & (ks < K)[None, :], other=0.0)
-    if GATED:
-        u = tl.load(up_rows + ks[None, :], mask=col_ok[:, None] & (ks < K)[None, :], other=0.0)
     wait_for_previous(PDL)
-    if NORM:  # x = rms_norm(x + residual) over the whole row (BLOCK_K >= K), rounded where norm.py rounds
-        k_ok = ks < K
-        x = tl.load(X + ks, mask=k_ok, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            x = (x + tl.load(R + ks, mask=k_ok, other=0.0).to(tl.float32)).to(dt)
-            if tl.program_id(0) == 0:
-                tl.store(R_OUT + ks, x, mask=k_ok)
-            x = x.to(tl.float32)
-        x = rms_norm_values(x, tl.load(NW + ks, mask=k_ok, other=0.0).to(tl.float32), K, eps, dt).to(dt).to(tl.float32)
-    if NORM:  # the whole row is one chunk: no loop
-        acc = w.to(tl.float32) * x[None, :]
-        acc_up = u.to(tl.float32) * x[None, :] if GATED else acc
-    else:
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            x = tl.load(X + k0 + ks, mask=(k0 + ks) < K, other=0.0).to(tl.float32)
-            acc += w.to(tl.float32) * x[None, :]
-            if GATED:
-                acc_up += u.to(tl.float32) * x[None, :]
-            nk = k0 + BLOCK_K + ks
-            w = tl.load(rows + nk[None, :], mask=col_ok[:, None] & (nk < K)[None, :], other=0.0)
-            if GATED:
-                u = tl.load(up_rows + nk[None, :], mask=col_ok[:, None] & (nk < K)[None, :], other=0.0)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(X + k0 + ks, mask=(k0 + ks) < K, other=0.0).to(tl.float32)
+        acc += w.to(tl.float32) * x[None, :]
+        nk = k0 + BLOCK_K + ks
+        w = tl.load(rows + nk[None, :], mask=col_ok[:, None] & (nk < K)[None, :], other=0.0)
     y = _finish_row(tl.sum(acc, axis=1), cols, col_ok, B, S, HAS_BIAS, HAS_SCALE)
+    tl.store(OUT + cols, y.to(dt), mask=col_ok)
+
+
+@triton.jit
+def _gemv_norm_kernel(X, R, NW, W, B, S, OUT, R_OUT, N, K, stride_wn, eps, HAS_RESIDUAL: tl.constexpr,
+                      GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """`_gemv_kernel` with the norm in front (the whole row one chunk, BLOCK_K >= K) and, GATED, the activation
+    after: a kernel of its own, so that an edit of the norm's or the activation's Triton code builds only these
+    variants again, not the plain projections."""
+    dt = OUT.dtype.element_ty
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    col_ok = cols < N
+    k_ok = ks < K
+    rows = W + cols[:, None].to(tl.int64) * stride_wn
+    w = tl.load(rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+    if GATED:  # the up projection's rows follow the gate's
+        u = tl.load(rows + N * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+    wait_for_previous(PDL)
+    # x = rms_norm(x + residual), rounded where norm.py rounds
+    x = tl.load(X + ks, mask=k_ok, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        x = (x + tl.load(R + ks, mask=k_ok, other=0.0).to(tl.float32)).to(dt)
+        if tl.program_id(0) == 0:
+            tl.store(R_OUT + ks, x, mask=k_ok)
+        x = x.to(tl.float32)
+    x = rms_norm_values(x, tl.load(NW + ks, mask=k_ok, other=0.0).to(tl.float32), K, eps, dt).to(dt).to(tl.float32)
+    y = _finish_row(tl.sum(w.to(tl.float32) * x[None, :], axis=1), cols, col_ok, B, S, HAS_BIAS, HAS_SCALE)
     if GATED:  # silu(gate) * up, each rounded where activation.py rounds after the projection's rounding
         gate = y.to(dt).to(tl.float32)
-        up = _finish_row(tl.sum(acc_up, axis=1), cols + N, col_ok, B, S, HAS_BIAS, HAS_SCALE).to(dt).to(tl.float32)
+        up = _finish_row(tl.sum(u.to(tl.float32) * x[None, :], axis=1), cols + N, col_ok, B, S, HAS_BIAS,
+                         HAS_SCALE).to(dt).to(tl.float32)
         y = silu_and_mul_values(gate, up, dt)
     tl.store(OUT + cols, y.to(dt), mask=col_ok)
 
@@ -140,8 +148,9 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     K, N = x.shape[-1], weight.shape[0]
     if x.numel() != K:
         raise ValueError(f"gemv_triton multiplies one row; x has shape {tuple(x.shape)}")
-    if residual is not None and norm_weight is None:
-        raise ValueError("gemv_triton adds a residual only in front of its norm: pass norm_weight with it")
+    if (residual is not None or gated) and norm_weight is None:
+        raise ValueError("gemv_triton adds a residual and applies the activation only around its norm: pass "
+                         "norm_weight with them")
     x = x.contiguous()
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
@@ -152,13 +161,18 @@ def gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     out = torch.empty(*x.shape[:-1], n_out, dtype=x.dtype, device=x.device)
     r_out = torch.empty_like(x) if residual is not None else x
     use_pdl = pdl(x)
-    _gemv_kernel[(triton.cdiv(n_out, block_n or default_n),)](
-        x, residual.contiguous() if residual is not None else x, norm_weight if norm else x, weight,
-        bias if bias is not None else weight, weight_scale if weight_scale is not None else weight, out, r_out,
-        n_out, K, weight.stride(0), eps, NORM=norm, HAS_RESIDUAL=residual is not None, GATED=gated,
-        HAS_BIAS=bias is not None, HAS_SCALE=weight_scale is not None, BLOCK_N=block_n or default_n, BLOCK_K=block_k,
-        PDL=use_pdl, num_warps=num_warps or default_warps, num_stages=num_stages, launch_pdl=use_pdl,
-    )
+    grid = (triton.cdiv(n_out, block_n or default_n),)
+    scale = weight_scale if weight_scale is not None else weight
+    config = dict(HAS_BIAS=bias is not None, HAS_SCALE=weight_scale is not None, BLOCK_N=block_n or default_n,
+                  BLOCK_K=block_k, PDL=use_pdl, num_warps=num_warps or default_warps, num_stages=num_stages,
+                  launch_pdl=use_pdl)
+    if norm:
+        _gemv_norm_kernel[grid](x, residual.contiguous() if residual is not None else x, norm_weight, weight,
+                                bias if bias is not None else weight, scale, out, r_out, n_out, K, weight.stride(0),
+                                eps, HAS_RESIDUAL=residual is not None, GATED=gated, **config)
+    else:
+        _gemv_kernel[grid](x, weight, bias if bias is not None else weight, scale, out, n_out, K, weight.stride(0),
+                           **config)
     return (out, r_out) if norm else out
 
 
@@ -272,7 +286,7 @@ CHECKS = [
                 shapes=lambda s: [(1, s.intermediate, s.hidden)] if 1 in s.tokens else [],
                 inputs=_linear_inputs, kernel=gemv_triton, reference=linear_ref, tolerance=MATMUL_TOLERANCE,
                 cost=matmul_cost),
-    KernelCheck(op="gemv_norm_gate_up", kernels=("_gemv_kernel",),
+    KernelCheck(op="gemv_norm_gate_up", kernels=("_gemv_norm_kernel",),
                 shapes=lambda s: [(1, s.hidden, 2 * s.intermediate)] if 1 in s.tokens else [],
                 inputs=_fused_inputs, kernel=lambda x, r, nw, w: gemv_triton(x, w, residual=r, norm_weight=nw,
                                                                               eps=1e-6, gated=True),
