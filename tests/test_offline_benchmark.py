@@ -44,8 +44,10 @@ def test_the_workload_reports_the_hosts_time_per_step_and_a_slower_host_shows_in
 
     plain = host_ms()
     prepare = ModelRunner.host_inputs
-    monkeypatch.setattr(ModelRunner, "host_inputs", lambda self, batch: time.sleep(0.1) or prepare(self, batch))
+    # every step prepares its inputs once: a sleep of twice the plain run's host time per step (at least 100 ms; a
+    # loaded 2-core machine's plain steps took 37 and 193 ms in CI) in each makes it slower whatever the load
+    pause_ms = max(100.0, 2 * plain)
+    monkeypatch.setattr(ModelRunner, "host_inputs",
+                        lambda self, batch: time.sleep(pause_ms / 1e3) or prepare(self, batch))
     slow = host_ms()
-    # every step prepares its inputs once: 100 ms more each, at least (a sleep is never shorter). Not `plain + 100`:
-    # on a loaded 2-core machine the first workload's own steps took 37 ms against 12 (CI, 2026-12-07)
-    assert 0 < plain < slow and slow >= 100, (plain, slow)
+    assert 0 < plain < slow and slow >= pause_ms, (plain, slow, pause_ms)  # (a sleep is never shorter)
