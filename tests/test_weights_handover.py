@@ -45,6 +45,8 @@ def test_a_restart_serves_the_handed_over_weights_without_reading_the_checkpoint
     expected, checksum = greedy(old), weights_checksum(old.runner.model)
     outcome, received = hand_over(old, tmp_path / "w.sock")
     assert received is not None and outcome.startswith(f"{len(received.tensors)} tensors copied by the standby in ")
+    assert "one buffer of" in outcome  # packed: one allocation mapped, one copy
+    assert len({t.untyped_storage().data_ptr() for t in received.tensors.values()}) == 1
     assert "this server waited" in outcome and "its answer" in outcome  # where the stopping server's wait went
     assert not old.runner.kv_cache.untyped_storage().nbytes()  # the stopping server freed its KV pool first
     del old
@@ -115,3 +117,31 @@ def test_tensors_that_do_not_fit_the_model_built_now_are_refused_before_any_copy
     tensors.pop(next(iter(tensors)))
     with pytest.raises(ValueError, match="do not fit"):
         loader.adopt_weights(engine.runner.model, tensors)
+
+
+def test_tensors_are_offered_one_by_one_where_there_is_no_room_to_pack_them(make_engine, tmp_path, monkeypatch):
+    old = make_engine()
+    expected = greedy(old)
+    monkeypatch.setattr(handover, "pack", lambda tensors: None)  # (a device without room for a second copy)
+    outcome, received = hand_over(old, tmp_path / "w.sock")
+    assert received is not None and "one by one" in outcome
+    handover.hold(received)
+    new = make_engine()
+    assert new.runner.load_report.format == "handed over" and greedy(new) == expected
+
+
+def test_packing_keeps_every_tensors_dtype_shape_and_values():
+    import torch
+
+    tensors = {"w": torch.randn(5, 7, dtype=torch.bfloat16), "t": torch.randn(6, 3).t(),  # not contiguous
+               "s": torch.tensor(2.5), "e": torch.empty(0, 4), "q": torch.randn(3, 4).to(torch.float8_e4m3fn),
+               "i": torch.arange(9, dtype=torch.int64)}
+    packed = handover.pack(tensors)
+    assert packed["packed"].dtype == torch.uint8 and packed["packed"].dim() == 1
+    for name, tensor in tensors.items():
+        got = handover._unpacked(packed["packed"], packed["places"][name])
+        assert got.dtype == tensor.dtype and got.shape == tensor.shape
+        assert torch.equal(got.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else got,
+                           tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor)
+        assert not got.numel() or (got.data_ptr() - packed["packed"].data_ptr()) % handover.PACK_ALIGN == 0
+    assert handover.pack({"a": torch.zeros(2), "b": torch.zeros(2, device="meta")}) is None  # two devices

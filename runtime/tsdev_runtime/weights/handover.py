@@ -8,7 +8,9 @@ receiver maps the sender's memory and copies it device to device), on the CPU th
   `restart_marker`, after the engine has stopped) it frees the KV pool and the graphs, then `offer`s every
   parameter and persistent buffer with the load's fingerprint to the standby once it connects, and waits for its
   answer before the process exits (the sender's memory is what the receiver maps: it must live until the copy is
-  done);
+  done). The tensors go packed into one buffer where the freed pool leaves room for it (`pack`): one allocation
+  for the receiver to map and one copy to make, where each tensor offered as itself costs a mapping of its
+  allocation, an IPC event and a copy of its own;
 * the standby connects when it is told to prepare (`connect`, then `receive`; a standby still importing when the
   restart came connects once it is done, and the stopping server waits for it), copies what it is offered into its
   own memory and answers; the start that follows (`take`) builds its model and copies the tensors
@@ -100,6 +102,34 @@ def _dumps(value) -> bytes:
     return buffer.getvalue()
 
 
+PACK_ALIGN = 256  # bytes: where each packed tensor starts (a view of any dtype, aligned as an allocation is)
+
+
+def pack(tensors: dict[str, torch.Tensor]) -> dict | None:
+    """Every tensor's bytes copied into one uint8 buffer on their device, with where each lies; None where they are
+    not all on one device or the device has no room for the copy (then each is offered as itself)."""
+    devices = {t.device for t in tensors.values()}
+    if len(devices) != 1:
+        return None
+    places, size = {}, 0
+    for name, tensor in tensors.items():
+        places[name] = (size, tensor.dtype, tuple(tensor.shape))
+        size += -(-tensor.numel() * tensor.element_size() // PACK_ALIGN) * PACK_ALIGN
+    try:
+        packed = torch.empty(size, dtype=torch.uint8, device=devices.pop())
+    except torch.OutOfMemoryError:
+        return None
+    for name, tensor in tensors.items():
+        _unpacked(packed, places[name]).copy_(tensor)
+    return {"packed": packed, "places": places}
+
+
+def _unpacked(packed: torch.Tensor, place: tuple) -> torch.Tensor:
+    offset, dtype, shape = place
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    return packed[offset:offset + nbytes].view(dtype).view(shape)
+
+
 class Listener:
     """The socket a loaded server listens on (`ENV`) until it stops and offers its weights (`open`: None where the
     environment names none, or with more than one rank)."""
@@ -142,7 +172,8 @@ class Listener:
         with peer:
             peer.settimeout(wait_s)
             try:
-                _send(peer, _dumps({"fingerprint": load_fingerprint, "tensors": tensors}))
+                offer = pack(tensors) or {"tensors": tensors}
+                _send(peer, _dumps({"fingerprint": load_fingerprint, **offer}))
                 sent = time.perf_counter()
                 answer = _recv(peer).decode()
             except (OSError, ConnectionError) as exc:
@@ -151,7 +182,8 @@ class Listener:
         # re-importing what the save changed), to copy
         answered = time.perf_counter()
         return (f"{answer}; this server waited {answered - begin:.2f} s (the standby connecting "
-                f"{connected - begin:.2f}, the offer sent {sent - connected:.2f}, its answer {answered - sent:.2f})")
+                f"{connected - begin:.2f}, the offer packed and sent {sent - connected:.2f}, its answer "
+                f"{answered - sent:.2f})")
 
     @property
     def restarting(self) -> bool:
@@ -205,11 +237,17 @@ def receive(sock: socket.socket | None, wait_s: float = RECEIVE_WAIT_S) -> Recei
         del payload
         load_fingerprint, copies = offered["fingerprint"], None
         try:
-            copies = {name: tensor.clone() for name, tensor in offered["tensors"].items()}
+            if "packed" in offered:  # one copy, then a view per tensor
+                packed = offered["packed"].clone()
+                copies = {name: _unpacked(packed, place) for name, place in offered["places"].items()}
+                how = f"one buffer of {packed.numel() / 2**20:.0f} MiB"
+            else:
+                copies = {name: tensor.clone() for name, tensor in offered["tensors"].items()}
+                how = "one by one"
             for device in {t.device for t in copies.values() if t.is_cuda}:  # the weights' GPU, not this thread's
                 torch.cuda.synchronize(device)
-            answer = (f"{len(copies)} tensors copied by the standby in {time.perf_counter() - begin:.2f} s (mapped in "
-                      f"{begin - mapped:.2f} s)")
+            answer = (f"{len(copies)} tensors copied by the standby in {time.perf_counter() - begin:.2f} s ({how}, "
+                      f"mapped in {begin - mapped:.2f} s)")
         except Exception as exc:  # noqa: BLE001  (no room for a second copy, above all): the start reads instead
             copies = None
             answer = f"the standby could not copy them ({str(exc).splitlines()[0][:120]})"
