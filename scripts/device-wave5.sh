@@ -60,6 +60,12 @@ for part in "${parts[@]}"; do
       fresh=$(mktemp -d)
       TAIL=8 step fresh-shipped 240 env TSDEV_CACHE_DIR=$fresh/tsdev TRITON_CACHE_DIR=$fresh/triton \
         python3 benchmarks/startup.py --starts 1 -- --allow-reload-forward ;;
+    shipped-workers)  # issue 67 point 3: the same fresh first start with the compile pool at 14 workers (the default
+      # is half the cores, at most 8): whether the pool's compiles bound a fresh machine's warm-up
+      compile_wheels
+      fresh=$(mktemp -d)
+      TAIL=8 step fresh-shipped-14 240 env TSDEV_CACHE_DIR=$fresh/tsdev TRITON_CACHE_DIR=$fresh/triton \
+        python3 benchmarks/startup.py --starts 1 -- --allow-reload-forward --compile-workers 14 ;;
     ahead) compile_wheels; TAIL=16 step save-ahead 240 python3 benchmarks/save_to_serving.py --cycles 8 --restarts 2 --ahead 1000 ;;
     notebook) OUT=$out TAIL=30 step notebook 150 python3 scripts/notebook_drill.py ;;
     warmup)  # issue 67 point 3: a fresh machine's first start (caches empty), then one with only the warm-up manifest
@@ -73,6 +79,6 @@ for part in "${parts[@]}"; do
       rm -rf "$TRITON_CACHE_DIR"
       TAIL=8 step fresh-with-manifest 240 python3 benchmarks/startup.py --starts 1 -- --allow-reload-forward
       unset TSDEV_CACHE_DIR TRITON_CACHE_DIR ;;
-    *) echo "unknown part $part (mla, mla-auto, mla-small, fp8-target, moe-peer, changed, restart, shipped, ahead, notebook, warmup)"; exit 2 ;;
+    *) echo "unknown part $part (mla, mla-auto, mla-small, fp8-target, moe-peer, changed, restart, restart-ab, sight-ab, shipped, shipped-workers, ahead, notebook, warmup)"; exit 2 ;;
   esac
 done
