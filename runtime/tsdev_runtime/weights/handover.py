@@ -117,10 +117,11 @@ def pack(tensors: dict[str, torch.Tensor]) -> dict | None:
         size += -(-tensor.numel() * tensor.element_size() // PACK_ALIGN) * PACK_ALIGN
     try:
         packed = torch.empty(size, dtype=torch.uint8, device=devices.pop())
-    except torch.OutOfMemoryError:
+        for name, tensor in tensors.items():
+            _unpacked(packed, places[name]).copy_(tensor)
+    except RuntimeError as exc:  # (torch.OutOfMemoryError above all)
+        log.info("weights offered one by one: no packed copy (%s)", str(exc).splitlines()[0][:120])
         return None
-    for name, tensor in tensors.items():
-        _unpacked(packed, places[name]).copy_(tensor)
     return {"packed": packed, "places": places}
 
 
