@@ -145,3 +145,18 @@ def test_packing_keeps_every_tensors_dtype_shape_and_values():
                            tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor)
         assert not got.numel() or (got.data_ptr() - packed["packed"].data_ptr()) % handover.PACK_ALIGN == 0
     assert handover.pack({"a": torch.zeros(2), "b": torch.zeros(2, device="meta")}) is None  # two devices
+
+
+def test_a_gpu_without_room_for_the_packed_copy_and_the_standbys_offers_the_tensors_one_by_one(monkeypatch):
+    """Packing holds a second copy on the stopping server's GPU while the standby makes its own: three copies of the
+    weights at once where one by one needs two. A large model must not lose its hand-over to the packing."""
+    import torch
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * gib))
+    cuda = torch.device("cuda", 0)
+    free = 70 * gib
+    assert handover.room_for_two_copies(cuda, 30 * gib)
+    free = 50 * gib  # a 30 GiB model's server after freeing its pool: the standby's copy fits, both do not
+    assert not handover.room_for_two_copies(cuda, 30 * gib)
+    assert handover.room_for_two_copies(torch.device("cpu"), 30 * gib)

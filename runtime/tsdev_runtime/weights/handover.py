@@ -8,7 +8,7 @@ receiver maps the sender's memory and copies it device to device), on the CPU th
   `restart_marker`, after the engine has stopped) it frees the KV pool and the graphs, then `offer`s every
   parameter and persistent buffer with the load's fingerprint to the standby once it connects, and waits for its
   answer before the process exits (the sender's memory is what the receiver maps: it must live until the copy is
-  done). The tensors go packed into one buffer where the freed pool leaves room for it (`pack`): one allocation
+  done). The tensors go packed into one buffer where the freed pool leaves room for it and the standby's copy (`pack`): one allocation
   for the receiver to map and one copy to make, where each tensor offered as itself costs a mapping of its
   allocation, an IPC event and a copy of its own;
 * the standby connects when it is told to prepare (`connect`, then `receive`; a standby still importing when the
@@ -103,11 +103,13 @@ def _dumps(value) -> bytes:
 
 
 PACK_ALIGN = 256  # bytes: where each packed tensor starts (a view of any dtype, aligned as an allocation is)
+PACK_SLACK = 512 << 20  # bytes a GPU keeps free beyond the packed copy and the standby's
 
 
 def pack(tensors: dict[str, torch.Tensor]) -> dict | None:
     """Every tensor's bytes copied into one uint8 buffer on their device, with where each lies; None where they are
-    not all on one device or the device has no room for the copy (then each is offered as itself)."""
+    not all on one device or the GPU has no room for the packed copy and the standby's copy of it both (then each is
+    offered as itself: the standby's copy alone must fit)."""
     devices = {t.device for t in tensors.values()}
     if len(devices) != 1:
         return None
@@ -115,14 +117,24 @@ def pack(tensors: dict[str, torch.Tensor]) -> dict | None:
     for name, tensor in tensors.items():
         places[name] = (size, tensor.dtype, tuple(tensor.shape))
         size += -(-tensor.numel() * tensor.element_size() // PACK_ALIGN) * PACK_ALIGN
+    device = devices.pop()
+    if not room_for_two_copies(device, size):
+        log.info("weights offered one by one: no room for a packed copy of %.1f GiB beside the standby's", size / 2**30)
+        return None
     try:
-        packed = torch.empty(size, dtype=torch.uint8, device=devices.pop())
+        packed = torch.empty(size, dtype=torch.uint8, device=device)
         for name, tensor in tensors.items():
             _unpacked(packed, places[name]).copy_(tensor)
     except RuntimeError as exc:  # (torch.OutOfMemoryError above all)
         log.info("weights offered one by one: no packed copy (%s)", str(exc).splitlines()[0][:120])
         return None
     return {"packed": packed, "places": places}
+
+
+def room_for_two_copies(device: torch.device, size: int) -> bool:
+    """Whether `device` has `size` bytes free twice over (the packed copy here, the standby's of it), and some;
+    a CPU is not asked."""
+    return device.type != "cuda" or torch.cuda.mem_get_info(device)[0] >= 2 * size + PACK_SLACK
 
 
 def _unpacked(packed: torch.Tensor, place: tuple) -> torch.Tensor:
