@@ -8,9 +8,9 @@ receiver maps the sender's memory and copies it device to device), on the CPU th
   `restart_marker`, after the engine has stopped) it frees the KV pool and the graphs, then `offer`s every
   parameter and persistent buffer with the load's fingerprint to the standby once it connects, and waits for its
   answer before the process exits (the sender's memory is what the receiver maps: it must live until the copy is
-  done). The tensors go packed into one buffer where the freed pool leaves room for it and the standby's copy (`pack`): one allocation
-  for the receiver to map and one copy to make, where each tensor offered as itself costs a mapping of its
-  allocation, an IPC event and a copy of its own;
+  done). The tensors go packed into one buffer where the freed pool leaves room for it and the standby's copy
+  (`pack`): one allocation for the receiver to map and one copy to make, where each tensor offered as itself costs a
+  mapping of its allocation, an IPC event and a copy of its own;
 * the standby connects when it is told to prepare (`connect`, then `receive`; a standby still importing when the
   restart came connects once it is done, and the stopping server waits for it), copies what it is offered into its
   own memory and answers; the start that follows (`take`) builds its model and copies the tensors
