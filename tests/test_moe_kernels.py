@@ -275,11 +275,11 @@ def test_gemm_skips_unused_blocks_and_writes_only_real_slots():
     sorted_ids, expert_ids, _ = moe.moe_align_triton(ids, E, 16)
     assert (expert_ids == -1).any()  # the allocation's spare blocks
     inter = torch.full((T * K, I), float("nan"))
-    moe._moe_gemm[(expert_ids.numel(), 2)](x, x, w13, x, inter, sorted_ids, expert_ids, x, I, H, T * K, K,
-                                           x.stride(0), 0, w13.stride(0), w13.stride(1), 0, 0, inter.stride(0),
-                                           GATED=True, MUL_WEIGHT=False, HAS_SCALE=False, A_FP8=False,
-                                           SCALE_BLOCK_N=0, QUANTIZE_A=False, F32_DOT=True, FP8_WGMMA=False,
-                                           BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, PDL=False)
+    moe._moe_gated_gemm[(expert_ids.numel(), 2)](x, x, w13, x, inter, sorted_ids, expert_ids, x, I, H, T * K, K,
+                                                 x.stride(0), 0, w13.stride(0), w13.stride(1), 0, 0, inter.stride(0),
+                                                 MUL_WEIGHT=False, HAS_SCALE=False, A_FP8=False, SCALE_BLOCK_N=0,
+                                                 QUANTIZE_A=False, F32_DOT=True, FP8_WGMMA=False, BLOCK_M=16,
+                                                 BLOCK_N=16, BLOCK_K=16, PDL=False)
     flat = ids.reshape(-1).long()
     gu = torch.einsum("sh,sih->si", x[torch.arange(T * K) // K], w13[flat])
     torch.testing.assert_close(inter, F.silu(gu[:, :I]) * gu[:, I:], **TOL)

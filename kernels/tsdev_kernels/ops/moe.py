@@ -238,12 +238,13 @@ def _dot(a, w, acc, F32_DOT: tl.constexpr, EXACT_FP8: tl.constexpr):
 
 @triton.jit
 def _moe_gemm(A, A_S, W, S, OUT, SORTED, EXPERT_IDS, TOPK_W, N, K, num_slots, a_div, stride_am, stride_as,
-              stride_we, stride_wn, stride_se, stride_sb, stride_om, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+              stride_we, stride_wn, stride_se, stride_sb, stride_om, MUL_WEIGHT: tl.constexpr,
               HAS_SCALE: tl.constexpr, A_FP8: tl.constexpr, SCALE_BLOCK_N: tl.constexpr, QUANTIZE_A: tl.constexpr,
               F32_DOT: tl.constexpr, FP8_WGMMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """OUT[slot, n] for the block's slots and BLOCK_N columns: A's row slot // a_div @ W[expert].T, float32 sums.
-    GATED: W's rows n (gate) and N + n (up), written as silu(gate) * up. MUL_WEIGHT: times TOPK_W[slot].
+    MUL_WEIGHT: times TOPK_W[slot]. (`_moe_gated_gemm`: the same over gate and up rows, written as
+    silu(gate) * up.)
     HAS_SCALE: W is e4m3 with a scale per (expert, row): each sum times S[expert, row]; A_FP8: A is e4m3 too, with a
     scale per row (A_S[slot // a_div]), the tiles multiplied as e4m3 (Hopper's FP8 tensor cores) and each sum times
     its row's scale; else W converted exactly to A's dtype for tl.dot. SCALE_BLOCK_N (a block-FP8 checkpoint's
@@ -259,12 +260,44 @@ def _moe_gemm(A, A_S, W, S, OUT, SORTED, EXPERT_IDS, TOPK_W, N, K, num_slots, a_
     tl.dot returns garbage (~1e10); a bf16 or e4m3 product is exact in float32, so only the order of the sums
     differs."""
     wait_for_previous(PDL)
-    block = tl.program_id(0)
-    expert = tl.load(EXPERT_IDS + block)
+    expert = tl.load(EXPERT_IDS + tl.program_id(0))
+    if expert < 0:  # past the used blocks
+        return
+    acc, _, slots, row_ok, cols, col_ok = _moe_tiles(
+        A, A_S, W, S, SORTED, expert, N, K, num_slots, a_div, stride_am, stride_as, stride_we, stride_wn, stride_se,
+        stride_sb, False, HAS_SCALE, A_FP8, SCALE_BLOCK_N, QUANTIZE_A, F32_DOT, FP8_WGMMA, BLOCK_M, BLOCK_N, BLOCK_K)
+    _moe_store(OUT, TOPK_W, acc.to(OUT.dtype.element_ty).to(tl.float32), slots, row_ok, cols, col_ok, stride_om,
+               MUL_WEIGHT)
+
+
+@triton.jit
+def _moe_gated_gemm(A, A_S, W, S, OUT, SORTED, EXPERT_IDS, TOPK_W, N, K, num_slots, a_div, stride_am, stride_as,
+                    stride_we, stride_wn, stride_se, stride_sb, stride_om, MUL_WEIGHT: tl.constexpr,
+                    HAS_SCALE: tl.constexpr, A_FP8: tl.constexpr, SCALE_BLOCK_N: tl.constexpr,
+                    QUANTIZE_A: tl.constexpr, F32_DOT: tl.constexpr, FP8_WGMMA: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """`_moe_gemm` over W's rows n (gate) and N + n (up), written as silu(gate) * up: a kernel of its own, so that an
+    edit of the activation's Triton code builds only these variants again, not the down projection's."""
+    wait_for_previous(PDL)
+    expert = tl.load(EXPERT_IDS + tl.program_id(0))
     if expert < 0:  # past the used blocks
         return
     dt = OUT.dtype.element_ty
-    slots = tl.load(SORTED + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    acc, acc_up, slots, row_ok, cols, col_ok = _moe_tiles(
+        A, A_S, W, S, SORTED, expert, N, K, num_slots, a_div, stride_am, stride_as, stride_we, stride_wn, stride_se,
+        stride_sb, True, HAS_SCALE, A_FP8, SCALE_BLOCK_N, QUANTIZE_A, F32_DOT, FP8_WGMMA, BLOCK_M, BLOCK_N, BLOCK_K)
+    y = silu_and_mul_values(acc.to(dt).to(tl.float32), acc_up.to(dt).to(tl.float32), dt)
+    _moe_store(OUT, TOPK_W, y, slots, row_ok, cols, col_ok, stride_om, MUL_WEIGHT)
+
+
+@triton.jit
+def _moe_tiles(A, A_S, W, S, SORTED, expert, N, K, num_slots, a_div, stride_am, stride_as, stride_we, stride_wn,
+               stride_se, stride_sb, GATED: tl.constexpr, HAS_SCALE: tl.constexpr, A_FP8: tl.constexpr,
+               SCALE_BLOCK_N: tl.constexpr, QUANTIZE_A: tl.constexpr, F32_DOT: tl.constexpr,
+               FP8_WGMMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The float32 sums of `_moe_gemm` (and of the up rows, GATED) for this program's block of slots and columns,
+    scaled; with the slots, the columns and their masks."""
+    slots = tl.load(SORTED + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = slots < num_slots  # pad entries are num_slots
     a_rows = A + (slots // a_div).to(tl.int64) * stride_am
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -320,12 +353,14 @@ def _moe_gemm(A, A_S, W, S, OUT, SORTED, EXPERT_IDS, TOPK_W, N, K, num_slots, a_
         acc *= tl.load(scales, mask=col_ok, other=0.0)[None, :]
         if GATED:
             acc_up *= tl.load(scales + N, mask=col_ok, other=0.0)[None, :]
-    y = acc.to(dt).to(tl.float32)
-    if GATED:
-        y = silu_and_mul_values(y, acc_up.to(dt).to(tl.float32), dt)
+    return acc, acc_up, slots, row_ok, cols, col_ok
+
+
+@triton.jit
+def _moe_store(OUT, TOPK_W, y, slots, row_ok, cols, col_ok, stride_om, MUL_WEIGHT: tl.constexpr):
     if MUL_WEIGHT:
         y = y * tl.load(TOPK_W + slots, mask=row_ok, other=0.0)[:, None]
-    tl.store(OUT + slots[:, None].to(tl.int64) * stride_om + cols[None, :], y.to(dt),
+    tl.store(OUT + slots[:, None].to(tl.int64) * stride_om + cols[None, :], y.to(OUT.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -611,15 +646,15 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         group = block[1] if block else None  # a block-FP8 checkpoint's activations: per group of block_k columns
         inside = _quantizes_in_gemm(x, block) and bool(cfg.get("quantize_inside"))
 
-        def gemm(a, w, scale, out, n, k, a_div, **flags):
+        def gemm(kernel, a, w, scale, out, n, k, a_div, **flags):
             # W8A8: each GEMM's input rows quantized, by the GEMM itself for block-FP8 experts on CUDA
             a, a_s = _quantized(a, group) if fp8 and not inside else (a, weights)
-            _moe_gemm[(blocks, triton.cdiv(n, bn))](
+            kernel[(blocks, triton.cdiv(n, bn))](
                 a, a_s, w, scale, out, sorted_ids, expert_ids, weights, n, k, num_slots, a_div, a.stride(0),
                 a_s.stride(0), w.stride(0), w.stride(1), scale.stride(0), scale.stride(1) if block else 0,
                 out.stride(0), QUANTIZE_A=inside, **flags, **launch)
-        gemm(x, w13, s13, inter, I, H, K, GATED=True, MUL_WEIGHT=False)  # x per token
-        gemm(inter, w2, s2, per_slot, H, I, 1, GATED=False, MUL_WEIGHT=True)  # the activation per slot
+        gemm(_moe_gated_gemm, x, w13, s13, inter, I, H, K, MUL_WEIGHT=False)  # x per token
+        gemm(_moe_gemm, inter, w2, s2, per_slot, H, I, 1, MUL_WEIGHT=True)  # the activation per slot
     return per_slot.view(T, K, H).sum(1, dtype=torch.float32).to(x.dtype)
 
 
@@ -698,7 +733,7 @@ def _moe_shapes(s, served: bool) -> list[tuple[int, ...]]:
             for t in s.tokens] if s.experts and served else []
 
 
-MOE_KERNELS = ("_moe_up_gemv", "_moe_down_gemv", "_moe_gemm", "_moe_align_kernel")
+MOE_KERNELS = ("_moe_up_gemv", "_moe_down_gemv", "_moe_gemm", "_moe_gated_gemm", "_moe_align_kernel")
 CHECKS = [
     KernelCheck(op="fused_moe", kernels=MOE_KERNELS, shapes=lambda s: _moe_shapes(s, not (s.fp8 or s.fp8_blocks)),
                 inputs=_moe_inputs, kernel=fused_moe_triton,
