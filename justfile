@@ -28,6 +28,10 @@ profile *ARGS:
 device-prep:
     bash scripts/device-prep.sh
 
+# on a CPU machine with network: vLLM's Triton MoE kernels into the git-ignored .peer/vllm_moe (benchmarks/moe_vs_peer.py; carry .peer)
+peer:
+    bash scripts/peer-vllm-moe.sh
+
 # on the H200 machine (after `source scripts/device-setup.sh`): the GPU tests
 device-test *ARGS:
     python3 -m pytest -q -m gpu {{ARGS}}

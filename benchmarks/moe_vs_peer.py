@@ -2,9 +2,10 @@
 activations' quantization, the sum over k) beside vLLM's Triton `fused_moe_kernel` at the same shape, in one run on
 one GPU, bf16 / FP8 per-channel / block-FP8 128x128.
 
-The peer is never part of tsdev: copy vLLM's kernels (fused_moe_kernel, write_zeros_to_output,
-_per_token_group_quant_fp8, imports reduced to torch and triton) into a git-ignored folder as `vllm_kernels.py`, with
-vLLM's tuned JSON files under its configs/, and pass the folder (default .peer/vllm_moe; carry it to the GPU). The
+The peer is never part of tsdev: `bash scripts/peer-vllm-moe.sh` puts vLLM's kernels (fused_moe_kernel,
+write_zeros_to_output, _per_token_group_quant_fp8, imports reduced to torch and triton) into the git-ignored
+.peer/vllm_moe/ as `vllm_kernels.py`, with vLLM's tuned JSON files under its configs/ (taken from the PyPI wheel of
+the release this launch fits); pass another folder with --peer; carry it to the GPU. The
 peer's side is its two GEMM launches with the config vLLM would pick (its file for this GPU, else the nearest GPU's
 the same way tsdev's lookup goes, else vLLM's default), plus for FP8 its activation quantization: per token in torch
 (vLLM runs a CUDA op) or per group of 128 with its Triton kernel. The alignment, the SiLU-and-mul and the sum vLLM
@@ -35,8 +36,8 @@ E4M3_MAX = 448.0
 def load_peer(folder: Path):
     spec = importlib.util.spec_from_file_location("vllm_kernels", folder / "vllm_kernels.py")
     if spec is None or not (folder / "vllm_kernels.py").exists():
-        sys.exit(f"no {folder / 'vllm_kernels.py'}: copy vLLM's Triton MoE kernels there (see this script's "
-                 "docstring), or pass --peer FOLDER")
+        sys.exit(f"no {folder / 'vllm_kernels.py'}: run `bash scripts/peer-vllm-moe.sh` (on a machine with network; "
+                 "then carry .peer), or pass --peer FOLDER")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
