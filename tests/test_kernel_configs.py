@@ -268,16 +268,16 @@ def record_launches() -> dict[str, tuple]:
             for fp8 in (False, True) if name != "lm_head" else (False,):  # --quantization fp8 leaves it bf16
                 weight = meta(rows, k, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
                 # a fused norm with the residual (every layer but the first: a superset of the first's code)
-                name_of_kernel = "_gemv_norm_kernel" if fused else "_gemv_kernel"
-                kernel = Recorder(getattr(linear, name_of_kernel))
-                setattr(linear, name_of_kernel, kernel)
+                kernel_name = "_gemv_norm_kernel" if fused else "_gemv_kernel"
+                kernel = Recorder(getattr(linear, kernel_name))
+                setattr(linear, kernel_name, kernel)
                 try:
                     linear.gemv_triton(meta(1, k), weight, meta(rows) if bias else None,
                                        weight_scale=meta(rows, dtype=torch.float32) if fp8 else None,
                                        residual=meta(1, k) if fused else None, norm_weight=meta(k) if fused else None,
                                        eps=1e-6, gated=gated)
                 finally:
-                    setattr(linear, name_of_kernel, kernel.fn)
+                    setattr(linear, kernel_name, kernel.fn)
                 recorded[f"{shape} tp{tp} {name}{' fp8' if fp8 else ''}"] = (kernel.fn, *kernel.launches[0])
         hq, hk, d = heads(shape, tp)
         qkv = meta(256, (hq + 2 * hk) * d)
