@@ -61,7 +61,8 @@ for part in "${parts[@]}"; do
       TAIL=8 step fresh-shipped 240 env TSDEV_CACHE_DIR=$fresh/tsdev TRITON_CACHE_DIR=$fresh/triton \
         python3 benchmarks/startup.py --starts 1 -- --allow-reload-forward ;;
     shipped-workers)  # issue 67 point 3: the same fresh first start with the compile pool at 14 workers (the default
-      # is half the cores, at most 8): whether the pool's compiles bound a fresh machine's warm-up
+      # is half the cores, at most 8): whether the pool's compiles bound a fresh machine's warm-up. After `shipped` on
+      # the same machine Python's files are in the page cache: compare the warm-up parts, not healthy-after
       compile_wheels
       fresh=$(mktemp -d)
       TAIL=8 step fresh-shipped-14 240 env TSDEV_CACHE_DIR=$fresh/tsdev TRITON_CACHE_DIR=$fresh/triton \

@@ -176,6 +176,8 @@ class Listener:
         try:
             if not self.restarting:
                 return "not a restart"
+            offer = pack(tensors) or {"tensors": tensors}  # (while the standby may still be connecting)
+            packed = time.perf_counter()
             peer, _ = self.sock.accept()
         except OSError:
             return f"no standby connected within {wait_s:.0f} s"
@@ -185,7 +187,6 @@ class Listener:
         with peer:
             peer.settimeout(wait_s)
             try:
-                offer = pack(tensors) or {"tensors": tensors}
                 _send(peer, _dumps({"fingerprint": load_fingerprint, **offer}))
                 sent = time.perf_counter()
                 answer = _recv(peer).decode()
@@ -194,8 +195,8 @@ class Listener:
         # where this server's stop waited: for the standby to connect (still importing), to receive (still
         # re-importing what the save changed), to copy
         answered = time.perf_counter()
-        return (f"{answer}; this server waited {answered - begin:.2f} s (the standby connecting "
-                f"{connected - begin:.2f}, the offer packed and sent {sent - connected:.2f}, its answer "
+        return (f"{answer}; this server waited {answered - begin:.2f} s (packing {packed - begin:.2f}, the standby "
+                f"connecting {connected - packed:.2f}, the offer sent {sent - connected:.2f}, its answer "
                 f"{answered - sent:.2f})")
 
     @property
